@@ -1,0 +1,39 @@
+# Two set-up commands: `make demo` and `make test`. Everything installs into a local virtual environment.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch; an unpinned torch pulls a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint demo proto bench bench-peers clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[dev]" "$(TORCH_PIN)"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports
+
+test: lint
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/tigana demo
+
+# Regenerate the committed gRPC/protobuf code (tests/proto/test_generated.py fails when it is stale).
+proto: $(STAMP)
+	$(PY) -m tigana.proto.generate
+
+bench: $(STAMP)
+	$(VENV)/bin/tigana bench table --quick
+	$(VENV)/bin/tigana bench ps --quick
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,149 @@
+"""Typed, frozen configuration of a table: optimizer, initializer, admission, eviction, storage.
+
+Each component has a ``kind`` (its wire name) and numeric hyper-parameters; ``from_kind`` rebuilds one from
+the wire form ``(kind, {name: value})`` and raises ``InvalidArgument`` naming the unknown field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Union
+
+from tigana.embeddings.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class _Component:
+    kind: ClassVar[str] = ""
+
+    def params(self) -> dict[str, float]:
+        """Numeric hyper-parameters by name (the wire form)."""
+        return {f.name: float(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+# --- optimizers (applied server-side to deduplicated (ids, grads) batches) -----------------------------
+@dataclass(frozen=True)
+class SGD(_Component):
+    """w -= lr * g."""
+
+    kind: ClassVar[str] = "sgd"
+    lr: float = 0.01
+
+
+@dataclass(frozen=True)
+class Adagrad(_Component):
+    """Element-wise Adagrad as torch.optim.Adagrad: G += g²; w -= lr * g / (sqrt(G) + eps)."""
+
+    kind: ClassVar[str] = "adagrad"
+    lr: float = 0.01
+    initial_accumulator_value: float = 0.0
+    eps: float = 1e-10
+
+
+@dataclass(frozen=True)
+class RowWiseAdagrad(_Component):
+    """Adagrad with one accumulator per row (mean of g² over the row), as in FBGEMM/TorchRec."""
+
+    kind: ClassVar[str] = "rowwise_adagrad"
+    lr: float = 0.01
+    initial_accumulator_value: float = 0.0
+    eps: float = 1e-10
+
+
+@dataclass(frozen=True)
+class Adam(_Component):
+    """Lazy Adam: only touched rows update, each with its own step count for bias correction."""
+
+    kind: ClassVar[str] = "adam"
+    lr: float = 0.001
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+@dataclass(frozen=True)
+class FTRL(_Component):
+    """FTRL-Proximal (McMahan et al., 2013), per coordinate, with per-coordinate learning rate alpha/beta."""
+
+    kind: ClassVar[str] = "ftrl"
+    alpha: float = 0.05
+    beta: float = 1.0
+    l1: float = 0.0
+    l2: float = 0.0
+
+
+Optimizer = Union[SGD, Adagrad, RowWiseAdagrad, Adam, FTRL]
+OPTIMIZERS: dict[str, type] = {c.kind: c for c in (SGD, Adagrad, RowWiseAdagrad, Adam, FTRL)}
+
+
+# --- initializers (deterministic by (seed, id, column)) -------------------------------------------------
+@dataclass(frozen=True)
+class Zeros(_Component):
+    kind: ClassVar[str] = "zeros"
+
+
+@dataclass(frozen=True)
+class Uniform(_Component):
+    kind: ClassVar[str] = "uniform"
+    low: float = -0.01
+    high: float = 0.01
+
+
+@dataclass(frozen=True)
+class Normal(_Component):
+    kind: ClassVar[str] = "normal"
+    mean: float = 0.0
+    std: float = 0.01
+
+
+Initializer = Union[Zeros, Uniform, Normal]
+INITIALIZERS: dict[str, type] = {c.kind: c for c in (Zeros, Uniform, Normal)}
+
+
+def from_kind(registry: dict[str, type], kind: str, params: dict[str, Any], *, what: str) -> Any:
+    """Build a component from its wire form; unknown kinds or parameter names raise InvalidArgument."""
+    cls = registry.get(kind)
+    if cls is None:
+        raise InvalidArgument(f"{what}: unknown kind {kind!r}; expected one of {sorted(registry)}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(params) - names)
+    if unknown:
+        raise InvalidArgument(f"{what} {kind!r}: unknown parameter(s) {unknown}; expected {sorted(names)}")
+    return cls(**{k: float(v) for k, v in params.items()})
+
+
+# --- admission, eviction, the table ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Admission:
+    """Admit a new id after ``min_count`` sightings and/or with ``probability``; others read as their init."""
+
+    min_count: int = 0
+    probability: float = 1.0
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """Evict rows not updated for ``ttl_steps`` steps or ``ttl_seconds``; cap resident+spilled rows at ``max_rows``."""
+
+    ttl_steps: int | None = None
+    ttl_seconds: float | None = None
+    max_rows: int | None = None
+    policy: Literal["lru", "lfu"] = "lru"
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """Everything that defines a table. Two tables with equal configs hold identical rows for identical pushes."""
+
+    name: str
+    dim: int
+    optimizer: Optimizer = field(default_factory=SGD)
+    initializer: Initializer = field(default_factory=Normal)
+    seed: int = 0
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    admission: Admission = field(default_factory=Admission)
+    eviction: Eviction = field(default_factory=Eviction)
+    memory_budget: int | None = None  # bytes of resident rows; past it cold rows spill to LMDB
+    spill_dir: str | None = None  # where the LMDB tier lives (a temp dir when None and a budget is set)

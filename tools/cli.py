@@ -1,0 +1,91 @@
+"""The ``tigana`` command line: one console script, one module per subcommand.
+
+Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``; benchmarks live in
+``tigana.tools.bench.<case>`` with the same two functions. Modules are imported only when their
+subcommand runs, so ``tigana --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+# subcommand -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "server": ("tigana.tools.server_cmd", "run a shard server daemon"),
+    "local": ("tigana.tools.local_cmd", "run a local cluster of shard daemons as child processes"),
+    "scheduler": ("tigana.tools.scheduler_cmd", "run the scheduler"),
+    "admin": ("tigana.tools.admin_cmd", "operate a live cluster"),
+    "train": ("tigana.tools.train_cmd", "train a CTR model through the parameter server"),
+    "demo": ("tigana.tools.demo_cmd", "train DeepFM on an embedded local cluster"),
+}
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "table": ("tigana.tools.bench.table", "storage engine: lookup, update, capacity"),
+    "ps": ("tigana.tools.bench.ps", "client + 2 shard daemons over gRPC vs in-process, raw gRPC and Redis"),
+    "train": ("tigana.tools.bench.train", "DeepFM samples/s through the PS vs local nn.EmbeddingBag"),
+    "allreduce": ("tigana.tools.bench.allreduce", "hierarchical vs flat all-reduce of dense gradients"),
+}
+
+
+def _available(table: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
+    return {name: spec for name, spec in table.items() if importlib.util.find_spec(spec[0]) is not None}
+
+
+def _version() -> str:
+    try:
+        return version("tigana")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tigana", description="Tigana: a parameter server for recommender models.")
+    parser.add_argument("--version", action="version", version=f"tigana {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in _available(COMMANDS).items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+    bench = sub.add_parser("bench", help="run a benchmark; prints one JSON line per case",
+                           description="Benchmarks print one JSON line per case on stdout.")
+    bench_sub = bench.add_subparsers(dest="bench", metavar="CASE")
+    for name, (module, help_text) in _available(BENCHMARKS).items():
+        p = bench_sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    # Two passes: find the subcommand, then let its module add its own flags and parse again.
+    known, _ = parser.parse_known_args(argv)
+    module_name = getattr(known, "_module", None)
+    if module_name is None:
+        parser.print_help()
+        return 0 if not argv else 2
+    module = importlib.import_module(module_name)
+    parser = build_parser()
+    _attach(parser, argv, module)
+    args = parser.parse_args(argv)
+    return int(module.run(args) or 0)
+
+
+def _attach(parser: argparse.ArgumentParser, argv: list[str], module) -> None:
+    """Find the subparser that selected ``module`` and let the module add its arguments to it."""
+    stack = [parser]
+    while stack:
+        p = stack.pop()
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for child in action.choices.values():
+                    if child.get_default("_module") == module.__name__:
+                        module.add_arguments(child)
+                        return
+                    stack.append(child)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
