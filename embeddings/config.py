@@ -111,7 +111,13 @@ def from_kind(registry: dict[str, type], kind: str, params: dict[str, Any], *, w
     unknown = sorted(set(params) - names)
     if unknown:
         raise InvalidArgument(f"{what} {kind!r}: unknown parameter(s) {unknown}; expected {sorted(names)}")
-    return cls(**{k: float(v) for k, v in params.items()})
+    values = {}
+    for k, v in params.items():
+        try:
+            values[k] = float(v)
+        except (TypeError, ValueError):
+            raise InvalidArgument(f"{what} {kind!r}: parameter {k!r} must be a number, got {v!r}") from None
+    return cls(**values)
 
 
 # --- admission, eviction, the table ---------------------------------------------------------------------
@@ -121,6 +127,7 @@ class Admission:
 
     min_count: int = 0
     probability: float = 1.0
+    max_tracked: int = 1 << 22  # sighting counters kept for not-yet-admitted ids; cleared past this
 
 
 @dataclass(frozen=True)
@@ -147,3 +154,34 @@ class TableConfig:
     eviction: Eviction = field(default_factory=Eviction)
     memory_budget: int | None = None  # bytes of resident rows; past it cold rows spill to LMDB
     spill_dir: str | None = None  # where the LMDB tier lives (a temp dir when None and a budget is set)
+    nonfinite_grads: Literal["reject", "skip_rows"] = "reject"  # NaN/Inf in a push: reject it, or drop those rows
+    backend: Literal["auto", "numba", "numpy"] = "auto"  # kernels: numba when importable, or the numpy fallback
+
+    def __post_init__(self) -> None:
+        def bad(field_name: str, why: str) -> InvalidArgument:
+            return InvalidArgument(f"table {self.name!r}: field {field_name!r} {why}")
+
+        if not isinstance(self.name, str) or not self.name:
+            raise bad("name", "must be a non-empty string")
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim <= 0:
+            raise bad("dim", f"must be a positive int, got {self.dim!r}")
+        if not isinstance(self.optimizer, tuple(OPTIMIZERS.values())):
+            raise bad("optimizer", f"must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}")
+        if not isinstance(self.initializer, tuple(INITIALIZERS.values())):
+            raise bad("initializer", f"must be one of {sorted(INITIALIZERS)}, got {self.initializer!r}")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise bad("dtype", f"must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if not 0.0 <= self.admission.probability <= 1.0:
+            raise bad("admission.probability", f"must be in [0, 1], got {self.admission.probability!r}")
+        if self.admission.min_count < 0:
+            raise bad("admission.min_count", f"must be >= 0, got {self.admission.min_count!r}")
+        if self.eviction.policy not in ("lru", "lfu"):
+            raise bad("eviction.policy", f"must be 'lru' or 'lfu', got {self.eviction.policy!r}")
+        if self.eviction.max_rows is not None and self.eviction.max_rows <= 0:
+            raise bad("eviction.max_rows", f"must be positive, got {self.eviction.max_rows!r}")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise bad("memory_budget", f"must be positive, got {self.memory_budget!r}")
+        if self.nonfinite_grads not in ("reject", "skip_rows"):
+            raise bad("nonfinite_grads", f"must be 'reject' or 'skip_rows', got {self.nonfinite_grads!r}")
+        if self.backend not in ("auto", "numba", "numpy"):
+            raise bad("backend", f"must be 'auto', 'numba' or 'numpy', got {self.backend!r}")

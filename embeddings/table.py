@@ -1,67 +1,650 @@
-"""EmbeddingTable: a growable sparse table of rows keyed by arbitrary int64 ids. (CONTRACT STUB: being built.)"""
+"""EmbeddingTable: a growable sparse table of rows keyed by arbitrary int64 ids.
+
+    ids ──HashIndex──► slot ──Slab──► weights, optimizer state, metadata        (resident rows)
+     └──────────────── spilled ids ──► LMDB RowStore                             (past the memory budget)
+
+``pull`` gathers rows (inserting missing ids, subject to admission, with their deterministic initial row);
+``push`` validates a gradient batch, sums duplicate ids and applies the optimizer where the rows live.
+Eviction (TTL, capacity) runs cheaply on push and fully on ``evict()``; cold rows spill to LMDB past
+``TableConfig.memory_budget`` and come back on access; ``snapshot``/``restore`` write and read LMDB snapshots.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 
-from tigana.embeddings.config import TableConfig
+from tigana.embeddings import _kernels, admission, eviction, optimizers
+from tigana.embeddings import snapshot as _snapshot
+from tigana.embeddings.config import Adam, TableConfig
+from tigana.embeddings.errors import CorruptStore, InvalidArgument, SnapshotNotFound
+from tigana.embeddings.hashtable import HashIndex, resolve_backend
+from tigana.embeddings.initializers import initial_rows
+from tigana.embeddings.lmdbstore import RowStore
 from tigana.embeddings.rows import RowBatch
+from tigana.embeddings.slab import Slab
+
+_INT64_MAX = np.iinfo(np.int64).max
+_CHUNK = 1 << 16  # rows per chunk when streaming the whole table (export, checksum, snapshot, spill)
 
 
 class EmbeddingTable:
     """One table: rows, optimizer state, metadata; hash index; admission, eviction, LMDB spill, snapshots.
 
-    Thread-safety: every public method takes the table's lock; the numeric kernels release the GIL.
+    Thread-safety: every public method takes the table's lock; the numeric kernels release the GIL, so
+    threads working on different tables run in parallel.
+
+    Example::
+
+        table = EmbeddingTable(TableConfig("user_id", dim=16, optimizer=RowWiseAdagrad(lr=0.05)))
+        rows = table.pull(np.array([7, -3, 7]))                 # (3, 16) float32
+        table.push(np.array([7, 7]), np.ones((2, 16), np.float32))  # sums the two grads of id 7 -> 1 row
     """
 
     def __init__(self, config: TableConfig) -> None:
+        if not isinstance(config, TableConfig):
+            raise InvalidArgument(f"EmbeddingTable needs a TableConfig, got {type(config).__name__}")
         self.config = config
-        raise NotImplementedError
+        self._backend = resolve_backend(config.backend)
+        self._lock = threading.RLock()
+        self._width = optimizers.state_width(config.optimizer, config.dim)
+        self._index = HashIndex(backend=self._backend)
+        self._slab = Slab(config.dim, self._width, config.dtype)
+        self._admission = admission.AdmissionFilter(config.admission, config.seed, backend=self._backend)
+        self._open_admission = admission.is_open(config.admission)
+        self._step = 0
+        self._clock = 0  # access clock: +1 per pull/push, stamped into last_access
+        self._deleted: list[np.ndarray] = []  # ids deleted or evicted since the last snapshot
+        self._spill = None  # set by _open_spill when a memory budget is configured
+        self._spilled = HashIndex(backend=self._backend)  # ids living only in the spill store
+        self._last_snapshot: Path | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._last_ttl_scan = (0, time.time())
+        self._closed = False
+        self._counters = dict.fromkeys(("pulls", "pushes", "lookups", "hits", "inserts", "admissions",
+                                        "rejected_admissions", "evictions", "spills", "unspills",
+                                        "rows_updated", "nonfinite_rows_skipped"), 0)
+        if config.memory_budget is not None:
+            self._open_spill()
 
-    # properties: name, dim, state_width, step
+    # --- properties ----------------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def dim(self) -> int:
+        return self.config.dim
+
+    @property
+    def state_width(self) -> int:
+        return self._width
+
+    @property
+    def backend(self) -> str:
+        """'numba' or 'numpy': which kernels this table runs."""
+        return self._backend
+
+    @property
+    def step(self) -> int:
+        """Table step: +1 per push, or the ``step=`` a push gave."""
+        return self._step
+
+    # --- validation ----------------------------------------------------------------------------------------
+    def _bad(self, field: str, why: str) -> InvalidArgument:
+        return InvalidArgument(f"table {self.name!r}: field {field!r} {why}")
+
+    def _check_ids(self, ids: object, field: str = "ids") -> np.ndarray:
+        try:
+            a = np.asarray(ids)
+        except Exception as exc:  # ragged lists and the like
+            raise self._bad(field, f"is not an array of ids: {exc}") from None
+        if a.ndim != 1:
+            raise self._bad(field, f"must be 1-D, got shape {a.shape}")
+        if a.size == 0:
+            return np.empty(0, np.int64)
+        if a.dtype.kind == "i":
+            return np.ascontiguousarray(a, np.int64)
+        if a.dtype.kind == "u":
+            if a.dtype.itemsize == 8 and int(a.max()) > _INT64_MAX:
+                raise self._bad(field, f"has values above 2**63-1 (max {int(a.max())})")
+            return np.ascontiguousarray(a, np.int64)
+        raise self._bad(field, f"must be int64 (any integer dtype), got {a.dtype}")
+
+    def _check_grads(self, grads: object, n: int, field: str = "grads") -> np.ndarray:
+        try:
+            g = np.asarray(grads)
+        except Exception as exc:
+            raise self._bad(field, f"is not an array: {exc}") from None
+        if g.dtype.kind != "f":
+            raise self._bad(field, f"must be float32, got {g.dtype}")
+        if g.shape != (n, self.dim):
+            if g.ndim == 2 and g.shape[0] == n:
+                raise self._bad(field, f"has dim {g.shape[1]} but the table's dim is {self.dim}")
+            raise self._bad(field, f"must have shape ({n}, {self.dim}) to match ids, got {g.shape}")
+        with np.errstate(over="ignore"):  # float64 beyond float32 becomes Inf, which push then rejects
+            return np.ascontiguousarray(g, np.float32)
+
+    # --- pull / push ---------------------------------------------------------------------------------------
     def pull(self, ids: np.ndarray, *, insert: bool = True) -> np.ndarray:
         """(n,) int64 ids (any values, duplicates allowed) -> (n, dim) float32 rows in the order of ids.
 
-        Missing ids are inserted (subject to admission) with their deterministic initial row."""
-        raise NotImplementedError
+        Missing ids are inserted (subject to admission) with their deterministic initial row; with
+        ``insert=False``, or when not admitted, they read as that row without being stored."""
+        ids = self._check_ids(ids)
+        with self._lock:
+            self._check_open()
+            self._clock += 1
+            self._counters["pulls"] += 1
+            n = ids.shape[0]
+            out = np.empty((n, self.dim), np.float32)
+            slots = np.empty(n, np.int64)
+            if self._backend == "numba" and self._slab.storage_dtype == np.float32:
+                misses = int(_kernels.lookup_gather(self._index._keys, self._index._vals, self._slab.weights,
+                                                    self._slab.last_access, self._clock, ids.view(np.uint64),
+                                                    out, slots))
+                gathered = True
+            else:
+                slots = self._index.lookup(ids)
+                misses = int(np.count_nonzero(slots < 0))
+                gathered = False
+            self._counters["lookups"] += n
+            self._counters["hits"] += n - misses
+            if misses:
+                miss = np.flatnonzero(slots < 0)
+                slots[miss] = self._materialize(ids[miss], insert=insert, count=True)
+                if gathered:  # fill in what the fused kernel could not
+                    got = miss[slots[miss] >= 0]
+                    out[got] = self._slab.read_weights(slots[got])
+                    self._slab.last_access[slots[got]] = self._clock
+                    none = miss[slots[miss] < 0]
+                    out[none] = self._initial(ids[none])
+            if not gathered:
+                have = slots >= 0
+                out[have] = self._slab.read_weights(slots[have])
+                self._slab.last_access[slots[have]] = self._clock
+                if misses:
+                    none = ~have
+                    out[none] = self._initial(ids[none])
+            self._maybe_spill()
+            return out
 
     def push(self, ids: np.ndarray, grads: np.ndarray, *, step: int | None = None) -> int:
         """Sum grads of duplicate ids, apply the optimizer to those rows; returns unique rows updated.
 
-        Validates everything (dtype, shape, dim, NaN/Inf) before changing anything."""
-        raise NotImplementedError
+        ``grads`` (n, dim) float; validates everything (dtype, shape, dim, NaN/Inf) before changing
+        anything. Ids not in the table are inserted when admission is open and dropped otherwise (admission
+        is decided on pull). ``step`` sets the table step stamped on the rows (default: step + 1)."""
+        ids = self._check_ids(ids)
+        grads = self._check_grads(grads, ids.shape[0])
+        if step is not None and (not isinstance(step, (int, np.integer)) or step < 0):
+            raise self._bad("step", f"must be a non-negative int, got {step!r}")
+        if self._backend == "numba":
+            bad_row = int(_kernels.first_nonfinite_row(grads.view(np.uint32)))
+        else:
+            bad = ~np.isfinite(grads).all(axis=1)
+            bad_row = int(np.argmax(bad)) if bad.any() else -1
+        skipped = 0
+        if bad_row >= 0:
+            if self.config.nonfinite_grads == "reject":
+                raise self._bad("grads", f"has NaN/Inf (first in row {bad_row}, id {int(ids[bad_row])}); "
+                                         "batch rejected")
+            finite = np.isfinite(grads).all(axis=1)
+            skipped = int((~finite).sum())
+            ids, grads = ids[finite], np.ascontiguousarray(grads[finite])
+        with self._lock:
+            self._check_open()
+            self._counters["nonfinite_rows_skipped"] += skipped
+            self._clock += 1
+            self._counters["pushes"] += 1
+            slots = self._index.lookup(ids)
+            miss = np.flatnonzero(slots < 0)
+            if miss.size:
+                slots[miss] = self._materialize(ids[miss], insert=self._open_admission, count=False)
+            keep = slots >= 0
+            if not keep.all():
+                slots, grads = slots[keep], grads[keep]
+            if self._backend == "numba":
+                rows, summed = _kernels.dedup_sum(np.ascontiguousarray(slots), grads)
+            else:
+                rows, summed = _dedup_sum_numpy(slots, grads)
+            self._step = self._step + 1 if step is None else int(step)
+            slab = self._slab
+            if self._backend == "numba":
+                _kernels.touch(rows, slab.update_count, slab.last_step, slab.last_time, slab.last_access,
+                               slab.dirty, self._step, time.time(), self._clock)
+            else:
+                slab.update_count[rows] += np.uint32(1)
+                slab.last_step[rows] = self._step
+                slab.last_time[rows] = time.time()
+                slab.last_access[rows] = self._clock
+                slab.dirty[rows] = 1
+            self._apply(rows, summed)
+            self._counters["rows_updated"] += int(rows.shape[0])
+            self._maybe_evict()
+            self._maybe_spill()
+            return int(rows.shape[0])
 
-    def delete(self, ids: np.ndarray) -> int:
-        raise NotImplementedError
+    def _apply(self, rows: np.ndarray, summed: np.ndarray) -> None:
+        slab, opt = self._slab, self.config.optimizer
+        steps = slab.update_count[rows].astype(np.float64) if isinstance(opt, Adam) else None
+        if slab.storage_dtype == np.float32:
+            optimizers.apply(opt, slab.weights, slab.state, rows, summed, steps, backend=self._backend)
+        else:  # widen the touched rows, update a compact float32 copy, round back
+            w = slab.read_weights(rows)
+            s = np.ascontiguousarray(slab.state[rows])
+            optimizers.apply(opt, w, s, np.arange(rows.shape[0]), summed, steps, backend=self._backend)
+            slab.write_weights(rows, w)
+            slab.state[rows] = s
 
+    def _materialize(self, ids: np.ndarray, *, insert: bool, count: bool) -> np.ndarray:
+        """Slots for ids missing from the index: bring spilled rows back, insert admitted new ids.
+
+        Returns (len(ids),) slots, -1 for ids left unstored."""
+        uniq, sightings = np.unique(ids, return_counts=True)
+        if len(self._spilled):
+            spilled = self._spilled.lookup(uniq) >= 0
+            if spilled.any():
+                self._unspill(uniq[spilled])
+                uniq, sightings = uniq[~spilled], sightings[~spilled]
+        if insert and uniq.size:
+            if self._open_admission:
+                admitted = uniq
+            elif count:
+                mask = self._admission.admit(uniq, sightings)
+                admitted = uniq[mask]
+                self._counters["rejected_admissions"] += int((~mask).sum())
+            else:
+                admitted = uniq[:0]
+            if admitted.size:
+                self._insert_new(admitted)
+        return self._index.lookup(ids)
+
+    def _initial(self, ids: np.ndarray) -> np.ndarray:
+        return initial_rows(self.config.initializer, self.config.seed, ids, self.dim, backend=self._backend)
+
+    def _insert_new(self, ids: np.ndarray) -> None:
+        """Store unique absent ids with their initial rows."""
+        k = ids.shape[0]
+        slots = self._slab.allocate(k)
+        rows = self._initial(ids)
+        batch = RowBatch(ids, rows, optimizers.initial_state(self.config.optimizer, k, self.dim),
+                         np.zeros(k, np.int64), np.full(k, self._step, np.int64), np.full(k, time.time()))
+        self._slab.write(slots, batch, access=self._clock)
+        self._index.insert(ids, slots)
+        self._counters["inserts"] += k
+        self._counters["admissions"] += k
+
+    # --- membership, delete --------------------------------------------------------------------------------
     def contains(self, ids: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+        """(n,) ids -> (n,) bool: stored (resident or spilled)."""
+        ids = self._check_ids(ids)
+        with self._lock:
+            found = self._index.lookup(ids) >= 0
+            if len(self._spilled):
+                found |= self._spilled.lookup(ids) >= 0
+            return found
 
     def __len__(self) -> int:
-        raise NotImplementedError
+        with self._lock:
+            return len(self._index) + len(self._spilled)
 
+    def delete(self, ids: np.ndarray) -> int:
+        """Remove ids (duplicates and absent ids allowed); returns how many stored rows were removed."""
+        ids = self._check_ids(ids)
+        with self._lock:
+            self._check_open()
+            return self._remove(ids)
+
+    def _remove(self, ids: np.ndarray) -> int:
+        removed_ids, slots = self._index.delete(ids)
+        self._slab.release(slots)
+        gone = [removed_ids]
+        if len(self._spilled):
+            spilled_ids, _ = self._spilled.delete(ids)
+            if spilled_ids.size:
+                self._spill.delete(spilled_ids)
+            gone.append(spilled_ids)
+        gone_ids = np.concatenate(gone)
+        if gone_ids.size and self._last_snapshot is not None:  # only increments need them
+            self._deleted.append(gone_ids)
+            if len(self._deleted) > 64:
+                self._deleted = [np.unique(np.concatenate(self._deleted))]
+        return int(gone_ids.shape[0])
+
+    # --- eviction ------------------------------------------------------------------------------------------
+    def evict(self) -> int:
+        """Run TTL and capacity eviction over every row now; returns rows evicted."""
+        with self._lock:
+            self._check_open()
+            return self._evict(ttl=True)
+
+    def _maybe_evict(self) -> None:
+        ev = self.config.eviction
+        if ev.max_rows is None and not ev.ttl_steps and not ev.ttl_seconds:
+            return
+        now = time.time()
+        scan_ttl = (bool(ev.ttl_steps) and self._step - self._last_ttl_scan[0] >= max(1, ev.ttl_steps // 8)) or \
+                   (bool(ev.ttl_seconds) and now - self._last_ttl_scan[1] >= ev.ttl_seconds / 8)
+        over = ev.max_rows is not None and len(self) > ev.max_rows
+        if scan_ttl or over:
+            self._evict(ttl=scan_ttl)
+
+    def _evict(self, *, ttl: bool) -> int:
+        ev = self.config.eviction
+        now = time.time()
+        if ttl:
+            self._last_ttl_scan = (self._step, now)
+        ids, slots = self._index.items()
+        meta = {"last_step": self._slab.last_step[slots], "last_time": self._slab.last_time[slots],
+                "last_access": self._slab.last_access[slots],
+                "update_count": self._slab.update_count[slots].astype(np.int64)}
+        if len(self._spilled):  # spilled rows are candidates too; their metadata lives in the store
+            sp = self._spill_rows(self._spilled.items()[0])
+            ids = np.concatenate([ids, sp.ids])
+            meta["last_step"] = np.concatenate([meta["last_step"], sp.last_step])
+            meta["last_time"] = np.concatenate([meta["last_time"], sp.last_time])
+            meta["last_access"] = np.concatenate([meta["last_access"], np.full(len(sp), -1, np.int64)])
+            meta["update_count"] = np.concatenate([meta["update_count"], sp.update_count])
+        victims = np.zeros(ids.shape[0], bool)
+        if ttl and (ev.ttl_steps or ev.ttl_seconds):
+            victims = eviction.expired(ev, self._step, now, meta["last_step"], meta["last_time"])
+        if ev.max_rows is not None:
+            excess = int((~victims).sum()) - ev.max_rows
+            if excess > 0:
+                keep_idx = np.flatnonzero(~victims)
+                k = int((~victims).sum()) - eviction.capacity_target(ev.max_rows)
+                pick = eviction.over_capacity(ev, k, meta["last_access"][keep_idx],
+                                              meta["update_count"][keep_idx])
+                victims[keep_idx[pick]] = True
+        n = int(victims.sum())
+        if n:
+            self._remove(ids[victims])
+            self._counters["evictions"] += n
+        return n
+
+    # --- export / import / checksum ------------------------------------------------------------------------
     def export_rows(self, predicate: Callable[[np.ndarray], np.ndarray] | None = None,
                     ids: np.ndarray | None = None) -> RowBatch:
-        raise NotImplementedError
+        """Complete rows (resident and spilled), sorted by id: all of them, those whose id is in ``ids``
+        (absent ids are skipped), or those for which ``predicate(ids) -> bool mask`` is true."""
+        if ids is not None:
+            ids = self._check_ids(ids)
+        with self._lock:
+            self._check_open()
+            chunks = list(self._iter_sorted(ids, predicate))
+            return RowBatch.concat(chunks) if chunks else RowBatch.empty(self.dim, self._width)
+
+    def _all_ids(self) -> np.ndarray:
+        ids = self._index.items()[0]
+        if len(self._spilled):
+            ids = np.concatenate([ids, self._spilled.items()[0]])
+        return ids
+
+    def _iter_sorted(self, ids: np.ndarray | None = None,
+                     predicate: Callable[[np.ndarray], np.ndarray] | None = None,
+                     chunk: int = _CHUNK) -> Iterator[RowBatch]:
+        """Stored rows in id order, ``chunk`` at a time; restricted to ``ids`` and/or ``predicate``."""
+        if ids is None:
+            sel = np.sort(self._all_ids())
+        else:
+            sel = np.unique(ids)
+        if predicate is not None and sel.size:
+            mask = np.asarray(predicate(sel))
+            if mask.dtype != bool or mask.shape != sel.shape:
+                raise self._bad("predicate", f"must return a bool mask of shape {sel.shape}, got "
+                                             f"{mask.dtype} {mask.shape}")
+            sel = sel[mask]
+        for start in range(0, sel.shape[0], chunk):
+            part = sel[start:start + chunk]
+            slots = self._index.lookup(part)
+            res = slots >= 0
+            batch = self._slab.read(part[res], slots[res])
+            if len(self._spilled) and not res.all():
+                rest = part[~res]
+                rest = rest[self._spilled.lookup(rest) >= 0]
+                if rest.size:
+                    batch = RowBatch.concat([batch, self._spill_rows(rest)])
+                    batch = batch.take(np.argsort(batch.ids, kind="stable"))
+            if len(batch):
+                yield batch
 
     def import_rows(self, batch: RowBatch) -> None:
-        raise NotImplementedError
+        """Insert or overwrite complete rows (weights, state, metadata), bypassing admission."""
+        b = self._check_batch(batch)
+        with self._lock:
+            self._check_open()
+            self._clock += 1
+            if len(self._spilled):
+                sp_ids, _ = self._spilled.delete(b.ids)
+                if sp_ids.size:
+                    self._spill.delete(sp_ids)
+            slots = self._index.lookup(b.ids)
+            new = slots < 0
+            if new.any():
+                slots[new] = self._slab.allocate(int(new.sum()))
+                self._index.insert(b.ids[new], slots[new])
+                self._admission.forget(b.ids[new])
+            self._slab.write(slots, b, access=self._clock)
+            self._maybe_spill()
+
+    def _check_batch(self, batch: RowBatch) -> RowBatch:
+        if not isinstance(batch, RowBatch):
+            raise self._bad("batch", f"must be a RowBatch, got {type(batch).__name__}")
+        ids = self._check_ids(batch.ids, "batch.ids")
+        n = ids.shape[0]
+        if np.unique(ids).shape[0] != n:
+            raise self._bad("batch.ids", "must be unique")
+        weights = self._check_grads(batch.weights, n, "batch.weights")
+        if not np.isfinite(weights).all():
+            raise self._bad("batch.weights", "has NaN/Inf")
+        state = np.asarray(batch.state)
+        if state.shape != (n, self._width) or state.dtype.kind != "f":
+            raise self._bad("batch.state", f"must be float of shape ({n}, {self._width}), got {state.dtype} "
+                                           f"{state.shape}")
+        out = [ids, weights, np.ascontiguousarray(state, np.float32)]
+        for field, dt in (("update_count", np.int64), ("last_step", np.int64), ("last_time", np.float64)):
+            a = np.asarray(getattr(batch, field))
+            if a.shape != (n,) or a.dtype.kind not in ("i", "u", "f"):
+                raise self._bad(f"batch.{field}", f"must be numeric of shape ({n},), got {a.dtype} {a.shape}")
+            out.append(a.astype(dt))
+        return RowBatch(*out)
 
     def checksum(self) -> str:
-        raise NotImplementedError
+        """Order-independent digest (hex) of every row's id, weights and optimizer state."""
+        with self._lock:
+            h = hashlib.blake2b(digest_size=16)
+            h.update(f"{self.dim}:{self._width}".encode())
+            for batch in self._iter_sorted():
+                h.update(batch.ids.tobytes())
+                h.update(np.ascontiguousarray(batch.weights).tobytes())
+                h.update(np.ascontiguousarray(batch.state).tobytes())
+            return h.hexdigest()
 
     def stats(self) -> dict[str, float]:
-        raise NotImplementedError
+        """Counters and sizes: rows_resident, rows_spilled, bytes_per_row, admissions, evictions, hit_rate..."""
+        with self._lock:
+            resident = len(self._index)
+            nbytes = self._slab.nbytes + self._index.nbytes + self._spilled.nbytes + self._admission.nbytes
+            lookups = self._counters["lookups"]
+            out: dict[str, float] = {k: float(v) for k, v in self._counters.items()}
+            out.update(
+                rows=float(resident + len(self._spilled)), rows_resident=float(resident),
+                rows_spilled=float(len(self._spilled)), bytes_resident=float(nbytes),
+                bytes_per_row=float(nbytes / resident) if resident else 0.0,
+                slot_bytes=float(self._slab.row_nbytes),
+                hit_rate=float(self._counters["hits"] / lookups) if lookups else 0.0,
+                step=float(self._step), admission_tracked=float(len(self._admission)),
+            )
+            return out
 
+    # --- spill tier (LMDB) ---------------------------------------------------------------------------------
+    # Resident rows past the budget spill, coldest (least recently accessed) first, down to 90% of it.
+    # ``_spilled`` indexes the spilled ids; its value is 1 when the row changed since the last snapshot.
+    def _open_spill(self) -> None:
+        base = self.config.spill_dir
+        if base is not None:
+            Path(base).mkdir(parents=True, exist_ok=True)
+        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in self.name)[:40]
+        self._spill_path = Path(tempfile.mkdtemp(prefix=f"tigana-spill-{safe}-", dir=base))
+        self._spill = RowStore(self._spill_path, table=self.name, dim=self.dim, state_width=self._width,
+                               map_size=1 << 26)
+        self._finalizer = weakref.finalize(self, _close_spill, self._spill, self._spill_path)
+        per_row = self._slab.row_nbytes + 18  # + the row's share of the hash index
+        self._budget_rows = max(1, int(self.config.memory_budget // per_row))
+
+    def _maybe_spill(self) -> None:
+        if self._spill is None or len(self._index) <= self._budget_rows:
+            return
+        k = len(self._index) - max(1, int(0.9 * self._budget_rows))
+        ids, slots = self._index.items()
+        cold = np.argpartition(self._slab.last_access[slots], k - 1)[:k] if k < ids.shape[0] else \
+            np.arange(ids.shape[0])
+        ids, slots = ids[cold], slots[cold]
+        batch = self._slab.read(ids, slots)
+        dirty = self._slab.dirty[slots].astype(np.int64)
+        self._spill.put(batch)  # may raise StorageFull: nothing has changed yet
+        self._index.delete(ids)
+        self._slab.release(slots)
+        self._spilled.insert(ids, dirty)
+        self._counters["spills"] += int(ids.shape[0])
+
+    def _unspill(self, ids: np.ndarray) -> None:
+        """Bring unique spilled ids back into memory (they keep their dirty state)."""
+        found, batch = self._spill.pop(ids)
+        if not found.all():
+            raise CorruptStore(f"table {self.name!r}: spilled ids missing from the spill store "
+                               f"{self._spill.file}: {ids[~found][:5].tolist()}")
+        flags = self._spilled.lookup(batch.ids)
+        self._spilled.delete(batch.ids)
+        slots = self._slab.allocate(len(batch))
+        self._slab.write(slots, batch, access=self._clock)
+        self._slab.dirty[slots] = (flags > 0).astype(np.uint8)
+        self._index.insert(batch.ids, slots)
+        self._counters["unspills"] += len(batch)
+
+    def _spill_rows(self, ids: np.ndarray) -> RowBatch:
+        """Rows of spilled ids read from the store without bringing them back (ids[found] order)."""
+        _, batch = self._spill.get(ids)
+        return batch
+
+    # --- snapshots -----------------------------------------------------------------------------------------
     def snapshot(self, directory: str | Path, *, incremental: bool = False) -> Path:
-        raise NotImplementedError
+        """Write a snapshot under ``directory`` atomically; returns its path.
+
+        Full: every row (resident and spilled), optimizer state, metadata, the config and the step.
+        Incremental: the rows changed and the ids deleted since this table's previous snapshot, which must
+        be the latest one in ``directory``; otherwise a full snapshot is written instead."""
+        root = Path(directory)
+        with self._lock:
+            self._check_open()
+            previous = self._last_snapshot
+            chained = incremental and previous is not None and _snapshot.latest_snapshot(root) == previous
+            common = {"table": self.name, "config": _snapshot.config_to_dict(self.config),
+                      "meta": {"step": self._step}, "state_width": self._width}
+            if chained:
+                deleted = np.unique(np.concatenate(self._deleted)) if self._deleted else np.empty(0, np.int64)
+                path = _snapshot.write_snapshot(root, rows=self._iter_dirty(), deleted_ids=deleted,
+                                                incremental=True, **common)
+            else:
+                path = _snapshot.write_snapshot(root, rows=self._iter_sorted(), incremental=False, **common)
+            self._mark_clean(path)
+            return path
+
+    def _iter_dirty(self) -> Iterator[RowBatch]:
+        ids, slots = self._index.items()
+        dirty = self._slab.dirty[slots] != 0
+        ids, slots = ids[dirty], slots[dirty]
+        for start in range(0, ids.shape[0], _CHUNK):
+            yield self._slab.read(ids[start:start + _CHUNK], slots[start:start + _CHUNK])
+        if len(self._spilled):
+            sp_ids, flags = self._spilled.items()
+            sp_ids = sp_ids[flags > 0]
+            for start in range(0, sp_ids.shape[0], _CHUNK):
+                yield self._spill_rows(sp_ids[start:start + _CHUNK])
+
+    def _mark_clean(self, path: Path) -> None:
+        self._slab.dirty[:] = 0
+        self._spilled.fill_values(0)
+        self._deleted = []
+        self._last_snapshot = path
 
     @classmethod
     def restore(cls, path: str | Path) -> EmbeddingTable:
-        raise NotImplementedError
+        """A new table from the snapshot at ``path`` (or the latest one under the root ``path``), with its
+        chain of increments applied, its config, and its step. The table's next incremental snapshot
+        chains onto it."""
+        snap = Path(path)
+        if not (snap / _snapshot.MANIFEST).is_file():
+            latest = _snapshot.latest_snapshot(snap)
+            if latest is None:
+                raise SnapshotNotFound(f"no snapshot at {snap}")
+            snap = latest
+        manifest = _snapshot.read_manifest(snap)
+        table = cls(_snapshot.config_from_dict(manifest["config"]))
+        try:
+            for batch in _snapshot.iter_snapshot_rows(snap):
+                table.import_rows(batch)
+        except BaseException:
+            table.close()
+            raise
+        with table._lock:
+            table._step = int(manifest.get("meta", {}).get("step", 0))
+            table._mark_clean(snap)
+        return table
+
+    # --- lifecycle -----------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgument(f"table {self.name!r}: closed")
 
     def close(self) -> None:
-        raise NotImplementedError
+        """Release memory and the spill tier; the table is unusable afterwards. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._finalizer is not None:
+                self._finalizer()  # closes the spill store and removes its directory
+                self._spill = None
+            self._index.clear()
+            self._spilled.clear()
+            self._slab.clear()
+
+    def __enter__(self) -> EmbeddingTable:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"EmbeddingTable({self.name!r}, dim={self.dim}, rows={len(self)}, step={self._step})"
+
+
+def _dedup_sum_numpy(slots: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unique slots (first-seen order) and the float32 sums of their grads; numpy twin of the numba kernel."""
+    if slots.shape[0] == 0:
+        return slots.astype(np.int64), grads[:0]
+    order = np.argsort(slots, kind="stable")
+    s = slots[order]
+    starts = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])
+    sums = np.add.reduceat(grads[order], starts, axis=0)
+    first_seen = order[starts]
+    perm = np.argsort(first_seen, kind="stable")
+    return s[starts][perm].astype(np.int64), np.ascontiguousarray(sums[perm], np.float32)
+
+
+def _close_spill(store: RowStore, path: Path) -> None:
+    store.close()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+__all__ = ["EmbeddingTable"]

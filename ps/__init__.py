@@ -22,6 +22,9 @@ from tigana.embeddings.config import (
     Uniform,
     Zeros,
 )
+from tigana.ps.client import Client, ClientConfig, Compression, TableInfo, connect
+from tigana.ps.config import ServerConfig, load_server_config, parse_bytes
+from tigana.ps.daemon import ServerHandle, start_server
 from tigana.ps.errors import (
     DataLoss,
     DeadlineExceeded,
@@ -34,9 +37,12 @@ from tigana.ps.errors import (
     Unavailable,
     WrongShard,
 )
+from tigana.ps.local import LocalCluster
 
 __all__ = [
     "FTRL", "SGD", "Adagrad", "Adam", "Admission", "DataLoss", "DeadlineExceeded", "Eviction", "Internal",
     "InvalidArgument", "Normal", "PSError", "ResourceExhausted", "RowWiseAdagrad", "TableExists",
     "TableNotFound", "Unavailable", "Uniform", "WrongShard", "Zeros",
+    "Client", "ClientConfig", "Compression", "TableInfo", "connect",
+    "LocalCluster", "ServerConfig", "ServerHandle", "load_server_config", "parse_bytes", "start_server",
 ]

@@ -11,6 +11,7 @@ import numpy as np
 from tigana.embeddings import config as cfg
 from tigana.embeddings.errors import InvalidArgument as StorageInvalidArgument
 from tigana.proto import shard_pb2 as pb
+from tigana.ps import _kernels
 from tigana.ps.errors import InvalidArgument
 
 CODECS = {"fp32": pb.CODEC_FP32, "fp16": pb.CODEC_FP16, "bf16": pb.CODEC_BF16, "int8": pb.CODEC_INT8,
@@ -60,7 +61,7 @@ def encode_rows(rows: np.ndarray, codec: int = pb.CODEC_FP32) -> pb.Rows:
     if codec == pb.CODEC_FP32:
         return pb.Rows(codec=codec, dim=dim, data=np.ascontiguousarray(rows, "<f4").tobytes())
     if codec == pb.CODEC_FP16:
-        return pb.Rows(codec=codec, dim=dim, data=rows.astype("<f2").tobytes())
+        return pb.Rows(codec=codec, dim=dim, data=encode_block(rows, codec)[0].tobytes())
     if codec == pb.CODEC_BF16:
         return pb.Rows(codec=codec, dim=dim, data=_to_bf16(rows).astype("<u2").tobytes())
     if codec == pb.CODEC_INT8:
@@ -78,19 +79,20 @@ def decode_rows(msg: pb.Rows, n: int, dim: int, *, table: str, field: str = "row
         raise InvalidArgument(f"table {table!r}: field {field!r} has unknown codec {msg.codec}")
     if msg.dim != dim:
         raise InvalidArgument(f"table {table!r}: field {field!r} has dim {msg.dim}, table dim is {dim}")
-    if len(msg.data) != n * dim * itemsize:
+    data = msg.data  # protobuf copies a bytes field on every access: read it once
+    if len(data) != n * dim * itemsize:
         raise InvalidArgument(
-            f"table {table!r}: field {field!r} has {len(msg.data)} bytes, expected {n}x{dim}x{itemsize}")
+            f"table {table!r}: field {field!r} has {len(data)} bytes, expected {n}x{dim}x{itemsize}")
     if msg.codec == pb.CODEC_FP32:
-        return np.frombuffer(msg.data, "<f4").reshape(n, dim)
+        return np.frombuffer(data, "<f4").reshape(n, dim)
     if msg.codec == pb.CODEC_FP16:
-        return np.frombuffer(msg.data, "<f2").astype(np.float32).reshape(n, dim)
+        return _kernels.f16_to_f32(np.frombuffer(data, "<u2")).reshape(n, dim)
     if msg.codec == pb.CODEC_BF16:
-        return _from_bf16(np.frombuffer(msg.data, "<u2")).reshape(n, dim)
-    if len(msg.scales) != 4 * n:
-        raise InvalidArgument(f"table {table!r}: field {field!r}.scales has {len(msg.scales)} bytes, expected {4 * n}")
-    scales = np.frombuffer(msg.scales, "<f4")
-    return np.frombuffer(msg.data, np.int8).reshape(n, dim).astype(np.float32) * scales[:, None]
+        return _from_bf16(np.frombuffer(data, "<u2")).reshape(n, dim)
+    scales = msg.scales
+    if len(scales) != 4 * n:
+        raise InvalidArgument(f"table {table!r}: field {field!r}.scales has {len(scales)} bytes, expected {4 * n}")
+    return np.frombuffer(data, np.int8).reshape(n, dim).astype(np.float32) * np.frombuffer(scales, "<f4")[:, None]
 
 
 def rows_nbytes(n: int, dim: int, codec: int) -> int:
@@ -140,3 +142,197 @@ def spec_from_pb(s: pb.TableSpec) -> cfg.TableConfig:
                               max_rows=s.eviction.max_rows or None, policy=policy),  # type: ignore[arg-type]
         memory_budget=s.memory_budget_bytes or None,
     )
+
+
+# --- the client's hot path: Pull/Push messages encoded and decoded without protobuf objects ---------------
+# A 16 MiB row block costs three copies through protobuf objects (tobytes, message field, SerializeToString);
+# writing the wire format by hand joins the numpy buffers into the request in one copy, and a Pull reply is
+# parsed into zero-copy views of the received bytes. Both are byte-compatible with the shard_pb2 messages
+# (tests/ps/test_wire.py checks them against protobuf).
+_WT_VARINT, _WT_I64, _WT_LEN, _WT_I32 = 0, 1, 2, 5
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _len_field(field_no: int, payload) -> list:
+    """Parts of a length-delimited field (tag, length, payload); payload is any C-contiguous buffer."""
+    return [_varint((field_no << 3) | _WT_LEN), _varint(memoryview(payload).nbytes), payload]
+
+
+def _varint_field(field_no: int, value: int) -> bytes:
+    return _varint((field_no << 3) | _WT_VARINT) + _varint(value) if value else b""
+
+
+def _buffer(a: np.ndarray) -> memoryview:
+    a = np.ascontiguousarray(a)
+    return memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
+
+
+def encode_block(rows: np.ndarray, codec: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """(n, dim) float32 -> (data, scales) little-endian numpy buffers in ``codec``; scales only for int8.
+
+    fp16 saturates at ±65504 (so finite gradients stay finite); bf16 rounds to nearest even; int8 is
+    symmetric per row with scale = max|row| / 127."""
+    rows = np.asarray(rows, dtype=np.float32)
+    if codec == pb.CODEC_FP32:
+        return np.ascontiguousarray(rows, "<f4"), None
+    if codec == pb.CODEC_FP16:
+        out = np.empty(rows.shape, "<u2")  # half bits
+        _kernels.f32_to_f16_bits(np.ascontiguousarray(rows).reshape(-1), out.reshape(-1))
+        return out, None
+    if codec == pb.CODEC_BF16:
+        return _to_bf16(rows).astype("<u2", copy=False), None
+    if codec == pb.CODEC_INT8:
+        scale = (np.abs(rows).max(axis=1) / np.float32(127.0)).astype("<f4") if rows.size else \
+            np.zeros(len(rows), "<f4")
+        safe = np.where(scale > 0, scale, np.float32(1.0))
+        q = np.clip(np.rint(rows / safe[:, None]), -127, 127).astype(np.int8)
+        return q, scale
+    raise InvalidArgument(f"rows: unknown codec {codec}")
+
+
+def _rows_parts(codec: int, dim: int, data: np.ndarray, scales: np.ndarray | None) -> list:
+    parts: list = [_varint_field(1, codec), _varint_field(2, dim)]
+    parts += _len_field(3, _buffer(data))
+    if scales is not None:
+        parts += _len_field(4, _buffer(scales))
+    return parts
+
+
+def encode_pull_request(table: str, ids: np.ndarray, codec: int = pb.CODEC_FP32) -> bytes:
+    """A serialized ``PullRequest`` for (n,) int64 ``ids`` (unique) asking for rows in ``codec``."""
+    parts = _len_field(1, table.encode()) + _len_field(2, _buffer(np.asarray(ids, "<i8")))
+    parts.append(_varint_field(3, codec))
+    return b"".join(parts)
+
+
+def encode_push_request(table: str, ids: np.ndarray, codec: int, dim: int, data: np.ndarray,
+                        scales: np.ndarray | None, client_id: str, seq: int, part: int) -> bytes:
+    """A serialized ``PushRequest``: (n,) int64 ``ids`` and their gradient block from ``encode_block``."""
+    rows = b"".join(_rows_parts(codec, dim, data, scales))
+    parts = _len_field(1, table.encode()) + _len_field(2, _buffer(np.asarray(ids, "<i8")))
+    parts += _len_field(3, rows) + _len_field(4, client_id.encode())
+    parts += [_varint_field(5, seq), _varint_field(6, part)]
+    return b"".join(parts)
+
+
+def encode_pull_response(rows: np.ndarray, codec: int = pb.CODEC_FP32) -> bytes:
+    """A serialized ``PullResponse`` for (n, dim) float32 rows, in one copy (for a server that registers Pull
+    with a bytes response serializer; ``pb.PullResponse(rows=encode_rows(...))`` costs ~4 copies)."""
+    rows = np.asarray(rows, dtype=np.float32)
+    data, scales = encode_block(rows, codec)
+    block = b"".join(_rows_parts(codec, rows.shape[1] if rows.ndim == 2 else 0, data, scales))
+    return b"".join(_len_field(1, block))
+
+
+def _read_varint(buf: memoryview, pos: int, what: str) -> tuple[int, int]:
+    result = shift = 0
+    end = len(buf)
+    while True:
+        if pos >= end or shift > 63:
+            raise InvalidArgument(f"{what}: malformed message (truncated varint)")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if b < 0x80:
+            return result, pos
+        shift += 7
+
+
+def _fields(buf: memoryview, what: str):
+    """Yield (field number, value) of a serialized message: int for scalar wire types, a view for LEN."""
+    pos, end = 0, len(buf)
+    while pos < end:
+        key, pos = _read_varint(buf, pos, what)
+        field_no, wire_type = key >> 3, key & 7
+        if wire_type == _WT_VARINT:
+            value, pos = _read_varint(buf, pos, what)
+        elif wire_type == _WT_LEN:
+            n, pos = _read_varint(buf, pos, what)
+            if pos + n > end:
+                raise InvalidArgument(f"{what}: malformed message (field {field_no} overruns the buffer)")
+            value, pos = buf[pos:pos + n], pos + n
+        elif wire_type == _WT_I64:
+            value, pos = int.from_bytes(buf[pos:pos + 8], "little"), pos + 8
+        elif wire_type == _WT_I32:
+            value, pos = int.from_bytes(buf[pos:pos + 4], "little"), pos + 4
+        else:
+            raise InvalidArgument(f"{what}: malformed message (wire type {wire_type})")
+        if pos > end:
+            raise InvalidArgument(f"{what}: malformed message (truncated field {field_no})")
+        yield field_no, value
+
+
+class RawRows:
+    """A decoded ``Rows`` block as zero-copy views of the received message (see ``decode_pull_response``)."""
+
+    __slots__ = ("codec", "dim", "data", "scales", "nbytes")
+
+    def __init__(self, codec: int, dim: int, data: memoryview, scales: memoryview, nbytes: int) -> None:
+        self.codec, self.dim, self.data, self.scales, self.nbytes = codec, dim, data, scales, nbytes
+
+    def to_pb(self) -> pb.Rows:
+        return pb.Rows(codec=self.codec, dim=self.dim, data=bytes(self.data), scales=bytes(self.scales))
+
+
+def _parse_rows(buf: memoryview, nbytes: int, what: str) -> RawRows:
+    codec, dim, data, scales = 0, 0, memoryview(b""), memoryview(b"")
+    for field_no, value in _fields(buf, what):
+        if field_no == 1:
+            codec = value
+        elif field_no == 2:
+            dim = value
+        elif field_no == 3:
+            data = value
+        elif field_no == 4:
+            scales = value
+    return RawRows(codec, dim, data, scales, nbytes)
+
+
+def decode_pull_response(raw: bytes) -> RawRows:
+    """A serialized ``PullResponse`` -> its rows as views (no copy); used as the gRPC response deserializer."""
+    view = memoryview(raw)
+    rows = memoryview(b"")
+    for field_no, value in _fields(view, "PullResponse"):
+        if field_no == 1:
+            rows = value
+    return _parse_rows(rows, len(raw), "PullResponse.rows")
+
+
+def decode_block(rows: RawRows | pb.Rows, n: int, dim: int, *, table: str, field: str = "rows") -> np.ndarray:
+    """A received block -> (n, dim) float32, validating codec, dim and byte lengths (InvalidArgument naming
+    table and field). fp32 comes back as a read-only view of the message, other codecs as a new array."""
+    codec = rows.codec
+    itemsize = _ITEMSIZE.get(codec)
+    if itemsize is None:
+        raise InvalidArgument(f"table {table!r}: field {field!r} has unknown codec {codec}")
+    if rows.dim != dim and n:
+        raise InvalidArgument(f"table {table!r}: field {field!r} has dim {rows.dim}, table dim is {dim}")
+    data = rows.data
+    nbytes = memoryview(data).nbytes
+    if nbytes != n * dim * itemsize:
+        raise InvalidArgument(
+            f"table {table!r}: field {field!r} has {nbytes} bytes, expected {n}x{dim}x{itemsize}")
+    if codec == pb.CODEC_FP32:
+        return np.frombuffer(data, "<f4").reshape(n, dim)
+    if codec == pb.CODEC_FP16:
+        return _kernels.f16_to_f32(np.frombuffer(data, "<u2")).reshape(n, dim)
+    if codec == pb.CODEC_BF16:
+        return _from_bf16(np.frombuffer(data, "<u2")).reshape(n, dim)
+    if memoryview(rows.scales).nbytes != 4 * n:
+        raise InvalidArgument(
+            f"table {table!r}: field {field!r}.scales has {memoryview(rows.scales).nbytes} bytes, expected {4 * n}")
+    scales = np.frombuffer(rows.scales, "<f4")
+    return np.frombuffer(data, np.int8).reshape(n, dim).astype(np.float32) * scales[:, None]
+
+
+def identity(raw: bytes) -> bytes:
+    """Serializer for requests the client encoded itself."""
+    return raw

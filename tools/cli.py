@@ -61,9 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     # Two passes: find the subcommand, then let its module add its own flags and parse again.
-    known, _ = parser.parse_known_args(argv)
+    # (without -h so that a subcommand's help lists the flags its module adds)
+    known, _ = parser.parse_known_args([a for a in argv if a not in ("-h", "--help")])
     module_name = getattr(known, "_module", None)
     if module_name is None:
+        if argv:
+            parser.parse_args(argv)  # --help prints and exits 0; a bad command exits 2
         parser.print_help()
         return 0 if not argv else 2
     module = importlib.import_module(module_name)

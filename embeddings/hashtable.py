@@ -1,0 +1,193 @@
+"""HashIndex: an open-addressing hash map from int64 ids (the full signed range) to int32 values.
+
+Layout: ``keys`` uint64[cap] holds the ids' bits, ``vals`` int32[cap] holds a value >= 0 or the bucket state
+(EMPTY -1, TOMBSTONE -2), so no id value is reserved as a sentinel. The home bucket is fastrange of a
+splitmix64 hash, probing is linear. Capacity is any integer (not a power of two), grown by 1.5x past a load of
+0.7 (tombstones count as load and are dropped by the rehash): 12 bytes per bucket, 17-26 bytes per live key.
+
+Every operation takes a whole batch (duplicates allowed) and runs either a numba kernel or a vectorized numpy
+fallback (``backend="numpy"``, also used when numba is missing); both give identical results.
+Not thread-safe on its own: the owning table holds its lock around every call.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+from tigana.embeddings import _kernels
+from tigana.embeddings._kernels import EMPTY, TOMBSTONE
+
+Backend = Literal["auto", "numba", "numpy"]
+
+_MAX_LOAD = 0.7
+_GROWTH = 1.5
+_MIN_CAPACITY = 64
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def resolve_backend(backend: Backend) -> Literal["numba", "numpy"]:
+    """'auto' means numba when it imports, else numpy."""
+    if backend == "auto":
+        return "numba" if _kernels.AVAILABLE else "numpy"
+    if backend == "numba" and not _kernels.AVAILABLE:
+        raise RuntimeError("backend 'numba' requested but numba is not importable")
+    if backend not in ("numba", "numpy"):
+        raise ValueError(f"unknown backend {backend!r}")
+    return backend
+
+
+def as_id_bits(ids: np.ndarray) -> np.ndarray:
+    """int64 ids -> their uint64 bit pattern (a view when possible)."""
+    return np.ascontiguousarray(ids, dtype=np.int64).view(np.uint64)
+
+
+def _home_np(keys: np.ndarray, cap: int) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        z = keys.astype(np.uint64, copy=True)
+        z ^= z >> np.uint64(30)
+        z *= _M1
+        z ^= z >> np.uint64(27)
+        z *= _M2
+        z ^= z >> np.uint64(31)
+        return (((z >> np.uint64(32)) * np.uint64(cap)) >> np.uint64(32)).astype(np.int64)
+
+
+class HashIndex:
+    """Map of int64 id -> int32 value >= 0 for whole batches; see the module docstring."""
+
+    def __init__(self, capacity: int = _MIN_CAPACITY, *, backend: Backend = "auto") -> None:
+        self.backend = resolve_backend(backend)
+        cap = max(_MIN_CAPACITY, int(capacity))
+        self._keys = np.zeros(cap, np.uint64)
+        self._vals = np.full(cap, EMPTY, np.int32)
+        self._size = 0  # live keys
+        self._used = 0  # live keys + tombstones
+
+    def __len__(self) -> int:
+        return self._size
+
+    @property
+    def capacity(self) -> int:
+        return int(self._keys.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._keys.nbytes + self._vals.nbytes)
+
+    # --- queries ------------------------------------------------------------------------------------------
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """(n,) ids -> (n,) int64 values, -1 where absent."""
+        return self._probe(as_id_bits(ids))[1]
+
+    def positions(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(n,) ids -> (bucket positions, values), both int64, -1 where absent. Positions stay valid until
+        the next insert (which may rehash)."""
+        return self._probe(as_id_bits(ids))
+
+    def _probe(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = q.shape[0]
+        pos = np.empty(n, np.int64)
+        val = np.empty(n, np.int64)
+        if self.backend == "numba":
+            _kernels.probe(self._keys, self._vals, q, pos, val)
+            return pos, val
+        pos.fill(-1)
+        val.fill(-1)
+        cap = self.capacity
+        cur = _home_np(q, cap)
+        active = np.arange(n)
+        while active.size:
+            p = cur[active]
+            v = self._vals[p]
+            hit = (v >= 0) & (self._keys[p] == q[active])
+            pos[active[hit]] = p[hit]
+            val[active[hit]] = v[hit]
+            cont = (v != EMPTY) & ~hit
+            active = active[cont]
+            nxt = p[cont] + 1
+            nxt[nxt == cap] = 0
+            cur[active] = nxt
+        return pos, val
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """All live (ids int64, values int64), in bucket order."""
+        live = self._vals >= 0
+        return self._keys[live].view(np.int64), self._vals[live].astype(np.int64)
+
+    # --- updates ------------------------------------------------------------------------------------------
+    def insert(self, ids: np.ndarray, values: np.ndarray) -> None:
+        """Insert ids that are unique and absent (the caller guarantees both) with values >= 0."""
+        q = as_id_bits(ids)
+        v = np.ascontiguousarray(values, dtype=np.int32)
+        if q.shape[0] == 0:
+            return
+        self._reserve(q.shape[0])
+        self._used += self._insert_raw(self._keys, self._vals, q, v)
+        self._size += q.shape[0]
+
+    def set_values(self, positions: np.ndarray, values: np.ndarray) -> None:
+        """Overwrite the values of live buckets at ``positions`` (from ``positions()``)."""
+        self._vals[positions] = values
+
+    def fill_values(self, value: int) -> None:
+        """Set the value of every live key."""
+        self._vals[self._vals >= 0] = value
+
+    def delete(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Remove ids (duplicates and absent ids allowed). Returns (removed ids, their values), unique."""
+        pos, val = self._probe(as_id_bits(ids))
+        found = pos >= 0
+        upos, first = np.unique(pos[found], return_index=True)
+        removed_ids = np.ascontiguousarray(ids, dtype=np.int64)[found][first]
+        removed_vals = val[found][first]
+        self._vals[upos] = TOMBSTONE
+        self._size -= upos.shape[0]
+        return removed_ids, removed_vals
+
+    def clear(self) -> None:
+        self._keys = np.zeros(_MIN_CAPACITY, np.uint64)
+        self._vals = np.full(_MIN_CAPACITY, EMPTY, np.int32)
+        self._size = self._used = 0
+
+    def _reserve(self, n_new: int) -> None:
+        if self._used + n_new <= _MAX_LOAD * self.capacity:
+            return
+        need = self._size + n_new
+        cap = self.capacity
+        while need > _MAX_LOAD * cap:
+            cap = int(cap * _GROWTH) + 1
+        if need <= 0.5 * _MAX_LOAD * cap and cap > _MIN_CAPACITY:  # mostly tombstones: stay small
+            cap = max(_MIN_CAPACITY, int(need / (0.5 * _MAX_LOAD)) + 1)
+        live = self._vals >= 0
+        keys, vals = self._keys[live], self._vals[live]
+        new_keys = np.zeros(cap, np.uint64)
+        new_vals = np.full(cap, EMPTY, np.int32)
+        used = self._insert_raw(new_keys, new_vals, keys, vals)
+        self._keys, self._vals, self._used = new_keys, new_vals, used
+
+    def _insert_raw(self, keys: np.ndarray, vals: np.ndarray, q: np.ndarray, v: np.ndarray) -> int:
+        if self.backend == "numba":
+            return int(_kernels.insert(keys, vals, q, v))
+        cap = keys.shape[0]
+        cur = _home_np(q, cap)
+        active = np.arange(q.shape[0])
+        consumed = 0
+        while active.size:
+            p = cur[active]
+            state = vals[p]
+            free = state < 0
+            claim_pos, first = np.unique(p[free], return_index=True)
+            winners = active[free][first]
+            consumed += int(np.count_nonzero(state[free][first] == EMPTY))
+            keys[claim_pos] = q[winners]
+            vals[claim_pos] = v[winners]
+            won = np.zeros(active.shape[0], bool)
+            won[np.flatnonzero(free)[first]] = True
+            active = active[~won]
+            nxt = p[~won] + 1
+            nxt[nxt == cap] = 0
+            cur[active] = nxt
+        return consumed

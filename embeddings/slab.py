@@ -1,0 +1,136 @@
+"""Slab: the resident rows of a table, column-wise in growable arrays indexed by slot.
+
+Per slot: weights (dim, storage dtype: float32, float16, or bfloat16 kept as uint16 bits), optimizer state
+(width, float32), update_count uint32, last_step int64, last_time float64, last_access int64 (the table's access
+clock, for LRU and spilling), dirty uint8 (changed since the last snapshot). That is 29 bytes of metadata, 97
+bytes per slot at dim 16 with row-wise Adagrad. Deleted slots go to a free list and are reused first.
+
+Arrays grow by 2x up to 65,536 slots, then by 1.125x, through ``ndarray.resize``: glibc's realloc moves large blocks with mremap, so growth
+neither copies nor doubles the peak; capacity slack stays under 12.5% for large slabs.
+Not thread-safe: the owning table holds its lock around every call, and no view of the arrays escapes it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tigana.embeddings.rows import RowBatch
+
+_MIN_SLOTS = 64
+_META = (("update_count", np.uint32), ("last_step", np.int64), ("last_time", np.float64),
+         ("last_access", np.int64), ("dirty", np.uint8))
+
+
+def to_float32(w: np.ndarray) -> np.ndarray:
+    """Stored weights -> float32 (bfloat16 bits are uint16)."""
+    if w.dtype == np.uint16:
+        return (w.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return w.astype(np.float32, copy=False)
+
+
+def from_float32(w: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """float32 -> storage dtype; bfloat16 rounds to nearest even."""
+    if dtype == np.uint16:
+        b = np.ascontiguousarray(w, np.float32).view(np.uint32)
+        b = b + (np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1)))
+        return (b >> np.uint32(16)).astype(np.uint16)
+    return w.astype(dtype, copy=False)
+
+
+STORAGE_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+                  "bfloat16": np.dtype(np.uint16)}
+
+
+class Slab:
+    """Growable per-slot columns; see the module docstring."""
+
+    def __init__(self, dim: int, state_width: int, storage: str = "float32") -> None:
+        self.dim, self.state_width = dim, state_width
+        self.storage_dtype = STORAGE_DTYPES[storage]
+        self.weights = np.zeros((_MIN_SLOTS, dim), self.storage_dtype)
+        self.state = np.zeros((_MIN_SLOTS, state_width), np.float32)
+        for name, dt in _META:
+            setattr(self, name, np.zeros(_MIN_SLOTS, dt))
+        self._free = np.empty(0, np.int64)
+        self._n_free = 0
+        self.high_water = 0  # slots [0, high_water) were handed out at least once
+
+    @property
+    def capacity(self) -> int:
+        return int(self.weights.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.weights.nbytes + self.state.nbytes + self._free.nbytes
+                   + sum(getattr(self, name).nbytes for name, _ in _META))
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes one slot occupies across all columns."""
+        return int(self.dim * self.storage_dtype.itemsize + 4 * self.state_width
+                   + sum(np.dtype(dt).itemsize for _, dt in _META))
+
+    def allocate(self, k: int) -> np.ndarray:
+        """k fresh slot numbers (reused ones first); their contents are undefined until written."""
+        take = min(k, self._n_free)
+        reused = self._free[self._n_free - take:self._n_free].copy()
+        self._n_free -= take
+        fresh_n = k - take
+        if self.high_water + fresh_n > self.capacity:
+            self._grow(self.high_water + fresh_n)
+        fresh = np.arange(self.high_water, self.high_water + fresh_n, dtype=np.int64)
+        self.high_water += fresh_n
+        return np.concatenate([reused, fresh]) if take else fresh
+
+    def release(self, slots: np.ndarray) -> None:
+        """Return unique slots to the free list."""
+        k = slots.shape[0]
+        if self._n_free + k > self._free.shape[0]:
+            grown = np.empty(max(64, 2 * (self._n_free + k)), np.int64)
+            grown[:self._n_free] = self._free[:self._n_free]
+            self._free = grown
+        self._free[self._n_free:self._n_free + k] = slots
+        self._n_free += k
+        self.dirty[slots] = 0
+
+    def clear(self) -> None:
+        self.__init__(self.dim, self.state_width, _storage_name(self.storage_dtype))
+
+    def _grow(self, need: int) -> None:
+        cap = self.capacity
+        while cap < need:
+            cap = cap * 2 if cap < (1 << 16) else cap + cap // 8
+        self.weights.resize((cap, self.dim), refcheck=False)
+        self.state.resize((cap, self.state_width), refcheck=False)
+        for name, _ in _META:
+            getattr(self, name).resize(cap, refcheck=False)
+
+    # --- whole rows ----------------------------------------------------------------------------------------
+    def read_weights(self, slots: np.ndarray) -> np.ndarray:
+        """(k,) slots -> (k, dim) float32."""
+        return to_float32(np.take(self.weights, slots, axis=0))
+
+    def write_weights(self, slots: np.ndarray, rows: np.ndarray) -> None:
+        self.weights[slots] = from_float32(rows, self.storage_dtype)
+
+    def read(self, ids: np.ndarray, slots: np.ndarray) -> RowBatch:
+        """Complete rows of ``slots`` labelled with ``ids``."""
+        return RowBatch(
+            ids=np.asarray(ids, np.int64), weights=self.read_weights(slots), state=self.state[slots],
+            update_count=self.update_count[slots].astype(np.int64), last_step=self.last_step[slots],
+            last_time=self.last_time[slots],
+        )
+
+    def write(self, slots: np.ndarray, batch: RowBatch, *, access: int) -> None:
+        """Store complete rows into ``slots``; they are marked dirty and accessed at ``access``."""
+        self.write_weights(slots, batch.weights)
+        self.state[slots] = batch.state
+        self.update_count[slots] = np.minimum(batch.update_count, np.iinfo(np.uint32).max)
+        self.last_step[slots] = batch.last_step
+        self.last_time[slots] = batch.last_time
+        self.last_access[slots] = access
+        self.dirty[slots] = 1
+
+
+def _storage_name(dtype: np.dtype) -> str:
+    return next(name for name, dt in STORAGE_DTYPES.items() if dt == dtype)

@@ -1,0 +1,215 @@
+"""Configuration of a shard server: a frozen dataclass and its loader.
+
+``load_server_config`` merges four sources, highest first: CLI flags, ``TIGANA_*`` environment variables,
+a YAML or TOML config file, the dataclass defaults. Sizes accept ``8GiB``, ``512MiB``, ``1.5G`` or plain bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tigana.ps.errors import InvalidArgument
+from tigana.ps.routing import DEFAULT_NUM_SLOTS, parse_slots
+
+MiB = 1 << 20
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "ki": 1 << 10, "kib": 1 << 10, "mi": 1 << 20, "mib": 1 << 20, "gi": 1 << 30, "gib": 1 << 30,
+    "ti": 1 << 40, "tib": 1 << 40,
+}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str | int | float, *, field: str = "size") -> int:
+    """``"8GiB"`` -> 8589934592. Binary units (KiB, MiB, GiB, TiB, or Ki/Mi/Gi/Ti), decimal ones (KB/K, MB/M,
+    GB/G, TB/T) and plain byte counts; case-insensitive. Raises ``InvalidArgument`` naming ``field``."""
+    if isinstance(text, bool):
+        raise InvalidArgument(f"{field}: expected a size such as 8GiB, got {text!r}")
+    if isinstance(text, (int, float)):
+        value = float(text)
+        if value < 0 or value != value:
+            raise InvalidArgument(f"{field}: size must be >= 0, got {text!r}")
+        return int(value)
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise InvalidArgument(f"{field}: expected a size such as 8GiB, 512MiB or 1048576, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: int) -> str:
+    """Human form of a byte count, e.g. ``8.0GiB``."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n}B"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything a shard server needs. Immutable; ``dataclasses.replace`` makes variants.
+
+    port / metrics_port: 0 for ``port`` picks a free port; ``metrics_port`` 0 turns the metrics HTTP endpoint
+    off and -1 picks a free port. ``slots`` is the owned set as text (``"all"`` or ``"0-2047,4000"``, inclusive
+    ranges over ``num_slots`` virtual slots). ``memory_budget`` (bytes) caps the resident rows of every table
+    that sets no budget of its own; past it cold rows spill to LMDB under ``data_dir``. ``data_dir`` None keeps
+    everything in memory (no snapshots on shutdown, Snapshot/Restore RPCs refused). ``keep_snapshots``: full
+    snapshot chains kept per table after each full snapshot (0 keeps all).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    data_dir: str | None = None
+    memory_budget: int | None = None
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
+    num_slots: int = DEFAULT_NUM_SLOTS
+    slots: str = "all"
+    max_workers: int = 16
+    max_message_bytes: int = 64 * MiB
+    keepalive_time_ms: int = 30_000
+    keepalive_timeout_ms: int = 10_000
+    dedup_window: int = 8192
+    drain_grace_s: float = 30.0
+    snapshot_on_shutdown: bool = True
+    keep_snapshots: int = 2
+
+    def __post_init__(self) -> None:
+        def bad(field: str, why: str) -> InvalidArgument:
+            return InvalidArgument(f"server config: field {field!r} {why}")
+
+        if not 0 <= self.port <= 65535:
+            raise bad("port", f"must be in [0, 65535], got {self.port}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise bad("metrics_port", f"must be -1 (any free port), 0 (off) or a port, got {self.metrics_port}")
+        if self.num_slots < 1:
+            raise bad("num_slots", f"must be >= 1, got {self.num_slots}")
+        if self.max_workers < 1:
+            raise bad("max_workers", f"must be >= 1, got {self.max_workers}")
+        if self.max_message_bytes < 1 << 16:
+            raise bad("max_message_bytes", f"must be >= 64KiB, got {self.max_message_bytes}")
+        if self.dedup_window < 1:
+            raise bad("dedup_window", f"must be >= 1, got {self.dedup_window}")
+        if self.memory_budget is not None and self.memory_budget < 0:
+            raise bad("memory_budget", f"must be >= 0, got {self.memory_budget}")
+        if self.keep_snapshots < 0:
+            raise bad("keep_snapshots", f"must be >= 0 (0 keeps all), got {self.keep_snapshots}")
+        if self.drain_grace_s < 0:
+            raise bad("drain_grace_s", f"must be >= 0, got {self.drain_grace_s}")
+        try:
+            parse_slots(self.slots, self.num_slots)
+        except ValueError as exc:
+            raise bad("slots", str(exc)) from None
+
+    def owned_slots(self) -> np.ndarray:
+        """(num_slots,) bool mask of the slots this server owns."""
+        return parse_slots(self.slots, self.num_slots)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
+_INTS = {"port", "metrics_port", "num_slots", "max_workers", "keepalive_time_ms", "keepalive_timeout_ms",
+         "dedup_window", "keep_snapshots"}
+_SIZES = {"memory_budget", "max_message_bytes"}
+_FLOATS = {"drain_grace_s"}
+_BOOLS = {"snapshot_on_shutdown"}
+ENV_PREFIX = "TIGANA_"
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    """A raw value (string from env, any YAML/TOML scalar, CLI value) -> the field's type."""
+    where = f"{source}: field {name!r}"
+    if value is None:
+        return None
+    try:
+        if name in _SIZES:
+            if isinstance(value, str) and value.strip().lower() in ("", "none", "unlimited", "0"):
+                return None if name == "memory_budget" else parse_bytes(value, field=where)
+            return parse_bytes(value, field=where)
+        if name in _INTS:
+            if name == "metrics_port" and isinstance(value, str) and value.strip().lower() in ("auto", "any"):
+                return -1
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if name in _FLOATS:
+            return float(value)
+        if name in _BOOLS:
+            if isinstance(value, str):
+                low = value.strip().lower()
+                if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                    raise ValueError(value)
+                return low in ("1", "true", "yes", "on")
+            return bool(value)
+        if name == "slots" and isinstance(value, (list, tuple)):
+            return ",".join(str(v) for v in value)
+        return str(value)
+    except InvalidArgument:
+        raise
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"{where}: cannot read {value!r} as {_FIELDS[name].type}") from None
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Settings from a YAML (.yaml/.yml) or TOML (.toml) file. Keys are field names (``-`` or ``_``); a
+    top-level ``server:`` section, when present, is used. Unknown keys raise ``InvalidArgument``."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise InvalidArgument(f"config file {str(p)!r}: cannot read: {exc}") from None
+    try:
+        if p.suffix.lower() == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+    except Exception as exc:  # any parser error is a user error here
+        raise InvalidArgument(f"config file {str(p)!r}: cannot parse: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidArgument(f"config file {str(p)!r}: expected a mapping of settings")
+    if isinstance(data.get("server"), dict):
+        data = data["server"]
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in _FIELDS:
+            raise InvalidArgument(f"config file {str(p)!r}: unknown field {key!r}; expected one of {sorted(_FIELDS)}")
+        out[name] = value
+    return out
+
+
+def load_server_config(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
+                       file: str | os.PathLike | None = None) -> ServerConfig:
+    """Merge CLI ``flags`` (field name -> value; None means not given) > ``TIGANA_<FIELD>`` variables in ``env``
+    (``os.environ`` when None) > ``file`` (or ``TIGANA_CONFIG``) > defaults. Raises ``InvalidArgument`` naming the
+    source and field of a bad value."""
+    env = os.environ if env is None else env
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    file = file or flags.pop("config", None) or env.get(ENV_PREFIX + "CONFIG") or None
+    flags.pop("config", None)
+    merged: dict[str, Any] = {}
+    if file:
+        for name, value in read_config_file(file).items():
+            merged[name] = _coerce(name, value, f"config file {str(file)!r}")
+    for name in _FIELDS:
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is not None and raw != "":
+            merged[name] = _coerce(name, raw, f"environment variable {ENV_PREFIX + name.upper()}")
+    for name, value in flags.items():
+        if name not in _FIELDS:
+            raise InvalidArgument(f"flags: unknown field {name!r}")
+        merged[name] = _coerce(name, value, f"flag --{name.replace('_', '-')}")
+    return ServerConfig(**merged)

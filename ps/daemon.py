@@ -1,0 +1,231 @@
+"""Start a shard server: the one function the CLI, tests and benchmarks use.
+
+``start_server(config)`` binds the gRPC port, starts serving health (NOT_SERVING) and reflection at once, loads
+the tables from ``data_dir`` in a background thread (the shard service answers UNAVAILABLE meanwhile), then turns
+health to SERVING. The returned ``ServerHandle`` knows the bound address; ``close()`` stops accepting RPCs, drains
+the ones in flight, snapshots every table (when there is a data dir) and frees the port.
+
+Example::
+
+    handle = start_server(ServerConfig(port=0, data_dir="/tmp/shard0"))
+    handle.wait_ready(30)
+    print(handle.address)        # "127.0.0.1:41234"
+    handle.close()
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import logging
+import os
+import threading
+from concurrent import futures
+from pathlib import Path
+from typing import IO
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tigana.proto import shard_pb2_grpc
+from tigana.ps.config import ServerConfig
+from tigana.ps.metrics import ServerMetrics
+from tigana.ps.server import SERVICE_NAME, ShardService
+
+log = logging.getLogger("tigana.ps.daemon")
+
+HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+
+
+def grpc_server_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """Channel arguments of the server: message limits, keepalive, and no silent port sharing."""
+    return [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.keepalive_time_ms", config.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", config.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.so_reuseport", 0),  # two servers on one port must fail, not split the traffic
+    ]
+
+
+class ServerHandle:
+    """A running shard server. ``address`` is ``host:port`` as bound; thread-safe; ``close`` is idempotent."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.service = ShardService(config)
+        self.metrics: ServerMetrics = self.service.metrics
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers,
+                                                              thread_name_prefix="tigana-shard"),
+                                   options=grpc_server_options(config))
+        shard_pb2_grpc.add_ShardServicer_to_server(self.service, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME),
+                                            self._server)
+        target = f"{config.host}:{config.port}"
+        try:
+            port = self._server.add_insecure_port(target)
+        except RuntimeError as exc:
+            port, cause = 0, exc
+        else:
+            cause = None
+        if not port:
+            raise OSError(f"cannot bind {target} (port in use or address not local)") from cause
+        self.port: int = port
+        self.host: str = config.host
+        self.address: str = f"{_host_for_address(config.host)}:{port}"
+        self.metrics_port: int | None = None
+        self.error: BaseException | None = None
+        self._ready = threading.Event()
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._loader: threading.Thread | None = None
+        self._lock_file: IO[str] | None = None
+
+    def _set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def _start(self, autoload: bool) -> None:
+        if self.config.data_dir:
+            self._lock_file = _lock_data_dir(Path(self.config.data_dir))
+        self._server.start()
+        if self.config.metrics_port:
+            self.metrics_port = self.metrics.serve_http(self.config.metrics_port, self.config.metrics_host)
+        if autoload:
+            self.load_tables()
+
+    def load_tables(self) -> None:
+        """Start loading the tables from the data dir in a background thread (once); health turns SERVING
+        when done. ``start_server`` calls it unless ``autoload=False``."""
+        with self._close_lock:
+            if self._loader is not None or self._closed:
+                return
+            self._loader = threading.Thread(target=self._load, name="tigana-shard-load", daemon=True)
+            self._loader.start()
+
+    def _load(self) -> None:
+        try:
+            self.service.load()
+        except BaseException as exc:  # noqa: BLE001 - reported through wait_ready
+            log.exception("loading the tables from %s failed", self.config.data_dir)
+            self.error = exc
+            self.service.state = "failed"
+        else:
+            self.service.state = "serving"
+            self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            log.info("serving %d table(s) on %s", len(self.service.table_names()), self.address)
+        finally:
+            self._ready.set()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self.error is None
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the tables are loaded and health says SERVING; False on timeout. Re-raises a load error."""
+        if not self._ready.wait(timeout):
+            return False
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def close(self, grace: float | None = None) -> None:
+        """Stop accepting RPCs, let the ones in flight finish (up to ``grace`` seconds, default from the config),
+        snapshot every table into the data dir, close the tables and the metrics endpoint."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        grace = self.config.drain_grace_s if grace is None else grace
+        self.health.enter_graceful_shutdown()
+        with self._close_lock:
+            loader = self._loader
+        if loader is not None:
+            loader.join()
+        loaded = self.error is None and self.service.state == "serving"
+        self._server.stop(grace).wait()
+        self.service.state = "closed"
+        try:
+            if loaded and self.config.data_dir and self.config.snapshot_on_shutdown and self.service.table_names():
+                self.service.snapshot_all(incremental=False)
+        finally:
+            self.service.close_tables()
+            self.metrics.close()
+            self._unlock()
+        log.info("server %s stopped", self.address)
+
+    def _unlock(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()  # releases the flock
+            self._lock_file = None
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ServerHandle({self.address}, state={self.service.state})"
+
+
+def _lock_data_dir(data_dir: Path) -> IO[str]:
+    """Hold an exclusive lock on ``data_dir`` for this server's life: two servers on one data dir would
+    overwrite each other's snapshots. The kernel drops the lock when the process dies."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    f = open(data_dir / "LOCK", "a+")  # noqa: SIM115 - held until close
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        owner = f.read().strip() or "unknown"
+        f.close()
+        raise OSError(f"data dir {str(data_dir)!r} is in use by another server ({owner})") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def tune_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int = 256 << 20) -> bool:
+    """Make glibc serve multi-MiB message buffers from the heap instead of a fresh mmap (and page faults) per
+    message: large gRPC payloads move several times faster. Costs resident memory that is kept for reuse.
+    Process-wide; call once at start (``tigana server`` does). Returns False where glibc is absent."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3  # from <malloc.h>
+        ok = libc.mallopt(m_mmap_threshold, int(mmap_threshold)) == 1
+        return ok and libc.mallopt(m_trim_threshold, int(trim_threshold)) == 1
+    except (OSError, AttributeError):
+        return False
+
+
+def _host_for_address(host: str) -> str:
+    if host in ("", "0.0.0.0", "[::]", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def start_server(config: ServerConfig | None = None, *, autoload: bool = True) -> ServerHandle:
+    """Bind and start a shard server; returns at once with its handle (call ``wait_ready`` before using it).
+
+    With ``autoload=False`` the server answers health (NOT_SERVING) and reflection but no shard RPCs until
+    ``handle.load_tables()``. Raises ``OSError`` when the port cannot be bound, ``InvalidArgument`` for a bad
+    config."""
+    handle = ServerHandle(config or ServerConfig())
+    try:
+        handle._start(autoload)
+    except BaseException:
+        handle._server.stop(0)
+        handle.metrics.close()
+        handle._unlock()
+        raise
+    return handle

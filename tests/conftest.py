@@ -1,0 +1,124 @@
+"""Fixtures that start real shard servers (no mocks). Every server a fixture starts, it stops at teardown.
+
+In-process (fast; gRPC on a free loopback port, tables in this process):
+
+- ``shard_server``          one ``ServerHandle`` owning all slots, data dir under ``tmp_path``; ready to serve.
+- ``make_shard_server``     factory ``make_shard_server(**ServerConfig fields) -> ServerHandle`` (ready); defaults
+                            port=0 and a fresh data dir; all closed at teardown.
+- ``shard_servers``         two ready in-process handles; server i owns ``routing.slot_range(i, 2)`` (the same
+                            static assignment the client uses for a shard list), so ``[h.address for h in ...]``
+                            works as a ``ps.connect`` list.
+
+Child processes (``tigana server`` daemons through ``ps.LocalCluster``):
+
+- ``shard_cluster``         module-scoped ``LocalCluster`` of 2 daemons (``.addresses``, ``.procs``, ``.data_dir``);
+                            shared by the tests of a module, so use unique table names.
+- ``make_shard_cluster``    factory ``make_shard_cluster(shards=2, **LocalCluster kwargs) -> LocalCluster``; closed at
+                            teardown.
+
+Helpers:
+
+- ``shard_stub``            factory ``shard_stub(address) -> tigana.proto.shard_pb2_grpc.ShardStub`` over a channel
+                            with 64 MiB message limits; channels closed at teardown.
+
+Handle API (``tigana.ps.ServerHandle``): ``.address`` ("127.0.0.1:PORT"), ``.port``, ``.metrics_port`` (None when
+off), ``.wait_ready(timeout) -> bool``, ``.close(grace=None)`` (drain, snapshot into the data dir, stop; idempotent),
+``.service`` (the ``ShardService``: ``table_names()``, ``set_owned_slots(mask)``), ``.config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tigana.proto import shard_pb2_grpc
+from tigana.ps.config import ServerConfig
+from tigana.ps.daemon import ServerHandle, start_server
+from tigana.ps.local import LocalCluster
+from tigana.ps.routing import slot_range
+
+_CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+_READY_TIMEOUT = 60.0
+
+
+@pytest.fixture
+def make_shard_server(tmp_path: Path) -> Iterator[Callable[..., ServerHandle]]:
+    handles: list[ServerHandle] = []
+    counter = itertools.count()
+
+    def make(**overrides) -> ServerHandle:
+        overrides.setdefault("data_dir", str(tmp_path / f"shard-{next(counter)}"))
+        overrides.setdefault("drain_grace_s", 5.0)
+        config = dataclasses.replace(ServerConfig(port=0), **overrides)
+        handle = start_server(config)
+        handles.append(handle)
+        assert handle.wait_ready(_READY_TIMEOUT), f"server {handle.address} not ready"
+        return handle
+
+    try:
+        yield make
+    finally:
+        for handle in handles:
+            handle.close(grace=1.0)
+
+
+@pytest.fixture
+def shard_server(make_shard_server: Callable[..., ServerHandle]) -> ServerHandle:
+    return make_shard_server()
+
+
+@pytest.fixture
+def shard_servers(make_shard_server: Callable[..., ServerHandle]) -> list[ServerHandle]:
+    handles = []
+    for i in range(2):
+        start, stop = slot_range(i, 2)
+        handles.append(make_shard_server(slots=f"{start}-{stop - 1}"))
+    return handles
+
+
+@pytest.fixture
+def make_shard_cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
+    clusters: list[LocalCluster] = []
+    counter = itertools.count()
+
+    def make(shards: int = 2, **kwargs) -> LocalCluster:
+        kwargs.setdefault("data_dir", tmp_path / f"cluster-{next(counter)}")
+        cluster = LocalCluster(shards, **kwargs)
+        clusters.append(cluster)
+        return cluster
+
+    try:
+        yield make
+    finally:
+        for cluster in clusters:
+            cluster.close(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def shard_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    cluster = LocalCluster(2, data_dir=tmp_path_factory.mktemp("shard-cluster"))
+    try:
+        yield cluster
+    finally:
+        cluster.close(timeout=30)
+
+
+@pytest.fixture
+def shard_stub() -> Iterator[Callable[[str], shard_pb2_grpc.ShardStub]]:
+    channels: list[grpc.Channel] = []
+
+    def make(address: str) -> shard_pb2_grpc.ShardStub:
+        channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        channels.append(channel)
+        return shard_pb2_grpc.ShardStub(channel)
+
+    try:
+        yield make
+    finally:
+        for channel in channels:
+            channel.close()

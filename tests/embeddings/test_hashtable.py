@@ -1,0 +1,67 @@
+"""HashIndex against a dict: both backends, the full signed int64 range, duplicates, growth, tombstones."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tigana.embeddings import _kernels
+from tigana.embeddings.hashtable import HashIndex
+
+BACKENDS = ["numpy"] + (["numba"] if _kernels.AVAILABLE else [])
+EDGES = [0, -1, 1, 2**63 - 1, -(2**63), 2**62, -(2**62) + 7]
+ids_st = st.one_of(st.sampled_from(EDGES), st.integers(-50, 50), st.integers(-(2**63), 2**63 - 1))
+batch_st = st.lists(ids_st, min_size=0, max_size=60)
+op_st = st.tuples(st.sampled_from(["insert", "delete", "lookup"]), batch_st)
+
+
+def _insert(index: HashIndex, ref: dict[int, int], batch: list[int], next_val: list[int]) -> None:
+    fresh = [i for i in dict.fromkeys(batch) if i not in ref]
+    vals = list(range(next_val[0], next_val[0] + len(fresh)))
+    next_val[0] += len(fresh)
+    index.insert(np.array(fresh, np.int64), np.array(vals, np.int64))
+    ref.update(zip(fresh, vals, strict=True))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(op_st, min_size=1, max_size=25))
+def test_matches_dict(backend: str, ops: list[tuple[str, list[int]]]) -> None:
+    index, ref, next_val = HashIndex(backend=backend), {}, [0]
+    for op, batch in ops:
+        arr = np.array(batch, np.int64)
+        if op == "insert":
+            _insert(index, ref, batch, next_val)
+        elif op == "delete":
+            removed_ids, removed_vals = index.delete(arr)
+            expect = {i: ref.pop(i) for i in dict.fromkeys(batch) if i in ref}
+            assert dict(zip(removed_ids.tolist(), removed_vals.tolist(), strict=True)) == expect
+        got = index.lookup(arr)
+        assert got.tolist() == [ref.get(i, -1) for i in batch]
+        assert len(index) == len(ref)
+    keys, vals = index.items()
+    assert dict(zip(keys.tolist(), vals.tolist(), strict=True)) == ref
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_growth_and_churn(backend: str) -> None:
+    rng = np.random.default_rng(1)
+    index, ref = HashIndex(backend=backend), {}
+    next_val = 0
+    for _ in range(30):
+        new = np.unique(rng.integers(-(2**63), 2**63 - 1, 3000, dtype=np.int64))
+        new = new[index.lookup(new) < 0]
+        index.insert(new, np.arange(next_val, next_val + new.size))
+        ref.update(zip(new.tolist(), range(next_val, next_val + new.size), strict=True))
+        next_val += new.size
+        gone = rng.choice(np.array(list(ref), np.int64), 1500, replace=False)
+        index.delete(np.concatenate([gone, gone[:10]]))  # duplicates in a delete are fine
+        for g in gone.tolist():
+            del ref[g]
+    assert len(index) == len(ref)
+    probe = np.array(list(ref)[:5000], np.int64)
+    assert index.lookup(probe).tolist() == [ref[i] for i in probe.tolist()]
+    assert index.capacity * 0.7 >= len(index)
+    assert index.nbytes / len(index) < 30  # 12 bytes per bucket at a load of 0.47-0.7

@@ -1,0 +1,74 @@
+"""Two shard daemons as child processes (``shard_cluster``) and two in-process ones (``shard_servers``): each owns
+its static slot range, serves its ids, refuses the other's, and survives bad requests."""
+
+from __future__ import annotations
+
+import socket
+
+import grpc
+import numpy as np
+import pytest
+
+from tigana.embeddings import EmbeddingTable, TableConfig
+from tigana.embeddings import config as cfg
+from tigana.proto import shard_pb2 as pb
+from tigana.ps import wire
+from tigana.ps.local import LocalCluster
+from tigana.ps.routing import slot_of, split_by_owner, static_assignment
+
+
+def _exercise(addresses: list[str], shard_stub, name: str) -> None:
+    stubs = [shard_stub(a) for a in addresses]
+    config = TableConfig(name, dim=8, optimizer=cfg.Adagrad(lr=0.1), initializer=cfg.Normal(std=0.05), seed=5)
+    for stub in stubs:
+        stub.CreateTable(pb.CreateTableRequest(spec=wire.spec_to_pb(config), exist_ok=True), timeout=30)
+    reference = EmbeddingTable(config)
+    rng = np.random.default_rng(3)
+    ids = rng.integers(-(1 << 40), 1 << 40, 2000)
+    grads = rng.normal(size=(len(ids), 8)).astype(np.float32)
+    owners = static_assignment(len(stubs))[slot_of(ids)]
+    parts = split_by_owner(owners, len(stubs))
+    try:
+        reference.push(ids, grads)
+        got = np.empty((len(ids), 8), np.float32)
+        for stub, pos in zip(stubs, parts, strict=True):
+            assert len(pos) > 0
+            stub.Push(pb.PushRequest(table=name, ids=wire.encode_ids(ids[pos]), grads=wire.encode_rows(grads[pos])),
+                      timeout=30)
+            reply = stub.Pull(pb.PullRequest(table=name, ids=wire.encode_ids(ids[pos])), timeout=30)
+            got[pos] = wire.decode_rows(reply.rows, len(pos), 8, table=name)
+        np.testing.assert_array_equal(got, reference.pull(ids))
+    finally:
+        reference.close()
+    # each server refuses the other's ids and keeps serving
+    for stub, pos in zip(stubs, parts[::-1], strict=True):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Pull(pb.PullRequest(table=name, ids=wire.encode_ids(ids[pos])), timeout=30)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and repr(name) in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Push(pb.PushRequest(table=name, ids=b"\x00" * 9), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert [t.name for t in stub.ListTables(pb.ListTablesRequest(), timeout=30).tables].count(name) == 1
+
+
+def test_two_daemon_processes(shard_cluster, shard_stub) -> None:
+    assert len(shard_cluster.addresses) == 2 and all(shard_cluster.alive())
+    _exercise(shard_cluster.addresses, shard_stub, "cluster_proc")
+    assert all(shard_cluster.alive())
+
+
+def test_two_in_process_servers(shard_servers, shard_stub) -> None:
+    _exercise([h.address for h in shard_servers], shard_stub, "cluster_inproc")
+
+
+def test_base_port_and_a_shard_that_cannot_start(make_shard_cluster, tmp_path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        busy = sock.getsockname()[1]
+        with pytest.raises(RuntimeError, match="cannot bind") as err:
+            LocalCluster(1, base_port=busy, data_dir=tmp_path / "busy")
+        assert "shard 0 exited with code 1" in str(err.value)
+    cluster = make_shard_cluster(1, base_port=busy)  # the port is free again
+    assert cluster.addresses == [f"127.0.0.1:{busy}"]
+    assert cluster.close() == [0]

@@ -1,0 +1,124 @@
+"""`tigana server` and `tigana local` as users run them: real child processes, real signals."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tigana.embeddings import TableConfig
+from tigana.embeddings import config as cfg
+from tigana.proto import shard_pb2 as pb
+from tigana.proto import shard_pb2_grpc
+from tigana.ps import wire
+
+CLI = [sys.executable, "-m", "tigana.tools.cli"]
+IDS = np.arange(1000, dtype=np.int64)
+
+
+@contextlib.contextmanager
+def _spawn(*args: str, **kwargs):
+    proc = subprocess.Popen([*CLI, *args], start_new_session=True, **kwargs)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def _wait_file(path: Path, proc: subprocess.Popen, timeout: float = 90) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"exited with {proc.returncode}"
+        if path.exists():
+            with contextlib.suppress(ValueError):
+                return json.loads(path.read_text())
+        time.sleep(0.05)
+    raise TimeoutError(path)
+
+
+def _pull(stub, name: str = "users") -> np.ndarray:
+    reply = stub.Pull(pb.PullRequest(table=name, ids=wire.encode_ids(IDS)), timeout=30)
+    return wire.decode_rows(reply.rows, len(IDS), 4, table=name)
+
+
+def test_server_sigterm_snapshots_and_restart_restores(tmp_path: Path) -> None:
+    data_dir, ready = tmp_path / "shard", tmp_path / "ready.json"
+    args = ("server", "--port", "0", "--data-dir", str(data_dir), "--ready-file", str(ready),
+            "--metrics-port", "auto", "--memory-budget", "64MiB")
+    with _spawn(*args, stderr=subprocess.PIPE, text=True) as proc:
+        info = _wait_file(ready, proc)
+        assert info["pid"] == proc.pid and info["metrics_port"]
+        with grpc.insecure_channel(info["address"]) as channel:
+            stub = shard_pb2_grpc.ShardStub(channel)
+            config = TableConfig("users", dim=4, optimizer=cfg.RowWiseAdagrad(lr=0.1))
+            stub.CreateTable(pb.CreateTableRequest(spec=wire.spec_to_pb(config)), timeout=30)
+            grads = np.random.default_rng(0).normal(size=(len(IDS), 4)).astype(np.float32)
+            stub.Push(pb.PushRequest(table="users", ids=wire.encode_ids(IDS), grads=wire.encode_rows(grads)),
+                      timeout=30)
+            rows = _pull(stub)
+            (before,) = stub.Stats(pb.StatsRequest(table="users"), timeout=30).tables
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, proc.stderr.read()
+        assert "SIGTERM" in proc.stderr.read()
+    assert not ready.exists()
+    assert any((data_dir / "snapshots" / "users").iterdir())
+
+    with _spawn(*args, stderr=subprocess.DEVNULL) as proc:
+        info = _wait_file(ready, proc)
+        with grpc.insecure_channel(info["address"]) as channel:
+            stub = shard_pb2_grpc.ShardStub(channel)
+            (after,) = stub.Stats(pb.StatsRequest(table="users"), timeout=30).tables
+            assert after.values["checksum"] == before.values["checksum"]
+            np.testing.assert_array_equal(_pull(stub), rows)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C is a clean stop too
+        assert proc.wait(60) == 0
+
+
+def test_server_rejects_bad_flags(tmp_path: Path) -> None:
+    out = subprocess.run([*CLI, "server", "--memory-budget", "lots", "--data-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "memory-budget" in out.stderr
+
+
+def test_local_starts_and_stops_its_shards(tmp_path: Path) -> None:
+    data_dir = tmp_path / "local"
+    with _spawn("local", "--shards", "2", "--data-dir", str(data_dir), stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True) as proc:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        assert ready, "no addresses printed"
+        addresses = proc.stdout.readline().strip().split(",")
+        assert len(addresses) == 2 and all(a.startswith("127.0.0.1:") for a in addresses)
+        assert "2 shard(s) serving" in proc.stdout.readline()
+        pids = [json.loads((data_dir / f"shard-{i}" / "ready.json").read_text())["pid"] for i in range(2)]
+        for address in addresses:
+            with grpc.insecure_channel(address) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(90) == 0, proc.stderr.read()
+        assert "exit codes [0, 0]" in proc.stderr.read()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_subcommand_help_lists_its_flags() -> None:
+    for command, flag in (("server", "--memory-budget"), ("local", "--shards")):
+        out = subprocess.run([*CLI, command, "--help"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and flag in out.stdout

@@ -1,0 +1,199 @@
+"""PSEmbeddingCollection against real shard daemons: pooling, pushed gradients, prefetch, and step-by-step
+equality with the same model on a local ``nn.EmbeddingBag`` (staleness 0, SGD)."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from tigana import ps
+from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
+from tigana.trainer.types import FeatureSpec, SparseFeatures
+
+DIM = 4
+
+
+@pytest.fixture(scope="module")
+def client():
+    with ps.LocalCluster(shards=2) as cluster:
+        c = ps.connect(cluster.addresses)
+        try:
+            yield c
+        finally:
+            c.close()
+
+
+def _name() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+def _features(prefix: str) -> list[FeatureSpec]:
+    # a: single-hot, own table; b: multi-hot mean, shares table a; c: multi-hot sum, own table
+    return [FeatureSpec(f"{prefix}a"), FeatureSpec(f"{prefix}b", table=f"{prefix}a", pooling="mean"),
+            FeatureSpec(f"{prefix}c")]
+
+
+def _batch(rng: np.random.Generator, prefix: str, b: int, vocab: int = 12) -> SparseFeatures:
+    a = rng.integers(0, vocab, b)
+    b_len = rng.integers(0, 4, b)  # empty bags allowed
+    c_len = rng.integers(1, 4, b)
+    values = np.concatenate([a, rng.integers(0, vocab, b_len.sum()), rng.integers(100, 100 + vocab, c_len.sum())])
+    lengths = np.concatenate([np.ones(b, np.int64), b_len, c_len])
+    return SparseFeatures([f"{prefix}a", f"{prefix}b", f"{prefix}c"], torch.from_numpy(values.astype(np.int64)),
+                          torch.from_numpy(lengths.astype(np.int64)))
+
+
+def _reference(client, sparse: SparseFeatures, features: list[FeatureSpec]) -> np.ndarray:
+    """(B, F, DIM) pooled rows computed bag by bag from plain pulls (the slow, obvious way)."""
+    b = sparse.batch_size
+    out = np.zeros((b, len(features), DIM), np.float32)
+    for f, spec in enumerate(features):
+        values, offsets = sparse.feature(f)
+        ends = torch.cat([offsets[1:], torch.tensor([values.numel()])])
+        for i in range(b):
+            ids = values[int(offsets[i]):int(ends[i])].numpy()
+            if ids.size:
+                rows = client.pull(spec.table_name, ids)
+                out[i, f] = rows.mean(0) if spec.pooling == "mean" else rows.sum(0)
+    return out
+
+
+def test_forward_pools_pulled_rows(client) -> None:
+    prefix = _name()
+    features = _features(prefix)
+    coll = PSEmbeddingCollection(client, features, DIM, options=TableOptions(staleness=0))
+    assert coll.tables == [f"{prefix}a", f"{prefix}c"] and list(coll.parameters()) == []
+    sparse = _batch(np.random.default_rng(0), prefix, 16)
+    with torch.no_grad():
+        out = coll(sparse)
+    assert out.shape == (16, 3, DIM) and out.dtype == torch.float32
+    np.testing.assert_allclose(out.numpy(), _reference(client, sparse, features), rtol=1e-6, atol=1e-7)
+
+
+def test_backward_pushes_the_row_gradients(client) -> None:
+    prefix = _name()
+    features = _features(prefix)
+    coll = PSEmbeddingCollection(client, features, DIM, options=TableOptions(optimizer=ps.SGD(lr=0.5), staleness=0))
+    sparse = _batch(np.random.default_rng(1), prefix, 8)
+    ids_a = np.arange(12)
+    ids_c = np.arange(100, 112)
+    before_a, before_c = client.pull(f"{prefix}a", ids_a), client.pull(f"{prefix}c", ids_c)
+    # Local reference: EmbeddingBags holding the same rows, same pooling, same upstream gradient.
+    wa = torch.tensor(before_a, requires_grad=True)
+    wc = torch.tensor(before_c, requires_grad=True)
+    weight = torch.randn(3, DIM, generator=torch.Generator().manual_seed(3))
+    out = coll(sparse)
+    (out * weight).sum().backward()
+    ref = []
+    for f, (w, base) in enumerate([(wa, 0), (wa, 0), (wc, 100)]):
+        values, offsets = sparse.feature(f)
+        ref.append(nn.functional.embedding_bag(values - base, w, offsets, mode=features[f].pooling))
+    (torch.stack(ref, 1) * weight).sum().backward()
+    coll.flush()
+    np.testing.assert_allclose(client.pull(f"{prefix}a", ids_a), before_a - 0.5 * wa.grad.numpy(), atol=1e-6)
+    np.testing.assert_allclose(client.pull(f"{prefix}c", ids_c), before_c - 0.5 * wc.grad.numpy(), atol=1e-6)
+    assert coll.pushed_rows > 0
+
+
+class _Tiny(nn.Module):
+    """Pooled rows of 3 features + 2 dense inputs -> one logit."""
+
+    def __init__(self, embeddings: nn.Module) -> None:
+        super().__init__()
+        self.embeddings = embeddings
+        torch.manual_seed(7)
+        self.top = nn.Sequential(nn.Linear(3 * DIM + 2, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, dense: torch.Tensor, sparse: SparseFeatures) -> torch.Tensor:
+        pooled = self.embeddings(sparse)
+        return self.top(torch.cat([pooled.flatten(1), dense], 1)).squeeze(1)
+
+
+class _LocalBags(nn.Module):
+    """The same features on local nn.EmbeddingBag tables (ids < vocab, c's ids offset by 100)."""
+
+    def __init__(self, features: list[FeatureSpec], rows_a: np.ndarray, rows_c: np.ndarray) -> None:
+        super().__init__()
+        self.features = features
+        self.a = nn.EmbeddingBag.from_pretrained(torch.tensor(rows_a), freeze=False, mode="sum")
+        self.c = nn.EmbeddingBag.from_pretrained(torch.tensor(rows_c), freeze=False, mode="sum")
+
+    def forward(self, sparse: SparseFeatures) -> torch.Tensor:
+        out = []
+        for f, spec in enumerate(self.features):
+            values, offsets = sparse.feature(f)
+            bag = self.c if f == 2 else self.a
+            out.append(bag(values - (100 if f == 2 else 0), offsets,
+                           per_sample_weights=None) if spec.pooling == "sum" else
+                       nn.functional.embedding_bag(values, bag.weight, offsets, mode="mean"))
+        return torch.stack(out, 1)
+
+
+def test_staleness0_sgd_matches_local_embeddingbag_step_by_step(client) -> None:
+    prefix = _name()
+    features = _features(prefix)
+    lr = 0.3
+    ps_coll = PSEmbeddingCollection(client, features, DIM,
+                                    options=TableOptions(optimizer=ps.SGD(lr=lr), staleness=0, seed=5))
+    rows_a = client.pull(f"{prefix}a", np.arange(12))
+    rows_c = client.pull(f"{prefix}c", np.arange(100, 112))
+    ps_model, local_model = _Tiny(ps_coll), _Tiny(_LocalBags(features, rows_a, rows_c))
+    ps_opt = torch.optim.SGD(ps_model.parameters(), lr=lr)
+    assert all(p.requires_grad for p in ps_model.parameters())
+    local_opt = torch.optim.SGD(local_model.parameters(), lr=lr)
+    rng = np.random.default_rng(11)
+    for _ in range(8):
+        sparse = _batch(rng, prefix, 16)
+        dense = torch.from_numpy(rng.normal(size=(16, 2)).astype(np.float32))
+        labels = torch.from_numpy((rng.random(16) < 0.5).astype(np.float32))
+        for model, opt in ((ps_model, ps_opt), (local_model, local_opt)):
+            opt.zero_grad()
+            loss = nn.functional.binary_cross_entropy_with_logits(model(dense, sparse), labels)
+            loss.backward()
+            opt.step()
+        for p, q in zip(ps_model.top.parameters(), local_model.top.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        # staleness 0: the next pull sees this step's pushes
+        np.testing.assert_allclose(client.pull(f"{prefix}a", np.arange(12)),
+                                   local_model.embeddings.a.weight.detach().numpy(), atol=1e-5)
+        np.testing.assert_allclose(client.pull(f"{prefix}c", np.arange(100, 112)),
+                                   local_model.embeddings.c.weight.detach().numpy(), atol=1e-5)
+
+
+def test_prefetch_gives_the_same_rows_without_a_second_pull(client) -> None:
+    prefix = _name()
+    features = _features(prefix)
+    coll = PSEmbeddingCollection(client, features, DIM, options=TableOptions(staleness=1))
+    sparse = _batch(np.random.default_rng(2), prefix, 32)
+    with torch.no_grad():
+        direct = coll(sparse)
+        pulled = coll.pulled_rows
+        coll.prefetch(sparse)
+        coll.prefetch(sparse)  # the same batch again: nothing new is pulled
+        prefetched = coll(sparse)
+    assert coll.pulled_rows == 2 * pulled
+    torch.testing.assert_close(direct, prefetched)
+    strict = PSEmbeddingCollection(client, features, DIM, options=TableOptions(staleness=1),
+                                   table_options={f"{prefix}c": TableOptions(staleness=0)}, create=False)
+    strict.prefetch(sparse)  # a staleness-0 table: prefetch does nothing
+    assert strict._prefetched is None
+
+
+def test_bad_batches_are_refused_with_the_field_named(client) -> None:
+    prefix = _name()
+    coll = PSEmbeddingCollection(client, _features(prefix), DIM)
+    good = _batch(np.random.default_rng(3), prefix, 4)
+    with pytest.raises(ValueError, match="do not match"):
+        coll(SparseFeatures(["x", "y", "z"], good.values, good.lengths))
+    with pytest.raises(ValueError, match="int64"):
+        coll(SparseFeatures(good.keys, good.values.int(), good.lengths))
+    with pytest.raises(ValueError, match="lengths sum"):
+        coll(SparseFeatures(good.keys, good.values[:-1], good.lengths))
+    with pytest.raises(ValueError, match="table_options"):
+        PSEmbeddingCollection(client, _features(prefix), DIM, table_options={"nope": TableOptions()})
+    with pytest.raises(ValueError, match="staleness"):
+        TableOptions(staleness=-1)

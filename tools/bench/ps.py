@@ -1,0 +1,404 @@
+"""``tigana bench ps``: the tigana.ps client against 2 shard daemons on loopback, with its limits and a peer.
+
+Workload: batches of 65,536 ids drawn Zipf(1.05) over 10M ids; dim 16 and 64; fp32 and fp16 on the wire.
+Cases (rows = ids in the batch, duplicates included, per second):
+
+- ``pull``  ``client.pull`` of one batch;
+- ``push``  pushes of Adagrad gradients, counted once acknowledged (4 in flight, then ``flush``);
+- ``step``  pull, then push of the batch (staleness 1, as a trainer that overlaps its pushes).
+
+Each case is reported against three references measured in the same run, one JSON line each:
+
+- ``in-process``  the same tables as ``EmbeddingTable`` in this process, no network (the limit);
+- ``grpc-echo``   the same messages (sizes, chunks, 2 servers, same channel options) as raw bytes through a
+                  generic-handler echo service in 2 child processes (the Python gRPC ceiling);
+- ``redis``       ``redis-server`` on a free loopback port, pipelined MGET/MSET of the unique ids' rows as
+                  packed bytes (skipped with a message on stderr when the binary is absent).
+
+Both the client process and the daemons run with a fixed large-buffer malloc threshold (glibc otherwise maps and
+unmaps every multi-MiB gRPC buffer, which costs ~3x on loopback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent import futures as cf
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from tigana import ps
+from tigana.embeddings import EmbeddingTable, TableConfig
+from tigana.ps import routing, wire
+from tigana.ps.channels import channel_options
+from tigana.tools.bench.report import emit, log, median_rate
+
+_ECHO = "/tigana.bench.Echo/Exchange"
+_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20),
+               "MALLOC_TOP_PAD_": str(64 << 20)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (about a minute on 2 cores)")
+    parser.add_argument("--batch", type=int, default=65536, help="ids per batch (default 65536)")
+    parser.add_argument("--num-ids", type=int, default=10_000_000, help="id space of the Zipf draw (default 10M)")
+    parser.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent (default 1.05)")
+    parser.add_argument("--dims", default="16,64", help="comma-separated dims (default 16,64)")
+    parser.add_argument("--wire", default="fp32,fp16", help="comma-separated wire codecs (default fp32,fp16)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per case (default 7, quick 3)")
+    parser.add_argument("--no-redis", action="store_true", help="skip the Redis peer")
+
+
+def tune_malloc() -> None:
+    """Large-buffer glibc settings for this process (what ``_MALLOC_ENV`` does for the children)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 32 << 20)   # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
+        libc.mallopt(-2, 64 << 20)   # M_TOP_PAD
+
+
+def zipf_batches(count: int, size: int, num_ids: int, a: float, seed: int = 0) -> list[np.ndarray]:
+    """``count`` batches of ``size`` int64 ids in [0, num_ids), Zipf(a) by rank (rejection above num_ids)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        ids = np.empty(0, np.int64)
+        while ids.size < size:
+            draw = rng.zipf(a, size * 2)
+            ids = np.concatenate([ids, draw[draw <= num_ids] - 1])
+        # scatter ranks over the id space so hot ids do not share slots
+        out.append((routing.mix64(ids[:size]) % np.uint64(num_ids)).astype(np.int64))
+    return out
+
+
+class _Cycle:
+    def __init__(self, items: list) -> None:
+        self.items, self.i = items, 0
+
+    def __call__(self):
+        self.i = (self.i + 1) % len(self.items)
+        return self.items[self.i]
+
+
+# --- the raw gRPC ceiling ---------------------------------------------------------------------------------
+def _echo_main(ready_file: str) -> None:
+    """Child process: a generic-handler service answering ``Exchange`` with the reply size the request asks."""
+    from tigana.ps.config import ServerConfig
+    from tigana.ps.daemon import grpc_server_options
+
+    replies: dict[int, bytes] = {}
+
+    def exchange(request: bytes, context) -> bytes:
+        size = int.from_bytes(request[:8], "little")
+        reply = replies.get(size)
+        if reply is None:
+            reply = replies[size] = bytes(size)
+        return reply
+
+    handler = grpc.method_handlers_generic_handler("tigana.bench.Echo", {
+        "Exchange": grpc.unary_unary_rpc_method_handler(exchange)})
+    server = grpc.server(cf.ThreadPoolExecutor(max_workers=16), options=grpc_server_options(ServerConfig()))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    Path(ready_file).write_text(f"127.0.0.1:{port}")
+    server.wait_for_termination()
+
+
+class EchoServers:
+    """``n`` echo server child processes; ``exchange(plan)`` sends every (server, request, reply) at once."""
+
+    def __init__(self, n: int, options: list) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.channels: list[grpc.Channel] = []
+        self._tmp = tempfile.TemporaryDirectory(prefix="tigana-echo-")
+        env = dict(os.environ, **_MALLOC_ENV)
+        try:
+            files = []
+            for i in range(n):
+                ready = Path(self._tmp.name) / f"echo-{i}"
+                files.append(ready)
+                self.procs.append(subprocess.Popen([sys.executable, "-m", "tigana.tools.bench.ps", "--echo-server",
+                                                    str(ready)], env=env, stdin=subprocess.DEVNULL))
+            deadline = time.monotonic() + 60
+            while not all(f.exists() and f.read_text() for f in files):
+                if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
+                    raise RuntimeError("echo servers did not start")
+                time.sleep(0.05)
+            self.channels = [grpc.insecure_channel(f.read_text(), options=options) for f in files]
+            self.calls = [c.unary_unary(_ECHO, request_serializer=wire.identity, response_deserializer=wire.identity)
+                          for c in self.channels]
+        except BaseException:
+            self.close()
+            raise
+
+    def exchange(self, plan: list[tuple[int, bytes]]) -> int:
+        """plan: (server index, request) pairs, all sent in parallel; returns reply bytes received."""
+        futs = [self.calls[i].future(req, timeout=60) for i, req in plan]
+        return sum(len(f.result()) for f in futs)
+
+    def close(self) -> None:
+        for c in self.channels:
+            c.close()
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self._tmp.cleanup()
+
+
+def _message_plan(client: ps.Client, uniq: np.ndarray, dim: int, codec: str, kind: str) -> list[tuple[int, bytes]]:
+    """The messages the client sends for one batch, as echo requests of the same sizes (ids chunks, rows)."""
+    c = wire.codec_of(codec)
+    row_bytes = wire.rows_nbytes(1, dim, c)
+    servers = {s.address: i for i, s in enumerate(client._servers)}
+    plan = []
+    for server, positions in client._owners(uniq):
+        for chunk in client._chunks(positions, row_bytes):
+            n = len(chunk)
+            if kind in ("pull", "step"):  # ids out, rows back
+                plan.append((servers[server.address], (n * row_bytes).to_bytes(8, "little") + bytes(8 * n)))
+            if kind in ("push", "step"):  # ids and grads out, a small ack back
+                plan.append((servers[server.address], (8).to_bytes(8, "little") + bytes(n * (8 + row_bytes))))
+    return plan
+
+
+# --- Redis ------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisPeer:
+    """A throw-away ``redis-server`` on a free loopback port, no persistence."""
+
+    def __init__(self, binary: str) -> None:
+        import redis
+
+        self.port = _free_port()
+        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--protected-mode", "no"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        self.db = redis.Redis(host="127.0.0.1", port=self.port)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.db.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.close()
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.05)
+
+    def mget(self, keys: list[int], step: int = 1024) -> list[bytes]:
+        pipe = self.db.pipeline(transaction=False)
+        for i in range(0, len(keys), step):
+            pipe.mget(keys[i:i + step])
+        out: list[bytes] = []
+        for part in pipe.execute():
+            out.extend(part)
+        return out
+
+    def mset(self, keys: list[int], values: list[bytes], step: int = 1024) -> None:
+        pipe = self.db.pipeline(transaction=False)
+        for i in range(0, len(keys), step):
+            pipe.mset(dict(zip(keys[i:i + step], values[i:i + step], strict=True)))
+        pipe.execute()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.db.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _rows_as_values(rows: np.ndarray, codec: str) -> list[bytes]:
+    block = rows.astype("<f2") if codec == "fp16" else np.ascontiguousarray(rows, "<f4")
+    return block.view(np.dtype((np.void, block.shape[1] * block.itemsize))).ravel().tolist()
+
+
+def _values_as_rows(values: list[bytes], dim: int, codec: str) -> np.ndarray:
+    dtype = "<f2" if codec == "fp16" else "<f4"
+    return np.frombuffer(b"".join(values), dtype).astype(np.float32).reshape(-1, dim)
+
+
+# --- the run ----------------------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    if getattr(args, "echo_server", None):
+        _echo_main(args.echo_server)
+        return 0
+    tune_malloc()
+    repeats = args.repeats or (3 if args.quick else 7)
+    dims = [int(d) for d in args.dims.split(",")]
+    codecs = [c.strip() for c in args.wire.split(",")]
+    batches = zipf_batches(4 if args.quick else 8, args.batch, args.num_ids, args.zipf)
+    uniques = [np.unique(b, return_inverse=True) for b in batches]
+    unique_rows = int(np.mean([len(u) for u, _ in uniques]))
+    log(f"bench ps: batch {args.batch}, ~{unique_rows} unique ids, dims {dims}, wire {codecs}, repeats {repeats}")
+    base = {"batch": args.batch, "unique_ids": unique_rows, "num_ids": args.num_ids, "zipf": args.zipf,
+            "shards": 2, "repeats": repeats}
+
+    redis_bin = None if args.no_redis else shutil.which("redis-server")
+    if redis_bin is None and not args.no_redis:
+        log("bench ps: redis-server not found (apt-get install redis-server); skipping the Redis peer")
+    cfg = ps.ClientConfig()
+    options = channel_options(cfg.max_message_bytes, cfg.keepalive_time_s, cfg.keepalive_timeout_s,
+                              cfg.reconnect_backoff_s)
+    env = dict(os.environ, TIGANA_SNAPSHOT_ON_SHUTDOWN="0", **_MALLOC_ENV)
+    cluster = echo = peer = client = None
+    try:
+        cluster = ps.LocalCluster(2, env=env)
+        echo = EchoServers(2, options)
+        peer = RedisPeer(redis_bin) if redis_bin else None
+        client = ps.connect(cluster.addresses, cfg)
+        client.wait_ready(30)
+        for dim in dims:
+            for codec in codecs:
+                _bench_table(client, echo, peer, batches, uniques, dim, codec, repeats, base)
+    finally:
+        if client is not None:
+            with contextlib.suppress(ps.PSError):
+                client.close()
+        if peer is not None:
+            peer.close()
+        if echo is not None:
+            echo.close()
+        if cluster is not None:
+            cluster.close(timeout=30)
+    return 0
+
+
+def _bench_table(client: ps.Client, echo: EchoServers, peer: RedisPeer | None, batches: list[np.ndarray],
+                 uniques: list, dim: int, codec: str, repeats: int, base: dict) -> None:
+    name = f"bench_d{dim}_{codec}"
+    opt = ps.Adagrad(lr=0.01)
+    params = dict(base, dim=dim, wire=codec, optimizer="adagrad")
+    client.create_table(name, dim=dim, optimizer=opt, initializer=ps.Normal(std=0.01), staleness=1,
+                        compression=codec)
+    local = EmbeddingTable(TableConfig(name, dim, optimizer=opt, initializer=ps.Normal(std=0.01)))
+    rng = np.random.default_rng(1)
+    grads = [rng.normal(0, 0.01, (b.size, dim)).astype(np.float32) for b in batches]
+    n = batches[0].size
+    in_flight = 4
+    try:
+        for b in batches:  # insert every row first: the timed runs read and update existing rows
+            client.pull(name, b)
+            local.pull(b)
+        batch, grad = _Cycle(batches), _Cycle(grads)
+
+        def ps_pull() -> int:
+            client.pull(name, batch())
+            return n
+
+        def ps_push() -> int:
+            for _ in range(in_flight):
+                client.push(name, batch(), grad())
+            client.flush()
+            return n * in_flight
+
+        def ps_step() -> int:
+            for _ in range(in_flight):
+                b = batch()
+                client.pull(name, b)
+                client.push(name, b, grad())
+            client.flush()
+            return n * in_flight
+
+        def local_pull() -> int:
+            local.pull(batch())
+            return n
+
+        def local_push() -> int:
+            local.push(batch(), grad())
+            return n
+
+        def local_step() -> int:
+            b = batch()
+            local.pull(b)
+            local.push(b, grad())
+            return n
+
+        plans = {kind: _Cycle([_message_plan(client, u, dim, codec, kind) for u, _ in uniques])
+                 for kind in ("pull", "push", "step")}
+
+        def echo_case(kind: str) -> Callable[[], int]:
+            def fn() -> int:
+                echo.exchange(plans[kind]())
+                return n
+            return fn
+
+        results = {}
+        for kind, fn, lim in (("pull", ps_pull, local_pull), ("push", ps_push, local_push),
+                              ("step", ps_step, local_step)):
+            value = median_rate(fn, repeats=repeats)
+            results[kind] = value
+            emit(kind, "rows/s", value, "in-process", median_rate(lim, repeats=repeats), **params)
+            emit(kind, "rows/s", value, "grpc-echo", median_rate(echo_case(kind), repeats=repeats), **params)
+        if peer is not None:
+            _redis_cases(peer, uniques, dim, codec, repeats, results, n, params)
+        stats = client.stats()
+        log(f"bench ps {name}: sent {stats['bytes_sent'][name]} received {stats['bytes_received'][name]} "
+            f"staleness {stats['staleness'][name]} retries {stats['retries']}")
+    finally:
+        client.drop_table(name)
+        local.close()
+
+
+def _redis_cases(peer: RedisPeer, uniques: list, dim: int, codec: str, repeats: int, results: dict, n: int,
+                 params: dict) -> None:
+    peer.db.flushall()
+    rng = np.random.default_rng(2)
+    keys = [u.tolist() for u, _ in uniques]
+    rows = [rng.normal(0, 0.01, (len(u), dim)).astype(np.float32) for u, _ in uniques]
+    for k, r in zip(keys, rows, strict=True):
+        peer.mset(k, _rows_as_values(r, codec))
+    which = _Cycle(list(range(len(uniques))))
+
+    def mget() -> int:
+        i = which()
+        got = _values_as_rows(peer.mget(keys[i]), dim, codec)
+        got[uniques[i][1]]  # back to batch order, as the client does
+        return n
+
+    def mset() -> int:
+        i = which()
+        peer.mset(keys[i], _rows_as_values(rows[i], codec))
+        return n
+
+    def both() -> int:
+        mget()
+        return mset()
+
+    for kind, fn, label in (("pull", mget, "redis MGET"), ("push", mset, "redis MSET"),
+                            ("step", both, "redis MGET+MSET")):
+        emit(kind, "rows/s", results[kind], "redis", median_rate(fn, repeats=repeats), redis_op=label, **params)
+
+
+if __name__ == "__main__":  # the echo server child: python -m tigana.tools.bench.ps --echo-server READY_FILE
+    _parser = argparse.ArgumentParser()
+    _parser.add_argument("--echo-server")
+    raise SystemExit(run(_parser.parse_args()))

@@ -1,0 +1,182 @@
+"""``tigana bench table``: the storage engine against the dense-tensor limits, measured in the same run.
+
+Cases (one JSON line each, for dim 16 and 64):
+  lookup   EmbeddingTable.pull (hash lookup + gather) of batches whose ids are all stored, vs
+           torch.index_select on pre-mapped indices into a dense tensor holding the same rows (the limit).
+  lookup_or_insert  the same pulls on first sight: new ids are hashed in and initialized (new_ids_per_batch).
+  update   EmbeddingTable.push with row-wise Adagrad (lookup, dedup + segment sum, update) vs the same update
+           in torch on pre-mapped indices (torch.unique + index_add_ + row-wise Adagrad + index_copy_).
+  capacity rows resident and bytes per resident row after inserting ``--rows`` ids (dim 16, row-wise
+           Adagrad) against the 160 bytes/row target (100 M rows in 16 GiB).
+
+Ids: batches of 65,536 drawn Zipf(1.05) over ``--distinct`` ids (10 M; fewer with --quick), each rank
+hashed to an arbitrary int64 id. Rates are medians over batches; the ratio (ours / limit) is what to read on
+a shared machine. Our kernels run on one core (a server overlaps requests on the others), so the torch
+limits run with one thread unless --torch-threads says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from tigana import embeddings as emb
+from tigana.embeddings.initializers import mix64
+from tigana.tools.bench.report import emit, log, median_rate
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="small sizes; finishes in under a minute")
+    parser.add_argument("--rows", type=int, default=None,
+                        help="rows to insert for the capacity case (default 10M; quick 1M)")
+    parser.add_argument("--distinct", type=int, default=None,
+                        help="distinct ids the Zipf batches draw from (default 10M; quick 1M)")
+    parser.add_argument("--batch", type=int, default=65536, help="ids per batch")
+    parser.add_argument("--dims", type=str, default="16,64", help="comma-separated embedding dims")
+    parser.add_argument("--repeats", type=int, default=None, help="timed batches per case (median)")
+    parser.add_argument("--backend", choices=("auto", "numba", "numpy"), default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="threads for the torch limits (default 1, as our kernels use one core)")
+
+
+def zipf_batches(distinct: int, batch: int, count: int, *, alpha: float = 1.05, seed: int = 0) -> list[np.ndarray]:
+    """``count`` batches of ``batch`` int64 ids, ranks ~ Zipf(alpha) truncated to ``distinct``, hashed."""
+    ranks = np.arange(1, distinct + 1, dtype=np.float64)
+    cdf = np.cumsum(ranks ** -alpha)
+    cdf /= cdf[-1]
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        r = np.searchsorted(cdf, rng.random(batch)).astype(np.uint64)
+        out.append(mix64(r + np.uint64(seed)).view(np.int64))
+    return out
+
+
+def _torch_limits(table: emb.EmbeddingTable, batches: list[np.ndarray], lr: float, eps: float):
+    """Dense copies of the table's rows and the batches' ids pre-mapped to row numbers."""
+    import torch
+
+    rows = table.export_rows()
+    weights = torch.from_numpy(np.ascontiguousarray(rows.weights))
+    state = torch.from_numpy(np.ascontiguousarray(rows.state[:, 0]))
+    order = rows.ids  # sorted
+    mapped = [torch.from_numpy(np.searchsorted(order, b)) for b in batches]
+
+    def gather(i: int) -> int:
+        idx = mapped[i % len(mapped)]
+        torch.index_select(weights, 0, idx)
+        return idx.shape[0]
+
+    def update(i: int, grads: torch.Tensor) -> int:
+        idx = mapped[i % len(mapped)]
+        uniq, inverse = torch.unique(idx, return_inverse=True)
+        summed = torch.zeros(uniq.shape[0], weights.shape[1]).index_add_(0, inverse, grads)
+        acc = state.index_select(0, uniq) + summed.pow(2).mean(dim=1)
+        state.index_copy_(0, uniq, acc)
+        new = weights.index_select(0, uniq) - (lr / (acc.sqrt() + eps)).unsqueeze(1) * summed
+        weights.index_copy_(0, uniq, new)
+        return idx.shape[0]
+
+    return gather, update
+
+
+def _bench_dim(args, dim: int, distinct: int, repeats: int) -> None:
+    import torch
+
+    batch = args.batch
+    warm = 8 if args.quick else 32
+    batches = zipf_batches(distinct, batch, warm + repeats + 1, seed=args.seed)
+    lr, eps = 0.01, 1e-8
+    table = emb.EmbeddingTable(emb.TableConfig(
+        f"bench{dim}", dim=dim, optimizer=emb.RowWiseAdagrad(lr=lr, eps=eps), initializer=emb.Uniform(),
+        backend=args.backend))
+    t0 = time.perf_counter()
+    for b in batches[:warm]:
+        table.pull(b)
+    log(f"dim {dim}: warm-up {warm} batches, {len(table)} rows, {time.perf_counter() - t0:.1f}s")
+    timed = batches[warm:]
+    rows_before = len(table)
+    counter = iter(range(1 << 30))
+
+    def ours_lookup() -> int:
+        b = timed[next(counter) % len(timed)]
+        table.pull(b)
+        return b.shape[0]
+
+    params = dict(dim=dim, batch=batch, ids=f"zipf(1.05) over {distinct}", repeats=repeats,
+                  backend=table.backend, quick=bool(args.quick), torch_threads=torch.get_num_threads())
+    fresh = median_rate(ours_lookup, repeats=repeats, warmup=1)  # first sight of these batches: inserts too
+    new_ids = len(table)
+    for b in timed:  # every timed id is a row now: the dense copy below holds the same rows
+        table.pull(b)
+    new_ids = (new_ids - rows_before) / (repeats + 1)
+    hits = median_rate(ours_lookup, repeats=repeats, warmup=1)
+    gather, update = _torch_limits(table, timed, lr, eps)
+    counter_t = iter(range(1 << 30))
+    limit = median_rate(lambda: gather(next(counter_t)), repeats=repeats, warmup=1)
+    emit("table.lookup", "ids/s", hits, "torch.index_select (pre-mapped, dense)", limit,
+         rows=len(table), **params)
+    emit("table.lookup_or_insert", "ids/s", fresh, "torch.index_select (pre-mapped, dense)", limit,
+         rows=len(table), new_ids_per_batch=round(new_ids), **params)
+
+    rng = np.random.default_rng(args.seed + 1)
+    grads = [rng.standard_normal((batch, dim), dtype=np.float32) * 0.01 for _ in range(2)]
+    grads_t = [torch.from_numpy(g) for g in grads]
+    counter = iter(range(1 << 30))
+
+    def ours_update() -> int:
+        i = next(counter)
+        b = timed[i % len(timed)]
+        table.push(b, grads[i % 2])
+        return b.shape[0]
+
+    ours = median_rate(ours_update, repeats=repeats, warmup=1)
+    counter_t = iter(range(1 << 30))
+
+    def torch_update() -> int:
+        i = next(counter_t)
+        return update(i, grads_t[i % 2])
+
+    limit = median_rate(torch_update, repeats=repeats, warmup=1)
+    emit("table.update_rowwise_adagrad", "ids/s", ours, "torch unique+index_add+rowwise adagrad (pre-mapped)",
+         limit, rows=len(table), **params)
+    table.close()
+
+
+def _bench_capacity(args, rows: int) -> None:
+    dim = 16
+    table = emb.EmbeddingTable(emb.TableConfig("capacity", dim=dim, optimizer=emb.RowWiseAdagrad(),
+                                               initializer=emb.Uniform(), backend=args.backend))
+    t0 = time.perf_counter()
+    chunk = 1 << 20
+    for start in range(0, rows, chunk):
+        ids = mix64(np.arange(start, min(rows, start + chunk), dtype=np.uint64)).view(np.int64)
+        table.pull(ids)
+    secs = time.perf_counter() - t0
+    st = table.stats()
+    emit("table.capacity", "bytes/row", st["bytes_per_row"], "target (100M rows in 16 GiB)", 160.0,
+         dim=dim, optimizer="rowwise_adagrad", rows_resident=int(st["rows_resident"]),
+         bytes_resident=int(st["bytes_resident"]), slot_bytes=int(st["slot_bytes"]),
+         insert_rate=round(rows / secs), quick=bool(args.quick))
+    table.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, args.torch_threads))
+    try:
+        quick = bool(args.quick)
+        distinct = args.distinct or (1_000_000 if quick else 10_000_000)
+        rows = args.rows or (1_000_000 if quick else 10_000_000)
+        repeats = args.repeats or (7 if quick else 21)
+        for dim in (int(d) for d in args.dims.split(",")):
+            _bench_dim(args, dim, distinct, repeats)
+        _bench_capacity(args, rows)
+    finally:
+        torch.set_num_threads(saved_threads)
+    return 0

@@ -1,0 +1,191 @@
+"""``tigana bench train``: DeepFM training samples/s with its tables on the parameter server vs in-process.
+
+Workload: synthetic Criteo-format data (13 dense, 26 sparse features with Zipf-distributed ids; vocabularies
+the Kaggle set's capped at ``--vocab``), DeepFM with dim-16 embeddings and a (256, 128) MLP, batches made up
+front so data generation is not timed. Every model trains with Adam on its dense layers and Adagrad on its
+rows (server-side for the PS, ``torch.optim.Adagrad`` on sparse gradients locally).
+
+Cases, one JSON line each (samples/s, median of the repeats):
+
+- ``train_ps``         1 trainer + 2 shard daemons, one table per feature, prefetch + staleness 1
+- ``train_ps_shared``  the same with all 26 features in one shared table (ids are salted per feature), so a
+                       step is one pull and one push per shard instead of 26
+  each against ``local nn.EmbeddingBag``: the same model on ``LocalEmbeddingCollection`` in this process
+  (sparse gradients), measured in the same run;
+- ``train_ps_vs_torchrec``: ``train_ps_shared`` against TorchRec's ``EmbeddingBagCollection`` trained locally
+  (only when torchrec is importable; it is never a dependency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import statistics
+import time
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from tigana import ps
+from tigana.tools.bench.report import emit, log
+from tigana.trainer.data import SyntheticCriteo
+from tigana.trainer.data.synthetic import CRITEO_KAGGLE_CARDINALITIES
+from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
+from tigana.trainer.local import LocalEmbeddingCollection
+from tigana.trainer.models import build_model
+from tigana.trainer.types import Batch, FeatureSpec
+
+_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20),
+               "MALLOC_TOP_PAD_": str(64 << 20)}
+DIM = 16
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats (about a minute)")
+    parser.add_argument("--batch-size", type=int, default=2048, help="samples per step (default 2048)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per timed repeat (default 30, quick 12)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per case (default 5, quick 3)")
+    parser.add_argument("--vocab", type=int, default=100_000, help="cap on each feature's vocabulary")
+
+
+def _tune_malloc() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 32 << 20)   # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
+        libc.mallopt(-2, 64 << 20)   # M_TOP_PAD
+
+
+class _Trainer:
+    """One DeepFM and its optimizers; ``epoch()`` trains on every batch once and returns the samples."""
+
+    def __init__(self, embeddings: nn.Module, batches: list[Batch], sparse_params: list[nn.Parameter] = (),
+                 collection: PSEmbeddingCollection | None = None) -> None:
+        torch.manual_seed(0)
+        self.model = build_model("deepfm", embeddings, 13)
+        self.batches, self.collection = batches, collection
+        self.dense_opt = torch.optim.Adam(self.model.dense_parameters(), lr=1e-3)
+        self.sparse_opt = torch.optim.Adagrad(list(sparse_params), lr=0.05) if sparse_params else None
+
+    def epoch(self) -> int:
+        n = 0
+        for i, batch in enumerate(self.batches):
+            if self.collection is not None and i + 1 < len(self.batches):
+                self.collection.prefetch(self.batches[i + 1].sparse)
+            loss = F.binary_cross_entropy_with_logits(self.model(batch.dense, batch.sparse), batch.labels)
+            self.dense_opt.zero_grad(set_to_none=True)
+            if self.sparse_opt is not None:
+                self.sparse_opt.zero_grad(set_to_none=True)
+            loss.backward()
+            self.dense_opt.step()
+            if self.sparse_opt is not None:
+                self.sparse_opt.step()
+            n += len(batch)
+        if self.collection is not None:
+            self.collection.flush()  # every push applied: the samples are done
+        return n
+
+
+def _torchrec_collection(features: list[FeatureSpec], cards: dict[str, int]) -> nn.Module | None:
+    """TorchRec's fused EmbeddingBagCollection as an EmbeddingCollection, or None when torchrec is absent."""
+    try:
+        import torchrec  # noqa: F401
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig
+        from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    except Exception as exc:  # noqa: BLE001 - any import failure means "no peer"
+        log(f"torchrec peer skipped: {type(exc).__name__}: {exc}")
+        return None
+    names = [f.name for f in features]
+    configs = [EmbeddingBagConfig(name=n, embedding_dim=DIM, num_embeddings=cards[n], feature_names=[n])
+               for n in names]
+    ebc = FusedEmbeddingBagCollection(tables=configs, optimizer_type=torch.optim.Adagrad,
+                                      optimizer_kwargs={"lr": 0.05}, device=torch.device("cpu"))
+    sizes = torch.tensor([cards[n] for n in names])
+
+    class _TorchRec(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ebc, self.feature_names, self.dim = ebc, names, DIM
+
+        def forward(self, sparse) -> torch.Tensor:
+            b = sparse.batch_size
+            per_feature = sparse.lengths.view(len(names), b).sum(1)
+            values = torch.remainder(sparse.values, sizes.repeat_interleave(per_feature))
+            kjt = KeyedJaggedTensor(keys=names, values=values, lengths=sparse.lengths)
+            out = self.ebc(kjt).to_dict()
+            return torch.stack([out[n] for n in names], 1)
+
+    return _TorchRec()
+
+
+def run(args: argparse.Namespace) -> int:
+    _tune_malloc()
+    steps = args.steps or (12 if args.quick else 30)
+    repeats = args.repeats or (3 if args.quick else 5)
+    bs = args.batch_size
+    vocab = tuple(min(v, args.vocab) for v in CRITEO_KAGGLE_CARDINALITIES)
+    gen = SyntheticCriteo(vocab_sizes=vocab, seed=0)
+    log(f"bench train: making {steps} batches of {bs} synthetic Criteo rows")
+    batches = list(gen.batches(bs, bs * steps))
+    features = gen.feature_specs()
+    cards = {f.name: v for f, v in zip(features, vocab, strict=True)}
+    params = dict(model="deepfm", batch_size=bs, steps=steps, repeats=repeats, dim=DIM, sparse_features=26,
+                  shards=2, trainers=1, staleness=1, prefetch=True, threads=torch.get_num_threads(),
+                  vocab_cap=args.vocab)
+
+    env = dict(os.environ, TIGANA_SNAPSHOT_ON_SHUTDOWN="0", **_MALLOC_ENV)
+    with ps.LocalCluster(2, env=env) as cluster:
+        client = ps.connect(cluster.addresses)
+        try:
+            local_coll = LocalEmbeddingCollection(features, DIM, cards, sparse_grad=True, seed=0)
+            trainers = {"local": _Trainer(local_coll, batches, list(local_coll.parameters()))}
+            for case, table in (("train_ps", None), ("train_ps_shared", "bench_train_shared")):
+                specs = [FeatureSpec(f"bench_train_{f.name}" if table is None else f.name,
+                                     table=table, pooling=f.pooling) for f in features]
+                named = [_rename(b, [s.name for s in specs]) for b in batches] if table is None else batches
+                coll = PSEmbeddingCollection(client, specs, DIM,
+                                             options=TableOptions(optimizer=ps.Adagrad(lr=0.05), staleness=1))
+                trainers[case] = _Trainer(coll, named, collection=coll)
+            peer = _torchrec_collection(features, cards)
+            if peer is not None:
+                trainers["torchrec"] = _Trainer(peer, batches)
+            rates = _interleaved(trainers, repeats)
+        finally:
+            client.close()
+    for case, tables in (("train_ps", 26), ("train_ps_shared", 1)):
+        emit(case, "samples/s", rates[case], "local nn.EmbeddingBag", rates["local"], tables=tables, **params)
+    if "torchrec" in rates:
+        emit("train_ps_vs_torchrec", "samples/s", rates["train_ps_shared"], "torchrec EmbeddingBagCollection",
+             rates["torchrec"], tables=1, **params)
+    return 0
+
+
+def _interleaved(trainers: dict[str, _Trainer], repeats: int) -> dict[str, float]:
+    """Median samples/s of each trainer over ``repeats`` rounds, the trainers taking turns in every round so
+    a slow spell on a shared machine hits all of them alike (one untimed warm-up round first)."""
+    timings: dict[str, list[float]] = {name: [] for name in trainers}
+    for round_ in range(repeats + 1):
+        for name, trainer in trainers.items():
+            t0 = time.perf_counter()
+            n = trainer.epoch()
+            if round_:
+                timings[name].append(n / (time.perf_counter() - t0))
+        if round_:
+            log("  round " + str(round_) + ": " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in timings.items()))
+    return {name: statistics.median(v) for name, v in timings.items()}
+
+
+def _rename(batch: Batch, keys: list[str]) -> Batch:
+    from tigana.trainer.types import SparseFeatures
+
+    return Batch(batch.dense, SparseFeatures(keys, batch.sparse.values, batch.sparse.lengths), batch.labels)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    raise SystemExit(run(p.parse_args()))

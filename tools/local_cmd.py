@@ -1,0 +1,57 @@
+"""``tigana local``: a local cluster of shard daemons as child processes, until Ctrl-C or SIGTERM.
+
+Prints the shard addresses on one comma-separated line (for ``ps.connect`` or scripts), then a human line.
+Stops every daemon (each snapshots into its data dir) on Ctrl-C/SIGTERM; exits 1 when a daemon dies on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+from tigana.ps.local import LocalCluster
+from tigana.ps.routing import DEFAULT_NUM_SLOTS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--shards", type=int, default=2, help="number of shard daemons (default 2)")
+    a("--base-port", type=int, default=None, help="shard i listens on BASE_PORT + i (default: free ports)")
+    a("--host", default="127.0.0.1", help="address the shards bind (default 127.0.0.1)")
+    a("--data-dir", default=None, help="one shard-<i> data dir and log per shard here (default: a temp dir)")
+    a("--memory-budget", default=None, help="per-table memory budget of every shard, e.g. 1GiB")
+    a("--num-slots", type=int, default=DEFAULT_NUM_SLOTS, help="virtual slots (default 4096)")
+    a("--metrics", action="store_true", help="serve Prometheus metrics from every shard on a free port")
+    a("--startup-timeout", type=float, default=120.0, help="seconds to wait for every shard to serve")
+
+
+def run(args: argparse.Namespace) -> int:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        cluster = LocalCluster(args.shards, base_port=args.base_port, data_dir=args.data_dir,
+                               num_slots=args.num_slots, host=args.host, memory_budget=args.memory_budget,
+                               metrics=args.metrics, startup_timeout=args.startup_timeout)
+    except (RuntimeError, TimeoutError, OSError, ValueError) as exc:
+        print(f"tigana local: {exc}", file=sys.stderr)
+        return 1
+    code = 0
+    try:
+        print(",".join(cluster.addresses), flush=True)
+        extra = f"; metrics on ports {cluster.metrics_ports}" if args.metrics else ""
+        print(f"tigana local: {args.shards} shard(s) serving, data in {cluster.data_dir}{extra}; "
+              "Ctrl-C stops them", flush=True)
+        while not stop.wait(0.5):
+            dead = [i for i, alive in enumerate(cluster.alive()) if not alive]
+            if dead:
+                print(f"tigana local: shard(s) {dead} exited on their own; stopping the rest\n"
+                      f"{cluster.log_tail(dead[0])}", file=sys.stderr, flush=True)
+                code = 1
+                break
+    finally:
+        codes = cluster.close()
+    print(f"tigana local: stopped; exit codes {codes}", file=sys.stderr, flush=True)
+    return code

@@ -1,0 +1,102 @@
+"""``tigana server``: run one shard server daemon until SIGTERM or Ctrl-C.
+
+Settings come from flags > ``TIGANA_*`` environment variables > ``--config FILE`` (YAML or TOML) > defaults.
+On SIGTERM/SIGINT the server stops accepting RPCs, drains the ones in flight, snapshots every table into
+``--data-dir`` and exits 0; started again on the same data dir it restores them before serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from tigana.ps.config import load_server_config
+from tigana.ps.daemon import start_server, tune_allocator
+from tigana.ps.errors import InvalidArgument
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--host", default=None, help="address to bind (default 127.0.0.1)")
+    a("--port", type=int, default=None, help="gRPC port (0: a free port, printed at start)")
+    a("--data-dir", default=None, help="tables, snapshots and the spill tier live here")
+    a("--memory-budget", default=None, help="resident bytes per table before spilling, e.g. 8GiB (default: none)")
+    a("--metrics-port", default=None, help="Prometheus HTTP port; 0 off (default), 'auto' a free port")
+    a("--slots", default=None, help="owned virtual slots, e.g. 0-2047 (inclusive ranges); default all")
+    a("--num-slots", type=int, default=None, help="number of virtual slots (default 4096)")
+    a("--max-workers", type=int, default=None, help="gRPC thread pool size (default 16)")
+    a("--max-message-bytes", default=None, help="largest gRPC message sent or received (default 64MiB)")
+    a("--dedup-window", type=int, default=None, help="pushes remembered per client for exactly-once (default 8192)")
+    a("--drain-grace", dest="drain_grace_s", type=float, default=None,
+      help="seconds in-flight RPCs get to finish on shutdown (default 30)")
+    a("--keep-snapshots", type=int, default=None,
+      help="full snapshot chains kept per table (default 2; 0 keeps all)")
+    a("--config", default=None, help="YAML or TOML file of settings (keys as the flags, with _ or -)")
+    a("--ready-file", default=None, help="write {address, port, metrics_port, pid} as JSON here once serving")
+    a("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+
+
+_FLAG_FIELDS = ("host", "port", "data_dir", "memory_budget", "metrics_port", "slots", "num_slots", "max_workers",
+                "max_message_bytes", "dedup_window", "drain_grace_s", "keep_snapshots", "config")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        config = load_server_config({k: getattr(args, k, None) for k in _FLAG_FIELDS})
+    except InvalidArgument as exc:
+        print(f"tigana server: {exc}", file=sys.stderr)
+        return 2
+
+    stop = threading.Event()
+    received: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        received.append(signum)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+
+    tune_allocator()
+    try:
+        handle = start_server(config)
+    except (OSError, InvalidArgument) as exc:
+        print(f"tigana server: {exc}", file=sys.stderr)
+        return 1
+    try:
+        while not handle.wait_ready(0.2):
+            if stop.is_set():
+                return 0
+        if args.ready_file:
+            _write_ready(Path(args.ready_file), handle)
+        print(f"tigana server: serving on {handle.address} (slots {config.slots} of {config.num_slots}, "
+              f"data dir {config.data_dir or 'none'}"
+              + (f", metrics on :{handle.metrics_port}" if handle.metrics_port else "") + ")",
+              file=sys.stderr, flush=True)
+        stop.wait()
+        print(f"tigana server: {signal.Signals(received[0]).name}, draining and snapshotting", file=sys.stderr,
+              flush=True)
+    except Exception as exc:  # noqa: BLE001 - a failed load is reported, not a traceback
+        print(f"tigana server: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        handle.close()  # idempotent; snapshots only when the tables were loaded
+        if args.ready_file:
+            Path(args.ready_file).unlink(missing_ok=True)
+    return 0
+
+
+def _write_ready(path: Path, handle) -> None:
+    info = {"address": handle.address, "port": handle.port, "metrics_port": handle.metrics_port, "pid": os.getpid()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, path)

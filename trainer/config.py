@@ -1,0 +1,242 @@
+"""How a training run is configured: one frozen dataclass and the loader that fills it.
+
+Sources, lowest to highest priority: the dataclass defaults, a YAML file (``--config train.yaml``; keys are
+the field names, ``-`` or ``_``), ``TIGANA_<FIELD>`` environment variables (e.g. ``TIGANA_BATCH_SIZE=1024``,
+``TIGANA_PS=host1:7101,host2:7101``), then command-line flags. Every value is checked, and a bad one raises
+``ConfigError`` naming the field and where it came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["DATASETS", "MODELS", "ConfigError", "TrainConfig", "add_arguments", "config_from_args",
+           "load_config"]
+
+MODELS = ("deepfm", "dlrm", "wide_deep", "dcn_v2")
+DATASETS = ("synthetic", "criteo", "movielens-100k")
+OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl")
+
+
+class ConfigError(ValueError):
+    """A configuration value that is missing, of the wrong type or out of range; the message names it."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run. Sizes are per trainer process unless stated."""
+
+    model: str = "deepfm"
+    dataset: str = "synthetic"
+    data: str | None = None                 # data folder or file; synthetic needs none
+    ps: tuple[str, ...] = ()                # shard addresses; empty: start an embedded local cluster
+    shards: int = 2                         # shards of the embedded local cluster
+    epochs: int = 1
+    batch_size: int = 512
+    eval_batch_size: int = 4096
+    max_steps: int | None = None            # stop after this many steps in total (None: run every epoch)
+    dim: int = 16                           # embedding width
+    lr: float = 1e-3                        # dense optimizer (Adam) learning rate
+    weight_decay: float = 0.0
+    embedding_optimizer: str = "adagrad"    # server-side optimizer of the tables
+    embedding_lr: float = 0.05
+    init_std: float = 0.01
+    staleness: int = 1                      # steps of its own pushes a trainer's pulls may miss
+    prefetch: bool = True                   # pull batch t+1 while batch t computes (needs staleness >= 1)
+    sparse_aggregation: bool = False        # merge the pushes of a node's ranks at the node leader
+    table_prefix: str = ""                  # prefix of every table name (to share a cluster between runs)
+    allreduce: str = "hierarchical"         # hierarchical | flat
+    compression: str = "none"               # none | fp16 | bf16 (dense all-reduce)
+    nproc: int = 1                          # trainer processes to spawn when not under a launcher
+    ranks_per_node: int | None = None       # simulate nodes of this many ranks on one machine
+    backend: str | None = None              # gloo | nccl (default: nccl with CUDA, else gloo)
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0               # steps between checkpoints; 0: at the end of every epoch
+    resume: str | None = None               # "latest" (newest in checkpoint_dir) or a checkpoint folder
+    logdir: str | None = None               # TensorBoard logs (rank 0)
+    log_every: int = 50                     # steps between TensorBoard scalars
+    seed: int = 0
+    synthetic_rows: int = 200_000           # synthetic data: training rows (held-out rows: a fifth of it)
+    synthetic_vocab: int = 100_000          # synthetic data: distinct ids per feature
+    progress: bool = True                   # tqdm progress bar on rank 0 (stderr)
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["ps"] = list(self.ps)
+        return d
+
+
+def _check(c: TrainConfig) -> None:
+    def need(ok: bool, name: str, what: str) -> None:
+        if not ok:
+            raise ConfigError(f"{name}: {what}, got {getattr(c, name)!r}")
+
+    need(c.model in MODELS, "model", f"must be one of {MODELS}")
+    need(c.dataset in DATASETS, "dataset", f"must be one of {DATASETS}")
+    need(c.embedding_optimizer in OPTIMIZERS, "embedding_optimizer", f"must be one of {OPTIMIZERS}")
+    need(c.allreduce in ("hierarchical", "flat"), "allreduce", "must be hierarchical or flat")
+    need(c.compression in ("none", "fp16", "bf16"), "compression", "must be none, fp16 or bf16")
+    need(c.backend in (None, "gloo", "nccl"), "backend", "must be gloo or nccl")
+    for name in ("shards", "epochs", "batch_size", "eval_batch_size", "dim", "nproc", "log_every",
+                 "synthetic_rows", "synthetic_vocab"):
+        need(getattr(c, name) >= 1, name, "must be >= 1")
+    for name in ("staleness", "checkpoint_every", "seed"):
+        need(getattr(c, name) >= 0, name, "must be >= 0")
+    for name in ("lr", "embedding_lr"):
+        need(getattr(c, name) > 0, name, "must be > 0")
+    need(c.init_std >= 0 and c.weight_decay >= 0, "init_std" if c.init_std < 0 else "weight_decay",
+         "must be >= 0")
+    need(c.max_steps is None or c.max_steps >= 1, "max_steps", "must be >= 1")
+    need(c.ranks_per_node is None or c.ranks_per_node >= 1, "ranks_per_node", "must be >= 1")
+    need(c.resume is None or c.resume == "latest" or bool(c.resume), "resume", "must be 'latest' or a path")
+    need(c.resume != "latest" or c.checkpoint_dir is not None, "resume", "'latest' needs checkpoint_dir")
+    for address in c.ps:
+        need(":" in address and address.rsplit(":", 1)[1].isdigit(), "ps", "must list HOST:PORT addresses")
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_HINTS = typing.get_type_hints(TrainConfig)
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    """``value`` (a YAML value or an environment/flag string) as field ``name``'s type."""
+    hint = _HINTS[name]
+    args = typing.get_args(hint)
+    optional = type(None) in args and (typing.get_origin(hint) in (typing.Union, types.UnionType))
+    base = next((a for a in args if a is not type(None)), hint) if optional else hint
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("", "none", "null")):
+        if optional:
+            return None
+        raise ConfigError(f"{name} ({source}): a value is required")
+    try:
+        if typing.get_origin(base) is tuple:
+            if isinstance(value, str):
+                return tuple(v.strip() for v in value.split(",") if v.strip())
+            if isinstance(value, (list, tuple)):
+                return tuple(str(v) for v in value)
+            raise TypeError(type(value).__name__)
+        if base is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if base is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if base is float:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{name} ({source}): cannot read {value!r} as {getattr(base, '__name__', base)}") from exc
+
+
+def _normalize(key: str) -> str:
+    return key.strip().replace("-", "_").lower()
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None,
+                environ: Mapping[str, str] | None = None) -> TrainConfig:
+    """Defaults < YAML file ``path`` < ``TIGANA_*`` environment < ``overrides`` (flags; None values skipped)."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except OSError as exc:
+            raise ConfigError(f"config: cannot read {p}: {exc}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config: {p} is not valid YAML: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config: {p} must hold a mapping of field names to values")
+        for key, value in loaded.items():
+            name = _normalize(str(key))
+            if name not in _FIELDS:
+                raise ConfigError(f"{key} ({p}): unknown field; expected one of {sorted(_FIELDS)}")
+            values[name] = _coerce(name, value, str(p))
+    env = os.environ if environ is None else environ
+    for name in _FIELDS:
+        var = f"TIGANA_{name.upper()}"
+        if var in env:
+            values[name] = _coerce(name, env[var], var)
+    for key, value in (overrides or {}).items():
+        name = _normalize(key)
+        if name not in _FIELDS:
+            raise ConfigError(f"{key}: unknown field")
+        if value is not None:
+            values[name] = _coerce(name, value, f"--{name.replace('_', '-')}")
+    try:
+        return TrainConfig(**values)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The training flags (every default is None so only flags given override the file and environment)."""
+    parser.add_argument("--config", metavar="FILE", help="YAML file of TrainConfig fields")
+    parser.add_argument("--model", choices=MODELS)
+    parser.add_argument("--dataset", choices=DATASETS)
+    parser.add_argument("--data", metavar="PATH", help="data folder or file (criteo, movielens-100k)")
+    parser.add_argument("--ps", metavar="ADDRESS[,ADDRESS]",
+                        help="shard addresses; without it an embedded local cluster runs for the job")
+    parser.add_argument("--shards", type=int, help="shards of the embedded local cluster (default 2)")
+    parser.add_argument("--epochs", type=int)
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--eval-batch-size", type=int)
+    parser.add_argument("--max-steps", type=int)
+    parser.add_argument("--dim", type=int, help="embedding width")
+    parser.add_argument("--lr", type=float, help="dense (Adam) learning rate")
+    parser.add_argument("--weight-decay", type=float)
+    parser.add_argument("--embedding-optimizer", choices=OPTIMIZERS)
+    parser.add_argument("--embedding-lr", type=float)
+    parser.add_argument("--init-std", type=float)
+    parser.add_argument("--staleness", type=int)
+    parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--sparse-aggregation", action=argparse.BooleanOptionalAction, default=None,
+                        help="merge the pushes of a node's ranks at the node leader")
+    parser.add_argument("--table-prefix")
+    parser.add_argument("--allreduce", choices=("hierarchical", "flat"))
+    parser.add_argument("--compression", choices=("none", "fp16", "bf16"))
+    parser.add_argument("--nproc", type=int, help="trainer processes to spawn (not under torchrun/srun)")
+    parser.add_argument("--ranks-per-node", type=int, help="simulate nodes of this many ranks")
+    parser.add_argument("--backend", choices=("gloo", "nccl"))
+    parser.add_argument("--checkpoint-dir", metavar="DIR")
+    parser.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (0: every epoch)")
+    parser.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
+                        help="resume from a checkpoint folder (default: the newest in --checkpoint-dir)")
+    parser.add_argument("--logdir", metavar="DIR", help="TensorBoard log folder")
+    parser.add_argument("--log-every", type=int)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--synthetic-rows", type=int)
+    parser.add_argument("--synthetic-vocab", type=int)
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+
+
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> TrainConfig:
+    """The TrainConfig of parsed ``add_arguments`` flags."""
+    overrides = {name: getattr(args, name) for name in _FIELDS if hasattr(args, name)}
+    return load_config(getattr(args, "config", None), overrides, environ)

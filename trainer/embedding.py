@@ -1,0 +1,373 @@
+"""Embedding tables that live on the parameter server, as a torch module.
+
+forward(sparse) -> (B, F, dim):
+
+    ids of each table ──unique──> pull rows once per distinct id ──> (U, dim) rows of every table, stacked
+         │                          (or take the rows prefetched           │ _PushRows: identity forward;
+         └── inverse index ───┐      during the previous step)             │ backward pushes d rows to the PS
+                              └──────── embedding_bag(sum, per-sample weights for mean) ──> (F*B, dim)
+
+No table ever has a dense gradient: the only gradient autograd computes is the (U, dim) one of the rows this
+batch used, and the custom autograd function sends it to the shard servers (asynchronously) instead of
+handing it to an optimizer. The servers apply the table's own optimizer. The collection has no parameters,
+so the dense optimizer and DDP never see the tables.
+
+Staleness: a table created with ``staleness=k`` lets the rows a step reads miss the pushes of at most the
+``k`` previous steps of this trainer (the client holds a pull back until the older pushes are acknowledged,
+without blocking the caller). ``prefetch(next_batch)`` overlaps the pull of step t+1 with step t's compute,
+which needs k >= 1 (the rows cannot include step t's own pushes); with k = 0 every pull waits for every
+earlier push and prefetch does nothing. Pushes of other trainers are never waited for (asynchronous SGD).
+
+Hierarchical sparse aggregation (``aggregate_group``): the ranks of one node gather their (ids, grads) at the
+node leader, which sums the rows of equal ids and pushes once for the node.
+
+Thread-safety: one collection per trainer thread; forward/backward/prefetch must come from one thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from tigana import ps
+from tigana.trainer.types import FeatureSpec, SparseFeatures
+
+__all__ = ["PSEmbeddingCollection", "TableOptions"]
+
+
+@dataclass(frozen=True)
+class TableOptions:
+    """How a PS table is created: its server-side optimizer and initializer, staleness bound, seed and the
+    wire compression of its rows (None: float32)."""
+
+    optimizer: Any = field(default_factory=lambda: ps.Adagrad(lr=0.05))
+    initializer: Any = field(default_factory=lambda: ps.Normal(std=0.01))
+    staleness: int = 1
+    seed: int = 0
+    compression: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.staleness < 0:
+            raise ValueError(f"staleness must be >= 0, got {self.staleness}")
+
+
+@dataclass
+class _Plan:
+    """What one batch needs from the tables: distinct ids per table and where each value's row sits.
+
+    N values of F*B bags; the rows of every table are stacked, table after table, into (U, dim), U = sum U_t.
+    """
+
+    unique: list[np.ndarray]          # per table: (U_t,) int64 distinct ids, ascending
+    index: torch.Tensor               # (N,) int64 stacked row of each value
+    offsets: torch.Tensor             # (F*B,) int64 bag starts in the values
+    weights: torch.Tensor | None      # (N,) float32 per-value weights (1/len of its bag for mean pooling)
+    order: torch.Tensor               # (N,) int64 the values grouped by row: values of row 0 first, ...
+    row_starts: torch.Tensor          # (U,) int64 start of each row's group in ``order``
+    bag_of_value: torch.Tensor | None  # (N,) int64 bag of each value (multi-hot batches only)
+    batch_size: int
+    single_hot: bool                  # every bag holds exactly one id
+
+
+def _pool(rows: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """(U, dim) stacked rows -> (F*B, dim) pooled bags."""
+    if plan.single_hot:
+        return rows.index_select(0, plan.index)
+    return F.embedding_bag(plan.index, rows, plan.offsets, mode="sum", per_sample_weights=plan.weights)
+
+
+class _PooledLookup(torch.autograd.Function):
+    """Pool the pulled rows; backward turns the bags' gradient into one gradient row per distinct id (a
+    segmented sum over the plan's grouping, no scatter) and hands it to the collection, which pushes it.
+    ``anchor`` (requires grad) is what makes autograd call backward; the rows themselves are plain data."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, rows: torch.Tensor, owner: PSEmbeddingCollection,
+                plan: _Plan) -> torch.Tensor:
+        ctx.owner, ctx.plan, ctx.num_rows = owner, plan, rows.shape[0]
+        return _pool(rows, plan)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        plan = ctx.plan
+        grad = grad.contiguous()
+        if plan.single_hot:
+            per_value = grad  # bag i holds value i
+        else:
+            per_value = grad.index_select(0, plan.bag_of_value)
+            if plan.weights is not None:
+                per_value = per_value * plan.weights.unsqueeze(1)
+        if per_value.shape[0]:
+            row_grads = F.embedding_bag(plan.order, per_value, plan.row_starts, mode="sum")
+        else:
+            row_grads = grad.new_zeros(ctx.num_rows, grad.shape[1])
+        ctx.owner._push(plan, row_grads)
+        return None, None, None, None
+
+
+def _group(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(n,) int64 -> (unique ascending, inverse (n,), order (n,) grouping equal ids, group starts in order)."""
+    order = np.argsort(ids)
+    ordered = ids[order]
+    first = np.empty(ids.shape[0], dtype=bool)
+    first[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    inverse = np.empty(ids.shape[0], dtype=np.int64)
+    inverse[order] = np.cumsum(first) - 1
+    return ordered[starts], inverse, order, starts
+
+
+class PSEmbeddingCollection(nn.Module):
+    """Sparse features -> pooled rows, with every table held by the parameter server behind ``client``.
+
+    features: one FeatureSpec per sparse feature, in the order batches list them (features may share a table)
+    dim:      row width of every table
+    options:  default TableOptions; ``table_options`` overrides them per table name
+    aggregate_group: a node-local process group (ranks of this node only) for hierarchical sparse
+              aggregation; None pushes from every rank directly
+    grad_scale: factor applied to row gradients before they are pushed
+
+    Tables are created on construction (identical specs from several ranks are fine).
+    """
+
+    def __init__(self, client: Any, features: Sequence[FeatureSpec], dim: int, *,
+                 options: TableOptions | None = None, table_options: Mapping[str, TableOptions] | None = None,
+                 aggregate_group: dist.ProcessGroup | None = None, grad_scale: float = 1.0,
+                 create: bool = True) -> None:
+        super().__init__()
+        if dim < 1:
+            raise ValueError(f"dim must be positive, got {dim}")
+        if not features:
+            raise ValueError("a PSEmbeddingCollection needs at least one feature")
+        names = [f.name for f in features]
+        if len(set(names)) != len(names):
+            raise ValueError(f"feature names must be distinct, got {names}")
+        self.client = client
+        self.features = list(features)
+        self.feature_names = names
+        self.dim = int(dim)
+        self.grad_scale = float(grad_scale)
+        self.tables: list[str] = list(dict.fromkeys(f.table_name for f in features))
+        default = options or TableOptions()
+        table_options = dict(table_options or {})
+        unknown = sorted(set(table_options) - set(self.tables))
+        if unknown:
+            raise ValueError(f"table_options name tables no feature reads: {unknown}")
+        self.options: dict[str, TableOptions] = {t: table_options.get(t, default) for t in self.tables}
+        self._features_of_table = [[i for i, f in enumerate(features) if f.table_name == t] for t in self.tables]
+        self._mean = torch.tensor([f.pooling == "mean" for f in features])
+        self._any_mean = bool(self._mean.any())
+        # The anchor makes autograd call _PushRows.backward; it is not a Parameter, so no optimizer sees it.
+        self._anchor = torch.zeros((), requires_grad=True)
+        self.steps = 0  # training forwards (one push per table each)
+        self._prefetched: tuple[SparseFeatures, _Plan, list[Any]] | None = None
+        self._aggregate_group = aggregate_group
+        self.pushed_rows = 0
+        self.pulled_rows = 0
+        if create:
+            for table in self.tables:
+                self._create(table)
+
+    # ------------------------------------------------------------------ tables
+    def _create(self, table: str) -> None:
+        o = self.options[table]
+        # The client's bound counts its own pushes before the pull is sent. A prefetched pull for step t+1 is
+        # sent before step t pushes, so the client's k-1 is this table's k (and a stricter k-1 for a pull
+        # sent at its own step).
+        self.client.create_table(table, dim=self.dim, optimizer=o.optimizer, initializer=o.initializer,
+                                 seed=o.seed, staleness=max(o.staleness - 1, 0), compression=o.compression)
+
+    @property
+    def min_staleness(self) -> int:
+        return min(o.staleness for o in self.options.values())
+
+    # ------------------------------------------------------------------ forward
+    def _plan(self, sparse: SparseFeatures) -> _Plan:
+        if list(sparse.keys) != self.feature_names:
+            raise ValueError(f"sparse features {list(sparse.keys)} do not match the collection's "
+                             f"{self.feature_names}")
+        values, lengths = sparse.values, sparse.lengths
+        if values.dtype != torch.int64 or lengths.dtype != torch.int64:
+            raise ValueError(f"sparse values and lengths must be int64, got {values.dtype} and {lengths.dtype}")
+        nf = len(self.feature_names)
+        if lengths.numel() % nf:
+            raise ValueError(f"sparse lengths has {lengths.numel()} entries, not a multiple of {nf} features")
+        b = lengths.numel() // nf
+        if int(lengths.sum()) != values.numel():
+            raise ValueError(f"sparse lengths sum to {int(lengths.sum())} but there are {values.numel()} values")
+        per_feature = lengths.view(nf, b).sum(1).tolist()
+        starts_of_feature = np.concatenate([[0], np.cumsum(per_feature)])
+        values_np = values.numpy()
+        unique: list[np.ndarray] = []
+        index = np.empty(values.numel(), dtype=np.int64)
+        order_parts, start_parts = [], []
+        rows_before = values_before = 0
+        for feats in self._features_of_table:
+            # positions (into values) of this table's values, feature after feature
+            spans = [(int(starts_of_feature[f]), int(starts_of_feature[f + 1])) for f in feats]
+            if len(spans) == 1:
+                positions = None
+                ids = values_np[spans[0][0]:spans[0][1]]
+            else:
+                positions = np.concatenate([np.arange(a, z) for a, z in spans])
+                ids = values_np[positions]
+            uniq, inverse, order, group_starts = _group(ids)
+            if positions is None:
+                index[spans[0][0]:spans[0][1]] = inverse + rows_before
+                order_parts.append(order + spans[0][0])
+            else:
+                index[positions] = inverse + rows_before
+                order_parts.append(positions[order])
+            start_parts.append(group_starts + values_before)
+            values_before += ids.shape[0]
+            unique.append(uniq)
+            rows_before += uniq.shape[0]
+        offsets = torch.cumsum(lengths, 0) - lengths
+        single_hot = values.numel() == lengths.numel() and bool((lengths == 1).all())
+        weights = bag_of_value = None
+        if not single_hot:
+            bag_of_value = torch.repeat_interleave(torch.arange(lengths.numel()), lengths,
+                                                   output_size=values.numel())
+            if self._any_mean:
+                per_bag = torch.where(self._mean.repeat_interleave(b), 1.0 / lengths.clamp(min=1).float(),
+                                      torch.ones(lengths.numel()))
+                weights = per_bag.index_select(0, bag_of_value)
+        cat = np.concatenate
+        return _Plan(unique=unique, index=torch.from_numpy(index), offsets=offsets, weights=weights,
+                     order=torch.from_numpy(cat(order_parts) if len(order_parts) > 1 else order_parts[0]),
+                     row_starts=torch.from_numpy(cat(start_parts) if len(start_parts) > 1 else start_parts[0]),
+                     bag_of_value=bag_of_value, batch_size=b, single_hot=single_hot)
+
+    def _issue_pulls(self, plan: _Plan) -> list[Any]:
+        # The client holds each pull back (asynchronously) until the pushes the staleness bound needs are in.
+        return [self.client.pull_async(table, ids) for table, ids in zip(self.tables, plan.unique, strict=True)]
+
+    def _collect(self, plan: _Plan, futures: list[Any]) -> torch.Tensor:
+        blocks = []
+        for table, ids, fut in zip(self.tables, plan.unique, futures, strict=True):
+            rows = np.asarray(fut.result(), dtype=np.float32)
+            if rows.shape != (ids.shape[0], self.dim):
+                raise RuntimeError(f"table {table!r}: pulled rows of shape {rows.shape}, "
+                                   f"expected ({ids.shape[0]}, {self.dim})")
+            if not rows.flags.writeable:
+                rows = rows.copy()
+            blocks.append(torch.from_numpy(rows))
+            self.pulled_rows += ids.shape[0]
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+
+    def prefetch(self, sparse: SparseFeatures) -> None:
+        """Start pulling the rows of ``sparse`` now, for a later ``forward(sparse)`` (the same object) to use.
+        A no-op unless every table's staleness is at least 1. The training loop calls it with batch t+1 before
+        running step t; an unused prefetch is dropped by the next prefetch or ``flush``."""
+        if self.min_staleness < 1:
+            return
+        if self._prefetched is not None and self._prefetched[0] is sparse:
+            return
+        self._drop_prefetch()
+        plan = self._plan(sparse)
+        self._prefetched = (sparse, plan, self._issue_pulls(plan))
+
+    def forward(self, sparse: SparseFeatures) -> torch.Tensor:
+        """(B, F, dim) float32 pooled rows, features in ``feature_names`` order."""
+        training = torch.is_grad_enabled()
+        pre = self._prefetched
+        if pre is not None and pre[0] is sparse:
+            self._prefetched = None
+            plan, futures = pre[1], pre[2]
+        else:
+            plan = self._plan(sparse)
+            futures = self._issue_pulls(plan)
+        rows = self._collect(plan, futures)
+        if training:
+            self.steps += 1
+            pooled = _PooledLookup.apply(self._anchor, rows, self, plan)
+        else:
+            pooled = _pool(rows, plan)
+        return pooled.view(len(self.feature_names), plan.batch_size, self.dim).transpose(0, 1)
+
+    # ------------------------------------------------------------------ backward
+    def _push(self, plan: _Plan, grad: torch.Tensor) -> None:
+        grad = grad.detach()
+        if self.grad_scale != 1.0:
+            grad = grad * self.grad_scale
+        grads = list(torch.split(grad, [u.shape[0] for u in plan.unique]))
+        ids = [torch.from_numpy(u) for u in plan.unique]
+        if self._aggregate_group is not None:
+            ids, grads = _aggregate(ids, grads, self._aggregate_group, self.dim)
+        for table, t_ids, t_grads in zip(self.tables, ids, grads, strict=True):
+            if t_ids.numel():
+                self.client.push(table, t_ids.numpy(), np.ascontiguousarray(t_grads.numpy(), dtype=np.float32))
+                self.pushed_rows += t_ids.numel()
+
+    def flush(self) -> None:
+        """Wait until every push this collection made has been applied, and drop any prefetched rows (they may
+        predate those pushes)."""
+        self._drop_prefetch()
+        self.client.flush()
+
+    def _drop_prefetch(self) -> None:
+        if self._prefetched is not None:
+            for fut in self._prefetched[2]:  # let it finish (errors surface here), drop its rows
+                fut.result()
+            self._prefetched = None
+
+    def extra_repr(self) -> str:
+        return f"features={len(self.features)}, tables={len(self.tables)}, dim={self.dim}"
+
+
+def _aggregate(ids: list[torch.Tensor], grads: list[torch.Tensor], group: dist.ProcessGroup,
+               dim: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Gather every node rank's (ids, grads) per table at the node leader and sum rows of equal ids there.
+
+    Returns the merged ids and grads on the leader (group rank 0) and empty ones elsewhere. Every rank of the
+    group must call it with the same number of tables.
+    """
+    members = dist.get_world_size(group)
+    leader = dist.get_global_rank(group, 0)
+    me = dist.get_rank(group)
+    counts = torch.tensor([t.numel() for t in ids], dtype=torch.int64)
+    all_counts = [torch.empty_like(counts) for _ in range(members)]
+    dist.all_gather(all_counts, counts, group=group)
+    totals = [int(c.sum()) for c in all_counts]
+    width = max(totals)
+    empty_ids = [ids[0].new_empty(0) for _ in ids]
+    empty_grads = [grads[0].new_empty(0, dim) for _ in grads]
+    if width == 0:
+        return (ids, grads) if me == 0 else (empty_ids, empty_grads)
+    flat_ids = torch.zeros(width, dtype=torch.int64)
+    flat_grads = torch.zeros(width, dim, dtype=torch.float32)
+    n = totals[me]
+    flat_ids[:n] = torch.cat(ids)
+    flat_grads[:n] = torch.cat(grads)
+    if me == 0:
+        id_list = [torch.empty_like(flat_ids) for _ in range(members)]
+        grad_list = [torch.empty_like(flat_grads) for _ in range(members)]
+    else:
+        id_list = grad_list = None
+    dist.gather(flat_ids, id_list, dst=leader, group=group)
+    dist.gather(flat_grads, grad_list, dst=leader, group=group)
+    if me != 0:
+        return empty_ids, empty_grads
+    per_rank_ids = [torch.split(id_list[r][:totals[r]], all_counts[r].tolist()) for r in range(members)]
+    per_rank_grads = [torch.split(grad_list[r][:totals[r]], all_counts[r].tolist()) for r in range(members)]
+    out_ids, out_grads = [], []
+    for t in range(len(ids)):
+        t_ids = torch.cat([per_rank_ids[r][t] for r in range(members)])
+        t_grads = torch.cat([per_rank_grads[r][t] for r in range(members)])
+        if t_ids.numel() == 0:
+            out_ids.append(t_ids)
+            out_grads.append(t_grads)
+            continue
+        uniq, _, order, starts = _group(t_ids.numpy())
+        summed = F.embedding_bag(torch.from_numpy(order), t_grads.contiguous(), torch.from_numpy(starts), mode="sum")
+        out_ids.append(torch.from_numpy(uniq))
+        out_grads.append(summed)
+    return out_ids, out_grads

@@ -1,0 +1,404 @@
+"""The training loop one trainer process runs: data, model, PS tables, DDP, evaluation, checkpoints.
+
+    for each step:  prefetch rows of batch t+1 ─┐
+                    forward batch t (rows pulled during step t-1) ──► loss ──► backward
+                         │ dense grads: DDP (hierarchical or flat all-reduce)   └─► row grads pushed to the PS
+                         └ dense optimizer (Adam) steps the dense parameters only
+
+Every rank reads its own part of the data; ranks agree on each step with one small all-reduce so uneven
+parts never leave a rank waiting in a collective. Rank 0 logs to TensorBoard and shows the progress bar.
+
+A checkpoint (``checkpoint_dir/step-<n>/``) holds the dense state (model, optimizer, position in the data)
+and the PS snapshot taken at the same step: every rank flushes its pushes, the ranks meet at a barrier, rank 0
+has every shard snapshot its tables. Resuming restores both and continues from the next batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from tigana import ps
+from tigana.trainer.allreduce import register_hook
+from tigana.trainer.config import TrainConfig
+from tigana.trainer.distributed import DistEnv, Groups
+from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
+from tigana.trainer.types import Batch, FeatureSpec, SparseFeatures
+
+__all__ = ["TrainData", "evaluate", "load_data", "train"]
+
+
+# ---------------------------------------------------------------------------------------------- data
+@dataclass
+class TrainData:
+    """A rank's view of a data set: feature specs, dense width, and iterators over its part."""
+
+    features: list[FeatureSpec]
+    num_dense: int
+    train_batches: Callable[[int], Iterator[Batch]]   # epoch -> this rank's training batches
+    eval_batches: Callable[[], Iterator[Batch]]        # this rank's held-out batches
+    description: str
+
+
+def _movielens_root(path: str | None) -> Path:
+    if path is None:
+        raise ValueError("data: the movielens-100k dataset needs --data (the ml-100k folder or its parent)")
+    root = Path(path)
+    for candidate in (root, root / "ml-100k", root / "movielens-100k" / "ml-100k"):
+        if (candidate / "u.user").is_file():
+            return candidate
+    raise FileNotFoundError(f"data: no MovieLens-100K files (u.user, u1.base...) under {root}")
+
+
+def _criteo_files(path: str | None) -> tuple[Path, Path | None]:
+    if path is None:
+        raise ValueError("data: the criteo dataset needs --data (a DAC/Kaggle file or a folder holding one)")
+    p = Path(path)
+    if p.is_file():
+        return p, None
+    if not p.is_dir():
+        raise FileNotFoundError(f"data: {p} does not exist")
+    files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in (".txt", ".csv", ".tsv"))
+    evals = [f for f in files if f.stem.split(".")[0] in ("test", "valid", "val", "eval")]
+    trains = [f for f in files if f not in evals and f.stem.startswith("train")] or \
+             [f for f in files if f not in evals]
+    if not trains:
+        raise FileNotFoundError(f"data: no Criteo text file in {p}")
+    return max(trains, key=lambda f: f.stat().st_size), (evals[0] if evals else None)
+
+
+def _rows_of(batch: Batch, keep: torch.Tensor) -> Batch:
+    """The rows ``keep`` (bool (B,)) of a single-hot batch."""
+    nf = len(batch.sparse.keys)
+    values = batch.sparse.values.view(nf, -1)[:, keep].reshape(-1)
+    sparse = SparseFeatures(list(batch.sparse.keys), values, torch.ones_like(values))
+    return Batch(batch.dense[keep], sparse, batch.labels[keep])
+
+
+def load_data(config: TrainConfig, rank: int = 0, world_size: int = 1) -> TrainData:
+    """The configured data set, partitioned for ``rank`` of ``world_size``."""
+    from tigana.trainer import data as d  # the readers (imported late: only what a run needs)
+
+    bs, ebs, seed = config.batch_size, config.eval_batch_size, config.seed
+    if config.dataset == "movielens-100k":
+        ml = d.MovieLens100K(_movielens_root(config.data))
+        train_set, test_set = ml.train(), ml.test()
+        return TrainData(
+            ml.feature_specs(), ml.num_dense,
+            lambda epoch: train_set.batches(bs, rank=rank, world_size=world_size, shuffle=True, seed=seed,
+                                            epoch=epoch),
+            lambda: test_set.batches(ebs, rank=rank, world_size=world_size),
+            f"movielens-100k u1.base ({len(train_set)} rows) / u1.test ({len(test_set)} rows)")
+    if config.dataset == "synthetic":
+        vocab = tuple(min(v, config.synthetic_vocab) for v in d.synthetic.CRITEO_KAGGLE_CARDINALITIES)
+        gen = d.SyntheticCriteo(vocab_sizes=vocab, seed=seed)
+        n_eval = max(config.synthetic_rows // 5, 1)
+        train_set = gen.dataset(config.synthetic_rows)
+        test_set = gen.dataset(n_eval, start=config.synthetic_rows)
+        return TrainData(
+            gen.feature_specs(), gen.num_dense,
+            lambda epoch: train_set.batches(bs, rank=rank, world_size=world_size, shuffle=True, seed=seed,
+                                            epoch=epoch),
+            lambda: test_set.batches(ebs, rank=rank, world_size=world_size),
+            f"synthetic Criteo-format, {config.synthetic_rows} training rows / {n_eval} held-out rows")
+    train_file, eval_file = _criteo_files(config.data)
+
+    def reader(path: Path, batch_size: int) -> Any:
+        return d.CriteoReader(path, batch_size, rank=rank, world_size=world_size)
+
+    if eval_file is not None:
+        return TrainData(d.criteo_feature_specs(), d.criteo.NUM_DENSE, lambda epoch: iter(reader(train_file, bs)),
+                         lambda: iter(reader(eval_file, ebs)), f"criteo {train_file.name} / {eval_file.name}")
+
+    # One file: every 10th row of this rank's part is held out.
+    def split(batch_size: int, held_out: bool) -> Iterator[Batch]:
+        seen = 0
+        for batch in reader(train_file, batch_size):
+            keep = (torch.arange(seen, seen + len(batch)) % 10 == 9) == held_out
+            seen += len(batch)
+            if bool(keep.any()):
+                yield _rows_of(batch, keep)
+
+    return TrainData(d.criteo_feature_specs(), d.criteo.NUM_DENSE, lambda epoch: split(bs, False),
+                     lambda: split(ebs, True), f"criteo {train_file.name} (every 10th row held out)")
+
+
+# ---------------------------------------------------------------------------------------------- model
+def _optimizer_of(config: TrainConfig) -> Any:
+    lr = config.embedding_lr
+    return {"sgd": ps.SGD(lr=lr), "adagrad": ps.Adagrad(lr=lr), "rowwise_adagrad": ps.RowWiseAdagrad(lr=lr),
+            "adam": ps.Adam(lr=lr), "ftrl": ps.FTRL(alpha=lr)}[config.embedding_optimizer]
+
+
+def build(config: TrainConfig, client: Any, data: TrainData, groups: Groups | None = None
+          ) -> tuple[nn.Module, PSEmbeddingCollection]:
+    """The configured model over a PS collection of the data's features (tables created on the shards)."""
+    from tigana.trainer.models import build_model
+
+    features = [FeatureSpec(f.name, table=config.table_prefix + f.table_name, pooling=f.pooling)
+                for f in data.features]
+    aggregate = None
+    if config.sparse_aggregation and groups is not None and groups.env.local_world_size > 1:
+        aggregate = groups.sparse_node
+    options = TableOptions(optimizer=_optimizer_of(config), initializer=ps.Normal(std=config.init_std),
+                           staleness=config.staleness, seed=config.seed)
+    collection = PSEmbeddingCollection(client, features, config.dim, options=options, aggregate_group=aggregate)
+    torch.manual_seed(config.seed)  # identical dense init on every rank
+    model = build_model(config.model, collection, data.num_dense)
+    return model, collection
+
+
+def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return list(model.dense_parameters()) if hasattr(model, "dense_parameters") else list(model.parameters())
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+def evaluate(model: nn.Module, batches: Iterator[Batch], collection: PSEmbeddingCollection | None = None
+             ) -> dict[str, float]:
+    """AUC, logloss and row count over ``batches`` (torchmetrics; summed over every rank when a process
+    group is up, so every rank must call it)."""
+    from torchmetrics.aggregation import SumMetric
+    from torchmetrics.classification import BinaryAUROC
+
+    auroc, loss_sum, rows = BinaryAUROC(), SumMetric(), SumMetric()
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            batches = iter(batches)
+            nxt = next(batches, None)
+            while nxt is not None:
+                batch, nxt = nxt, next(batches, None)
+                if nxt is not None and collection is not None:
+                    collection.prefetch(nxt.sparse)
+                logits = model(batch.dense, batch.sparse)
+                auroc.update(torch.sigmoid(logits), batch.labels.long())
+                loss_sum.update(F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum"))
+                rows.update(torch.tensor(float(len(batch))))
+    finally:
+        model.train(was_training)
+    n = float(rows.compute())
+    if n == 0:
+        return {"auc": float("nan"), "logloss": float("nan"), "eval_rows": 0}
+    return {"auc": float(auroc.compute()), "logloss": float(loss_sum.compute()) / n, "eval_rows": int(n)}
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def _checkpoint_dirs(root: Path) -> list[Path]:
+    return sorted((p for p in root.glob("step-*") if (p / "meta.json").is_file()),
+                  key=lambda p: int(p.name.split("-")[1]))
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    dirs = _checkpoint_dirs(Path(root))
+    return dirs[-1] if dirs else None
+
+
+def save_checkpoint(root: Path, *, step: int, epoch: int, batch_in_epoch: int, model: nn.Module,
+                    optimizer: torch.optim.Optimizer, client: Any, config: TrainConfig) -> Path:
+    """Rank 0 only, after every rank flushed its pushes: PS snapshot + dense state, written atomically."""
+    snapshot = client.snapshot()
+    target = root / f"step-{step:09d}"
+    tmp = root / f".tmp-step-{step:09d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = model.dense_state_dict() if hasattr(model, "dense_state_dict") else model.state_dict()
+    torch.save({"model": state, "optimizer": optimizer.state_dict()}, tmp / "dense.pt")
+    meta = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
+            "ps_snapshot": [snapshot[a] for a in client.addresses], "ps_addresses": list(client.addresses),
+            "config": config.to_dict(), "time": time.time()}
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, client: Any | None
+                    ) -> dict[str, Any]:
+    """Load the dense state into ``model``/``optimizer``; with ``client`` (rank 0) restore the PS snapshot."""
+    meta = json.loads((path / "meta.json").read_text())
+    state = torch.load(path / "dense.pt", weights_only=True)
+    if hasattr(model, "load_dense_state_dict"):
+        model.load_dense_state_dict(state["model"])
+    else:
+        model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if client is not None:
+        shards = meta["ps_snapshot"]
+        if len(shards) != len(client.addresses):
+            raise ValueError(f"resume: checkpoint {path} holds a snapshot of {len(shards)} shards, the cluster "
+                             f"has {len(client.addresses)}")
+        client.restore({address: paths for address, paths in zip(client.addresses, shards, strict=True)})
+    return meta
+
+
+# ---------------------------------------------------------------------------------------------- training
+def _all_ready(has_batch: bool, world: int) -> bool:
+    """True when every rank has a batch for this step (one tiny MIN all-reduce when there are peers)."""
+    if world == 1:
+        return has_batch
+    flag = torch.tensor([1 if has_batch else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: list[str]) -> dict[str, Any]:
+    """Run the configured training as rank ``env.rank`` (the process group is already up when world > 1).
+    Returns the result every rank agrees on: auc, logloss, samples_per_s, steps, eval_rows, ..."""
+    world, rank = env.world_size, env.rank
+    client = ps.connect(addresses)
+    writer = None
+    try:
+        data = load_data(config, rank, world)
+        model, collection = build(config, client, data, groups)
+        params = dense_parameters(model)
+        net: nn.Module = model
+        hook = "none"
+        if world > 1:
+            net = DistributedDataParallel(model)
+            hook = register_hook(net, groups, mode=config.allreduce, compression=config.compression)
+        optimizer = torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
+        start_epoch, skip, step = 0, 0, 0
+        ckpt_root = Path(config.checkpoint_dir) if config.checkpoint_dir else None
+        resumed_from = None
+        if config.resume is not None:
+            path = latest_checkpoint(ckpt_root) if config.resume == "latest" else Path(config.resume)
+            if path is None:
+                raise FileNotFoundError(f"resume: no checkpoint in {ckpt_root}")
+            if world > 1:
+                dist.barrier()
+            meta = load_checkpoint(path, model, optimizer, client if rank == 0 else None)
+            if world > 1:
+                dist.barrier()  # the PS holds the snapshot before anyone pulls
+            step, start_epoch, skip = meta["step"], meta["epoch"], meta["batch_in_epoch"]
+            resumed_from = str(path)
+        if rank == 0 and config.logdir:
+            from torch.utils.tensorboard import SummaryWriter
+            writer = SummaryWriter(config.logdir)
+            writer.add_text("config", json.dumps(config.to_dict(), indent=1))
+        bar = None
+        if rank == 0 and config.progress:
+            from tqdm import tqdm
+            bar = tqdm(total=config.max_steps, initial=step, unit="step", file=sys.stderr, dynamic_ncols=True,
+                       desc=f"{config.model} ({world} trainer{'s' if world > 1 else ''})", mininterval=1.0)
+
+        def checkpoint(epoch: int, batch_in_epoch: int) -> None:
+            collection.flush()
+            if world > 1:
+                dist.barrier()
+            if rank == 0 and ckpt_root is not None:
+                save_checkpoint(ckpt_root, step=step, epoch=epoch, batch_in_epoch=batch_in_epoch, model=model,
+                                optimizer=optimizer, client=client, config=config)
+            if world > 1:
+                dist.barrier()
+
+        samples = 0
+        train_time = 0.0
+        loss_sum, loss_n = 0.0, 0
+        done = config.max_steps is not None and step >= config.max_steps
+        net.train()
+        for epoch in range(start_epoch, config.epochs):
+            if done:
+                break
+            batches = data.train_batches(epoch)
+            batch_in_epoch = 0
+            if epoch == start_epoch and skip:
+                for _ in range(skip):
+                    if next(batches, None) is None:
+                        break
+                batch_in_epoch = skip
+            t0 = time.perf_counter()
+            nxt = next(batches, None)
+            while _all_ready(nxt is not None, world):
+                batch = nxt
+                nxt = next(batches, None)
+                if config.prefetch and nxt is not None:
+                    collection.prefetch(nxt.sparse)
+                logits = net(batch.dense, batch.sparse)
+                loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                step += 1
+                batch_in_epoch += 1
+                samples += len(batch)
+                loss_sum += float(loss.detach()) * len(batch)
+                loss_n += len(batch)
+                if bar is not None:
+                    bar.update(1)
+                if writer is not None and step % config.log_every == 0:
+                    writer.add_scalar("train/loss", loss_sum / max(loss_n, 1), step)
+                    writer.add_scalar("train/samples_per_s_rank0", samples / max(
+                        train_time + time.perf_counter() - t0, 1e-9), step)
+                    loss_sum, loss_n = 0.0, 0
+                if config.checkpoint_every and step % config.checkpoint_every == 0:
+                    train_time += time.perf_counter() - t0
+                    checkpoint(epoch, batch_in_epoch)
+                    t0 = time.perf_counter()
+                if config.max_steps is not None and step >= config.max_steps:
+                    done = True
+                    break
+            train_time += time.perf_counter() - t0
+            collection.flush()
+            finished_epoch = not done or nxt is None
+            if ckpt_root is not None and not config.checkpoint_every:
+                checkpoint(epoch + 1 if finished_epoch else epoch, 0 if finished_epoch else batch_in_epoch)
+            result = evaluate(model, data.eval_batches(), collection)
+            if writer is not None:
+                writer.add_scalar("eval/auc", result["auc"], step)
+                writer.add_scalar("eval/logloss", result["logloss"], step)
+        if bar is not None:
+            bar.close()
+        if ckpt_root is not None and config.checkpoint_every and step % config.checkpoint_every:
+            checkpoint(config.epochs, 0)
+        if "result" not in locals():  # nothing left to train (resumed at the end): evaluate anyway
+            result = evaluate(model, data.eval_batches(), collection)
+        total_samples, slowest = _max_time(samples, train_time, world)
+        result.update(samples_per_s=total_samples / slowest if slowest > 0 else 0.0, steps=step,
+                      train_rows=int(total_samples), world_size=world, model=config.model,
+                      dataset=config.dataset, allreduce=hook, train_seconds=round(slowest, 3))
+        if resumed_from:
+            result["resumed_from"] = resumed_from
+        if ckpt_root is not None:
+            latest = latest_checkpoint(ckpt_root)
+            result["checkpoint"] = str(latest) if latest else None
+        if config.logdir:
+            result["logdir"] = str(config.logdir)
+        if writer is not None:
+            writer.add_scalar("train/samples_per_s", result["samples_per_s"], step)
+        return result
+    finally:
+        if writer is not None:
+            writer.close()
+        client.close()
+
+
+def _max_time(samples: int, seconds: float, world: int) -> tuple[float, float]:
+    """(samples summed over ranks, the slowest rank's training time)."""
+    if world == 1:
+        return float(samples), seconds
+    total = torch.tensor([float(samples)], dtype=torch.float64)
+    slowest = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(total)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(total[0]), float(slowest[0])
+
+
+def nan_to_none(result: dict[str, Any]) -> dict[str, Any]:
+    """JSON-safe copy (NaN -> None)."""
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in result.items()}
+
