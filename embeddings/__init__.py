@@ -36,11 +36,12 @@ from tigana.embeddings.errors import (
     StorageError,
     StorageFull,
 )
+from tigana.embeddings.hashtable import HashIndex
 from tigana.embeddings.rows import RowBatch
 from tigana.embeddings.table import EmbeddingTable
 
 __all__ = [
     "FTRL", "SGD", "Adagrad", "Adam", "Admission", "CorruptStore", "EmbeddingError", "EmbeddingTable",
-    "Eviction", "Initializer", "InvalidArgument", "Normal", "Optimizer", "RowBatch", "RowWiseAdagrad",
-    "SnapshotNotFound", "StorageError", "StorageFull", "TableConfig", "Uniform", "Zeros",
+    "Eviction", "HashIndex", "Initializer", "InvalidArgument", "Normal", "Optimizer", "RowBatch",
+    "RowWiseAdagrad", "SnapshotNotFound", "StorageError", "StorageFull", "TableConfig", "Uniform", "Zeros",
 ]

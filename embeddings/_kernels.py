@@ -20,13 +20,58 @@ EMPTY = -1
 TOMBSTONE = -2
 
 try:  # pragma: no cover - exercised by whichever path the machine has
-    from numba import njit
+    import llvmlite.binding
+    from llvmlite import ir
+    from numba import njit, types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
 
     AVAILABLE = True
 except ImportError:  # pragma: no cover
     AVAILABLE = False
 
+_PREFETCH_DISTANCE = 32  # queries ahead whose hash bucket is prefetched
+_ROW_PREFETCH_DISTANCE = 16  # rows ahead whose cache lines are prefetched
+
 if AVAILABLE:
+    # Software prefetch (llvm.prefetch): random buckets and rows are cache misses; issuing them a few
+    # dozen iterations ahead overlaps their latency (measured: lookup+gather about 2x faster).
+    _PREFETCH_NAME = "llvm.prefetch.p0" if llvmlite.binding.llvm_version_info >= (15,) else "llvm.prefetch.p0i8"
+
+    def _emit_prefetch(context, builder, ary_t, ary_v, indices):
+        ary = context.make_array(ary_t)(context, builder, ary_v)
+        ptr = cgutils.get_item_pointer(context, builder, ary_t, ary, indices, wraparound=False)
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, _PREFETCH_NAME)
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])  # read, keep, data cache
+
+    @intrinsic
+    def _prefetch1(typingctx, arr, i):
+        """Prefetch the cache line of ``arr[i]`` (1-D); never faults."""
+        def codegen(context, builder, signature, args):
+            idx = context.cast(builder, args[1], signature.args[1], types.intp)
+            _emit_prefetch(context, builder, signature.args[0], args[0], [idx])
+            return context.get_dummy_value()
+        return types.void(arr, i), codegen
+
+    @intrinsic
+    def _prefetch2(typingctx, arr, i, j):
+        """Prefetch the cache line of ``arr[i, j]`` (2-D); never faults."""
+        def codegen(context, builder, signature, args):
+            ii = context.cast(builder, args[1], signature.args[1], types.intp)
+            jj = context.cast(builder, args[2], signature.args[2], types.intp)
+            _emit_prefetch(context, builder, signature.args[0], args[0], [ii, jj])
+            return context.get_dummy_value()
+        return types.void(arr, i, j), codegen
+
+    @njit(nogil=True, cache=True, inline="always")
+    def _prefetch_row(arr, r):
+        """Prefetch every cache line of row ``r`` of a 2-D float32 array."""
+        for c in range(0, arr.shape[1], 16):
+            _prefetch2(arr, r, c)
+
     _M1 = np.uint64(0xBF58476D1CE4E5B9)
     _M2 = np.uint64(0x94D049BB133111EB)
     _S30 = np.uint64(30)
@@ -76,7 +121,12 @@ if AVAILABLE:
         """For each query: bucket position and value (slot) if present, else -1 and -1."""
         cap = keys.shape[0]
         ucap = np.uint64(cap)
-        for i in range(queries.shape[0]):
+        n = queries.shape[0]
+        for i in range(n):
+            if i + _PREFETCH_DISTANCE < n:
+                h = _home(queries[i + _PREFETCH_DISTANCE], ucap)
+                _prefetch1(keys, h)
+                _prefetch1(vals, h)
             q = queries[i]
             p = _home(q, ucap)
             while True:
@@ -116,12 +166,17 @@ if AVAILABLE:
         """Lookup, then row copy, for float32 storage; hit rows get ``last_access = clock``; misses get slot
         -1 and an untouched output row.
 
-        Two passes (all probes, then all copies): the independent probes overlap their cache misses and
-        the copy loop vectorizes. Returns the number of misses."""
+        Two passes (all probes, then all copies), each prefetching a fixed distance ahead.
+        Returns the number of misses."""
         cap = keys.shape[0]
         ucap = np.uint64(cap)
+        n = queries.shape[0]
         misses = 0
-        for i in range(queries.shape[0]):
+        for i in range(n):
+            if i + _PREFETCH_DISTANCE < n:
+                h = _home(queries[i + _PREFETCH_DISTANCE], ucap)
+                _prefetch1(keys, h)
+                _prefetch1(vals, h)
             q = queries[i]
             p = _home(q, ucap)
             s = -1
@@ -139,7 +194,11 @@ if AVAILABLE:
             if s < 0:
                 misses += 1
         dim = weights.shape[1]
-        for i in range(queries.shape[0]):
+        for i in range(n):
+            if i + _ROW_PREFETCH_DISTANCE < n:
+                t = out_slots[i + _ROW_PREFETCH_DISTANCE]
+                if t >= 0:
+                    _prefetch_row(weights, t)
             s = out_slots[i]
             if s >= 0:
                 last_access[s] = clock
@@ -218,7 +277,10 @@ if AVAILABLE:
     @njit(nogil=True, cache=True, fastmath=_FAST)
     def sgd(weights, rows, grads, lr):
         dim = weights.shape[1]
-        for i in range(rows.shape[0]):
+        k = rows.shape[0]
+        for i in range(k):
+            if i + _ROW_PREFETCH_DISTANCE < k:
+                _prefetch_row(weights, rows[i + _ROW_PREFETCH_DISTANCE])
             r = rows[i]
             for j in range(dim):
                 weights[r, j] -= np.float32(lr) * grads[i, j]
@@ -228,7 +290,11 @@ if AVAILABLE:
         dim = weights.shape[1]
         lr32 = np.float32(lr)
         eps32 = np.float32(eps)
-        for i in range(rows.shape[0]):
+        k = rows.shape[0]
+        for i in range(k):
+            if i + _ROW_PREFETCH_DISTANCE < k:
+                _prefetch_row(weights, rows[i + _ROW_PREFETCH_DISTANCE])
+                _prefetch_row(state, rows[i + _ROW_PREFETCH_DISTANCE])
             r = rows[i]
             for j in range(dim):
                 g = grads[i, j]
@@ -241,7 +307,11 @@ if AVAILABLE:
         dim = weights.shape[1]
         lr32 = np.float32(lr)
         eps32 = np.float32(eps)
-        for i in range(rows.shape[0]):
+        k = rows.shape[0]
+        for i in range(k):
+            if i + _ROW_PREFETCH_DISTANCE < k:
+                _prefetch_row(weights, rows[i + _ROW_PREFETCH_DISTANCE])
+                _prefetch_row(state, rows[i + _ROW_PREFETCH_DISTANCE])
             r = rows[i]
             sq = np.float32(0.0)
             for j in range(dim):
@@ -260,7 +330,11 @@ if AVAILABLE:
         b2 = np.float32(beta2)
         wd = np.float32(weight_decay)
         eps32 = np.float32(eps)
-        for i in range(rows.shape[0]):
+        k = rows.shape[0]
+        for i in range(k):
+            if i + _ROW_PREFETCH_DISTANCE < k:
+                _prefetch_row(weights, rows[i + _ROW_PREFETCH_DISTANCE])
+                _prefetch_row(state, rows[i + _ROW_PREFETCH_DISTANCE])
             r = rows[i]
             t = steps[i]
             bc1 = 1.0 - beta1**t
@@ -278,7 +352,11 @@ if AVAILABLE:
     @njit(nogil=True, cache=True, fastmath=_FAST)
     def ftrl(weights, state, rows, grads, alpha, beta, l1, l2):
         dim = weights.shape[1]
-        for i in range(rows.shape[0]):
+        k = rows.shape[0]
+        for i in range(k):
+            if i + _ROW_PREFETCH_DISTANCE < k:
+                _prefetch_row(weights, rows[i + _ROW_PREFETCH_DISTANCE])
+                _prefetch_row(state, rows[i + _ROW_PREFETCH_DISTANCE])
             r = rows[i]
             for j in range(dim):
                 g = np.float64(grads[i, j])

@@ -12,6 +12,7 @@ Eviction (TTL, capacity) runs cheaply on push and fully on ``evict()``; cold row
 from __future__ import annotations
 
 import hashlib
+import logging
 import shutil
 import tempfile
 import threading
@@ -25,13 +26,14 @@ import numpy as np
 from tigana.embeddings import _kernels, admission, eviction, optimizers
 from tigana.embeddings import snapshot as _snapshot
 from tigana.embeddings.config import Adam, TableConfig
-from tigana.embeddings.errors import CorruptStore, InvalidArgument, SnapshotNotFound
+from tigana.embeddings.errors import CorruptStore, InvalidArgument, SnapshotNotFound, StorageFull
 from tigana.embeddings.hashtable import HashIndex, resolve_backend
 from tigana.embeddings.initializers import initial_rows
 from tigana.embeddings.lmdbstore import RowStore
 from tigana.embeddings.rows import RowBatch
 from tigana.embeddings.slab import Slab
 
+_log = logging.getLogger(__name__)
 _INT64_MAX = np.iinfo(np.int64).max
 _CHUNK = 1 << 16  # rows per chunk when streaming the whole table (export, checksum, snapshot, spill)
 
@@ -71,7 +73,7 @@ class EmbeddingTable:
         self._closed = False
         self._counters = dict.fromkeys(("pulls", "pushes", "lookups", "hits", "inserts", "admissions",
                                         "rejected_admissions", "evictions", "spills", "unspills",
-                                        "rows_updated", "nonfinite_rows_skipped"), 0)
+                                        "rows_updated", "nonfinite_rows_skipped", "spill_failures"), 0)
         if config.memory_budget is not None:
             self._open_spill()
 
@@ -174,6 +176,9 @@ class EmbeddingTable:
                 if misses:
                     none = ~have
                     out[none] = self._initial(ids[none])
+            cap = self.config.eviction.max_rows
+            if misses and cap is not None and len(self) > cap:  # inserts may pass the cap: enforce it now
+                self._evict(ttl=False)
             self._maybe_spill()
             return out
 
@@ -305,15 +310,16 @@ class EmbeddingTable:
             return self._remove(ids)
 
     def _remove(self, ids: np.ndarray) -> int:
+        gone = []
+        if len(self._spilled):  # the store first: if LMDB fails, nothing in memory has changed yet
+            spilled = np.unique(ids[self._spilled.lookup(ids) >= 0])
+            if spilled.size:
+                self._spill.delete(spilled)
+                self._spilled.delete(spilled)
+            gone.append(spilled)
         removed_ids, slots = self._index.delete(ids)
         self._slab.release(slots)
-        gone = [removed_ids]
-        if len(self._spilled):
-            spilled_ids, _ = self._spilled.delete(ids)
-            if spilled_ids.size:
-                self._spill.delete(spilled_ids)
-            gone.append(spilled_ids)
-        gone_ids = np.concatenate(gone)
+        gone_ids = np.concatenate([removed_ids, *gone])
         if gone_ids.size and self._last_snapshot is not None:  # only increments need them
             self._deleted.append(gone_ids)
             if len(self._deleted) > 64:
@@ -339,6 +345,8 @@ class EmbeddingTable:
             self._evict(ttl=scan_ttl)
 
     def _evict(self, *, ttl: bool) -> int:
+        """TTL (when ``ttl``) and capacity eviction over all rows. Spilled rows count as the least recently
+        accessed; their metadata is read back from the store, so with a spill tier this scans it."""
         ev = self.config.eviction
         now = time.time()
         if ttl:
@@ -357,14 +365,11 @@ class EmbeddingTable:
         victims = np.zeros(ids.shape[0], bool)
         if ttl and (ev.ttl_steps or ev.ttl_seconds):
             victims = eviction.expired(ev, self._step, now, meta["last_step"], meta["last_time"])
-        if ev.max_rows is not None:
-            excess = int((~victims).sum()) - ev.max_rows
-            if excess > 0:
-                keep_idx = np.flatnonzero(~victims)
-                k = int((~victims).sum()) - eviction.capacity_target(ev.max_rows)
-                pick = eviction.over_capacity(ev, k, meta["last_access"][keep_idx],
-                                              meta["update_count"][keep_idx])
-                victims[keep_idx[pick]] = True
+        alive = np.flatnonzero(~victims)
+        if ev.max_rows is not None and alive.shape[0] > ev.max_rows:
+            k = alive.shape[0] - eviction.capacity_target(ev.max_rows)
+            pick = eviction.over_capacity(ev, k, meta["last_access"][alive], meta["update_count"][alive])
+            victims[alive[pick]] = True
         n = int(victims.sum())
         if n:
             self._remove(ids[victims])
@@ -502,8 +507,17 @@ class EmbeddingTable:
         self._budget_rows = max(1, int(self.config.memory_budget // per_row))
 
     def _maybe_spill(self) -> None:
+        """Spill at the end of a call that already changed the table: a full disk must not turn that call
+        into an error (it was applied), so the table stays over budget, counts it, and retries next call."""
         if self._spill is None or len(self._index) <= self._budget_rows:
             return
+        try:
+            self._spill_coldest()
+        except StorageFull as exc:
+            self._counters["spill_failures"] += 1
+            _log.warning("%s", exc)
+
+    def _spill_coldest(self) -> None:
         k = len(self._index) - max(1, int(0.9 * self._budget_rows))
         ids, slots = self._index.items()
         cold = np.argpartition(self._slab.last_access[slots], k - 1)[:k] if k < ids.shape[0] else \

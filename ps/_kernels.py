@@ -143,3 +143,120 @@ def f16_to_f32(bits: np.ndarray) -> np.ndarray:
     out = np.empty(bits.shape[0], np.float32)
     _lookup(bits.view(np.uint16), _F16_TABLE, out)
     return out
+
+
+@njit(nogil=True, cache=True)
+def group_by_owner(ids, owner_of_slot, num_owners):
+    """Positions of ``ids`` grouped by owning server, order kept within a group: (order, starts) with the
+    positions of owner i at ``order[starts[i]:starts[i + 1]]``. Slot = splitmix64(id) % len(owner_of_slot),
+    exactly ``routing.slot_of``."""
+    n = ids.shape[0]
+    num_slots = np.uint64(owner_of_slot.shape[0])
+    owners = np.empty(n, np.int64)
+    starts = np.zeros(num_owners + 1, np.int64)
+    for i in range(n):
+        z = np.uint64(ids[i])
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+        z = z ^ (z >> np.uint64(31))
+        o = owner_of_slot[np.int64(z % num_slots)]
+        owners[i] = o
+        starts[o + 1] += 1
+    for o in range(num_owners):
+        starts[o + 1] += starts[o]
+    fill = starts[:-1].copy()
+    order = np.empty(n, np.int64)
+    for i in range(n):
+        o = owners[i]
+        order[fill[o]] = i
+        fill[o] += 1
+    return order, starts
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _owner(key, owner_of_slot, num_slots):
+    z = np.uint64(key)
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    z = z ^ (z >> np.uint64(31))
+    return owner_of_slot[np.int64(z % num_slots)]
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _dedup_grouped(ids, owner_of_slot, num_owners):
+    """Shared first pass: (position of each id's unique in the owner-grouped order, grouped unique ids,
+    starts). Groups are in owner order; within a group, first-seen order."""
+    n = ids.shape[0]
+    num_slots = np.uint64(owner_of_slot.shape[0])
+    cap = _capacity(n)
+    mask = cap - 1
+    index = np.full(cap, -1, np.int64)
+    first = np.empty(n, np.int64)  # unique k -> its key
+    owner = np.empty(n, np.int64)  # unique k -> its owner
+    inverse = np.empty(n, np.int64)
+    starts = np.zeros(num_owners + 1, np.int64)
+    k = 0
+    for i in range(n):
+        key = ids[i]
+        p = _bucket(key, mask)
+        while True:
+            j = index[p]
+            if j == -1:
+                index[p] = k
+                first[k] = key
+                o = _owner(key, owner_of_slot, num_slots)
+                owner[k] = o
+                starts[o + 1] += 1
+                inverse[i] = k
+                k += 1
+                break
+            if first[j] == key:
+                inverse[i] = j
+                break
+            p = (p + 1) & mask
+    for o in range(num_owners):
+        starts[o + 1] += starts[o]
+    fill = starts[:-1].copy()
+    pos = np.empty(k, np.int64)  # unique k -> its place in the grouped order
+    uniq = np.empty(k, np.int64)
+    for j in range(k):
+        o = owner[j]
+        pos[j] = fill[o]
+        uniq[fill[o]] = first[j]
+        fill[o] += 1
+    for i in range(n):
+        inverse[i] = pos[inverse[i]]
+    return inverse, uniq, starts
+
+
+@njit(nogil=True, cache=True)
+def dedup_grouped(ids, owner_of_slot, num_owners):
+    """(n,) int64 ids -> (uniq, starts, src): the unique ids grouped by owning server (owner i's at
+    ``uniq[starts[i]:starts[i + 1]]``, first-seen order within a group) and (n,) int64 ``src`` with
+    ``ids == uniq[src]``. Owner = ``owner_of_slot[routing.slot_of(id)]``. The pull's one pass over the batch."""
+    src, uniq, starts = _dedup_grouped(ids, owner_of_slot, num_owners)
+    return uniq, starts, src
+
+
+@njit(nogil=True, cache=True)
+def dedup_sum_grouped(ids, grads, owner_of_slot, num_owners):
+    """(n,) int64 ids, (n, dim) float32 grads -> (uniq, sums, starts) grouped by owner as ``dedup_grouped``,
+    duplicate rows added in batch order in float32 (as ``dedup_sum``). Each server's rows are one contiguous
+    slice, so a push message is built from views without a gather copy."""
+    src, uniq, starts = _dedup_grouped(ids, owner_of_slot, num_owners)
+    n = ids.shape[0]
+    dim = grads.shape[1]
+    k = uniq.shape[0]
+    sums = np.empty((k, dim), np.float32)
+    seen = np.zeros(k, np.bool_)
+    for i in range(n):
+        r = src[i]
+        if seen[r]:
+            for c in range(dim):
+                sums[r, c] += grads[i, c]
+        else:
+            seen[r] = True
+            for c in range(dim):
+                sums[r, c] = grads[i, c]
+    return uniq, sums, starts
+

@@ -31,6 +31,7 @@ from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc as pb_grpc
 from tigana.ps import _kernels, routing, wire
 from tigana.ps.channels import Call, RetryPolicy, channel_options
+from tigana.ps.daemon import tune_allocator
 from tigana.ps.errors import Internal, InvalidArgument, PSError, Unavailable
 
 MiB = 1 << 20
@@ -51,6 +52,8 @@ class ClientConfig:
     payload of one message; bigger batches are split (kept under the 4 MiB that many gRPC peers accept by
     default). ``max_message_bytes``: channel send/receive limit. ``max_pushes_in_flight``: push messages
     outstanding per server before ``push`` blocks (back-pressure). ``num_slots`` must match the servers'.
+    ``tune_allocator``: at connect, raise glibc's mmap/trim thresholds for this process (process-wide, as
+    ``tigana server`` does) so multi-MiB message buffers are reused instead of mapped and faulted in per call.
     """
 
     timeout_s: float = 60.0
@@ -65,6 +68,7 @@ class ClientConfig:
     keepalive_timeout_s: float = 10.0
     reconnect_backoff_s: float = 0.1
     num_slots: int = routing.DEFAULT_NUM_SLOTS
+    tune_allocator: bool = True
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> InvalidArgument:
@@ -212,11 +216,6 @@ def _as_grads(grads: Any, ids: np.ndarray, dim: int, table: str) -> np.ndarray:
     return g
 
 
-def sum_duplicates(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(n,) int64 ids, (n, dim) float32 grads -> (unique ids in first-seen order, their summed grads)."""
-    return _kernels.dedup_sum(np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(grads, np.float32))
-
-
 class _Countdown:
     """Calls ``fn`` once after ``n`` futures are done (in the thread that completes the last)."""
 
@@ -271,6 +270,8 @@ class Client:
         if not addresses:
             raise InvalidArgument("connect: field 'addresses' is empty; expected host:port of every shard")
         self.config = config or ClientConfig()
+        if self.config.tune_allocator:
+            tune_allocator()
         self.client_id = uuid.uuid4().hex
         options = channel_options(self.config.max_message_bytes, self.config.keepalive_time_s,
                                   self.config.keepalive_timeout_s, self.config.reconnect_backoff_s)
@@ -422,8 +423,8 @@ class Client:
         if ids.size == 0:
             fut.set_result(np.empty(ids.shape + (st.dim,), np.float32))
             return fut
-        uniq, inverse = _kernels.dedup(np.ascontiguousarray(ids.reshape(-1)))
-        op = _PullOp(self, st, fut, uniq, inverse.reshape(ids.shape))
+        uniq, starts, src = self._group(np.ascontiguousarray(ids.reshape(-1)))
+        op = _PullOp(self, st, fut, uniq, starts, src, ids.shape)
         self._after_own_pushes(st, op.start)
         return fut
 
@@ -439,8 +440,8 @@ class Client:
         if ids.size == 0:
             fut.set_result(0)
             return fut
-        uniq, summed = sum_duplicates(ids, grads)
-        _PushOp(self, st, fut, uniq, summed).start()
+        uniq, summed, starts = self._group(ids, grads)
+        _PushOp(self, st, fut, uniq, summed, starts).start()
         return fut
 
     def flush(self) -> None:
@@ -531,19 +532,20 @@ class Client:
         with self._seq_lock:
             return next(self._seq)
 
-    def _owners(self, uniq: np.ndarray) -> list[tuple[_Server, np.ndarray]]:
-        """(server, positions into uniq) for every server that owns some of ``uniq``."""
-        if len(self._servers) == 1:
-            return [(self._servers[0], np.arange(len(uniq)))]
-        owners = self._owner_of_slot[routing.slot_of(uniq, self.config.num_slots)]
-        groups = routing.split_by_owner(owners, len(self._servers))
-        return [(self._servers[i], g) for i, g in enumerate(groups) if len(g)]
+    def _group(self, ids: np.ndarray, grads: np.ndarray | None = None) -> tuple:
+        """One pass over a batch: its unique ids grouped by owning server (``starts`` bounds each server's
+        contiguous range) with ``src`` (ids == uniq[src]) for a pull, or their summed ``grads`` for a push."""
+        owner, n = self._owner_of_slot, len(self._servers)
+        if grads is None:
+            return _kernels.dedup_grouped(ids, owner, n)
+        return _kernels.dedup_sum_grouped(ids, grads, owner, n)
 
-    def _chunks(self, positions: np.ndarray, row_bytes: int) -> list[np.ndarray]:
+    def _parts(self, starts: np.ndarray, row_bytes: int) -> list[tuple[_Server, int, int]]:
+        """(server, lo, hi) of every message: each server's range of the grouped batch, in chunks of at most
+        ``chunk_bytes`` of ids and rows."""
         per = max(1, self.config.chunk_bytes // (8 + row_bytes))
-        if len(positions) <= per:
-            return [positions]
-        return [positions[i:i + per] for i in range(0, len(positions), per)]
+        return [(s, lo, min(lo + per, int(starts[i + 1])))
+                for i, s in enumerate(self._servers) for lo in range(int(starts[i]), int(starts[i + 1]), per)]
 
     def _after_own_pushes(self, st: _Table, fn: Callable[[], None]) -> None:
         """Run ``fn`` once this client's pushes to ``st`` from more than ``staleness`` steps back are acked."""
@@ -603,10 +605,13 @@ def _settle_into(fut: cf.Future) -> Callable[[Any, PSError | None], None]:
 
 
 class _PullOp:
-    """One pull in flight: unique ids split by owner and chunk; replies decoded into ``out`` by position."""
+    """One pull in flight: the unique ids grouped by owner and split in chunks; each reply is copied into its
+    contiguous range of ``out`` (rows of ``uniq``), and the last one gathers the batch's rows by ``src``."""
 
-    def __init__(self, client: Client, st: _Table, fut: cf.Future, uniq: np.ndarray, inverse: np.ndarray) -> None:
-        self.client, self.st, self.fut, self.uniq, self.inverse = client, st, fut, uniq, inverse
+    def __init__(self, client: Client, st: _Table, fut: cf.Future, uniq: np.ndarray, starts: np.ndarray,
+                 src: np.ndarray, shape: tuple[int, ...]) -> None:
+        self.client, self.st, self.fut, self.uniq, self.starts = client, st, fut, uniq, starts
+        self.src, self.shape = src, shape
         self.codec = st.pull_codec
         self.dim = st.dim
         self.out = np.empty((len(uniq), self.dim), np.float32)
@@ -621,31 +626,30 @@ class _PullOp:
 
     def _start(self) -> None:
         c, st = self.client, self.st
-        row_bytes = wire.rows_nbytes(1, self.dim, self.codec)
-        parts = [(s, chunk) for s, positions in c._owners(self.uniq) for chunk in c._chunks(positions, row_bytes)]
+        parts = c._parts(self.starts, wire.rows_nbytes(1, self.dim, self.codec))
         self.fanout = _Fanout(len(parts))
         with st.lock:
             st.stale_last = len(st.pending)
             st.stale_max = max(st.stale_max, st.stale_last)
         sent = 0
         calls = []
-        for s, chunk in parts:
-            request = wire.encode_pull_request(st.name, self.uniq[chunk], self.codec)
+        for s, lo, hi in parts:
+            request = wire.encode_pull_request(st.name, self.uniq[lo:hi], self.codec)
             sent += len(request)
             calls.append(Call(s.pull, request, s.address, c.config.timeout_s, c._retry,
-                              self._done_for(chunk), c._note_retry))
+                              self._done_for(lo, hi), c._note_retry))
         with st.lock:
             st.bytes["sent"]["pull"] += sent
         for call in calls:
             call.start()
 
-    def _done_for(self, chunk: np.ndarray) -> Callable[[Any, PSError | None], None]:
+    def _done_for(self, lo: int, hi: int) -> Callable[[Any, PSError | None], None]:
         def done(response: wire.RawRows | None, error: PSError | None) -> None:
             if error is None:
                 try:
                     with self.st.lock:
                         self.st.bytes["received"]["pull"] += response.nbytes
-                    self.out[chunk] = wire.decode_block(response, len(chunk), self.dim, table=self.st.name,
+                    self.out[lo:hi] = wire.decode_block(response, hi - lo, self.dim, table=self.st.name,
                                                         field="PullResponse.rows")
                 except PSError as exc:
                     error = exc
@@ -653,9 +657,10 @@ class _PullOp:
                     error = InvalidArgument(f"table {self.st.name!r}: bad pull reply: {exc}")
             assert self.fanout is not None
             if self.fanout.part_done(error):
-                self.client._count(pulls=1, rows_pulled=int(self.inverse.size))
-                rows = np.take(self.out, self.inverse.reshape(-1), axis=0)
-                self.fut.set_result(rows.reshape(self.inverse.shape + (self.dim,)))
+                self.client._count(pulls=1, rows_pulled=int(self.src.size))
+                rows = np.take(self.out, self.src, axis=0)
+                self.out = None
+                self.fut.set_result(rows.reshape(self.shape + (self.dim,)))
             elif error is not None and self.fanout.error is error:
                 self.client._count(pull_errors=1)
                 self.fut.set_exception(error)
@@ -666,8 +671,9 @@ class _PushOp:
     """One push in flight: its step in the table's pending set, one message per (owner, chunk) under the
     owner's in-flight semaphore, all with this push's (client_id, seq) and their own part index."""
 
-    def __init__(self, client: Client, st: _Table, fut: cf.Future, uniq: np.ndarray, summed: np.ndarray) -> None:
-        self.client, self.st, self.fut, self.uniq, self.summed = client, st, fut, uniq, summed
+    def __init__(self, client: Client, st: _Table, fut: cf.Future, uniq: np.ndarray, summed: np.ndarray,
+                 starts: np.ndarray) -> None:
+        self.client, self.st, self.fut, self.uniq, self.summed, self.starts = client, st, fut, uniq, summed, starts
         self.applied = 0
         self.fanout: _Fanout | None = None
         self.step = 0
@@ -675,19 +681,20 @@ class _PushOp:
     def start(self) -> None:
         c, st = self.client, self.st
         codec, dim = st.push_codec, st.dim
-        row_bytes = wire.rows_nbytes(1, dim, codec)
-        parts = [(s, part, chunk) for s, positions in c._owners(self.uniq)
-                 for part, chunk in enumerate(c._chunks(positions, row_bytes))]
+        parts = []
+        for s, lo, hi in c._parts(self.starts, wire.rows_nbytes(1, dim, codec)):
+            part = parts[-1][1] + 1 if parts and parts[-1][0] is s else 0  # chunk index within the server
+            parts.append((s, part, lo, hi))
         self.fanout = _Fanout(len(parts))
         seq = c._next_seq()
         with st.lock:
             st.step += 1
             self.step = st.step
             st.pending[self.step] = self.fut
-        for i, (s, part, chunk) in enumerate(parts):
+        for i, (s, part, lo, hi) in enumerate(parts):
             try:
-                data, scales = wire.encode_block(self.summed[chunk], codec)
-                request = wire.encode_push_request(st.name, self.uniq[chunk], codec, dim, data, scales,
+                data, scales = wire.encode_block(self.summed[lo:hi], codec)
+                request = wire.encode_push_request(st.name, self.uniq[lo:hi], codec, dim, data, scales,
                                                    c.client_id, seq, part)
             except Exception as exc:  # noqa: BLE001 - settle every part not sent, so flush cannot hang
                 error = exc if isinstance(exc, PSError) else Internal(f"table {st.name!r}: push encoding: {exc}")

@@ -28,10 +28,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tigana.proto import shard_pb2_grpc
 from tigana.ps.config import ServerConfig
 from tigana.ps.metrics import ServerMetrics
-from tigana.ps.server import SERVICE_NAME, ShardService
+from tigana.ps.server import SERVICE_NAME, ShardService, add_to_server
 
 log = logging.getLogger("tigana.ps.daemon")
 
@@ -64,7 +63,7 @@ class ServerHandle:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers,
                                                               thread_name_prefix="tigana-shard"),
                                    options=grpc_server_options(config))
-        shard_pb2_grpc.add_ShardServicer_to_server(self.service, self._server)
+        add_to_server(self.service, self._server)  # the generated registration, with raw data-path codecs
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME),
                                             self._server)

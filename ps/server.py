@@ -238,41 +238,59 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         hosted = [self._tables.get(n) for n in self.table_names()]
         return pb.ListTablesResponse(tables=[wire.spec_to_pb(h.spec) for h in hosted if h is not None])
 
-    @_rpc("Pull")
-    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullResponse:
+    def _pull(self, request: pb.PullRequest) -> tuple[str, np.ndarray, int]:
+        """Validate a pull and read its rows: (table, (n, dim) float32 rows, reply codec)."""
         name = request.table
         hosted = self._get(name)
-        ids = wire.decode_ids(request.ids, table=name)
-        if request.codec not in _CODECS:
-            raise InvalidArgument(f"table {name!r}: field 'codec' has unknown value {request.codec}")
-        reply_bytes = wire.rows_nbytes(len(ids), hosted.table.config.dim, request.codec)
+        raw_ids = request.ids  # protobuf copies a bytes field on every access: read it once
+        ids = wire.decode_ids(raw_ids, table=name)
+        codec = request.codec
+        if codec not in _CODECS:
+            raise InvalidArgument(f"table {name!r}: field 'codec' has unknown value {codec}")
+        reply_bytes = wire.rows_nbytes(len(ids), hosted.table.config.dim, codec)
         if reply_bytes > self.config.max_message_bytes - 1024:  # refuse before pull inserts anything
             raise ResourceExhausted(f"table {name!r}: field 'ids' asks for {len(ids)} rows, {reply_bytes} bytes "
                                     f"as a reply, above the message limit of {self.config.max_message_bytes}; "
                                     "split the pull")
         self._check_owned(name, ids)
         rows = hosted.table.pull(ids)
-        out = wire.encode_rows(rows, request.codec)
         self.metrics.rows_pulled.labels(name).inc(len(ids))
-        self.metrics.bytes_in.labels("Pull").inc(len(request.ids))
-        self.metrics.bytes_out.labels("Pull").inc(len(out.data) + len(out.scales))
-        return pb.PullResponse(rows=out)
+        self.metrics.bytes_in.labels("Pull").inc(len(raw_ids))
+        self.metrics.bytes_out.labels("Pull").inc(reply_bytes)
+        return name, rows, codec
+
+    @_rpc("Pull")
+    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullResponse:
+        _, rows, codec = self._pull(request)
+        return pb.PullResponse(rows=wire.encode_rows(rows, codec))
+
+    @_rpc("Pull")
+    def pull_serialized(self, request: pb.PullRequest, context: grpc.ServicerContext) -> bytes:
+        """``Pull`` answering the serialized ``PullResponse`` (written in one copy by ``wire``), for the
+        bytes response serializer ``add_to_server`` registers."""
+        _, rows, codec = self._pull(request)
+        return wire.encode_pull_response(rows, codec)
 
     @_rpc("Push")
-    def Push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushResponse:
+    def Push(self, request: pb.PushRequest | wire.RawPush, context: grpc.ServicerContext) -> pb.PushResponse:
+        """Apply a gradient block; ``request`` is the protobuf message or ``wire.decode_push_request``'s views."""
         name = request.table
         hosted = self._get(name)
-        ids = wire.decode_ids(request.ids, table=name)
+        raw_ids = request.ids  # protobuf copies a bytes field on every access: read each once
+        ids = wire.decode_ids(raw_ids, table=name)
         dim = hosted.table.config.dim
         g = request.grads
-        if g.codec in _CODECS and g.dim == dim:
-            row_bytes = wire.rows_nbytes(1, dim, g.codec) - (4 if g.codec == pb.CODEC_INT8 else 0)
-            if len(g.data) % row_bytes == 0 and len(g.data) // row_bytes != len(ids):
-                raise InvalidArgument(f"table {name!r}: field 'grads' has {len(g.data) // row_bytes} rows, "
+        codec, data, scales = g.codec, g.data, g.scales
+        grads_rows = wire.RawRows(codec, g.dim, data, scales, 0)
+        nbytes = memoryview(data).nbytes
+        if codec in _CODECS and g.dim == dim:
+            row_bytes = wire.rows_nbytes(1, dim, codec) - (4 if codec == pb.CODEC_INT8 else 0)
+            if nbytes % row_bytes == 0 and nbytes // row_bytes != len(ids):
+                raise InvalidArgument(f"table {name!r}: field 'grads' has {nbytes // row_bytes} rows, "
                                       f"field 'ids' has {len(ids)} ids")
-        grads = wire.decode_rows(g, len(ids), dim, table=name, field="grads")
+        grads = wire.decode_rows(grads_rows, len(ids), dim, table=name, field="grads")
         self._check_owned(name, ids)
-        self.metrics.bytes_in.labels("Push").inc(len(request.ids) + len(g.data) + len(g.scales))
+        self.metrics.bytes_in.labels("Push").inc(memoryview(raw_ids).nbytes + nbytes + memoryview(scales).nbytes)
         with hosted.lock:
             if hosted.dedup.seen(request.client_id, request.seq, request.part):
                 self.metrics.duplicate_pushes.labels(name).inc()
@@ -455,3 +473,23 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def add_to_server(service: ShardService, server: grpc.Server) -> None:
+    """Register ``service`` on ``server`` as ``shard_pb2_grpc.add_ShardServicer_to_server`` does, but with the
+    data path's own (de)serializers: Push requests parsed into zero-copy views (``wire.decode_push_request``)
+    and Pull replies written as bytes in one copy (``ShardService.pull_serialized``). The wire format is
+    exactly the one in proto/shard.proto."""
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            getattr(service, name),
+            request_deserializer=getattr(pb, f"{name}Request").FromString,
+            response_serializer=getattr(pb, f"{name}Response").SerializeToString)
+        for name in pb.DESCRIPTOR.services_by_name["Shard"].methods_by_name}
+    handlers["Pull"] = grpc.unary_unary_rpc_method_handler(
+        service.pull_serialized, request_deserializer=pb.PullRequest.FromString, response_serializer=wire.identity)
+    handlers["Push"] = grpc.unary_unary_rpc_method_handler(
+        service.Push, request_deserializer=wire.decode_push_request,
+        response_serializer=pb.PushResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)

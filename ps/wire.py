@@ -306,6 +306,81 @@ def decode_pull_response(raw: bytes) -> RawRows:
     return _parse_rows(rows, len(raw), "PullResponse.rows")
 
 
+class RawPush:
+    """A ``PushRequest`` parsed into zero-copy views of the received bytes (see ``decode_push_request``); the
+    same attribute names as the protobuf message, so the server reads either."""
+
+    __slots__ = ("table", "ids", "grads", "client_id", "seq", "part")
+
+    def __init__(self, table: str, ids: memoryview, grads: RawRows, client_id: str, seq: int, part: int) -> None:
+        self.table, self.ids, self.grads, self.client_id, self.seq, self.part = table, ids, grads, client_id, seq, part
+
+
+class _NotCanonical(Exception):
+    """A message the fast parser leaves to protobuf (wrong wire type, repeated sub-message, bad UTF-8...)."""
+
+
+def _signed32(v: int) -> int:
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >> 31 else v
+
+
+def _len_value(value, field_no: int) -> memoryview:
+    if not isinstance(value, memoryview):
+        raise _NotCanonical(field_no)
+    return value
+
+
+def _int_value(value, field_no: int) -> int:
+    if isinstance(value, memoryview):
+        raise _NotCanonical(field_no)
+    return value
+
+
+def _parse_push(raw: bytes) -> RawPush:
+    view = memoryview(raw)
+    table, ids, client_id, seq, part = "", memoryview(b""), "", 0, 0
+    codec = dim = 0
+    data = scales = memoryview(b"")
+    seen_grads = False
+    for field_no, value in _fields(view, "PushRequest"):
+        if field_no == 1:
+            table = str(_len_value(value, 1), "utf-8")
+        elif field_no == 2:
+            ids = _len_value(value, 2)
+        elif field_no == 3:
+            if seen_grads:  # protobuf merges repeated sub-messages
+                raise _NotCanonical(3)
+            seen_grads = True
+            for f, v in _fields(_len_value(value, 3), "PushRequest.grads"):
+                if f == 1:
+                    codec = _signed32(_int_value(v, f))
+                elif f == 2:
+                    dim = _int_value(v, f) & 0xFFFFFFFF
+                elif f == 3:
+                    data = _len_value(v, f)
+                elif f == 4:
+                    scales = _len_value(v, f)
+        elif field_no == 4:
+            client_id = str(_len_value(value, 4), "utf-8")
+        elif field_no == 5:
+            seq = _int_value(value, 5) & 0xFFFFFFFFFFFFFFFF
+        elif field_no == 6:
+            part = _int_value(value, 6) & 0xFFFFFFFF
+    return RawPush(table, ids, RawRows(codec, dim, data, scales, len(raw)), client_id, seq, part)
+
+
+def decode_push_request(raw: bytes) -> RawPush | pb.PushRequest:
+    """A serialized ``PushRequest`` -> ``RawPush`` views (no copy of ids or rows; protobuf copies every bytes
+    field on every access). Used by the server as the Push request deserializer; anything the fast parser does
+    not take as is (unknown wire types, a repeated sub-message, invalid UTF-8, truncation) goes to protobuf,
+    so the server accepts and rejects exactly what ``pb.PushRequest.FromString`` does."""
+    try:
+        return _parse_push(raw)
+    except (_NotCanonical, InvalidArgument, UnicodeDecodeError):
+        return pb.PushRequest.FromString(raw)
+
+
 def decode_block(rows: RawRows | pb.Rows, n: int, dim: int, *, table: str, field: str = "rows") -> np.ndarray:
     """A received block -> (n, dim) float32, validating codec, dim and byte lengths (InvalidArgument naming
     table and field). fp32 comes back as a read-only view of the message, other codecs as a new array."""

@@ -55,6 +55,7 @@ class TrainConfig:
     prefetch: bool = True                   # pull batch t+1 while batch t computes (needs staleness >= 1)
     sparse_aggregation: bool = False        # merge the pushes of a node's ranks at the node leader
     table_prefix: str = ""                  # prefix of every table name (to share a cluster between runs)
+    fuse_tables: bool = True                # store all tables in one PS table (one pull/push per shard a step)
     allreduce: str = "hierarchical"         # hierarchical | flat
     compression: str = "none"               # none | fp16 | bf16 (dense all-reduce)
     nproc: int = 1                          # trainer processes to spawn when not under a launcher
@@ -219,6 +220,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sparse-aggregation", action=argparse.BooleanOptionalAction, default=None,
                         help="merge the pushes of a node's ranks at the node leader")
     parser.add_argument("--table-prefix")
+    parser.add_argument("--fuse-tables", action=argparse.BooleanOptionalAction, default=None,
+                        help="store every table in one PS table, ids salted per table (default: on)")
     parser.add_argument("--allreduce", choices=("hierarchical", "flat"))
     parser.add_argument("--compression", choices=("none", "fp16", "bf16"))
     parser.add_argument("--nproc", type=int, help="trainer processes to spawn (not under torchrun/srun)")

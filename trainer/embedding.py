@@ -26,6 +26,7 @@ Thread-safety: one collection per trainer thread; forward/backward/prefetch must
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,6 +113,24 @@ class _PooledLookup(torch.autograd.Function):
         return None, None, None, None
 
 
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def _table_salt(name: str) -> np.uint64:
+    return np.uint64(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"))
+
+
+def _salted(ids: np.ndarray, salt: np.uint64) -> np.ndarray:
+    """A logical table's ids -> ids in a fused table: splitmix64(id ^ salt), a bijection per table, so distinct
+    ids stay distinct and two tables' ids meet only by a 2**-64 chance."""
+    z = ids.view(np.uint64) ^ salt
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+    return (z ^ (z >> np.uint64(31))).view(np.int64)
+
+
 def _group(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(n,) int64 -> (unique ascending, inverse (n,), order (n,) grouping equal ids, group starts in order)."""
     order = np.argsort(ids)
@@ -134,6 +153,9 @@ class PSEmbeddingCollection(nn.Module):
     aggregate_group: a node-local process group (ranks of this node only) for hierarchical sparse
               aggregation; None pushes from every rank directly
     grad_scale: factor applied to row gradients before they are pushed
+    fused_table: store every table in this one PS table (ids salted per table, so the tables stay apart):
+              a step then costs one pull and one push per shard instead of one per table; every table must
+              have the same TableOptions
 
     Tables are created on construction (identical specs from several ranks are fine).
     """
@@ -141,7 +163,7 @@ class PSEmbeddingCollection(nn.Module):
     def __init__(self, client: Any, features: Sequence[FeatureSpec], dim: int, *,
                  options: TableOptions | None = None, table_options: Mapping[str, TableOptions] | None = None,
                  aggregate_group: dist.ProcessGroup | None = None, grad_scale: float = 1.0,
-                 create: bool = True) -> None:
+                 fused_table: str | None = None, create: bool = True) -> None:
         super().__init__()
         if dim < 1:
             raise ValueError(f"dim must be positive, got {dim}")
@@ -172,13 +194,20 @@ class PSEmbeddingCollection(nn.Module):
         self._aggregate_group = aggregate_group
         self.pushed_rows = 0
         self.pulled_rows = 0
+        self.fused_table = fused_table
+        if fused_table is not None:
+            distinct = set(self.options.values())
+            if len(distinct) > 1:
+                raise ValueError(f"fused_table {fused_table!r}: every table must have the same TableOptions to "
+                                 f"share one PS table, got {len(distinct)} different ones")
+            self._salts = [_table_salt(t) for t in self.tables]
         if create:
-            for table in self.tables:
+            for table in ([fused_table] if fused_table is not None else self.tables):
                 self._create(table)
 
     # ------------------------------------------------------------------ tables
     def _create(self, table: str) -> None:
-        o = self.options[table]
+        o = self.options[self.tables[0]] if table == self.fused_table else self.options[table]
         # The client's bound counts its own pushes before the pull is sent. A prefetched pull for step t+1 is
         # sent before step t pushes, so the client's k-1 is this table's k (and a stricter k-1 for a pull
         # sent at its own step).
@@ -248,9 +277,23 @@ class PSEmbeddingCollection(nn.Module):
 
     def _issue_pulls(self, plan: _Plan) -> list[Any]:
         # The client holds each pull back (asynchronously) until the pushes the staleness bound needs are in.
+        if self.fused_table is not None:
+            return [self.client.pull_async(self.fused_table, self._fused_ids(plan.unique))]
         return [self.client.pull_async(table, ids) for table, ids in zip(self.tables, plan.unique, strict=True)]
 
+    def _fused_ids(self, ids: list[np.ndarray]) -> np.ndarray:
+        """The physical ids of every logical table's ``ids`` in the fused table, stacked table after table."""
+        return np.concatenate([_salted(t_ids, salt) for t_ids, salt in zip(ids, self._salts, strict=True)])
+
     def _collect(self, plan: _Plan, futures: list[Any]) -> torch.Tensor:
+        if self.fused_table is not None:
+            total = sum(u.shape[0] for u in plan.unique)
+            rows = np.asarray(futures[0].result(), dtype=np.float32)
+            if rows.shape != (total, self.dim):
+                raise RuntimeError(f"table {self.fused_table!r}: pulled rows of shape {rows.shape}, "
+                                   f"expected ({total}, {self.dim})")
+            self.pulled_rows += total
+            return torch.from_numpy(rows if rows.flags.writeable else rows.copy())
         blocks = []
         for table, ids, fut in zip(self.tables, plan.unique, futures, strict=True):
             rows = np.asarray(fut.result(), dtype=np.float32)
@@ -302,10 +345,27 @@ class PSEmbeddingCollection(nn.Module):
         ids = [torch.from_numpy(u) for u in plan.unique]
         if self._aggregate_group is not None:
             ids, grads = _aggregate(ids, grads, self._aggregate_group, self.dim)
+        if self.fused_table is not None:
+            n = sum(t.numel() for t in ids)
+            if n:
+                self.client.push(self.fused_table, self._fused_ids([t.numpy() for t in ids]),
+                                 np.ascontiguousarray(torch.cat(grads).numpy(), dtype=np.float32))
+                self.pushed_rows += n
+            return
         for table, t_ids, t_grads in zip(self.tables, ids, grads, strict=True):
             if t_ids.numel():
                 self.client.push(table, t_ids.numpy(), np.ascontiguousarray(t_grads.numpy(), dtype=np.float32))
                 self.pushed_rows += t_ids.numel()
+
+    def table_rows(self, table: str, ids: np.ndarray | torch.Tensor) -> np.ndarray:
+        """(n, dim) float32 current rows of logical table ``table`` for int64 ``ids`` (through the fused table
+        when there is one). A plain pull: it does not wait for this collection's pushes; ``flush`` first."""
+        if table not in self.tables:
+            raise ValueError(f"no table named {table!r} (tables: {self.tables})")
+        ids = np.ascontiguousarray(torch.as_tensor(ids).numpy(), dtype=np.int64)
+        if self.fused_table is None:
+            return self.client.pull(table, ids)
+        return self.client.pull(self.fused_table, _salted(ids, self._salts[self.tables.index(table)]))
 
     def flush(self) -> None:
         """Wait until every push this collection made has been applied, and drop any prefetched rows (they may

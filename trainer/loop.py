@@ -156,7 +156,9 @@ def build(config: TrainConfig, client: Any, data: TrainData, groups: Groups | No
         aggregate = groups.sparse_node
     options = TableOptions(optimizer=_optimizer_of(config), initializer=ps.Normal(std=config.init_std),
                            staleness=config.staleness, seed=config.seed)
-    collection = PSEmbeddingCollection(client, features, config.dim, options=options, aggregate_group=aggregate)
+    fused = f"{config.table_prefix}{config.model}_{config.dataset}_fused" if config.fuse_tables else None
+    collection = PSEmbeddingCollection(client, features, config.dim, options=options, aggregate_group=aggregate,
+                                       fused_table=fused)
     torch.manual_seed(config.seed)  # identical dense init on every rank
     model = build_model(config.model, collection, data.num_dense)
     return model, collection

@@ -153,3 +153,48 @@ def test_spilled_rows_come_back_and_keep_state(tmp_path: Path, backend: str) -> 
     np.testing.assert_array_equal(a.state, b.state)
     assert table.checksum() == reference.checksum()
     table.close()
+
+
+def test_full_disk_while_spilling_keeps_the_applied_push(tmp_path: Path, monkeypatch) -> None:
+    budget = 20 * _slot_bytes("auto")
+    table = emb.EmbeddingTable(_config("auto", memory_budget=budget, spill_dir=str(tmp_path)))
+    reference = emb.EmbeddingTable(_config("auto"))
+
+    def full(batch):
+        raise emb.StorageFull("table 'clicks': disk full writing spill store")
+
+    monkeypatch.setattr(table._spill, "put", full)
+    ids = np.arange(100)
+    grads = np.ones((100, DIM), np.float32)
+    for t in (table, reference):
+        assert t.push(ids, grads) == 100  # applied, and no error although the spill failed
+    stats = table.stats()
+    assert stats["spill_failures"] >= 1 and stats["rows_resident"] == 100 and stats["rows_spilled"] == 0
+    assert table.checksum() == reference.checksum()
+    monkeypatch.undo()
+    table.pull(np.array([1]))  # the next call spills
+    assert table.stats()["rows_resident"] <= 20 and table.checksum() == reference.checksum()
+    table.close()
+
+
+def test_corrupt_spilled_row_raises_naming_file_and_id(tmp_path: Path) -> None:
+    budget = 20 * _slot_bytes("auto")
+    table = emb.EmbeddingTable(_config("auto", memory_budget=budget, spill_dir=str(tmp_path)))
+    table.pull(np.arange(100))
+    spilled = int(table._spilled.items()[0][0])
+    store = table._spill
+    from tigana.embeddings.lmdbstore import ids_to_keys
+
+    key = ids_to_keys(np.array([spilled])).tobytes()
+    with store._env.begin(write=True, db=store._rows_db) as txn:
+        value = bytearray(txn.get(key))
+        value[30] ^= 0xFF  # flip bits inside the row
+        txn.put(key, bytes(value))
+    before = len(table)
+    with pytest.raises(emb.CorruptStore) as err:
+        table.pull(np.array([spilled, 1]))
+    assert str(spilled) in str(err.value) and "data.mdb" in str(err.value)
+    assert len(table) == before and table.contains(np.array([spilled]))[0]
+    with pytest.raises(emb.CorruptStore):
+        table.checksum()
+    table.close()

@@ -379,3 +379,21 @@ def test_snapshot_then_restore_rolls_back(client):
     restored = client.restore()
     assert sum(restored.values()) == 100
     np.testing.assert_array_equal(client.pull("snap", ids), np.full((100, 4), -1.0, np.float32))
+
+
+def test_restore_the_paths_a_snapshot_returned(client):
+    for name in ("ra", "rb"):
+        client.create_table(name, dim=2, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
+    ids = np.arange(50, dtype=np.int64)
+    for name in ("ra", "rb"):
+        client.push(name, ids, np.ones((50, 2), np.float32))
+    snap = client.snapshot()
+    assert all(len(paths) == 2 for paths in snap.values())  # one per table on every shard
+    for name in ("ra", "rb"):
+        client.push(name, ids, np.ones((50, 2), np.float32))
+    client.flush()
+    assert sum(client.restore(snap).values()) == 100
+    for name in ("ra", "rb"):
+        np.testing.assert_array_equal(client.pull(name, ids), np.full((50, 2), -1.0, np.float32))
+    with pytest.raises(ps.InvalidArgument, match="'path' names shard"):
+        client.restore({"10.0.0.1:1": ["x"]})

@@ -178,3 +178,16 @@ def test_raw_pull_response_parses_as_protobuf(rows, codec):
     msg = pb.PullResponse.FromString(wire.encode_pull_response(rows, codec))
     ref = wire.encode_rows(rows, codec)
     assert msg.rows == ref
+
+
+@settings(max_examples=40, deadline=None)
+@given(ids=hnp.arrays(np.int64, st.integers(0, 400)), servers=st.integers(1, 5),
+       num_slots=st.sampled_from([1, 7, 4096]))
+def test_group_by_owner_matches_routing(ids, servers, num_slots):
+    from tigana.ps import _kernels, routing
+
+    owner_of_slot = routing.static_assignment(servers, max(num_slots, servers))
+    order, starts = _kernels.group_by_owner(ids, owner_of_slot, servers)
+    want = routing.split_by_owner(owner_of_slot[routing.slot_of(ids, len(owner_of_slot))], servers)
+    for i in range(servers):
+        np.testing.assert_array_equal(order[starts[i]:starts[i + 1]], want[i])

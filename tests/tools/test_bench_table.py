@@ -21,7 +21,8 @@ def test_bench_table_prints_one_json_line_per_case(capsys) -> None:
     assert bench_table.run(args) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     cases = [line["case"] for line in lines]
-    assert cases == ["table.lookup", "table.lookup_or_insert", "table.update_rowwise_adagrad", "table.capacity"]
+    assert cases == ["table.lookup", "table.lookup_or_insert", "table.update_rowwise_adagrad",
+                     "hashtable.lookup", "table.capacity"]
     for line in lines:
         assert {"case", "unit", "value", "peer", "peer_value", "ratio"} <= set(line)
         assert line["value"] > 0 and line["peer_value"] > 0

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tigana import ps
-from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
+from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions, _salted, _table_salt
 from tigana.trainer.types import FeatureSpec, SparseFeatures
 
 DIM = 4
@@ -133,14 +133,24 @@ class _LocalBags(nn.Module):
         return torch.stack(out, 1)
 
 
-def test_staleness0_sgd_matches_local_embeddingbag_step_by_step(client) -> None:
+def _table_rows(client, coll: PSEmbeddingCollection, table: str, ids: np.ndarray) -> np.ndarray:
+    """A logical table's rows as the PS holds them (through the fused table's salted ids when fused)."""
+    rows = coll.table_rows(table, ids)
+    if coll.fused_table is not None:
+        np.testing.assert_array_equal(rows, client.pull(coll.fused_table, _salted(ids, _table_salt(table))))
+    return rows
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_staleness0_sgd_matches_local_embeddingbag_step_by_step(client, fused: bool) -> None:
     prefix = _name()
     features = _features(prefix)
     lr = 0.3
-    ps_coll = PSEmbeddingCollection(client, features, DIM,
+    ps_coll = PSEmbeddingCollection(client, features, DIM, fused_table=f"{prefix}fused" if fused else None,
                                     options=TableOptions(optimizer=ps.SGD(lr=lr), staleness=0, seed=5))
-    rows_a = client.pull(f"{prefix}a", np.arange(12))
-    rows_c = client.pull(f"{prefix}c", np.arange(100, 112))
+    ids_a, ids_c = np.arange(12), np.arange(100, 112)
+    rows_a = _table_rows(client, ps_coll, f"{prefix}a", ids_a)
+    rows_c = _table_rows(client, ps_coll, f"{prefix}c", ids_c)
     ps_model, local_model = _Tiny(ps_coll), _Tiny(_LocalBags(features, rows_a, rows_c))
     ps_opt = torch.optim.SGD(ps_model.parameters(), lr=lr)
     assert all(p.requires_grad for p in ps_model.parameters())
@@ -158,10 +168,12 @@ def test_staleness0_sgd_matches_local_embeddingbag_step_by_step(client) -> None:
         for p, q in zip(ps_model.top.parameters(), local_model.top.parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         # staleness 0: the next pull sees this step's pushes
-        np.testing.assert_allclose(client.pull(f"{prefix}a", np.arange(12)),
+        np.testing.assert_allclose(_table_rows(client, ps_coll, f"{prefix}a", ids_a),
                                    local_model.embeddings.a.weight.detach().numpy(), atol=1e-5)
-        np.testing.assert_allclose(client.pull(f"{prefix}c", np.arange(100, 112)),
+        np.testing.assert_allclose(_table_rows(client, ps_coll, f"{prefix}c", ids_c),
                                    local_model.embeddings.c.weight.detach().numpy(), atol=1e-5)
+    if fused:
+        assert client.list_tables().count(f"{prefix}fused") == 1 and f"{prefix}a" not in client.list_tables()
 
 
 def test_prefetch_gives_the_same_rows_without_a_second_pull(client) -> None:
@@ -197,3 +209,12 @@ def test_bad_batches_are_refused_with_the_field_named(client) -> None:
         PSEmbeddingCollection(client, _features(prefix), DIM, table_options={"nope": TableOptions()})
     with pytest.raises(ValueError, match="staleness"):
         TableOptions(staleness=-1)
+    with pytest.raises(ValueError, match="fused_table"):
+        PSEmbeddingCollection(client, _features(prefix), DIM, fused_table="f",
+                              table_options={f"{prefix}c": TableOptions(staleness=0)})
+
+
+def test_salting_keeps_tables_apart() -> None:
+    ids = np.arange(-1000, 1000, dtype=np.int64)
+    a, b = _salted(ids, _table_salt("a")), _salted(ids, _table_salt("b"))
+    assert np.unique(a).size == ids.size and np.intersect1d(a, b).size == 0

@@ -16,6 +16,17 @@ from tigana.trainer.models import MODELS, CTRModel, DCNv2, build_model, dot_inte
 from tigana.trainer.types import Batch, FeatureSpec, SparseFeatures
 
 NAMES = sorted(MODELS)
+SMALL = {"deepfm": {"hidden": (32, 16)}, "wide_deep": {"hidden": (32, 16)}, "dcn_v2": {"hidden": (32, 16)},
+         "dlrm": {"bottom": (8,), "top": (32, 16)}}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> object:
+    """Tiny matrices: one torch thread is fastest, and the cores are shared (restored afterwards)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _setup(num_dense: int = 3, dim: int = 8, seed: int = 0) -> tuple[SyntheticCriteo, LocalEmbeddingCollection]:
@@ -63,8 +74,8 @@ def test_dense_parameters_exclude_the_tables(name: str) -> None:
 def test_a_few_steps_reduce_the_loss(name: str) -> None:
     torch.manual_seed(0)
     gen, coll = _setup()
-    model = build_model(name, coll, 3)
-    batch = gen.batch(0, 512)
+    model = build_model(name, coll, 3, **SMALL[name])
+    batch = gen.batch(0, 256)
     dense_opt = torch.optim.Adam(model.dense_parameters(), lr=3e-3)
     table_opt = torch.optim.Adagrad(coll.parameters(), lr=0.1)
 
@@ -72,7 +83,7 @@ def test_a_few_steps_reduce_the_loss(name: str) -> None:
         return F.binary_cross_entropy_with_logits(model(batch.dense, batch.sparse), batch.labels)
 
     first = float(loss().detach())
-    for _ in range(30):
+    for _ in range(25):
         dense_opt.zero_grad()
         table_opt.zero_grad()
         value = loss()

@@ -15,8 +15,9 @@ Each case is reported against three references measured in the same run, one JSO
 - ``redis``       ``redis-server`` on a free loopback port, pipelined MGET/MSET of the unique ids' rows as
                   packed bytes (skipped with a message on stderr when the binary is absent).
 
-Both the client process and the daemons run with a fixed large-buffer malloc threshold (glibc otherwise maps and
-unmaps every multi-MiB gRPC buffer, which costs ~3x on loopback).
+The timed runs of a case and its three references are interleaved round-robin (medians reported), so all see the
+same load on a shared machine. Every process involved (client, daemons, echo servers) runs with ``tigana.ps.daemon.tune_allocator``'s large-buffer
+malloc thresholds (glibc otherwise maps and unmaps every multi-MiB gRPC buffer, which costs ~3x on loopback).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import contextlib
 import ctypes
 import os
 import shutil
+import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,12 +45,10 @@ from tigana import ps
 from tigana.embeddings import EmbeddingTable, TableConfig
 from tigana.ps import routing, wire
 from tigana.ps.channels import channel_options
-from tigana.tools.bench.report import emit, log, median_rate
+from tigana.ps.daemon import tune_allocator
+from tigana.tools.bench.report import emit, log
 
 _ECHO = "/tigana.bench.Echo/Exchange"
-_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20),
-               "MALLOC_TOP_PAD_": str(64 << 20)}
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repeats (about a minute on 2 cores)")
@@ -56,17 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent (default 1.05)")
     parser.add_argument("--dims", default="16,64", help="comma-separated dims (default 16,64)")
     parser.add_argument("--wire", default="fp32,fp16", help="comma-separated wire codecs (default fp32,fp16)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per case (default 7, quick 3)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per case (default 9, quick 5)")
     parser.add_argument("--no-redis", action="store_true", help="skip the Redis peer")
-
-
-def tune_malloc() -> None:
-    """Large-buffer glibc settings for this process (what ``_MALLOC_ENV`` does for the children)."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 32 << 20)   # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
-        libc.mallopt(-2, 64 << 20)   # M_TOP_PAD
 
 
 def zipf_batches(count: int, size: int, num_ids: int, a: float, seed: int = 0) -> list[np.ndarray]:
@@ -92,12 +84,18 @@ class _Cycle:
         return self.items[self.i]
 
 
+def _die_with_parent() -> None:  # in the child before exec: a crashed benchmark leaves no servers behind
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 # --- the raw gRPC ceiling ---------------------------------------------------------------------------------
 def _echo_main(ready_file: str) -> None:
     """Child process: a generic-handler service answering ``Exchange`` with the reply size the request asks."""
     from tigana.ps.config import ServerConfig
     from tigana.ps.daemon import grpc_server_options
 
+    tune_allocator()  # as tigana server does
     replies: dict[int, bytes] = {}
 
     def exchange(request: bytes, context) -> bytes:
@@ -124,14 +122,14 @@ class EchoServers:
         self.procs: list[subprocess.Popen] = []
         self.channels: list[grpc.Channel] = []
         self._tmp = tempfile.TemporaryDirectory(prefix="tigana-echo-")
-        env = dict(os.environ, **_MALLOC_ENV)
         try:
             files = []
             for i in range(n):
                 ready = Path(self._tmp.name) / f"echo-{i}"
                 files.append(ready)
                 self.procs.append(subprocess.Popen([sys.executable, "-m", "tigana.tools.bench.ps", "--echo-server",
-                                                    str(ready)], env=env, stdin=subprocess.DEVNULL))
+                                                    str(ready)], stdin=subprocess.DEVNULL,
+                                                   preexec_fn=_die_with_parent))
             deadline = time.monotonic() + 60
             while not all(f.exists() and f.read_text() for f in files):
                 if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
@@ -164,19 +162,22 @@ class EchoServers:
         self._tmp.cleanup()
 
 
-def _message_plan(client: ps.Client, uniq: np.ndarray, dim: int, codec: str, kind: str) -> list[tuple[int, bytes]]:
-    """The messages the client sends for one batch, as echo requests of the same sizes (ids chunks, rows)."""
-    c = wire.codec_of(codec)
-    row_bytes = wire.rows_nbytes(1, dim, c)
-    servers = {s.address: i for i, s in enumerate(client._servers)}
+def _message_plan(uniq: np.ndarray, dim: int, codec: str, kind: str, chunk_bytes: int,
+                  shards: int = 2) -> list[tuple[int, bytes]]:
+    """The messages the client sends for one batch (same routing, same chunks) as echo requests of the same
+    sizes: ids out and rows back for a pull, ids and rows out and a small ack back for a push."""
+    row_bytes = wire.rows_nbytes(1, dim, wire.codec_of(codec))
+    per = max(1, chunk_bytes // (8 + row_bytes))
+    owners = routing.static_assignment(shards)[routing.slot_of(uniq)]
     plan = []
-    for server, positions in client._owners(uniq):
-        for chunk in client._chunks(positions, row_bytes):
-            n = len(chunk)
-            if kind in ("pull", "step"):  # ids out, rows back
-                plan.append((servers[server.address], (n * row_bytes).to_bytes(8, "little") + bytes(8 * n)))
-            if kind in ("push", "step"):  # ids and grads out, a small ack back
-                plan.append((servers[server.address], (8).to_bytes(8, "little") + bytes(n * (8 + row_bytes))))
+    for server in range(shards):
+        count = int((owners == server).sum())
+        for start in range(0, count, per):
+            n = min(per, count - start)
+            if kind in ("pull", "step"):
+                plan.append((server, (n * row_bytes).to_bytes(8, "little") + bytes(8 * n)))
+            if kind in ("push", "step"):
+                plan.append((server, (8).to_bytes(8, "little") + bytes(n * (8 + row_bytes))))
     return plan
 
 
@@ -196,7 +197,8 @@ class RedisPeer:
         self.port = _free_port()
         self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                                       "--appendonly", "no", "--protected-mode", "no"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                                     preexec_fn=_die_with_parent)
         self.db = redis.Redis(host="127.0.0.1", port=self.port)
         deadline = time.monotonic() + 30
         while True:
@@ -251,8 +253,8 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "echo_server", None):
         _echo_main(args.echo_server)
         return 0
-    tune_malloc()
-    repeats = args.repeats or (3 if args.quick else 7)
+    tune_allocator()  # the client does it too (ClientConfig.tune_allocator); the Redis client shares it
+    repeats = args.repeats or (5 if args.quick else 9)
     dims = [int(d) for d in args.dims.split(",")]
     codecs = [c.strip() for c in args.wire.split(",")]
     batches = zipf_batches(4 if args.quick else 8, args.batch, args.num_ids, args.zipf)
@@ -268,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = ps.ClientConfig()
     options = channel_options(cfg.max_message_bytes, cfg.keepalive_time_s, cfg.keepalive_timeout_s,
                               cfg.reconnect_backoff_s)
-    env = dict(os.environ, TIGANA_SNAPSHOT_ON_SHUTDOWN="0", **_MALLOC_ENV)
+    env = dict(os.environ, TIGANA_SNAPSHOT_ON_SHUTDOWN="0")
     cluster = echo = peer = client = None
     try:
         cluster = ps.LocalCluster(2, env=env)
@@ -292,6 +294,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def interleaved_rates(fns: dict[str, Callable[[], int]], repeats: int) -> dict[str, float]:
+    """Median items/s of each function, their timed runs interleaved (round-robin, rotating the start) so
+    that every system sees the same machine load: a shared, busy machine otherwise biases the ratios."""
+    names = list(fns)
+    for name in names:  # warm-up
+        fns[name]()
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for k in range(len(names)):
+            name = names[(r + k) % len(names)]
+            t0 = time.perf_counter()
+            items = fns[name]()
+            rates[name].append(items / (time.perf_counter() - t0))
+    return {name: statistics.median(v) for name, v in rates.items()}
+
+
 def _bench_table(client: ps.Client, echo: EchoServers, peer: RedisPeer | None, batches: list[np.ndarray],
                  uniques: list, dim: int, codec: str, repeats: int, base: dict) -> None:
     name = f"bench_d{dim}_{codec}"
@@ -303,7 +321,7 @@ def _bench_table(client: ps.Client, echo: EchoServers, peer: RedisPeer | None, b
     rng = np.random.default_rng(1)
     grads = [rng.normal(0, 0.01, (b.size, dim)).astype(np.float32) for b in batches]
     n = batches[0].size
-    in_flight = 4
+    in_flight = 4  # pushes per timed unit: acknowledged once flush() returns
     try:
         for b in batches:  # insert every row first: the timed runs read and update existing rows
             client.pull(name, b)
@@ -342,7 +360,7 @@ def _bench_table(client: ps.Client, echo: EchoServers, peer: RedisPeer | None, b
             local.push(b, grad())
             return n
 
-        plans = {kind: _Cycle([_message_plan(client, u, dim, codec, kind) for u, _ in uniques])
+        plans = {kind: _Cycle([_message_plan(u, dim, codec, kind, client.config.chunk_bytes) for u, _ in uniques])
                  for kind in ("pull", "push", "step")}
 
         def echo_case(kind: str) -> Callable[[], int]:
@@ -351,15 +369,17 @@ def _bench_table(client: ps.Client, echo: EchoServers, peer: RedisPeer | None, b
                 return n
             return fn
 
-        results = {}
+        redis = _redis_cases(peer, uniques, dim, codec, n) if peer is not None else {}
         for kind, fn, lim in (("pull", ps_pull, local_pull), ("push", ps_push, local_push),
                               ("step", ps_step, local_step)):
-            value = median_rate(fn, repeats=repeats)
-            results[kind] = value
-            emit(kind, "rows/s", value, "in-process", median_rate(lim, repeats=repeats), **params)
-            emit(kind, "rows/s", value, "grpc-echo", median_rate(echo_case(kind), repeats=repeats), **params)
-        if peer is not None:
-            _redis_cases(peer, uniques, dim, codec, repeats, results, n, params)
+            fns = {"ps": fn, "in-process": lim, "grpc-echo": echo_case(kind)}
+            if kind in redis:
+                fns["redis"] = redis[kind][1]
+            rates = interleaved_rates(fns, repeats)
+            for other in ("in-process", "grpc-echo", "redis"):
+                if other in rates:
+                    extra = {"redis_op": redis[kind][0]} if other == "redis" else {}
+                    emit(kind, "rows/s", rates["ps"], other, rates[other], **extra, **params)
         stats = client.stats()
         log(f"bench ps {name}: sent {stats['bytes_sent'][name]} received {stats['bytes_received'][name]} "
             f"staleness {stats['staleness'][name]} retries {stats['retries']}")
@@ -368,8 +388,9 @@ def _bench_table(client: ps.Client, echo: EchoServers, peer: RedisPeer | None, b
         local.close()
 
 
-def _redis_cases(peer: RedisPeer, uniques: list, dim: int, codec: str, repeats: int, results: dict, n: int,
-                 params: dict) -> None:
+def _redis_cases(peer: RedisPeer, uniques: list, dim: int, codec: str,
+                 n: int) -> dict[str, tuple[str, Callable[[], int]]]:
+    """Redis versions of the cases over the unique ids of each batch, rows stored as packed bytes."""
     peer.db.flushall()
     rng = np.random.default_rng(2)
     keys = [u.tolist() for u, _ in uniques]
@@ -393,9 +414,7 @@ def _redis_cases(peer: RedisPeer, uniques: list, dim: int, codec: str, repeats: 
         mget()
         return mset()
 
-    for kind, fn, label in (("pull", mget, "redis MGET"), ("push", mset, "redis MSET"),
-                            ("step", both, "redis MGET+MSET")):
-        emit(kind, "rows/s", results[kind], "redis", median_rate(fn, repeats=repeats), redis_op=label, **params)
+    return {"pull": ("redis MGET", mget), "push": ("redis MSET", mset), "step": ("redis MGET+MSET", both)}
 
 
 if __name__ == "__main__":  # the echo server child: python -m tigana.tools.bench.ps --echo-server READY_FILE

@@ -6,6 +6,7 @@ Cases (one JSON line each, for dim 16 and 64):
   lookup_or_insert  the same pulls on first sight: new ids are hashed in and initialized (new_ids_per_batch).
   update   EmbeddingTable.push with row-wise Adagrad (lookup, dedup + segment sum, update) vs the same update
            in torch on pre-mapped indices (torch.unique + index_add_ + row-wise Adagrad + index_copy_).
+  hashtable.lookup  the numba hash lookup vs the numpy fallback on the same index (why numba is used).
   capacity rows resident and bytes per resident row after inserting ``--rows`` ids (dim 16, row-wise
            Adagrad) against the 160 bytes/row target (100 M rows in 16 GiB).
 
@@ -18,13 +19,14 @@ limits run with one thread unless --torch-threads says otherwise.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import numpy as np
 
 from tigana import embeddings as emb
 from tigana.embeddings.initializers import mix64
-from tigana.tools.bench.report import emit, log, median_rate
+from tigana.tools.bench.report import emit, log
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,8 +62,9 @@ def _torch_limits(table: emb.EmbeddingTable, batches: list[np.ndarray], lr: floa
     import torch
 
     rows = table.export_rows()
-    weights = torch.from_numpy(np.ascontiguousarray(rows.weights))
-    state = torch.from_numpy(np.ascontiguousarray(rows.state[:, 0]))
+    # clone: torch's own 64-byte aligned memory (numpy's 16-byte alignment makes gathers ~30% slower)
+    weights = torch.from_numpy(np.ascontiguousarray(rows.weights)).clone()
+    state = torch.from_numpy(np.ascontiguousarray(rows.state[:, 0])).clone()
     order = rows.ids  # sorted
     mapped = [torch.from_numpy(np.searchsorted(order, b)) for b in batches]
 
@@ -83,6 +86,23 @@ def _torch_limits(table: emb.EmbeddingTable, batches: list[np.ndarray], lr: floa
     return gather, update
 
 
+def _paired(ours, theirs, count: int, warmup: int) -> tuple[float, float]:
+    """Median rates of ``ours(i)`` and ``theirs(i)`` (each returns items done) run alternately on the same
+    inputs, so load from other processes hits both alike. The first ``warmup`` rounds are not timed (torch's
+    first calls on fresh tensors run several times slower)."""
+    a, b = [], []
+    for i in range(warmup + count):
+        t0 = time.perf_counter()
+        n_a = ours(i)
+        t1 = time.perf_counter()
+        n_b = theirs(i)
+        t2 = time.perf_counter()
+        if i >= warmup:
+            a.append(n_a / (t1 - t0))
+            b.append(n_b / (t2 - t1))
+    return statistics.median(a), statistics.median(b)
+
+
 def _bench_dim(args, dim: int, distinct: int, repeats: int) -> None:
     import torch
 
@@ -98,52 +118,65 @@ def _bench_dim(args, dim: int, distinct: int, repeats: int) -> None:
         table.pull(b)
     log(f"dim {dim}: warm-up {warm} batches, {len(table)} rows, {time.perf_counter() - t0:.1f}s")
     timed = batches[warm:]
-    rows_before = len(table)
-    counter = iter(range(1 << 30))
+    params = dict(dim=dim, batch=batch, ids=f"zipf(1.05) over {distinct}", repeats=repeats,
+                  backend=table.backend, quick=bool(args.quick), torch_threads=torch.get_num_threads())
 
-    def ours_lookup() -> int:
-        b = timed[next(counter) % len(timed)]
+    rows_before, fresh_rates = len(table), []
+    for b in timed:  # first sight of these batches: lookups plus inserts of their new ids
+        t0 = time.perf_counter()
+        table.pull(b)
+        fresh_rates.append(b.shape[0] / (time.perf_counter() - t0))
+    new_per_batch = (len(table) - rows_before) / len(timed)
+    gather, update = _torch_limits(table, timed, lr, eps)  # a dense copy of the same rows
+
+    def ours_lookup(i: int) -> int:
+        b = timed[i % len(timed)]
         table.pull(b)
         return b.shape[0]
 
-    params = dict(dim=dim, batch=batch, ids=f"zipf(1.05) over {distinct}", repeats=repeats,
-                  backend=table.backend, quick=bool(args.quick), torch_threads=torch.get_num_threads())
-    fresh = median_rate(ours_lookup, repeats=repeats, warmup=1)  # first sight of these batches: inserts too
-    new_ids = len(table)
-    for b in timed:  # every timed id is a row now: the dense copy below holds the same rows
-        table.pull(b)
-    new_ids = (new_ids - rows_before) / (repeats + 1)
-    hits = median_rate(ours_lookup, repeats=repeats, warmup=1)
-    gather, update = _torch_limits(table, timed, lr, eps)
-    counter_t = iter(range(1 << 30))
-    limit = median_rate(lambda: gather(next(counter_t)), repeats=repeats, warmup=1)
+    hits, limit = _paired(ours_lookup, gather, repeats, warmup=2 * len(timed))
     emit("table.lookup", "ids/s", hits, "torch.index_select (pre-mapped, dense)", limit,
          rows=len(table), **params)
-    emit("table.lookup_or_insert", "ids/s", fresh, "torch.index_select (pre-mapped, dense)", limit,
-         rows=len(table), new_ids_per_batch=round(new_ids), **params)
+    emit("table.lookup_or_insert", "ids/s", statistics.median(fresh_rates[1:]),
+         "torch.index_select (pre-mapped, dense)", limit, rows=len(table),
+         new_ids_per_batch=round(new_per_batch), **params)
 
     rng = np.random.default_rng(args.seed + 1)
     grads = [rng.standard_normal((batch, dim), dtype=np.float32) * 0.01 for _ in range(2)]
     grads_t = [torch.from_numpy(g) for g in grads]
-    counter = iter(range(1 << 30))
 
-    def ours_update() -> int:
-        i = next(counter)
+    def ours_update(i: int) -> int:
         b = timed[i % len(timed)]
         table.push(b, grads[i % 2])
         return b.shape[0]
 
-    ours = median_rate(ours_update, repeats=repeats, warmup=1)
-    counter_t = iter(range(1 << 30))
-
-    def torch_update() -> int:
-        i = next(counter_t)
-        return update(i, grads_t[i % 2])
-
-    limit = median_rate(torch_update, repeats=repeats, warmup=1)
+    ours, limit = _paired(ours_update, lambda i: update(i, grads_t[i % 2]), repeats, warmup=len(timed))
     emit("table.update_rowwise_adagrad", "ids/s", ours, "torch unique+index_add+rowwise adagrad (pre-mapped)",
          limit, rows=len(table), **params)
     table.close()
+
+
+def _bench_hash(args, distinct: int, repeats: int) -> None:
+    """The choice of kernels: the numba hash lookup against the vectorized numpy fallback, same index."""
+    keys = mix64(np.arange(1, distinct + 1, dtype=np.uint64) + np.uint64(args.seed)).view(np.int64)
+    batches = zipf_batches(distinct, args.batch, repeats + 1, seed=args.seed + 2)
+    if emb.HashIndex().backend != "numba":  # numba missing: nothing to compare
+        return
+    indexes = {}
+    for backend in ("numba", "numpy"):
+        indexes[backend] = emb.HashIndex(backend=backend)
+        indexes[backend].insert(keys, np.arange(distinct))
+
+    def lookup(backend: str):
+        def fn(i: int) -> int:
+            b = batches[i % len(batches)]
+            indexes[backend].lookup(b)
+            return b.shape[0]
+        return fn
+
+    ours, peer = _paired(lookup("numba"), lookup("numpy"), 3 * repeats, warmup=3)
+    emit("hashtable.lookup", "ids/s", ours, "numpy fallback (vectorized open addressing)", peer,
+         keys=distinct, batch=args.batch, ids=f"zipf(1.05) over {distinct}", quick=bool(args.quick))
 
 
 def _bench_capacity(args, rows: int) -> None:
@@ -173,9 +206,11 @@ def run(args: argparse.Namespace) -> int:
         quick = bool(args.quick)
         distinct = args.distinct or (1_000_000 if quick else 10_000_000)
         rows = args.rows or (1_000_000 if quick else 10_000_000)
-        repeats = args.repeats or (7 if quick else 21)
-        for dim in (int(d) for d in args.dims.split(",")):
+        repeats = args.repeats or (11 if quick else 21)
+        for dim in (int(d) for d in args.dims.split(",") if d.strip()):  # --dims "": capacity only
             _bench_dim(args, dim, distinct, repeats)
+        if args.dims.strip():
+            _bench_hash(args, distinct, repeats)
         _bench_capacity(args, rows)
     finally:
         torch.set_num_threads(saved_threads)

@@ -30,6 +30,7 @@ class CTRModel(nn.Module):
     """Base class: ``forward(dense (B, num_dense) float32, sparse) -> logits (B,)``.
 
     Subclasses implement ``interact(dense, emb (B, F, D), wide (B, F, 1) | None) -> (B,)``.
+    Like any nn.Module, not safe for concurrent training steps from several threads.
     """
 
     def __init__(self, embeddings: EmbeddingCollection, num_dense: int,
