@@ -240,9 +240,10 @@ def dedup_grouped(ids, owner_of_slot, num_owners):
 
 @njit(nogil=True, cache=True)
 def dedup_sum_grouped(ids, grads, owner_of_slot, num_owners):
-    """(n,) int64 ids, (n, dim) float32 grads -> (uniq, sums, starts) grouped by owner as ``dedup_grouped``,
-    duplicate rows added in batch order in float32 (as ``dedup_sum``). Each server's rows are one contiguous
-    slice, so a push message is built from views without a gather copy."""
+    """(n,) int64 ids, (n, dim) float32 grads -> (uniq, sums, starts, finite) grouped by owner as
+    ``dedup_grouped``, duplicate rows added in batch order in float32 (as ``dedup_sum``); ``finite`` is False
+    when some sum is NaN or Inf (always so when grads has one). Each server's rows are one contiguous slice,
+    so a push message is built from views without a gather copy."""
     src, uniq, starts = _dedup_grouped(ids, owner_of_slot, num_owners)
     n = ids.shape[0]
     dim = grads.shape[1]
@@ -258,5 +259,30 @@ def dedup_sum_grouped(ids, grads, owner_of_slot, num_owners):
             seen[r] = True
             for c in range(dim):
                 sums[r, c] = grads[i, c]
-    return uniq, sums, starts
+    # A NaN or Inf anywhere in grads leaves a non-finite sum (finite values can also overflow to Inf).
+    bits = sums.reshape(-1).view(np.uint32)
+    exp = np.uint32(0x7F800000)
+    bad = np.uint32(0)
+    for i in range(bits.shape[0]):  # an integer or-reduction: vectorizes
+        bad |= np.uint32((bits[i] & exp) == exp)
+    return uniq, sums, starts, bad == 0
 
+
+
+@njit(nogil=True, cache=True)
+def first_foreign(ids, owned):
+    """(count, first position) of the ids whose slot (``routing.slot_of`` over ``len(owned)`` slots) is not
+    owned; position -1 when all are owned. One pass, no temporaries (the server's ownership check)."""
+    num_slots = np.uint64(owned.shape[0])
+    count = 0
+    first = -1
+    for i in range(ids.shape[0]):
+        z = np.uint64(ids[i])
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+        z = z ^ (z >> np.uint64(31))
+        if not owned[np.int64(z % num_slots)]:
+            if first < 0:
+                first = i
+            count += 1
+    return count, first

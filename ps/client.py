@@ -206,14 +206,16 @@ def _as_grads(grads: Any, ids: np.ndarray, dim: int, table: str) -> np.ndarray:
     if g.shape not in (ids.shape + (dim,), (ids.size, dim)):
         raise InvalidArgument(f"table {table!r}: field 'grads' has shape {tuple(g.shape)}, expected "
                               f"{ids.shape + (dim,)} (ids shape + dim {dim})")
-    g = np.ascontiguousarray(g.reshape(ids.size, dim), dtype=np.float32)
-    # A float32 sum is cheap and finite for finite input unless it overflows; then check element-wise.
-    if g.size and not np.isfinite(g.sum()):
-        bad = ~np.isfinite(g).all(axis=1)
-        if bad.any():
-            raise InvalidArgument(f"table {table!r}: field 'grads' has NaN or Inf in {int(bad.sum())} row(s), "
-                                  f"first at position {int(np.flatnonzero(bad)[0])}; nothing was pushed")
-    return g
+    return np.ascontiguousarray(g.reshape(ids.size, dim), dtype=np.float32)
+
+
+def _check_finite(grads: np.ndarray, table: str) -> None:
+    """Element-wise NaN/Inf check, run when the summed rows are not all finite (a NaN or Inf in the input, or
+    finite values whose sum overflows: those are sent, and the server rejects the Inf sum)."""
+    bad = ~np.isfinite(grads).all(axis=1)
+    if bad.any():
+        raise InvalidArgument(f"table {table!r}: field 'grads' has NaN or Inf in {int(bad.sum())} row(s), "
+                              f"first at position {int(np.flatnonzero(bad)[0])}; nothing was pushed")
 
 
 class _Countdown:
@@ -440,7 +442,9 @@ class Client:
         if ids.size == 0:
             fut.set_result(0)
             return fut
-        uniq, summed, starts = self._group(ids, grads)
+        uniq, summed, starts, finite = self._group(ids, grads)
+        if not finite:
+            _check_finite(grads, table)
         _PushOp(self, st, fut, uniq, summed, starts).start()
         return fut
 

@@ -43,7 +43,7 @@ from google.protobuf import json_format
 from tigana.embeddings import EmbeddingTable, TableConfig
 from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc
-from tigana.ps import wire
+from tigana.ps import _kernels, wire
 from tigana.ps.config import ServerConfig
 from tigana.ps.dedup import DedupWindow
 from tigana.ps.errors import (
@@ -135,10 +135,9 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         owned, owns_all = self._ownership
         if owns_all or len(ids) == 0:
             return
-        foreign = ~owned[slot_of(ids, self.config.num_slots)]
-        count = int(np.count_nonzero(foreign))
+        count, first = _kernels.first_foreign(ids, owned)
         if count:
-            example = int(ids[np.argmax(foreign)])
+            example = int(ids[first])
             raise WrongShard(f"table {table!r}: field 'ids' has {count} id(s) in slots this server does not own "
                              f"(e.g. id {example}, slot {int(slot_of(np.array([example]), self.config.num_slots)[0])})")
 

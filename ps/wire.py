@@ -216,9 +216,10 @@ def encode_pull_request(table: str, ids: np.ndarray, codec: int = pb.CODEC_FP32)
 def encode_push_request(table: str, ids: np.ndarray, codec: int, dim: int, data: np.ndarray,
                         scales: np.ndarray | None, client_id: str, seq: int, part: int) -> bytes:
     """A serialized ``PushRequest``: (n,) int64 ``ids`` and their gradient block from ``encode_block``."""
-    rows = b"".join(_rows_parts(codec, dim, data, scales))
+    rows = _rows_parts(codec, dim, data, scales)
     parts = _len_field(1, table.encode()) + _len_field(2, _buffer(np.asarray(ids, "<i8")))
-    parts += _len_field(3, rows) + _len_field(4, client_id.encode())
+    parts += [_varint((3 << 3) | _WT_LEN), _varint(sum(memoryview(p).nbytes for p in rows)), *rows]
+    parts += _len_field(4, client_id.encode())
     parts += [_varint_field(5, seq), _varint_field(6, part)]
     return b"".join(parts)
 
@@ -228,8 +229,9 @@ def encode_pull_response(rows: np.ndarray, codec: int = pb.CODEC_FP32) -> bytes:
     with a bytes response serializer; ``pb.PullResponse(rows=encode_rows(...))`` costs ~4 copies)."""
     rows = np.asarray(rows, dtype=np.float32)
     data, scales = encode_block(rows, codec)
-    block = b"".join(_rows_parts(codec, rows.shape[1] if rows.ndim == 2 else 0, data, scales))
-    return b"".join(_len_field(1, block))
+    parts = _rows_parts(codec, rows.shape[1] if rows.ndim == 2 else 0, data, scales)
+    size = sum(memoryview(p).nbytes for p in parts)
+    return b"".join([_varint((1 << 3) | _WT_LEN), _varint(size), *parts])  # one copy of the rows
 
 
 def _read_varint(buf: memoryview, pos: int, what: str) -> tuple[int, int]:

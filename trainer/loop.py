@@ -52,6 +52,7 @@ class TrainData:
     train_batches: Callable[[int], Iterator[Batch]]   # epoch -> this rank's training batches
     eval_batches: Callable[[], Iterator[Batch]]        # this rank's held-out batches
     description: str
+    steps_per_epoch: int | None = None                 # this rank's training batches per epoch, when known
 
 
 def _movielens_root(path: str | None) -> Path:
@@ -102,7 +103,8 @@ def load_data(config: TrainConfig, rank: int = 0, world_size: int = 1) -> TrainD
             lambda epoch: train_set.batches(bs, rank=rank, world_size=world_size, shuffle=True, seed=seed,
                                             epoch=epoch),
             lambda: test_set.batches(ebs, rank=rank, world_size=world_size),
-            f"movielens-100k u1.base ({len(train_set)} rows) / u1.test ({len(test_set)} rows)")
+            f"movielens-100k u1.base ({len(train_set)} rows) / u1.test ({len(test_set)} rows)",
+            train_set.num_batches(bs, rank, world_size))
     if config.dataset == "synthetic":
         vocab = tuple(min(v, config.synthetic_vocab) for v in d.synthetic.CRITEO_KAGGLE_CARDINALITIES)
         gen = d.SyntheticCriteo(vocab_sizes=vocab, seed=seed)
@@ -114,7 +116,8 @@ def load_data(config: TrainConfig, rank: int = 0, world_size: int = 1) -> TrainD
             lambda epoch: train_set.batches(bs, rank=rank, world_size=world_size, shuffle=True, seed=seed,
                                             epoch=epoch),
             lambda: test_set.batches(ebs, rank=rank, world_size=world_size),
-            f"synthetic Criteo-format, {config.synthetic_rows} training rows / {n_eval} held-out rows")
+            f"synthetic Criteo-format, {config.synthetic_rows} training rows / {n_eval} held-out rows",
+            train_set.num_batches(bs, rank, world_size))
     train_file, eval_file = _criteo_files(config.data)
 
     def reader(path: Path, batch_size: int) -> Any:
@@ -295,7 +298,11 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
         bar = None
         if rank == 0 and config.progress:
             from tqdm import tqdm
-            bar = tqdm(total=config.max_steps, initial=step, unit="step", file=sys.stderr, dynamic_ncols=True,
+            total = config.max_steps
+            if data.steps_per_epoch is not None:
+                planned = data.steps_per_epoch * config.epochs
+                total = planned if total is None else min(total, planned)
+            bar = tqdm(total=total, initial=step, unit="step", file=sys.stderr, dynamic_ncols=True,
                        desc=f"{config.model} ({world} trainer{'s' if world > 1 else ''})", mininterval=1.0)
 
         def checkpoint(epoch: int, batch_in_epoch: int) -> None:

@@ -55,7 +55,7 @@ def store_dict(store: RowStore, batch_size: int = 7) -> dict[int, tuple]:
     for batch in store.iter_batches(batch_size):
         assert len(batch) <= batch_size
         if len(batch):
-            assert np.all(np.diff(batch.ids) > 0) and (prev is None or batch.ids[0] > prev)
+            assert np.all(batch.ids[1:] > batch.ids[:-1]) and (prev is None or batch.ids[0] > prev)
             prev = batch.ids[-1]
         out.update(as_dict(batch))
     return out

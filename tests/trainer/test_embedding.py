@@ -18,13 +18,12 @@ DIM = 4
 
 
 @pytest.fixture(scope="module")
-def client():
-    with ps.LocalCluster(shards=2) as cluster:
-        c = ps.connect(cluster.addresses)
-        try:
-            yield c
-        finally:
-            c.close()
+def client(shard_cluster):
+    c = ps.connect(shard_cluster.addresses)
+    try:
+        yield c
+    finally:
+        c.close()
 
 
 def _name() -> str:

@@ -7,12 +7,13 @@ rows (server-side for the PS, ``torch.optim.Adagrad`` on sparse gradients locall
 
 Cases, one JSON line each (samples/s, median of the repeats):
 
-- ``train_ps``         1 trainer + 2 shard daemons, one table per feature, prefetch + staleness 1
-- ``train_ps_shared``  the same with all 26 features in one shared table (ids are salted per feature), so a
-                       step is one pull and one push per shard instead of 26
+- ``train_ps``          1 trainer + 2 shard daemons, prefetch + staleness 1, the 26 tables fused into one PS
+                        table (ids salted per table): one pull and one push per shard a step (the default of
+                        ``tigana train``)
+- ``train_ps_unfused``  the same with 26 separate PS tables: 26 pulls and 26 pushes a step
   each against ``local nn.EmbeddingBag``: the same model on ``LocalEmbeddingCollection`` in this process
   (sparse gradients), measured in the same run;
-- ``train_ps_vs_torchrec``: ``train_ps_shared`` against TorchRec's ``EmbeddingBagCollection`` trained locally
+- ``train_ps_vs_torchrec``: ``train_ps`` against TorchRec's ``EmbeddingBagCollection`` trained locally
   (only when torchrec is importable; it is never a dependency).
 """
 
@@ -143,24 +144,22 @@ def run(args: argparse.Namespace) -> int:
         try:
             local_coll = LocalEmbeddingCollection(features, DIM, cards, sparse_grad=True, seed=0)
             trainers = {"local": _Trainer(local_coll, batches, list(local_coll.parameters()))}
-            for case, table in (("train_ps", None), ("train_ps_shared", "bench_train_shared")):
-                specs = [FeatureSpec(f"bench_train_{f.name}" if table is None else f.name,
-                                     table=table, pooling=f.pooling) for f in features]
-                named = [_rename(b, [s.name for s in specs]) for b in batches] if table is None else batches
-                coll = PSEmbeddingCollection(client, specs, DIM,
+            for case, fused in (("train_ps", "bench_train_fused"), ("train_ps_unfused", None)):
+                specs = [FeatureSpec(f.name, table=f"bench_train_{f.name}", pooling=f.pooling) for f in features]
+                coll = PSEmbeddingCollection(client, specs, DIM, fused_table=fused,
                                              options=TableOptions(optimizer=ps.Adagrad(lr=0.05), staleness=1))
-                trainers[case] = _Trainer(coll, named, collection=coll)
+                trainers[case] = _Trainer(coll, batches, collection=coll)
             peer = _torchrec_collection(features, cards)
             if peer is not None:
                 trainers["torchrec"] = _Trainer(peer, batches)
             rates = _interleaved(trainers, repeats)
         finally:
             client.close()
-    for case, tables in (("train_ps", 26), ("train_ps_shared", 1)):
-        emit(case, "samples/s", rates[case], "local nn.EmbeddingBag", rates["local"], tables=tables, **params)
+    for case, fused in (("train_ps", True), ("train_ps_unfused", False)):
+        emit(case, "samples/s", rates[case], "local nn.EmbeddingBag", rates["local"], fused_tables=fused, **params)
     if "torchrec" in rates:
-        emit("train_ps_vs_torchrec", "samples/s", rates["train_ps_shared"], "torchrec EmbeddingBagCollection",
-             rates["torchrec"], tables=1, **params)
+        emit("train_ps_vs_torchrec", "samples/s", rates["train_ps"], "torchrec EmbeddingBagCollection",
+             rates["torchrec"], fused_tables=True, **params)
     return 0
 
 
@@ -177,12 +176,6 @@ def _interleaved(trainers: dict[str, _Trainer], repeats: int) -> dict[str, float
         if round_:
             log("  round " + str(round_) + ": " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in timings.items()))
     return {name: statistics.median(v) for name, v in timings.items()}
-
-
-def _rename(batch: Batch, keys: list[str]) -> Batch:
-    from tigana.trainer.types import SparseFeatures
-
-    return Batch(batch.dense, SparseFeatures(keys, batch.sparse.values, batch.sparse.lengths), batch.labels)
 
 
 if __name__ == "__main__":
