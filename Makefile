@@ -34,6 +34,14 @@ proto: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/tigana bench table --quick
 	$(VENV)/bin/tigana bench ps --quick
+	$(VENV)/bin/tigana bench train --quick
+	$(VENV)/bin/tigana bench allreduce --quick
+
+# Optional benchmark peers, never dependencies: TorchRec beside the CPU torch, with the CPU fbgemm-gpu
+# (torchrec's own requirements would pull the 0.5 GB CUDA build).
+bench-peers: $(STAMP)
+	$(PY) -m pip install -q "fbgemm-gpu-cpu==1.8.0" pyre-extensions tensordict
+	$(PY) -m pip install -q --no-deps "torchrec==1.8.0"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -442,7 +442,7 @@ class Client:
         if ids.size == 0:
             fut.set_result(0)
             return fut
-        uniq, summed, starts, finite = self._group(ids, grads)
+        uniq, summed, starts, finite = self._group(np.ascontiguousarray(ids), grads)
         if not finite:
             _check_finite(grads, table)
         _PushOp(self, st, fut, uniq, summed, starts).start()
@@ -609,8 +609,9 @@ def _settle_into(fut: cf.Future) -> Callable[[Any, PSError | None], None]:
 
 
 class _PullOp:
-    """One pull in flight: the unique ids grouped by owner and split in chunks; each reply is copied into its
-    contiguous range of ``out`` (rows of ``uniq``), and the last one gathers the batch's rows by ``src``."""
+    """One pull in flight: the unique ids grouped by owner and split in chunks, one message each; the replies
+    are kept as decoded blocks (fp32: views of the received bytes) and the last one to arrive gathers the
+    batch's rows from them by ``src`` in one pass."""
 
     def __init__(self, client: Client, st: _Table, fut: cf.Future, uniq: np.ndarray, starts: np.ndarray,
                  src: np.ndarray, shape: tuple[int, ...]) -> None:
@@ -618,7 +619,7 @@ class _PullOp:
         self.src, self.shape = src, shape
         self.codec = st.pull_codec
         self.dim = st.dim
-        self.out = np.empty((len(uniq), self.dim), np.float32)
+        self.blocks: list[np.ndarray | None] = []
         self.fanout: _Fanout | None = None
 
     def start(self) -> None:
@@ -632,29 +633,42 @@ class _PullOp:
         c, st = self.client, self.st
         parts = c._parts(self.starts, wire.rows_nbytes(1, self.dim, self.codec))
         self.fanout = _Fanout(len(parts))
+        self.blocks = [None] * len(parts)
         with st.lock:
             st.stale_last = len(st.pending)
             st.stale_max = max(st.stale_max, st.stale_last)
         sent = 0
         calls = []
-        for s, lo, hi in parts:
+        for k, (s, lo, hi) in enumerate(parts):
             request = wire.encode_pull_request(st.name, self.uniq[lo:hi], self.codec)
             sent += len(request)
             calls.append(Call(s.pull, request, s.address, c.config.timeout_s, c._retry,
-                              self._done_for(lo, hi), c._note_retry))
+                              self._done_for(k, hi - lo), c._note_retry))
         with st.lock:
             st.bytes["sent"]["pull"] += sent
         for call in calls:
             call.start()
 
-    def _done_for(self, lo: int, hi: int) -> Callable[[Any, PSError | None], None]:
+    def _gather(self) -> np.ndarray:
+        """The batch's rows, (n, dim) float32, from the unique rows in ``blocks`` (consecutive ranges)."""
+        blocks = self.blocks
+        out = np.empty((self.src.size, self.dim), np.float32)
+        words = _kernels.row_words
+        if len(blocks) == 2:
+            _kernels.gather_rows2(words(blocks[0]), words(blocks[1]), self.src, words(out))
+        else:
+            rows = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
+            _kernels.gather_rows(words(rows), self.src, words(out))
+        return out
+
+    def _done_for(self, k: int, n: int) -> Callable[[Any, PSError | None], None]:
         def done(response: wire.RawRows | None, error: PSError | None) -> None:
             if error is None:
                 try:
                     with self.st.lock:
                         self.st.bytes["received"]["pull"] += response.nbytes
-                    self.out[lo:hi] = wire.decode_block(response, hi - lo, self.dim, table=self.st.name,
-                                                        field="PullResponse.rows")
+                    self.blocks[k] = wire.decode_block(response, n, self.dim, table=self.st.name,
+                                                       field="PullResponse.rows")
                 except PSError as exc:
                     error = exc
                 except Exception as exc:  # noqa: BLE001
@@ -662,8 +676,13 @@ class _PullOp:
             assert self.fanout is not None
             if self.fanout.part_done(error):
                 self.client._count(pulls=1, rows_pulled=int(self.src.size))
-                rows = np.take(self.out, self.src, axis=0)
-                self.out = None
+                try:
+                    rows = self._gather()
+                except Exception as exc:  # noqa: BLE001 - a callback thread must never raise
+                    self.fut.set_exception(Internal(f"table {self.st.name!r}: pull reassembly: {exc}"))
+                    return
+                finally:
+                    self.blocks = []  # free the replies
                 self.fut.set_result(rows.reshape(self.shape + (self.dim,)))
             elif error is not None and self.fanout.error is error:
                 self.client._count(pull_errors=1)

@@ -1,7 +1,9 @@
 """The shard service: a thin gRPC adapter over the storage engine's ``EmbeddingTable``s.
 
 Each handler decodes the request with ``tigana.ps.wire``, checks it against the table and the owned slots, calls
-the table, and encodes the answer. Every exception a handler raises becomes a gRPC status in one place (``_rpc``,
+the table, and encodes the answer. ``add_to_server`` registers the service with the data path's own codecs: a
+Push request is parsed into zero-copy views and a Pull reply is written as serialized bytes in one copy (the
+messages of proto/shard.proto either way; the generated registration works too, with protobuf objects). Every exception a handler raises becomes a gRPC status in one place (``_rpc``,
 through ``errors.to_status``); a bug answers INTERNAL and the server keeps serving. Validation happens before
 anything changes, so a rejected request leaves every table as it was.
 

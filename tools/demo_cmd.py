@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import tigana.tools
-from tigana import ps
 from tigana.trainer import TrainConfig, launch
 
 
@@ -26,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                   "MovieLens-100K is there")
     parser.add_argument("--nproc", type=int, default=2, help="trainer processes (default 2)")
     parser.add_argument("--shards", type=int, default=2, help="shard daemons (default 2)")
-    parser.add_argument("--epochs", type=int, default=None, help="default 3 on MovieLens, 1 on synthetic data")
+    parser.add_argument("--epochs", type=int, default=None, help="default 3 on MovieLens, 2 on synthetic data")
     parser.add_argument("--logdir", default=None, help="TensorBoard folder (default runs/demo-<time>)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -58,10 +57,10 @@ def run(args: argparse.Namespace) -> int:
         what = f"MovieLens-100K u1.base -> u1.test ({movielens})"
     else:
         config = TrainConfig(model="deepfm", dataset="synthetic", synthetic_rows=100_000, synthetic_vocab=50_000,
-                             epochs=args.epochs or 1, batch_size=1024, staleness=1)
+                             epochs=args.epochs or 2, batch_size=1024, staleness=1)
         what = "synthetic Criteo-format data (100,000 training rows; no MovieLens-100K found)"
     print(f"tigana demo: DeepFM, {args.nproc} trainer processes, {args.shards} shards, {what}", flush=True)
-    cluster = ps.LocalCluster(shards=args.shards)
+    cluster = launch.start_cluster(args.shards)
     try:
         print(f"local cluster up: {', '.join(cluster.addresses)} (data in {cluster.data_dir})", flush=True)
         config = config.replace(ps=tuple(cluster.addresses), nproc=args.nproc, logdir=str(logdir),

@@ -2,15 +2,20 @@
 
 forward(sparse) -> (B, F, dim):
 
-    ids of each table ──unique──> pull rows once per distinct id ──> (U, dim) rows of every table, stacked
-         │                          (or take the rows prefetched           │ _PushRows: identity forward;
-         └── inverse index ───┐      during the previous step)             │ backward pushes d rows to the PS
-                              └──────── embedding_bag(sum, per-sample weights for mean) ──> (F*B, dim)
+    values of each table ──sort──> distinct ids ──pull once each──> (U, dim) rows of every table, stacked
+         │                            (or the rows prefetched while the previous step ran)      │
+         └── index of each value's row ──────────┐                                            │
+                                                 └──> _PooledLookup: gather (single-hot) or
+                                                      embedding_bag (sum; 1/len weights for mean) ──> (F*B, dim)
+    backward: d(F*B, dim) ──segmented sum over each id's values──> d(U, dim) ──push (async)──> shard servers
 
-No table ever has a dense gradient: the only gradient autograd computes is the (U, dim) one of the rows this
-batch used, and the custom autograd function sends it to the shard servers (asynchronously) instead of
-handing it to an optimizer. The servers apply the table's own optimizer. The collection has no parameters,
-so the dense optimizer and DDP never see the tables.
+No table ever has a dense gradient: the only gradient computed is the (U, dim) one of the distinct rows this
+batch used, summed by the custom autograd function itself (the values are grouped by row once, when the batch
+is planned) and sent to the shard servers instead of to an optimizer; the servers apply the table's own
+optimizer. The collection has no parameters, so the dense optimizer and DDP never see the tables.
+
+Fused tables (``fused_table``): every logical table is stored in one PS table, its ids salted per table
+(a bijection, so tables stay apart), and a step costs one pull and one push per shard instead of one per table.
 
 Staleness: a table created with ``staleness=k`` lets the rows a step reads miss the pushes of at most the
 ``k`` previous steps of this trainer (the client holds a pull back until the older pushes are acknowledged,
@@ -26,6 +31,7 @@ Thread-safety: one collection per trainer thread; forward/backward/prefetch must
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -75,6 +81,16 @@ class _Plan:
     bag_of_value: torch.Tensor | None  # (N,) int64 bag of each value (multi-hot batches only)
     batch_size: int
     single_hot: bool                  # every bag holds exactly one id
+
+
+def _plan_on(plan: _Plan, device: torch.device) -> _Plan:
+    """The plan's tensors on ``device`` (the distinct ids stay on the CPU, for the client)."""
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device, non_blocking=True)
+
+    return dataclasses.replace(plan, index=move(plan.index), offsets=move(plan.offsets), weights=move(plan.weights),
+                               order=move(plan.order), row_starts=move(plan.row_starts),
+                               bag_of_value=move(plan.bag_of_value))
 
 
 def _pool(rows: torch.Tensor, plan: _Plan) -> torch.Tensor:
@@ -187,10 +203,13 @@ class PSEmbeddingCollection(nn.Module):
         self._features_of_table = [[i for i, f in enumerate(features) if f.table_name == t] for t in self.tables]
         self._mean = torch.tensor([f.pooling == "mean" for f in features])
         self._any_mean = bool(self._mean.any())
-        # The anchor makes autograd call _PushRows.backward; it is not a Parameter, so no optimizer sees it.
+        # The anchor makes autograd call _PooledLookup.backward; it is not a Parameter, so no optimizer sees it.
         self._anchor = torch.zeros((), requires_grad=True)
+        # Follows .to(device): pooling runs where the model runs (ids, plans and pushes stay on the CPU).
+        self.register_buffer("_device_marker", torch.empty(0), persistent=False)
         self.steps = 0  # training forwards (one push per table each)
-        self._prefetched: tuple[SparseFeatures, _Plan, list[Any]] | None = None
+        # (batch, plan, pull futures, training steps done when the pulls were sent), oldest first
+        self._prefetched: list[tuple[SparseFeatures, _Plan, list[Any], int]] = []
         self._aggregate_group = aggregate_group
         self.pushed_rows = 0
         self.pulled_rows = 0
@@ -307,28 +326,38 @@ class PSEmbeddingCollection(nn.Module):
         return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
     def prefetch(self, sparse: SparseFeatures) -> None:
-        """Start pulling the rows of ``sparse`` now, for a later ``forward(sparse)`` (the same object) to use.
+        """Start pulling the rows of ``sparse`` now, for the next training ``forward(sparse)`` (the same object).
+
         A no-op unless every table's staleness is at least 1. The training loop calls it with batch t+1 before
-        running step t; an unused prefetch is dropped by the next prefetch or ``flush``."""
-        if self.min_staleness < 1:
+        (or while) running step t. Rows prefetched further ahead than the next step would break the staleness
+        bound, so such a prefetch is pulled again at its forward; at most two prefetches are kept."""
+        if self.min_staleness < 1 or any(p[0] is sparse for p in self._prefetched):
             return
-        if self._prefetched is not None and self._prefetched[0] is sparse:
-            return
-        self._drop_prefetch()
+        while len(self._prefetched) >= 2:
+            self._finish(self._prefetched.pop(0))
         plan = self._plan(sparse)
-        self._prefetched = (sparse, plan, self._issue_pulls(plan))
+        self._prefetched.append((sparse, plan, self._issue_pulls(plan), self.steps))
 
     def forward(self, sparse: SparseFeatures) -> torch.Tensor:
         """(B, F, dim) float32 pooled rows, features in ``feature_names`` order."""
         training = torch.is_grad_enabled()
-        pre = self._prefetched
-        if pre is not None and pre[0] is sparse:
-            self._prefetched = None
+        pre = next((p for p in self._prefetched if p[0] is sparse), None)
+        if pre is not None:
+            self._prefetched.remove(pre)
+            # Pulled after ``pre[3]`` steps; its client-side bound assumed it serves step pre[3] + 2 at latest.
+            if training and self.steps + 1 - pre[3] > 2:
+                self._finish(pre)
+                pre = None
+        if pre is not None:
             plan, futures = pre[1], pre[2]
         else:
             plan = self._plan(sparse)
             futures = self._issue_pulls(plan)
         rows = self._collect(plan, futures)
+        device = self._device_marker.device
+        if device.type != "cpu":
+            plan = _plan_on(plan, device)
+            rows = rows.to(device, non_blocking=True)
         if training:
             self.steps += 1
             pooled = _PooledLookup.apply(self._anchor, rows, self, plan)
@@ -338,7 +367,7 @@ class PSEmbeddingCollection(nn.Module):
 
     # ------------------------------------------------------------------ backward
     def _push(self, plan: _Plan, grad: torch.Tensor) -> None:
-        grad = grad.detach()
+        grad = grad.detach().cpu()
         if self.grad_scale != 1.0:
             grad = grad * self.grad_scale
         grads = list(torch.split(grad, [u.shape[0] for u in plan.unique]))
@@ -374,10 +403,13 @@ class PSEmbeddingCollection(nn.Module):
         self.client.flush()
 
     def _drop_prefetch(self) -> None:
-        if self._prefetched is not None:
-            for fut in self._prefetched[2]:  # let it finish (errors surface here), drop its rows
-                fut.result()
-            self._prefetched = None
+        while self._prefetched:
+            self._finish(self._prefetched.pop(0))
+
+    @staticmethod
+    def _finish(entry: tuple[SparseFeatures, _Plan, list[Any], int]) -> None:
+        for fut in entry[2]:  # let an unused pull finish (errors surface here) and drop its rows
+            fut.result()
 
     def extra_repr(self) -> str:
         return f"features={len(self.features)}, tables={len(self.tables)}, dim={self.dim}"

@@ -179,7 +179,9 @@ def evaluate(model: nn.Module, batches: Iterator[Batch], collection: PSEmbedding
     from torchmetrics.aggregation import SumMetric
     from torchmetrics.classification import BinaryAUROC
 
-    auroc, loss_sum, rows = BinaryAUROC(), SumMetric(), SumMetric()
+    device = next(model.parameters()).device
+    # metrics live where the model runs: NCCL can only sum CUDA tensors across ranks
+    auroc, loss_sum, rows = BinaryAUROC().to(device), SumMetric().to(device), SumMetric().to(device)
     was_training = model.training
     model.eval()
     try:
@@ -190,10 +192,11 @@ def evaluate(model: nn.Module, batches: Iterator[Batch], collection: PSEmbedding
                 batch, nxt = nxt, next(batches, None)
                 if nxt is not None and collection is not None:
                     collection.prefetch(nxt.sparse)
-                logits = model(batch.dense, batch.sparse)
-                auroc.update(torch.sigmoid(logits), batch.labels.long())
-                loss_sum.update(F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum"))
-                rows.update(torch.tensor(float(len(batch))))
+                logits = model(batch.dense.to(device), batch.sparse).float()
+                labels = batch.labels.to(device)
+                auroc.update(torch.sigmoid(logits), labels.long())
+                loss_sum.update(F.binary_cross_entropy_with_logits(logits, labels, reduction="sum"))
+                rows.update(torch.tensor(float(len(batch)), device=device))
     finally:
         model.train(was_training)
     n = float(rows.compute())
@@ -270,11 +273,15 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
     try:
         data = load_data(config, rank, world)
         model, collection = build(config, client, data, groups)
+        device = torch.device("cpu")
+        if world > 1 and dist.get_backend() == "nccl":
+            device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+            model.to(device)
         params = dense_parameters(model)
         net: nn.Module = model
         hook = "none"
         if world > 1:
-            net = DistributedDataParallel(model)
+            net = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
             hook = register_hook(net, groups, mode=config.allreduce, compression=config.compression)
         optimizer = torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
         start_epoch, skip, step = 0, 0, 0
@@ -316,6 +323,8 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
                 dist.barrier()
 
         samples = 0
+        result: dict[str, Any] | None = None
+        position: tuple[int, int] | None = None  # (epoch, batch in epoch) the next step starts at
         train_time = 0.0
         loss_sum, loss_n = 0.0, 0
         done = config.max_steps is not None and step >= config.max_steps
@@ -337,8 +346,8 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
                 nxt = next(batches, None)
                 if config.prefetch and nxt is not None:
                     collection.prefetch(nxt.sparse)
-                logits = net(batch.dense, batch.sparse)
-                loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+                logits = net(batch.dense.to(device), batch.sparse)
+                loss = F.binary_cross_entropy_with_logits(logits, batch.labels.to(device))
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
@@ -364,17 +373,18 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
             train_time += time.perf_counter() - t0
             collection.flush()
             finished_epoch = not done or nxt is None
+            position = (epoch + 1, 0) if finished_epoch else (epoch, batch_in_epoch)
             if ckpt_root is not None and not config.checkpoint_every:
-                checkpoint(epoch + 1 if finished_epoch else epoch, 0 if finished_epoch else batch_in_epoch)
+                checkpoint(*position)
             result = evaluate(model, data.eval_batches(), collection)
             if writer is not None:
                 writer.add_scalar("eval/auc", result["auc"], step)
                 writer.add_scalar("eval/logloss", result["logloss"], step)
         if bar is not None:
             bar.close()
-        if ckpt_root is not None and config.checkpoint_every and step % config.checkpoint_every:
-            checkpoint(config.epochs, 0)
-        if "result" not in locals():  # nothing left to train (resumed at the end): evaluate anyway
+        if ckpt_root is not None and config.checkpoint_every and step % config.checkpoint_every and position:
+            checkpoint(*position)  # where this run stopped, so a resume continues from there
+        if result is None:  # nothing left to train (resumed at the end): evaluate anyway
             result = evaluate(model, data.eval_batches(), collection)
         total_samples, slowest = _max_time(samples, train_time, world)
         result.update(samples_per_s=total_samples / slowest if slowest > 0 else 0.0, steps=step,

@@ -190,3 +190,38 @@ def test_pull_above_the_message_limit_is_refused_before_inserting(make_shard_ser
     assert "'wide'" in err.value.details() and "'ids'" in err.value.details()
     assert stats(stub, "wide")["rows"] == 0
     assert pull(stub, "wide", ids[:16384], 8, pb.CODEC_FP16).shape == (16384, 8)  # 256 KiB fits
+
+
+def test_generated_registration_serves_the_same_rows() -> None:
+    """The service also works registered the generated way (protobuf objects in and out, no raw codecs):
+    pushes and pulls through it match the engine, as through ``add_to_server``."""
+    from concurrent import futures
+
+    from tigana.proto import shard_pb2_grpc
+    from tigana.ps.config import ServerConfig
+    from tigana.ps.server import ShardService
+
+    service = ShardService(ServerConfig())
+    service.state = "serving"
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    shard_pb2_grpc.add_ShardServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = shard_pb2_grpc.ShardStub(channel)
+            config = TableConfig("gen", dim=4, optimizer=cfg.Adagrad(lr=0.05))
+            create(stub, config)
+            ids = np.array([5, -2, 9], np.int64)
+            grads = np.arange(12, dtype=np.float32).reshape(3, 4) / 10
+            reference = EmbeddingTable(config)
+            np.testing.assert_array_equal(pull(stub, "gen", ids, 4), reference.pull(ids))
+            assert push(stub, "gen", ids, grads, client_id="c", seq=1).applied_rows == 3
+            reference.push(ids, grads)
+            np.testing.assert_array_equal(pull(stub, "gen", ids, 4), reference.pull(ids))
+            assert push(stub, "gen", ids, grads, client_id="c", seq=1).duplicate
+            reference.close()
+    finally:
+        server.stop(0).wait()
+        service.close_tables()
+        service.metrics.close()

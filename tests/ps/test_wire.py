@@ -191,3 +191,107 @@ def test_group_by_owner_matches_routing(ids, servers, num_slots):
     want = routing.split_by_owner(owner_of_slot[routing.slot_of(ids, len(owner_of_slot))], servers)
     for i in range(servers):
         np.testing.assert_array_equal(order[starts[i]:starts[i + 1]], want[i])
+
+
+@settings(max_examples=40, deadline=None)
+@given(ids=hnp.arrays(np.int64, st.integers(0, 300), elements=st.integers(-5, 5) | st.integers(-2**63, 2**63 - 1)),
+       servers=st.integers(1, 4), dim=st.integers(1, 5))
+def test_grouped_dedup_kernels_match_dedup_then_group(ids, servers, dim):
+    """The client's one-pass kernels equal the reference composition dedup -> group_by_owner, bit for bit."""
+    from tigana.ps import _kernels, routing
+
+    owner_of_slot = routing.static_assignment(servers)
+    ref_uniq, _ = _kernels.dedup(ids)
+    order, ref_starts = _kernels.group_by_owner(ref_uniq, owner_of_slot, servers)
+    uniq, starts, src = _kernels.dedup_grouped(ids, owner_of_slot, servers)
+    np.testing.assert_array_equal(uniq, ref_uniq[order])
+    np.testing.assert_array_equal(starts, ref_starts)
+    np.testing.assert_array_equal(uniq[src], ids)
+    grads = (np.arange(ids.size * dim, dtype=np.float32).reshape(ids.size, dim) % 7) - 3.25
+    ref_u, ref_sums = _kernels.dedup_sum(ids, grads)
+    u2, sums, starts2, finite = _kernels.dedup_sum_grouped(ids, grads, owner_of_slot, servers)
+    np.testing.assert_array_equal(u2, ref_u[order])
+    np.testing.assert_array_equal(sums, ref_sums[order])
+    np.testing.assert_array_equal(starts2, ref_starts)
+    assert finite
+    if ids.size:
+        for bad in (np.nan, np.inf, -np.inf):
+            g = grads.copy()
+            g[ids.size // 2, dim - 1] = bad
+            assert not _kernels.dedup_sum_grouped(ids, g, owner_of_slot, servers)[3]
+
+
+def test_first_foreign_matches_routing():
+    from tigana.ps import _kernels, routing
+
+    ids = np.arange(-500, 500, 7, dtype=np.int64) * 1_000_003
+    owned = routing.static_assignment(3) == 1
+    foreign = ~owned[routing.slot_of(ids)]
+    count, first = _kernels.first_foreign(ids, owned)
+    assert count == int(foreign.sum()) and first == int(np.argmax(foreign))
+    assert _kernels.first_foreign(ids, np.ones(4096, bool)) == (0, -1)
+
+
+def _same_push(got, msg: pb.PushRequest) -> None:
+    assert (got.table, got.client_id, got.seq, got.part) == (msg.table, msg.client_id, msg.seq, msg.part)
+    assert bytes(got.ids) == msg.ids
+    g = got.grads
+    assert (g.codec, g.dim, bytes(g.data), bytes(g.scales)) == (msg.grads.codec, msg.grads.dim, msg.grads.data,
+                                                                msg.grads.scales)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=finite_rows, codec=st.sampled_from(CODECS), seq=st.integers(0, 2**64 - 1),
+       part=st.integers(0, 2**32 - 1), table=st.text(max_size=20), client=st.text(max_size=8),
+       extra=st.binary(max_size=4))
+def test_push_request_parser_reads_what_protobuf_reads(rows, codec, seq, part, table, client, extra):
+    """The server's Push deserializer gives the fields protobuf gives, as views, for canonical messages (also
+    with an unknown field appended) and for protobuf-built ones."""
+    n, dim = rows.shape
+    ids = np.arange(n, dtype=np.int64) * 31 - 9
+    data, scales = wire.encode_block(rows, codec)
+    raw = wire.encode_push_request(table, ids, codec, dim, data, scales, client, seq, part)
+    unknown = b"\x9a\x01" + bytes([len(extra)]) + extra  # field 19, length-delimited
+    for blob in (raw, raw + unknown, pb.PushRequest.FromString(raw).SerializeToString()):
+        got = wire.decode_push_request(blob)
+        assert isinstance(got, wire.RawPush)
+        _same_push(got, pb.PushRequest.FromString(blob))
+
+
+def test_push_request_parser_leaves_the_odd_cases_to_protobuf():
+    grads = pb.Rows(codec=pb.CODEC_FP32, dim=2, data=np.ones(2, np.float32).tobytes())
+    msg = pb.PushRequest(table="t", ids=wire.encode_ids(np.array([4])), grads=grads, client_id="c", seq=3, part=1)
+    raw = msg.SerializeToString()
+    # a second grads sub-message is merged by protobuf: the parser hands the message to it
+    merged = raw + pb.PushRequest(grads=pb.Rows(dim=2)).SerializeToString()
+    got = wire.decode_push_request(merged)
+    _same_push(got, pb.PushRequest.FromString(merged))
+    # a known field with another wire type is an unknown field to protobuf
+    odd = raw + b"\x10\x05"  # field 2 (ids) as a varint
+    _same_push(wire.decode_push_request(odd), pb.PushRequest.FromString(odd))
+    # what protobuf rejects is rejected (invalid UTF-8 in a string field, truncation)
+    for bad in (b"\x0a\x02\xff\xfe", raw[:-1], b"\x12\x80"):
+        with pytest.raises(Exception) as want:
+            pb.PushRequest.FromString(bad)
+        with pytest.raises(type(want.value)):
+            wire.decode_push_request(bad)
+
+
+@pytest.mark.parametrize("dim", [1, 3, 8])
+def test_gather_kernels_equal_take(dim):
+    """The pull's reassembly kernels (one block, two blocks; int64 and int32 word views) equal np.take."""
+    from tigana.ps import _kernels
+
+    rng = np.random.default_rng(dim)
+    rows = rng.normal(size=(50, dim)).astype(np.float32)
+    src = rng.integers(0, 50, 200)
+    want = np.take(rows, src, axis=0)
+    words = _kernels.row_words
+    out = np.empty_like(want)
+    _kernels.gather_rows(words(rows), src, words(out))
+    np.testing.assert_array_equal(out, want)
+    out2 = np.empty_like(want)
+    raw = wire.encode_pull_response(rows[20:])  # a view into a received message (unaligned words)
+    tail = wire.decode_block(wire.decode_pull_response(raw), 30, dim, table="t")
+    _kernels.gather_rows2(words(rows[:20]), words(tail), src, words(out2))
+    np.testing.assert_array_equal(out2, want)

@@ -191,7 +191,7 @@ def test_prefetch_gives_the_same_rows_without_a_second_pull(client) -> None:
     strict = PSEmbeddingCollection(client, features, DIM, options=TableOptions(staleness=1),
                                    table_options={f"{prefix}c": TableOptions(staleness=0)}, create=False)
     strict.prefetch(sparse)  # a staleness-0 table: prefetch does nothing
-    assert strict._prefetched is None
+    assert strict._prefetched == []
 
 
 def test_bad_batches_are_refused_with_the_field_named(client) -> None:
@@ -217,3 +217,27 @@ def test_salting_keeps_tables_apart() -> None:
     ids = np.arange(-1000, 1000, dtype=np.int64)
     a, b = _salted(ids, _table_salt("a")), _salted(ids, _table_salt("b"))
     assert np.unique(a).size == ids.size and np.intersect1d(a, b).size == 0
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2])
+def test_rows_read_within_the_staleness_bound(client, staleness: int) -> None:
+    """One id, SGD lr 1, every step pushes a gradient of 1: the value step s reads tells how many earlier
+    pushes it saw, which must be at least s-1-staleness (and at most s-1)."""
+    prefix = _name()
+    coll = PSEmbeddingCollection(client, [FeatureSpec(f"{prefix}x")], DIM,
+                                 options=TableOptions(optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros(),
+                                                      staleness=staleness))
+    batches = [SparseFeatures([f"{prefix}x"], torch.tensor([7]), torch.tensor([1])) for _ in range(8)]
+    seen = []
+    for s, batch in enumerate(batches, start=1):
+        if s < len(batches):
+            coll.prefetch(batches[s])  # the next batch, as the loop does
+        out = coll(batch)
+        seen.append(int(round(-float(out[0, 0, 0].detach()))))  # pushes applied before the read
+        out.sum().backward()
+    coll.flush()
+    for s, pushes in enumerate(seen, start=1):
+        assert max(0, s - 1 - staleness) <= pushes <= s - 1, (staleness, seen)
+    if staleness == 0:
+        assert seen == list(range(8)), seen
+    assert float(coll.table_rows(f"{prefix}x", np.array([7]))[0, 0]) == -8.0

@@ -45,6 +45,7 @@ def _train_local(config: TrainConfig, data, init: dict[str, np.ndarray], cards: 
     return evaluate(model, data.eval_batches())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_deepfm_through_the_ps_matches_local_and_reaches_auc() -> None:
     config = TrainConfig(model="deepfm", dataset="movielens-100k", data=str(DATA), epochs=3, batch_size=1024,

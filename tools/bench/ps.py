@@ -84,7 +84,7 @@ class _Cycle:
         return self.items[self.i]
 
 
-def _die_with_parent() -> None:  # in the child before exec: a crashed benchmark leaves no servers behind
+def _die_with_parent() -> None:  # a crashed benchmark leaves no servers behind
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
@@ -95,6 +95,11 @@ def _echo_main(ready_file: str) -> None:
     from tigana.ps.config import ServerConfig
     from tigana.ps.daemon import grpc_server_options
 
+    # Die with the benchmark, set here rather than in a preexec_fn: Python code between fork and exec in the
+    # multi-threaded (gRPC) parent can crash or hang the child; without it the child is spawned by vfork.
+    _die_with_parent()
+    if os.getppid() == 1:  # the parent died before the death signal was armed
+        return
     tune_allocator()  # as tigana server does
     replies: dict[int, bytes] = {}
 
@@ -128,8 +133,7 @@ class EchoServers:
                 ready = Path(self._tmp.name) / f"echo-{i}"
                 files.append(ready)
                 self.procs.append(subprocess.Popen([sys.executable, "-m", "tigana.tools.bench.ps", "--echo-server",
-                                                    str(ready)], stdin=subprocess.DEVNULL,
-                                                   preexec_fn=_die_with_parent))
+                                                    str(ready)], stdin=subprocess.DEVNULL))
             deadline = time.monotonic() + 60
             while not all(f.exists() and f.read_text() for f in files):
                 if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):

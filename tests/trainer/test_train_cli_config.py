@@ -1,0 +1,45 @@
+"""TrainConfig sources: defaults < YAML file < TIGANA_* environment < flags; bad values name their field."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from tigana.trainer.config import ConfigError, TrainConfig, add_arguments, config_from_args, load_config
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_precedence(tmp_path) -> None:
+    path = tmp_path / "train.yaml"
+    path.write_text("model: dlrm\nbatch-size: 64\nepochs: 3\nps: [a:1, b:2]\nprefetch: false\n")
+    env = {"TIGANA_EPOCHS": "5", "TIGANA_LR": "0.01", "TIGANA_MAX_STEPS": "none"}
+    config = config_from_args(_args("--config", str(path), "--epochs", "7", "--fuse-tables"), env)
+    assert config.model == "dlrm" and config.batch_size == 64  # file
+    assert config.lr == 0.01                                   # environment over default
+    assert config.epochs == 7                                  # flag over environment over file
+    assert config.ps == ("a:1", "b:2") and config.prefetch is False and config.fuse_tables is True
+    assert config_from_args(_args(), {}) == TrainConfig()
+    assert load_config(None, {"ps": "h:1,h:2"}, {}).ps == ("h:1", "h:2")
+
+
+@pytest.mark.parametrize(("text", "env", "field"), [
+    ("batch_size: many\n", {}, "batch_size"),
+    ("bogus: 1\n", {}, "bogus"),
+    ("- a\n", {}, "mapping"),
+    ("", {"TIGANA_STALENESS": "-1"}, "staleness"),
+    ("", {"TIGANA_PREFETCH": "maybe"}, "prefetch"),
+    ("model: transformer\n", {}, "model"),
+    ("ps: [nohost]\n", {}, "ps"),
+    ("resume: latest\n", {}, "resume"),
+])
+def test_bad_values_name_the_field(tmp_path, text, env, field) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=field):
+        load_config(path, {}, env)
