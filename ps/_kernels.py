@@ -173,7 +173,7 @@ def _owner(key, owner_of_slot, num_slots):
     return owner_of_slot[np.int64(z % num_slots)]
 
 
-@njit(nogil=True, cache=True, inline="always")
+@njit(nogil=True, cache=True)
 def _dedup_grouped(ids, owner_of_slot, num_owners):
     """Shared first pass: (position of each id's unique in the owner-grouped order, grouped unique ids,
     starts). Groups are in owner order; within a group, first-seen order."""

@@ -27,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shards", type=int, default=2, help="shard daemons (default 2)")
     parser.add_argument("--epochs", type=int, default=None, help="default 3 on MovieLens, 2 on synthetic data")
     parser.add_argument("--logdir", default=None, help="TensorBoard folder (default runs/demo-<time>)")
+    parser.add_argument("--synthetic-rows", type=int, default=100_000, metavar="N",
+                        help="training rows of synthetic data (default 100,000)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -56,9 +58,9 @@ def run(args: argparse.Namespace) -> int:
                              epochs=args.epochs or 3, batch_size=512, staleness=1)
         what = f"MovieLens-100K u1.base -> u1.test ({movielens})"
     else:
-        config = TrainConfig(model="deepfm", dataset="synthetic", synthetic_rows=100_000, synthetic_vocab=50_000,
+        config = TrainConfig(model="deepfm", dataset="synthetic", synthetic_rows=args.synthetic_rows, synthetic_vocab=50_000,
                              epochs=args.epochs or 2, batch_size=1024, staleness=1)
-        what = "synthetic Criteo-format data (100,000 training rows; no MovieLens-100K found)"
+        what = f"synthetic Criteo-format data ({args.synthetic_rows:,} training rows; no MovieLens-100K used)"
     print(f"tigana demo: DeepFM, {args.nproc} trainer processes, {args.shards} shards, {what}", flush=True)
     cluster = launch.start_cluster(args.shards)
     try:

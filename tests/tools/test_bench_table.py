@@ -1,11 +1,10 @@
-"""``tigana bench table`` and the temporary ``tigana demo`` run end to end at toy sizes."""
+"""``tigana bench table`` runs end to end at toy sizes."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from tigana.tools import demo_cmd
 from tigana.tools.bench import table as bench_table
 
 
@@ -27,10 +26,3 @@ def test_bench_table_prints_one_json_line_per_case(capsys) -> None:
         assert {"case", "unit", "value", "peer", "peer_value", "ratio"} <= set(line)
         assert line["value"] > 0 and line["peer_value"] > 0
     assert lines[-1]["rows_resident"] == 3000 and lines[0]["dim"] == 8
-
-
-def test_demo_runs_and_summarizes(capsys) -> None:
-    args = _args(demo_cmd, ["--batches", "5", "--batch", "256", "--distinct", "1000"])
-    assert demo_cmd.run(args) == 0
-    out = capsys.readouterr().out
-    assert "rows stored" in out and "bytes per row" in out and "ids/s" in out
