@@ -246,17 +246,21 @@ if AVAILABLE:
 
     @njit(nogil=True, cache=True)
     def first_nonfinite_row(bits):
-        """Index of the first row holding NaN or Inf in float32 values given as uint32 ``bits``, or -1.
+        """(index of the first row holding NaN or Inf in float32 values given as uint32 ``bits`` or -1, the
+        largest exponent field seen up to there): the exponent bounds every value, so the caller can tell
+        whether a sum of the rows could overflow.
 
         A float32 is not finite iff its exponent bits are all ones; the integer max vectorizes."""
         exp = np.uint32(0x7F800000)
+        top = np.uint32(0)
         for i in range(bits.shape[0]):
             m = np.uint32(0)
             for j in range(bits.shape[1]):
                 m = max(m, bits[i, j] & exp)
             if m == exp:
-                return i
-        return -1
+                return i, exp
+            top = max(top, m)
+        return -1, top
 
     @njit(nogil=True, cache=True)
     def touch(rows, update_count, last_step, last_time, last_access, dirty, step, now, clock):

@@ -7,6 +7,7 @@ the wire form ``(kind, {name: value})`` and raises ``InvalidArgument`` naming th
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Union
 
@@ -120,6 +121,30 @@ def from_kind(registry: dict[str, type], kind: str, params: dict[str, Any], *, w
     return cls(**values)
 
 
+# Allowed ranges of hyper-parameters by name (as torch.optim checks them); every one must be finite.
+_AT_LEAST_ZERO = frozenset({"lr", "eps", "initial_accumulator_value", "weight_decay", "beta", "l1", "l2", "std"})
+_POSITIVE = frozenset({"alpha"})
+_UNIT_INTERVAL = frozenset({"beta1", "beta2"})  # [0, 1)
+
+
+def _hyper_parameter_problem(component: _Component) -> tuple[str, str] | None:
+    """(field, why) of the first out-of-range hyper-parameter of an optimizer or initializer, or None: a NaN or
+    negative learning rate would otherwise corrupt every row it touches without an error."""
+    params = component.params()
+    for name, value in params.items():
+        if not math.isfinite(value):
+            return name, f"must be finite, got {value!r}"
+        if name in _AT_LEAST_ZERO and value < 0:
+            return name, f"must be >= 0, got {value!r}"
+        if name in _POSITIVE and value <= 0:
+            return name, f"must be > 0, got {value!r}"
+        if name in _UNIT_INTERVAL and not 0 <= value < 1:
+            return name, f"must be in [0, 1), got {value!r}"
+    if "low" in params and params["low"] > params["high"]:
+        return "low", f"must be <= high ({params['high']!r}), got {params['low']!r}"
+    return None
+
+
 # --- admission, eviction, the table ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class Admission:
@@ -169,12 +194,23 @@ class TableConfig:
             raise bad("optimizer", f"must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}")
         if not isinstance(self.initializer, tuple(INITIALIZERS.values())):
             raise bad("initializer", f"must be one of {sorted(INITIALIZERS)}, got {self.initializer!r}")
+        for part in ("optimizer", "initializer"):
+            problem = _hyper_parameter_problem(getattr(self, part))
+            if problem is not None:
+                raise bad(f"{part}.{problem[0]}", problem[1])
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise bad("dtype", f"must be float32, float16 or bfloat16, got {self.dtype!r}")
         if not 0.0 <= self.admission.probability <= 1.0:
             raise bad("admission.probability", f"must be in [0, 1], got {self.admission.probability!r}")
         if self.admission.min_count < 0:
             raise bad("admission.min_count", f"must be >= 0, got {self.admission.min_count!r}")
+        if self.admission.max_tracked < 1:
+            raise bad("admission.max_tracked", f"must be >= 1, got {self.admission.max_tracked!r}")
+        # A TTL of zero or less (or NaN) would evict every row at the next step: a typo must not wipe a table.
+        if self.eviction.ttl_steps is not None and self.eviction.ttl_steps < 1:
+            raise bad("eviction.ttl_steps", f"must be None or >= 1, got {self.eviction.ttl_steps!r}")
+        if self.eviction.ttl_seconds is not None and not 0 < self.eviction.ttl_seconds < math.inf:
+            raise bad("eviction.ttl_seconds", f"must be None or a finite number > 0, got {self.eviction.ttl_seconds!r}")
         if self.eviction.policy not in ("lru", "lfu"):
             raise bad("eviction.policy", f"must be 'lru' or 'lfu', got {self.eviction.policy!r}")
         if self.eviction.max_rows is not None and self.eviction.max_rows <= 0:

@@ -193,18 +193,28 @@ class EmbeddingTable:
         if step is not None and (not isinstance(step, (int, np.integer)) or step < 0):
             raise self._bad("step", f"must be a non-negative int, got {step!r}")
         if self._backend == "numba":
-            bad_row = int(_kernels.first_nonfinite_row(grads.view(np.uint32)))
+            bad_row, top = _kernels.first_nonfinite_row(grads.view(np.uint32))
+            bad_row = int(bad_row)
         else:
             bad = ~np.isfinite(grads).all(axis=1)
             bad_row = int(np.argmax(bad)) if bad.any() else -1
+            top = np.bitwise_and(grads.view(np.uint32), np.uint32(0x7F800000)).max() if grads.size else 0
+        overflow = ""
+        if bad_row < 0 and _sum_may_overflow(int(top), ids.shape[0]):
+            # finite gradients so large that the sum of an id's duplicates can reach Inf (a rare, exact check)
+            over = _overflowing_rows(ids, grads)
+            if over.any():
+                bad_row, overflow = int(np.argmax(over)), " in the sum of its duplicate ids"
         skipped = 0
         if bad_row >= 0:
             if self.config.nonfinite_grads == "reject":
-                raise self._bad("grads", f"has NaN/Inf (first in row {bad_row}, id {int(ids[bad_row])}); "
+                raise self._bad("grads", f"has NaN/Inf{overflow} (first in row {bad_row}, id {int(ids[bad_row])}); "
                                          "batch rejected")
-            finite = np.isfinite(grads).all(axis=1)
-            skipped = int((~finite).sum())
-            ids, grads = ids[finite], np.ascontiguousarray(grads[finite])
+            keep = np.isfinite(grads).all(axis=1)
+            kept = np.flatnonzero(keep)
+            keep[kept[_overflowing_rows(ids[kept], grads[kept])]] = False
+            skipped = int((~keep).sum())
+            ids, grads = ids[keep], np.ascontiguousarray(grads[keep])
         with self._lock:
             self._check_open()
             self._counters["nonfinite_rows_skipped"] += skipped
@@ -641,6 +651,23 @@ class EmbeddingTable:
 
     def __repr__(self) -> str:
         return f"EmbeddingTable({self.name!r}, dim={self.dim}, rows={len(self)}, step={self._step})"
+
+
+def _sum_may_overflow(top_exponent_bits: int, n: int) -> bool:
+    """Whether a sum of up to ``n`` float32 values, each below 2**(e - 126) for the exponent field e in
+    ``top_exponent_bits``, could exceed float32's largest finite value (just under 2**128)."""
+    return n > 1 and (top_exponent_bits >> 23) - 126 + n.bit_length() > 127
+
+
+def _overflowing_rows(ids: np.ndarray, grads: np.ndarray) -> np.ndarray:
+    """(n,) bool: rows whose id's float32 gradient sum over the batch is not finite."""
+    if ids.shape[0] == 0:
+        return np.zeros(0, dtype=bool)
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    sums = np.zeros((uniq.shape[0], grads.shape[1]), np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.add.at(sums, inverse, grads)
+    return ~np.isfinite(sums).all(axis=1)[inverse]
 
 
 def _dedup_sum_numpy(slots: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

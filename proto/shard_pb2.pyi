@@ -46,12 +46,14 @@ class Component(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., params: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class Admission(_message.Message):
-    __slots__ = ("min_count", "probability")
+    __slots__ = ("min_count", "probability", "max_tracked")
     MIN_COUNT_FIELD_NUMBER: _ClassVar[int]
     PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    MAX_TRACKED_FIELD_NUMBER: _ClassVar[int]
     min_count: int
     probability: float
-    def __init__(self, min_count: _Optional[int] = ..., probability: _Optional[float] = ...) -> None: ...
+    max_tracked: int
+    def __init__(self, min_count: _Optional[int] = ..., probability: _Optional[float] = ..., max_tracked: _Optional[int] = ...) -> None: ...
 
 class Eviction(_message.Message):
     __slots__ = ("ttl_steps", "ttl_seconds", "max_rows", "policy")

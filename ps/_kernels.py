@@ -18,12 +18,17 @@ _M2 = np.uint64(0x94D049BB133111EB)
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _bucket(key, mask):
+def _mix(key):
+    """splitmix64's finalizer of an int64 key as uint64: ``routing.mix64`` for one id."""
     z = np.uint64(key)
     z = (z ^ (z >> np.uint64(30))) * _M1
     z = (z ^ (z >> np.uint64(27))) * _M2
-    z = z ^ (z >> np.uint64(31))
-    return np.int64(z & np.uint64(mask))
+    return z ^ (z >> np.uint64(31))
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _bucket(key, mask):
+    return np.int64(_mix(key) & np.uint64(mask))
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -146,11 +151,7 @@ def group_by_owner(ids, owner_of_slot, num_owners):
     owners = np.empty(n, np.int64)
     starts = np.zeros(num_owners + 1, np.int64)
     for i in range(n):
-        z = np.uint64(ids[i])
-        z = (z ^ (z >> np.uint64(30))) * _M1
-        z = (z ^ (z >> np.uint64(27))) * _M2
-        z = z ^ (z >> np.uint64(31))
-        o = owner_of_slot[np.int64(z % num_slots)]
+        o = owner_of_slot[np.int64(_mix(ids[i]) % num_slots)]
         owners[i] = o
         starts[o + 1] += 1
     for o in range(num_owners):
@@ -166,11 +167,7 @@ def group_by_owner(ids, owner_of_slot, num_owners):
 
 @njit(nogil=True, cache=True, inline="always")
 def _owner(key, owner_of_slot, num_slots):
-    z = np.uint64(key)
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    z = z ^ (z >> np.uint64(31))
-    return owner_of_slot[np.int64(z % num_slots)]
+    return owner_of_slot[np.int64(_mix(key) % num_slots)]
 
 
 @njit(nogil=True, cache=True)
@@ -268,11 +265,7 @@ def first_foreign(ids, owned):
     count = 0
     first = -1
     for i in range(ids.shape[0]):
-        z = np.uint64(ids[i])
-        z = (z ^ (z >> np.uint64(30))) * _M1
-        z = (z ^ (z >> np.uint64(27))) * _M2
-        z = z ^ (z >> np.uint64(31))
-        if not owned[np.int64(z % num_slots)]:
+        if not owned[np.int64(_mix(ids[i]) % num_slots)]:
             if first < 0:
                 first = i
             count += 1

@@ -31,6 +31,7 @@ from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc as pb_grpc
 from tigana.ps import _kernels, routing, wire
 from tigana.ps.channels import Call, RetryPolicy, channel_options
+from tigana.ps.config import parse_bytes
 from tigana.ps.daemon import tune_allocator
 from tigana.ps.errors import Internal, InvalidArgument, PSError, Unavailable
 
@@ -332,8 +333,9 @@ class Client:
                      compression: Any = None, exist_ok: bool = True) -> cfg.TableConfig:
         """Create ``name`` on every shard (an identical existing table is fine when ``exist_ok``).
 
-        ``memory_budget`` is per shard (bytes of resident rows). ``staleness``: k = a pull waits until this
-        client's pushes older than its last k are applied (0: read your writes; None: fully asynchronous).
+        ``memory_budget`` is per shard (bytes of resident rows, or a size such as ``"1GiB"``). ``staleness``:
+        k = a pull waits until this client's pushes older than its last k are applied (0: read your writes;
+        None: fully asynchronous).
         ``compression``: a codec name for both directions, ``{"pull": .., "push": ..}`` or ``Compression``.
         Returns the config the servers hold."""
         if not isinstance(name, str) or not name:
@@ -350,8 +352,8 @@ class Client:
                                   f"{sorted(c.__name__ for c in cfg.INITIALIZERS.values())}, got {initializer!r}")
         _check_staleness(name, staleness)
         comp = Compression.of(compression, table=name)
-        if memory_budget is not None and memory_budget < 0:
-            raise InvalidArgument(f"table {name!r}: field 'memory_budget' must be >= 0, got {memory_budget}")
+        if memory_budget is not None:  # bytes or a size such as "8GiB"; 0 is no budget
+            memory_budget = parse_bytes(memory_budget, field=f"table {name!r}: field 'memory_budget'") or None
         if not 0 <= int(seed) < 1 << 64:
             raise InvalidArgument(f"table {name!r}: field 'seed' must be in [0, 2**64), got {seed}")
         try:

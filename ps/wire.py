@@ -108,7 +108,8 @@ def spec_to_pb(c: cfg.TableConfig) -> pb.TableSpec:
         optimizer=pb.Component(kind=c.optimizer.kind, params=c.optimizer.params()),
         initializer=pb.Component(kind=c.initializer.kind, params=c.initializer.params()),
         seed=c.seed, dtype=c.dtype,
-        admission=pb.Admission(min_count=c.admission.min_count, probability=c.admission.probability),
+        admission=pb.Admission(min_count=c.admission.min_count, probability=c.admission.probability,
+                               max_tracked=c.admission.max_tracked),
         eviction=pb.Eviction(ttl_steps=ev.ttl_steps or 0, ttl_seconds=ev.ttl_seconds or 0.0,
                              max_rows=ev.max_rows or 0, policy=ev.policy),
         memory_budget_bytes=c.memory_budget or 0,
@@ -137,7 +138,10 @@ def spec_from_pb(s: pb.TableSpec) -> cfg.TableConfig:
     return cfg.TableConfig(
         name=s.name, dim=s.dim, optimizer=optimizer, initializer=initializer, seed=s.seed,
         dtype=s.dtype or "float32",  # type: ignore[arg-type]
-        admission=cfg.Admission(min_count=s.admission.min_count, probability=s.admission.probability or 1.0),
+        admission=cfg.Admission(
+            min_count=s.admission.min_count,
+            probability=s.admission.probability if s.admission.HasField("probability") else 1.0,
+            max_tracked=s.admission.max_tracked or cfg.Admission.max_tracked),
         eviction=cfg.Eviction(ttl_steps=s.eviction.ttl_steps or None, ttl_seconds=s.eviction.ttl_seconds or None,
                               max_rows=s.eviction.max_rows or None, policy=policy),  # type: ignore[arg-type]
         memory_budget=s.memory_budget_bytes or None,

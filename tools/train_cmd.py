@@ -13,6 +13,7 @@ import sys
 
 from tigana.trainer import config as train_config
 from tigana.trainer import launch
+from tigana.trainer.loop import check_inputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         config = train_config.config_from_args(args)
-    except train_config.ConfigError as exc:
+        check_inputs(config)
+    except (train_config.ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"tigana train: {exc}", file=sys.stderr)
         return 2
     result = launch.run(config)

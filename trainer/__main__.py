@@ -9,6 +9,7 @@ import sys
 
 from tigana.trainer.config import ConfigError, add_arguments, config_from_args
 from tigana.trainer.launch import run
+from tigana.trainer.loop import check_inputs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,7 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args)
-    except ConfigError as exc:
+        check_inputs(config)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
         parser.error(str(exc))
     result = run(config)
     if result is not None:

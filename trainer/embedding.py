@@ -44,6 +44,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tigana import ps
+from tigana.trainer.data.hashing import mix64
 from tigana.trainer.types import FeatureSpec, SparseFeatures
 
 __all__ = ["PSEmbeddingCollection", "TableOptions"]
@@ -129,10 +130,6 @@ class _PooledLookup(torch.autograd.Function):
         return None, None, None, None
 
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-
-
 def _table_salt(name: str) -> np.uint64:
     return np.uint64(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"))
 
@@ -140,11 +137,7 @@ def _table_salt(name: str) -> np.uint64:
 def _salted(ids: np.ndarray, salt: np.uint64) -> np.ndarray:
     """A logical table's ids -> ids in a fused table: splitmix64(id ^ salt), a bijection per table, so distinct
     ids stay distinct and two tables' ids meet only by a 2**-64 chance."""
-    z = ids.view(np.uint64) ^ salt
-    with np.errstate(over="ignore"):
-        z = (z ^ (z >> np.uint64(30))) * _M1
-        z = (z ^ (z >> np.uint64(27))) * _M2
-    return (z ^ (z >> np.uint64(31))).view(np.int64)
+    return mix64(ids.view(np.uint64) ^ salt).view(np.int64)
 
 
 def _group(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

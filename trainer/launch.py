@@ -9,8 +9,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import os
 import tempfile
@@ -23,9 +21,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tigana import ps
+from tigana.ps.daemon import ALLOCATOR_ENV, tune_allocator
 from tigana.trainer.config import TrainConfig
 from tigana.trainer.distributed import DistEnv, free_port, init_distributed, read_env, shutdown
-from tigana.trainer.loop import nan_to_none, train
+from tigana.trainer.loop import check_inputs, nan_to_none, train
 
 __all__ = ["run", "start_cluster", "under_launcher"]
 
@@ -36,23 +35,9 @@ def under_launcher(environ: Mapping[str, str] | None = None) -> bool:
     return "WORLD_SIZE" in env or ("SLURM_PROCID" in env and "SLURM_NTASKS" in env)
 
 
-# glibc maps and unmaps every multi-MiB gRPC buffer by default, which costs several times the copy itself.
-_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20),
-               "MALLOC_TOP_PAD_": str(64 << 20)}
-
-
-def _tune_malloc() -> None:
-    """The same large-buffer settings for this (trainer) process."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 32 << 20)   # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
-        libc.mallopt(-2, 64 << 20)   # M_TOP_PAD
-
-
 def start_cluster(shards: int = 2, data_dir: str | os.PathLike | None = None) -> ps.LocalCluster:
     """A local cluster of ``shards`` daemons (child processes; ``close()`` stops them) tuned for training."""
-    return ps.LocalCluster(shards=shards, data_dir=data_dir, env={**_MALLOC_ENV, **os.environ})
+    return ps.LocalCluster(shards=shards, data_dir=data_dir, env={**ALLOCATOR_ENV, **os.environ})
 
 
 def _start_cluster(config: TrainConfig) -> ps.LocalCluster:
@@ -68,7 +53,8 @@ def run_rank(config: TrainConfig, env: DistEnv, addresses: list[str] | None) -> 
     """This process's part of the job: join the process group, train, leave. ``addresses`` None: rank 0
     starts an embedded cluster for the job."""
     _threads(env)
-    _tune_malloc()
+    # glibc maps and unmaps every multi-MiB gRPC buffer by default, which costs several times the copy.
+    tune_allocator(top_pad=64 << 20)
     groups = init_distributed(env, config.backend) if env.world_size > 1 else None
     cluster = None
     try:
@@ -101,6 +87,7 @@ def _spawned(index: int, nproc: int, port: int, config: TrainConfig, addresses: 
 
 def run(config: TrainConfig, environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
     """Run the job this process is part of. Returns the result on rank 0 (None on other launcher ranks)."""
+    check_inputs(config)
     if under_launcher(environ):
         env = read_env(config.ranks_per_node, environ)
         if not config.ps and env.num_nodes > 1 and config.ranks_per_node is None:

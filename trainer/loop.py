@@ -39,7 +39,7 @@ from tigana.trainer.distributed import DistEnv, Groups
 from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
 from tigana.trainer.types import Batch, FeatureSpec, SparseFeatures
 
-__all__ = ["TrainData", "evaluate", "load_data", "train"]
+__all__ = ["TrainData", "check_inputs", "evaluate", "load_data", "train"]
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -82,6 +82,21 @@ def _criteo_files(path: str | None) -> tuple[Path, Path | None]:
     return max(trains, key=lambda f: f.stat().st_size), (evals[0] if evals else None)
 
 
+def check_inputs(config: TrainConfig) -> None:
+    """Fail fast, before a cluster or a trainer process starts, when the data set's files or the checkpoint to
+    resume from are missing (``FileNotFoundError``/``ValueError`` naming the path)."""
+    if config.dataset == "movielens-100k":
+        _movielens_root(config.data)
+    elif config.dataset == "criteo":
+        _criteo_files(config.data)
+    if config.resume is not None:
+        root = config.checkpoint_dir
+        path = (latest_checkpoint(root) if root is not None else None) if config.resume == "latest" \
+            else Path(config.resume)
+        if path is None or not (path / "meta.json").is_file():
+            raise FileNotFoundError(f"resume: no checkpoint at {path if path is not None else root}")
+
+
 def _rows_of(batch: Batch, keep: torch.Tensor) -> Batch:
     """The rows ``keep`` (bool (B,)) of a single-hot batch."""
     nf = len(batch.sparse.keys)
@@ -95,29 +110,27 @@ def load_data(config: TrainConfig, rank: int = 0, world_size: int = 1) -> TrainD
     from tigana.trainer import data as d  # the readers (imported late: only what a run needs)
 
     bs, ebs, seed = config.batch_size, config.eval_batch_size, config.seed
-    if config.dataset == "movielens-100k":
-        ml = d.MovieLens100K(_movielens_root(config.data))
-        train_set, test_set = ml.train(), ml.test()
+
+    def in_memory(source: Any, train_set: Any, test_set: Any, description: str) -> TrainData:
+        """TrainData over in-memory train/test sets: this rank's part, training batches shuffled per epoch."""
         return TrainData(
-            ml.feature_specs(), ml.num_dense,
+            source.feature_specs(), source.num_dense,
             lambda epoch: train_set.batches(bs, rank=rank, world_size=world_size, shuffle=True, seed=seed,
                                             epoch=epoch),
             lambda: test_set.batches(ebs, rank=rank, world_size=world_size),
-            f"movielens-100k u1.base ({len(train_set)} rows) / u1.test ({len(test_set)} rows)",
-            train_set.num_batches(bs, rank, world_size))
+            description, train_set.num_batches(bs, rank, world_size))
+
+    if config.dataset == "movielens-100k":
+        ml = d.MovieLens100K(_movielens_root(config.data))
+        train_set, test_set = ml.train(), ml.test()
+        return in_memory(ml, train_set, test_set,
+                         f"movielens-100k u1.base ({len(train_set)} rows) / u1.test ({len(test_set)} rows)")
     if config.dataset == "synthetic":
         vocab = tuple(min(v, config.synthetic_vocab) for v in d.synthetic.CRITEO_KAGGLE_CARDINALITIES)
         gen = d.SyntheticCriteo(vocab_sizes=vocab, seed=seed)
         n_eval = max(config.synthetic_rows // 5, 1)
-        train_set = gen.dataset(config.synthetic_rows)
-        test_set = gen.dataset(n_eval, start=config.synthetic_rows)
-        return TrainData(
-            gen.feature_specs(), gen.num_dense,
-            lambda epoch: train_set.batches(bs, rank=rank, world_size=world_size, shuffle=True, seed=seed,
-                                            epoch=epoch),
-            lambda: test_set.batches(ebs, rank=rank, world_size=world_size),
-            f"synthetic Criteo-format, {config.synthetic_rows} training rows / {n_eval} held-out rows",
-            train_set.num_batches(bs, rank, world_size))
+        return in_memory(gen, gen.dataset(config.synthetic_rows), gen.dataset(n_eval, start=config.synthetic_rows),
+                         f"synthetic Criteo-format, {config.synthetic_rows} training rows / {n_eval} held-out rows")
     train_file, eval_file = _criteo_files(config.data)
 
     def reader(path: Path, batch_size: int) -> Any:

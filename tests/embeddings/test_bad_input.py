@@ -41,6 +41,7 @@ CASES = {
     "grads NaN": (lambda t: t.push(ok_ids, nan_grads), "grads"),
     "grads Inf": (lambda t: t.push(ok_ids, inf_grads), "grads"),
     "grads overflow to inf": (lambda t: t.push(ok_ids, np.full((3, DIM), 1e300)), "grads"),
+    "duplicate ids' grads sum to inf": (lambda t: t.push(ok_ids, np.full((3, DIM), 3e38, np.float32)), "grads"),
     "step negative": (lambda t: t.push(ok_ids, ok_grads, step=-1), "step"),
     "import not a batch": (lambda t: t.import_rows("rows"), "batch"),
     "import dup ids": (lambda t: t.import_rows(_batch(ids=np.array([9, 9]), weights=np.ones((2, DIM)),
@@ -78,6 +79,16 @@ def test_rejected_and_unchanged(backend: str, case: str) -> None:
     ({"eviction": emb.Eviction(policy="fifo")}, "eviction.policy"),
     ({"eviction": emb.Eviction(max_rows=0)}, "eviction.max_rows"),
     ({"memory_budget": -1}, "memory_budget"), ({"backend": "cuda"}, "backend"),
+    ({"optimizer": emb.SGD(lr=float("nan"))}, "optimizer.lr"), ({"optimizer": emb.Adagrad(lr=-0.1)}, "optimizer.lr"),
+    ({"optimizer": emb.Adam(beta1=1.0)}, "optimizer.beta1"), ({"optimizer": emb.Adam(eps=-1e-8)}, "optimizer.eps"),
+    ({"optimizer": emb.FTRL(alpha=0.0)}, "optimizer.alpha"), ({"optimizer": emb.FTRL(l1=-1.0)}, "optimizer.l1"),
+    ({"initializer": emb.Normal(std=-0.01)}, "initializer.std"),
+    ({"initializer": emb.Uniform(low=1.0, high=-1.0)}, "initializer.low"),
+    ({"initializer": emb.Normal(mean=float("inf"))}, "initializer.mean"),
+    ({"eviction": emb.Eviction(ttl_steps=-1)}, "eviction.ttl_steps"),
+    ({"eviction": emb.Eviction(ttl_seconds=-5.0)}, "eviction.ttl_seconds"),
+    ({"eviction": emb.Eviction(ttl_seconds=float("nan"))}, "eviction.ttl_seconds"),
+    ({"admission": emb.Admission(min_count=2, max_tracked=0)}, "admission.max_tracked"),
 ])
 def test_bad_config(kwargs: dict, field: str) -> None:
     args = {"name": "clicks", "dim": 4, **kwargs}

@@ -295,6 +295,25 @@ def test_nonfinite_skip_rows_policy() -> None:
     assert t.push(np.array([1, 2, 3]), grads) == 2
     np.testing.assert_array_equal(t.pull(np.array([1, 2, 3]), insert=False), [[-1, -1], [0, 0], [-2, -2]])
     assert t.stats()["nonfinite_rows_skipped"] == 1
+    # finite grads whose duplicate sum overflows: that id's rows are dropped too (with a NaN row beside them)
+    grads = np.array([[3e38, 0], [3e38, 0], [1, 1], [np.inf, 0]], np.float32)
+    assert t.push(np.array([4, 4, 5, 6]), grads) == 1
+    np.testing.assert_array_equal(t.pull(np.array([4, 5]), insert=False), [[0, 0], [-1, -1]])
+    assert t.stats()["nonfinite_rows_skipped"] == 4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_whose_duplicate_sum_overflows_are_rejected(backend: str) -> None:
+    t = emb.EmbeddingTable(emb.TableConfig("t", dim=2, optimizer=emb.SGD(lr=1.0), initializer=emb.Zeros(),
+                                           backend=backend))
+    big = np.full((2, 2), 3e38, np.float32)
+    t.push(np.array([1, 2]), big)  # finite each, and no id repeats: applied
+    before = t.checksum()
+    with pytest.raises(emb.InvalidArgument, match=r"'grads' has NaN/Inf in the sum of its duplicate ids"):
+        t.push(np.array([3, 3]), big)
+    assert t.checksum() == before and len(t) == 2
+    assert t.push(np.array([3, 3]), np.ones((2, 2), np.float32)) == 1  # small duplicates sum as before
+    np.testing.assert_array_equal(t.pull(np.array([3])), [[-2, -2]])
 
 
 def test_works_without_numba(tmp_path) -> None:

@@ -6,6 +6,7 @@ Reference model: ``tigana.embeddings.EmbeddingTable`` in this process with the s
 from __future__ import annotations
 
 import socket
+import threading
 from concurrent import futures as cf
 
 import numpy as np
@@ -140,9 +141,11 @@ def test_staleness_zero_reads_own_writes(client):
 def test_staleness_bound_and_fully_async(client):
     client.create_table("stale", dim=2, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros(), staleness=2)
     ids = np.arange(64, dtype=np.int64)
-    for _ in range(20):
+    for i in range(1, 21):
         client.push("stale", ids, np.ones((64, 2), np.float32))
-        client.pull("stale", ids)
+        rows = client.pull("stale", ids)
+        # every row has all but at most the last 2 of this client's i pushes (each one subtracts 1)
+        assert rows.min() >= -i and rows.max() <= -(i - 2), (i, rows.min(), rows.max())
     st = client.stats()["staleness"]["stale"]
     assert st["bound"] == 2 and st["max"] <= 2
     client.set_staleness("stale", None)
@@ -155,11 +158,36 @@ def test_staleness_bound_and_fully_async(client):
     assert stats["pushes"] == 20 and stats["pushes_in_flight"] == 0 and stats["pulls"] >= 22
 
 
+class _OnTheWire:
+    """Wraps a channel's Push callable: counts the push messages outstanding on the wire and keeps the peak."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.now, self.peak, self.sent = inner, 0, 0, 0
+        self.lock = threading.Lock()
+
+    def _done(self, _future) -> None:
+        with self.lock:
+            self.now -= 1
+
+    def future(self, request, timeout=None):
+        with self.lock:
+            self.now += 1
+            self.sent += 1
+            self.peak = max(self.peak, self.now)
+        fut = self.inner.future(request, timeout=timeout)
+        fut.add_done_callback(self._done)  # runs before the client's own callback frees the slot
+        return fut
+
+
 def test_bounded_pushes_in_flight(shard_servers):
     ref = EmbeddingTable(TableConfig("bp", 8, optimizer=ps.Adam(lr=0.01), seed=2))
     rng = np.random.default_rng(5)
     with ps.connect([h.address for h in shard_servers], max_pushes_in_flight=1, chunk_bytes=8192) as client:
         client.create_table("bp", dim=8, optimizer=ps.Adam(lr=0.01), seed=2, staleness=None)
+        wires = []
+        for server in client._servers:  # count the real messages on each server's channel
+            server.push = _OnTheWire(server.push)
+            wires.append(server.push)
         futs = []
         for _ in range(10):
             ids = _zipf_ids(rng, 1500)
@@ -169,6 +197,8 @@ def test_bounded_pushes_in_flight(shard_servers):
             ref.push(ids, grads)
         client.flush()
         assert all(f.done() and f.exception() is None for f in futs)
+        # every push was several chunks per server, yet no server ever had more than one message outstanding
+        assert all(w.sent > 10 and w.peak == 1 for w in wires), [(w.sent, w.peak) for w in wires]
         probe = np.unique(_zipf_ids(rng, 3000))
         np.testing.assert_allclose(client.pull("bp", probe), ref.pull(probe), rtol=1e-5, atol=1e-6)
 
@@ -246,6 +276,11 @@ def test_bad_inputs_name_table_and_field_and_change_nothing(client):
         (lambda: client.create_table("x", dim=4, compression="zstd"), ps.InvalidArgument, r"'x'.*'compression"),
         (lambda: client.create_table("x", dim=4, dtype="int4"), ps.InvalidArgument, r"'x'.*'dtype'"),
         (lambda: client.create_table("", dim=4), ps.InvalidArgument, "'name'"),
+        (lambda: client.create_table("x", dim=4, memory_budget="lots"), ps.InvalidArgument, r"'x'.*'memory_budget'"),
+        (lambda: client.create_table("x", dim=4, optimizer=ps.SGD(lr=float("nan"))), ps.InvalidArgument,
+         r"'x'.*'optimizer.lr'"),
+        (lambda: client.create_table("x", dim=4, initializer=ps.Normal(std=-1.0)), ps.InvalidArgument,
+         r"'x'.*'initializer.std'"),
     ]
     for call, exc, pattern in cases:
         with pytest.raises(exc, match=pattern):
@@ -254,6 +289,9 @@ def test_bad_inputs_name_table_and_field_and_change_nothing(client):
     np.testing.assert_array_equal(client.pull("bad", ids), before)
     assert {a: s["bad"]["checksum"] for a, s in client.server_stats("bad").items()} == checksums
     assert "x" not in client.list_tables()
+    held = client.create_table("budgeted", dim=4, memory_budget="1MiB")  # a size string, as the CLI takes
+    assert held.memory_budget == 1 << 20
+    assert client.drop_table("budgeted")
 
 
 def test_server_side_rejection_reaches_the_push_future(shard_server, shard_stub):

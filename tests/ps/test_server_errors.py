@@ -80,6 +80,12 @@ BAD = {
     "spec unknown optimizer param": ("CreateTable", pb.CreateTableRequest(
         spec=_spec(optimizer=pb.Component(kind="sgd", params={"momentum": 0.9}))),
         grpc.StatusCode.INVALID_ARGUMENT, ["'other'", "optimizer", "momentum"]),
+    "spec NaN learning rate": ("CreateTable", pb.CreateTableRequest(
+        spec=_spec(optimizer=pb.Component(kind="adagrad", params={"lr": float("nan")}))),
+        grpc.StatusCode.INVALID_ARGUMENT, ["'other'", "optimizer.lr"]),
+    "spec negative std": ("CreateTable", pb.CreateTableRequest(
+        spec=_spec(initializer=pb.Component(kind="normal", params={"std": -1.0}))),
+        grpc.StatusCode.INVALID_ARGUMENT, ["'other'", "initializer.std"]),
     "spec bad dtype": ("CreateTable", pb.CreateTableRequest(spec=_spec(dtype="int4")),
                        grpc.StatusCode.INVALID_ARGUMENT, ["'other'", "dtype"]),
     "spec name with a newline": ("CreateTable", pb.CreateTableRequest(spec=_spec(name="bad\nname")),

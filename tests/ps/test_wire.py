@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from tigana.embeddings import config as cfg
 from tigana.proto import shard_pb2 as pb
 from tigana.ps import wire
 from tigana.ps.errors import InvalidArgument
@@ -295,3 +296,16 @@ def test_gather_kernels_equal_take(dim):
     tail = wire.decode_block(wire.decode_pull_response(raw), 30, dim, table="t")
     _kernels.gather_rows2(words(rows[:20]), words(tail), src, words(out2))
     np.testing.assert_array_equal(out2, want)
+
+
+@pytest.mark.parametrize("admission, eviction", [
+    (cfg.Admission(), cfg.Eviction()),
+    (cfg.Admission(min_count=3, probability=0.0, max_tracked=1000), cfg.Eviction(ttl_steps=5, policy="lfu")),
+    (cfg.Admission(probability=0.25), cfg.Eviction(ttl_seconds=2.5, max_rows=10)),
+])
+def test_table_spec_round_trips_every_served_field(admission, eviction):
+    """Every field a server honours survives the wire, a probability of 0 (admit nothing) included."""
+    config = cfg.TableConfig("spec", dim=7, optimizer=cfg.FTRL(alpha=0.2, l1=0.01), initializer=cfg.Uniform(),
+                             seed=11, dtype="float16", admission=admission, eviction=eviction, memory_budget=1 << 20)
+    raw = wire.spec_to_pb(config).SerializeToString()
+    assert wire.spec_from_pb(pb.TableSpec.FromString(raw)) == config

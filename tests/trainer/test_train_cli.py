@@ -55,6 +55,13 @@ def test_bad_flags_and_config_are_refused(tmp_path) -> None:
     assert out.returncode == 2 and "batch_sise" in out.stderr
     out = _tigana("train", "--epochs", "0")
     assert out.returncode == 2 and "epochs" in out.stderr
+    # missing data or checkpoint: refused with the path named, before any shard or trainer process starts
+    missing = tmp_path / "no-such-data"
+    out = _tigana("train", "--dataset", "criteo", "--data", str(missing))
+    assert out.returncode == 2 and str(missing) in out.stderr and "Traceback" not in out.stderr
+    assert "local cluster" not in out.stderr and "tigana server" not in out.stderr
+    out = _tigana("train", "--checkpoint-dir", str(tmp_path / "empty-ckpt"), "--resume")
+    assert out.returncode == 2 and "resume" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_demo_finds_movielens_where_the_user_points(tmp_path) -> None:

@@ -20,8 +20,6 @@ Cases, one JSON line each (samples/s, the best of the rounds; the trainers take 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import os
 import time
 
@@ -30,6 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tigana import ps
+from tigana.ps.daemon import ALLOCATOR_ENV, tune_allocator
 from tigana.tools.bench.report import emit, log
 from tigana.trainer.data import SyntheticCriteo
 from tigana.trainer.data.synthetic import CRITEO_KAGGLE_CARDINALITIES
@@ -38,8 +37,6 @@ from tigana.trainer.local import LocalEmbeddingCollection
 from tigana.trainer.models import build_model
 from tigana.trainer.types import Batch, FeatureSpec
 
-_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20),
-               "MALLOC_TOP_PAD_": str(64 << 20)}
 DIM = 16
 
 
@@ -49,14 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="steps per timed round (default 30, quick 10)")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds per case (default 9, quick 5)")
     parser.add_argument("--vocab", type=int, default=100_000, help="cap on each feature's vocabulary")
-
-
-def _tune_malloc() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 32 << 20)   # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
-        libc.mallopt(-2, 64 << 20)   # M_TOP_PAD
 
 
 class _Trainer:
@@ -123,7 +112,7 @@ def _torchrec_collection(features: list[FeatureSpec], cards: dict[str, int]) -> 
 
 
 def run(args: argparse.Namespace) -> int:
-    _tune_malloc()
+    tune_allocator(top_pad=64 << 20)
     steps = args.steps or (10 if args.quick else 30)
     repeats = args.repeats or (5 if args.quick else 9)
     bs = args.batch_size
@@ -137,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
                   shards=2, trainers=1, staleness=1, prefetch=True, threads=torch.get_num_threads(),
                   vocab_cap=args.vocab, statistic=f"best of {repeats} rounds")
 
-    env = dict(os.environ, TIGANA_SNAPSHOT_ON_SHUTDOWN="0", **_MALLOC_ENV)
+    env = dict(os.environ, TIGANA_SNAPSHOT_ON_SHUTDOWN="0", **ALLOCATOR_ENV)
     with ps.LocalCluster(2, env=env) as cluster:
         client = ps.connect(cluster.addresses)
         try:
