@@ -1,9 +1,9 @@
 """Compiled (numba) kernels of the data path: batch deduplication and owner grouping, fp16 conversion, the
 server's slot ownership check.
 
-``dedup`` and ``dedup_sum`` use an open-addressing hash over the batch (O(n), no sort) and keep ids in
-first-seen order; ``dedup_sum`` adds duplicate rows in batch order in float32, the order the storage engine
-uses, so a pre-summed push lands bit for bit as the engine would apply the raw batch. The fp16 kernels convert
+``dedup_grouped`` and ``dedup_sum_grouped`` use an open-addressing hash over the batch (O(n), no sort), keep
+ids in first-seen order within each owner, and add duplicate rows in batch order in float32, the order the
+storage engine uses, so a pre-summed push lands bit for bit as the engine would apply the raw batch. The fp16 kernels convert
 with round-to-nearest-even and saturate finite values at ±65504 (numpy's converter is a scalar loop, ~10x
 slower). All release the GIL and compile once per machine (``cache=True``).
 """
@@ -37,65 +37,6 @@ def _capacity(n):
     while cap < 2 * n:
         cap *= 2
     return cap
-
-
-@njit(nogil=True, cache=True)
-def dedup(ids):
-    """(n,) int64 -> (unique ids in first-seen order, (n,) int64 inverse: ids == uniq[inverse])."""
-    n = ids.shape[0]
-    cap = _capacity(n)
-    mask = cap - 1
-    index = np.full(cap, -1, np.int64)
-    uniq = np.empty(n, np.int64)
-    inverse = np.empty(n, np.int64)
-    k = 0
-    for i in range(n):
-        key = ids[i]
-        p = _bucket(key, mask)
-        while True:
-            j = index[p]
-            if j == -1:
-                index[p] = k
-                uniq[k] = key
-                inverse[i] = k
-                k += 1
-                break
-            if uniq[j] == key:
-                inverse[i] = j
-                break
-            p = (p + 1) & mask
-    return uniq[:k].copy(), inverse
-
-
-@njit(nogil=True, cache=True)
-def dedup_sum(ids, grads):
-    """(n,) int64 ids, (n, dim) float32 grads -> (unique ids in first-seen order, their summed grads)."""
-    n = ids.shape[0]
-    dim = grads.shape[1]
-    cap = _capacity(n)
-    mask = cap - 1
-    index = np.full(cap, -1, np.int64)
-    uniq = np.empty(n, np.int64)
-    sums = np.empty((n, dim), np.float32)
-    k = 0
-    for i in range(n):
-        key = ids[i]
-        p = _bucket(key, mask)
-        while True:
-            j = index[p]
-            if j == -1:
-                index[p] = k
-                uniq[k] = key
-                for c in range(dim):
-                    sums[k, c] = grads[i, c]
-                k += 1
-                break
-            if uniq[j] == key:
-                for c in range(dim):
-                    sums[j, c] += grads[i, c]
-                break
-            p = (p + 1) & mask
-    return uniq[:k].copy(), sums[:k].copy()
 
 
 @njit(nogil=True, cache=True)
@@ -229,7 +170,7 @@ def dedup_grouped(ids, owner_of_slot, num_owners):
 @njit(nogil=True, cache=True)
 def dedup_sum_grouped(ids, grads, owner_of_slot, num_owners):
     """(n,) int64 ids, (n, dim) float32 grads -> (uniq, sums, starts, finite) grouped by owner as
-    ``dedup_grouped``, duplicate rows added in batch order in float32 (as ``dedup_sum``); ``finite`` is False
+    ``dedup_grouped``, duplicate rows added in batch order in float32; ``finite`` is False
     when some sum is NaN or Inf (always so when grads has one). Each server's rows are one contiguous slice,
     so a push message is built from views without a gather copy."""
     src, uniq, starts = _dedup_grouped(ids, owner_of_slot, num_owners)
