@@ -14,9 +14,9 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,9 +28,12 @@ from pathlib import Path
 from tigana.ps.routing import DEFAULT_NUM_SLOTS, slot_range
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+def _death_signal_wrapper() -> list[str]:
+    """A command prefix that makes a child die with us (PR_SET_PDEATHSIG via util-linux ``setpriv``), or none.
+
+    Not a ``preexec_fn``: Python code between fork and exec in a multi-threaded (gRPC) parent can hang or crash
+    the child; without one, the child is spawned without running Python code in it."""
+    return ["setpriv", "--pdeathsig", "KILL"] if shutil.which("setpriv") else []
 
 
 class LocalCluster:
@@ -69,7 +72,7 @@ class LocalCluster:
                 ready = shard_dir / "ready.json"
                 shard_dir.mkdir(parents=True, exist_ok=True)
                 ready.unlink(missing_ok=True)
-                cmd = [python, "-m", "tigana.tools.cli", "server", "--host", host,
+                cmd = [*_death_signal_wrapper(), python, "-m", "tigana.tools.cli", "server", "--host", host,
                        "--port", str(base_port + i if base_port else 0), "--data-dir", str(shard_dir),
                        "--slots", f"{start}-{stop - 1}", "--num-slots", str(num_slots),
                        "--ready-file", str(ready), "--metrics-port", "auto" if metrics else "0"]
@@ -79,8 +82,7 @@ class LocalCluster:
                 log = open(self.data_dir / f"shard-{i}.log", "ab")  # noqa: SIM115 - the child keeps it
                 try:
                     self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                                       env=child_env, start_new_session=True,
-                                                       preexec_fn=_die_with_parent))
+                                                       env=child_env, start_new_session=True))
                 finally:
                     log.close()
                 ready_files.append(ready)

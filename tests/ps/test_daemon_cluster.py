@@ -3,7 +3,13 @@ its static slot range, serves its ids, refuses the other's, and survives bad req
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
 import socket
+import subprocess
+import sys
+import time
 
 import grpc
 import numpy as np
@@ -72,3 +78,35 @@ def test_base_port_and_a_shard_that_cannot_start(make_shard_cluster, tmp_path) -
     cluster = make_shard_cluster(1, base_port=busy)  # the port is free again
     assert cluster.addresses == [f"127.0.0.1:{busy}"]
     assert cluster.close() == [0]
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="util-linux setpriv not installed")
+def test_daemons_die_with_a_killed_parent(tmp_path) -> None:
+    """A LocalCluster owner killed with SIGKILL (no chance to clean up) leaves no shard daemon behind."""
+    script = ("import sys, time\nfrom tigana.ps import LocalCluster\n"
+              f"c = LocalCluster(2, data_dir={str(tmp_path)!r})\n"
+              "print(' '.join(str(p.pid) for p in c.procs), flush=True)\ntime.sleep(600)\n")
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in owner.stdout.readline().split()]
+        assert len(pids) == 2
+    finally:
+        owner.kill()
+        owner.wait(10)
+        owner.stdout.close()
+    deadline = time.monotonic() + 20
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if _running(p)]
+        time.sleep(0.1)
+    for p in alive:  # a failed test still stops what it started
+        os.kill(p, signal.SIGKILL)
+    assert alive == []
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
+
+import pytest
 
 from tigana.tools import cli
 
@@ -19,3 +22,26 @@ def test_bench_ps_prints_one_json_line_per_case(capsys):
         assert d["unit"] == "rows/s" and d["value"] > 0 and d["peer_value"] > 0
         assert abs(d["ratio"] - d["value"] / d["peer_value"]) <= 2e-3 * d["ratio"]  # each figure has 4 digits
         assert d["dim"] == 8 and d["wire"] == "fp16" and d["batch"] == 2048 and d["shards"] == 2
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
+def test_redis_peer_retries_when_its_port_is_taken(monkeypatch):
+    """Another process can take the probed free port before redis binds it: the peer starts on a new port,
+    and says why when every attempt fails."""
+    from tigana.tools.bench import ps as bench_ps
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = iter([port, bench_ps._free_port()])
+        monkeypatch.setattr(bench_ps, "_free_port", lambda: next(ports))
+        peer = bench_ps.RedisPeer(shutil.which("redis-server"))
+        try:
+            assert peer.port != port and peer.db.ping()
+        finally:
+            peer.close()
+        assert peer.proc.poll() is not None
+        monkeypatch.setattr(bench_ps, "_free_port", lambda: port)
+        with pytest.raises(RuntimeError, match=f"did not start on port {port}"):
+            bench_ps.RedisPeer(shutil.which("redis-server"), attempts=2)

@@ -195,25 +195,47 @@ def _free_port() -> int:
 class RedisPeer:
     """A throw-away ``redis-server`` on a free loopback port, no persistence."""
 
-    def __init__(self, binary: str) -> None:
+    def __init__(self, binary: str, attempts: int = 3) -> None:
         import redis
 
-        self.port = _free_port()
-        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--protected-mode", "no"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-                                     preexec_fn=_die_with_parent)
+        # The free port can be taken between our probe and redis' bind, and redis then exits at once: retry on
+        # a new port. `setpriv --pdeathsig` makes redis die with the benchmark without a preexec_fn (Python code
+        # between fork and exec in a multi-threaded gRPC process can hang or crash the child).
+        wrapper = ["setpriv", "--pdeathsig", "KILL"] if shutil.which("setpriv") else []
+        for attempt in range(1, attempts + 1):
+            self.port = _free_port()
+            with tempfile.TemporaryFile() as output:  # redis logs to stdout; read only when it fails to start
+                self.proc = subprocess.Popen([*wrapper, binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                                              "--save", "", "--appendonly", "no", "--protected-mode", "no",
+                                              "--loglevel", "warning"],
+                                             stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                if self._started(redis):
+                    return
+                self.close()
+                output.seek(0)
+                why = output.read().decode(errors="replace")[-500:].strip()
+            if attempt == attempts:
+                raise RuntimeError(f"redis-server did not start on port {self.port} (exit {self.proc.returncode}): "
+                                   f"{why}")
+            log(f"bench ps: redis-server did not start on port {self.port}; trying another port")
+
+    def _started(self, redis) -> bool:
+        """Wait until our server answers PING (True), or it exits, or 30 s pass (False). A short-timeout probe
+        client: something else listening on the port must not hang the wait."""
         self.db = redis.Redis(host="127.0.0.1", port=self.port)
         deadline = time.monotonic() + 30
-        while True:
-            try:
-                self.db.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.close()
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.05)
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        with redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1, socket_connect_timeout=1,
+                         retry=Retry(NoBackoff(), 0)) as probe:
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    probe.ping()
+                    return self.proc.poll() is None
+                except (redis.ConnectionError, redis.TimeoutError):
+                    time.sleep(0.05)
+        return False
 
     def mget(self, keys: list[int], step: int = 1024) -> list[bytes]:
         pipe = self.db.pipeline(transaction=False)
