@@ -80,18 +80,14 @@ if AVAILABLE:
     _S32 = np.uint64(32)
 
     @njit(nogil=True, cache=True, inline="always")
-    def _home(key, cap):
-        z = key
-        z = (z ^ (z >> _S30)) * _M1
-        z = (z ^ (z >> _S27)) * _M2
-        z = z ^ (z >> _S31)
-        return np.int64(((z >> _S32) * cap) >> _S32)
-
-    @njit(nogil=True, cache=True, inline="always")
     def _mix(z):
         z = (z ^ (z >> _S30)) * _M1
         z = (z ^ (z >> _S27)) * _M2
         return z ^ (z >> _S31)
+
+    @njit(nogil=True, cache=True, inline="always")
+    def _home(key, cap):
+        return np.int64(((_mix(key) >> _S32) * cap) >> _S32)
 
     _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
     _S11 = np.uint64(11)

@@ -13,7 +13,8 @@ import numpy as np
 
 from tigana.embeddings.config import Admission
 from tigana.embeddings.hashtable import Backend, HashIndex
-from tigana.embeddings.initializers import mix64, uniform_bits, unit_interval
+from tigana.embeddings.initializers import uniform_bits, unit_interval
+from tigana.embeddings.mixing import mix64
 
 _SALT = 0x41444D4954  # "ADMIT"
 _INT32_MAX = np.iinfo(np.int32).max

@@ -18,14 +18,13 @@ import numpy as np
 
 from tigana.embeddings import _kernels
 from tigana.embeddings._kernels import EMPTY, TOMBSTONE
+from tigana.embeddings.mixing import mix64
 
 Backend = Literal["auto", "numba", "numpy"]
 
 _MAX_LOAD = 0.7
 _GROWTH = 1.5
 _MIN_CAPACITY = 64
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
 
 
 def resolve_backend(backend: Backend) -> Literal["numba", "numpy"]:
@@ -45,14 +44,9 @@ def as_id_bits(ids: np.ndarray) -> np.ndarray:
 
 
 def _home_np(keys: np.ndarray, cap: int) -> np.ndarray:
+    """Home bucket of each key: the top 32 bits of its mix scaled onto [0, cap) (as the numba ``_home``)."""
     with np.errstate(over="ignore"):
-        z = keys.astype(np.uint64, copy=True)
-        z ^= z >> np.uint64(30)
-        z *= _M1
-        z ^= z >> np.uint64(27)
-        z *= _M2
-        z ^= z >> np.uint64(31)
-        return (((z >> np.uint64(32)) * np.uint64(cap)) >> np.uint64(32)).astype(np.int64)
+        return (((mix64(keys) >> np.uint64(32)) * np.uint64(cap)) >> np.uint64(32)).astype(np.int64)
 
 
 class HashIndex:

@@ -11,24 +11,13 @@ import numpy as np
 
 from tigana.embeddings import _kernels
 from tigana.embeddings.config import Initializer, Normal, Uniform, Zeros
+from tigana.embeddings.mixing import mix64
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _SALT_SEED = 0xD1B54A32D192ED03
 _SALT_SECOND = np.uint64(0x8CB92BA72F3D8DD7)
 _TWO_POW_M53 = 1.0 / (1 << 53)
-
-
-def mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finalizer over a uint64 array (returns a new array)."""
-    with np.errstate(over="ignore"):
-        z = np.array(x, dtype=np.uint64, copy=True)
-        z ^= z >> np.uint64(30)
-        z *= np.uint64(0xBF58476D1CE4E5B9)
-        z ^= z >> np.uint64(27)
-        z *= np.uint64(0x94D049BB133111EB)
-        z ^= z >> np.uint64(31)
-        return z
 
 
 def seed_key(seed: int, salt: int = 0) -> np.uint64:

@@ -82,30 +82,6 @@ def f16_to_f32(bits: np.ndarray) -> np.ndarray:
     return out
 
 
-@njit(nogil=True, cache=True)
-def group_by_owner(ids, owner_of_slot, num_owners):
-    """Positions of ``ids`` grouped by owning server, order kept within a group: (order, starts) with the
-    positions of owner i at ``order[starts[i]:starts[i + 1]]``. Slot = splitmix64(id) % len(owner_of_slot),
-    exactly ``routing.slot_of``."""
-    n = ids.shape[0]
-    num_slots = np.uint64(owner_of_slot.shape[0])
-    owners = np.empty(n, np.int64)
-    starts = np.zeros(num_owners + 1, np.int64)
-    for i in range(n):
-        o = owner_of_slot[np.int64(_mix(ids[i]) % num_slots)]
-        owners[i] = o
-        starts[o + 1] += 1
-    for o in range(num_owners):
-        starts[o + 1] += starts[o]
-    fill = starts[:-1].copy()
-    order = np.empty(n, np.int64)
-    for i in range(n):
-        o = owners[i]
-        order[fill[o]] = i
-        fill[o] += 1
-    return order, starts
-
-
 @njit(nogil=True, cache=True, inline="always")
 def _owner(key, owner_of_slot, num_slots):
     return owner_of_slot[np.int64(_mix(key) % num_slots)]

@@ -47,14 +47,6 @@ def parse_bytes(text: str | int | float, *, field: str = "size") -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def format_bytes(n: int) -> str:
-    """Human form of a byte count, e.g. ``8.0GiB``."""
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f}{unit}"
-    return f"{n}B"
-
-
 @dataclass(frozen=True)
 class ServerConfig:
     """Everything a shard server needs. Immutable; ``dataclasses.replace`` makes variants.

@@ -9,21 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from tigana.embeddings.mixing import mix64
+
+__all__ = ["DEFAULT_NUM_SLOTS", "mix64", "parse_slots", "slot_of", "slot_range", "split_by_owner",
+           "static_assignment"]
+
 DEFAULT_NUM_SLOTS = 4096
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-
-
-def mix64(ids: np.ndarray) -> np.ndarray:
-    """splitmix64 finalizer of int64 ids, as uint64. Vectorized; the same on every machine."""
-    z = np.asarray(ids, dtype=np.int64).view(np.uint64).copy()
-    z ^= z >> np.uint64(30)
-    z *= _M1
-    z ^= z >> np.uint64(27)
-    z *= _M2
-    z ^= z >> np.uint64(31)
-    return z
 
 
 def slot_of(ids: np.ndarray, num_slots: int = DEFAULT_NUM_SLOTS) -> np.ndarray:

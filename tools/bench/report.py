@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from typing import Any
 
 
@@ -22,18 +19,6 @@ def emit(case: str, unit: str, value: float, peer: str, peer_value: float | None
 
 def _round(x: float) -> float:
     return float(f"{x:.4g}")
-
-
-def median_rate(fn: Callable[[], int], *, repeats: int = 5, warmup: int = 1) -> float:
-    """Median over ``repeats`` of (items returned by fn) / seconds. ``fn`` does one unit of work."""
-    for _ in range(warmup):
-        fn()
-    rates = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        n = fn()
-        rates.append(n / (time.perf_counter() - t0))
-    return statistics.median(rates)
 
 
 def log(msg: str) -> None:

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from tigana import embeddings as emb
-from tigana.embeddings.initializers import mix64
+from tigana.embeddings.mixing import mix64
 from tigana.tools.bench.report import emit, log
 
 

@@ -15,6 +15,8 @@ import hashlib
 
 import numpy as np
 
+from tigana.ps.routing import mix64  # the one splitmix64 of the project
+
 __all__ = ["ID_MASK", "MISSING_RAW", "feature_salt", "hash_values", "missing_id", "mix64"]
 
 ID_MASK = np.uint64(0x7FFF_FFFF_FFFF_FFFF)
@@ -23,20 +25,6 @@ ID_MASK = np.uint64(0x7FFF_FFFF_FFFF_FFFF)
 MISSING_RAW = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 """The raw value an empty categorical field stands for before salting (outside the 32-bit hex range
 Criteo uses, so a missing value never collides with a real one of the same feature)."""
-
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
-
-
-def mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finalizer of a uint64 array (int64 input is reinterpreted bit for bit). Returns uint64."""
-    z = np.asarray(x)
-    z = z.view(np.uint64) if z.dtype == np.int64 else z.astype(np.uint64, copy=True)
-    with np.errstate(over="ignore"):
-        z = (z ^ (z >> _S30)) * _M1
-        z = (z ^ (z >> _S27)) * _M2
-    return z ^ (z >> _S31)
 
 
 def feature_salt(name: str, seed: int = 0) -> np.uint64:
