@@ -13,6 +13,7 @@ Example::
     table.push(ids, grads)            # grads (n, 16) float32; duplicates are summed
 """
 
+from tigana.embeddings.changes import Changes
 from tigana.embeddings.config import (
     FTRL,
     SGD,
@@ -41,7 +42,7 @@ from tigana.embeddings.rows import RowBatch
 from tigana.embeddings.table import EmbeddingTable
 
 __all__ = [
-    "FTRL", "SGD", "Adagrad", "Adam", "Admission", "CorruptStore", "EmbeddingError", "EmbeddingTable",
+    "FTRL", "SGD", "Adagrad", "Adam", "Admission", "Changes", "CorruptStore", "EmbeddingError", "EmbeddingTable",
     "Eviction", "HashIndex", "Initializer", "InvalidArgument", "Normal", "Optimizer", "RowBatch",
     "RowWiseAdagrad", "SnapshotNotFound", "StorageError", "StorageFull", "TableConfig", "Uniform", "Zeros",
 ]

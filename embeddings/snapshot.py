@@ -9,6 +9,7 @@ Public API::
     read_manifest(path) -> dict                   # one snapshot's verified manifest
     config, rows, meta = read_snapshot(path)      # path: a snapshot, or a root (then its latest)
     for batch in iter_snapshot_rows(path): ...    # the same rows, streamed batch by batch
+    read_extra(path, "dedup") -> bytes | None     # a caller file stored with the snapshot (checksummed)
     config_to_dict(TableConfig) -> dict; config_from_dict(dict) -> TableConfig
     cleanup_temp(root) -> int                     # remove temp dirs left by dead writers
 
@@ -16,7 +17,8 @@ Layout: ``root/00000001-full/``, ``root/00000002-incr/``, ... (sequence numbers 
 ``rows/data.mdb`` (a ``RowStore``: every record carries a CRC-32), ``deleted.npy`` (int64 ids deleted since
 the parent; incremental only) and ``manifest.json``: format version, table, kind, sequence, parent name,
 dim, state width, row and deletion counts, the config dict, caller meta (the table step...), the size and
-sha256 of every file, and the sha256 of the manifest itself.
+sha256 of every file, and the sha256 of the manifest itself. ``extra/<name>`` holds caller files given as
+``extra_files`` (state that must change atomically with the rows, such as the exactly-once window).
 
 Atomicity: a snapshot is written into ``root/.tmp-<seq>-<kind>-<pid>-<token>/``, every file and the
 directory fsynced, then renamed into place and ``root`` fsynced. A crash mid-write leaves only a temp dir,
@@ -57,7 +59,7 @@ from tigana.embeddings.rows import RowBatch
 
 __all__ = [
     "cleanup_temp", "config_from_dict", "config_to_dict", "iter_snapshot_rows", "latest_snapshot",
-    "list_snapshots", "read_manifest", "read_snapshot", "write_snapshot",
+    "list_snapshots", "read_extra", "read_manifest", "read_snapshot", "write_snapshot",
 ]
 
 FORMAT = "tigana-snapshot"
@@ -65,6 +67,8 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 ROWS_DIR = "rows"
 DELETED_FILE = "deleted.npy"
+EXTRA_DIR = "extra"
+_EXTRA_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _NAME = re.compile(r"^(\d{8})-(full|incr)$")
 _TEMP = re.compile(r"^\.tmp-\d{8}-(full|incr)-(\d+)-[0-9a-f]+$")
 _KIND = {"full": "full", "incremental": "incr"}
@@ -184,7 +188,7 @@ def _batches(rows: Iterable[RowBatch] | RowBatch) -> Iterable[RowBatch]:
 def write_snapshot(root: str | Path, *, table: str, config: dict[str, Any],
                    rows: Iterable[RowBatch] | RowBatch, deleted_ids: np.ndarray | None = None,
                    incremental: bool = False, meta: dict[str, Any] | None = None,
-                   state_width: int | None = None) -> Path:
+                   state_width: int | None = None, extra_files: dict[str, bytes] | None = None) -> Path:
     """Write one snapshot under ``root`` atomically and return its path.
 
     ``config``: the table's config dict (``config_to_dict``; needs ``dim``). ``rows``: a RowBatch or an
@@ -192,7 +196,8 @@ def write_snapshot(root: str | Path, *, table: str, config: dict[str, Any],
     previous snapshot in root); the last of duplicate ids wins. ``deleted_ids``: (k,) int64 ids deleted
     since the previous snapshot (incremental only). ``meta``: JSON-ready extras (the table step...), given
     back by ``read_snapshot``. ``state_width``: optimizer state columns; inferred from the first batch
-    when None (0 for no rows). Raises SnapshotNotFound for an incremental snapshot without a previous
+    when None (0 for no rows). ``extra_files``: {name: bytes} stored in the snapshot and checksummed with
+    it (``read_extra``), so caller state becomes visible atomically with the rows. Raises SnapshotNotFound for an incremental snapshot without a previous
     one, InvalidArgument for bad rows (naming table and field), StorageFull when the disk is full.
     """
     root = Path(root)
@@ -206,6 +211,10 @@ def write_snapshot(root: str | Path, *, table: str, config: dict[str, Any],
     if deleted.size and not incremental:
         raise InvalidArgument(f"table {table!r}: field 'deleted_ids' is only valid for an incremental snapshot")
     deleted = np.unique(deleted.astype(np.int64))
+    extra_files = dict(extra_files or {})
+    for name in extra_files:
+        if not _EXTRA_NAME.match(name):
+            raise InvalidArgument(f"table {table!r}: field 'extra_files' has a bad name {name!r}")
     try:
         json.dumps(meta or {})
         json.dumps(config)
@@ -254,6 +263,15 @@ def write_snapshot(root: str | Path, *, table: str, config: dict[str, Any],
                 f.flush()
                 os.fsync(f.fileno())
             files.append(DELETED_FILE)
+        if extra_files:
+            (tmp / EXTRA_DIR).mkdir()
+            for name, data in sorted(extra_files.items()):
+                with open(tmp / EXTRA_DIR / name, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                files.append(f"{EXTRA_DIR}/{name}")
+            _fsync_path(tmp / EXTRA_DIR)
         _fsync_path(tmp / ROWS_DIR / "data.mdb")
         manifest: dict[str, Any] = {
             "format": FORMAT, "version": FORMAT_VERSION, "table": table, "kind": kind, "sequence": seq,
@@ -385,6 +403,25 @@ def iter_snapshot_rows(path: str | Path, batch_size: int = 65536) -> Iterator[Ro
             store.close()
         if manifest["kind"] == "incremental":
             shadow = np.unique(np.concatenate([shadow, _read_deleted(snap, manifest), *seen]))
+
+
+def read_extra(path: str | Path, name: str) -> bytes | None:
+    """The caller file ``name`` stored with the snapshot at ``path`` (or root's latest), checked against its
+    manifest checksum; None when the snapshot has none of that name."""
+    snap = _resolve(path)
+    manifest = read_manifest(snap)
+    rel = f"{EXTRA_DIR}/{name}"
+    expect = manifest["files"].get(rel)
+    if expect is None:
+        return None
+    file = snap / rel
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise CorruptStore(f"snapshot file {file} cannot be read: {exc}") from exc
+    if len(data) != expect["bytes"] or hashlib.sha256(data).hexdigest() != expect["sha256"]:
+        raise CorruptStore(f"snapshot file {file} failed its sha256 checksum")
+    return data
 
 
 def read_snapshot(path: str | Path) -> tuple[dict[str, Any], RowBatch, dict[str, Any]]:

@@ -11,6 +11,7 @@ Eviction (TTL, capacity) runs cheaply on push and fully on ``evict()``; cold row
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import shutil
@@ -25,11 +26,14 @@ import numpy as np
 
 from tigana.embeddings import _kernels, admission, eviction, optimizers
 from tigana.embeddings import snapshot as _snapshot
+from tigana.embeddings._checksum import crc32_rows
+from tigana.embeddings.changes import Changes
 from tigana.embeddings.config import Adam, TableConfig
 from tigana.embeddings.errors import CorruptStore, InvalidArgument, SnapshotNotFound, StorageFull
 from tigana.embeddings.hashtable import HashIndex, resolve_backend
 from tigana.embeddings.initializers import initial_rows
 from tigana.embeddings.lmdbstore import RowStore
+from tigana.embeddings.mixing import mix64
 from tigana.embeddings.rows import RowBatch
 from tigana.embeddings.slab import Slab
 
@@ -71,6 +75,8 @@ class EmbeddingTable:
         self._finalizer: weakref.finalize | None = None
         self._last_ttl_scan = (0, time.time())
         self._closed = False
+        self._changes: Changes | None = None  # set for the duration of a pull/push given ``changes``
+        self._evictable: Callable[[np.ndarray], np.ndarray] | None = None
         self._counters = dict.fromkeys(("pulls", "pushes", "lookups", "hits", "inserts", "admissions",
                                         "rejected_admissions", "evictions", "spills", "unspills",
                                         "rows_updated", "nonfinite_rows_skipped", "spill_failures"), 0)
@@ -136,13 +142,14 @@ class EmbeddingTable:
             return np.ascontiguousarray(g, np.float32)
 
     # --- pull / push ---------------------------------------------------------------------------------------
-    def pull(self, ids: np.ndarray, *, insert: bool = True) -> np.ndarray:
+    def pull(self, ids: np.ndarray, *, insert: bool = True, changes: Changes | None = None) -> np.ndarray:
         """(n,) int64 ids (any values, duplicates allowed) -> (n, dim) float32 rows in the order of ids.
 
         Missing ids are inserted (subject to admission) with their deterministic initial row; with
-        ``insert=False``, or when not admitted, they read as that row without being stored."""
+        ``insert=False``, or when not admitted, they read as that row without being stored (and without
+        counting a sighting). ``changes`` records what the call changed (inserts, sightings, evictions)."""
         ids = self._check_ids(ids)
-        with self._lock:
+        with self._lock, self._recording(changes):
             self._check_open()
             self._clock += 1
             self._counters["pulls"] += 1
@@ -182,12 +189,14 @@ class EmbeddingTable:
             self._maybe_spill()
             return out
 
-    def push(self, ids: np.ndarray, grads: np.ndarray, *, step: int | None = None) -> int:
+    def push(self, ids: np.ndarray, grads: np.ndarray, *, step: int | None = None,
+             changes: Changes | None = None) -> int:
         """Sum grads of duplicate ids, apply the optimizer to those rows; returns unique rows updated.
 
         ``grads`` (n, dim) float; validates everything (dtype, shape, dim, NaN/Inf) before changing
         anything. Ids not in the table are inserted when admission is open and dropped otherwise (admission
-        is decided on pull). ``step`` sets the table step stamped on the rows (default: step + 1)."""
+        is decided on pull). ``step`` sets the table step stamped on the rows (default: step + 1).
+        ``changes`` records the ids updated and any evicted by the call."""
         ids = self._check_ids(ids)
         grads = self._check_grads(grads, ids.shape[0])
         if step is not None and (not isinstance(step, (int, np.integer)) or step < 0):
@@ -215,7 +224,7 @@ class EmbeddingTable:
             keep[kept[_overflowing_rows(ids[kept], grads[kept])]] = False
             skipped = int((~keep).sum())
             ids, grads = ids[keep], np.ascontiguousarray(grads[keep])
-        with self._lock:
+        with self._lock, self._recording(changes):
             self._check_open()
             self._counters["nonfinite_rows_skipped"] += skipped
             self._clock += 1
@@ -227,6 +236,8 @@ class EmbeddingTable:
             keep = slots >= 0
             if not keep.all():
                 slots, grads = slots[keep], grads[keep]
+            if self._changes is not None:
+                self._changes.written.append(ids[keep] if not keep.all() else ids)
             if self._backend == "numba":
                 rows, summed = _kernels.dedup_sum(np.ascontiguousarray(slots), grads)
             else:
@@ -275,6 +286,8 @@ class EmbeddingTable:
                 admitted = uniq
             elif count:
                 mask = self._admission.admit(uniq, sightings)
+                if self._changes is not None:
+                    self._changes.sightings.append((uniq, sightings))
                 admitted = uniq[mask]
                 self._counters["rejected_admissions"] += int((~mask).sum())
             else:
@@ -295,6 +308,8 @@ class EmbeddingTable:
                          np.zeros(k, np.int64), np.full(k, self._step, np.int64), np.full(k, time.time()))
         self._slab.write(slots, batch, access=self._clock)
         self._index.insert(ids, slots)
+        if self._changes is not None:
+            self._changes.written.append(ids)
         self._counters["inserts"] += k
         self._counters["admissions"] += k
 
@@ -330,6 +345,8 @@ class EmbeddingTable:
         removed_ids, slots = self._index.delete(ids)
         self._slab.release(slots)
         gone_ids = np.concatenate([removed_ids, *gone])
+        if self._changes is not None and gone_ids.size:
+            self._changes.deleted.append(gone_ids)
         if gone_ids.size and self._last_snapshot is not None:  # only increments need them
             self._deleted.append(gone_ids)
             if len(self._deleted) > 64:
@@ -372,6 +389,10 @@ class EmbeddingTable:
             meta["last_time"] = np.concatenate([meta["last_time"], sp.last_time])
             meta["last_access"] = np.concatenate([meta["last_access"], np.full(len(sp), -1, np.int64)])
             meta["update_count"] = np.concatenate([meta["update_count"], sp.update_count])
+        if self._evictable is not None:  # only rows this table decides for (the slots it leads)
+            own = np.asarray(self._evictable(ids), bool)
+            ids = ids[own]
+            meta = {k: v[own] for k, v in meta.items()}
         victims = np.zeros(ids.shape[0], bool)
         if ttl and (ev.ttl_steps or ev.ttl_seconds):
             victims = eviction.expired(ev, self._step, now, meta["last_step"], meta["last_time"])
@@ -437,19 +458,23 @@ class EmbeddingTable:
         b = self._check_batch(batch)
         with self._lock:
             self._check_open()
-            self._clock += 1
-            if len(self._spilled):
-                sp_ids, _ = self._spilled.delete(b.ids)
-                if sp_ids.size:
-                    self._spill.delete(sp_ids)
-            slots = self._index.lookup(b.ids)
-            new = slots < 0
-            if new.any():
-                slots[new] = self._slab.allocate(int(new.sum()))
-                self._index.insert(b.ids[new], slots[new])
-                self._admission.forget(b.ids[new])
-            self._slab.write(slots, b, access=self._clock)
-            self._maybe_spill()
+            self._import(b)
+
+    def _import(self, b: RowBatch) -> None:
+        """Write checked rows; the caller holds the lock."""
+        self._clock += 1
+        if len(self._spilled):
+            sp_ids, _ = self._spilled.delete(b.ids)
+            if sp_ids.size:
+                self._spill.delete(sp_ids)
+        slots = self._index.lookup(b.ids)
+        new = slots < 0
+        if new.any():
+            slots[new] = self._slab.allocate(int(new.sum()))
+            self._index.insert(b.ids[new], slots[new])
+            self._admission.forget(b.ids[new])
+        self._slab.write(slots, b, access=self._clock)
+        self._maybe_spill()
 
     def _check_batch(self, batch: RowBatch) -> RowBatch:
         if not isinstance(batch, RowBatch):
@@ -561,19 +586,21 @@ class EmbeddingTable:
         return batch
 
     # --- snapshots -----------------------------------------------------------------------------------------
-    def snapshot(self, directory: str | Path, *, incremental: bool = False) -> Path:
+    def snapshot(self, directory: str | Path, *, incremental: bool = False,
+                 extra_files: dict[str, bytes] | None = None) -> Path:
         """Write a snapshot under ``directory`` atomically; returns its path.
 
         Full: every row (resident and spilled), optimizer state, metadata, the config and the step.
         Incremental: the rows changed and the ids deleted since this table's previous snapshot, which must
-        be the latest one in ``directory``; otherwise a full snapshot is written instead."""
+        be the latest one in ``directory``; otherwise a full snapshot is written instead. ``extra_files``
+        ({name: bytes}) are stored in the snapshot (``snapshot.read_extra``), atomically with its rows."""
         root = Path(directory)
         with self._lock:
             self._check_open()
             previous = self._last_snapshot
             chained = incremental and previous is not None and _snapshot.latest_snapshot(root) == previous
             common = {"table": self.name, "config": _snapshot.config_to_dict(self.config),
-                      "meta": {"step": self._step}, "state_width": self._width}
+                      "meta": {"step": self._step}, "state_width": self._width, "extra_files": extra_files}
             if chained:
                 deleted = np.unique(np.concatenate(self._deleted)) if self._deleted else np.empty(0, np.int64)
                 path = _snapshot.write_snapshot(root, rows=self._iter_dirty(), deleted_ids=deleted,
@@ -625,6 +652,78 @@ class EmbeddingTable:
             table._mark_clean(snap)
         return table
 
+    # --- replication -----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _recording(self, changes: Changes | None) -> Iterator[None]:
+        """Record into ``changes`` for the duration of one call (the caller holds the table lock)."""
+        if changes is None:
+            yield
+            return
+        self._changes = changes
+        try:
+            yield
+        finally:
+            self._changes = None
+
+    def set_evictable(self, evictable: Callable[[np.ndarray], np.ndarray] | None) -> None:
+        """Restrict eviction to rows for which ``evictable(ids) -> bool mask`` is true (None: every row).
+
+        A server that holds copies of rows it does not lead lets only the leading copy decide evictions;
+        the others apply them as replicated removals, so every copy holds the same rows."""
+        with self._lock:
+            self._evictable = evictable
+
+    def stored_ids(self) -> np.ndarray:
+        """Every stored id (resident and spilled), (k,) int64 in no set order."""
+        with self._lock:
+            self._check_open()
+            return self._all_ids()
+
+    def apply_changes(self, rows: RowBatch | None = None, deleted: np.ndarray | None = None,
+                      sightings: tuple[np.ndarray, np.ndarray] | None = None, step: int | None = None) -> None:
+        """Apply what another copy's call changed: admission sightings (counted as that copy counted them),
+        complete rows written (inserted or overwritten), ids removed, and the table step (raised to
+        ``step``). Validates everything before changing anything."""
+        batch = self._check_batch(rows) if rows is not None and len(rows) else None
+        gone = self._check_ids(deleted if deleted is not None else np.empty(0, np.int64), "deleted")
+        if sightings is not None:
+            seen_ids = self._check_ids(sightings[0], "sighting_ids")
+            counts = np.asarray(sightings[1])
+            if counts.shape != seen_ids.shape or (counts.size and (counts.dtype.kind not in "iu"
+                                                                   or counts.min() < 1)):
+                raise self._bad("sighting_counts", f"must be positive integers aligned with sighting_ids, got "
+                                                   f"{counts.dtype} {counts.shape}")
+        with self._lock:
+            self._check_open()
+            if sightings is not None and seen_ids.size and not self._open_admission:
+                self._admission.admit(seen_ids, counts.astype(np.int64))
+            if batch is not None:
+                self._import(batch)
+            if gone.size:
+                self._remove(gone)
+            if step is not None and int(step) > self._step:
+                self._step = int(step)
+
+    def checksums_by(self, bucket_of: Callable[[np.ndarray], np.ndarray], num_buckets: int) -> tuple[
+            np.ndarray, np.ndarray]:
+        """Order-independent digests of the rows grouped by ``bucket_of(ids) -> (n,) int in [0, num_buckets)``:
+        ((num_buckets,) uint64 digest sums of id, weights and optimizer state; (num_buckets,) int64 row
+        counts). Two tables with the same rows in a bucket have the same digest there."""
+        sums = np.zeros(num_buckets, np.uint64)
+        counts = np.zeros(num_buckets, np.int64)
+        with self._lock:
+            self._check_open()
+            for batch in self._iter_sorted():
+                buckets = np.asarray(bucket_of(batch.ids), np.int64)
+                digest = _row_digests(batch)
+                order = np.argsort(buckets, kind="stable")
+                b = buckets[order]
+                starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]])
+                with np.errstate(over="ignore"):
+                    sums[b[starts]] += np.add.reduceat(digest[order], starts)
+                counts[b[starts]] += np.diff(np.r_[starts, b.shape[0]])
+        return sums, counts
+
     # --- lifecycle -----------------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
@@ -651,6 +750,21 @@ class EmbeddingTable:
 
     def __repr__(self) -> str:
         return f"EmbeddingTable({self.name!r}, dim={self.dim}, rows={len(self)}, step={self._step})"
+
+
+def _row_digests(batch: RowBatch) -> np.ndarray:
+    """(n,) uint64 digest of each row's id, float32 weights and optimizer state."""
+    n = len(batch)
+    if n == 0:
+        return np.zeros(0, np.uint64)
+    w = crc32_rows(np.ascontiguousarray(batch.weights, np.float32).view(np.uint8).reshape(n, -1))
+    if batch.state.shape[1]:
+        st = crc32_rows(np.ascontiguousarray(batch.state, np.float32).view(np.uint8).reshape(n, -1))
+    else:
+        st = np.zeros(n, np.uint32)
+    with np.errstate(over="ignore"):
+        payload = (w.astype(np.uint64) << np.uint64(32)) | st.astype(np.uint64)
+        return mix64(mix64(batch.ids) + payload)
 
 
 def _sum_may_overflow(top_exponent_bits: int, n: int) -> bool:

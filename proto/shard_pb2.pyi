@@ -13,10 +13,59 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_FP16: _ClassVar[Codec]
     CODEC_BF16: _ClassVar[Codec]
     CODEC_INT8: _ClassVar[Codec]
+
+class Durability(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DURABILITY_DEFAULT: _ClassVar[Durability]
+    DURABILITY_SYNC: _ClassVar[Durability]
+    DURABILITY_ASYNC: _ClassVar[Durability]
+
+class ServerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SERVER_UP: _ClassVar[ServerState]
+    SERVER_DEAD: _ClassVar[ServerState]
+
+class CopyState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COPY_IN_SYNC: _ClassVar[CopyState]
+    COPY_CATCHING_UP: _ClassVar[CopyState]
+
+class ItemKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ITEM_CHANGES: _ClassVar[ItemKind]
+    ITEM_SNAPSHOT_BEGIN: _ClassVar[ItemKind]
+    ITEM_SNAPSHOT_ROWS: _ClassVar[ItemKind]
+    ITEM_SNAPSHOT_END: _ClassVar[ItemKind]
+    ITEM_BARRIER: _ClassVar[ItemKind]
+
+class ReplicateReject(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REJECT_NONE: _ClassVar[ReplicateReject]
+    REJECT_STALE: _ClassVar[ReplicateReject]
+    REJECT_DIVERGED: _ClassVar[ReplicateReject]
+    REJECT_GAP: _ClassVar[ReplicateReject]
+    REJECT_BEHIND: _ClassVar[ReplicateReject]
 CODEC_FP32: Codec
 CODEC_FP16: Codec
 CODEC_BF16: Codec
 CODEC_INT8: Codec
+DURABILITY_DEFAULT: Durability
+DURABILITY_SYNC: Durability
+DURABILITY_ASYNC: Durability
+SERVER_UP: ServerState
+SERVER_DEAD: ServerState
+COPY_IN_SYNC: CopyState
+COPY_CATCHING_UP: CopyState
+ITEM_CHANGES: ItemKind
+ITEM_SNAPSHOT_BEGIN: ItemKind
+ITEM_SNAPSHOT_ROWS: ItemKind
+ITEM_SNAPSHOT_END: ItemKind
+ITEM_BARRIER: ItemKind
+REJECT_NONE: ReplicateReject
+REJECT_STALE: ReplicateReject
+REJECT_DIVERGED: ReplicateReject
+REJECT_GAP: ReplicateReject
+REJECT_BEHIND: ReplicateReject
 
 class Rows(_message.Message):
     __slots__ = ("codec", "dim", "data", "scales")
@@ -68,7 +117,7 @@ class Eviction(_message.Message):
     def __init__(self, ttl_steps: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., max_rows: _Optional[int] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "dim", "optimizer", "initializer", "seed", "dtype", "admission", "eviction", "memory_budget_bytes")
+    __slots__ = ("name", "dim", "optimizer", "initializer", "seed", "dtype", "admission", "eviction", "memory_budget_bytes", "durability", "min_copies")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +127,8 @@ class TableSpec(_message.Message):
     ADMISSION_FIELD_NUMBER: _ClassVar[int]
     EVICTION_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DURABILITY_FIELD_NUMBER: _ClassVar[int]
+    MIN_COPIES_FIELD_NUMBER: _ClassVar[int]
     name: str
     dim: int
     optimizer: Component
@@ -87,7 +138,9 @@ class TableSpec(_message.Message):
     admission: Admission
     eviction: Eviction
     memory_budget_bytes: int
-    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., optimizer: _Optional[_Union[Component, _Mapping]] = ..., initializer: _Optional[_Union[Component, _Mapping]] = ..., seed: _Optional[int] = ..., dtype: _Optional[str] = ..., admission: _Optional[_Union[Admission, _Mapping]] = ..., eviction: _Optional[_Union[Eviction, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ...) -> None: ...
+    durability: Durability
+    min_copies: int
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., optimizer: _Optional[_Union[Component, _Mapping]] = ..., initializer: _Optional[_Union[Component, _Mapping]] = ..., seed: _Optional[int] = ..., dtype: _Optional[str] = ..., admission: _Optional[_Union[Admission, _Mapping]] = ..., eviction: _Optional[_Union[Eviction, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., durability: _Optional[_Union[Durability, str]] = ..., min_copies: _Optional[int] = ...) -> None: ...
 
 class CreateTableRequest(_message.Message):
     __slots__ = ("spec", "exist_ok")
@@ -142,14 +195,18 @@ class ListTablesResponse(_message.Message):
     def __init__(self, tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("table", "ids", "codec")
+    __slots__ = ("table", "ids", "codec", "epoch", "read_only")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    READ_ONLY_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: bytes
     codec: Codec
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., codec: _Optional[_Union[Codec, str]] = ...) -> None: ...
+    epoch: int
+    read_only: bool
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., codec: _Optional[_Union[Codec, str]] = ..., epoch: _Optional[int] = ..., read_only: _Optional[bool] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("rows",)
@@ -158,28 +215,32 @@ class PullResponse(_message.Message):
     def __init__(self, rows: _Optional[_Union[Rows, _Mapping]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("table", "ids", "grads", "client_id", "seq", "part")
+    __slots__ = ("table", "ids", "grads", "client_id", "seq", "part", "epoch")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: bytes
     grads: Rows
     client_id: str
     seq: int
     part: int
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., grads: _Optional[_Union[Rows, _Mapping]] = ..., client_id: _Optional[str] = ..., seq: _Optional[int] = ..., part: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., grads: _Optional[_Union[Rows, _Mapping]] = ..., client_id: _Optional[str] = ..., seq: _Optional[int] = ..., part: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("applied_rows", "duplicate")
+    __slots__ = ("applied_rows", "duplicate", "epoch")
     APPLIED_ROWS_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     applied_rows: int
     duplicate: bool
-    def __init__(self, applied_rows: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+    epoch: int
+    def __init__(self, applied_rows: _Optional[int] = ..., duplicate: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
     __slots__ = ("incremental",)
@@ -233,3 +294,190 @@ class StatsResponse(_message.Message):
     TABLES_FIELD_NUMBER: _ClassVar[int]
     tables: _containers.RepeatedCompositeFieldContainer[TableStats]
     def __init__(self, tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ...) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("id", "address", "boot", "state")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BOOT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    address: str
+    boot: str
+    state: ServerState
+    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., boot: _Optional[str] = ..., state: _Optional[_Union[ServerState, str]] = ...) -> None: ...
+
+class ShardMap(_message.Message):
+    __slots__ = ("epoch", "num_slots", "replicas", "servers", "width", "copies", "states", "slot_epochs", "tables", "cluster_id")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SERVERS_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    SLOT_EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    num_slots: int
+    replicas: int
+    servers: _containers.RepeatedCompositeFieldContainer[ServerInfo]
+    width: int
+    copies: bytes
+    states: bytes
+    slot_epochs: bytes
+    tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
+    cluster_id: str
+    def __init__(self, epoch: _Optional[int] = ..., num_slots: _Optional[int] = ..., replicas: _Optional[int] = ..., servers: _Optional[_Iterable[_Union[ServerInfo, _Mapping]]] = ..., width: _Optional[int] = ..., copies: _Optional[bytes] = ..., states: _Optional[bytes] = ..., slot_epochs: _Optional[bytes] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., cluster_id: _Optional[str] = ...) -> None: ...
+
+class InstallMapRequest(_message.Message):
+    __slots__ = ("map",)
+    MAP_FIELD_NUMBER: _ClassVar[int]
+    map: ShardMap
+    def __init__(self, map: _Optional[_Union[ShardMap, _Mapping]] = ...) -> None: ...
+
+class InstallMapResponse(_message.Message):
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+
+class RowBlock(_message.Message):
+    __slots__ = ("ids", "weights", "state", "update_count", "last_step", "last_time", "dim", "state_width")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_TIME_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    STATE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    ids: bytes
+    weights: bytes
+    state: bytes
+    update_count: bytes
+    last_step: bytes
+    last_time: bytes
+    dim: int
+    state_width: int
+    def __init__(self, ids: _Optional[bytes] = ..., weights: _Optional[bytes] = ..., state: _Optional[bytes] = ..., update_count: _Optional[bytes] = ..., last_step: _Optional[bytes] = ..., last_time: _Optional[bytes] = ..., dim: _Optional[int] = ..., state_width: _Optional[int] = ...) -> None: ...
+
+class DedupRecord(_message.Message):
+    __slots__ = ("client_id", "seq", "slots")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    seq: int
+    slots: bytes
+    def __init__(self, client_id: _Optional[str] = ..., seq: _Optional[int] = ..., slots: _Optional[bytes] = ...) -> None: ...
+
+class ReplicationItem(_message.Message):
+    __slots__ = ("kind", "table", "lsn_epoch", "lsn_index", "slots", "prev_epochs", "prev_indexes", "rows", "deletes", "sighting_ids", "sighting_counts", "step", "dedup")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    LSN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LSN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    PREV_EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    PREV_INDEXES_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    DELETES_FIELD_NUMBER: _ClassVar[int]
+    SIGHTING_IDS_FIELD_NUMBER: _ClassVar[int]
+    SIGHTING_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DEDUP_FIELD_NUMBER: _ClassVar[int]
+    kind: ItemKind
+    table: str
+    lsn_epoch: int
+    lsn_index: int
+    slots: bytes
+    prev_epochs: bytes
+    prev_indexes: bytes
+    rows: RowBlock
+    deletes: bytes
+    sighting_ids: bytes
+    sighting_counts: bytes
+    step: int
+    dedup: _containers.RepeatedCompositeFieldContainer[DedupRecord]
+    def __init__(self, kind: _Optional[_Union[ItemKind, str]] = ..., table: _Optional[str] = ..., lsn_epoch: _Optional[int] = ..., lsn_index: _Optional[int] = ..., slots: _Optional[bytes] = ..., prev_epochs: _Optional[bytes] = ..., prev_indexes: _Optional[bytes] = ..., rows: _Optional[_Union[RowBlock, _Mapping]] = ..., deletes: _Optional[bytes] = ..., sighting_ids: _Optional[bytes] = ..., sighting_counts: _Optional[bytes] = ..., step: _Optional[int] = ..., dedup: _Optional[_Iterable[_Union[DedupRecord, _Mapping]]] = ...) -> None: ...
+
+class ReplicateRequest(_message.Message):
+    __slots__ = ("source", "source_boot", "generation", "epoch", "first_seq", "items")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_BOOT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    source_boot: str
+    generation: int
+    epoch: int
+    first_seq: int
+    items: _containers.RepeatedCompositeFieldContainer[ReplicationItem]
+    def __init__(self, source: _Optional[str] = ..., source_boot: _Optional[str] = ..., generation: _Optional[int] = ..., epoch: _Optional[int] = ..., first_seq: _Optional[int] = ..., items: _Optional[_Iterable[_Union[ReplicationItem, _Mapping]]] = ...) -> None: ...
+
+class ReplicateResponse(_message.Message):
+    __slots__ = ("applied_through", "reject", "message", "slots", "epoch")
+    APPLIED_THROUGH_FIELD_NUMBER: _ClassVar[int]
+    REJECT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    applied_through: int
+    reject: ReplicateReject
+    message: str
+    slots: bytes
+    epoch: int
+    def __init__(self, applied_through: _Optional[int] = ..., reject: _Optional[_Union[ReplicateReject, str]] = ..., message: _Optional[str] = ..., slots: _Optional[bytes] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class SlotInfoRequest(_message.Message):
+    __slots__ = ("table", "checksums")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    checksums: bool
+    def __init__(self, table: _Optional[str] = ..., checksums: _Optional[bool] = ...) -> None: ...
+
+class SlotTableInfo(_message.Message):
+    __slots__ = ("table", "slots", "rows", "checksums", "lsn_epochs", "lsn_indexes", "pull_rates", "push_rates", "bytes")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    LSN_EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    LSN_INDEXES_FIELD_NUMBER: _ClassVar[int]
+    PULL_RATES_FIELD_NUMBER: _ClassVar[int]
+    PUSH_RATES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    slots: bytes
+    rows: bytes
+    checksums: bytes
+    lsn_epochs: bytes
+    lsn_indexes: bytes
+    pull_rates: bytes
+    push_rates: bytes
+    bytes: bytes
+    def __init__(self, table: _Optional[str] = ..., slots: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., checksums: _Optional[bytes] = ..., lsn_epochs: _Optional[bytes] = ..., lsn_indexes: _Optional[bytes] = ..., pull_rates: _Optional[bytes] = ..., push_rates: _Optional[bytes] = ..., bytes: _Optional[bytes] = ...) -> None: ...
+
+class SlotInfoResponse(_message.Message):
+    __slots__ = ("epoch", "tables", "server_id", "replication")
+    class ReplicationEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    tables: _containers.RepeatedCompositeFieldContainer[SlotTableInfo]
+    server_id: str
+    replication: _containers.ScalarMap[str, float]
+    def __init__(self, epoch: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[SlotTableInfo, _Mapping]]] = ..., server_id: _Optional[str] = ..., replication: _Optional[_Mapping[str, float]] = ...) -> None: ...

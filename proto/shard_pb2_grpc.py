@@ -79,6 +79,21 @@ class ShardStub:
                 request_serializer=tigana_dot_proto_dot_shard__pb2.StatsRequest.SerializeToString,
                 response_deserializer=tigana_dot_proto_dot_shard__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.InstallMap = channel.unary_unary(
+                '/tigana.v1.Shard/InstallMap',
+                request_serializer=tigana_dot_proto_dot_shard__pb2.InstallMapRequest.SerializeToString,
+                response_deserializer=tigana_dot_proto_dot_shard__pb2.InstallMapResponse.FromString,
+                _registered_method=True)
+        self.Replicate = channel.unary_unary(
+                '/tigana.v1.Shard/Replicate',
+                request_serializer=tigana_dot_proto_dot_shard__pb2.ReplicateRequest.SerializeToString,
+                response_deserializer=tigana_dot_proto_dot_shard__pb2.ReplicateResponse.FromString,
+                _registered_method=True)
+        self.SlotInfo = channel.unary_unary(
+                '/tigana.v1.Shard/SlotInfo',
+                request_serializer=tigana_dot_proto_dot_shard__pb2.SlotInfoRequest.SerializeToString,
+                response_deserializer=tigana_dot_proto_dot_shard__pb2.SlotInfoResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -138,6 +153,25 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InstallMap(self, request, context):
+        """Cluster internals: the scheduler installs maps; primaries stream changes to the other copies.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Replicate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SlotInfo(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +219,21 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=tigana_dot_proto_dot_shard__pb2.StatsRequest.FromString,
                     response_serializer=tigana_dot_proto_dot_shard__pb2.StatsResponse.SerializeToString,
+            ),
+            'InstallMap': grpc.unary_unary_rpc_method_handler(
+                    servicer.InstallMap,
+                    request_deserializer=tigana_dot_proto_dot_shard__pb2.InstallMapRequest.FromString,
+                    response_serializer=tigana_dot_proto_dot_shard__pb2.InstallMapResponse.SerializeToString,
+            ),
+            'Replicate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=tigana_dot_proto_dot_shard__pb2.ReplicateRequest.FromString,
+                    response_serializer=tigana_dot_proto_dot_shard__pb2.ReplicateResponse.SerializeToString,
+            ),
+            'SlotInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.SlotInfo,
+                    request_deserializer=tigana_dot_proto_dot_shard__pb2.SlotInfoRequest.FromString,
+                    response_serializer=tigana_dot_proto_dot_shard__pb2.SlotInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +479,87 @@ class Shard:
             '/tigana.v1.Shard/Stats',
             tigana_dot_proto_dot_shard__pb2.StatsRequest.SerializeToString,
             tigana_dot_proto_dot_shard__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InstallMap(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tigana.v1.Shard/InstallMap',
+            tigana_dot_proto_dot_shard__pb2.InstallMapRequest.SerializeToString,
+            tigana_dot_proto_dot_shard__pb2.InstallMapResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tigana.v1.Shard/Replicate',
+            tigana_dot_proto_dot_shard__pb2.ReplicateRequest.SerializeToString,
+            tigana_dot_proto_dot_shard__pb2.ReplicateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SlotInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tigana.v1.Shard/SlotInfo',
+            tigana_dot_proto_dot_shard__pb2.SlotInfoRequest.SerializeToString,
+            tigana_dot_proto_dot_shard__pb2.SlotInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

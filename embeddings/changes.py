@@ -1,0 +1,43 @@
+"""Changes: what calls on a table changed, captured for replication.
+
+A caller passes a ``Changes`` to ``EmbeddingTable.pull``/``push``; the table records the ids it wrote
+(inserted or updated), the ids it removed (eviction) and the admission sightings it counted, in the order it
+did them. ``tigana.ps`` ships the rows of those ids as they are after the call, the removals and the
+sightings to the other copies of the rows, which apply them with ``EmbeddingTable.apply_changes``.
+Not thread-safe: filled under the table's lock by the one call it was passed to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["Changes"]
+
+
+@dataclass
+class Changes:
+    """Ids written and removed, and admission sightings ((ids, counts) in the order counted)."""
+
+    written: list[np.ndarray] = field(default_factory=list)
+    deleted: list[np.ndarray] = field(default_factory=list)
+    sightings: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.written or self.deleted or self.sightings)
+
+    def written_ids(self) -> np.ndarray:
+        """Unique ids written, (k,) int64 sorted."""
+        return np.unique(np.concatenate(self.written)) if self.written else np.empty(0, np.int64)
+
+    def deleted_ids(self) -> np.ndarray:
+        """Unique ids removed, (k,) int64 sorted (some may have been written again after)."""
+        return np.unique(np.concatenate(self.deleted)) if self.deleted else np.empty(0, np.int64)
+
+    def sighting_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """The sightings as two aligned (j,) int64 arrays, in the order counted."""
+        if not self.sightings:
+            return np.empty(0, np.int64), np.empty(0, np.int64)
+        return (np.concatenate([i for i, _ in self.sightings]).astype(np.int64),
+                np.concatenate([c for _, c in self.sightings]).astype(np.int64))
