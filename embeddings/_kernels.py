@@ -6,8 +6,9 @@ process pays each compile at most once. ``AVAILABLE`` is False when numba cannot
 use their numpy fallbacks, which compute the same results.
 
 Hash layout shared with ``hashtable.py``: ``keys`` uint64[cap] (the int64 ids' bits), ``vals`` int32[cap] with
-``EMPTY`` (-1) / ``TOMBSTONE`` (-2) / a slot >= 0. A bucket's state lives in ``vals``, so every 64-bit id is a
-valid key. Home bucket = fastrange(hash) = ((hash >> 32) * cap) >> 32, linear probing with wrap-around.
+``EMPTY`` (-1) / ``TOMBSTONE`` (-2) / a value >= 0 (for a table's index: the row's position in its Slab). A
+bucket's state lives in ``vals``, so every 64-bit id is a valid key. Home bucket = fastrange(hash) =
+((hash >> 32) * cap) >> 32, linear probing with wrap-around.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ if AVAILABLE:
 
     @njit(nogil=True, cache=True)
     def probe(keys, vals, queries, out_pos, out_val):
-        """For each query: bucket position and value (slot) if present, else -1 and -1."""
+        """For each query: bucket position and value (a row's slab position) if present, else -1 and -1."""
         cap = keys.shape[0]
         ucap = np.uint64(cap)
         n = queries.shape[0]
@@ -158,9 +159,9 @@ if AVAILABLE:
         return consumed
 
     @njit(nogil=True, cache=True)
-    def lookup_gather(keys, vals, weights, last_access, clock, queries, out_rows, out_slots):
-        """Lookup, then row copy, for float32 storage; hit rows get ``last_access = clock``; misses get slot
-        -1 and an untouched output row.
+    def lookup_gather(keys, vals, weights, last_access, clock, queries, out_rows, out_positions):
+        """Lookup, then row copy, for float32 storage; hit rows get ``last_access = clock``; misses get
+        position -1 and an untouched output row.
 
         Two passes (all probes, then all copies), each prefetching a fixed distance ahead.
         Returns the number of misses."""
@@ -186,16 +187,16 @@ if AVAILABLE:
                 p += 1
                 if p == cap:
                     p = 0
-            out_slots[i] = s
+            out_positions[i] = s
             if s < 0:
                 misses += 1
         dim = weights.shape[1]
         for i in range(n):
             if i + _ROW_PREFETCH_DISTANCE < n:
-                t = out_slots[i + _ROW_PREFETCH_DISTANCE]
+                t = out_positions[i + _ROW_PREFETCH_DISTANCE]
                 if t >= 0:
                     _prefetch_row(weights, t)
-            s = out_slots[i]
+            s = out_positions[i]
             if s >= 0:
                 last_access[s] = clock
                 for j in range(dim):
@@ -203,27 +204,28 @@ if AVAILABLE:
         return misses
 
     @njit(nogil=True, cache=True)
-    def dedup_sum(slots, grads):
-        """Sum rows of ``grads`` that share a slot (slots >= 0). Returns (unique slots in first-seen order,
-        (k, dim) float32 sums added in batch order). A local open-addressing map assigns each row its group."""
-        n = slots.shape[0]
+    def dedup_sum(positions, grads):
+        """Sum rows of ``grads`` that share a slab position (positions >= 0). Returns (unique positions in
+        first-seen order, (k, dim) float32 sums added in batch order). A local open-addressing map keyed by
+        position assigns each row its group."""
+        n = positions.shape[0]
         dim = grads.shape[1]
         cap = 16
         while cap < 2 * n:
             cap *= 2
         mask = cap - 1
-        table_slot = np.full(cap, -1, np.int64)
+        table_key = np.full(cap, -1, np.int64)
         table_group = np.empty(cap, np.int32)
         group = np.empty(n, np.int32)
         uniq = np.empty(n, np.int64)
         k = 0
         for i in range(n):
-            s = slots[i]
+            s = positions[i]
             p = np.int64((np.uint64(s) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32)) & mask
             while True:
-                t = table_slot[p]
+                t = table_key[p]
                 if t == -1:
-                    table_slot[p] = s
+                    table_key[p] = s
                     table_group[p] = k
                     group[i] = k
                     uniq[k] = s

@@ -1,11 +1,13 @@
-"""Slab: the resident rows of a table, column-wise in growable arrays indexed by slot.
+"""Slab: the resident rows of a table, column-wise in growable arrays indexed by position.
 
-Per slot: weights (dim, storage dtype: float32, float16, or bfloat16 kept as uint16 bits), optimizer state
-(width, float32), update_count uint32, last_step int64, last_time float64, last_access int64 (the table's access
-clock, for LRU and spilling), dirty uint8 (changed since the last snapshot). That is 29 bytes of metadata, 97
-bytes per slot at dim 16 with row-wise Adagrad. Deleted slots go to a free list and are reused first.
+A row's position is its index in these arrays (an int >= 0, what the table's HashIndex maps its id to); it is
+unrelated to the routing slots of ``tigana.ps.routing``. Per row: weights (dim, storage dtype: float32, float16,
+or bfloat16 kept as uint16 bits), optimizer state (width, float32), update_count uint32, last_step int64,
+last_time float64, last_access int64 (the table's access clock, for LRU and spilling), dirty uint8 (changed
+since the last snapshot). That is 29 bytes of metadata, 97 bytes per row at dim 16 with row-wise Adagrad.
+Positions of deleted rows go to a free list and are reused first.
 
-Arrays grow by 2x up to 65,536 slots, then by 1.125x, through ``ndarray.resize``: glibc's realloc moves
+Arrays grow by 2x up to 65,536 rows, then by 1.125x, through ``ndarray.resize``: glibc's realloc moves
 large blocks with mremap, so growth neither copies nor doubles the peak, and capacity slack stays under 12.5%.
 Not thread-safe: the owning table holds its lock around every call, and no view of the arrays escapes it.
 """
@@ -16,7 +18,7 @@ import numpy as np
 
 from tigana.embeddings.rows import RowBatch
 
-_MIN_SLOTS = 64
+_MIN_ROWS = 64
 _META = (("update_count", np.uint32), ("last_step", np.int64), ("last_time", np.float64),
          ("last_access", np.int64), ("dirty", np.uint8))
 
@@ -72,19 +74,19 @@ class _AlignedRows:
 
 
 class Slab:
-    """Growable per-slot columns; see the module docstring."""
+    """Growable per-row columns, indexed by position; see the module docstring."""
 
     def __init__(self, dim: int, state_width: int, storage: str = "float32") -> None:
         self.dim, self.state_width = dim, state_width
         self.storage_dtype = STORAGE_DTYPES[storage]
-        self._weights = _AlignedRows(_MIN_SLOTS, dim, self.storage_dtype)
-        self._state = _AlignedRows(_MIN_SLOTS, state_width, np.dtype(np.float32))
+        self._weights = _AlignedRows(_MIN_ROWS, dim, self.storage_dtype)
+        self._state = _AlignedRows(_MIN_ROWS, state_width, np.dtype(np.float32))
         self.weights, self.state = self._weights.array, self._state.array
         for name, dt in _META:
-            setattr(self, name, np.zeros(_MIN_SLOTS, dt))
+            setattr(self, name, np.zeros(_MIN_ROWS, dt))
         self._free = np.empty(0, np.int64)
         self._n_free = 0
-        self.high_water = 0  # slots [0, high_water) were handed out at least once
+        self.high_water = 0  # positions [0, high_water) were handed out at least once
 
     @property
     def capacity(self) -> int:
@@ -97,12 +99,12 @@ class Slab:
 
     @property
     def row_nbytes(self) -> int:
-        """Bytes one slot occupies across all columns."""
+        """Bytes one row occupies across all columns."""
         return int(self.dim * self.storage_dtype.itemsize + 4 * self.state_width
                    + sum(np.dtype(dt).itemsize for _, dt in _META))
 
     def allocate(self, k: int) -> np.ndarray:
-        """k fresh slot numbers (reused ones first); their contents are undefined until written."""
+        """k free positions (reused ones first); their contents are undefined until written."""
         take = min(k, self._n_free)
         reused = self._free[self._n_free - take:self._n_free].copy()
         self._n_free -= take
@@ -113,16 +115,16 @@ class Slab:
         self.high_water += fresh_n
         return np.concatenate([reused, fresh]) if take else fresh
 
-    def release(self, slots: np.ndarray) -> None:
-        """Return unique slots to the free list."""
-        k = slots.shape[0]
+    def release(self, positions: np.ndarray) -> None:
+        """Return unique positions to the free list."""
+        k = positions.shape[0]
         if self._n_free + k > self._free.shape[0]:
             grown = np.empty(max(64, 2 * (self._n_free + k)), np.int64)
             grown[:self._n_free] = self._free[:self._n_free]
             self._free = grown
-        self._free[self._n_free:self._n_free + k] = slots
+        self._free[self._n_free:self._n_free + k] = positions
         self._n_free += k
-        self.dirty[slots] = 0
+        self.dirty[positions] = 0
 
     def clear(self) -> None:
         self.__init__(self.dim, self.state_width, _storage_name(self.storage_dtype))
@@ -138,30 +140,30 @@ class Slab:
             getattr(self, name).resize(cap, refcheck=False)
 
     # --- whole rows ----------------------------------------------------------------------------------------
-    def read_weights(self, slots: np.ndarray) -> np.ndarray:
-        """(k,) slots -> (k, dim) float32."""
-        return to_float32(np.take(self.weights, slots, axis=0))
+    def read_weights(self, positions: np.ndarray) -> np.ndarray:
+        """(k,) positions -> (k, dim) float32."""
+        return to_float32(np.take(self.weights, positions, axis=0))
 
-    def write_weights(self, slots: np.ndarray, rows: np.ndarray) -> None:
-        self.weights[slots] = from_float32(rows, self.storage_dtype)
+    def write_weights(self, positions: np.ndarray, rows: np.ndarray) -> None:
+        self.weights[positions] = from_float32(rows, self.storage_dtype)
 
-    def read(self, ids: np.ndarray, slots: np.ndarray) -> RowBatch:
-        """Complete rows of ``slots`` labelled with ``ids``."""
+    def read(self, ids: np.ndarray, positions: np.ndarray) -> RowBatch:
+        """Complete rows at ``positions`` labelled with ``ids``."""
         return RowBatch(
-            ids=np.asarray(ids, np.int64), weights=self.read_weights(slots), state=self.state[slots],
-            update_count=self.update_count[slots].astype(np.int64), last_step=self.last_step[slots],
-            last_time=self.last_time[slots],
+            ids=np.asarray(ids, np.int64), weights=self.read_weights(positions), state=self.state[positions],
+            update_count=self.update_count[positions].astype(np.int64), last_step=self.last_step[positions],
+            last_time=self.last_time[positions],
         )
 
-    def write(self, slots: np.ndarray, batch: RowBatch, *, access: int) -> None:
-        """Store complete rows into ``slots``; they are marked dirty and accessed at ``access``."""
-        self.write_weights(slots, batch.weights)
-        self.state[slots] = batch.state
-        self.update_count[slots] = np.minimum(batch.update_count, np.iinfo(np.uint32).max)
-        self.last_step[slots] = batch.last_step
-        self.last_time[slots] = batch.last_time
-        self.last_access[slots] = access
-        self.dirty[slots] = 1
+    def write(self, positions: np.ndarray, batch: RowBatch, *, access: int) -> None:
+        """Store complete rows at ``positions``; they are marked dirty and accessed at ``access``."""
+        self.write_weights(positions, batch.weights)
+        self.state[positions] = batch.state
+        self.update_count[positions] = np.minimum(batch.update_count, np.iinfo(np.uint32).max)
+        self.last_step[positions] = batch.last_step
+        self.last_time[positions] = batch.last_time
+        self.last_access[positions] = access
+        self.dirty[positions] = 1
 
 
 def _storage_name(dtype: np.dtype) -> str:

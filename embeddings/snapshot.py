@@ -212,9 +212,13 @@ def write_snapshot(root: str | Path, *, table: str, config: dict[str, Any],
         raise InvalidArgument(f"table {table!r}: field 'deleted_ids' is only valid for an incremental snapshot")
     deleted = np.unique(deleted.astype(np.int64))
     extra_files = dict(extra_files or {})
-    for name in extra_files:
-        if not _EXTRA_NAME.match(name):
+    for name, data in extra_files.items():
+        # fullmatch: ``$`` would also match before a trailing newline; "." and ".." name directories
+        if not isinstance(name, str) or not _EXTRA_NAME.fullmatch(name) or name in (".", ".."):
             raise InvalidArgument(f"table {table!r}: field 'extra_files' has a bad name {name!r}")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidArgument(f"table {table!r}: field 'extra_files' entry {name!r} must be bytes, "
+                                  f"got {type(data).__name__}")
     try:
         json.dumps(meta or {})
         json.dumps(config)

@@ -1,6 +1,6 @@
 """EmbeddingTable: a growable sparse table of rows keyed by arbitrary int64 ids.
 
-    ids ──HashIndex──► slot ──Slab──► weights, optimizer state, metadata        (resident rows)
+    ids ──HashIndex──► position ──Slab──► weights, optimizer state, metadata    (resident rows)
      └──────────────── spilled ids ──► LMDB RowStore                             (past the memory budget)
 
 ``pull`` gathers rows (inserting missing ids, subject to admission, with their deterministic initial row);
@@ -77,6 +77,7 @@ class EmbeddingTable:
         self._closed = False
         self._changes: Changes | None = None  # set for the duration of a pull/push given ``changes``
         self._evictable: Callable[[np.ndarray], np.ndarray] | None = None
+        self._protected = 0  # rows the evictable predicate excluded at the last eviction pass
         self._counters = dict.fromkeys(("pulls", "pushes", "lookups", "hits", "inserts", "admissions",
                                         "rejected_admissions", "evictions", "spills", "unspills",
                                         "rows_updated", "nonfinite_rows_skipped", "spill_failures"), 0)
@@ -155,36 +156,36 @@ class EmbeddingTable:
             self._counters["pulls"] += 1
             n = ids.shape[0]
             out = np.empty((n, self.dim), np.float32)
-            slots = np.empty(n, np.int64)
+            positions = np.empty(n, np.int64)
             if self._backend == "numba" and self._slab.storage_dtype == np.float32:
                 misses = int(_kernels.lookup_gather(self._index._keys, self._index._vals, self._slab.weights,
                                                     self._slab.last_access, self._clock, ids.view(np.uint64),
-                                                    out, slots))
+                                                    out, positions))
                 gathered = True
             else:
-                slots = self._index.lookup(ids)
-                misses = int(np.count_nonzero(slots < 0))
+                positions = self._index.lookup(ids)
+                misses = int(np.count_nonzero(positions < 0))
                 gathered = False
             self._counters["lookups"] += n
             self._counters["hits"] += n - misses
             if misses:
-                miss = np.flatnonzero(slots < 0)
-                slots[miss] = self._materialize(ids[miss], insert=insert, count=True)
+                miss = np.flatnonzero(positions < 0)
+                positions[miss] = self._materialize(ids[miss], insert=insert, count=True)
                 if gathered:  # fill in what the fused kernel could not
-                    got = miss[slots[miss] >= 0]
-                    out[got] = self._slab.read_weights(slots[got])
-                    self._slab.last_access[slots[got]] = self._clock
-                    none = miss[slots[miss] < 0]
+                    got = miss[positions[miss] >= 0]
+                    out[got] = self._slab.read_weights(positions[got])
+                    self._slab.last_access[positions[got]] = self._clock
+                    none = miss[positions[miss] < 0]
                     out[none] = self._initial(ids[none])
             if not gathered:
-                have = slots >= 0
-                out[have] = self._slab.read_weights(slots[have])
-                self._slab.last_access[slots[have]] = self._clock
+                have = positions >= 0
+                out[have] = self._slab.read_weights(positions[have])
+                self._slab.last_access[positions[have]] = self._clock
                 if misses:
                     none = ~have
                     out[none] = self._initial(ids[none])
             cap = self.config.eviction.max_rows
-            if misses and cap is not None and len(self) > cap:  # inserts may pass the cap: enforce it now
+            if misses and cap is not None and len(self) - self._protected > cap:  # inserts may pass the cap
                 self._evict(ttl=False)
             self._maybe_spill()
             return out
@@ -229,19 +230,19 @@ class EmbeddingTable:
             self._counters["nonfinite_rows_skipped"] += skipped
             self._clock += 1
             self._counters["pushes"] += 1
-            slots = self._index.lookup(ids)
-            miss = np.flatnonzero(slots < 0)
+            positions = self._index.lookup(ids)
+            miss = np.flatnonzero(positions < 0)
             if miss.size:
-                slots[miss] = self._materialize(ids[miss], insert=self._open_admission, count=False)
-            keep = slots >= 0
+                positions[miss] = self._materialize(ids[miss], insert=self._open_admission, count=False)
+            keep = positions >= 0
             if not keep.all():
-                slots, grads = slots[keep], grads[keep]
+                positions, grads = positions[keep], grads[keep]
             if self._changes is not None:
                 self._changes.written.append(ids[keep] if not keep.all() else ids)
             if self._backend == "numba":
-                rows, summed = _kernels.dedup_sum(np.ascontiguousarray(slots), grads)
+                rows, summed = _kernels.dedup_sum(np.ascontiguousarray(positions), grads)
             else:
-                rows, summed = _dedup_sum_numpy(slots, grads)
+                rows, summed = _dedup_sum_numpy(positions, grads)
             self._step = self._step + 1 if step is None else int(step)
             slab = self._slab
             if self._backend == "numba":
@@ -272,9 +273,9 @@ class EmbeddingTable:
             slab.state[rows] = s
 
     def _materialize(self, ids: np.ndarray, *, insert: bool, count: bool) -> np.ndarray:
-        """Slots for ids missing from the index: bring spilled rows back, insert admitted new ids.
+        """Slab positions for ids missing from the index: bring spilled rows back, insert admitted new ids.
 
-        Returns (len(ids),) slots, -1 for ids left unstored."""
+        Returns (len(ids),) positions, -1 for ids left unstored."""
         uniq, sightings = np.unique(ids, return_counts=True)
         if len(self._spilled):
             spilled = self._spilled.lookup(uniq) >= 0
@@ -302,12 +303,12 @@ class EmbeddingTable:
     def _insert_new(self, ids: np.ndarray) -> None:
         """Store unique absent ids with their initial rows."""
         k = ids.shape[0]
-        slots = self._slab.allocate(k)
+        positions = self._slab.allocate(k)
         rows = self._initial(ids)
         batch = RowBatch(ids, rows, optimizers.initial_state(self.config.optimizer, k, self.dim),
                          np.zeros(k, np.int64), np.full(k, self._step, np.int64), np.full(k, time.time()))
-        self._slab.write(slots, batch, access=self._clock)
-        self._index.insert(ids, slots)
+        self._slab.write(positions, batch, access=self._clock)
+        self._index.insert(ids, positions)
         if self._changes is not None:
             self._changes.written.append(ids)
         self._counters["inserts"] += k
@@ -342,8 +343,8 @@ class EmbeddingTable:
                 self._spill.delete(spilled)
                 self._spilled.delete(spilled)
             gone.append(spilled)
-        removed_ids, slots = self._index.delete(ids)
-        self._slab.release(slots)
+        removed_ids, positions = self._index.delete(ids)
+        self._slab.release(positions)
         gone_ids = np.concatenate([removed_ids, *gone])
         if self._changes is not None and gone_ids.size:
             self._changes.deleted.append(gone_ids)
@@ -367,7 +368,7 @@ class EmbeddingTable:
         now = time.time()
         scan_ttl = (bool(ev.ttl_steps) and self._step - self._last_ttl_scan[0] >= max(1, ev.ttl_steps // 8)) or \
                    (bool(ev.ttl_seconds) and now - self._last_ttl_scan[1] >= ev.ttl_seconds / 8)
-        over = ev.max_rows is not None and len(self) > ev.max_rows
+        over = ev.max_rows is not None and len(self) - self._protected > ev.max_rows
         if scan_ttl or over:
             self._evict(ttl=scan_ttl)
 
@@ -378,10 +379,10 @@ class EmbeddingTable:
         now = time.time()
         if ttl:
             self._last_ttl_scan = (self._step, now)
-        ids, slots = self._index.items()
-        meta = {"last_step": self._slab.last_step[slots], "last_time": self._slab.last_time[slots],
-                "last_access": self._slab.last_access[slots],
-                "update_count": self._slab.update_count[slots].astype(np.int64)}
+        ids, positions = self._index.items()
+        meta = {"last_step": self._slab.last_step[positions], "last_time": self._slab.last_time[positions],
+                "last_access": self._slab.last_access[positions],
+                "update_count": self._slab.update_count[positions].astype(np.int64)}
         if len(self._spilled):  # spilled rows are candidates too; their metadata lives in the store
             sp = self._spill_rows(self._spilled.items()[0])
             ids = np.concatenate([ids, sp.ids])
@@ -391,6 +392,9 @@ class EmbeddingTable:
             meta["update_count"] = np.concatenate([meta["update_count"], sp.update_count])
         if self._evictable is not None:  # only rows this table decides for (the slots it leads)
             own = np.asarray(self._evictable(ids), bool)
+            if own.shape != ids.shape:
+                raise self._bad("evictable", f"must return a bool mask of shape {ids.shape}, got {own.shape}")
+            self._protected = int(ids.shape[0] - own.sum())  # the cap counts evictable rows only
             ids = ids[own]
             meta = {k: v[own] for k, v in meta.items()}
         victims = np.zeros(ids.shape[0], bool)
@@ -441,9 +445,9 @@ class EmbeddingTable:
             sel = sel[mask]
         for start in range(0, sel.shape[0], chunk):
             part = sel[start:start + chunk]
-            slots = self._index.lookup(part)
-            res = slots >= 0
-            batch = self._slab.read(part[res], slots[res])
+            positions = self._index.lookup(part)
+            res = positions >= 0
+            batch = self._slab.read(part[res], positions[res])
             if len(self._spilled) and not res.all():
                 rest = part[~res]
                 rest = rest[self._spilled.lookup(rest) >= 0]
@@ -467,13 +471,13 @@ class EmbeddingTable:
             sp_ids, _ = self._spilled.delete(b.ids)
             if sp_ids.size:
                 self._spill.delete(sp_ids)
-        slots = self._index.lookup(b.ids)
-        new = slots < 0
+        positions = self._index.lookup(b.ids)
+        new = positions < 0
         if new.any():
-            slots[new] = self._slab.allocate(int(new.sum()))
-            self._index.insert(b.ids[new], slots[new])
+            positions[new] = self._slab.allocate(int(new.sum()))
+            self._index.insert(b.ids[new], positions[new])
             self._admission.forget(b.ids[new])
-        self._slab.write(slots, b, access=self._clock)
+        self._slab.write(positions, b, access=self._clock)
         self._maybe_spill()
 
     def _check_batch(self, batch: RowBatch) -> RowBatch:
@@ -520,7 +524,8 @@ class EmbeddingTable:
                 rows=float(resident + len(self._spilled)), rows_resident=float(resident),
                 rows_spilled=float(len(self._spilled)), bytes_resident=float(nbytes),
                 bytes_per_row=float(nbytes / resident) if resident else 0.0,
-                slot_bytes=float(self._slab.row_nbytes),
+                row_bytes=float(self._slab.row_nbytes),
+                slot_bytes=float(self._slab.row_nbytes),  # the old name of row_bytes, still read by tools/bench
                 hit_rate=float(self._counters["hits"] / lookups) if lookups else 0.0,
                 step=float(self._step), admission_tracked=float(len(self._admission)),
             )
@@ -554,15 +559,15 @@ class EmbeddingTable:
 
     def _spill_coldest(self) -> None:
         k = len(self._index) - max(1, int(0.9 * self._budget_rows))
-        ids, slots = self._index.items()
-        cold = np.argpartition(self._slab.last_access[slots], k - 1)[:k] if k < ids.shape[0] else \
+        ids, positions = self._index.items()
+        cold = np.argpartition(self._slab.last_access[positions], k - 1)[:k] if k < ids.shape[0] else \
             np.arange(ids.shape[0])
-        ids, slots = ids[cold], slots[cold]
-        batch = self._slab.read(ids, slots)
-        dirty = self._slab.dirty[slots].astype(np.int64)
+        ids, positions = ids[cold], positions[cold]
+        batch = self._slab.read(ids, positions)
+        dirty = self._slab.dirty[positions].astype(np.int64)
         self._spill.put(batch)  # may raise StorageFull: nothing has changed yet
         self._index.delete(ids)
-        self._slab.release(slots)
+        self._slab.release(positions)
         self._spilled.insert(ids, dirty)
         self._counters["spills"] += int(ids.shape[0])
 
@@ -574,10 +579,10 @@ class EmbeddingTable:
                                f"{self._spill.file}: {ids[~found][:5].tolist()}")
         flags = self._spilled.lookup(batch.ids)
         self._spilled.delete(batch.ids)
-        slots = self._slab.allocate(len(batch))
-        self._slab.write(slots, batch, access=self._clock)
-        self._slab.dirty[slots] = (flags > 0).astype(np.uint8)
-        self._index.insert(batch.ids, slots)
+        positions = self._slab.allocate(len(batch))
+        self._slab.write(positions, batch, access=self._clock)
+        self._slab.dirty[positions] = (flags > 0).astype(np.uint8)
+        self._index.insert(batch.ids, positions)
         self._counters["unspills"] += len(batch)
 
     def _spill_rows(self, ids: np.ndarray) -> RowBatch:
@@ -611,11 +616,11 @@ class EmbeddingTable:
             return path
 
     def _iter_dirty(self) -> Iterator[RowBatch]:
-        ids, slots = self._index.items()
-        dirty = self._slab.dirty[slots] != 0
-        ids, slots = ids[dirty], slots[dirty]
+        ids, positions = self._index.items()
+        dirty = self._slab.dirty[positions] != 0
+        ids, positions = ids[dirty], positions[dirty]
         for start in range(0, ids.shape[0], _CHUNK):
-            yield self._slab.read(ids[start:start + _CHUNK], slots[start:start + _CHUNK])
+            yield self._slab.read(ids[start:start + _CHUNK], positions[start:start + _CHUNK])
         if len(self._spilled):
             sp_ids, flags = self._spilled.items()
             sp_ids = sp_ids[flags > 0]
@@ -684,8 +689,11 @@ class EmbeddingTable:
         """Apply what another copy's call changed: admission sightings (counted as that copy counted them),
         complete rows written (inserted or overwritten), ids removed, and the table step (raised to
         ``step``). Validates everything before changing anything."""
-        batch = self._check_batch(rows) if rows is not None and len(rows) else None
+        batch = self._check_batch(rows) if rows is not None and (
+            not isinstance(rows, RowBatch) or len(rows)) else None
         gone = self._check_ids(deleted if deleted is not None else np.empty(0, np.int64), "deleted")
+        if step is not None and (not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0):
+            raise self._bad("step", f"must be a non-negative int, got {step!r}")
         if sightings is not None:
             seen_ids = self._check_ids(sightings[0], "sighting_ids")
             counts = np.asarray(sightings[1])
@@ -697,7 +705,7 @@ class EmbeddingTable:
             self._check_open()
             if sightings is not None and seen_ids.size and not self._open_admission:
                 self._admission.admit(seen_ids, counts.astype(np.int64))
-            if batch is not None:
+            if batch is not None and len(batch):
                 self._import(batch)
             if gone.size:
                 self._remove(gone)
@@ -709,12 +717,19 @@ class EmbeddingTable:
         """Order-independent digests of the rows grouped by ``bucket_of(ids) -> (n,) int in [0, num_buckets)``:
         ((num_buckets,) uint64 digest sums of id, weights and optimizer state; (num_buckets,) int64 row
         counts). Two tables with the same rows in a bucket have the same digest there."""
+        if not isinstance(num_buckets, (int, np.integer)) or isinstance(num_buckets, bool) or num_buckets < 1:
+            raise self._bad("num_buckets", f"must be a positive int, got {num_buckets!r}")
         sums = np.zeros(num_buckets, np.uint64)
         counts = np.zeros(num_buckets, np.int64)
         with self._lock:
             self._check_open()
             for batch in self._iter_sorted():
-                buckets = np.asarray(bucket_of(batch.ids), np.int64)
+                buckets = np.asarray(bucket_of(batch.ids))
+                if buckets.shape != batch.ids.shape or buckets.dtype.kind not in "iu" or \
+                        int(buckets.min()) < 0 or int(buckets.max()) >= num_buckets:
+                    raise self._bad("bucket_of", f"must map ids to (n,) ints in [0, {num_buckets}), got "
+                                                 f"{buckets.dtype} {buckets.shape}")
+                buckets = buckets.astype(np.int64)
                 digest = _row_digests(batch)
                 order = np.argsort(buckets, kind="stable")
                 b = buckets[order]
@@ -784,12 +799,13 @@ def _overflowing_rows(ids: np.ndarray, grads: np.ndarray) -> np.ndarray:
     return ~np.isfinite(sums).all(axis=1)[inverse]
 
 
-def _dedup_sum_numpy(slots: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Unique slots (first-seen order) and the float32 sums of their grads; numpy twin of the numba kernel."""
-    if slots.shape[0] == 0:
-        return slots.astype(np.int64), grads[:0]
-    order = np.argsort(slots, kind="stable")
-    s = slots[order]
+def _dedup_sum_numpy(positions: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unique slab positions (first-seen order) and the float32 sums of their grads; numpy twin of the numba
+    kernel."""
+    if positions.shape[0] == 0:
+        return positions.astype(np.int64), grads[:0]
+    order = np.argsort(positions, kind="stable")
+    s = positions[order]
     starts = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])
     sums = np.add.reduceat(grads[order], starts, axis=0)
     first_seen = order[starts]

@@ -150,3 +150,13 @@ class StatusResponse(_message.Message):
     degraded_slots: int
     unavailable_slots: int
     def __init__(self, map: _Optional[_Union[_shard_pb2.ShardMap, _Mapping]] = ..., servers: _Optional[_Iterable[_Union[ServerStatus, _Mapping]]] = ..., degraded_slots: _Optional[int] = ..., unavailable_slots: _Optional[int] = ...) -> None: ...
+
+class SchedulerState(_message.Message):
+    __slots__ = ("map", "target", "target_width")
+    MAP_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    TARGET_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    map: _shard_pb2.ShardMap
+    target: bytes
+    target_width: int
+    def __init__(self, map: _Optional[_Union[_shard_pb2.ShardMap, _Mapping]] = ..., target: _Optional[bytes] = ..., target_width: _Optional[int] = ...) -> None: ...

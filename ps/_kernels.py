@@ -223,3 +223,22 @@ def row_words(rows: np.ndarray) -> np.ndarray:
     if rows.shape[1] % 2 == 0:
         return rows.view(np.int64)
     return rows.view(np.int32)
+
+
+@njit(nogil=True, cache=True)
+def slots_foreign(ids, owned):
+    """(slots, count, first): every id's routing slot (``routing.slot_of`` over ``len(owned)`` slots) and the
+    count and first position of ids whose slot is not ``owned`` (-1: all owned). One pass."""
+    num_slots = np.uint64(owned.shape[0])
+    n = ids.shape[0]
+    slots = np.empty(n, np.int64)
+    count = 0
+    first = -1
+    for i in range(n):
+        s = np.int64(_mix(ids[i]) % num_slots)
+        slots[i] = s
+        if not owned[s]:
+            if first < 0:
+                first = i
+            count += 1
+    return slots, count, first

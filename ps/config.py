@@ -57,6 +57,15 @@ class ServerConfig:
     that sets no budget of its own; past it cold rows spill to LMDB under ``data_dir``. ``data_dir`` None keeps
     everything in memory (no snapshots on shutdown, Snapshot/Restore RPCs refused). ``keep_snapshots``: full
     snapshot chains kept per table after each full snapshot (0 keeps all).
+
+    Cluster: ``scheduler`` ("host:port") makes the server register with a scheduler, heartbeat every
+    ``heartbeat_interval_s`` and hold the slots the shard map gives it (``slots`` must stay "all" then).
+    ``server_id``: stable identity (default: created once in the data dir). ``advertise``: host:port the
+    scheduler, clients and peers use (default: the bound address). ``snapshot_every_s`` > 0: an incremental
+    snapshot of every table that often (bounds what losing every copy at once costs; a full one every
+    ``full_snapshot_every`` snapshots). ``replication_timeout_s``: a copy that has not applied the stream for
+    that long is reported to the scheduler; ``ack_timeout_s``: how long a sync push waits for its copies
+    before answering UNAVAILABLE (the client retries; exactly-once makes that safe).
     """
 
     host: str = "127.0.0.1"
@@ -71,10 +80,18 @@ class ServerConfig:
     max_message_bytes: int = 64 * MiB
     keepalive_time_ms: int = 30_000
     keepalive_timeout_ms: int = 10_000
-    dedup_window: int = 8192
+    dedup_window: int = 1024
     drain_grace_s: float = 30.0
     snapshot_on_shutdown: bool = True
     keep_snapshots: int = 2
+    scheduler: str | None = None
+    server_id: str | None = None
+    advertise: str | None = None
+    heartbeat_interval_s: float = 0.5
+    snapshot_every_s: float = 0.0
+    full_snapshot_every: int = 10
+    replication_timeout_s: float = 2.0
+    ack_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidArgument:
@@ -98,6 +115,18 @@ class ServerConfig:
             raise bad("keep_snapshots", f"must be >= 0 (0 keeps all), got {self.keep_snapshots}")
         if self.drain_grace_s < 0:
             raise bad("drain_grace_s", f"must be >= 0, got {self.drain_grace_s}")
+        for name in ("scheduler", "server_id", "advertise"):
+            if getattr(self, name) is not None and not str(getattr(self, name)).strip():
+                object.__setattr__(self, name, None)
+        for name in ("heartbeat_interval_s", "replication_timeout_s", "ack_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise bad(name, f"must be > 0, got {getattr(self, name)}")
+        if self.snapshot_every_s < 0:
+            raise bad("snapshot_every_s", f"must be >= 0 (0: off), got {self.snapshot_every_s}")
+        if self.full_snapshot_every < 1:
+            raise bad("full_snapshot_every", f"must be >= 1, got {self.full_snapshot_every}")
+        if self.scheduler is not None and self.slots.strip() not in ("", "all"):
+            raise bad("slots", "must be 'all' with --scheduler: the shard map says which slots a server holds")
         try:
             parse_slots(self.slots, self.num_slots)
         except ValueError as exc:
@@ -110,9 +139,9 @@ class ServerConfig:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
 _INTS = {"port", "metrics_port", "num_slots", "max_workers", "keepalive_time_ms", "keepalive_timeout_ms",
-         "dedup_window", "keep_snapshots"}
+         "dedup_window", "keep_snapshots", "full_snapshot_every"}
 _SIZES = {"memory_budget", "max_message_bytes"}
-_FLOATS = {"drain_grace_s"}
+_FLOATS = {"drain_grace_s", "heartbeat_interval_s", "snapshot_every_s", "replication_timeout_s", "ack_timeout_s"}
 _BOOLS = {"snapshot_on_shutdown"}
 ENV_PREFIX = "TIGANA_"
 

@@ -1,76 +1,177 @@
-"""Exactly-once pushes: a bounded window of the (client_id, seq, part) keys a table has applied.
+"""Exactly-once pushes: which (client_id, seq) a table has applied, per routing slot.
 
-A client numbers its pushes; a retried push carries the same key, so the server answers ``duplicate`` instead of
-applying it twice. The window keeps the last ``size`` keys per client (and at most ``max_clients`` clients, least
-recently seen dropped first). Below the window a per-client floor remembers the highest seq evicted (minus one,
-as other parts of that seq may still be in flight): a push at or under it is reported as seen. With seq numbers
-increasing per client, such a push was sent ``size`` pushes ago and has been applied or lost its chance to be.
+A client numbers its pushes; a retried push carries the same (client_id, seq). The key is kept per routing
+slot, not per message: after a map change a retried push may be split across servers differently, but each
+of its ids still lies in the same slot, and a slot is the unit that moves between servers. So a server
+applies the ids of the slots not yet applied for that (client_id, seq) and skips the others. The window
+travels with its slots: replicated with every push, copied with a slot, saved inside every snapshot.
 
-Not thread-safe: the server checks, applies and records under the table's push lock so the three are atomic.
+Per client, the last ``size`` seqs are kept (a bitmap of slots each, in arrival order); at most
+``max_clients`` clients (least recently seen dropped first). A seq at or below the highest one dropped from
+the window, and not in it, cannot be told apart from a replay of a dropped one: ``applied`` raises
+``PushExpired`` rather than guess (a first arrival is never reported as a duplicate, nor a replay applied
+twice). Clients bound their pushes in flight, so this needs a push delayed by ``size`` later ones.
+
+Not thread-safe: the server checks, applies and records under the table's write lock.
 """
 
 from __future__ import annotations
 
+import io
+import json
 from collections import OrderedDict
-from typing import Any
+
+import numpy as np
+
+from tigana.ps.errors import PushExpired
+
+__all__ = ["DedupWindow"]
+
+
+class _Client:
+    __slots__ = ("row_of_seq", "seq_of_row", "bits", "next", "floor")
+
+    def __init__(self, nbytes: int, rows: int = 16) -> None:
+        self.row_of_seq: dict[int, int] = {}
+        self.seq_of_row = np.full(rows, -1, np.int64)
+        self.bits = np.zeros((rows, nbytes), np.uint8)
+        self.next = 0
+        self.floor = -1
+
+    def grow(self, size: int) -> bool:
+        """Double the ring (up to ``size`` rows) when it is full, oldest row first; False at ``size``."""
+        rows = self.seq_of_row.shape[0]
+        if rows >= size:
+            return False
+        new = min(size, rows * 2)
+        order = np.roll(np.arange(rows), -self.next)  # arrival order
+        self.seq_of_row = np.concatenate([self.seq_of_row[order], np.full(new - rows, -1, np.int64)])
+        self.bits = np.concatenate([self.bits[order], np.zeros((new - rows, self.bits.shape[1]), np.uint8)])
+        self.row_of_seq = {int(s): r for r, s in enumerate(self.seq_of_row[:rows]) if s >= 0}
+        self.next = rows
+        return True
+
+
+def _bitmask(slots: np.ndarray, nbytes: int) -> np.ndarray:
+    m = np.zeros(nbytes * 8, bool)
+    m[slots] = True
+    return np.packbits(m, bitorder="little")
 
 
 class DedupWindow:
-    """Applied push keys per client. ``key = (seq, part)``; an empty ``client_id`` opts out of deduplication."""
+    """Applied (client_id, seq) per routing slot. An empty ``client_id`` opts out of deduplication."""
 
-    def __init__(self, size: int = 8192, max_clients: int = 4096) -> None:
-        if size < 1 or max_clients < 1:
-            raise ValueError("size and max_clients must be >= 1")
-        self.size = size
-        self.max_clients = max_clients
-        # client_id -> (keys applied, in arrival order; lowest seq evicted so far (-1: none))
-        self._clients: OrderedDict[str, tuple[OrderedDict[tuple[int, int], int], list[int]]] = OrderedDict()
+    def __init__(self, num_slots: int, size: int = 1024, max_clients: int = 4096) -> None:
+        if size < 1 or max_clients < 1 or num_slots < 1:
+            raise ValueError("num_slots, size and max_clients must be >= 1")
+        self.num_slots, self.size, self.max_clients = num_slots, size, max_clients
+        self._nbytes = (num_slots + 7) // 8
+        self._clients: OrderedDict[str, _Client] = OrderedDict()
 
-    def seen(self, client_id: str, seq: int, part: int) -> bool:
-        """True when (seq, part) of ``client_id`` was applied already (or is older than the window)."""
+    def __len__(self) -> int:
+        """(client, seq) keys held."""
+        return sum(len(c.row_of_seq) for c in self._clients.values())
+
+    def applied(self, client_id: str, seq: int, slots: np.ndarray) -> np.ndarray:
+        """(k,) bool: which of the (k,) routing ``slots`` already applied ``seq`` of ``client_id``.
+        Raises ``PushExpired`` when seq is too old to tell."""
+        slots = np.asarray(slots, np.int64)
         if not client_id:
-            return False
-        entry = self._clients.get(client_id)
-        if entry is None:
-            return False
-        keys, floor = entry
-        return (seq, part) in keys or seq <= floor[0]
+            return np.zeros(slots.shape[0], bool)
+        c = self._clients.get(client_id)
+        if c is None:
+            return np.zeros(slots.shape[0], bool)
+        row = c.row_of_seq.get(seq)
+        if row is None:
+            if seq <= c.floor:
+                raise PushExpired(f"push (client {client_id}, seq {seq}) is older than the exactly-once window "
+                                  f"({self.size} pushes per client, last dropped seq {c.floor}): it may have been "
+                                  "applied already, so it is not applied again")
+            return np.zeros(slots.shape[0], bool)
+        bits = c.bits[row]
+        return ((bits[slots >> 3] >> (slots & 7).astype(np.uint8)) & 1).astype(bool)
 
-    def record(self, client_id: str, seq: int, part: int, applied_rows: int = 0) -> None:
-        """Remember an applied push."""
+    def record(self, client_id: str, seq: int, slots: np.ndarray) -> None:
+        """Remember that ``seq`` of ``client_id`` was applied for ``slots``."""
         if not client_id:
             return
-        entry = self._clients.get(client_id)
-        if entry is None:
-            entry = (OrderedDict(), [-1])
-            self._clients[client_id] = entry
+        slots = np.asarray(slots, np.int64)
+        c = self._clients.get(client_id)
+        if c is None:
+            c = self._clients[client_id] = _Client(self._nbytes, min(16, self.size))
             while len(self._clients) > self.max_clients:
                 self._clients.popitem(last=False)
         else:
             self._clients.move_to_end(client_id)
-        keys, floor = entry
-        keys[(seq, part)] = applied_rows
-        while len(keys) > self.size:
-            (old_seq, _), _ = keys.popitem(last=False)
-            # Other parts of old_seq may still be in flight: the floor stays below it.
-            floor[0] = max(floor[0], old_seq - 1)
+        row = c.row_of_seq.get(seq)
+        if row is None:
+            if c.seq_of_row[c.next] >= 0 and not c.grow(self.size):  # full: drop the oldest
+                old = int(c.seq_of_row[c.next])
+                del c.row_of_seq[old]
+                c.floor = max(c.floor, old)
+                c.bits[c.next] = 0
+            row = c.next
+            c.seq_of_row[row] = seq
+            c.row_of_seq[seq] = row
+            c.next = (row + 1) % c.seq_of_row.shape[0]
+        np.bitwise_or.at(c.bits[row], slots >> 3, (1 << (slots & 7)).astype(np.uint8))
 
-    def __len__(self) -> int:
-        return sum(len(keys) for keys, _ in self._clients.values())
+    # --- moving with slots -------------------------------------------------------------------------
+    def records_for(self, slots: np.ndarray) -> list[tuple[str, int, np.ndarray]]:
+        """The window restricted to ``slots`` ((k,) int): [(client_id, seq, slots applied)], oldest first per
+        client, for a copy of those slots to ``merge``."""
+        mask = _bitmask(np.asarray(slots, np.int64), self._nbytes)
+        out = []
+        for cid, c in self._clients.items():
+            used = np.flatnonzero(c.seq_of_row >= 0)
+            if used.size == 0:
+                continue
+            hit = c.bits[used] & mask
+            rows = used[hit.any(axis=1)]
+            order = np.argsort(c.seq_of_row[rows], kind="stable")
+            for r in rows[order]:
+                bits = np.unpackbits(c.bits[r] & mask, bitorder="little")[:self.num_slots]
+                out.append((cid, int(c.seq_of_row[r]), np.flatnonzero(bits).astype(np.int32)))
+        return out
 
-    # --- persistence next to a snapshot, so a restart keeps exactly-once --------------------------------
-    def to_state(self) -> dict[str, Any]:
-        return {"size": self.size, "max_clients": self.max_clients,
-                "clients": {cid: {"floor": floor[0], "keys": [[s, p, n] for (s, p), n in keys.items()]}
-                            for cid, (keys, floor) in self._clients.items()}}
+    def merge(self, records: list[tuple[str, int, np.ndarray]]) -> None:
+        """Record every (client_id, seq, slots) of ``records`` (a slot copy's or a replicated push's)."""
+        for cid, seq, slots in records:
+            if slots.size:
+                self.record(cid, seq, slots)
+
+    def forget_slots(self, slots: np.ndarray) -> None:
+        """Drop every key of ``slots`` (this server no longer holds them)."""
+        keep = ~_bitmask(np.asarray(slots, np.int64), self._nbytes)
+        for c in self._clients.values():
+            c.bits &= keep
+
+    # --- persistence inside a snapshot -------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        ids = list(self._clients)
+        meta = {"num_slots": self.num_slots, "size": self.size, "max_clients": self.max_clients,
+                "clients": [[cid, c.next, c.floor] for cid, c in self._clients.items()]}
+        arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), np.uint8)}
+        for i, cid in enumerate(ids):
+            c = self._clients[cid]
+            arrays[f"s{i}"] = c.seq_of_row
+            arrays[f"b{i}"] = c.bits
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        return buf.getvalue()
 
     @classmethod
-    def from_state(cls, state: dict[str, Any], size: int | None = None) -> DedupWindow:
-        window = cls(size or int(state.get("size", 8192)), int(state.get("max_clients", 4096)))
-        for cid, entry in state.get("clients", {}).items():
-            keys: OrderedDict[tuple[int, int], int] = OrderedDict(
-                ((int(s), int(p)), int(n)) for s, p, n in entry.get("keys", []))
-            window._clients[str(cid)] = (keys, [int(entry.get("floor", -1))])
-            while len(keys) > window.size:
-                keys.popitem(last=False)
+    def from_bytes(cls, data: bytes, *, num_slots: int, size: int | None = None) -> DedupWindow:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+            if int(meta["num_slots"]) != num_slots:
+                raise ValueError(f"dedup window of {meta['num_slots']} slots, the server has {num_slots}")
+            window = cls(num_slots, size or int(meta["size"]), int(meta["max_clients"]))
+            for i, (cid, nxt, floor) in enumerate(meta["clients"]):
+                c = _Client(window._nbytes, 1)
+                c.seq_of_row = z[f"s{i}"].astype(np.int64)
+                c.bits = z[f"b{i}"].astype(np.uint8)
+                c.next, c.floor = int(nxt), int(floor)
+                c.row_of_seq = {int(s): int(r) for r, s in enumerate(c.seq_of_row) if s >= 0}
+                window._clients[str(cid)] = c
         return window

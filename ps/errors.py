@@ -2,17 +2,22 @@
 
     PSError
     ├── Unavailable        UNAVAILABLE         server unreachable after retries (names the address)
+    │   └── NotEnoughReplicas                  fewer in-sync copies of a slot than the table's min_copies
     ├── DeadlineExceeded   DEADLINE_EXCEEDED   a call ran past its deadline
     ├── TableNotFound      NOT_FOUND           unknown table
     ├── TableExists        ALREADY_EXISTS      create_table with a different spec under the same name
     ├── InvalidArgument    INVALID_ARGUMENT    bad ids/grads/dims/config; nothing was applied
-    ├── WrongShard         FAILED_PRECONDITION ids for slots this server does not own
+    ├── WrongShard         FAILED_PRECONDITION ids for slots this server does not lead at the caller's epoch
+    ├── PushExpired        ABORTED             a retried push older than the exactly-once window
     ├── ResourceExhausted  RESOURCE_EXHAUSTED  memory/LMDB/disk full, message too large, too many requests
     ├── DataLoss           DATA_LOSS           a corrupt store or snapshot
     └── Internal           INTERNAL            a bug; the daemon keeps serving
 
 Servers raise these (or storage-engine errors) and ``to_status`` turns them into a status; the client turns
-every ``grpc.RpcError`` into one of these with ``from_rpc_error`` and never leaks a raw gRPC error.
+every ``grpc.RpcError`` into one of these with ``from_rpc_error`` and never leaks a raw gRPC error. A status
+also carries trailing metadata: ``tigana-error`` names the class (so a subclass sharing its parent's code,
+such as ``NotEnoughReplicas``, comes back as itself) and ``tigana-epoch`` the server's shard map epoch (a
+``WrongShard`` tells the client how new a map it must fetch).
 """
 
 from __future__ import annotations
@@ -23,13 +28,22 @@ from tigana.embeddings import errors as storage
 
 
 class PSError(Exception):
-    """Base of every parameter-server error."""
+    """Base of every parameter-server error. ``epoch``: the answering server's shard map epoch (0: unknown)."""
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, *args: object, epoch: int = 0) -> None:
+        super().__init__(*args)
+        self.epoch = epoch
 
 
 class Unavailable(PSError):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class NotEnoughReplicas(Unavailable):
+    """A sync push to a slot with fewer in-sync copies than the table's ``min_copies``: rejected, nothing
+    applied (retried by the client until a copy catches up or its deadline passes)."""
 
 
 class DeadlineExceeded(PSError):
@@ -55,6 +69,10 @@ class WrongShard(PSError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class PushExpired(PSError):
+    code = grpc.StatusCode.ABORTED
+
+
 class ResourceExhausted(PSError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -70,8 +88,10 @@ class Internal(PSError):
 _BY_CODE: dict[grpc.StatusCode, type[PSError]] = {
     cls.code: cls
     for cls in (Unavailable, DeadlineExceeded, TableNotFound, TableExists, InvalidArgument, WrongShard,
-                ResourceExhausted, DataLoss, Internal)
+                PushExpired, ResourceExhausted, DataLoss, Internal)
 }
+_BY_NAME: dict[str, type[PSError]] = {cls.__name__: cls for cls in (*_BY_CODE.values(), NotEnoughReplicas)}
+ERROR_KEY, EPOCH_KEY = "tigana-error", "tigana-epoch"
 
 # Storage-engine errors as the server reports them.
 _FROM_STORAGE: list[tuple[type[Exception], grpc.StatusCode]] = [
@@ -95,9 +115,24 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
-def from_status(code: grpc.StatusCode, message: str) -> PSError:
-    """The client-side exception for a status."""
-    return _BY_CODE.get(code, Internal)(message)
+def status_metadata(exc: BaseException, epoch: int = 0) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata a server sends with the status of ``exc``: its class name and the map epoch."""
+    name = type(exc).__name__ if isinstance(exc, PSError) else ""
+    out = ((ERROR_KEY, name),) if name else ()
+    return out + (((EPOCH_KEY, str(epoch)),) if epoch else ())
+
+
+def from_status(code: grpc.StatusCode, message: str, metadata: object = ()) -> PSError:
+    """The client-side exception for a status (and its trailing metadata, when the server sent some)."""
+    meta = dict(metadata or ())
+    cls = _BY_NAME.get(str(meta.get(ERROR_KEY, "")))
+    if cls is None or cls.code != code:
+        cls = _BY_CODE.get(code, Internal)
+    try:
+        epoch = int(meta.get(EPOCH_KEY, 0))
+    except ValueError:
+        epoch = 0
+    return cls(message, epoch=epoch)
 
 
 def from_rpc_error(err: grpc.RpcError, address: str = "") -> PSError:
@@ -106,4 +141,8 @@ def from_rpc_error(err: grpc.RpcError, address: str = "") -> PSError:
     details = err.details() if hasattr(err, "details") else str(err)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and address:
         details = f"{address}: {details}"
-    return from_status(code, details or code.name)
+    try:
+        metadata = err.trailing_metadata() if hasattr(err, "trailing_metadata") else ()
+    except Exception:  # noqa: BLE001 - some error objects cannot produce metadata
+        metadata = ()
+    return from_status(code, details or code.name, metadata)

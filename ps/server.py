@@ -1,24 +1,31 @@
-"""The shard service: a thin gRPC adapter over the storage engine's ``EmbeddingTable``s.
+"""The shard service: a gRPC adapter over the storage engine's tables, the copies of slots it holds, and the
+replication between copies.
 
-Each handler decodes the request with ``tigana.ps.wire``, checks it against the table and the owned slots, calls
-the table, and encodes the answer. ``add_to_server`` registers the service with the data path's own codecs: a
-Push request is parsed into zero-copy views and a Pull reply is written as serialized bytes in one copy (the
-messages of proto/shard.proto either way; the generated registration works too, with protobuf objects). Every exception a handler raises becomes a gRPC status in one place (``_rpc``,
-through ``errors.to_status``); a bug answers INTERNAL and the server keeps serving. Validation happens before
-anything changes, so a rejected request leaves every table as it was.
+Each handler decodes the request with ``tigana.ps.wire``, checks it against the table and the shard map, calls
+the table, and encodes the answer. Every exception a handler raises becomes a gRPC status in one place
+(``_rpc``, through ``errors.to_status``); a bug answers INTERNAL and the server keeps serving. Validation
+happens before anything changes, so a rejected request leaves every table as it was.
 
-Persistence under ``data_dir``::
+Two modes:
 
-    tables.json                          specs of the hosted tables (rewritten on create/drop/snapshot)
-    snapshots/<table>/...                the storage engine's snapshot chain of each table
-    dedup/<table>/<snapshot name>.json   the exactly-once window as of that snapshot
-    spill/<table>/                       the LMDB tier of tables with a memory budget
+- static (a shard list): the server leads the slots of ``ServerConfig.slots``; no replication; epoch 0.
+- cluster (``ServerConfig.scheduler``): the scheduler's ``ShardMap`` says which slots this server leads and
+  which it holds as a copy. ``install`` applies a new map under every table's write lock, so a request is
+  checked and applied against one map. The server serves only once the map names its current boot: a
+  restarted server never serves rows of its previous life before the scheduler has decided about them.
 
-(``<table>`` is the name percent-encoded, dots included, so every name maps to one folder inside data_dir.)
+The write path of a cluster table (``Push``; pulls that insert take the same path without waiting):
+under the table's write lock, check that this server leads every slot of the request in its current map
+(``WrongShard`` otherwise, with the epoch; the ownership check and the apply see the same map), check
+``min_copies``, skip slots that already applied this (client id, seq), apply, record the key, stamp the
+slots' log positions and enqueue the changed rows to every copy (``replication``). Then, for a sync table,
+wait until every in-sync copy applied it (invariant I1 of ``replication``), and acknowledge only if the
+slots' copies did not change meanwhile (otherwise the client retries and the retry is answered as a
+duplicate once the copies of the new map have it).
 
-Thread-safety: handlers run on gRPC's thread pool. Tables lock themselves; a per-table lock makes the
-dedup check, the apply and the record of a push atomic and keeps a snapshot consistent with its dedup window;
-a registry lock serializes create/drop/restore.
+Thread-safety: handlers run on gRPC's thread pool. Each table has a write lock (``_Hosted.lock``) held for
+check-apply-record-enqueue; ``install`` takes all of them (in name order) after the install lock; the
+registry lock serializes create/drop/restore.
 """
 
 from __future__ import annotations
@@ -26,39 +33,43 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import json
 import logging
 import os
 import re
 import shutil
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import grpc
 import numpy as np
-from google.protobuf import json_format
 
-from tigana.embeddings import EmbeddingTable, TableConfig
+from tigana.embeddings import Changes, EmbeddingTable, TableConfig
 from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc
-from tigana.ps import _kernels, wire
+from tigana.ps import _kernels, cluster_wire, wire
+from tigana.ps.catalog import Catalog
+from tigana.ps.cluster_wire import BARRIER, CHANGES, SNAPSHOT_BEGIN, SNAPSHOT_ROWS, Item
 from tigana.ps.config import ServerConfig
 from tigana.ps.dedup import DedupWindow
 from tigana.ps.errors import (
     InvalidArgument,
+    NotEnoughReplicas,
+    PSError,
     ResourceExhausted,
     TableExists,
     TableNotFound,
     Unavailable,
     WrongShard,
+    status_metadata,
     to_status,
 )
 from tigana.ps.metrics import ServerMetrics
-from tigana.ps.routing import slot_of
+from tigana.ps.replication import Replicator, SlotLog, Stream
+from tigana.ps.routing import ShardMap, TableDef, format_slots, slot_of
 
 log = logging.getLogger("tigana.ps.server")
 
@@ -67,6 +78,8 @@ _BAD_NAME = re.compile(r"[\x00-\x1f\x7f]")
 _CODECS = frozenset(pb.Codec.values())
 _STATES = {"loading": "is loading its tables", "failed": "failed to load its tables (see its log)",
            "closed": "is shut down"}
+_COPY_CHUNK = 16384  # rows per SNAPSHOT_ROWS item of a slot copy
+_RATE_HALF_LIFE_S = 10.0
 
 
 def checksum_value(digest: str) -> float:
@@ -77,16 +90,58 @@ def checksum_value(digest: str) -> float:
 
 @dataclasses.dataclass
 class _Hosted:
-    """A table as served: the engine table, the spec it was created with, its push lock and dedup window."""
+    """A table as served: its definition, the engine table, its write lock, exactly-once window, log positions
+    and per-slot request counters (decayed into rates)."""
 
-    spec: TableConfig  # as requested over the wire; what exist_ok compares
+    spec: TableDef
     table: EmbeddingTable
     dedup: DedupWindow
+    log: SlotLog
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    pulled: np.ndarray | None = None  # rows pulled per slot since the last decay
+    pushed: np.ndarray | None = None
+    pull_rate: np.ndarray | None = None
+    push_rate: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        n = self.log.positions.shape[0]
+        self.pulled, self.pushed = np.zeros(n), np.zeros(n)
+        self.pull_rate, self.push_rate = np.zeros(n), np.zeros(n)
+
+
+@dataclasses.dataclass(frozen=True)
+class _View:
+    """What this server holds under one map: epoch, the slots it leads and holds, whether the map names this
+    process (``valid``), and per slot the number of in-sync copies."""
+
+    epoch: int
+    map: ShardMap | None
+    me: int
+    leads: np.ndarray
+    holds: np.ndarray
+    valid: bool
+    in_sync: np.ndarray
+
+    @classmethod
+    def static(cls, owned: np.ndarray) -> _View:
+        return cls(0, None, -1, owned, owned, True, np.ones(owned.shape[0], np.int64))
+
+    @classmethod
+    def waiting(cls, num_slots: int) -> _View:
+        none = np.zeros(num_slots, bool)
+        return cls(0, None, -1, none, none, False, np.zeros(num_slots, np.int64))
+
+    @classmethod
+    def of(cls, m: ShardMap, me: int, valid: bool) -> _View:
+        if me < 0 or not valid:
+            none = np.zeros(m.num_slots, bool)
+            return cls(m.epoch, m, me, none, none, False, m.in_sync_count())
+        return cls(m.epoch, m, me, m.leads(me), m.holds(me), True, m.in_sync_count())
 
 
 def _rpc(method: str) -> Callable:
-    """Wrap a handler: refuse while not serving, time it, count it, turn any exception into a status."""
+    """Wrap a handler: refuse while not serving, time it, count it, turn any exception into a status (with
+    the class name and this server's epoch as trailing metadata)."""
 
     def wrap(handler: Callable) -> Callable:
         @functools.wraps(handler)
@@ -101,6 +156,7 @@ def _rpc(method: str) -> Callable:
                 status, message = to_status(exc)
                 if status == grpc.StatusCode.INTERNAL:
                     log.exception("%s failed with a bug", method)
+                context.set_trailing_metadata(status_metadata(exc, self._view.epoch))
             finally:
                 self.metrics.observe(method, status.name if status else "OK", time.perf_counter() - start)
             context.abort(status, message)
@@ -111,54 +167,96 @@ def _rpc(method: str) -> Callable:
 
 
 class ShardService(shard_pb2_grpc.ShardServicer):
-    """The tables of one shard server. ``state`` is loading -> serving -> closed."""
+    """The tables and slot copies of one shard server. ``state`` is loading -> serving -> closed.
+
+    ``agent`` (set by the daemon in cluster mode) is the link to the scheduler: ``refresh(epoch)``,
+    ``report_copy_failure(target, slots, reason)``, ``copy_caught_up(target, slots)``."""
 
     def __init__(self, config: ServerConfig, metrics: ServerMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or ServerMetrics(self.table_sizes)
         self.state = "loading"
+        self.num_slots = config.num_slots
         self.data_dir = Path(config.data_dir) if config.data_dir else None
+        self.catalog = Catalog(self.data_dir) if self.data_dir is not None else None
+        self.server_id = (self.catalog.server_id(config.server_id) if self.catalog is not None
+                          else config.server_id or uuid.uuid4().hex[:12])
+        self.boot = uuid.uuid4().hex[:12]
+        self.clustered = config.scheduler is not None
+        self.agent: Any = None
         self._tables: dict[str, _Hosted] = {}
         self._registry_lock = threading.RLock()
-        self.set_owned_slots(config.owned_slots())
+        self._install_lock = threading.Lock()
+        self._inbound: dict[str, _Inbound] = {}
+        self._inbound_lock = threading.Lock()
+        self._last_decay = time.monotonic()
+        if self.clustered:
+            self._view = _View.waiting(self.num_slots)
+            self.replicator: Replicator | None = Replicator(
+                self.server_id, self.boot, self.num_slots, max_message_bytes=config.max_message_bytes,
+                refresh_map=self._refresh, report_failure=self._report_failure, caught_up=self._caught_up,
+                copy_rows=self._copy_rows, failure_timeout_s=config.replication_timeout_s)
+        else:
+            self._view = _View.static(config.owned_slots())
+            self.replicator = None
 
     # --- ownership ----------------------------------------------------------------------------------------
     def set_owned_slots(self, mask: np.ndarray) -> None:
-        """Replace the owned slot set ((num_slots,) bool). Requests already past the check are not affected."""
+        """Static mode: replace the owned slot set ((num_slots,) bool)."""
         mask = np.asarray(mask, dtype=bool)
-        if mask.shape != (self.config.num_slots,):
-            raise InvalidArgument(f"owned slots: expected a mask of {self.config.num_slots} slots, got {mask.shape}")
-        self._ownership = (mask.copy(), bool(mask.all()))  # one attribute: readers see both or neither
+        if self.clustered:
+            raise InvalidArgument("owned slots: this server takes its slots from the scheduler's map")
+        if mask.shape != (self.num_slots,):
+            raise InvalidArgument(f"owned slots: expected a mask of {self.num_slots} slots, got {mask.shape}")
+        self._view = _View.static(mask.copy())
 
     def owned_slots(self) -> np.ndarray:
-        return self._ownership[0].copy()
+        return self._view.leads.copy()
 
-    def _check_owned(self, table: str, ids: np.ndarray) -> None:
-        owned, owns_all = self._ownership
-        if owns_all or len(ids) == 0:
-            return
-        count, first = _kernels.first_foreign(ids, owned)
+    @property
+    def epoch(self) -> int:
+        return self._view.epoch
+
+    def _check_leads(self, table: str, ids: np.ndarray, epoch: int) -> tuple[_View, np.ndarray]:
+        """(view, slot of each id) after checking this server leads every id's slot in its current map."""
+        view = self._view
+        if not view.valid:
+            raise Unavailable(f"table {table!r}: server {self.server_id} is not in the cluster yet "
+                              "(registering with the scheduler)", epoch=view.epoch)
+        slots, count, first = _kernels.slots_foreign(ids, view.leads)
         if count:
+            if epoch > view.epoch and self.agent is not None:
+                self.agent.refresh_soon(epoch)
             example = int(ids[first])
-            raise WrongShard(f"table {table!r}: field 'ids' has {count} id(s) in slots this server does not own "
-                             f"(e.g. id {example}, slot {int(slot_of(np.array([example]), self.config.num_slots)[0])})")
+            raise WrongShard(f"table {table!r}: field 'ids' has {count} id(s) in slots this server does not lead "
+                             f"at epoch {view.epoch} (e.g. id {example}, slot {int(slots[first])}; the request "
+                             f"was routed at epoch {epoch})", epoch=view.epoch)
+        return view, slots
 
-    # --- tables ---------------------------------------------------------------------------------------------
+    # --- tables -------------------------------------------------------------------------------------------
     def _get(self, name: str) -> _Hosted:
         hosted = self._tables.get(name)
         if hosted is None:
             if not name:
                 raise InvalidArgument("request: field 'table' is empty")
-            raise TableNotFound(f"table {name!r} not found on this server")
+            raise TableNotFound(f"table {name!r} not found on this server", epoch=self._view.epoch)
         return hosted
 
     def _effective(self, spec: TableConfig) -> TableConfig:
         """The config a table runs with: the server's memory budget when the spec sets none; spill under data_dir."""
         budget = spec.memory_budget or self.config.memory_budget or None
         spill = spec.spill_dir
-        if budget and spill is None and self.data_dir is not None:
-            spill = str(self._dir("spill", spec.name))
+        if budget and spill is None and self.catalog is not None:
+            spill = self.catalog.spill_dir(spec.name)
         return dataclasses.replace(spec, memory_budget=budget, spill_dir=spill)
+
+    def _new_hosted(self, spec: TableDef, table: EmbeddingTable | None = None, dedup: DedupWindow | None = None,
+                    slot_log: SlotLog | None = None) -> _Hosted:
+        table = table or EmbeddingTable(self._effective(spec.config))
+        if self.clustered:  # only the primary of a row decides its eviction; copies apply it (replication)
+            table.set_evictable(lambda ids: self._view.leads[slot_of(ids, self.num_slots)])
+        return _Hosted(spec, table, dedup or DedupWindow(self.num_slots, self.config.dedup_window),
+                       slot_log or SlotLog(self.num_slots))
 
     def table_names(self) -> list[str]:
         return sorted(self._tables)
@@ -185,59 +283,83 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         values["rows"] = float(len(hosted.table))
         values["dim"] = float(hosted.table.config.dim)
         values["dedup_keys"] = float(len(hosted.dedup))
+        values["epoch"] = float(self._view.epoch)
+        if self.replicator is not None:
+            values.update(self.replicator.stats())
         if checksum:
             values["checksum"] = checksum_value(hosted.table.checksum())
         return values
 
-    # --- RPCs ------------------------------------------------------------------------------------------------
+    def _create_local(self, spec: TableDef) -> _Hosted:
+        """Create a table (the registry lock is held); leftovers of an older table of the name are removed."""
+        if self.catalog is not None:
+            self.catalog.remove_table_files(spec.config.name)
+        hosted = self._new_hosted(spec)
+        self._tables[spec.config.name] = hosted
+        return hosted
+
+    def _drop_local(self, name: str) -> bool:
+        hosted = self._tables.pop(name, None)
+        if hosted is None:
+            return False
+        with hosted.lock:
+            hosted.table.close()
+        if self.catalog is not None:
+            self.catalog.remove_table_files(name)
+        return True
+
+    # --- client RPCs ----------------------------------------------------------------------------------------
     @_rpc("CreateTable")
     def CreateTable(self, request: pb.CreateTableRequest, context: grpc.ServicerContext) -> pb.CreateTableResponse:
-        spec = wire.spec_from_pb(request.spec)
-        if len(spec.name) > 200 or _BAD_NAME.search(spec.name):
-            raise InvalidArgument(f"table {spec.name!r}: field 'name' must be at most 200 characters without "
+        spec = cluster_wire.table_def_from_pb(request.spec)
+        name = spec.config.name
+        if len(name) > 200 or _BAD_NAME.search(name):
+            raise InvalidArgument(f"table {name!r}: field 'name' must be at most 200 characters without "
                                   "control characters")
         with self._registry_lock:
-            existing = self._tables.get(spec.name)
+            existing = self._tables.get(name)
             if existing is not None:
                 if existing.spec != spec:
-                    diff = [f.name for f in dataclasses.fields(spec)
-                            if getattr(spec, f.name) != getattr(existing.spec, f.name)]
-                    raise TableExists(f"table {spec.name!r} already exists with a different spec "
+                    diff = [f.name for f in dataclasses.fields(spec.config)
+                            if getattr(spec.config, f.name) != getattr(existing.spec.config, f.name)]
+                    diff += [f for f in ("durability", "min_copies") if getattr(spec, f) != getattr(existing.spec, f)]
+                    raise TableExists(f"table {name!r} already exists with a different spec "
                                       f"(field(s) {', '.join(diff)} differ)")
                 if not request.exist_ok:
-                    raise TableExists(f"table {spec.name!r} already exists (pass exist_ok to accept it)")
-                return pb.CreateTableResponse(spec=wire.spec_to_pb(existing.spec), created=False)
-            self._remove_files(spec.name)  # leftovers of an older table of this name must never be restored
-            table = EmbeddingTable(self._effective(spec))
-            self._tables[spec.name] = _Hosted(spec, table, DedupWindow(self.config.dedup_window))
+                    raise TableExists(f"table {name!r} already exists (pass exist_ok to accept it)")
+                return pb.CreateTableResponse(spec=cluster_wire.table_def_to_pb(existing.spec), created=False)
+            if self.clustered:
+                raise InvalidArgument(f"table {name!r}: this server is part of a cluster; create tables through "
+                                      f"its scheduler ({self.config.scheduler})")
+            self._create_local(spec)
             self._save_registry()
-        log.info("created table %r (dim %d, %s)", spec.name, spec.dim, spec.optimizer.kind)
-        return pb.CreateTableResponse(spec=wire.spec_to_pb(spec), created=True)
+        log.info("created table %r (dim %d, %s)", name, spec.config.dim, spec.config.optimizer.kind)
+        return pb.CreateTableResponse(spec=cluster_wire.table_def_to_pb(spec), created=True)
 
     @_rpc("DescribeTable")
     def DescribeTable(self, request: pb.DescribeTableRequest, context: grpc.ServicerContext
                       ) -> pb.DescribeTableResponse:
         hosted = self._get(request.table)
         stats = pb.TableStats(table=request.table, values=self._values(request.table, hosted, checksum=False))
-        return pb.DescribeTableResponse(spec=wire.spec_to_pb(hosted.spec), stats=stats)
+        return pb.DescribeTableResponse(spec=cluster_wire.table_def_to_pb(hosted.spec), stats=stats)
 
     @_rpc("DropTable")
     def DropTable(self, request: pb.DropTableRequest, context: grpc.ServicerContext) -> pb.DropTableResponse:
+        if self.clustered:
+            raise InvalidArgument(f"table {request.table!r}: this server is part of a cluster; drop tables "
+                                  f"through its scheduler ({self.config.scheduler})")
         with self._registry_lock:
-            hosted = self._tables.pop(request.table, None)
-            if hosted is None:
-                return pb.DropTableResponse(dropped=False)
-            self._save_registry()
-            with hosted.lock:
-                hosted.table.close()
-            self._remove_files(request.table)
-        log.info("dropped table %r", request.table)
-        return pb.DropTableResponse(dropped=True)
+            dropped = self._drop_local(request.table)
+            if dropped:
+                self._save_registry()
+        if dropped:
+            log.info("dropped table %r", request.table)
+        return pb.DropTableResponse(dropped=dropped)
 
     @_rpc("ListTables")
     def ListTables(self, request: pb.ListTablesRequest, context: grpc.ServicerContext) -> pb.ListTablesResponse:
         hosted = [self._tables.get(n) for n in self.table_names()]
-        return pb.ListTablesResponse(tables=[wire.spec_to_pb(h.spec) for h in hosted if h is not None])
+        return pb.ListTablesResponse(tables=[cluster_wire.table_def_to_pb(h.spec) for h in hosted if h is not None])
 
     def _pull(self, request: pb.PullRequest) -> tuple[str, np.ndarray, int]:
         """Validate a pull and read its rows: (table, (n, dim) float32 rows, reply codec)."""
@@ -253,8 +375,18 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             raise ResourceExhausted(f"table {name!r}: field 'ids' asks for {len(ids)} rows, {reply_bytes} bytes "
                                     f"as a reply, above the message limit of {self.config.max_message_bytes}; "
                                     "split the pull")
-        self._check_owned(name, ids)
-        rows = hosted.table.pull(ids)
+        with hosted.lock:
+            view, slots = self._check_leads(name, ids, request.epoch)
+            if request.read_only:
+                rows = hosted.table.pull(ids, insert=False)
+            elif self.replicator is not None and self.replicator.streams:
+                changes = Changes()
+                rows = hosted.table.pull(ids, changes=changes)
+                if changes:
+                    self._replicate(hosted, view, changes, None, None)
+            else:
+                rows = hosted.table.pull(ids)
+            hosted.pulled += np.bincount(slots, minlength=self.num_slots)
         self.metrics.rows_pulled.labels(name).inc(len(ids))
         self.metrics.bytes_in.labels("Pull").inc(len(raw_ids))
         self.metrics.bytes_out.labels("Pull").inc(reply_bytes)
@@ -290,16 +422,78 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                 raise InvalidArgument(f"table {name!r}: field 'grads' has {nbytes // row_bytes} rows, "
                                       f"field 'ids' has {len(ids)} ids")
         grads = wire.decode_rows(grads_rows, len(ids), dim, table=name, field="grads")
-        self._check_owned(name, ids)
+        epoch = getattr(request, "epoch", 0)
         self.metrics.bytes_in.labels("Push").inc(memoryview(raw_ids).nbytes + nbytes + memoryview(scales).nbytes)
+        cid, seq = request.client_id, request.seq
         with hosted.lock:
-            if hosted.dedup.seen(request.client_id, request.seq, request.part):
-                self.metrics.duplicate_pushes.labels(name).inc()
-                return pb.PushResponse(applied_rows=0, duplicate=True)
-            applied = hosted.table.push(ids, grads)
-            hosted.dedup.record(request.client_id, request.seq, request.part, int(applied))
-        self.metrics.rows_pushed.labels(name).inc(len(ids))
-        return pb.PushResponse(applied_rows=int(applied), duplicate=False)
+            view, slots = self._check_leads(name, ids, epoch)  # under the lock: the map the apply sees
+            uslots = np.unique(slots)
+            sync = hosted.spec.durability == "sync"
+            if sync and self.clustered:
+                short = view.in_sync[uslots] < hosted.spec.min_copies
+                if short.any():
+                    s = int(uslots[short][0])
+                    raise NotEnoughReplicas(
+                        f"table {name!r}: slot {s} has {int(view.in_sync[s])} in-sync cop(ies), the table's "
+                        f"min_copies is {hosted.spec.min_copies}; push rejected, nothing applied", epoch=view.epoch)
+            done = hosted.dedup.applied(cid, seq, uslots)
+            if done.all():
+                applied, duplicate = 0, True
+                marks = self.replicator.tail_marks(uslots) if self.replicator is not None and sync else []
+            else:
+                if done.any():  # a retried push split differently: apply only the slots not applied yet
+                    keep = ~np.isin(slots, uslots[done])
+                    ids, grads, slots, uslots = ids[keep], grads[keep], slots[keep], uslots[~done]
+                changes = Changes() if self.replicator is not None and self.replicator.streams else None
+                applied = hosted.table.push(ids, grads, changes=changes)
+                hosted.dedup.record(cid, seq, uslots)
+                marks = self._replicate(hosted, view, changes, uslots, (cid, seq, uslots))
+                duplicate = False
+            hosted.pushed += np.bincount(slots, minlength=self.num_slots)
+        if marks and sync:
+            assert self.replicator is not None
+            if not self.replicator.wait(marks, self.config.ack_timeout_s):
+                late = sorted({m.stream.target_id for m in marks})
+                raise Unavailable(f"table {name!r}: push applied here but not yet by the in-sync copies on {late} "
+                                  f"within {self.config.ack_timeout_s}s; retry it (it is applied once)",
+                                  epoch=self._view.epoch)
+            now = self._view
+            if now.epoch != view.epoch and (now.map is None or (now.map.slot_epochs[uslots] > view.epoch).any()
+                                            or not now.leads[uslots].all()):
+                raise Unavailable(f"table {name!r}: the copies of the push's slots changed while it replicated "
+                                  f"(epoch {view.epoch} -> {now.epoch}); retry it (it is applied once)",
+                                  epoch=now.epoch)
+        if duplicate:
+            self.metrics.duplicate_pushes.labels(name).inc()
+        else:
+            self.metrics.rows_pushed.labels(name).inc(len(ids))
+        return pb.PushResponse(applied_rows=int(applied), duplicate=duplicate, epoch=self._view.epoch)
+
+    def _replicate(self, hosted: _Hosted, view: _View, changes: Changes | None, slots: np.ndarray | None,
+                   key: tuple[str, int, np.ndarray] | None) -> list:
+        """Stamp the write's slots and enqueue its changes to the copies (caller holds the write lock)."""
+        if changes is None or self.replicator is None:
+            if slots is not None:
+                hosted.log.stamp(slots, view.epoch)
+            return []
+        table = hosted.table
+        written = changes.written_ids()
+        rows = table.export_rows(ids=written) if written.size else None  # absent ids (evicted) are skipped
+        deleted = changes.deleted_ids()
+        if deleted.size:
+            deleted = deleted[~table.contains(deleted)]
+        sightings = changes.sighting_arrays()
+        touched = [deleted, sightings[0]] + ([rows.ids] if rows is not None else [])
+        islots = np.unique(np.concatenate([slot_of(np.concatenate(touched), self.num_slots),
+                                           slots if slots is not None else np.empty(0, np.int64)]))
+        if islots.size == 0:
+            return []
+        islots = islots.astype(np.int32)
+        lsn, prev = hosted.log.stamp(islots, view.epoch)
+        dedup = [(key[0], key[1], key[2].astype(np.int32))] if key is not None and key[0] else []
+        item = Item(CHANGES, hosted.spec.config.name, islots, lsn, prev, rows, deleted,
+                    sightings if sightings[0].size else None, table.step, dedup)
+        return self.replicator.enqueue(item, lambda ids: slot_of(ids, self.num_slots))
 
     @_rpc("Snapshot")
     def Snapshot(self, request: pb.SnapshotRequest, context: grpc.ServicerContext) -> pb.SnapshotResponse:
@@ -308,6 +502,9 @@ class ShardService(shard_pb2_grpc.ShardServicer):
 
     @_rpc("Restore")
     def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> pb.RestoreResponse:
+        if self.clustered:
+            raise InvalidArgument("Restore: this server is part of a cluster; its copies are kept by replication "
+                                  "(restore a cluster checkpoint through the scheduler)")
         return pb.RestoreResponse(rows=self.restore(request.path or None))
 
     @_rpc("Stats")
@@ -320,38 +517,316 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                 out.append(pb.TableStats(table=name, values=self._values(name, hosted, checksum=True)))
         return pb.StatsResponse(tables=out)
 
+    # --- cluster RPCs ---------------------------------------------------------------------------------------
+    @_rpc("InstallMap")
+    def InstallMap(self, request: pb.InstallMapRequest, context: grpc.ServicerContext) -> pb.InstallMapResponse:
+        if not self.clustered:
+            raise InvalidArgument("InstallMap: this server was started without --scheduler")
+        self.install(cluster_wire.map_from_pb(request.map))
+        return pb.InstallMapResponse(epoch=self._view.epoch)
+
+    @_rpc("SlotInfo")
+    def SlotInfo(self, request: pb.SlotInfoRequest, context: grpc.ServicerContext) -> pb.SlotInfoResponse:
+        names = [request.table] if request.table else self.table_names()
+        out = []
+        for name in names:
+            hosted = self._get(name) if request.table else self._tables.get(name)
+            if hosted is not None:
+                out.append(self.slot_info(name, hosted, checksums=request.checksums))
+        stats = self.replicator.stats() if self.replicator is not None else {}
+        return pb.SlotInfoResponse(epoch=self._view.epoch, tables=out, server_id=self.server_id, replication=stats)
+
+    def slot_info(self, name: str, hosted: _Hosted, *, checksums: bool, slots: np.ndarray | None = None
+                  ) -> pb.SlotTableInfo:
+        """Per held slot (or ``slots``): rows, checksums, log positions and request rates of one table."""
+        view = self._view
+        held = np.flatnonzero(view.holds).astype(np.int32) if slots is None else np.asarray(slots, np.int32)
+        with hosted.lock:
+            positions = hosted.log.positions[held].copy()
+            if checksums:
+                sums, counts = hosted.table.checksums_by(lambda ids: slot_of(ids, self.num_slots), self.num_slots)
+            else:
+                sums, counts = None, None
+            per_row = hosted.table.stats().get("slot_bytes", 0.0)
+        if counts is None:
+            counts = np.bincount(slot_of(hosted.table.stored_ids(), self.num_slots), minlength=self.num_slots)
+        msg = pb.SlotTableInfo(table=name, slots=held.astype("<i4").tobytes(),
+                               rows=counts[held].astype("<i8").tobytes(),
+                               lsn_epochs=positions[:, 0].astype("<u8").tobytes(),
+                               lsn_indexes=positions[:, 1].astype("<u8").tobytes(),
+                               pull_rates=hosted.pull_rate[held].astype("<f8").tobytes(),
+                               push_rates=hosted.push_rate[held].astype("<f8").tobytes(),
+                               bytes=(counts[held] * per_row).astype("<i8").tobytes())
+        if sums is not None:
+            msg.checksums = sums[held].astype("<u8").tobytes()
+        return msg
+
+    @_rpc("Replicate")
+    def Replicate(self, request: pb.ReplicateRequest, context: grpc.ServicerContext) -> pb.ReplicateResponse:
+        """Apply a primary's stream in order (invariant I3 of ``replication``)."""
+        with self._inbound_lock:
+            st = self._inbound.setdefault(request.source, _Inbound())
+        with st.lock:
+            if request.source_boot != st.boot or request.generation != st.generation:
+                if request.source_boot == st.boot and request.generation < st.generation:
+                    return self._reject(st, pb.REJECT_GAP, f"stream generation {request.generation} is older than "
+                                                           f"{st.generation}")
+                if request.first_seq != 1:
+                    return self._reject(st, pb.REJECT_GAP, f"a new stream must start at seq 1, got "
+                                                           f"{request.first_seq}")
+                st.boot, st.generation, st.applied = request.source_boot, request.generation, 0
+            if request.epoch > self._view.epoch:
+                self._refresh(request.epoch, wait_s=2.0)
+                if request.epoch > self._view.epoch:
+                    return self._reject(st, pb.REJECT_BEHIND, f"this server's map (epoch {self._view.epoch}) is "
+                                                              f"older than the source's ({request.epoch})")
+            if not self._view.valid:
+                return self._reject(st, pb.REJECT_BEHIND, "this server is not in the cluster's map yet")
+            for i, msg in enumerate(request.items):
+                seq = request.first_seq + i
+                if seq <= st.applied:
+                    continue  # a retried request: applied already
+                if seq != st.applied + 1:
+                    return self._reject(st, pb.REJECT_GAP, f"expected seq {st.applied + 1}, got {seq}")
+                reject = self._apply_item(request.source, msg)
+                if reject is not None:
+                    code, text, slots = reject
+                    return self._reject(st, code, text, slots)
+                st.applied = seq
+            return pb.ReplicateResponse(applied_through=st.applied, epoch=self._view.epoch)
+
+    def _reject(self, st: _Inbound, code: int, message: str, slots: np.ndarray | None = None
+                ) -> pb.ReplicateResponse:
+        if code != pb.REJECT_BEHIND:
+            log.warning("replication stream rejected: %s: %s", pb.ReplicateReject.Name(code), message)
+        out = pb.ReplicateResponse(applied_through=st.applied, reject=code, message=message, epoch=self._view.epoch)
+        if slots is not None:
+            out.slots = np.asarray(slots, "<i4").tobytes()
+        return out
+
+    def _apply_item(self, source: str, msg: pb.ReplicationItem) -> tuple[int, str, np.ndarray | None] | None:
+        hosted = self._tables.get(msg.table)
+        if hosted is None:
+            return pb.REJECT_BEHIND, f"table {msg.table!r} is not in this server's map yet", None
+        item = cluster_wire.item_from_pb(msg, dim=hosted.table.dim, state_width=hosted.table.state_width)
+        slots = item.slots.astype(np.int64)
+        with hosted.lock:
+            view = self._view
+            src = view.map.index_of(source) if view.map is not None else -1
+            if slots.size and (slots.min() < 0 or slots.max() >= self.num_slots):
+                return pb.REJECT_DIVERGED, f"table {item.table!r}: item slots out of range", None
+            ok = (view.map.copies[slots, 0] == src) & view.holds[slots] if view.map is not None else \
+                np.zeros(slots.shape[0], bool)
+            if not ok.all():
+                return (pb.REJECT_STALE, f"table {item.table!r}: server {source} does not lead slot(s) "
+                        f"{format_slots(slots[~ok][:20])} held here at epoch {view.epoch}", slots[~ok])
+            if item.kind in (CHANGES, BARRIER):
+                match = hosted.log.matches(slots, item.prev)
+                if not match.all():
+                    return (pb.REJECT_DIVERGED, f"table {item.table!r}: slot(s) {format_slots(slots[~match][:20])} "
+                            "here are not at the position the item follows", slots[~match])
+            try:
+                if item.kind == CHANGES:
+                    hosted.table.apply_changes(item.rows, item.deletes, item.sightings, item.step)
+                    hosted.dedup.merge(item.dedup)
+                    hosted.log.advance(slots, item.lsn)
+                elif item.kind == SNAPSHOT_BEGIN:
+                    self._drop_rows(hosted, slots)
+                    hosted.dedup.forget_slots(slots)
+                    hosted.dedup.merge(item.dedup)
+                    hosted.log.reset(slots, item.prev)
+                elif item.kind == SNAPSHOT_ROWS and item.rows is not None and len(item.rows):
+                    hosted.table.import_rows(item.rows)
+            except PSError as exc:
+                return pb.REJECT_DIVERGED, f"table {item.table!r}: cannot apply item: {exc}", slots
+            except Exception as exc:  # noqa: BLE001 - engine validation errors and bugs alike break the stream
+                if not isinstance(exc, ValueError):
+                    log.exception("applying a replication item failed")
+                return pb.REJECT_DIVERGED, f"table {item.table!r}: cannot apply item: {exc}", slots
+        return None
+
+    def _drop_rows(self, hosted: _Hosted, slots: np.ndarray) -> int:
+        """Delete every row of ``slots`` from the table (the caller holds its write lock)."""
+        ids = hosted.table.stored_ids()
+        if ids.size == 0:
+            return 0
+        mask = np.zeros(self.num_slots, bool)
+        mask[slots] = True
+        gone = ids[mask[slot_of(ids, self.num_slots)]]
+        return hosted.table.delete(gone) if gone.size else 0
+
+    # --- the map -----------------------------------------------------------------------------------------------
+    def install(self, m: ShardMap) -> bool:
+        """Make ``m`` this server's map if it is newer: tables created or dropped as it says, slots no longer
+        held forgotten, replication streams and slot copies started or stopped. False when not newer."""
+        if m.num_slots != self.num_slots:
+            raise InvalidArgument(f"shard map: {m.num_slots} slots, this server runs with {self.num_slots}")
+        with self._install_lock:
+            old = self._view
+            if m.epoch <= old.epoch:
+                return False
+            me = m.index_of(self.server_id)
+            valid = me >= 0 and m.servers[me].boot == self.boot
+            with self._registry_lock:
+                self._sync_tables(m)
+                hosted_all = sorted(self._tables.items())
+                for _, h in hosted_all:
+                    h.lock.acquire()
+                try:
+                    new = _View.of(m, me, valid)
+                    dropped = np.flatnonzero(old.holds & ~new.holds) if old.valid else np.empty(0, np.int64)
+                    for _, h in hosted_all:
+                        if dropped.size:
+                            h.log.reset(dropped)
+                            h.dedup.forget_slots(dropped)
+                    self._view = new
+                    if self.replicator is not None:
+                        self.replicator.on_map(m, me if valid else -1, [n for n, _ in hosted_all],
+                                               lambda name, slots: self._tables[name].log.positions[slots].copy(),
+                                               lambda name, slots: self._tables[name].dedup.records_for(slots))
+                finally:
+                    for _, h in reversed(hosted_all):
+                        h.lock.release()
+                if self.catalog is not None:
+                    self._save_registry()
+        if new.valid and (not old.valid or dropped.size):
+            threading.Thread(target=self._drop_unheld, name="tigana-drop-slots", daemon=True).start()
+        log.info("installed map epoch %d: leads %d slot(s), holds %d%s", m.epoch, int(new.leads.sum()),
+                 int(new.holds.sum()), "" if valid else " (this process is not in it yet)")
+        return True
+
+    def _sync_tables(self, m: ShardMap) -> None:
+        """Create the map's tables this server lacks, drop those it no longer has (registry lock held)."""
+        for name, spec in m.tables.items():
+            hosted = self._tables.get(name)
+            if hosted is not None and hosted.spec != spec:
+                if hosted.spec.config == spec.config:  # durability or min_copies changed: keep the rows
+                    hosted.spec = spec
+                    continue
+                self._drop_local(name)
+                hosted = None
+            if hosted is None:
+                self._create_local(spec)
+                log.info("created table %r from the shard map", name)
+        for name in [n for n in self._tables if n not in m.tables]:
+            self._drop_local(name)
+            log.info("dropped table %r (not in the shard map)", name)
+
+    def _drop_unheld(self) -> None:
+        """Delete the rows of slots this server no longer holds (checked against the map current at the time)."""
+        for name in self.table_names():
+            hosted = self._tables.get(name)
+            if hosted is None:
+                continue
+            with hosted.lock:
+                view = self._view
+                if not view.valid:
+                    return
+                ids = hosted.table.stored_ids()
+                gone = ids[~view.holds[slot_of(ids, self.num_slots)]] if ids.size else ids
+                if gone.size:
+                    hosted.table.delete(gone)
+                    log.info("table %r: deleted %d row(s) of slots no longer held", name, gone.size)
+
+    def _copy_rows(self, stream: Stream, sess: Any) -> None:
+        """The rows of a slot copy: each chunk exported and enqueued under the table's write lock, so it sits
+        in the stream after every write it reflects and before every later one."""
+        assert self.replicator is not None
+        want = np.zeros(self.num_slots, bool)
+        want[sess.slots] = True
+        for name in sess.tables:
+            hosted = self._tables.get(name)
+            if hosted is None:
+                continue
+            ids = hosted.table.stored_ids()
+            ids = np.sort(ids[want[slot_of(ids, self.num_slots)]]) if ids.size else ids
+            for start in range(0, ids.shape[0], _COPY_CHUNK):
+                self.replicator.wait_for_room(stream)
+                chunk = ids[start:start + _COPY_CHUNK]
+                with hosted.lock:
+                    rows = hosted.table.export_rows(ids=chunk)
+                    if not len(rows):
+                        continue
+                    item = Item(SNAPSHOT_ROWS, name, np.unique(slot_of(rows.ids, self.num_slots)).astype(np.int32),
+                                rows=rows)
+                    if not self.replicator.enqueue_rows(stream, sess, item):
+                        return
+
+    def maintain(self) -> None:
+        """Periodic work (the daemon calls it about once a second): decay request rates, restart broken
+        streams nothing depends on, report again what the scheduler missed."""
+        now = time.monotonic()
+        dt = max(1e-3, now - self._last_decay)
+        self._last_decay = now
+        keep = 0.5 ** (dt / _RATE_HALF_LIFE_S)
+        for hosted in list(self._tables.values()):
+            with hosted.lock:
+                hosted.pull_rate = hosted.pull_rate * keep + hosted.pulled / dt * (1 - keep)
+                hosted.push_rate = hosted.push_rate * keep + hosted.pushed / dt * (1 - keep)
+                hosted.pulled[:] = 0
+                hosted.pushed[:] = 0
+        if self.replicator is not None and self._view.map is not None:
+            if self.replicator.needs_restart():
+                self._reapply_map()
+            self.replicator.retry_reports()
+
+    def _reapply_map(self) -> None:
+        with self._install_lock, self._registry_lock:
+            view = self._view
+            if view.map is None or self.replicator is None:
+                return
+            hosted_all = sorted(self._tables.items())
+            for _, h in hosted_all:
+                h.lock.acquire()
+            try:
+                self.replicator.on_map(view.map, view.me if view.valid else -1, [n for n, _ in hosted_all],
+                                       lambda name, slots: self._tables[name].log.positions[slots].copy(),
+                                       lambda name, slots: self._tables[name].dedup.records_for(slots))
+            finally:
+                for _, h in reversed(hosted_all):
+                    h.lock.release()
+
+    # --- links to the scheduler (the daemon's agent) ------------------------------------------------------
+    def _refresh(self, epoch: int, wait_s: float = 0.0) -> None:
+        if self.agent is not None:
+            self.agent.refresh(epoch, wait_s)
+
+    def _report_failure(self, target: str, slots: np.ndarray, reason: str) -> None:
+        if self.agent is not None:
+            self.agent.report_copy_failure(target, slots, reason)
+
+    def _caught_up(self, target: str, slots: np.ndarray) -> None:
+        if self.agent is not None:
+            self.agent.copy_caught_up(target, slots)
+
+    def positions(self) -> list[pb.SlotTableInfo]:
+        """Per table, the log positions of every slot with data (for registering after a restart)."""
+        out = []
+        for name in self.table_names():
+            hosted = self._tables[name]
+            with hosted.lock:
+                pos = hosted.log.positions.copy()
+            have = np.flatnonzero(pos[:, 1] > 0).astype(np.int32)
+            out.append(pb.SlotTableInfo(table=name, slots=have.astype("<i4").tobytes(),
+                                        lsn_epochs=pos[have, 0].astype("<u8").tobytes(),
+                                        lsn_indexes=pos[have, 1].astype("<u8").tobytes()))
+        return out
+
     # --- persistence ----------------------------------------------------------------------------------------
-    def _need_data_dir(self, what: str) -> Path:
-        if self.data_dir is None:
+    def _need_catalog(self, what: str) -> Catalog:
+        if self.catalog is None:
             raise InvalidArgument(f"{what}: this server has no data dir (start it with --data-dir)")
-        return self.data_dir
-
-    def _dir(self, kind: str, table: str) -> Path:
-        """``data_dir/<kind>/<table>`` with the name percent-encoded, so any table name is one safe folder."""
-        assert self.data_dir is not None
-        return self.data_dir / kind / quote(table, safe="").replace(".", "%2E")
-
-    def _registry_path(self) -> Path | None:
-        return self.data_dir / "tables.json" if self.data_dir is not None else None
+        return self.catalog
 
     def _save_registry(self) -> None:
-        path = self._registry_path()
-        if path is None:
+        if self.catalog is None:
             return
-        doc = {"version": 1, "tables": [json_format.MessageToDict(wire.spec_to_pb(h.spec),
-                                                                  preserving_proto_field_name=True)
-                                        for _, h in sorted(self._tables.items())]}
-        _write_atomic(path, json.dumps(doc, indent=1, sort_keys=True))
-
-    def _remove_files(self, name: str) -> None:
-        if self.data_dir is None:
-            return
-        for sub in ("snapshots", "dedup", "spill"):
-            shutil.rmtree(self._dir(sub, name), ignore_errors=True)
+        self.catalog.save_tables([h.spec for h in self._tables.values()], self.num_slots,
+                                 None if self.clustered else self.config.slots)
 
     def snapshot_all(self, *, incremental: bool = False) -> tuple[list[Path], int]:
-        """Snapshot every table under ``data_dir/snapshots/<table>`` with its dedup window; (paths, rows)."""
-        self._need_data_dir("Snapshot")
+        """Snapshot every table with its exactly-once window and log positions; (paths, rows)."""
+        catalog = self._need_catalog("Snapshot")
         paths: list[Path] = []
         rows = 0
         with self._registry_lock:
@@ -361,64 +836,40 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             with hosted.lock:
                 if self._tables.get(name) is not hosted:  # dropped or replaced meanwhile
                     continue
-                path = Path(hosted.table.snapshot(self._dir("snapshots", name), incremental=incremental))
-                _write_atomic(self._dir("dedup", name) / f"{path.name}.json", json.dumps(hosted.dedup.to_state()))
+                path = catalog.snapshot(hosted.table, hosted.dedup, hosted.log, incremental=incremental)
                 rows += len(hosted.table)
             paths.append(path)
-            if not incremental and self.config.keep_snapshots:
-                self._prune(name)
+            if not incremental:
+                catalog.prune(name, self.config.keep_snapshots)
         log.info("snapshot (%s) of %d table(s), %d rows", "incremental" if incremental else "full",
                  len(paths), rows)
         return paths, rows
 
-    def _prune(self, name: str) -> None:
-        """Delete the snapshots (and their dedup windows) older than the newest ``keep_snapshots`` full ones."""
-        from tigana.embeddings.snapshot import list_snapshots
-
-        snaps = list_snapshots(self._dir("snapshots", name))
-        fulls = [i for i, p in enumerate(snaps) if p.name.endswith("-full")]
-        if len(fulls) <= self.config.keep_snapshots:
-            return
-        for old in snaps[:fulls[-self.config.keep_snapshots]]:
-            shutil.rmtree(old, ignore_errors=True)
-            (self._dir("dedup", name) / f"{old.name}.json").unlink(missing_ok=True)
-
-    def _restore_one(self, path: Path, spec: TableConfig | None) -> _Hosted:
-        from tigana.embeddings.snapshot import MANIFEST, latest_snapshot
-
-        if not (path / MANIFEST).is_file():  # a root of snapshots: its newest one (the engine does the same)
-            path = latest_snapshot(path) or path
-        table = EmbeddingTable.restore(path)
-        dedup_file = (self._dir("dedup", table.config.name) / f"{path.name}.json"
-                      if self.data_dir is not None else None)
-        if dedup_file is not None and dedup_file.exists():
-            dedup = DedupWindow.from_state(json.loads(dedup_file.read_text()), self.config.dedup_window)
-        else:
-            dedup = DedupWindow(self.config.dedup_window)
+    def _restore_one(self, path: Path, spec: TableDef | None) -> _Hosted:
+        catalog = self.catalog or Catalog(path)
+        restored = catalog.restore(path, num_slots=self.num_slots, dedup_size=self.config.dedup_window)
         if spec is None:
-            spec = dataclasses.replace(table.config, spill_dir=None)
-        return _Hosted(spec, table, dedup)
+            spec = TableDef(dataclasses.replace(restored.table.config, spill_dir=None))
+        return self._new_hosted(spec, restored.table, restored.dedup, restored.log)
 
     def restore(self, path: str | os.PathLike | None = None) -> int:
-        """Replace tables by snapshots: ``path`` None restores every registered table from its newest snapshot
-        chain in the data dir; a path restores the one table snapshot there. Returns the rows restored."""
-        from tigana.embeddings.snapshot import latest_snapshot
-
+        """Static mode: replace tables by snapshots: ``path`` None restores every registered table from its
+        newest snapshot chain in the data dir; a path restores the one table snapshot there. Rows restored."""
         with self._registry_lock:
             fresh: dict[str, _Hosted] = {}
             try:
                 if path is None:
-                    self._need_data_dir("Restore")
+                    catalog = self._need_catalog("Restore")
                     for name, hosted in self._tables.items():
-                        latest = latest_snapshot(self._dir("snapshots", name))
+                        latest = catalog.latest(name)
                         if latest is not None:
-                            fresh[name] = self._restore_one(Path(latest), hosted.spec)
+                            fresh[name] = self._restore_one(latest, hosted.spec)
                 else:
                     restored = self._restore_one(Path(path), None)
-                    old = self._tables.get(restored.spec.name)
+                    old = self._tables.get(restored.spec.config.name)
                     if old is not None:
                         restored.spec = old.spec
-                    fresh[restored.spec.name] = restored
+                    fresh[restored.spec.config.name] = restored
             except BaseException:
                 for hosted in fresh.values():  # all or nothing: the served tables stay as they were
                     hosted.table.close()
@@ -435,45 +886,54 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         return rows
 
     def load(self) -> None:
-        """At start: re-create every table in ``tables.json``, from its newest snapshot chain when there is one."""
-        path = self._registry_path()
-        if path is None or not path.exists():
-            return
-        from tigana.embeddings.snapshot import cleanup_temp, latest_snapshot
+        """At start: re-create every table of the catalog from its newest snapshot chain when there is one.
 
-        doc = json.loads(path.read_text())
-        for entry in doc.get("tables", []):
-            spec = wire.spec_from_pb(json_format.ParseDict(entry, pb.TableSpec()))
-            cleanup_temp(self._dir("snapshots", spec.name))
-            shutil.rmtree(self._dir("spill", spec.name), ignore_errors=True)  # a dead process's spill tier
-            latest = latest_snapshot(self._dir("snapshots", spec.name))
+        The catalog's ``num_slots`` (and, for a static shard list, its slots) must match the config: a server
+        must never answer for slots whose rows it does not have."""
+        if self.catalog is None:
+            return
+        tables, num_slots, slots = self.catalog.load_tables()
+        if num_slots is not None and int(num_slots) != self.num_slots:
+            raise InvalidArgument(f"data dir {str(self.data_dir)!r} holds tables of {num_slots} slots; the server "
+                                  f"was started with --num-slots {self.num_slots}")
+        if tables and not self.clustered and slots is not None and slots != self.config.slots:
+            raise InvalidArgument(f"data dir {str(self.data_dir)!r} holds the rows of slots {slots!r}; the server "
+                                  f"was started with --slots {self.config.slots!r} and would answer for slots it "
+                                  "has no rows of (move slots with a scheduler instead)")
+        for spec in tables:
+            name = spec.config.name
+            latest = self.catalog.latest(name)
+            shutil.rmtree(self.catalog.dir("spill", name), ignore_errors=True)  # a dead process's spill tier
             if latest is not None:
-                hosted = self._restore_one(Path(latest), spec)
-                log.info("restored table %r from %s (%d rows)", spec.name, latest, len(hosted.table))
+                hosted = self._restore_one(latest, spec)
+                log.info("restored table %r from %s (%d rows)", name, latest, len(hosted.table))
             else:
-                hosted = _Hosted(spec, EmbeddingTable(self._effective(spec)), DedupWindow(self.config.dedup_window))
-                log.info("re-created table %r (no snapshot)", spec.name)
-            self._tables[spec.name] = hosted
+                hosted = self._new_hosted(spec)
+                log.info("re-created table %r (no snapshot)", name)
+            self._tables[name] = hosted
+        self._save_registry()
 
     def close_tables(self) -> None:
+        if self.replicator is not None:
+            self.replicator.close()
         with self._registry_lock:
             for hosted in self._tables.values():
                 with hosted.lock:
                     try:
                         hosted.table.close()
                     except Exception:  # noqa: BLE001 - close the others regardless
-                        log.exception("closing table %r failed", hosted.spec.name)
+                        log.exception("closing table %r failed", hosted.spec.config.name)
             self._tables.clear()
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.{threading.get_ident()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+class _Inbound:
+    """The state of one incoming stream (per source server): its boot, generation and last applied seq."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.boot = ""
+        self.generation = 0
+        self.applied = 0
 
 
 def add_to_server(service: ShardService, server: grpc.Server) -> None:

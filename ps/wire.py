@@ -210,21 +210,24 @@ def _rows_parts(codec: int, dim: int, data: np.ndarray, scales: np.ndarray | Non
     return parts
 
 
-def encode_pull_request(table: str, ids: np.ndarray, codec: int = pb.CODEC_FP32) -> bytes:
-    """A serialized ``PullRequest`` for (n,) int64 ``ids`` (unique) asking for rows in ``codec``."""
+def encode_pull_request(table: str, ids: np.ndarray, codec: int = pb.CODEC_FP32, epoch: int = 0,
+                        read_only: bool = False) -> bytes:
+    """A serialized ``PullRequest`` for (n,) int64 ``ids`` (unique) asking for rows in ``codec``, routed at
+    map ``epoch``; ``read_only`` inserts nothing."""
     parts = _len_field(1, table.encode()) + _len_field(2, _buffer(np.asarray(ids, "<i8")))
-    parts.append(_varint_field(3, codec))
+    parts += [_varint_field(3, codec), _varint_field(4, epoch), _varint_field(5, int(read_only))]
     return b"".join(parts)
 
 
 def encode_push_request(table: str, ids: np.ndarray, codec: int, dim: int, data: np.ndarray,
-                        scales: np.ndarray | None, client_id: str, seq: int, part: int) -> bytes:
-    """A serialized ``PushRequest``: (n,) int64 ``ids`` and their gradient block from ``encode_block``."""
+                        scales: np.ndarray | None, client_id: str, seq: int, part: int, epoch: int = 0) -> bytes:
+    """A serialized ``PushRequest``: (n,) int64 ``ids`` and their gradient block from ``encode_block``, routed
+    at map ``epoch``."""
     rows = _rows_parts(codec, dim, data, scales)
     parts = _len_field(1, table.encode()) + _len_field(2, _buffer(np.asarray(ids, "<i8")))
     parts += [_varint((3 << 3) | _WT_LEN), _varint(sum(memoryview(p).nbytes for p in rows)), *rows]
     parts += _len_field(4, client_id.encode())
-    parts += [_varint_field(5, seq), _varint_field(6, part)]
+    parts += [_varint_field(5, seq), _varint_field(6, part), _varint_field(7, epoch)]
     return b"".join(parts)
 
 
@@ -316,10 +319,12 @@ class RawPush:
     """A ``PushRequest`` parsed into zero-copy views of the received bytes (see ``decode_push_request``); the
     same attribute names as the protobuf message, so the server reads either."""
 
-    __slots__ = ("table", "ids", "grads", "client_id", "seq", "part")
+    __slots__ = ("table", "ids", "grads", "client_id", "seq", "part", "epoch")
 
-    def __init__(self, table: str, ids: memoryview, grads: RawRows, client_id: str, seq: int, part: int) -> None:
+    def __init__(self, table: str, ids: memoryview, grads: RawRows, client_id: str, seq: int, part: int,
+                 epoch: int = 0) -> None:
         self.table, self.ids, self.grads, self.client_id, self.seq, self.part = table, ids, grads, client_id, seq, part
+        self.epoch = epoch
 
 
 class _NotCanonical(Exception):
@@ -345,7 +350,7 @@ def _int_value(value, field_no: int) -> int:
 
 def _parse_push(raw: bytes) -> RawPush:
     view = memoryview(raw)
-    table, ids, client_id, seq, part = "", memoryview(b""), "", 0, 0
+    table, ids, client_id, seq, part, epoch = "", memoryview(b""), "", 0, 0, 0
     codec = dim = 0
     data = scales = memoryview(b"")
     seen_grads = False
@@ -373,7 +378,9 @@ def _parse_push(raw: bytes) -> RawPush:
             seq = _int_value(value, 5) & 0xFFFFFFFFFFFFFFFF
         elif field_no == 6:
             part = _int_value(value, 6) & 0xFFFFFFFF
-    return RawPush(table, ids, RawRows(codec, dim, data, scales, len(raw)), client_id, seq, part)
+        elif field_no == 7:
+            epoch = _int_value(value, 7) & 0xFFFFFFFFFFFFFFFF
+    return RawPush(table, ids, RawRows(codec, dim, data, scales, len(raw)), client_id, seq, part, epoch)
 
 
 def decode_push_request(raw: bytes) -> RawPush | pb.PushRequest:

@@ -22,7 +22,7 @@ ids_st = st.lists(st.one_of(st.sampled_from(EDGES), st.integers(-20, 20)), min_s
 
 
 class Model:
-    """The reference: a dict of id -> float64 row, SGD, TTL by steps; no hashing, no slots."""
+    """The reference: a dict of id -> float64 row, SGD, TTL by steps; no hashing, no slab."""
 
     def __init__(self, config: emb.TableConfig) -> None:
         self.config, self.rows, self.last_step, self.step = config, {}, {}, 0
@@ -182,7 +182,7 @@ def test_low_precision_storage(backend: str, dtype: str) -> None:
                          np.zeros((1, 1), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1))
     low.import_rows(exact)
     np.testing.assert_array_equal(low.pull(np.array([1])), exact.weights)
-    assert low.stats()["slot_bytes"] < full.stats()["slot_bytes"]
+    assert low.stats()["row_bytes"] < full.stats()["row_bytes"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -284,7 +284,8 @@ def test_stats_and_bytes_per_row() -> None:
         assert key in s
     assert s["rows_resident"] == 100_000 and s["rows_spilled"] == 0
     assert s["hit_rate"] == pytest.approx(50_000 / 150_000)
-    assert s["slot_bytes"] == 64 + 4 + 29
+    assert s["row_bytes"] == 64 + 4 + 29
+    assert s["slot_bytes"] == s["row_bytes"]  # the old key, kept for tools/bench
     assert s["bytes_per_row"] <= 160
 
 

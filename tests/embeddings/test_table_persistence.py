@@ -26,8 +26,8 @@ def _config(backend: str, **kw) -> emb.TableConfig:
                            backend=backend, **kw)
 
 
-def _slot_bytes(backend: str) -> int:
-    return emb.EmbeddingTable(_config(backend)).stats()["slot_bytes"] + 18
+def _row_bytes(backend: str) -> int:
+    return emb.EmbeddingTable(_config(backend)).stats()["row_bytes"] + 18
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -36,7 +36,7 @@ def _slot_bytes(backend: str) -> int:
 def test_spill_and_snapshots_match_memory_table(tmp_path_factory, backend: str, ops) -> None:
     root = tmp_path_factory.mktemp("snaps")
     spill_dir = tmp_path_factory.mktemp("spill")
-    budget = 12 * _slot_bytes(backend)  # about 12 resident rows; the rest spill
+    budget = 12 * _row_bytes(backend)  # about 12 resident rows; the rest spill
     spilling = emb.EmbeddingTable(_config(backend, memory_budget=budget, spill_dir=str(spill_dir)))
     reference = emb.EmbeddingTable(_config(backend))
     snapshots: list[tuple[Path, str, int]] = []
@@ -133,7 +133,7 @@ def test_restore_missing_snapshot(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_spilled_rows_come_back_and_keep_state(tmp_path: Path, backend: str) -> None:
-    budget = 50 * _slot_bytes(backend)
+    budget = 50 * _row_bytes(backend)
     table = emb.EmbeddingTable(_config(backend, memory_budget=budget, spill_dir=str(tmp_path)))
     reference = emb.EmbeddingTable(_config(backend))
     rng = np.random.default_rng(0)
@@ -156,7 +156,7 @@ def test_spilled_rows_come_back_and_keep_state(tmp_path: Path, backend: str) -> 
 
 
 def test_full_disk_while_spilling_keeps_the_applied_push(tmp_path: Path, monkeypatch) -> None:
-    budget = 20 * _slot_bytes("auto")
+    budget = 20 * _row_bytes("auto")
     table = emb.EmbeddingTable(_config("auto", memory_budget=budget, spill_dir=str(tmp_path)))
     reference = emb.EmbeddingTable(_config("auto"))
 
@@ -178,7 +178,7 @@ def test_full_disk_while_spilling_keeps_the_applied_push(tmp_path: Path, monkeyp
 
 
 def test_corrupt_spilled_row_raises_naming_file_and_id(tmp_path: Path) -> None:
-    budget = 20 * _slot_bytes("auto")
+    budget = 20 * _row_bytes("auto")
     table = emb.EmbeddingTable(_config("auto", memory_budget=budget, spill_dir=str(tmp_path)))
     table.pull(np.arange(100))
     spilled = int(table._spilled.items()[0][0])

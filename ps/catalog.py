@@ -1,0 +1,155 @@
+"""A shard server's on-disk catalog: its identity, its tables, their snapshots and spill tiers.
+
+Layout under ``data_dir``::
+
+    server-id                  this server's stable identity (created once; the scheduler knows it by it)
+    tables.json                the hosted tables (specs with durability), num_slots and, for a static
+                               shard list, the slots held; rewritten atomically on every change
+    snapshots/<table>/...      the storage engine's snapshot chain of each table; every snapshot holds, as
+                               extra files written atomically with its rows, the exactly-once window
+                               (``dedup``) and the slots' log positions (``positions``)
+    spill/<table>/             the LMDB tier of tables with a memory budget (never restored: rows are)
+    LOCK                       held by the running server
+
+``<table>`` is the name percent-encoded, dots included, so every name maps to one folder inside data_dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from google.protobuf import json_format
+
+from tigana.embeddings import EmbeddingTable
+from tigana.embeddings import snapshot as snap
+from tigana.proto import shard_pb2 as pb
+from tigana.ps import cluster_wire
+from tigana.ps.dedup import DedupWindow
+from tigana.ps.errors import InvalidArgument
+from tigana.ps.replication import SlotLog
+from tigana.ps.routing import TableDef
+
+DEDUP_FILE, POSITIONS_FILE = "dedup", "positions"
+
+
+@dataclass
+class Restored:
+    """A table read back from its snapshot chain, with the state saved beside its rows."""
+
+    table: EmbeddingTable
+    dedup: DedupWindow
+    log: SlotLog
+    path: Path
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write ``data`` to ``path`` through a fsynced temp file and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.{threading.get_ident()}")
+    with open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class Catalog:
+    """The files of one data dir (see the module docstring). Not thread-safe: the server serializes calls."""
+
+    def __init__(self, data_dir: str | os.PathLike) -> None:
+        self.root = Path(data_dir)
+
+    def dir(self, kind: str, table: str) -> Path:
+        """``data_dir/<kind>/<table>`` with the name percent-encoded."""
+        return self.root / kind / quote(table, safe="").replace(".", "%2E")
+
+    # --- identity ----------------------------------------------------------------------------------------
+    def server_id(self, wanted: str | None = None) -> str:
+        """This data dir's server id: ``wanted`` the first time (a new uuid when None), then as stored.
+        A different ``wanted`` for a data dir that has one is refused (two identities for one set of rows)."""
+        path = self.root / "server-id"
+        if path.exists():
+            stored = path.read_text().strip()
+            if wanted and wanted != stored:
+                raise InvalidArgument(f"server id: data dir {str(self.root)!r} belongs to server {stored!r}, "
+                                      f"not {wanted!r}")
+            return stored
+        sid = wanted or uuid.uuid4().hex[:12]
+        write_atomic(path, sid + "\n")
+        return sid
+
+    # --- the table registry ------------------------------------------------------------------------------
+    def save_tables(self, tables: list[TableDef], num_slots: int, slots: str | None) -> None:
+        doc: dict[str, Any] = {
+            "version": 2, "num_slots": num_slots, "slots": slots,
+            "tables": [json_format.MessageToDict(cluster_wire.table_def_to_pb(t), preserving_proto_field_name=True)
+                       for t in sorted(tables, key=lambda t: t.config.name)]}
+        write_atomic(self.root / "tables.json", json.dumps(doc, indent=1, sort_keys=True))
+
+    def load_tables(self) -> tuple[list[TableDef], int | None, str | None]:
+        """(tables, num_slots, slots) as saved; ([], None, None) for a new data dir."""
+        path = self.root / "tables.json"
+        if not path.exists():
+            return [], None, None
+        doc = json.loads(path.read_text())
+        tables = [cluster_wire.table_def_from_pb(json_format.ParseDict(e, pb.TableSpec()))
+                  for e in doc.get("tables", [])]
+        return tables, doc.get("num_slots"), doc.get("slots")
+
+    def remove_table_files(self, name: str) -> None:
+        for sub in ("snapshots", "spill", "dedup"):
+            shutil.rmtree(self.dir(sub, name), ignore_errors=True)
+
+    def spill_dir(self, name: str) -> str:
+        return str(self.dir("spill", name))
+
+    # --- snapshots --------------------------------------------------------------------------------------
+    def snapshot(self, table: EmbeddingTable, dedup: DedupWindow, log: SlotLog, *, incremental: bool) -> Path:
+        """Snapshot ``table`` with its exactly-once window and log positions (the caller holds its write
+        lock, so the three agree)."""
+        return Path(table.snapshot(self.dir("snapshots", table.name), incremental=incremental,
+                                   extra_files={DEDUP_FILE: dedup.to_bytes(), POSITIONS_FILE: log.to_bytes()}))
+
+    def prune(self, name: str, keep: int) -> None:
+        """Delete the snapshots older than the newest ``keep`` full ones (0 keeps all)."""
+        if keep <= 0:
+            return
+        snaps = snap.list_snapshots(self.dir("snapshots", name))
+        fulls = [i for i, p in enumerate(snaps) if p.name.endswith("-full")]
+        if len(fulls) <= keep:
+            return
+        for old in snaps[:fulls[-keep]]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def latest(self, name: str) -> Path | None:
+        root = self.dir("snapshots", name)
+        snap.cleanup_temp(root)
+        return snap.latest_snapshot(root)
+
+    def restore(self, path: Path, *, num_slots: int, dedup_size: int) -> Restored:
+        """The table at snapshot ``path`` (or the newest under it) with its window and positions (empty ones
+        for snapshots written without them)."""
+        if not (path / snap.MANIFEST).is_file():
+            path = snap.latest_snapshot(path) or path
+        table = EmbeddingTable.restore(path)
+        try:
+            raw = snap.read_extra(path, DEDUP_FILE)
+            dedup = (DedupWindow.from_bytes(raw, num_slots=num_slots, size=dedup_size) if raw is not None
+                     else DedupWindow(num_slots, dedup_size))
+            raw = snap.read_extra(path, POSITIONS_FILE)
+            log = SlotLog.from_bytes(raw, num_slots) if raw is not None else SlotLog(num_slots)
+        except (ValueError, KeyError) as exc:
+            table.close()
+            raise InvalidArgument(f"snapshot {path}: {exc}") from None
+        except BaseException:
+            table.close()
+            raise
+        return Restored(table, dedup, log, path)

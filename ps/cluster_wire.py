@@ -1,0 +1,166 @@
+"""Wire form of the cluster: shard maps, table definitions, row blocks and replication items.
+
+The one place (with ``wire`` for the data path) that converts between ``tigana.proto`` messages and our
+dataclasses and numpy arrays. Arrays travel as packed little-endian bytes; decoders check lengths and raise
+``InvalidArgument`` naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tigana.embeddings.rows import RowBatch
+from tigana.proto import shard_pb2 as pb
+from tigana.ps import wire
+from tigana.ps.errors import InvalidArgument
+from tigana.ps.routing import ServerEntry, ShardMap, TableDef
+
+_DURABILITY = {"sync": pb.DURABILITY_SYNC, "async": pb.DURABILITY_ASYNC}
+_DURABILITY_NAME = {pb.DURABILITY_SYNC: "sync", pb.DURABILITY_ASYNC: "async", pb.DURABILITY_DEFAULT: "sync"}
+
+
+def array(data: bytes, dtype: str, *, field: str, count: int | None = None) -> np.ndarray:
+    """Packed bytes -> a read-only numpy array of ``dtype``, checking the size (and ``count`` when given)."""
+    itemsize = np.dtype(dtype).itemsize
+    if len(data) % itemsize:
+        raise InvalidArgument(f"field {field!r} has {len(data)} bytes, not a multiple of {itemsize}")
+    a = np.frombuffer(data, dtype)
+    if count is not None and a.shape[0] != count:
+        raise InvalidArgument(f"field {field!r} has {a.shape[0]} values, expected {count}")
+    return a
+
+
+def packed(a: np.ndarray, dtype: str) -> bytes:
+    return np.ascontiguousarray(a, dtype).tobytes()
+
+
+# --- tables -------------------------------------------------------------------------------------------------
+def table_def_to_pb(t: TableDef) -> pb.TableSpec:
+    spec = wire.spec_to_pb(t.config)
+    spec.durability = _DURABILITY[t.durability]
+    spec.min_copies = t.min_copies
+    return spec
+
+
+def table_def_from_pb(spec: pb.TableSpec) -> TableDef:
+    if spec.durability not in _DURABILITY_NAME:
+        raise InvalidArgument(f"table {spec.name!r}: field 'durability' has unknown value {spec.durability}")
+    try:
+        return TableDef(wire.spec_from_pb(spec), _DURABILITY_NAME[spec.durability], max(1, spec.min_copies))
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
+# --- shard maps ---------------------------------------------------------------------------------------------
+def map_to_pb(m: ShardMap) -> pb.ShardMap:
+    return pb.ShardMap(
+        epoch=m.epoch, num_slots=m.num_slots, replicas=m.replicas,
+        servers=[pb.ServerInfo(id=s.id, address=s.address, boot=s.boot,
+                               state=pb.SERVER_UP if s.up else pb.SERVER_DEAD) for s in m.servers],
+        width=m.width, copies=packed(m.copies, "<i4"), states=packed(m.states, "u1"),
+        slot_epochs=packed(m.slot_epochs, "<u8"),
+        tables=[table_def_to_pb(t) for _, t in sorted(m.tables.items())], cluster_id=m.cluster_id)
+
+
+def map_from_pb(msg: pb.ShardMap) -> ShardMap:
+    n, width = msg.num_slots, msg.width
+    if n < 1 or width < 1:
+        raise InvalidArgument(f"shard map: field 'num_slots'/'width' must be >= 1, got {n}/{width}")
+    copies = array(msg.copies, "<i4", field="ShardMap.copies", count=n * width).reshape(n, width)
+    states = array(msg.states, "u1", field="ShardMap.states", count=n * width).reshape(n, width)
+    slot_epochs = array(msg.slot_epochs, "<u8", field="ShardMap.slot_epochs", count=n)
+    servers = tuple(ServerEntry(s.id, s.address, s.boot, s.state == pb.SERVER_UP) for s in msg.servers)
+    tables = {t.name: table_def_from_pb(t) for t in msg.tables}
+    try:
+        return ShardMap(msg.epoch, n, msg.replicas, servers, copies, states, slot_epochs, tables, msg.cluster_id)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
+# --- rows ---------------------------------------------------------------------------------------------------
+def rows_to_pb(b: RowBatch) -> pb.RowBlock:
+    return pb.RowBlock(ids=packed(b.ids, "<i8"), weights=packed(b.weights, "<f4"), state=packed(b.state, "<f4"),
+                       update_count=packed(b.update_count, "<i8"), last_step=packed(b.last_step, "<i8"),
+                       last_time=packed(b.last_time, "<f8"), dim=int(b.weights.shape[1]),
+                       state_width=int(b.state.shape[1]))
+
+
+def rows_from_pb(msg: pb.RowBlock, *, dim: int, state_width: int, table: str) -> RowBatch:
+    where = f"table {table!r}: RowBlock"
+    if msg.dim != dim or msg.state_width != state_width:
+        raise InvalidArgument(f"{where} has dim {msg.dim} and state width {msg.state_width}, the table "
+                              f"{dim} and {state_width}")
+    ids = array(msg.ids, "<i8", field=f"{where}.ids")
+    n = ids.shape[0]
+    return RowBatch(
+        ids, array(msg.weights, "<f4", field=f"{where}.weights", count=n * dim).reshape(n, dim),
+        array(msg.state, "<f4", field=f"{where}.state", count=n * state_width).reshape(n, state_width),
+        array(msg.update_count, "<i8", field=f"{where}.update_count", count=n),
+        array(msg.last_step, "<i8", field=f"{where}.last_step", count=n),
+        array(msg.last_time, "<f8", field=f"{where}.last_time", count=n))
+
+
+# --- replication items ----------------------------------------------------------------------------------
+CHANGES, SNAPSHOT_BEGIN, SNAPSHOT_ROWS, SNAPSHOT_END, BARRIER = (
+    pb.ITEM_CHANGES, pb.ITEM_SNAPSHOT_BEGIN, pb.ITEM_SNAPSHOT_ROWS, pb.ITEM_SNAPSHOT_END, pb.ITEM_BARRIER)
+KIND_NAMES = {CHANGES: "changes", SNAPSHOT_BEGIN: "snapshot_begin", SNAPSHOT_ROWS: "snapshot_rows",
+              SNAPSHOT_END: "snapshot_end", BARRIER: "barrier"}
+
+
+@dataclass
+class Item:
+    """One replication item, decoded (see ``ReplicationItem`` in shard.proto).
+
+    slots: (k,) int32 routing slots; prev: (k, 2) uint64 (epoch, index) log positions; lsn: (epoch, index)."""
+
+    kind: int
+    table: str
+    slots: np.ndarray
+    lsn: tuple[int, int] = (0, 0)
+    prev: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.uint64))
+    rows: RowBatch | None = None
+    deletes: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    sightings: tuple[np.ndarray, np.ndarray] | None = None
+    step: int = 0
+    dedup: list[tuple[str, int, np.ndarray]] = field(default_factory=list)
+    nbytes: int = 0  # payload size, for batching
+
+    def to_pb(self) -> pb.ReplicationItem:
+        msg = pb.ReplicationItem(kind=self.kind, table=self.table, lsn_epoch=self.lsn[0], lsn_index=self.lsn[1],
+                                 slots=packed(self.slots, "<i4"), step=self.step)
+        if self.prev.size:
+            msg.prev_epochs = packed(self.prev[:, 0], "<u8")
+            msg.prev_indexes = packed(self.prev[:, 1], "<u8")
+        if self.rows is not None and len(self.rows):
+            msg.rows.CopyFrom(rows_to_pb(self.rows))
+        if self.deletes.size:
+            msg.deletes = packed(self.deletes, "<i8")
+        if self.sightings is not None and self.sightings[0].size:
+            msg.sighting_ids = packed(self.sightings[0], "<i8")
+            msg.sighting_counts = packed(self.sightings[1], "<i8")
+        for cid, seq, slots in self.dedup:
+            msg.dedup.add(client_id=cid, seq=seq, slots=packed(slots, "<i4"))
+        return msg
+
+
+def item_from_pb(msg: pb.ReplicationItem, *, dim: int, state_width: int) -> Item:
+    t = msg.table
+    slots = array(msg.slots, "<i4", field=f"table {t!r}: item.slots")
+    prev = np.zeros((0, 2), np.uint64)
+    if msg.prev_epochs or msg.prev_indexes:
+        k = slots.shape[0]
+        prev = np.stack([array(msg.prev_epochs, "<u8", field=f"table {t!r}: item.prev_epochs", count=k),
+                         array(msg.prev_indexes, "<u8", field=f"table {t!r}: item.prev_indexes", count=k)],
+                        axis=1)
+    rows = rows_from_pb(msg.rows, dim=dim, state_width=state_width, table=t) if msg.HasField("rows") else None
+    sightings = None
+    if msg.sighting_ids:
+        ids = array(msg.sighting_ids, "<i8", field=f"table {t!r}: item.sighting_ids")
+        sightings = (ids, array(msg.sighting_counts, "<i8", field=f"table {t!r}: item.sighting_counts",
+                                count=ids.shape[0]))
+    dedup = [(d.client_id, int(d.seq), array(d.slots, "<i4", field=f"table {t!r}: item.dedup.slots"))
+             for d in msg.dedup]
+    return Item(msg.kind, t, slots, (int(msg.lsn_epoch), int(msg.lsn_index)), prev, rows,
+                array(msg.deletes, "<i8", field=f"table {t!r}: item.deletes"), sightings, int(msg.step), dedup)

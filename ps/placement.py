@@ -1,0 +1,255 @@
+"""Placement: where every slot's copies should live. Pure functions over arrays; no I/O, no clock.
+
+The scheduler keeps two matrices of shape (num_slots, width), server indexes with ``NO_SERVER`` padding and
+column 0 the primary: the map's current ``copies`` (with a state per copy) and a ``target``. These functions
+
+- ``initial``: spread primaries in contiguous ranges and each range's replicas over all other servers;
+- ``repair``: drop the copies on servers that are not alive, promote an in-sync copy where the primary went
+  (only an in-sync copy may be promoted: it has every acknowledged update), and add catching-up copies on
+  the least loaded alive servers until each slot has ``1 + replicas`` copies where servers allow;
+- ``balance``: a target in which every alive server leads about ``S / n`` slots and holds about
+  ``S (1 + r) / n`` copies, reached by moving as few copies as possible (a primary moves to a server that
+  already holds an in-sync copy before any data moves);
+- ``step_toward``: one safe step of the current copies toward a target: add the missing copies (catching
+  up), move the primary role to an in-sync target copy, then drop copies the target does not have once the
+  target's copies are in sync. Every intermediate map is valid, so a crash between steps leaves nothing
+  half done: the next step starts from whatever map was persisted.
+
+Invariants every result keeps (property-tested): a slot's copies are on distinct servers; a primary is in
+sync; a slot never loses its last in-sync copy through ``step_toward``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tigana.ps.routing import CATCHING_UP, IN_SYNC, NO_SERVER
+
+__all__ = ["balance", "copy_counts", "initial", "moves", "repair", "step_toward"]
+
+
+def initial(num_servers: int, num_slots: int, replicas: int) -> np.ndarray:
+    """(num_slots, 1 + min(replicas, n - 1)) copies: primaries in contiguous near-equal ranges (as a
+    static shard list), and the replicas of each range spread evenly over the other servers, so a dead
+    server's load falls on all the others rather than on one neighbour."""
+    if num_servers < 1:
+        raise ValueError("placement: need at least one server")
+    r = min(replicas, num_servers - 1)
+    primary = (np.arange(num_slots, dtype=np.int64) * num_servers) // num_slots
+    copies = np.full((num_slots, 1 + r), NO_SERVER, np.int32)
+    copies[:, 0] = primary
+    if r:
+        rank = np.arange(num_slots) - np.searchsorted(primary, primary)  # position within its range
+        for j in range(1, r + 1):
+            offset = 1 + (rank + j - 1) % (num_servers - 1)
+            copies[:, j] = (primary + offset) % num_servers
+    return copies
+
+
+def copy_counts(copies: np.ndarray, num_servers: int) -> tuple[np.ndarray, np.ndarray]:
+    """(primaries per server, copies per server), each (num_servers,) int64."""
+    prim = np.bincount(copies[:, 0][copies[:, 0] >= 0], minlength=num_servers)[:num_servers]
+    flat = copies[copies >= 0]
+    total = np.bincount(flat, minlength=num_servers)[:num_servers]
+    return prim.astype(np.int64), total.astype(np.int64)
+
+
+def _widen(copies: np.ndarray, states: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    if copies.shape[1] >= width:
+        return copies.copy(), states.copy()
+    extra = width - copies.shape[1]
+    return (np.concatenate([copies, np.full((copies.shape[0], extra), NO_SERVER, np.int32)], axis=1),
+            np.concatenate([states, np.zeros((states.shape[0], extra), np.uint8)], axis=1))
+
+
+def repair(copies: np.ndarray, states: np.ndarray, alive: np.ndarray, replicas: int
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """Copies after servers not ``alive`` ((num_servers,) bool) are gone: their copies dropped, the first
+    in-sync survivor promoted where the primary was lost (none: the slot has no primary), and catching-up
+    copies added on the alive servers holding the fewest copies until each slot with a primary has
+    ``1 + replicas`` copies (or every alive server holds one)."""
+    alive = np.asarray(alive, bool)
+    n = alive.shape[0]
+    want = 1 + replicas
+    c, s = _widen(np.asarray(copies, np.int32), np.asarray(states, np.uint8), want)
+    gone = (c >= 0) & ~alive[np.clip(c, 0, None)]
+    c[gone] = NO_SERVER
+    s[gone] = 0
+    # Promotion: only an in-sync copy has every acknowledged update.
+    lost = np.flatnonzero(c[:, 0] < 0)
+    for slot in lost:
+        cand = np.flatnonzero((c[slot, 1:] >= 0) & (s[slot, 1:] == IN_SYNC))
+        if cand.size:
+            j = 1 + int(cand[0])
+            c[slot, 0], c[slot, j] = c[slot, j], NO_SERVER
+            s[slot, 0], s[slot, j] = IN_SYNC, 0
+    # Re-replication onto the least loaded alive servers.
+    _, load = copy_counts(c, n)
+    load = np.where(alive, load, np.iinfo(np.int64).max)
+    have = (c >= 0).sum(axis=1)
+    short = np.flatnonzero((c[:, 0] >= 0) & (have < want))
+    for slot in short:
+        for _ in range(want - int(have[slot])):
+            held = set(c[slot][c[slot] >= 0].tolist())
+            order = np.lexsort((np.arange(n), load))
+            target = next((int(t) for t in order if alive[t] and int(t) not in held), None)
+            if target is None:
+                break
+            free = np.flatnonzero(c[slot] < 0)
+            free = free[free > 0]
+            col = int(free[0])
+            c[slot, col], s[slot, col] = target, CATCHING_UP
+            load[target] += 1
+    return c, s
+
+
+def balance(copies: np.ndarray, alive: np.ndarray, replicas: int,
+            weights: np.ndarray | None = None) -> np.ndarray:
+    """A target placement over the ``alive`` servers that moves as little as possible from ``copies``.
+
+    Each slot keeps ``1 + min(replicas, alive - 1)`` copies on distinct alive servers. Primaries are evened
+    out first (by handing the role to a server that already holds a copy where possible: no data moves),
+    then copies move from the most to the least loaded servers. ``weights`` ((num_slots,) float, default 1)
+    is the load of a slot's copy (rows, request rate...): balancing evens the weighted sums."""
+    alive = np.asarray(alive, bool)
+    n = alive.shape[0]
+    live = np.flatnonzero(alive)
+    if live.size == 0:
+        raise ValueError("placement: no alive server")
+    num_slots = copies.shape[0]
+    w = np.ones(num_slots) if weights is None else np.asarray(weights, float)
+    r = min(replicas, live.size - 1)
+    states = np.zeros(copies.shape, np.uint8)
+    c, _ = repair(copies, states, alive, r)  # dead servers out, every slot topped up
+    # A slot with no primary at all (every copy lost) gets one on the least loaded server.
+    for slot in np.flatnonzero(c[:, 0] < 0):
+        _, load = copy_counts(c, n)
+        cand = [int(t) for t in np.lexsort((np.arange(n), load)) if alive[t]]
+        c[slot, 0] = cand[0]
+    c, _ = repair(c, np.zeros(c.shape, np.uint8), alive, r)
+    c = c[:, :1 + r] if c.shape[1] > 1 + r else c
+    # Drop surplus copies (more than 1 + r) from the most loaded servers.
+    for slot in range(num_slots):
+        extra = np.flatnonzero(c[slot, 1:] >= 0) + 1
+        while extra.size > r:
+            _, load = copy_counts(c, n)
+            j = int(extra[np.argmax(load[c[slot, extra]])])
+            c[slot, j] = NO_SERVER
+            extra = np.flatnonzero(c[slot, 1:] >= 0) + 1
+    _even_primaries(c, alive, w)
+    _even_copies(c, alive, w)
+    return c
+
+
+def _weighted(c: np.ndarray, n: int, w: np.ndarray, primaries: bool) -> np.ndarray:
+    out = np.zeros(n)
+    cols = c[:, :1] if primaries else c
+    for j in range(cols.shape[1]):
+        col = cols[:, j]
+        ok = col >= 0
+        out += np.bincount(col[ok], weights=w[ok], minlength=n)[:n]
+    return out
+
+
+def _even_primaries(c: np.ndarray, alive: np.ndarray, w: np.ndarray) -> None:
+    """Move primary roles from the most to the least loaded alive servers until no move helps."""
+    n = alive.shape[0]
+    for _ in range(c.shape[0]):
+        load = _weighted(c, n, w, primaries=True)
+        load_alive = np.where(alive, load, np.nan)
+        hi, lo = int(np.nanargmax(load_alive)), int(np.nanargmin(load_alive))
+        gap = load[hi] - load[lo]
+        if gap <= 0:
+            return
+        led = np.flatnonzero(c[:, 0] == hi)
+        led = led[w[led] < gap]  # moving it must narrow the gap
+        if led.size == 0:
+            return
+        holds_lo = (c[led] == lo).any(axis=1)
+        # prefer a slot whose copy on ``lo`` exists (a role swap, no data moves), then the heaviest
+        pick = led[np.lexsort((-w[led], ~holds_lo))][0]
+        j = np.flatnonzero(c[pick] == lo)
+        if j.size:
+            c[pick, int(j[0])] = hi  # swap roles: hi keeps a copy as replica
+        c[pick, 0] = lo
+
+
+def _even_copies(c: np.ndarray, alive: np.ndarray, w: np.ndarray) -> None:
+    """Move replica copies from the most to the least loaded alive servers until no move helps."""
+    n = alive.shape[0]
+    if c.shape[1] < 2:
+        return
+    for _ in range(c.shape[0] * c.shape[1]):
+        load = _weighted(c, n, w, primaries=False)
+        load_alive = np.where(alive, load, np.nan)
+        hi, lo = int(np.nanargmax(load_alive)), int(np.nanargmin(load_alive))
+        gap = load[hi] - load[lo]
+        if gap <= 0:
+            return
+        rows, cols = np.nonzero(c[:, 1:] == hi)
+        cols = cols + 1
+        ok = ~(c[rows] == lo).any(axis=1) & (w[rows] < gap)
+        rows, cols = rows[ok], cols[ok]
+        if rows.size == 0:
+            return
+        k = int(np.argmax(w[rows]))
+        c[rows[k], cols[k]] = lo
+
+
+def moves(current: np.ndarray, target: np.ndarray) -> list[tuple[int, list[int], list[int]]]:
+    """Per slot that differs: (slot, copies added, copies removed) in server indexes; primary changes that
+    need no data count as neither."""
+    out = []
+    for slot in np.flatnonzero(_differs(current, target)):
+        cur = set(current[slot][current[slot] >= 0].tolist())
+        tgt = set(target[slot][target[slot] >= 0].tolist())
+        out.append((int(slot), sorted(tgt - cur), sorted(cur - tgt)))
+    return out
+
+
+def _differs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    width = max(a.shape[1], b.shape[1])
+    a = np.concatenate([a, np.full((a.shape[0], width - a.shape[1]), NO_SERVER, np.int32)], axis=1)
+    b = np.concatenate([b, np.full((b.shape[0], width - b.shape[1]), NO_SERVER, np.int32)], axis=1)
+    sa, sb = np.sort(a, axis=1), np.sort(b, axis=1)
+    return (sa != sb).any(axis=1) | (a[:, 0] != b[:, 0])
+
+
+def step_toward(copies: np.ndarray, states: np.ndarray, target: np.ndarray, *, max_new_copies: int | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """One safe step from (copies, states) toward ``target``, for every slot at once:
+
+    1. add each target copy the slot lacks, catching up (at most ``max_new_copies`` slots start copying);
+    2. where every target copy is in sync and the primary differs, hand the primary role to the target's
+       primary (an in-sync copy; the old primary stays as a replica);
+    3. where the primary is the target's and every target copy is in sync, drop the copies not in target.
+
+    Slots without a primary are left alone (nothing can copy from them)."""
+    width = max(copies.shape[1], target.shape[1]) * 2
+    c, s = _widen(np.asarray(copies, np.int32), np.asarray(states, np.uint8), width)
+    started = 0
+    for slot in np.flatnonzero(_differs(c, target)):
+        if c[slot, 0] < 0:
+            continue
+        tgt = [int(x) for x in target[slot] if x >= 0]
+        row = c[slot]
+        missing = [x for x in tgt if x not in row]
+        if missing:
+            if max_new_copies is not None and started >= max_new_copies:
+                continue
+            started += 1
+            for x in missing:
+                col = int(np.flatnonzero(row[1:] < 0)[0]) + 1
+                c[slot, col], s[slot, col] = x, CATCHING_UP
+            continue
+        in_sync = all(s[slot, int(np.flatnonzero(row == x)[0])] == IN_SYNC for x in tgt)
+        if not in_sync:
+            continue
+        if row[0] != tgt[0]:
+            j = int(np.flatnonzero(row == tgt[0])[0])
+            c[slot, 0], c[slot, j] = tgt[0], row[0]
+            continue
+        for j in range(1, c.shape[1]):
+            if c[slot, j] >= 0 and int(c[slot, j]) not in tgt:
+                c[slot, j], s[slot, j] = NO_SERVER, 0
+    return c, s

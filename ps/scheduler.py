@@ -1,0 +1,761 @@
+"""The scheduler: owns the shard map of a cluster, detects failed servers and recovers their slots.
+
+``SchedulerCore`` is the state machine; ``SchedulerService`` its gRPC face; ``start_scheduler`` the one
+function the CLI, tests and benchmarks start it with.
+
+Every change is a new map (epoch + 1) saved in the ``MapStore`` before anyone sees it; servers get it pushed
+(``InstallMap``) and with their heartbeats, clients long-poll ``GetMap``. What changes a map:
+
+- a server registers: a new one is added (and, once ``expect_servers`` are up, the first placement made);
+  a known one with a new boot (it restarted and lost its memory since its last snapshot) has its copies
+  demoted to catching up, so it never leads with stale rows while a valid copy exists elsewhere;
+- a server is declared dead (no heartbeat for ``heartbeat_timeout_s``, or a probe finds its port closed):
+  its copies leave the map; for every slot it led the first in-sync copy is promoted (only an in-sync copy
+  has every acknowledged update); then missing copies are added as catching-up copies on the least loaded
+  servers, which their primaries build with the slot copy;
+- a primary reports a copy failed (it could not stream to it): the copy is demoted to catching up, out of
+  the in-sync set, before the primary acknowledges anything without it (invariant I1 of ``replication``);
+- a primary reports a copy caught up: it joins the in-sync set;
+- tables are created or dropped;
+- the placement moves toward a target (``placement.step_toward``), one safe step per map.
+
+A slot left with no in-sync copy at all (every copy lost its memory, e.g. all servers restarted) gets a
+primary again by an unclean election among the servers that registered with rows of it, by their log
+positions (newest wins): what their snapshots held, so at most the updates since the last snapshot
+interval are lost. Thread-safety: every mutation runs under one lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from tigana.proto import scheduler_pb2 as spb
+from tigana.proto import scheduler_pb2_grpc as spb_grpc
+from tigana.proto import shard_pb2 as pb
+from tigana.proto import shard_pb2_grpc
+from tigana.ps import cluster_wire, placement
+from tigana.ps.errors import InvalidArgument, PSError, TableExists, status_metadata, to_status
+from tigana.ps.mapstore import FileMapStore, MapStore, SchedulerState
+from tigana.ps.routing import (
+    CATCHING_UP,
+    DEFAULT_NUM_SLOTS,
+    IN_SYNC,
+    NO_SERVER,
+    ServerEntry,
+    ShardMap,
+    TableDef,
+    format_slots,
+)
+
+log = logging.getLogger("tigana.ps.scheduler")
+
+SERVICE_NAME = spb.DESCRIPTOR.services_by_name["Scheduler"].full_name
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Settings of a scheduler. ``data_dir`` holds the persisted map (None: a temporary directory).
+
+    replicas: copies per slot besides the primary. heartbeat_timeout_s: a server silent that long is dead
+    (a probe that finds its port closed declares it dead sooner). expect_servers: the first placement waits
+    for this many servers (or ``bootstrap_wait_s`` after the first one registered). auto_rebalance: move
+    slots to servers that join. max_copies_per_step: slots that may start a copy in one placement step."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    data_dir: str | None = None
+    replicas: int = 1
+    num_slots: int = DEFAULT_NUM_SLOTS
+    heartbeat_timeout_s: float = 3.0
+    expect_servers: int = 1
+    bootstrap_wait_s: float = 2.0
+    auto_rebalance: bool = False
+    max_workers: int = 64
+    max_copies_per_step: int | None = None
+    probe_timeout_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.replicas < 0:
+            raise InvalidArgument(f"scheduler config: field 'replicas' must be >= 0, got {self.replicas}")
+        if not self.heartbeat_timeout_s > 0:
+            raise InvalidArgument("scheduler config: field 'heartbeat_timeout_s' must be > 0")
+        if self.expect_servers < 1:
+            raise InvalidArgument("scheduler config: field 'expect_servers' must be >= 1")
+        if self.num_slots < 1:
+            raise InvalidArgument("scheduler config: field 'num_slots' must be >= 1")
+
+
+class SchedulerCore:
+    """The cluster state machine (see the module docstring). ``announce(map)`` is called after every saved
+    change, outside the lock; ``probe(address) -> bool | None`` tells whether a server's port is closed
+    (True), open (False) or unknown (None)."""
+
+    def __init__(self, config: SchedulerConfig, store: MapStore,
+                 announce: Callable[[ShardMap], None] = lambda m: None,
+                 probe: Callable[[str], bool | None] = lambda a: None, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
+        self.config, self.store, self.announce, self.probe, self.clock = config, store, announce, probe, clock
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
+        state = store.load()
+        if state is None:
+            m = ShardMap.empty(config.num_slots, config.replicas, uuid.uuid4().hex[:12])
+            state = SchedulerState(m, m.copies.copy())
+            store.save(state)
+            log.info("new cluster %s (%d slots, %d replica(s)); state in %s", m.cluster_id, m.num_slots,
+                     config.replicas, store.describe())
+        else:
+            log.info("loaded cluster %s at epoch %d from %s: %s", state.map.cluster_id, state.map.epoch,
+                     store.describe(), state.map.summary())
+        if state.map.num_slots != config.num_slots:
+            raise InvalidArgument(f"scheduler: the saved map has {state.map.num_slots} slots, "
+                                  f"--num-slots is {config.num_slots}")
+        self.map: ShardMap = state.map
+        self.target: np.ndarray | None = None if np.array_equal(state.target, state.map.copies) else state.target
+        start = clock()
+        self.started = start
+        # Liveness is not persisted: every server in the map gets a full timeout from this start.
+        self.last_seen: dict[str, float] = {s.id: start for s in self.map.servers}
+        self.heard: set[str] = set()           # servers heard from (register/heartbeat) since this start
+        self.stats: dict[str, dict[str, float]] = {}
+        self.positions: dict[str, dict[str, dict[int, tuple[int, int]]]] = {}  # server -> table -> slot -> pos
+        self.orphaned_since: dict[int, float] = {}  # slot -> when it lost its last in-sync copy
+        self.first_register: float | None = None
+        self._probing: set[str] = set()
+
+    # --- helpers -------------------------------------------------------------------------------------
+    def _commit(self, new: ShardMap, why: str) -> ShardMap:
+        """Save ``new`` (durable), make it current, wake long-polls; announce after the lock is released."""
+        target = self.target if self.target is not None else new.copies
+        self.store.save(SchedulerState(new, np.asarray(target, np.int32)))
+        self.map = new
+        self.cond.notify_all()
+        log.info("epoch %d: %s (%s)", new.epoch, why, new.summary())
+        self._pending_announce = new
+        return new
+
+    def _flush_announce(self) -> None:
+        m = getattr(self, "_pending_announce", None)
+        self._pending_announce = None
+        if m is not None:
+            self.announce(m)
+
+    @contextlib.contextmanager
+    def _mutating(self):
+        with self.lock:
+            yield
+        self._flush_announce()
+
+    def _alive(self) -> np.ndarray:
+        return np.array([s.up for s in self.map.servers], bool)
+
+    # --- servers -----------------------------------------------------------------------------------------
+    def register(self, server_id: str, address: str, boot: str,
+                 positions: dict[str, dict[int, tuple[int, int]]] | None = None) -> ShardMap:
+        """A server (re)joins; returns the map it should install."""
+        if not server_id or not address or not boot:
+            raise InvalidArgument("register: fields 'server_id', 'address' and 'boot' are required")
+        with self._mutating():
+            now = self.clock()
+            self.last_seen[server_id] = now
+            self.heard.add(server_id)
+            if self.first_register is None:
+                self.first_register = now
+            self.positions[server_id] = positions or {}
+            m = self.map
+            i = m.index_of(server_id)
+            if i < 0:
+                servers = (*m.servers, ServerEntry(server_id, address, boot, True))
+                self._commit(m.evolve(servers=servers), f"server {server_id} ({address}) joined")
+            else:
+                s = m.servers[i]
+                if s.boot == boot:
+                    if s.address != address or not s.up:
+                        self._commit(m.evolve(servers=m.replace_server(i, address=address, up=True)),
+                                     f"server {server_id} ({address}) is back")
+                else:
+                    self._restarted(i, address, boot)
+            self._reconcile()
+            return self.map
+
+    def _restarted(self, i: int, address: str, boot: str) -> None:
+        """Server ``i`` came back as a new process: its copies are no longer known to be in sync."""
+        m = self.map
+        copies, states = m.copies.copy(), m.states.copy()
+        alive = self._alive()
+        alive[i] = False  # for promotion purposes its old copies do not count
+        held = np.flatnonzero((copies == i).any(axis=1))
+        promoted = orphaned = 0
+        for slot in held:
+            row = copies[slot]
+            j = int(np.flatnonzero(row == i)[0])
+            if j == 0:
+                cand = [k for k in range(1, row.shape[0])
+                        if row[k] >= 0 and alive[row[k]] and states[slot, k] == IN_SYNC]
+                if cand:
+                    k = cand[0]
+                    copies[slot, 0], copies[slot, k] = row[k], i
+                    states[slot, 0], states[slot, k] = IN_SYNC, CATCHING_UP
+                    promoted += 1
+                else:  # no valid copy left anywhere: an unclean election decides (``_elect``)
+                    copies[slot, 0] = NO_SERVER
+                    states[slot, :] = CATCHING_UP
+                    free = np.flatnonzero(copies[slot, 1:] < 0)
+                    if free.size:
+                        copies[slot, 1 + free[0]] = i
+                    else:
+                        copies = np.concatenate([copies, np.full((copies.shape[0], 1), NO_SERVER, np.int32)], 1)
+                        states = np.concatenate([states, np.zeros((states.shape[0], 1), np.uint8)], 1)
+                        copies[slot, -1] = i
+                        states[slot, -1] = CATCHING_UP
+                    orphaned += 1
+                    self.orphaned_since.setdefault(int(slot), self.clock())
+            else:
+                states[slot, j] = CATCHING_UP
+        servers = m.replace_server(i, address=address, boot=boot, up=True)
+        self._commit(m.evolve(copies=copies, states=states, servers=servers),
+                     f"server {m.servers[i].id} restarted (boot {boot}): {held.size} cop(ies) to rebuild, "
+                     f"{promoted} primar(ies) moved, {orphaned} slot(s) await an election")
+
+    def heartbeat(self, server_id: str, boot: str, epoch: int, stats: dict[str, float] | None = None
+                  ) -> tuple[ShardMap | None, bool]:
+        """(the map when newer than ``epoch``, whether the server must register again)."""
+        with self._mutating():
+            m = self.map
+            i = m.index_of(server_id)
+            if i < 0 or m.servers[i].boot != boot:
+                return None, True
+            now = self.clock()
+            self.last_seen[server_id] = now
+            self.heard.add(server_id)
+            if stats:
+                self.stats[server_id] = dict(stats)
+            if not m.servers[i].up:  # declared dead, yet alive (a pause or a partition): back, empty
+                self._commit(m.evolve(servers=m.replace_server(i, up=True)),
+                             f"server {server_id} is back after being declared dead")
+                self._reconcile()
+            return (self.map if self.map.epoch > epoch else None), False
+
+    def tick(self) -> None:
+        """Failure detection, elections, placement: called a few times a second."""
+        with self._mutating():
+            now = self.clock()
+            timeout = self.config.heartbeat_timeout_s
+            for i, s in enumerate(self.map.servers):
+                if not s.up:
+                    continue
+                silent = now - self.last_seen.get(s.id, self.started)
+                if silent > timeout:
+                    self._declare_dead(i, f"no heartbeat for {silent:.1f}s")
+                elif silent > timeout / 3 and s.id in self.heard and s.id not in self._probing:
+                    self._probe_async(s.id, s.address, s.boot)
+            self._reconcile()
+
+    def _probe_async(self, server_id: str, address: str, boot: str) -> None:
+        self._probing.add(server_id)
+
+        def run() -> None:
+            try:
+                closed = self.probe(address)
+            finally:
+                with self.lock:
+                    self._probing.discard(server_id)
+            if closed:
+                self.dead_if(server_id, boot, f"port {address} closed")
+
+        threading.Thread(target=run, name="tigana-probe", daemon=True).start()
+
+    def unreachable(self, address: str) -> None:
+        """A client or peer could not reach ``address``: probe it now."""
+        with self.lock:
+            for s in self.map.servers:
+                if s.address == address and s.up and s.id not in self._probing:
+                    self._probe_async(s.id, s.address, s.boot)
+
+    def dead_if(self, server_id: str, boot: str, why: str) -> None:
+        """Declare ``server_id`` dead if it is still the incarnation ``boot`` and not heard from meanwhile."""
+        with self._mutating():
+            i = self.map.index_of(server_id)
+            if i < 0 or not self.map.servers[i].up or self.map.servers[i].boot != boot:
+                return
+            self._declare_dead(i, why)
+            self._reconcile()
+
+    def _declare_dead(self, i: int, why: str) -> None:
+        m = self.map
+        alive = self._alive()
+        alive[i] = False
+        before = m.copies
+        copies, states = placement.repair(m.copies, m.states, alive, 0)  # drop + promote only
+        lost = np.flatnonzero((before[:, 0] >= 0) & (copies[:, 0] < 0))
+        now = self.clock()
+        for slot in lost:
+            self.orphaned_since.setdefault(int(slot), now)
+        servers = m.replace_server(i, up=False)
+        promoted = int(((before[:, 0] == i) & (copies[:, 0] >= 0)).sum())
+        self._commit(m.evolve(copies=copies, states=states, servers=servers),
+                     f"server {m.servers[i].id} ({m.servers[i].address}) declared dead: {why}; {promoted} slot(s) "
+                     f"failed over" + (f", {lost.size} left with no in-sync copy" if lost.size else ""))
+
+    # --- reports from primaries ------------------------------------------------------------------------
+    def copy_failed(self, reporter: str, target: str, slots: np.ndarray, reason: str) -> tuple[bool, str]:
+        """``reporter`` could not stream to ``target``: demote target's copies of the reporter's slots."""
+        with self._mutating():
+            m = self.map
+            p, t = m.index_of(reporter), m.index_of(target)
+            if p < 0 or t < 0:
+                return False, "unknown server"
+            slots = np.asarray(slots, np.int64)
+            slots = slots[(slots >= 0) & (slots < m.num_slots)]
+            mine = slots[m.copies[slots, 0] == p]
+            hit = (m.copies[mine] == t) & (m.states[mine] == IN_SYNC)
+            rows, cols = np.nonzero(hit)
+            if rows.size == 0:
+                return True, "nothing to demote"
+            states = m.states.copy()
+            states[mine[rows], cols] = CATCHING_UP
+            self._commit(m.evolve(states=states), f"{rows.size} cop(ies) on {target} out of the in-sync set "
+                                                  f"(reported by {reporter}: {reason})")
+            return True, ""
+
+    def copy_caught_up(self, reporter: str, target: str, slots: np.ndarray) -> tuple[bool, str]:
+        """``reporter`` (the primary) says ``target`` caught up on ``slots``: they join the in-sync set."""
+        with self._mutating():
+            m = self.map
+            p, t = m.index_of(reporter), m.index_of(target)
+            if p < 0 or t < 0 or not m.servers[t].up:
+                return False, "unknown or dead server"
+            slots = np.asarray(slots, np.int64)
+            slots = slots[(slots >= 0) & (slots < m.num_slots)]
+            mine = slots[m.copies[slots, 0] == p]
+            hit = (m.copies[mine] == t) & (m.states[mine] == CATCHING_UP)
+            rows, cols = np.nonzero(hit)
+            if rows.size == 0:
+                return False, "no such catching-up copy (the map changed)"
+            states = m.states.copy()
+            states[mine[rows], cols] = IN_SYNC
+            self._commit(m.evolve(states=states), f"{rows.size} cop(ies) on {target} caught up "
+                                                  f"(slots {format_slots(mine[rows][:8])}...)")
+            self._reconcile()
+            return True, ""
+
+    # --- tables ------------------------------------------------------------------------------------------
+    def create_table(self, spec: TableDef, exist_ok: bool) -> tuple[TableDef, bool]:
+        with self._mutating():
+            m = self.map
+            existing = m.tables.get(spec.config.name)
+            if existing is not None:
+                if existing != spec:
+                    diff = [f.name for f in dataclasses.fields(spec.config)
+                            if getattr(spec.config, f.name) != getattr(existing.config, f.name)]
+                    diff += [f for f in ("durability", "min_copies") if getattr(spec, f) != getattr(existing, f)]
+                    raise TableExists(f"table {spec.config.name!r} already exists with a different spec "
+                                      f"(field(s) {', '.join(diff)} differ)")
+                if not exist_ok:
+                    raise TableExists(f"table {spec.config.name!r} already exists (pass exist_ok to accept it)")
+                return existing, False
+            tables = dict(m.tables)
+            tables[spec.config.name] = spec
+            self._commit(m.evolve(tables=tables), f"table {spec.config.name!r} created ({spec.durability})")
+            return spec, True
+
+    def drop_table(self, name: str) -> bool:
+        with self._mutating():
+            m = self.map
+            if name not in m.tables:
+                return False
+            tables = {k: v for k, v in m.tables.items() if k != name}
+            self._commit(m.evolve(tables=tables), f"table {name!r} dropped")
+            return True
+
+    # --- placement -----------------------------------------------------------------------------------
+    def rebalance(self) -> np.ndarray:
+        """Set the target to a balanced placement over the alive servers; steps follow in ``tick``."""
+        with self._mutating():
+            self.target = placement.balance(self.map.copies, self._alive(), self.config.replicas)
+            self._reconcile()
+            return self.target
+
+    def _reconcile(self) -> None:
+        """First placement, elections, re-replication and one step toward the target (lock held)."""
+        m = self.map
+        alive = self._alive()
+        if not alive.any():
+            return
+        if (m.copies < 0).all():
+            if not self._bootstrap_due(int(alive.sum())):
+                return
+            live = np.flatnonzero(alive)
+            copies = live[placement.initial(live.size, m.num_slots, self.config.replicas)].astype(np.int32)
+            copies[:, 0] = live[placement.initial(live.size, m.num_slots, 0)[:, 0]]
+            self._commit(m.evolve(copies=copies, states=np.zeros(copies.shape, np.uint8)),
+                         f"first placement over {live.size} server(s)")
+            return
+        self._elect()
+        m = self.map
+        copies, states = placement.repair(m.copies, m.states, alive, self.config.replicas)
+        if self.target is not None:
+            self.target = placement.balance(copies, alive, self.config.replicas)  # re-aimed after any change
+            copies, states = placement.step_toward(copies, states, self.target,
+                                                   max_new_copies=self.config.max_copies_per_step)
+            if not placement.moves(copies, self.target) and (states[copies >= 0] == IN_SYNC).all():
+                self.target = None
+        if not (np.array_equal(_pad(copies, m.width), _pad(m.copies, copies.shape[1]))
+                and np.array_equal(_pad(states, m.width), _pad(m.states, states.shape[1]))):
+            self._commit(m.evolve(copies=copies, states=states), "placement step")
+
+    def _bootstrap_due(self, up: int) -> bool:
+        if up >= self.config.expect_servers:
+            return True
+        return self.first_register is not None and self.clock() - self.first_register >= self.config.bootstrap_wait_s
+
+    def _elect(self) -> None:
+        """Unclean elections for slots with no primary and no in-sync copy (see the module docstring)."""
+        m = self.map
+        orphans = np.flatnonzero(m.copies[:, 0] < 0)
+        if orphans.size == 0:
+            self.orphaned_since.clear()
+            return
+        now = self.clock()
+        everyone_heard = all(s.id in self.heard for s in m.servers if s.up)
+        alive = self._alive()
+        copies, states = m.copies.copy(), m.states.copy()
+        chosen = 0
+        for slot in orphans:
+            since = self.orphaned_since.setdefault(int(slot), now)
+            if not everyone_heard and now - since < 2 * self.config.heartbeat_timeout_s:
+                continue
+            best, best_key = -1, None
+            for i, s in enumerate(m.servers):
+                if not alive[i] or s.id not in self.heard:
+                    continue
+                key = tuple(self.positions.get(s.id, {}).get(t, {}).get(int(slot), (0, 0))
+                            for t in sorted(m.tables))
+                if any(k != (0, 0) for k in key) and (best_key is None or key > best_key):
+                    best, best_key = i, key
+            if best < 0:
+                # No server has rows of it: what it held is gone (or it never had any). Start it empty on
+                # the least loaded server, after the wait, so the cluster serves again.
+                if now - since < 2 * self.config.heartbeat_timeout_s and not everyone_heard:
+                    continue
+                _, load = placement.copy_counts(copies, len(m.servers))
+                live = np.flatnonzero(alive)
+                best = int(live[np.argmin(load[live])])
+                log.warning("slot %d: no server holds rows of it; it starts empty on %s", slot, m.servers[best].id)
+            row = copies[slot]
+            j = np.flatnonzero(row == best)
+            if j.size:
+                copies[slot, j[0]] = NO_SERVER
+            copies[slot, 0], states[slot, 0] = best, IN_SYNC
+            self.orphaned_since.pop(int(slot), None)
+            chosen += 1
+        if chosen:
+            self._commit(m.evolve(copies=copies, states=states),
+                         f"unclean election of {chosen} slot(s) with no in-sync copy (newest snapshot wins)")
+
+    # --- reads -------------------------------------------------------------------------------------------
+    def wait_map(self, known_epoch: int, wait_s: float) -> ShardMap | None:
+        """The map when newer than ``known_epoch``, waiting up to ``wait_s`` for one; else None."""
+        deadline = self.clock() + max(0.0, wait_s)
+        with self.cond:
+            while self.map.epoch <= known_epoch:
+                left = deadline - self.clock()
+                if left <= 0:
+                    return None
+                self.cond.wait(min(left, 1.0))
+            return self.map
+
+    def status(self) -> spb.StatusResponse:
+        with self.lock:
+            m = self.map
+            now = self.clock()
+            out = spb.StatusResponse(map=cluster_wire.map_to_pb(m))
+            s = m.summary()
+            out.degraded_slots, out.unavailable_slots = s["degraded_slots"], s["unavailable_slots"]
+            for i, srv in enumerate(m.servers):
+                hit = m.copies == i
+                st = spb.ServerStatus(
+                    info=pb.ServerInfo(id=srv.id, address=srv.address, boot=srv.boot,
+                                       state=pb.SERVER_UP if srv.up else pb.SERVER_DEAD),
+                    last_heartbeat_s=(now - self.last_seen[srv.id]) if srv.id in self.heard else -1.0,
+                    primaries=int(hit[:, 0].sum()), replicas=int((hit[:, 1:] & (m.states[:, 1:] == IN_SYNC)).sum()),
+                    catching_up=int((hit & (m.states == CATCHING_UP)).sum()))
+                st.stats.update(self.stats.get(srv.id, {}))
+                out.servers.append(st)
+            return out
+
+
+def _pad(a: np.ndarray, width: int) -> np.ndarray:
+    if a.shape[1] >= width:
+        return a
+    fill = NO_SERVER if a.dtype == np.int32 else 0
+    return np.concatenate([a, np.full((a.shape[0], width - a.shape[1]), fill, a.dtype)], axis=1)
+
+
+# --- the gRPC service ---------------------------------------------------------------------------------------
+def _handler(method: str) -> Callable:
+    def wrap(fn: Callable) -> Callable:
+        def wrapper(self: SchedulerService, request, context: grpc.ServicerContext):
+            try:
+                return fn(self, request, context)
+            except Exception as exc:  # noqa: BLE001 - a request never takes the scheduler down
+                code, message = to_status(exc)
+                if code == grpc.StatusCode.INTERNAL:
+                    log.exception("%s failed with a bug", method)
+                context.set_trailing_metadata(status_metadata(exc, self.core.map.epoch))
+            context.abort(code, message)
+        wrapper.__name__ = fn.__name__
+        return wrapper
+    return wrap
+
+
+def _positions(infos) -> dict[str, dict[int, tuple[int, int]]]:
+    out: dict[str, dict[int, tuple[int, int]]] = {}
+    for t in infos:
+        slots = cluster_wire.array(t.slots, "<i4", field="positions.slots")
+        ep = cluster_wire.array(t.lsn_epochs, "<u8", field="positions.lsn_epochs", count=slots.shape[0])
+        ix = cluster_wire.array(t.lsn_indexes, "<u8", field="positions.lsn_indexes", count=slots.shape[0])
+        out[t.table] = {int(s): (int(e), int(i)) for s, e, i in zip(slots, ep, ix, strict=True)}
+    return out
+
+
+class SchedulerService(spb_grpc.SchedulerServicer):
+    """The gRPC face of a ``SchedulerCore``."""
+
+    def __init__(self, core: SchedulerCore) -> None:
+        self.core = core
+
+    @_handler("Register")
+    def Register(self, request, context):
+        m = self.core.register(request.server_id, request.address, request.boot, _positions(request.positions))
+        return spb.RegisterResponse(map=cluster_wire.map_to_pb(m))
+
+    @_handler("Heartbeat")
+    def Heartbeat(self, request, context):
+        m, again = self.core.heartbeat(request.server_id, request.boot, request.epoch, dict(request.stats))
+        out = spb.HeartbeatResponse(reregister=again)
+        if m is not None:
+            out.map.CopyFrom(cluster_wire.map_to_pb(m))
+        return out
+
+    @_handler("GetMap")
+    def GetMap(self, request, context):
+        m = self.core.wait_map(request.known_epoch, min(float(request.wait_s), 30.0))
+        out = spb.GetMapResponse(epoch=self.core.map.epoch)
+        if m is not None:
+            out.map.CopyFrom(cluster_wire.map_to_pb(m))
+        return out
+
+    @_handler("ReportCopyFailure")
+    def ReportCopyFailure(self, request, context):
+        slots = cluster_wire.array(request.slots, "<i4", field="slots")
+        ok, msg = self.core.copy_failed(request.reporter, request.target, slots, request.reason)
+        return spb.ReportResponse(epoch=self.core.map.epoch, accepted=ok, message=msg)
+
+    @_handler("CopyCaughtUp")
+    def CopyCaughtUp(self, request, context):
+        slots = cluster_wire.array(request.slots, "<i4", field="slots")
+        ok, msg = self.core.copy_caught_up(request.reporter, request.target, slots)
+        return spb.ReportResponse(epoch=self.core.map.epoch, accepted=ok, message=msg)
+
+    @_handler("ReportUnreachable")
+    def ReportUnreachable(self, request, context):
+        self.core.unreachable(request.address)
+        return spb.ReportResponse(epoch=self.core.map.epoch, accepted=True)
+
+    @_handler("CreateTable")
+    def CreateTable(self, request, context):
+        spec = cluster_wire.table_def_from_pb(request.spec)
+        if spec.durability == "sync" and request.spec.durability == pb.DURABILITY_DEFAULT \
+                and self.core.config.replicas == 0:
+            spec = dataclasses.replace(spec, durability="async")  # nothing to wait for without replicas
+        if spec.min_copies > 1 + self.core.config.replicas:
+            raise InvalidArgument(f"table {spec.config.name!r}: field 'min_copies' is {spec.min_copies}, but the "
+                                  f"cluster keeps {1 + self.core.config.replicas} cop(ies) of a slot")
+        held, created = self.core.create_table(spec, request.exist_ok)
+        return pb.CreateTableResponse(spec=cluster_wire.table_def_to_pb(held), created=created)
+
+    @_handler("DropTable")
+    def DropTable(self, request, context):
+        return pb.DropTableResponse(dropped=self.core.drop_table(request.table))
+
+    @_handler("ListTables")
+    def ListTables(self, request, context):
+        return pb.ListTablesResponse(tables=[cluster_wire.table_def_to_pb(t)
+                                             for _, t in sorted(self.core.map.tables.items())])
+
+    @_handler("Status")
+    def Status(self, request, context):
+        return self.core.status()
+
+
+# --- running it ---------------------------------------------------------------------------------------------
+class _Announcer:
+    """Pushes every new map to the servers that are up (latest map only; a server that misses one gets the
+    next, or fetches it with its heartbeat)."""
+
+    def __init__(self, max_message_bytes: int = 64 << 20) -> None:
+        self._latest: ShardMap | None = None
+        self._cond = threading.Condition()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._pool = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="tigana-announce")
+        self._closed = False
+        self._options = [("grpc.max_send_message_length", max_message_bytes),
+                         ("grpc.max_receive_message_length", max_message_bytes),
+                         ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                         ("grpc.max_reconnect_backoff_ms", 1000)]
+        self._thread = threading.Thread(target=self._run, name="tigana-announcer", daemon=True)
+        self._thread.start()
+
+    def __call__(self, m: ShardMap) -> None:
+        with self._cond:
+            if self._latest is None or m.epoch > self._latest.epoch:
+                self._latest = m
+                self._cond.notify_all()
+
+    def channel(self, address: str) -> grpc.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.insecure_channel(address, options=self._options)
+        return ch
+
+    def _run(self) -> None:
+        sent = 0
+        while True:
+            with self._cond:
+                while not self._closed and (self._latest is None or self._latest.epoch <= sent):
+                    self._cond.wait()
+                if self._closed:
+                    return
+                m = self._latest
+            request = pb.InstallMapRequest(map=cluster_wire.map_to_pb(m))
+            calls = []
+            for s in m.servers:
+                if s.up:
+                    stub = shard_pb2_grpc.ShardStub(self.channel(s.address))
+                    calls.append(self._pool.submit(_quiet_call, stub.InstallMap, request, 2.0))
+            futures.wait(calls, timeout=3.0)
+            sent = m.epoch
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for ch in self._channels.values():
+            ch.close()
+
+
+def _quiet_call(method, request, timeout: float) -> None:
+    with contextlib.suppress(grpc.RpcError, ValueError):
+        method(request, timeout=timeout)
+
+
+def probe_closed(address: str, timeout_s: float = 0.5) -> bool | None:
+    """True when nothing listens at ``address`` (connection refused), False when a health check answered,
+    None when it timed out (a paused or partitioned server: the heartbeat timeout decides)."""
+    channel = grpc.insecure_channel(address, options=[("grpc.initial_reconnect_backoff_ms", 50)])
+    try:
+        stub = health_pb2_grpc.HealthStub(channel)
+        stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        return False
+    except grpc.RpcError as err:
+        if err.code() == grpc.StatusCode.UNAVAILABLE:
+            return True
+        return None
+    finally:
+        channel.close()
+
+
+class SchedulerHandle:
+    """A running scheduler: ``address``, ``core``, ``close()`` (idempotent)."""
+
+    def __init__(self, config: SchedulerConfig, store: MapStore | None = None) -> None:
+        self.config = config
+        self._tmp = None
+        if store is None:
+            data_dir = config.data_dir
+            if data_dir is None:
+                import tempfile
+
+                self._tmp = tempfile.TemporaryDirectory(prefix="tigana-scheduler-")
+                data_dir = self._tmp.name
+            store = FileMapStore(data_dir)
+        self.announcer = _Announcer()
+        self.core = SchedulerCore(config, store, announce=self.announcer,
+                                  probe=lambda a: probe_closed(a, config.probe_timeout_s))
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers,
+                                                              thread_name_prefix="tigana-scheduler"),
+                                   options=[("grpc.max_send_message_length", 64 << 20),
+                                            ("grpc.max_receive_message_length", 64 << 20),
+                                            ("grpc.so_reuseport", 0)])
+        spb_grpc.add_SchedulerServicer_to_server(SchedulerService(self.core), self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        port = 0
+        try:
+            port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        except RuntimeError:
+            port = 0
+        if not port:
+            self.announcer.close()
+            raise OSError(f"cannot bind {config.host}:{config.port} (port in use or address not local)")
+        self.port = port
+        host = "127.0.0.1" if config.host in ("", "0.0.0.0", "[::]", "::") else config.host
+        self.address = f"{host}:{port}"
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, name="tigana-scheduler-tick", daemon=True)
+        self._closed = False
+
+    def _tick(self) -> None:
+        interval = min(0.2, self.config.heartbeat_timeout_s / 10)
+        while not self._stop.wait(interval):
+            try:
+                self.core.tick()
+            except Exception:  # noqa: BLE001 - keep detecting failures whatever happened
+                log.exception("scheduler tick failed")
+
+    def start(self) -> SchedulerHandle:
+        self._server.start()
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        self._ticker.start()
+        self.announcer(self.core.map)
+        return self
+
+    def close(self, grace: float = 1.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._server.stop(grace).wait()
+        self.announcer.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> SchedulerHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def start_scheduler(config: SchedulerConfig | None = None, store: MapStore | None = None) -> SchedulerHandle:
+    """Bind and start a scheduler; returns its handle (serving at once)."""
+    return SchedulerHandle(config or SchedulerConfig(), store).start()
+
+
+__all__ = ["PSError", "SchedulerConfig", "SchedulerCore", "SchedulerHandle", "SchedulerService", "probe_closed",
+           "start_scheduler"]
