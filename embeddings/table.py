@@ -677,6 +677,7 @@ class EmbeddingTable:
         the others apply them as replicated removals, so every copy holds the same rows."""
         with self._lock:
             self._evictable = evictable
+            self._protected = 0  # recounted by the next eviction pass
 
     def stored_ids(self) -> np.ndarray:
         """Every stored id (resident and spilled), (k,) int64 in no set order."""

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import numpy as np
 from google.protobuf import json_format
 
 from tigana.embeddings import EmbeddingTable
@@ -112,11 +113,14 @@ class Catalog:
         return str(self.dir("spill", name))
 
     # --- snapshots --------------------------------------------------------------------------------------
-    def snapshot(self, table: EmbeddingTable, dedup: DedupWindow, log: SlotLog, *, incremental: bool) -> Path:
+    def snapshot(self, table: EmbeddingTable, dedup: DedupWindow, log: SlotLog, *, incremental: bool,
+                 complete: np.ndarray | None = None) -> Path:
         """Snapshot ``table`` with its exactly-once window and log positions (the caller holds its write
-        lock, so the three agree)."""
+        lock, so the three agree). Positions are kept only for ``complete`` slots (a copy still catching up
+        has rows missing: it must never win an election by its position)."""
         return Path(table.snapshot(self.dir("snapshots", table.name), incremental=incremental,
-                                   extra_files={DEDUP_FILE: dedup.to_bytes(), POSITIONS_FILE: log.to_bytes()}))
+                                   extra_files={DEDUP_FILE: dedup.to_bytes(),
+                                                POSITIONS_FILE: log.to_bytes(complete)}))
 
     def prune(self, name: str, keep: int) -> None:
         """Delete the snapshots older than the newest ``keep`` full ones (0 keeps all)."""

@@ -1,9 +1,11 @@
-"""The client trainers use: pull rows from and push gradients to the shard servers that own them.
+"""The client trainers use: pull rows from and push gradients to the shard servers that lead them.
 
-A batch of ids is deduplicated, routed id -> slot -> server, sent to every owner in parallel (one RPC per
-server, more only when a batch is above ``ClientConfig.chunk_bytes``) and reassembled in the order of the ids.
-Pushes are asynchronous and bounded per server; pulls honour the table's staleness bound against this
-client's own pushes. Every call has a deadline; idempotent calls are retried on UNAVAILABLE only; every
+A batch of ids is deduplicated, routed id -> slot -> server, sent to every primary in parallel (one RPC per
+server, more only when a batch is above ``ClientConfig.chunk_bytes``) and reassembled in the order of the ids
+(``datapath``). With a scheduler the client follows its shard map (``mapfollower``): a message refused with
+``WrongShard``, or sent to a server that died, is routed again by the newest map, transparently, with the
+same (client id, seq), which the servers apply exactly once. Pushes are asynchronous and bounded per server;
+pulls honour the table's staleness bound against this client's own pushes. Every call has a deadline; every
 gRPC error reaches the user as a ``tigana.ps`` exception.
 
 Thread-safety: a ``Client`` may be shared by threads; results are delivered through
@@ -15,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent import futures as cf
@@ -24,20 +28,22 @@ from typing import Any
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tigana.embeddings import config as cfg
 from tigana.embeddings.errors import InvalidArgument as StorageInvalidArgument
 from tigana.proto import shard_pb2 as pb
-from tigana.proto import shard_pb2_grpc as pb_grpc
-from tigana.ps import _kernels, routing, wire
+from tigana.ps import routing, wire
 from tigana.ps.channels import Call, RetryPolicy, channel_options
 from tigana.ps.config import parse_bytes
 from tigana.ps.daemon import tune_allocator
-from tigana.ps.errors import Internal, InvalidArgument, PSError, Unavailable
+from tigana.ps.datapath import Attempt, PullOp, PushOp, Route, Server, new_future
+from tigana.ps.errors import InvalidArgument, PSError, TableNotFound, Unavailable, from_rpc_error
+from tigana.ps.mapfollower import MapFollower
+
+log = logging.getLogger("tigana.ps.client")
 
 MiB = 1 << 20
-_PULL = "/tigana.v1.Shard/Pull"
-_PUSH = "/tigana.v1.Shard/Push"
 # describe_table sums shard stats except these (kept per shard in TableInfo.shards / taken from one shard).
 _PER_SHARD_ONLY = frozenset({"checksum"})
 _SAME_ON_EVERY_SHARD = frozenset({"dim", "state_width"})
@@ -55,6 +61,8 @@ class ClientConfig:
     outstanding per server before ``push`` blocks (back-pressure). ``num_slots`` must match the servers'.
     ``tune_allocator``: at connect, raise glibc's mmap/trim thresholds for this process (process-wide, as
     ``tigana server`` does) so multi-MiB message buffers are reused instead of mapped and faulted in per call.
+    With a scheduler: a data-path call is re-routed until ``failover_timeout_s`` passes; the map is
+    long-polled ``map_poll_s`` at a time.
     """
 
     timeout_s: float = 60.0
@@ -70,13 +78,15 @@ class ClientConfig:
     reconnect_backoff_s: float = 0.1
     num_slots: int = routing.DEFAULT_NUM_SLOTS
     tune_allocator: bool = True
+    failover_timeout_s: float = 60.0
+    map_poll_s: float = 10.0
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> InvalidArgument:
             return InvalidArgument(f"client config: field {name!r} {why}, got {getattr(self, name)!r}")
 
         for name in ("timeout_s", "admin_timeout_s", "keepalive_time_s", "keepalive_timeout_s",
-                     "reconnect_backoff_s"):
+                     "reconnect_backoff_s", "failover_timeout_s", "map_poll_s"):
             if not getattr(self, name) > 0:
                 raise bad(name, "must be > 0")
         if self.max_attempts < 1:
@@ -145,20 +155,6 @@ class TableInfo:
         return int(self.stats.get("rows", 0))
 
 
-class _Server:
-    __slots__ = ("address", "channel", "stub", "pull", "push", "slots")
-
-    def __init__(self, address: str, options: list, max_pushes_in_flight: int) -> None:
-        self.address = address
-        self.channel = grpc.insecure_channel(address, options=options)
-        self.stub = pb_grpc.ShardStub(self.channel)
-        self.pull = self.channel.unary_unary(_PULL, request_serializer=wire.identity,
-                                             response_deserializer=wire.decode_pull_response)
-        self.push = self.channel.unary_unary(_PUSH, request_serializer=wire.identity,
-                                             response_deserializer=pb.PushResponse.FromString)
-        self.slots = threading.BoundedSemaphore(max_pushes_in_flight)
-
-
 class _Table:
     """Client-side state of one table: dim, codecs, staleness bound, this client's unacknowledged pushes."""
 
@@ -174,12 +170,6 @@ class _Table:
         self.stale_max = 0
         self.stale_waits = 0
         self.bytes = {"sent": {"pull": 0, "push": 0}, "received": {"pull": 0, "push": 0}}
-
-
-def _new_future() -> cf.Future:
-    fut: cf.Future = cf.Future()
-    fut.set_running_or_notify_cancel()  # results come from the wire; cancel() cannot stop a sent push
-    return fut
 
 
 def _to_numpy(x: Any) -> np.ndarray:
@@ -237,49 +227,22 @@ class _Countdown:
             self._fn()
 
 
-class _Fanout:
-    """Counts the parts of one pull or push in flight and keeps the first error."""
-
-    def __init__(self, parts: int) -> None:
-        self.left = parts
-        self.error: PSError | None = None
-        self.lock = threading.Lock()
-
-    def part_done(self, error: PSError | None) -> bool:
-        """Record one part; True when this was the last part and every part succeeded."""
-        with self.lock:
-            self.left -= 1
-            if error is not None and self.error is None:
-                self.error = error
-                first_error = True
-            else:
-                first_error = False
-            last = self.left == 0
-        if first_error:
-            return False
-        return last and self.error is None
-
-
 class Client:
-    """A connection to a static list of shard servers (slot ranges by ``routing.static_assignment``).
+    """A connection to a cluster: a scheduler (``scheduler=``: its shard map routes every id, and follows
+    failovers and moves) or a static list of shard servers (contiguous slot ranges, ``routing.static_assignment``).
 
     Use ``connect``. Also a context manager: leaving it flushes pushes and closes the channels.
     """
 
-    def __init__(self, addresses: Sequence[str], config: ClientConfig | None = None) -> None:
-        if isinstance(addresses, str):
-            addresses = [a for a in addresses.split(",") if a.strip()]
-        addresses = [a.strip() for a in addresses]
-        if not addresses:
-            raise InvalidArgument("connect: field 'addresses' is empty; expected host:port of every shard")
+    def __init__(self, addresses: Sequence[str] | None = None, config: ClientConfig | None = None, *,
+                 scheduler: str | None = None) -> None:
         self.config = config or ClientConfig()
         if self.config.tune_allocator:
             tune_allocator()
         self.client_id = uuid.uuid4().hex
-        options = channel_options(self.config.max_message_bytes, self.config.keepalive_time_s,
-                                  self.config.keepalive_timeout_s, self.config.reconnect_backoff_s)
-        self._servers = [_Server(a, options, self.config.max_pushes_in_flight) for a in addresses]
-        self._owner_of_slot = routing.static_assignment(len(addresses), self.config.num_slots)
+        self._options = channel_options(self.config.max_message_bytes, self.config.keepalive_time_s,
+                                        self.config.keepalive_timeout_s, self.config.reconnect_backoff_s)
+        self._server_cache: dict[str, Server] = {}
         self._retry = self.config.retry
         self._seq = itertools.count(1)
         self._seq_lock = threading.Lock()
@@ -289,18 +252,78 @@ class Client:
         self._counters = {"pulls": 0, "pushes": 0, "rows_pulled": 0, "rows_pushed": 0, "retries": 0,
                           "push_errors": 0, "pull_errors": 0}
         self._push_errors: list[PSError] = []
+        self._unraised: list[PSError] = []
         self._closed = False
+        self._map: routing.ShardMap | None = None
+        self._maps: MapFollower | None = None
+        if scheduler is not None:
+            self._maps = MapFollower(scheduler, self._on_map, self._options, self.config.map_poll_s)
+            try:
+                self._maps.fetch(self.config.timeout_s)
+            except BaseException:
+                self._maps.close()
+                raise
+            self._maps.start()
+        else:
+            if isinstance(addresses, str):
+                addresses = [a for a in addresses.split(",") if a.strip()]
+            addresses = [a.strip() for a in addresses or []]
+            if not addresses:
+                raise InvalidArgument("connect: field 'addresses' is empty; expected host:port of every shard "
+                                      "or scheduler=host:port")
+            servers = [self._server(a) for a in addresses]
+            self._route = Route(0, servers, routing.static_assignment(len(addresses), self.config.num_slots))
+            self._servers = servers
+
+    # --- routing ------------------------------------------------------------------------------------------
+    def _server(self, address: str) -> Server:
+        s = self._server_cache.get(address)
+        if s is None:
+            s = self._server_cache[address] = Server(address, self._options, self.config.max_pushes_in_flight)
+        return s
+
+    def _on_map(self, m: routing.ShardMap) -> None:
+        """A newer map: route by its primaries from now on (operations in flight keep their route)."""
+        if m.num_slots != self.config.num_slots:
+            log.warning("shard map has %d slots, the client expects %d", m.num_slots, self.config.num_slots)
+        servers = [self._server(s.address) for s in m.servers]
+        self._map = m
+        self._route = Route(m.epoch, servers, m.primary_of_slot())
+        self._servers = [servers[i] for i, s in enumerate(m.servers) if s.up]
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the map this client routes by (0: a static shard list)."""
+        return self._route.epoch
+
+    @property
+    def shard_map(self) -> routing.ShardMap | None:
+        """The scheduler's map as this client last saw it (None for a static shard list)."""
+        return self._map
+
+    @property
+    def scheduler(self) -> str | None:
+        return ",".join(self._maps.addresses) if self._maps is not None else None
 
     # --- lifecycle ----------------------------------------------------------------------------------------
     @property
     def addresses(self) -> list[str]:
+        """The shard servers: the static list, or the servers up in the current map."""
         return [s.address for s in self._servers]
 
     def wait_ready(self, timeout_s: float = 10.0) -> None:
-        """Block until every server's channel is connected; ``Unavailable`` naming the first that is not."""
+        """Block until every slot has a primary (with a scheduler) and every server's channel is connected;
+        ``Unavailable`` naming the first that is not."""
+        deadline = time.monotonic() + timeout_s
+        if self._maps is not None:
+            while self._map is None or (self._map.primary_of_slot() < 0).any():
+                if time.monotonic() >= deadline:
+                    raise Unavailable(f"scheduler {self.scheduler}: slots without a primary after {timeout_s}s")
+                self._maps.refresh()
+                time.sleep(0.05)
         for s in self._servers:
             try:
-                grpc.channel_ready_future(s.channel).result(timeout=timeout_s)
+                grpc.channel_ready_future(s.channel).result(timeout=max(0.01, deadline - time.monotonic()))
             except grpc.FutureTimeoutError:
                 raise Unavailable(f"{s.address}: not reachable within {timeout_s}s") from None
 
@@ -312,7 +335,9 @@ class Client:
             self.flush()
         finally:
             self._closed = True
-            for s in self._servers:
+            if self._maps is not None:
+                self._maps.close()
+            for s in self._server_cache.values():
                 s.channel.close()
 
     def __enter__(self) -> Client:
@@ -330,14 +355,18 @@ class Client:
                      initializer: cfg.Initializer | None = None, *, seed: int = 0, dtype: str = "float32",
                      admission: cfg.Admission | None = None, eviction: cfg.Eviction | None = None,
                      memory_budget: int | None = None, staleness: int | None = 0,
-                     compression: Any = None, exist_ok: bool = True) -> cfg.TableConfig:
+                     compression: Any = None, exist_ok: bool = True, durability: str | None = None,
+                     min_copies: int = 1) -> cfg.TableConfig:
         """Create ``name`` on every shard (an identical existing table is fine when ``exist_ok``).
 
         ``memory_budget`` is per shard (bytes of resident rows, or a size such as ``"1GiB"``). ``staleness``:
         k = a pull waits until this client's pushes older than its last k are applied (0: read your writes;
         None: fully asynchronous).
         ``compression``: a codec name for both directions, ``{"pull": .., "push": ..}`` or ``Compression``.
-        Returns the config the servers hold."""
+        ``durability`` (with a scheduler): "sync" (the default when the cluster has replicas: a push is
+        acknowledged once every in-sync copy has it) or "async" (acknowledged at once; replicas follow, the
+        lag is in ``server_stats``). ``min_copies``: with sync, pushes to a slot with fewer in-sync copies
+        are rejected with ``NotEnoughReplicas`` (never silently weakened). Returns the config the servers hold."""
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"create_table: field 'name' must be a non-empty string, got {name!r}")
         if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 1:
@@ -352,6 +381,10 @@ class Client:
                                   f"{sorted(c.__name__ for c in cfg.INITIALIZERS.values())}, got {initializer!r}")
         _check_staleness(name, staleness)
         comp = Compression.of(compression, table=name)
+        if durability not in (None, "sync", "async"):
+            raise InvalidArgument(f"table {name!r}: field 'durability' must be 'sync' or 'async', got {durability!r}")
+        if isinstance(min_copies, bool) or not isinstance(min_copies, (int, np.integer)) or min_copies < 1:
+            raise InvalidArgument(f"table {name!r}: field 'min_copies' must be an integer >= 1, got {min_copies!r}")
         if memory_budget is not None:  # bytes or a size such as "8GiB"; 0 is no budget
             memory_budget = parse_bytes(memory_budget, field=f"table {name!r}: field 'memory_budget'") or None
         if not 0 <= int(seed) < 1 << 64:
@@ -365,15 +398,51 @@ class Client:
             raise InvalidArgument(str(exc)) from None
         spec = wire.spec_to_pb(config)
         wire.spec_from_pb(spec)  # validates kinds, dtype, policy here, naming the field
+        spec.durability = {None: pb.DURABILITY_DEFAULT, "sync": pb.DURABILITY_SYNC,
+                           "async": pb.DURABILITY_ASYNC}[durability]
+        spec.min_copies = int(min_copies)
         request = pb.CreateTableRequest(spec=spec, exist_ok=exist_ok)
-        replies = self._call_all("CreateTable", lambda _: request, retry=exist_ok)
-        held = wire.spec_from_pb(replies[0].spec) if replies[0].HasField("spec") else config
+        if self._maps is not None:
+            reply = self._scheduler_call("CreateTable", request)
+            held = wire.spec_from_pb(reply.spec)
+            self._await_table(name)
+        else:
+            replies = self._call_all("CreateTable", lambda _: request, retry=exist_ok)
+            held = wire.spec_from_pb(replies[0].spec) if replies[0].HasField("spec") else config
         with self._tables_lock:
             self._tables[name] = _Table(name, held.dim, comp, staleness)
         return held
 
+    def _await_table(self, name: str, timeout_s: float = 30.0) -> None:
+        """Wait until every server of the map serves ``name`` (they create it when they install the map)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._call_all("DescribeTable", lambda _: pb.DescribeTableRequest(table=name), retry=True)
+                return
+            except (TableNotFound, Unavailable):
+                if time.monotonic() >= deadline:
+                    raise
+                self._maps.refresh()  # type: ignore[union-attr]
+                time.sleep(0.05)
+
+    def _scheduler_call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
+        assert self._maps is not None
+        deadline = time.monotonic() + (timeout_s or self.config.timeout_s)
+        while True:
+            try:
+                return getattr(self._maps.stub, method)(request, timeout=max(0.5, deadline - time.monotonic()))
+            except grpc.RpcError as err:
+                error = from_rpc_error(err, self._maps.address)
+                if not isinstance(error, Unavailable) or time.monotonic() >= deadline:
+                    raise error from None
+                self._maps._failover()
+                self._note_retry()
+                time.sleep(0.1)
+
     def describe_table(self, name: str) -> TableInfo:
-        """The table's config and stats (summed over shards; ``shards`` per address)."""
+        """The table's config and stats (summed over shards; ``shards`` per address). With replicas, ``rows``
+        counts each row once (at its primary)."""
         replies = self._call_all("DescribeTable", lambda _: pb.DescribeTableRequest(table=name), retry=True)
         config = wire.spec_from_pb(replies[0].spec)
         shards = {s.address: dict(r.stats.values) for s, r in zip(self._servers, replies, strict=True)}
@@ -383,6 +452,8 @@ class Client:
                 if k in _PER_SHARD_ONLY:
                     continue
                 total[k] = v if k in _SAME_ON_EVERY_SHARD else total.get(k, 0.0) + v
+        if "rows_led" in total:
+            total["rows"] = total["rows_led"]
         return TableInfo(config, total, shards)
 
     def drop_table(self, name: str) -> bool:
@@ -392,13 +463,20 @@ class Client:
             with st.lock:
                 pending = list(st.pending.values())
             cf.wait(pending)
-        replies = self._call_all("DropTable", lambda _: pb.DropTableRequest(table=name), retry=False)
+        if self._maps is not None:
+            dropped = bool(self._scheduler_call("DropTable", pb.DropTableRequest(table=name)).dropped)
+        else:
+            replies = self._call_all("DropTable", lambda _: pb.DropTableRequest(table=name), retry=False)
+            dropped = any(r.dropped for r in replies)
         with self._tables_lock:
             self._tables.pop(name, None)
-        return any(r.dropped for r in replies)
+        return dropped
 
     def list_tables(self) -> list[str]:
         """Names of the tables on any shard, sorted."""
+        if self._maps is not None:
+            reply = self._scheduler_call("ListTables", pb.ListTablesRequest())
+            return sorted(t.name for t in reply.tables)
         replies = self._call_all("ListTables", lambda _: pb.ListTablesRequest(), retry=True)
         return sorted({t.name for r in replies for t in r.tables})
 
@@ -414,21 +492,24 @@ class Client:
         st.pull_codec, st.push_codec = wire.codec_of(comp.pull), wire.codec_of(comp.push)
 
     # --- data path ----------------------------------------------------------------------------------------
-    def pull(self, table: str, ids: Any) -> np.ndarray:
+    def pull(self, table: str, ids: Any, *, insert: bool = True) -> np.ndarray:
         """Rows of ``ids`` (int64 numpy array or torch tensor; any values, duplicates allowed) as float32
-        ``ids.shape + (dim,)``, in the order of ids. Waits for this client's pushes per the staleness bound."""
-        return self.pull_async(table, ids).result()
+        ``ids.shape + (dim,)``, in the order of ids. Waits for this client's pushes per the staleness bound.
+        ``insert=False`` (evaluation, serving): missing ids read as their initial row and nothing is
+        inserted or counted toward admission."""
+        return self.pull_async(table, ids, insert=insert).result()
 
-    def pull_async(self, table: str, ids: Any) -> cf.Future:
+    def pull_async(self, table: str, ids: Any, *, insert: bool = True) -> cf.Future:
         """Like ``pull`` but returns at once a future of the rows (to prefetch the next batch)."""
+        self._raise_stored()
         st = self._state(table)
         ids = _as_ids(ids, table)
-        fut = _new_future()
+        fut = new_future()
         if ids.size == 0:
             fut.set_result(np.empty(ids.shape + (st.dim,), np.float32))
             return fut
-        uniq, starts, src = self._group(np.ascontiguousarray(ids.reshape(-1)))
-        op = _PullOp(self, st, fut, uniq, starts, src, ids.shape)
+        op = PullOp(self, st, fut, np.ascontiguousarray(ids.reshape(-1)), ids.shape, self._attempt(),
+                    read_only=not insert)
         self._after_own_pushes(st, op.start)
         return fut
 
@@ -436,22 +517,24 @@ class Client:
         """Send gradients of ``ids`` ((n,) ints) as ``grads`` ((n, dim) float, numpy or torch; duplicates are
         summed). Returns at once a future of the rows applied; blocks only while ``max_pushes_in_flight``
         messages to a server are outstanding. Inputs are checked (dtype, shape, NaN/Inf) before anything is
-        sent, so a bad batch changes nothing."""
+        sent, so a bad batch changes nothing. A failed earlier push raises here (and at ``flush``)."""
+        self._raise_stored()
         st = self._state(table)
         ids = _as_ids(ids, table).reshape(-1)
         grads = _as_grads(grads, ids, st.dim, table)
-        fut = _new_future()
+        fut = new_future()
         if ids.size == 0:
             fut.set_result(0)
             return fut
-        uniq, summed, starts, finite = self._group(np.ascontiguousarray(ids), grads)
+        route = self._route
+        uniq, summed, starts, finite = route.group(np.ascontiguousarray(ids), grads)
         if not finite:
             _check_finite(grads, table)
-        _PushOp(self, st, fut, uniq, summed, starts).start()
+        PushOp(self, st, fut, uniq, summed, starts, route, self._next_seq(), self._attempt()).start()
         return fut
 
     def flush(self) -> None:
-        """Wait for every push in flight; raise the first push error since the last flush."""
+        """Wait for every push in flight; raise the first push error not raised yet."""
         with self._tables_lock:
             tables = list(self._tables.values())
         pending: list[cf.Future] = []
@@ -461,8 +544,30 @@ class Client:
         cf.wait(pending)
         with self._stats_lock:
             errors, self._push_errors = self._push_errors, []
+            self._unraised = []
         if errors:
             raise errors[0]
+
+    def _raise_stored(self) -> None:
+        """Raise (once) a push error that arrived since the last call, instead of only at ``flush``."""
+        if not self._unraised:
+            return
+        with self._stats_lock:
+            errors, self._unraised = self._unraised, []
+            self._push_errors = [e for e in self._push_errors if e not in errors]
+        if errors:
+            raise errors[0]
+
+    def _push_failed(self, error: PSError) -> None:
+        with self._stats_lock:
+            self._counters["push_errors"] += 1
+            self._push_errors.append(error)
+            self._unraised.append(error)
+
+    def _attempt(self) -> Attempt:
+        limit = self.config.failover_timeout_s if self._maps is not None else self.config.timeout_s * \
+            self.config.max_attempts
+        return Attempt(1, time.monotonic() + limit)
 
     # --- operations ---------------------------------------------------------------------------------------
     def snapshot(self, incremental: bool = False) -> dict[str, list[str]]:
@@ -477,6 +582,9 @@ class Client:
 
         ``path`` may also be what ``snapshot`` returned ({address: [table snapshot paths]}): each shard then
         restores exactly its own listed snapshots (one Restore per path), e.g. to resume a checkpoint."""
+        if self._maps is not None:
+            raise InvalidArgument("restore: a cluster with a scheduler keeps its copies by replication; restore "
+                                  "a cluster checkpoint through `tigana admin restore`")
         if not isinstance(path, str):
             return self._restore_each(path)
         replies = self._call_all("Restore", lambda _: pb.RestoreRequest(path=path), retry=False,
@@ -491,24 +599,27 @@ class Client:
         rows = {s.address: 0 for s in self._servers}
         for s in self._servers:
             for p in by_address.get(s.address, []):
-                fut = _new_future()
+                fut = new_future()
                 Call(s.stub.Restore, pb.RestoreRequest(path=p), s.address, self.config.admin_timeout_s, None,
                      _settle_into(fut), self._note_retry).start()
                 rows[s.address] += int(fut.result().rows)
         return rows
 
     def server_stats(self, table: str = "") -> dict[str, dict[str, dict[str, float]]]:
-        """Per address, per table, the server's counters (rows, bytes, requests...)."""
+        """Per address, per table, the server's counters (rows, bytes, requests, replication lag...)."""
         replies = self._call_all("Stats", lambda _: pb.StatsRequest(table=table), retry=True)
         return {s.address: {t.table: dict(t.values) for t in r.tables} for s, r in zip(self._servers, replies, strict=True)}
 
     def stats(self) -> dict[str, Any]:
-        """This client's counters: pulls, pushes, rows, retries, errors, pushes in flight, and per table the
-        bytes sent/received by direction and the staleness observed (unacknowledged own pushes when a pull
-        was sent: last and max) with the bound, the table's step (pushes issued) and how many pulls waited."""
+        """This client's counters: pulls, pushes, rows, retries, errors, pushes in flight, the map epoch and
+        refreshes, and per table the bytes sent/received by direction and the staleness observed
+        (unacknowledged own pushes when a pull was sent: last and max) with the bound, the table's step
+        (pushes issued) and how many pulls waited."""
         with self._stats_lock:
             out: dict[str, Any] = dict(self._counters)
         out["client_id"] = self.client_id
+        out["epoch"] = self.epoch
+        out["map_refreshes"] = self._maps.refreshes if self._maps is not None else 0
         with self._tables_lock:
             tables = list(self._tables.values())
         out["bytes_sent"], out["bytes_received"], out["staleness"] = {}, {}, {}
@@ -538,23 +649,8 @@ class Client:
         with self._seq_lock:
             return next(self._seq)
 
-    def _group(self, ids: np.ndarray, grads: np.ndarray | None = None) -> tuple:
-        """One pass over a batch: its unique ids grouped by owning server (``starts`` bounds each server's
-        contiguous range) with ``src`` (ids == uniq[src]) for a pull, or their summed ``grads`` for a push."""
-        owner, n = self._owner_of_slot, len(self._servers)
-        if grads is None:
-            return _kernels.dedup_grouped(ids, owner, n)
-        return _kernels.dedup_sum_grouped(ids, grads, owner, n)
-
-    def _parts(self, starts: np.ndarray, row_bytes: int) -> list[tuple[_Server, int, int]]:
-        """(server, lo, hi) of every message: each server's range of the grouped batch, in chunks of at most
-        ``chunk_bytes`` of ids and rows."""
-        per = max(1, self.config.chunk_bytes // (8 + row_bytes))
-        return [(s, lo, min(lo + per, int(starts[i + 1])))
-                for i, s in enumerate(self._servers) for lo in range(int(starts[i]), int(starts[i + 1]), per)]
-
     def _after_own_pushes(self, st: _Table, fn: Callable[[], None]) -> None:
-        """Run ``fn`` once this client's pushes to ``st`` from more than ``staleness`` steps back are acked."""
+        """Run ``fn`` once this client's pushes to ``st`` from more than ``staleness`` steps back are done."""
         k = st.staleness
         if k is None:
             fn()
@@ -578,12 +674,12 @@ class Client:
             for k, v in deltas.items():
                 self._counters[k] += v
 
-    def _call_all(self, method: str, request_for: Callable[[_Server], Any], *, retry: bool,
+    def _call_all(self, method: str, request_for: Callable[[Server], Any], *, retry: bool,
                   timeout_s: float | None = None) -> list[Any]:
         """The same RPC on every server in parallel; replies in server order; the first error raised."""
         futs = []
         for s in self._servers:
-            fut = _new_future()
+            fut = new_future()
             futs.append(fut)
             Call(getattr(s.stub, method), request_for(s), s.address, timeout_s or self.config.timeout_s,
                  self._retry if retry else None, _settle_into(fut), self._note_retry).start()
@@ -610,159 +706,13 @@ def _settle_into(fut: cf.Future) -> Callable[[Any, PSError | None], None]:
     return done
 
 
-class _PullOp:
-    """One pull in flight: the unique ids grouped by owner and split in chunks, one message each; the replies
-    are kept as decoded blocks (fp32: views of the received bytes) and the last one to arrive gathers the
-    batch's rows from them by ``src`` in one pass."""
+def connect(addresses: str | Iterable[str] | None = None, config: ClientConfig | None = None, *,
+            scheduler: str | None = None, **overrides: Any) -> Client:
+    """A ``Client`` for a cluster.
 
-    def __init__(self, client: Client, st: _Table, fut: cf.Future, uniq: np.ndarray, starts: np.ndarray,
-                 src: np.ndarray, shape: tuple[int, ...]) -> None:
-        self.client, self.st, self.fut, self.uniq, self.starts = client, st, fut, uniq, starts
-        self.src, self.shape = src, shape
-        self.codec = st.pull_codec
-        self.dim = st.dim
-        self.blocks: list[np.ndarray | None] = []
-        self.fanout: _Fanout | None = None
-
-    def start(self) -> None:
-        try:
-            self._start()
-        except Exception as exc:  # noqa: BLE001 - may run on a callback thread; the future carries it
-            if not self.fut.done():
-                self.fut.set_exception(exc)
-
-    def _start(self) -> None:
-        c, st = self.client, self.st
-        parts = c._parts(self.starts, wire.rows_nbytes(1, self.dim, self.codec))
-        self.fanout = _Fanout(len(parts))
-        self.blocks = [None] * len(parts)
-        with st.lock:
-            st.stale_last = len(st.pending)
-            st.stale_max = max(st.stale_max, st.stale_last)
-        sent = 0
-        calls = []
-        for k, (s, lo, hi) in enumerate(parts):
-            request = wire.encode_pull_request(st.name, self.uniq[lo:hi], self.codec)
-            sent += len(request)
-            calls.append(Call(s.pull, request, s.address, c.config.timeout_s, c._retry,
-                              self._done_for(k, hi - lo), c._note_retry))
-        with st.lock:
-            st.bytes["sent"]["pull"] += sent
-        for call in calls:
-            call.start()
-
-    def _gather(self) -> np.ndarray:
-        """The batch's rows, (n, dim) float32, from the unique rows in ``blocks`` (consecutive ranges)."""
-        blocks = self.blocks
-        out = np.empty((self.src.size, self.dim), np.float32)
-        words = _kernels.row_words
-        if len(blocks) == 2:
-            _kernels.gather_rows2(words(blocks[0]), words(blocks[1]), self.src, words(out))
-        else:
-            rows = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
-            _kernels.gather_rows(words(rows), self.src, words(out))
-        return out
-
-    def _done_for(self, k: int, n: int) -> Callable[[Any, PSError | None], None]:
-        def done(response: wire.RawRows | None, error: PSError | None) -> None:
-            if error is None:
-                try:
-                    with self.st.lock:
-                        self.st.bytes["received"]["pull"] += response.nbytes
-                    self.blocks[k] = wire.decode_block(response, n, self.dim, table=self.st.name,
-                                                       field="PullResponse.rows")
-                except PSError as exc:
-                    error = exc
-                except Exception as exc:  # noqa: BLE001
-                    error = InvalidArgument(f"table {self.st.name!r}: bad pull reply: {exc}")
-            assert self.fanout is not None
-            if self.fanout.part_done(error):
-                self.client._count(pulls=1, rows_pulled=int(self.src.size))
-                try:
-                    rows = self._gather()
-                except Exception as exc:  # noqa: BLE001 - a callback thread must never raise
-                    self.fut.set_exception(Internal(f"table {self.st.name!r}: pull reassembly: {exc}"))
-                    return
-                finally:
-                    self.blocks = []  # free the replies
-                self.fut.set_result(rows.reshape(self.shape + (self.dim,)))
-            elif error is not None and self.fanout.error is error:
-                self.client._count(pull_errors=1)
-                self.fut.set_exception(error)
-        return done
-
-
-class _PushOp:
-    """One push in flight: its step in the table's pending set, one message per (owner, chunk) under the
-    owner's in-flight semaphore, all with this push's (client_id, seq) and their own part index."""
-
-    def __init__(self, client: Client, st: _Table, fut: cf.Future, uniq: np.ndarray, summed: np.ndarray,
-                 starts: np.ndarray) -> None:
-        self.client, self.st, self.fut, self.uniq, self.summed, self.starts = client, st, fut, uniq, summed, starts
-        self.applied = 0
-        self.fanout: _Fanout | None = None
-        self.step = 0
-
-    def start(self) -> None:
-        c, st = self.client, self.st
-        codec, dim = st.push_codec, st.dim
-        parts = []
-        for s, lo, hi in c._parts(self.starts, wire.rows_nbytes(1, dim, codec)):
-            part = parts[-1][1] + 1 if parts and parts[-1][0] is s else 0  # chunk index within the server
-            parts.append((s, part, lo, hi))
-        self.fanout = _Fanout(len(parts))
-        seq = c._next_seq()
-        with st.lock:
-            st.step += 1
-            self.step = st.step
-            st.pending[self.step] = self.fut
-        for i, (s, part, lo, hi) in enumerate(parts):
-            try:
-                data, scales = wire.encode_block(self.summed[lo:hi], codec)
-                request = wire.encode_push_request(st.name, self.uniq[lo:hi], codec, dim, data, scales,
-                                                   c.client_id, seq, part)
-            except Exception as exc:  # noqa: BLE001 - settle every part not sent, so flush cannot hang
-                error = exc if isinstance(exc, PSError) else Internal(f"table {st.name!r}: push encoding: {exc}")
-                for _ in parts[i:]:
-                    self._done_for(None)(None, error)
-                break
-            del data, scales
-            with st.lock:
-                st.bytes["sent"]["push"] += len(request)
-            s.slots.acquire()  # back-pressure: at most max_pushes_in_flight messages per server
-            Call(s.push, request, s.address, c.config.timeout_s, c._retry, self._done_for(s),
-                 c._note_retry).start()
-        self.summed = None  # the encoded messages own the payload now
-
-    def _done_for(self, server: _Server | None) -> Callable[[Any, PSError | None], None]:
-        def done(response: pb.PushResponse | None, error: PSError | None) -> None:
-            if server is not None:
-                server.slots.release()
-            if error is None:
-                with self.st.lock:
-                    self.st.bytes["received"]["push"] += response.ByteSize()
-                    self.applied += int(response.applied_rows)
-            assert self.fanout is not None
-            ok = self.fanout.part_done(error)
-            first_error = error is not None and self.fanout.error is error
-            if not ok and not first_error:
-                return
-            with self.st.lock:
-                self.st.pending.pop(self.step, None)
-            if ok:
-                self.client._count(pushes=1, rows_pushed=int(self.uniq.size))
-                self.fut.set_result(self.applied)
-            else:
-                self.client._count(push_errors=1)
-                with self.client._stats_lock:
-                    self.client._push_errors.append(error)
-                self.fut.set_exception(error)
-        return done
-
-
-def connect(addresses: str | Iterable[str], config: ClientConfig | None = None, **overrides: Any) -> Client:
-    """A ``Client`` for a static shard list (``["host:port", ...]`` or ``"host:port,host:port"``).
-
+    ``scheduler="host:port"`` (or a comma-separated list of schedulers) routes by the scheduler's shard map.
+    ``addresses`` is a static shard list (``["host:port", ...]`` or ``"host:port,host:port"``); a single
+    address is asked whether it is a scheduler, and used as one if it is.
     ``overrides`` replace ``ClientConfig`` fields, e.g. ``connect(addrs, timeout_s=5, max_attempts=2)``."""
     base = config or ClientConfig()
     if overrides:
@@ -770,7 +720,28 @@ def connect(addresses: str | Iterable[str], config: ClientConfig | None = None, 
         if unknown:
             raise InvalidArgument(f"connect: unknown config field(s) {unknown}")
         base = dataclasses.replace(base, **overrides)
+    if scheduler is not None:
+        if addresses is not None:
+            raise InvalidArgument("connect: give either shard 'addresses' or a 'scheduler', not both")
+        return Client(config=base, scheduler=scheduler)
+    if addresses is None:
+        raise InvalidArgument("connect: expected shard addresses or scheduler=host:port")
     addrs = [addresses] if isinstance(addresses, str) else list(addresses)
     if len(addrs) == 1 and "," in addrs[0]:
         addrs = addrs[0].split(",")
+    if len(addrs) == 1 and _is_scheduler(addrs[0].strip(), min(base.timeout_s, 5.0)):
+        return Client(config=base, scheduler=addrs[0].strip())
     return Client(addrs, base)
+
+
+def _is_scheduler(address: str, timeout_s: float) -> bool:
+    """Whether ``address`` serves the scheduler (its health service knows the Scheduler service)."""
+    channel = grpc.insecure_channel(address)
+    try:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="tigana.v1.Scheduler"), timeout=timeout_s)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+    finally:
+        channel.close()

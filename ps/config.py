@@ -65,7 +65,9 @@ class ServerConfig:
     snapshot of every table that often (bounds what losing every copy at once costs; a full one every
     ``full_snapshot_every`` snapshots). ``replication_timeout_s``: a copy that has not applied the stream for
     that long is reported to the scheduler; ``ack_timeout_s``: how long a sync push waits for its copies
-    before answering UNAVAILABLE (the client retries; exactly-once makes that safe).
+    before answering UNAVAILABLE (the client retries; exactly-once makes that safe). ``lease_s``: an async
+    push is acknowledged only while the last successful heartbeat is younger than this (keep it below the
+    scheduler's heartbeat timeout: it bounds what a paused, deposed primary can acknowledge).
     """
 
     host: str = "127.0.0.1"
@@ -92,6 +94,7 @@ class ServerConfig:
     full_snapshot_every: int = 10
     replication_timeout_s: float = 2.0
     ack_timeout_s: float = 10.0
+    lease_s: float = 2.0
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidArgument:
@@ -118,7 +121,7 @@ class ServerConfig:
         for name in ("scheduler", "server_id", "advertise"):
             if getattr(self, name) is not None and not str(getattr(self, name)).strip():
                 object.__setattr__(self, name, None)
-        for name in ("heartbeat_interval_s", "replication_timeout_s", "ack_timeout_s"):
+        for name in ("heartbeat_interval_s", "replication_timeout_s", "ack_timeout_s", "lease_s"):
             if not getattr(self, name) > 0:
                 raise bad(name, f"must be > 0, got {getattr(self, name)}")
         if self.snapshot_every_s < 0:
@@ -141,7 +144,8 @@ _FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
 _INTS = {"port", "metrics_port", "num_slots", "max_workers", "keepalive_time_ms", "keepalive_timeout_ms",
          "dedup_window", "keep_snapshots", "full_snapshot_every"}
 _SIZES = {"memory_budget", "max_message_bytes"}
-_FLOATS = {"drain_grace_s", "heartbeat_interval_s", "snapshot_every_s", "replication_timeout_s", "ack_timeout_s"}
+_FLOATS = {"drain_grace_s", "heartbeat_interval_s", "snapshot_every_s", "replication_timeout_s", "ack_timeout_s",
+           "lease_s"}
 _BOOLS = {"snapshot_on_shutdown"}
 ENV_PREFIX = "TIGANA_"
 

@@ -20,6 +20,7 @@ import fcntl
 import logging
 import os
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 from typing import IO
@@ -29,6 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tigana.ps.config import ServerConfig
+from tigana.ps.membership import Agent
 from tigana.ps.metrics import ServerMetrics
 from tigana.ps.server import SERVICE_NAME, ShardService, add_to_server
 
@@ -79,9 +81,16 @@ class ServerHandle:
         self.port: int = port
         self.host: str = config.host
         self.address: str = f"{_host_for_address(config.host)}:{port}"
+        self.advertise: str = config.advertise or self.address
+        self.agent: Agent | None = None
+        if config.scheduler:
+            self.agent = Agent(self.service, config.scheduler, self.advertise,
+                               heartbeat_interval_s=config.heartbeat_interval_s, lease_s=config.lease_s)
+            self.service.agent = self.agent
         self.metrics_port: int | None = None
         self.error: BaseException | None = None
         self._ready = threading.Event()
+        self._stopping = threading.Event()
         self._closed = False
         self._close_lock = threading.Lock()
         self._loader: threading.Thread | None = None
@@ -118,10 +127,33 @@ class ServerHandle:
             self.service.state = "failed"
         else:
             self.service.state = "serving"
+            if self.agent is not None:  # serve data only once the scheduler's map names this process
+                self.agent.start()
+                while not self.agent.registered and not self._closed:
+                    time.sleep(0.05)
             self._set_health(health_pb2.HealthCheckResponse.SERVING)
             log.info("serving %d table(s) on %s", len(self.service.table_names()), self.address)
+            threading.Thread(target=self._periodic, name="tigana-shard-periodic", daemon=True).start()
         finally:
             self._ready.set()
+
+    def _periodic(self) -> None:
+        """About once a second: the service's upkeep (rates, streams); with ``snapshot_every_s``, a snapshot of
+        every table on schedule (incremental, a full one every ``full_snapshot_every``)."""
+        last_snapshot, taken = time.monotonic(), 0
+        every = self.config.snapshot_every_s
+        while not self._stopping.wait(min(1.0, every) if every else 1.0):
+            try:
+                self.service.maintain()
+            except Exception:  # noqa: BLE001 - upkeep must go on
+                log.exception("periodic upkeep failed")
+            if every and self.service.catalog is not None and time.monotonic() - last_snapshot >= every:
+                last_snapshot = time.monotonic()
+                try:
+                    self.service.snapshot_all(incremental=taken % self.config.full_snapshot_every != 0)
+                    taken += 1
+                except Exception:  # noqa: BLE001 - a full disk must not stop the server
+                    log.exception("periodic snapshot failed")
 
     @property
     def ready(self) -> bool:
@@ -143,7 +175,10 @@ class ServerHandle:
                 return
             self._closed = True
         grace = self.config.drain_grace_s if grace is None else grace
+        self._stopping.set()
         self.health.enter_graceful_shutdown()
+        if self.agent is not None:
+            self.agent.close()
         with self._close_lock:
             loader = self._loader
         if loader is not None:

@@ -1,14 +1,17 @@
-"""LocalCluster: N shard daemons as child processes on loopback, each owning a contiguous slot range.
+"""LocalCluster: a scheduler and N shard daemons as child processes on loopback.
 
-Each child runs ``python -m tigana.tools.cli server`` and writes a ready file (its bound address, as JSON) once its
-tables are loaded and health says SERVING; the cluster waits for every file. ``close()`` sends SIGTERM (the
-daemons drain, snapshot and exit 0), waits, and kills what is left. Children die with the thread that started
-them (PR_SET_PDEATHSIG on Linux) so a crashed parent leaves no daemons behind.
+By default (``replicas`` an int) a ``tigana scheduler`` child owns the shard map and every slot has a primary
+and ``replicas`` copies; the shard daemons register with it. With ``replicas=None`` there is no scheduler:
+each daemon owns a contiguous slot range of a static shard list. Each child writes a ready file (its bound
+address, as JSON) once it serves; the cluster waits for every file. ``close()`` sends SIGTERM (the daemons
+drain, snapshot and exit 0), waits, and kills what is left. Children die with the thread that started them
+(PR_SET_PDEATHSIG on Linux) so a crashed parent leaves no daemons behind. ``kill(i)``, ``pause(i)``,
+``resume(i)`` and ``restart(i)`` inject real faults into shard i (``kill_scheduler``/``restart_scheduler`` too).
 
 Example::
 
-    with LocalCluster(shards=2) as cluster:
-        client = ps.connect(cluster.addresses)
+    with LocalCluster(shards=3, replicas=1) as cluster:
+        client = ps.connect(scheduler=cluster.scheduler)   # or ps.connect(cluster.target)
 """
 
 from __future__ import annotations
@@ -37,23 +40,27 @@ def _death_signal_wrapper() -> list[str]:
 
 
 class LocalCluster:
-    """Shard daemons as child processes. ``addresses`` lists ``host:port`` in slot order (shard i owns
-    ``routing.slot_range(i, shards, num_slots)``). Not thread-safe; ``close`` is idempotent.
+    """A scheduler and shard daemons as child processes. ``addresses`` lists the shards' ``host:port`` (static
+    mode: in slot order, shard i owns ``routing.slot_range(i, shards, num_slots)``); ``scheduler`` is the
+    scheduler's address (None in static mode); ``target`` is what ``ps.connect`` takes. Not thread-safe;
+    ``close`` is idempotent.
 
-    data_dir: a folder with one ``shard-<i>`` data dir and log file per shard (a temporary folder, removed on
-    close, when None). base_port: shard i listens on base_port + i (free ports when None).
-    server_args: extra ``tigana server`` flags for every shard (e.g. ``["--memory-budget", "1GiB"]``).
+    data_dir: a folder with the scheduler's and each ``shard-<i>`` data dir and log file (a temporary folder,
+    removed on close, when None). base_port: shard i listens on base_port + i (free ports when None).
+    server_args / scheduler_args: extra flags for every shard / the scheduler.
     """
 
-    def __init__(self, shards: int = 2, *, base_port: int | None = None, data_dir: str | os.PathLike | None = None,
-                 num_slots: int = DEFAULT_NUM_SLOTS, host: str = "127.0.0.1", memory_budget: str | None = None,
-                 metrics: bool = False, server_args: Sequence[str] = (), startup_timeout: float = 120.0,
-                 python: str = sys.executable, env: dict[str, str] | None = None) -> None:
+    def __init__(self, shards: int = 2, *, replicas: int | None = 1, base_port: int | None = None,
+                 data_dir: str | os.PathLike | None = None, num_slots: int = DEFAULT_NUM_SLOTS,
+                 host: str = "127.0.0.1", memory_budget: str | None = None, metrics: bool = False,
+                 server_args: Sequence[str] = (), scheduler_args: Sequence[str] = (), heartbeat_timeout: float = 3.0,
+                 startup_timeout: float = 120.0, python: str = sys.executable, env: dict[str, str] | None = None,
+                 wait_placement: bool = True) -> None:
         if shards < 1:
             raise ValueError(f"shards must be >= 1, got {shards}")
-        self.shards = shards
-        self.num_slots = num_slots
-        self.host = host
+        if replicas is not None and replicas < 0:
+            raise ValueError(f"replicas must be >= 0 or None, got {replicas}")
+        self.shards, self.replicas, self.num_slots, self.host = shards, replicas, num_slots, host
         self._tmp = tempfile.TemporaryDirectory(prefix="tigana-local-") if data_dir is None else None
         self.data_dir = Path(self._tmp.name if self._tmp else data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -61,62 +68,120 @@ class LocalCluster:
         self.addresses: list[str] = []
         self.metrics_ports: list[int | None] = []
         self.returncodes: list[int | None] = []
+        self.scheduler: str | None = None
+        self.scheduler_proc: subprocess.Popen | None = None
         self._closed = False
-        child_env = dict(os.environ if env is None else env)
-        child_env.setdefault("PYTHONUNBUFFERED", "1")
+        self._python = python
+        self._env = dict(os.environ if env is None else env)
+        self._env.setdefault("PYTHONUNBUFFERED", "1")
+        self._startup_timeout = startup_timeout
+        self._cmds: list[list[str]] = []
         try:
+            if replicas is not None:
+                self._start_scheduler(list(scheduler_args) + ["--replicas", str(replicas), "--expect-servers",
+                                                              str(shards), "--num-slots", str(num_slots),
+                                                              "--heartbeat-timeout", str(heartbeat_timeout)])
             ready_files = []
             for i in range(shards):
-                start, stop = slot_range(i, shards, num_slots)
                 shard_dir = self.data_dir / f"shard-{i}"
                 ready = shard_dir / "ready.json"
                 shard_dir.mkdir(parents=True, exist_ok=True)
                 ready.unlink(missing_ok=True)
                 cmd = [*_death_signal_wrapper(), python, "-m", "tigana.tools.cli", "server", "--host", host,
                        "--port", str(base_port + i if base_port else 0), "--data-dir", str(shard_dir),
-                       "--slots", f"{start}-{stop - 1}", "--num-slots", str(num_slots),
-                       "--ready-file", str(ready), "--metrics-port", "auto" if metrics else "0"]
+                       "--num-slots", str(num_slots), "--ready-file", str(ready),
+                       "--metrics-port", "auto" if metrics else "0"]
+                if self.scheduler is not None:
+                    cmd += ["--scheduler", self.scheduler]
+                else:
+                    start, stop = slot_range(i, shards, num_slots)
+                    cmd += ["--slots", f"{start}-{stop - 1}"]
                 if memory_budget:
                     cmd += ["--memory-budget", memory_budget]
                 cmd += list(server_args)
-                log = open(self.data_dir / f"shard-{i}.log", "ab")  # noqa: SIM115 - the child keeps it
-                try:
-                    self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                                       env=child_env, start_new_session=True))
-                finally:
-                    log.close()
+                self._cmds.append(cmd)
+                self.procs.append(self._spawn(cmd, self.log_path(i)))
                 ready_files.append(ready)
-            self._wait_ready(ready_files, startup_timeout)
+            infos = self._wait_ready(self.procs, ready_files, startup_timeout)
+            self.addresses = [str(info["address"]) for info in infos]
+            self.metrics_ports = [info.get("metrics_port") for info in infos]
+            if self.scheduler is not None and wait_placement:
+                self.wait_placed(startup_timeout)
         except BaseException:
             self.close(timeout=10)
             raise
 
-    def _wait_ready(self, ready_files: list[Path], timeout: float) -> None:
+    @property
+    def target(self) -> str:
+        """What ``ps.connect`` takes: the scheduler's address, or the comma-joined shard list."""
+        return self.scheduler if self.scheduler is not None else ",".join(self.addresses)
+
+    # --- processes -----------------------------------------------------------------------------------
+    def _spawn(self, cmd: list[str], log_path: Path) -> subprocess.Popen:
+        log = open(log_path, "ab")  # noqa: SIM115 - the child keeps it
+        try:
+            return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=self._env,
+                                    start_new_session=True)
+        finally:
+            log.close()
+
+    def _start_scheduler(self, args: list[str], port: int = 0) -> None:
+        sdir = self.data_dir / "scheduler"
+        sdir.mkdir(parents=True, exist_ok=True)
+        ready = sdir / "ready.json"
+        ready.unlink(missing_ok=True)
+        cmd = [*_death_signal_wrapper(), self._python, "-m", "tigana.tools.cli", "scheduler", "--host", self.host,
+               "--port", str(port), "--data-dir", str(sdir), "--ready-file", str(ready), *args]
+        self._scheduler_cmd = cmd
+        self.scheduler_proc = self._spawn(cmd, self.data_dir / "scheduler.log")
+        info = self._wait_ready([self.scheduler_proc], [ready], self._startup_timeout, what="scheduler")[0]
+        self.scheduler = str(info["address"])
+
+    def _wait_ready(self, procs: list[subprocess.Popen], ready_files: list[Path], timeout: float,
+                    what: str = "shard") -> list[dict]:
         deadline = time.monotonic() + timeout
         infos: list[dict | None] = [None] * len(ready_files)
         while any(info is None for info in infos):
-            for i, (proc, path) in enumerate(zip(self.procs, ready_files, strict=True)):
+            for i, (proc, path) in enumerate(zip(procs, ready_files, strict=True)):
                 if infos[i] is not None:
                     continue
                 if proc.poll() is not None:
-                    raise RuntimeError(f"shard {i} exited with code {proc.returncode} while starting:\n"
-                                       f"{self.log_tail(i)}")
+                    tail = self.log_tail(i) if what == "shard" else self._tail(self.data_dir / "scheduler.log")
+                    raise RuntimeError(f"{what} {i} exited with code {proc.returncode} while starting:\n{tail}")
                 if path.exists():
                     with contextlib.suppress(ValueError):
                         infos[i] = json.loads(path.read_text())
             if time.monotonic() > deadline:
                 late = [i for i, info in enumerate(infos) if info is None]
-                raise TimeoutError(f"shard(s) {late} not ready after {timeout:.0f}s:\n{self.log_tail(late[0])}")
+                tail = self.log_tail(late[0]) if what == "shard" else self._tail(self.data_dir / "scheduler.log")
+                raise TimeoutError(f"{what}(s) {late} not ready after {timeout:.0f}s:\n{tail}")
             time.sleep(0.05)
-        self.addresses = [str(info["address"]) for info in infos]  # type: ignore[index]
-        self.metrics_ports = [info.get("metrics_port") for info in infos]  # type: ignore[union-attr]
+        return infos  # type: ignore[return-value]
+
+    def wait_placed(self, timeout: float = 60.0, *, in_sync: bool = True) -> None:
+        """Wait until every slot has a primary (and, with ``in_sync``, every copy the cluster wants is in sync)."""
+        from tigana.ps.admin import cluster_status  # a small scheduler client; imported late (no cycle)
+
+        deadline = time.monotonic() + timeout
+        while True:
+            status = cluster_status(self.scheduler, timeout_s=5.0)
+            if status is not None and not status["unavailable_slots"] and \
+                    (not in_sync or not status["degraded_slots"]) and status["epoch"] > 0:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cluster not placed after {timeout:.0f}s: {status}")
+            time.sleep(0.1)
 
     def log_path(self, i: int) -> Path:
         return self.data_dir / f"shard-{i}.log"
 
     def log_tail(self, i: int, lines: int = 30) -> str:
+        return self._tail(self.log_path(i), lines)
+
+    @staticmethod
+    def _tail(path: Path, lines: int = 30) -> str:
         try:
-            return "\n".join(self.log_path(i).read_text(errors="replace").splitlines()[-lines:])
+            return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
 
@@ -124,17 +189,72 @@ class LocalCluster:
         """Whether each shard process is still running."""
         return [p.poll() is None for p in self.procs]
 
+    # --- faults ------------------------------------------------------------------------------------------
+    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` (default SIGKILL: ``kill -9``) to shard i and reap it."""
+        p = self.procs[i]
+        with contextlib.suppress(ProcessLookupError):
+            p.send_signal(sig)
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            p.wait()
+
+    def pause(self, i: int) -> None:
+        """SIGSTOP shard i (a process that stops answering but keeps its sockets open)."""
+        self.procs[i].send_signal(signal.SIGSTOP)
+
+    def resume(self, i: int) -> None:
+        """SIGCONT shard i."""
+        self.procs[i].send_signal(signal.SIGCONT)
+
+    def restart(self, i: int, timeout: float | None = None) -> str:
+        """Start shard i again on its data dir and port after it died; returns its address."""
+        if self.procs[i].poll() is None:
+            raise RuntimeError(f"shard {i} is still running")
+        cmd = list(self._cmds[i])
+        port = self.addresses[i].rsplit(":", 1)[1] if self.addresses else "0"
+        cmd[cmd.index("--port") + 1] = port
+        ready = Path(cmd[cmd.index("--ready-file") + 1])
+        ready.unlink(missing_ok=True)
+        self.procs[i] = self._spawn(cmd, self.log_path(i))
+        info = self._wait_ready([self.procs[i]], [ready], timeout or self._startup_timeout)[0]
+        self.addresses[i] = str(info["address"])
+        return self.addresses[i]
+
+    def kill_scheduler(self, sig: int = signal.SIGKILL) -> None:
+        """``kill -9`` the scheduler (servers and clients keep serving on the map they hold)."""
+        assert self.scheduler_proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            self.scheduler_proc.send_signal(sig)
+        self.scheduler_proc.wait()
+
+    def restart_scheduler(self) -> str:
+        """Start the scheduler again on its data dir and port; returns its address."""
+        assert self.scheduler_proc is not None and self.scheduler is not None
+        if self.scheduler_proc.poll() is None:
+            raise RuntimeError("the scheduler is still running")
+        cmd = list(self._scheduler_cmd)
+        cmd[cmd.index("--port") + 1] = self.scheduler.rsplit(":", 1)[1]
+        ready = Path(cmd[cmd.index("--ready-file") + 1])
+        ready.unlink(missing_ok=True)
+        self.scheduler_proc = self._spawn(cmd, self.data_dir / "scheduler.log")
+        info = self._wait_ready([self.scheduler_proc], [ready], self._startup_timeout, what="scheduler")[0]
+        self.scheduler = str(info["address"])
+        return self.scheduler
+
     def close(self, timeout: float = 60.0) -> list[int | None]:
-        """SIGTERM every shard, wait up to ``timeout`` seconds in all, SIGKILL the rest; returns exit codes."""
+        """SIGTERM every shard and the scheduler, wait up to ``timeout`` seconds in all, SIGKILL the rest;
+        returns the shards' exit codes."""
         if self._closed:
             return self.returncodes
         self._closed = True
-        for p in self.procs:
+        everyone = list(self.procs) + ([self.scheduler_proc] if self.scheduler_proc is not None else [])
+        for p in everyone:
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGCONT)  # a paused process cannot act on SIGTERM
                     p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        for p in self.procs:
+        for p in everyone:
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -153,6 +273,6 @@ class LocalCluster:
 
     def __del__(self) -> None:  # last resort: never leave daemons behind
         if not getattr(self, "_closed", True):
-            for p in getattr(self, "procs", []):
-                if p.poll() is None:
+            for p in [*getattr(self, "procs", []), getattr(self, "scheduler_proc", None)]:
+                if p is not None and p.poll() is None:
                     p.kill()

@@ -90,8 +90,10 @@ class SlotLog:
                 self.counter = max(self.counter, int(positions[:, 1][positions[:, 1] != NO_POSITION].max(
                     initial=0)))
 
-    def to_bytes(self) -> bytes:
-        return np.concatenate([self.positions.reshape(-1), np.array([self.counter], np.uint64)]).tobytes()
+    def to_bytes(self, keep: np.ndarray | None = None) -> bytes:
+        """The positions (those outside the bool mask ``keep`` as 0: unknown) and the counter."""
+        positions = self.positions if keep is None else np.where(keep[:, None], self.positions, 0)
+        return np.concatenate([positions.reshape(-1), np.array([self.counter], np.uint64)]).tobytes()
 
     @classmethod
     def from_bytes(cls, data: bytes, num_slots: int) -> SlotLog:

@@ -68,7 +68,7 @@ from tigana.ps.errors import (
     to_status,
 )
 from tigana.ps.metrics import ServerMetrics
-from tigana.ps.replication import Replicator, SlotLog, Stream
+from tigana.ps.replication import NO_POSITION, Replicator, SlotLog, Stream
 from tigana.ps.routing import ShardMap, TableDef, format_slots, slot_of
 
 log = logging.getLogger("tigana.ps.server")
@@ -254,9 +254,12 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                     slot_log: SlotLog | None = None) -> _Hosted:
         table = table or EmbeddingTable(self._effective(spec.config))
         if self.clustered:  # only the primary of a row decides its eviction; copies apply it (replication)
-            table.set_evictable(lambda ids: self._view.leads[slot_of(ids, self.num_slots)])
+            table.set_evictable(self._leads_ids)
         return _Hosted(spec, table, dedup or DedupWindow(self.num_slots, self.config.dedup_window),
                        slot_log or SlotLog(self.num_slots))
+
+    def _leads_ids(self, ids: np.ndarray) -> np.ndarray:
+        return self._view.leads[slot_of(ids, self.num_slots)]
 
     def table_names(self) -> list[str]:
         return sorted(self._tables)
@@ -429,6 +432,10 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             view, slots = self._check_leads(name, ids, epoch)  # under the lock: the map the apply sees
             uslots = np.unique(slots)
             sync = hosted.spec.durability == "sync"
+            if not sync and self.agent is not None and not self.agent.lease_ok():
+                raise Unavailable(f"table {name!r}: server {self.server_id} has not reached the scheduler for "
+                                  f"{self.config.lease_s}s; async pushes wait until it has (primary lease)",
+                                  epoch=view.epoch)
             if sync and self.clustered:
                 short = view.in_sync[uslots] < hosted.spec.min_copies
                 if short.any():
@@ -675,11 +682,12 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                 try:
                     new = _View.of(m, me, valid)
                     dropped = np.flatnonzero(old.holds & ~new.holds) if old.valid else np.empty(0, np.int64)
+                    self._view = new
                     for _, h in hosted_all:
                         if dropped.size:
                             h.log.reset(dropped)
                             h.dedup.forget_slots(dropped)
-                    self._view = new
+                        h.table.set_evictable(self._leads_ids)  # the led slots changed: recount
                     if self.replicator is not None:
                         self.replicator.on_map(m, me if valid else -1, [n for n, _ in hosted_all],
                                                lambda name, slots: self._tables[name].log.positions[slots].copy(),
@@ -806,7 +814,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             hosted = self._tables[name]
             with hosted.lock:
                 pos = hosted.log.positions.copy()
-            have = np.flatnonzero(pos[:, 1] > 0).astype(np.int32)
+            have = np.flatnonzero((pos[:, 1] > 0) & (pos[:, 1] != NO_POSITION)).astype(np.int32)
             out.append(pb.SlotTableInfo(table=name, slots=have.astype("<i4").tobytes(),
                                         lsn_epochs=pos[have, 0].astype("<u8").tobytes(),
                                         lsn_indexes=pos[have, 1].astype("<u8").tobytes()))
@@ -824,6 +832,14 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         self.catalog.save_tables([h.spec for h in self._tables.values()], self.num_slots,
                                  None if self.clustered else self.config.slots)
 
+    def _complete_slots(self) -> np.ndarray:
+        """Slots whose copy here is complete (led, or in sync): the only positions a snapshot keeps, since an
+        unclean election trusts them."""
+        view = self._view
+        if view.map is None:
+            return view.holds
+        return view.leads | (view.map.copy_state(view.me) == 0) if view.valid else view.holds
+
     def snapshot_all(self, *, incremental: bool = False) -> tuple[list[Path], int]:
         """Snapshot every table with its exactly-once window and log positions; (paths, rows)."""
         catalog = self._need_catalog("Snapshot")
@@ -836,7 +852,8 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             with hosted.lock:
                 if self._tables.get(name) is not hosted:  # dropped or replaced meanwhile
                     continue
-                path = catalog.snapshot(hosted.table, hosted.dedup, hosted.log, incremental=incremental)
+                path = catalog.snapshot(hosted.table, hosted.dedup, hosted.log, incremental=incremental,
+                                        complete=self._complete_slots())
                 rows += len(hosted.table)
             paths.append(path)
             if not incremental:

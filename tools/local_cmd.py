@@ -1,6 +1,7 @@
-"""``tigana local``: a local cluster of shard daemons as child processes, until Ctrl-C or SIGTERM.
+"""``tigana local``: a scheduler and a cluster of shard daemons as child processes, until Ctrl-C or SIGTERM.
 
-Prints the shard addresses on one comma-separated line (for ``ps.connect`` or scripts), then a human line.
+Prints the address to ``ps.connect`` (the scheduler's; with ``--replicas none`` the comma-separated shard
+list) on one line, then a human line.
 Stops every daemon (each snapshots into its data dir) on Ctrl-C/SIGTERM; exits 1 when a daemon dies on its own.
 """
 
@@ -18,6 +19,8 @@ from tigana.ps.routing import DEFAULT_NUM_SLOTS
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--shards", type=int, default=2, help="number of shard daemons (default 2)")
+    a("--replicas", default="1",
+      help="copies of every slot besides its primary (default 1); 'none': no scheduler, a static shard list")
     a("--base-port", type=int, default=None, help="shard i listens on BASE_PORT + i (default: free ports)")
     a("--host", default="127.0.0.1", help="address the shards bind (default 127.0.0.1)")
     a("--data-dir", default=None, help="one shard-<i> data dir and log per shard here (default: a temp dir)")
@@ -32,18 +35,20 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        cluster = LocalCluster(args.shards, base_port=args.base_port, data_dir=args.data_dir,
+        replicas = None if str(args.replicas).lower() == "none" else int(args.replicas)
+        cluster = LocalCluster(args.shards, replicas=replicas, base_port=args.base_port, data_dir=args.data_dir,
                                num_slots=args.num_slots, host=args.host, memory_budget=args.memory_budget,
                                metrics=args.metrics, startup_timeout=args.startup_timeout)
-    except (RuntimeError, TimeoutError, OSError, ValueError) as exc:
+    except (RuntimeError, TimeoutError, OSError, ValueError) as exc:  # noqa: B014
         print(f"tigana local: {exc}", file=sys.stderr)
         return 1
     code = 0
     try:
-        print(",".join(cluster.addresses), flush=True)
+        print(cluster.target, flush=True)
         extra = f"; metrics on ports {cluster.metrics_ports}" if args.metrics else ""
-        print(f"tigana local: {args.shards} shard(s) serving, data in {cluster.data_dir}{extra}; "
-              "Ctrl-C stops them", flush=True)
+        sched = f"scheduler {cluster.scheduler}, {replicas} replica(s), " if cluster.scheduler else ""
+        print(f"tigana local: {sched}{args.shards} shard(s) serving on {','.join(cluster.addresses)}, data in "
+              f"{cluster.data_dir}{extra}; Ctrl-C stops them", flush=True)
         while not stop.wait(0.5):
             dead = [i for i, alive in enumerate(cluster.alive()) if not alive]
             if dead:

@@ -37,13 +37,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="seconds in-flight RPCs get to finish on shutdown (default 30)")
     a("--keep-snapshots", type=int, default=None,
       help="full snapshot chains kept per table (default 2; 0 keeps all)")
+    a("--scheduler", default=None, help="HOST:PORT of the scheduler to register with (its map gives the slots)")
+    a("--server-id", default=None, help="stable identity (default: created once in the data dir)")
+    a("--advertise", default=None, help="HOST:PORT the scheduler, clients and peers reach this server at")
+    a("--heartbeat-interval", dest="heartbeat_interval_s", type=float, default=None,
+      help="seconds between heartbeats to the scheduler (default 0.5)")
+    a("--snapshot-every", dest="snapshot_every_s", type=float, default=None,
+      help="seconds between periodic snapshots of every table (default 0: off); bounds what losing every "
+           "copy at once costs")
+    a("--replication-timeout", dest="replication_timeout_s", type=float, default=None,
+      help="seconds a copy may fail to apply the stream before it is reported (default 2)")
     a("--config", default=None, help="YAML or TOML file of settings (keys as the flags, with _ or -)")
     a("--ready-file", default=None, help="write {address, port, metrics_port, pid} as JSON here once serving")
     a("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 
 
 _FLAG_FIELDS = ("host", "port", "data_dir", "memory_budget", "metrics_port", "slots", "num_slots", "max_workers",
-                "max_message_bytes", "dedup_window", "drain_grace_s", "keep_snapshots", "config")
+                "max_message_bytes", "dedup_window", "drain_grace_s", "keep_snapshots", "scheduler", "server_id",
+                "advertise", "heartbeat_interval_s", "snapshot_every_s", "replication_timeout_s", "config")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,8 +88,9 @@ def run(args: argparse.Namespace) -> int:
                 return 0
         if args.ready_file:
             _write_ready(Path(args.ready_file), handle)
-        print(f"tigana server: serving on {handle.address} (slots {config.slots} of {config.num_slots}, "
-              f"data dir {config.data_dir or 'none'}"
+        where = f"scheduler {config.scheduler}" if config.scheduler else f"slots {config.slots}"
+        print(f"tigana server: serving on {handle.address} as {handle.service.server_id} ({where}, "
+              f"{config.num_slots} slots, data dir {config.data_dir or 'none'}"
               + (f", metrics on :{handle.metrics_port}" if handle.metrics_port else "") + ")",
               file=sys.stderr, flush=True)
         stop.wait()

@@ -218,10 +218,17 @@ def test_replayed_push_is_applied_once(shard_server, shard_stub):
         # the client's own path: the same bytes through its channel are a duplicate too
         server = client._servers[0]
         assert server.push(raw, timeout=10).duplicate
-        # a different part of the same seq is a different chunk and applies
+        # exactly-once is per routing slot, not per message: the same seq cut into other parts (as after a map
+        # change) is still a duplicate for the slots it applied to, and applies for slots it did not
         raw2 = wire.encode_push_request("once", ids, pb.CODEC_FP32, 4, data, scales, client.client_id, 10**6, 1)
-        assert not server.push(raw2, timeout=10).duplicate
-        np.testing.assert_array_equal(client.pull("once", ids), -2 * np.ones((3, 4), np.float32))
+        assert server.push(raw2, timeout=10).duplicate
+        other = np.array([1, 2, 3, 4], np.int64)  # id 4 lies in a slot this seq never touched
+        assert len(set(routing.slot_of(other).tolist())) == 4
+        data4, scales4 = wire.encode_block(np.ones((4, 4), np.float32), pb.CODEC_FP32)
+        raw3 = wire.encode_push_request("once", other, pb.CODEC_FP32, 4, data4, scales4, client.client_id, 10**6, 2)
+        reply = server.push(raw3, timeout=10)
+        assert (reply.applied_rows, reply.duplicate) == (1, False)
+        np.testing.assert_array_equal(client.pull("once", other), -np.ones((4, 4), np.float32))
 
 
 @pytest.mark.parametrize("codec,tol", [("fp16", 2e-3), ("bf16", 1.6e-2), ("int8", 1.6e-2)])

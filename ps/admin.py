@@ -1,0 +1,129 @@
+"""Operating a live cluster: what ``tigana admin`` and the tests ask a scheduler and its servers.
+
+``cluster_status`` summarizes the scheduler's view (servers, epoch, degraded and unavailable slots);
+``verify`` compares the per-slot checksums of every copy of every slot with its primary's and names the
+slots that differ. Both talk to real processes over gRPC.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import numpy as np
+
+from tigana.proto import scheduler_pb2 as spb
+from tigana.proto import scheduler_pb2_grpc as spb_grpc
+from tigana.proto import shard_pb2 as pb
+from tigana.proto import shard_pb2_grpc
+from tigana.ps import cluster_wire
+from tigana.ps.errors import Unavailable, from_rpc_error
+from tigana.ps.routing import IN_SYNC, ShardMap
+
+_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+def _scheduler_call(address: str, method: str, request: Any, timeout_s: float) -> Any:
+    channel = grpc.insecure_channel(address, options=_OPTIONS)
+    try:
+        return getattr(spb_grpc.SchedulerStub(channel), method)(request, timeout=timeout_s)
+    except grpc.RpcError as err:
+        raise from_rpc_error(err, address) from None
+    finally:
+        channel.close()
+
+
+def status(address: str, timeout_s: float = 10.0) -> spb.StatusResponse:
+    """The scheduler's ``Status`` reply (raises ``Unavailable`` when it does not answer)."""
+    return _scheduler_call(address, "Status", spb.StatusRequest(), timeout_s)
+
+
+def cluster_status(address: str | None, timeout_s: float = 10.0) -> dict[str, Any] | None:
+    """{epoch, servers: [{id, address, up, primaries, replicas, catching_up, last_heartbeat_s, stats}],
+    degraded_slots, unavailable_slots, tables}; None when the scheduler does not answer."""
+    if address is None:
+        return None
+    try:
+        reply = status(address, timeout_s)
+    except Unavailable:
+        return None
+    m = cluster_wire.map_from_pb(reply.map)
+    return {
+        "epoch": m.epoch, "cluster_id": m.cluster_id, "replicas": m.replicas, "num_slots": m.num_slots,
+        "degraded_slots": int(reply.degraded_slots), "unavailable_slots": int(reply.unavailable_slots),
+        "tables": sorted(m.tables),
+        "servers": [{"id": s.info.id, "address": s.info.address, "up": s.info.state == pb.SERVER_UP,
+                     "primaries": s.primaries, "replicas": s.replicas, "catching_up": s.catching_up,
+                     "last_heartbeat_s": round(s.last_heartbeat_s, 3), "stats": dict(s.stats)}
+                    for s in reply.servers],
+    }
+
+
+def shard_map(address: str, timeout_s: float = 10.0) -> ShardMap:
+    """The scheduler's current map."""
+    reply = _scheduler_call(address, "GetMap", spb.GetMapRequest(known_epoch=0), timeout_s)
+    return cluster_wire.map_from_pb(reply.map)
+
+
+def slot_info(server_address: str, table: str = "", *, checksums: bool = True,
+              timeout_s: float = 60.0) -> dict[str, dict[str, np.ndarray]]:
+    """Per table: {slots, rows, checksums, lsn_epochs, lsn_indexes, pull_rates, push_rates, bytes} of the
+    copies one server holds (numpy arrays aligned on slots)."""
+    channel = grpc.insecure_channel(server_address, options=_OPTIONS)
+    try:
+        reply = shard_pb2_grpc.ShardStub(channel).SlotInfo(pb.SlotInfoRequest(table=table, checksums=checksums),
+                                                          timeout=timeout_s)
+    except grpc.RpcError as err:
+        raise from_rpc_error(err, server_address) from None
+    finally:
+        channel.close()
+    out = {}
+    for t in reply.tables:
+        a = cluster_wire.array
+        out[t.table] = {"slots": a(t.slots, "<i4", field="slots"), "rows": a(t.rows, "<i8", field="rows"),
+                        "checksums": a(t.checksums, "<u8", field="checksums"),
+                        "lsn_epochs": a(t.lsn_epochs, "<u8", field="lsn_epochs"),
+                        "lsn_indexes": a(t.lsn_indexes, "<u8", field="lsn_indexes"),
+                        "pull_rates": a(t.pull_rates, "<f8", field="pull_rates"),
+                        "push_rates": a(t.push_rates, "<f8", field="push_rates"),
+                        "bytes": a(t.bytes, "<i8", field="bytes")}
+    return out
+
+
+def verify(scheduler: str, table: str = "", timeout_s: float = 120.0) -> dict[str, Any]:
+    """Compare every in-sync copy's per-slot checksum with its primary's.
+
+    Returns {epoch, slots_checked, copies_checked, differing: [{table, slot, primary, copy}], unreachable}."""
+    m = shard_map(scheduler)
+    infos: dict[int, dict[str, dict[str, np.ndarray]]] = {}
+    unreachable = []
+    for i, s in enumerate(m.servers):
+        if not s.up or not m.holds(i).any():
+            continue
+        try:
+            infos[i] = slot_info(s.address, table, checksums=True, timeout_s=timeout_s)
+        except Unavailable:
+            unreachable.append(s.id)
+    differing = []
+    checked = 0
+    tables = [table] if table else sorted(m.tables)
+    for name in tables:
+        sums = {}
+        for i, per_table in infos.items():
+            t = per_table.get(name)
+            if t is None:
+                continue
+            sums[i] = dict(zip(t["slots"].tolist(), t["checksums"].tolist(), strict=True))
+        for slot in range(m.num_slots):
+            primary = int(m.copies[slot, 0])
+            if primary < 0 or primary not in sums:
+                continue
+            for j in range(1, m.width):
+                c = int(m.copies[slot, j])
+                if c < 0 or m.states[slot, j] != IN_SYNC or c not in sums:
+                    continue
+                checked += 1
+                if sums[c].get(slot) != sums[primary].get(slot):
+                    differing.append({"table": name, "slot": slot, "primary": m.servers[primary].id,
+                                      "copy": m.servers[c].id})
+    return {"epoch": m.epoch, "copies_checked": checked, "differing": differing, "unreachable": unreachable}

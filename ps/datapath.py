@@ -1,0 +1,390 @@
+"""The client's asynchronous data path: routes, and pulls and pushes in flight.
+
+A ``Route`` is one routing snapshot: the map epoch, the servers, and for every slot its primary. A batch is
+deduplicated and bucketed by slot in one pass (slots ordered by primary, so each server's ids are one
+contiguous range, and within it each slot's), then cut into messages at slot boundaries under
+``chunk_bytes``, one RPC per server unless a batch is larger. Replies are reassembled in the order of the ids.
+
+A message that fails with an error a new route can fix (``WrongShard``: the map moved; ``Unavailable``: the
+server is down or failing over; ``NotEnoughReplicas``; a deadline) is not failed: its ids are routed again
+by the newest map, after a short backoff and a map refresh, as a child operation whose result stands in for
+the message's. Pushes keep their (client id, seq) through any number of re-routes, and the servers apply
+exactly once per slot, so a retried push never doubles. An operation fails only with an error that no
+route fixes, or when ``ClientConfig.failover_timeout_s`` (static lists: ``max_attempts``) runs out.
+
+Thread-safety: operations complete on gRPC callback and timer threads; all shared state is locked.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent import futures as cf
+from typing import Any
+
+import grpc
+import numpy as np
+
+from tigana.proto import shard_pb2 as pb
+from tigana.proto import shard_pb2_grpc as pb_grpc
+from tigana.ps import _kernels, routing, wire
+from tigana.ps.channels import Call
+from tigana.ps.errors import (
+    DeadlineExceeded,
+    Internal,
+    InvalidArgument,
+    PSError,
+    TableNotFound,
+    Unavailable,
+    WrongShard,
+)
+
+_PULL = "/tigana.v1.Shard/Pull"
+_PUSH = "/tigana.v1.Shard/Push"
+
+
+class Server:
+    """One shard server as the client sees it: its channel, the data-path callables and its push permits
+    (at most ``max_pushes_in_flight`` push messages outstanding)."""
+
+    __slots__ = ("address", "channel", "stub", "pull", "push", "permits")
+
+    def __init__(self, address: str, options: list, max_pushes_in_flight: int) -> None:
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=options)
+        self.stub = pb_grpc.ShardStub(self.channel)
+        self.pull = self.channel.unary_unary(_PULL, request_serializer=wire.identity,
+                                             response_deserializer=wire.decode_pull_response)
+        self.push = self.channel.unary_unary(_PUSH, request_serializer=wire.identity,
+                                             response_deserializer=pb.PushResponse.FromString)
+        self.permits = threading.BoundedSemaphore(max_pushes_in_flight)
+
+
+class Route:
+    """Where every slot's primary is, at one map epoch. ``servers[i]`` is owner i; owner -1: no primary now."""
+
+    def __init__(self, epoch: int, servers: Sequence[Server | None], owner_of_slot: np.ndarray) -> None:
+        self.epoch = epoch
+        self.servers = list(servers)
+        self.owner_of_slot = np.asarray(owner_of_slot, np.int64)
+        self.num_slots = int(self.owner_of_slot.shape[0])
+        self.key_of_slot, self.owner_starts = routing.group_keys(self.owner_of_slot, len(self.servers))
+
+    def group(self, ids: np.ndarray, grads: np.ndarray | None = None) -> tuple:
+        """One pass over a batch: unique ids bucketed by slot key (owner, then slot). Pull: (uniq, starts,
+        src) with ids == uniq[src]; push: (uniq, sums, starts, finite). ``starts`` bounds each key's range."""
+        if grads is None:
+            return _kernels.dedup_grouped(ids, self.key_of_slot, self.num_slots)
+        return _kernels.dedup_sum_grouped(ids, grads, self.key_of_slot, self.num_slots)
+
+    def parts(self, starts: np.ndarray, row_bytes: int, chunk_bytes: int) -> list[tuple[int, int, int]]:
+        """(owner, lo, hi) of every message: each owner's range of the grouped batch, cut at slot boundaries
+        into chunks of at most ``chunk_bytes`` (a single slot larger than that is one message). Owner -1
+        covers the ids whose slot has no primary."""
+        per = max(1, chunk_bytes // (8 + row_bytes))
+        out = []
+        for o in range(len(self.servers) + 1):
+            k0, k1 = int(self.owner_starts[o]), int(self.owner_starts[o + 1])
+            lo, hi = int(starts[k0]), int(starts[k1])
+            if lo == hi:
+                continue
+            owner = o if o < len(self.servers) else -1
+            if hi - lo <= per:
+                out.append((owner, lo, hi))
+                continue
+            bounds = starts[k0:k1 + 1]
+            while lo < hi:
+                cut = int(bounds[np.searchsorted(bounds, lo + per, side="right") - 1])
+                if cut <= lo:  # one slot above the chunk size: send it whole
+                    cut = int(bounds[np.searchsorted(bounds, lo, side="right")])
+                out.append((owner, lo, cut))
+                lo = cut
+        return out
+
+
+def retryable(error: PSError, clustered: bool) -> bool:
+    """Whether a new attempt (routed again by the newest map) can succeed."""
+    if isinstance(error, (Unavailable, DeadlineExceeded)):
+        return True
+    return clustered and isinstance(error, (WrongShard, TableNotFound))
+
+
+class Fanout:
+    """Counts the parts of an operation in flight and keeps the first error."""
+
+    def __init__(self, parts: int) -> None:
+        self.left = parts
+        self.error: PSError | None = None
+        self.lock = threading.Lock()
+
+    def part_done(self, error: PSError | None) -> bool:
+        """Record one part; True when this was the last part (whether or not all succeeded)."""
+        with self.lock:
+            self.left -= 1
+            if error is not None and self.error is None:
+                self.error = error
+            return self.left == 0
+
+
+class Attempt:
+    """What a child operation inherits: the attempt number, the deadline, the last error."""
+
+    __slots__ = ("number", "deadline", "last")
+
+    def __init__(self, number: int, deadline: float, last: PSError | None = None) -> None:
+        self.number, self.deadline, self.last = number, deadline, last
+
+
+def new_future() -> cf.Future:
+    fut: cf.Future = cf.Future()
+    fut.set_running_or_notify_cancel()  # results come from the wire; cancel() cannot stop a sent push
+    return fut
+
+
+class _Op:
+    """Shared by pulls and pushes: send parts, re-route failed ones as child operations."""
+
+    def __init__(self, client: Any, st: Any, fut: cf.Future, attempt: Attempt) -> None:
+        self.client, self.st, self.fut, self.attempt = client, st, fut, attempt
+        self.fanout: Fanout | None = None
+
+    def _retry_or_fail(self, error: PSError, server: Server | None, again: Callable[[Attempt], cf.Future],
+                       settle: Callable[[Any, PSError | None], None]) -> None:
+        """Route the failed part again by a fresh map (a child op), or settle it with the error."""
+        c = self.client
+        a = self.attempt
+        clustered = c._maps is not None
+        now = time.monotonic()
+        if not retryable(error, clustered) or now >= a.deadline or \
+                (not clustered and a.number >= c.config.max_attempts):
+            if isinstance(error, Unavailable) and a.number > 1:
+                error = type(error)(f"{error} (after {a.number} attempts)", epoch=error.epoch)
+            settle(None, error)
+            return
+        c._note_retry()
+        if clustered:
+            if isinstance(error, Unavailable) and server is not None:
+                c._maps.report_unreachable(server.address)
+            c._maps.refresh(max(error.epoch, c._route.epoch + (1 if isinstance(error, WrongShard) else 0)))
+        delay = min(c.config.max_backoff_s, c.config.initial_backoff_s * (2 ** (a.number - 1)))
+        child = Attempt(a.number + 1, a.deadline, error)
+
+        def fire() -> None:
+            try:
+                fut = again(child)
+            except Exception as exc:  # noqa: BLE001 - a timer thread must never raise
+                settle(None, exc if isinstance(exc, PSError) else Internal(f"re-route: {exc}"))
+                return
+            fut.add_done_callback(lambda f: settle(f.result() if f.exception() is None else None,
+                                                   f.exception()))
+
+        timer = threading.Timer(delay, fire)
+        timer.daemon = True
+        timer.start()
+
+
+class PullOp(_Op):
+    """One pull in flight: unique ids grouped by owner, one message per part; replies kept as decoded blocks
+    (fp32: views of the received bytes) and gathered into the batch's rows by ``src`` when the last arrives."""
+
+    def __init__(self, client: Any, st: Any, fut: cf.Future, ids: np.ndarray, shape: tuple[int, ...],
+                 attempt: Attempt, read_only: bool = False) -> None:
+        super().__init__(client, st, fut, attempt)
+        self.ids, self.shape, self.read_only = ids, shape, read_only
+        self.codec, self.dim = st.pull_codec, st.dim
+        self.blocks: list[np.ndarray | None] = []
+
+    def start(self) -> None:
+        try:
+            self._start()
+        except Exception as exc:  # noqa: BLE001 - may run on a callback thread; the future carries it
+            if not self.fut.done():
+                self.fut.set_exception(exc if isinstance(exc, PSError) else Internal(f"pull: {exc}"))
+
+    def _start(self) -> None:
+        c, st = self.client, self.st
+        route = c._route
+        self.uniq, starts, self.src = route.group(self.ids)
+        parts = route.parts(starts, wire.rows_nbytes(1, self.dim, self.codec), c.config.chunk_bytes)
+        self.fanout = Fanout(len(parts))
+        self.blocks = [None] * len(parts)
+        with st.lock:
+            st.stale_last = len(st.pending)
+            st.stale_max = max(st.stale_max, st.stale_last)
+        sent = 0
+        calls = []
+        for k, (owner, lo, hi) in enumerate(parts):
+            if owner < 0:
+                err = Unavailable(f"table {st.name!r}: {hi - lo} id(s) in slots with no primary at epoch "
+                                  f"{route.epoch} (failing over)", epoch=route.epoch)
+                calls.append((None, k, lo, hi, err))
+                continue
+            s = route.servers[owner]
+            request = wire.encode_pull_request(st.name, self.uniq[lo:hi], self.codec, route.epoch, self.read_only)
+            sent += len(request)
+            calls.append((Call(s.pull, request, s.address, c.config.timeout_s, None, self._done_for(k, lo, hi, s),
+                               c._note_retry), k, lo, hi, None))
+        with st.lock:
+            st.bytes["sent"]["pull"] += sent
+        for call, k, lo, hi, err in calls:
+            if call is None:
+                self._done_for(k, lo, hi, None)(None, err)
+            else:
+                call.start()
+
+    def _gather(self) -> np.ndarray:
+        """The batch's rows, (n, dim) float32, from the unique rows in ``blocks`` (consecutive ranges)."""
+        blocks = self.blocks
+        out = np.empty((self.src.size, self.dim), np.float32)
+        words = _kernels.row_words
+        if len(blocks) == 2:
+            _kernels.gather_rows2(words(blocks[0]), words(blocks[1]), self.src, words(out))
+        else:
+            rows = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
+            _kernels.gather_rows(words(rows), self.src, words(out))
+        return out
+
+    def _again(self, lo: int, hi: int) -> Callable[[Attempt], cf.Future]:
+        def again(attempt: Attempt) -> cf.Future:
+            fut = new_future()
+            PullOp(self.client, self.st, fut, np.ascontiguousarray(self.uniq[lo:hi]), (hi - lo,), attempt,
+                   self.read_only).start()
+            return fut
+        return again
+
+    def _done_for(self, k: int, lo: int, hi: int, server: Server | None) -> Callable[[Any, PSError | None], None]:
+        n = hi - lo
+
+        def settle(block: np.ndarray | None, error: PSError | None) -> None:
+            if error is None:
+                self.blocks[k] = block
+            assert self.fanout is not None
+            if not self.fanout.part_done(error):
+                return
+            if self.fanout.error is not None:
+                self.client._count(pull_errors=1)
+                self.blocks = []
+                self.fut.set_exception(self.fanout.error)
+                return
+            self.client._count(pulls=1, rows_pulled=int(self.src.size))
+            try:
+                rows = self._gather()
+            except Exception as exc:  # noqa: BLE001 - a callback thread must never raise
+                self.fut.set_exception(Internal(f"table {self.st.name!r}: pull reassembly: {exc}"))
+                return
+            finally:
+                self.blocks = []  # free the replies
+            self.fut.set_result(rows.reshape(self.shape + (self.dim,)))
+
+        def done(response: wire.RawRows | None, error: PSError | None) -> None:
+            block = None
+            if error is None:
+                try:
+                    with self.st.lock:
+                        self.st.bytes["received"]["pull"] += response.nbytes
+                    block = wire.decode_block(response, n, self.dim, table=self.st.name, field="PullResponse.rows")
+                except PSError as exc:
+                    error = exc
+                except Exception as exc:  # noqa: BLE001
+                    error = InvalidArgument(f"table {self.st.name!r}: bad pull reply: {exc}")
+            if error is not None:
+                self._retry_or_fail(error, server, self._again(lo, hi), settle)
+                return
+            settle(block, None)
+        return done
+
+
+class PushOp(_Op):
+    """One push in flight: its step in the table's pending set (top level only), one message per (owner,
+    chunk) under the owner's permits, all carrying this push's (client_id, seq). The future settles only
+    when every part has (so ``flush`` and the staleness waits never return early)."""
+
+    def __init__(self, client: Any, st: Any, fut: cf.Future, uniq: np.ndarray, summed: np.ndarray,
+                 starts: np.ndarray | None, route: Route | None, seq: int, attempt: Attempt,
+                 *, top: bool = True) -> None:
+        super().__init__(client, st, fut, attempt)
+        self.uniq, self.summed, self.starts, self.route, self.seq = uniq, summed, starts, route, seq
+        self.top = top
+        self.rows = int(uniq.size)
+        self.applied = 0
+        self.lock = threading.Lock()
+        self.step = 0
+
+    def start(self) -> None:
+        c, st = self.client, self.st
+        if self.route is None:  # a re-routed part: group again by the newest route
+            self.route = c._route
+            self.uniq, self.summed, self.starts, _ = self.route.group(self.uniq, self.summed)
+        route = self.route
+        codec, dim = st.push_codec, st.dim
+        parts = route.parts(self.starts, wire.rows_nbytes(1, dim, codec), c.config.chunk_bytes)
+        self.fanout = Fanout(len(parts))
+        if self.top:
+            with st.lock:
+                st.step += 1
+                self.step = st.step
+                st.pending[self.step] = self.fut
+        index = {}
+        for owner, lo, hi in parts:
+            if owner < 0:
+                self._done_for(None, lo, hi)(None, Unavailable(
+                    f"table {st.name!r}: {hi - lo} id(s) in slots with no primary at epoch {route.epoch} "
+                    "(failing over)", epoch=route.epoch))
+                continue
+            s = route.servers[owner]
+            part = index[owner] = index.get(owner, -1) + 1  # chunk index within the server (informational)
+            try:
+                data, scales = wire.encode_block(self.summed[lo:hi], codec)
+                request = wire.encode_push_request(st.name, self.uniq[lo:hi], codec, dim, data, scales,
+                                                   c.client_id, self.seq, part, route.epoch)
+            except Exception as exc:  # noqa: BLE001 - settle the part, so flush cannot hang
+                error = exc if isinstance(exc, PSError) else Internal(f"table {st.name!r}: push encoding: {exc}")
+                self._done_for(None, lo, hi)(None, error)
+                continue
+            del data, scales
+            with st.lock:
+                st.bytes["sent"]["push"] += len(request)
+            s.permits.acquire()  # back-pressure: at most max_pushes_in_flight messages per server
+            Call(s.push, request, s.address, c.config.timeout_s, None, self._done_for(s, lo, hi),
+                 c._note_retry).start()
+
+    def _again(self, lo: int, hi: int) -> Callable[[Attempt], cf.Future]:
+        def again(attempt: Attempt) -> cf.Future:  # this part is unsettled, so the op's arrays are alive
+            uniq, summed = np.ascontiguousarray(self.uniq[lo:hi]), np.ascontiguousarray(self.summed[lo:hi])
+            fut = new_future()
+            PushOp(self.client, self.st, fut, uniq, summed, None, None, self.seq, attempt, top=False).start()
+            return fut
+        return again
+
+    def _done_for(self, server: Server | None, lo: int, hi: int) -> Callable[[Any, PSError | None], None]:
+        def settle(applied: int | None, error: PSError | None) -> None:
+            if error is None:
+                with self.lock:
+                    self.applied += int(applied or 0)
+            assert self.fanout is not None
+            if not self.fanout.part_done(error):
+                return
+            self.uniq = self.summed = None  # type: ignore[assignment]
+            if self.top:
+                with self.st.lock:
+                    self.st.pending.pop(self.step, None)
+            if self.fanout.error is None:
+                if self.top:
+                    self.client._count(pushes=1, rows_pushed=self.rows)
+                self.fut.set_result(self.applied)
+            else:
+                if self.top:
+                    self.client._push_failed(self.fanout.error)
+                self.fut.set_exception(self.fanout.error)
+
+        def done(response: pb.PushResponse | None, error: PSError | None) -> None:
+            if server is not None:
+                server.permits.release()
+            if error is None:
+                with self.st.lock:
+                    self.st.bytes["received"]["push"] += response.ByteSize()
+                settle(int(response.applied_rows), None)
+                return
+            self._retry_or_fail(error, server, self._again(lo, hi), settle)
+        return done

@@ -1,0 +1,162 @@
+"""A shard server's membership in a cluster: registration, heartbeats and the other calls to the scheduler.
+
+The ``Agent`` runs one thread: register (with the log positions of what the server loaded, for an unclean
+election), then heartbeat every ``heartbeat_interval_s`` and install any newer map that comes back. It also
+carries the service's reports (a copy failed, a copy caught up) and map refreshes. While the scheduler is
+down the server keeps serving on the map it holds.
+
+The primary lease (async tables): ``lease_ok()`` is true while the last successful heartbeat is younger
+than ``lease_s``. A server whose heartbeats fail stops acknowledging async pushes before the scheduler can
+declare it dead (``lease_s`` < the scheduler's heartbeat timeout), which bounds what a deposed primary can
+acknowledge; a heartbeat renews the lease only after installing the map it returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from tigana.proto import scheduler_pb2 as spb
+from tigana.proto import scheduler_pb2_grpc as spb_grpc
+from tigana.ps import cluster_wire
+
+log = logging.getLogger("tigana.ps.membership")
+
+
+class Agent:
+    """The link of one ``ShardService`` to its scheduler(s) (``scheduler``: "host:port[,host:port]")."""
+
+    def __init__(self, service, scheduler: str, address: str, *, heartbeat_interval_s: float = 0.5,
+                 lease_s: float = 2.0) -> None:
+        self.service = service
+        self.addresses = [a.strip() for a in scheduler.split(",") if a.strip()]
+        self.address = address
+        self.interval = heartbeat_interval_s
+        self.lease_s = lease_s
+        self._which = 0
+        options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
+                   ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
+        self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
+        self._stubs = [spb_grpc.SchedulerStub(c) for c in self._channels]
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._refresh_lock = threading.Lock()
+        self.registered = False
+        self.last_ok = 0.0
+        self._thread = threading.Thread(target=self._run, name="tigana-agent", daemon=True)
+
+    @property
+    def stub(self) -> spb_grpc.SchedulerStub:
+        return self._stubs[self._which % len(self._stubs)]
+
+    def _next(self) -> None:
+        self._which += 1
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def lease_ok(self) -> bool:
+        return time.monotonic() - self.last_ok < self.lease_s
+
+    # --- the loop ------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        backoff = 0.1
+        while not self._stop.is_set():
+            try:
+                if not self.registered:
+                    self._register()
+                else:
+                    self._heartbeat()
+                backoff = 0.1
+            except grpc.RpcError as err:
+                log.debug("scheduler call failed: %s", err.code().name)
+                self._next()
+                self._stop.wait(backoff)
+                backoff = min(2.0, backoff * 2)
+            except Exception:  # noqa: BLE001 - keep the server in the cluster whatever happened
+                log.exception("membership loop")
+            self._wake.wait(self.interval)
+            self._wake.clear()
+
+    def _register(self) -> None:
+        s = self.service
+        reply = self.stub.Register(spb.RegisterRequest(server_id=s.server_id, address=self.address, boot=s.boot,
+                                                       positions=s.positions()), timeout=5.0)
+        s.install(cluster_wire.map_from_pb(reply.map))
+        self.registered = True
+        self.last_ok = time.monotonic()
+        log.info("registered with the scheduler at %s as %s (boot %s)", self.addresses[self._which % len(
+            self.addresses)], s.server_id, s.boot)
+
+    def _heartbeat(self) -> None:
+        s = self.service
+        stats = {}
+        if s.replicator is not None:
+            stats.update(s.replicator.stats())
+        reply = self.stub.Heartbeat(spb.HeartbeatRequest(server_id=s.server_id, boot=s.boot, epoch=s.epoch,
+                                                         stats=stats), timeout=max(1.0, 2 * self.interval))
+        if reply.reregister:
+            self.registered = False
+            self._wake.set()
+            return
+        if reply.HasField("map"):
+            s.install(cluster_wire.map_from_pb(reply.map))
+        self.last_ok = time.monotonic()
+
+    # --- calls from the service ---------------------------------------------------------------------------
+    def refresh(self, epoch: int = 0, wait_s: float = 0.0) -> None:
+        """Fetch and install the scheduler's map if newer than ours (waiting up to ``wait_s`` for one at
+        least as new as ``epoch``)."""
+        with self._refresh_lock:
+            s = self.service
+            if epoch and s.epoch >= epoch:
+                return
+            try:
+                reply = self.stub.GetMap(spb.GetMapRequest(known_epoch=s.epoch, wait_s=wait_s),
+                                         timeout=wait_s + 2.0)
+            except grpc.RpcError:
+                self._next()
+                return
+            if reply.HasField("map"):
+                s.install(cluster_wire.map_from_pb(reply.map))
+
+    def refresh_soon(self, epoch: int) -> None:
+        """Non-blocking: fetch the map on the agent's thread soon."""
+        threading.Thread(target=self.refresh, args=(epoch,), daemon=True).start()
+
+    def report_copy_failure(self, target: str, slots: np.ndarray, reason: str) -> None:
+        self._report("ReportCopyFailure", spb.ReportCopyFailureRequest(
+            reporter=self.service.server_id, epoch=self.service.epoch, target=target,
+            slots=np.asarray(slots, "<i4").tobytes(), reason=reason[:500]))
+
+    def copy_caught_up(self, target: str, slots: np.ndarray) -> None:
+        self._report("CopyCaughtUp", spb.CopyCaughtUpRequest(
+            reporter=self.service.server_id, epoch=self.service.epoch, target=target,
+            slots=np.asarray(slots, "<i4").tobytes()))
+
+    def report_unreachable(self, address: str) -> None:
+        self._report("ReportUnreachable", spb.ReportUnreachableRequest(address=address,
+                                                                        reporter=self.service.server_id))
+
+    def _report(self, method: str, request) -> None:
+        try:
+            reply = getattr(self.stub, method)(request, timeout=5.0)
+        except grpc.RpcError as err:
+            log.warning("%s to the scheduler failed (%s); it is retried", method, err.code().name)
+            self._next()
+            return
+        if reply.epoch > self.service.epoch:
+            self.refresh(reply.epoch)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+        for c in self._channels:
+            c.close()
