@@ -63,13 +63,16 @@ class Call:
     Thread-safety: a Call is started once; its callback runs on a gRPC or timer thread.
     """
 
-    __slots__ = ("method", "request", "address", "timeout_s", "retry", "done", "attempt", "on_retry")
+    __slots__ = ("method", "request", "address", "timeout_s", "retry", "done", "attempt", "on_retry", "future",
+                 "cancelled")
 
     def __init__(self, method: grpc.UnaryUnaryMultiCallable, request: Any, address: str, timeout_s: float,
                  retry: RetryPolicy | None, done: Done, on_retry: Callable[[], None] | None = None) -> None:
         self.method, self.request, self.address = method, request, address
         self.timeout_s, self.retry, self.done, self.on_retry = timeout_s, retry, done, on_retry
         self.attempt = 0
+        self.future: grpc.Future | None = None
+        self.cancelled = False
 
     def start(self) -> None:
         self.attempt += 1
@@ -81,13 +84,23 @@ class Call:
         except ValueError as exc:  # the channel was closed
             self._finish(None, Unavailable(f"{self.address}: client closed ({exc})"))
             return
+        self.future = future
         future.add_done_callback(self._on_done)
+        if self.cancelled:
+            future.cancel()
+
+    def cancel(self) -> None:
+        """Give up on the call (its server was declared dead): ``done`` gets ``Unavailable``."""
+        self.cancelled = True
+        if self.future is not None:
+            self.future.cancel()
 
     def _on_done(self, future: grpc.Future) -> None:
         try:
             response = future.result()
         except grpc.FutureCancelledError:
-            self._finish(None, Unavailable(f"{self.address}: call cancelled (client closed)"))
+            why = "the server was declared dead" if self.cancelled else "client closed"
+            self._finish(None, Unavailable(f"{self.address}: call cancelled ({why})"))
             return
         except grpc.RpcError as err:
             code = err.code() if hasattr(err, "code") else None

@@ -287,9 +287,14 @@ class Client:
         if m.num_slots != self.config.num_slots:
             log.warning("shard map has %d slots, the client expects %d", m.num_slots, self.config.num_slots)
         servers = [self._server(s.address) for s in m.servers]
+        old = self._map
         self._map = m
         self._route = Route(m.epoch, servers, m.primary_of_slot())
         self._servers = [servers[i] for i, s in enumerate(m.servers) if s.up]
+        if old is not None:  # calls to servers this map declared dead are routed again now
+            for i, s in enumerate(m.servers):
+                if not s.up and (old.index_of(s.id) < 0 or old.servers[old.index_of(s.id)].up):
+                    servers[i].cancel_all()
 
     @property
     def epoch(self) -> int:

@@ -48,7 +48,7 @@ class Server:
     """One shard server as the client sees it: its channel, the data-path callables and its push permits
     (at most ``max_pushes_in_flight`` push messages outstanding)."""
 
-    __slots__ = ("address", "channel", "stub", "pull", "push", "permits")
+    __slots__ = ("address", "channel", "stub", "pull", "push", "permits", "calls", "lock")
 
     def __init__(self, address: str, options: list, max_pushes_in_flight: int) -> None:
         self.address = address
@@ -59,6 +59,33 @@ class Server:
         self.push = self.channel.unary_unary(_PUSH, request_serializer=wire.identity,
                                              response_deserializer=pb.PushResponse.FromString)
         self.permits = threading.BoundedSemaphore(max_pushes_in_flight)
+        self.calls: set[Call] = set()
+        self.lock = threading.Lock()
+
+    def send(self, method: Any, request: bytes, timeout_s: float, done: Callable[[Any, PSError | None], None],
+             on_retry: Callable[[], None]) -> None:
+        """One data-path call (a single attempt), tracked so ``cancel_all`` can give up on it."""
+        holder: list[Call] = []
+
+        def finished(response: Any, error: PSError | None) -> None:
+            with self.lock:
+                self.calls.discard(holder[0])
+            done(response, error)
+
+        call = Call(method, request, self.address, timeout_s, None, finished, on_retry)
+        holder.append(call)
+        with self.lock:
+            self.calls.add(call)
+        call.start()
+
+    def cancel_all(self) -> int:
+        """Cancel the calls in flight (the map declared this server dead: a paused one would hold them until
+        their deadline); they are routed again by the new map."""
+        with self.lock:
+            calls = list(self.calls)
+        for call in calls:
+            call.cancel()
+        return len(calls)
 
 
 class Route:
@@ -218,20 +245,19 @@ class PullOp(_Op):
             if owner < 0:
                 err = Unavailable(f"table {st.name!r}: {hi - lo} id(s) in slots with no primary at epoch "
                                   f"{route.epoch} (failing over)", epoch=route.epoch)
-                calls.append((None, k, lo, hi, err))
+                calls.append((None, None, k, lo, hi, err))
                 continue
             s = route.servers[owner]
             request = wire.encode_pull_request(st.name, self.uniq[lo:hi], self.codec, route.epoch, self.read_only)
             sent += len(request)
-            calls.append((Call(s.pull, request, s.address, c.config.timeout_s, None, self._done_for(k, lo, hi, s),
-                               c._note_retry), k, lo, hi, None))
+            calls.append((s, request, k, lo, hi, None))
         with st.lock:
             st.bytes["sent"]["pull"] += sent
-        for call, k, lo, hi, err in calls:
-            if call is None:
+        for s, request, k, lo, hi, err in calls:
+            if s is None:
                 self._done_for(k, lo, hi, None)(None, err)
             else:
-                call.start()
+                s.send(s.pull, request, c.config.timeout_s, self._done_for(k, lo, hi, s), c._note_retry)
 
     def _gather(self) -> np.ndarray:
         """The batch's rows, (n, dim) float32, from the unique rows in ``blocks`` (consecutive ranges)."""
@@ -346,8 +372,7 @@ class PushOp(_Op):
             with st.lock:
                 st.bytes["sent"]["push"] += len(request)
             s.permits.acquire()  # back-pressure: at most max_pushes_in_flight messages per server
-            Call(s.push, request, s.address, c.config.timeout_s, None, self._done_for(s, lo, hi),
-                 c._note_retry).start()
+            s.send(s.push, request, c.config.timeout_s, self._done_for(s, lo, hi), c._note_retry)
 
     def _again(self, lo: int, hi: int) -> Callable[[Attempt], cf.Future]:
         def again(attempt: Attempt) -> cf.Future:  # this part is unsettled, so the op's arrays are alive

@@ -165,9 +165,11 @@ class LocalCluster:
         deadline = time.monotonic() + timeout
         while True:
             status = cluster_status(self.scheduler, timeout_s=5.0)
-            if status is not None and not status["unavailable_slots"] and \
-                    (not in_sync or not status["degraded_slots"]) and status["epoch"] > 0:
-                return
+            if status is not None and status["epoch"] > 0 and not status["unavailable_slots"]:
+                catching = sum(srv["catching_up"] for srv in status["servers"])
+                full = self.replicas is None or self.shards <= (self.replicas or 0) or not status["degraded_slots"]
+                if not in_sync or (catching == 0 and full):
+                    return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"cluster not placed after {timeout:.0f}s: {status}")
             time.sleep(0.1)

@@ -133,6 +133,7 @@ class SchedulerCore:
         self.positions: dict[str, dict[str, dict[int, tuple[int, int]]]] = {}  # server -> table -> slot -> pos
         self.orphaned_since: dict[int, float] = {}  # slot -> when it lost its last in-sync copy
         self.first_register: float | None = None
+        self.registered_at: dict[str, float] = {}
         self._probing: set[str] = set()
 
     # --- helpers -------------------------------------------------------------------------------------
@@ -174,6 +175,9 @@ class SchedulerCore:
             if self.first_register is None:
                 self.first_register = now
             self.positions[server_id] = positions or {}
+            self.registered_at[server_id] = now
+            log.info("server %s (%s, boot %s) registers with rows of %s", server_id, address, boot,
+                     {t: len(p) for t, p in (positions or {}).items()} or "no table")
             m = self.map
             i = m.index_of(server_id)
             if i < 0:
@@ -429,13 +433,14 @@ class SchedulerCore:
             self.orphaned_since.clear()
             return
         now = self.clock()
-        everyone_heard = all(s.id in self.heard for s in m.servers if s.up)
         alive = self._alive()
         copies, states = m.copies.copy(), m.states.copy()
-        chosen = 0
+        chosen, empty = 0, []
         for slot in orphans:
             since = self.orphaned_since.setdefault(int(slot), now)
-            if not everyone_heard and now - since < 2 * self.config.heartbeat_timeout_s:
+            # Wait for every server of the map to be back (registered with its rows' positions), or the timeout.
+            everyone = all(s.up and s.id in self.heard for s in m.servers)
+            if not everyone and now - since < 2 * self.config.heartbeat_timeout_s:
                 continue
             best, best_key = -1, None
             for i, s in enumerate(m.servers):
@@ -446,14 +451,12 @@ class SchedulerCore:
                 if any(k != (0, 0) for k in key) and (best_key is None or key > best_key):
                     best, best_key = i, key
             if best < 0:
-                # No server has rows of it: what it held is gone (or it never had any). Start it empty on
-                # the least loaded server, after the wait, so the cluster serves again.
-                if now - since < 2 * self.config.heartbeat_timeout_s and not everyone_heard:
-                    continue
+                # No server has rows of it: what it held is gone (or it never had any). It starts empty on
+                # the least loaded server, so the cluster serves again.
                 _, load = placement.copy_counts(copies, len(m.servers))
                 live = np.flatnonzero(alive)
                 best = int(live[np.argmin(load[live])])
-                log.warning("slot %d: no server holds rows of it; it starts empty on %s", slot, m.servers[best].id)
+                empty.append(int(slot))
             row = copies[slot]
             j = np.flatnonzero(row == best)
             if j.size:
@@ -461,6 +464,9 @@ class SchedulerCore:
             copies[slot, 0], states[slot, 0] = best, IN_SYNC
             self.orphaned_since.pop(int(slot), None)
             chosen += 1
+        if empty:
+            log.warning("%d slot(s) with no copy and no rows on any server (never written, or lost) start empty: "
+                        "%s", len(empty), format_slots(empty[:64]))
         if chosen:
             self._commit(m.evolve(copies=copies, states=states),
                          f"unclean election of {chosen} slot(s) with no in-sync copy (newest snapshot wins)")

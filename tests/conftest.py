@@ -11,9 +11,11 @@ In-process (fast; gRPC on a free loopback port, tables in this process):
 
 Child processes (``tigana server`` daemons through ``ps.LocalCluster``):
 
-- ``shard_cluster``         module-scoped ``LocalCluster`` of 2 daemons (``.addresses``, ``.procs``, ``.data_dir``);
+- ``shard_cluster``         module-scoped static ``LocalCluster`` of 2 daemons, no scheduler (``.addresses``,
+                            ``.procs``, ``.data_dir``);
                             shared by the tests of a module, so use unique table names.
-- ``make_shard_cluster``    factory ``make_shard_cluster(shards=2, **LocalCluster kwargs) -> LocalCluster``; closed at
+- ``make_shard_cluster``    factory ``make_shard_cluster(shards=2, **LocalCluster kwargs) -> LocalCluster`` (with a
+                            scheduler and 1 replica unless ``replicas=None``); closed at
                             teardown.
 
 Helpers:
@@ -101,7 +103,7 @@ def make_shard_cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
 
 @pytest.fixture(scope="module")
 def shard_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    cluster = LocalCluster(2, data_dir=tmp_path_factory.mktemp("shard-cluster"))
+    cluster = LocalCluster(2, replicas=None, data_dir=tmp_path_factory.mktemp("shard-cluster"))
     try:
         yield cluster
     finally:

@@ -64,8 +64,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"tigana demo: DeepFM, {args.nproc} trainer processes, {args.shards} shards, {what}", flush=True)
     cluster = launch.start_cluster(args.shards)
     try:
-        print(f"local cluster up: {', '.join(cluster.addresses)} (data in {cluster.data_dir})", flush=True)
-        config = config.replace(ps=tuple(cluster.addresses), nproc=args.nproc, logdir=str(logdir),
+        print(f"local cluster up: scheduler {cluster.scheduler}, shards {', '.join(cluster.addresses)}, "
+              f"{cluster.replicas} replica(s) of every slot (data in {cluster.data_dir})", flush=True)
+        config = config.replace(ps=(cluster.target,), nproc=args.nproc, logdir=str(logdir),
                                 progress=not args.no_progress)
         result = launch.run(config)
     finally:

@@ -39,7 +39,7 @@ class TrainConfig:
     model: str = "deepfm"
     dataset: str = "synthetic"
     data: str | None = None                 # data folder or file; synthetic needs none
-    ps: tuple[str, ...] = ()                # shard addresses; empty: start an embedded local cluster
+    ps: tuple[str, ...] = ()                # a scheduler, or shard addresses; empty: an embedded local cluster
     shards: int = 2                         # shards of the embedded local cluster
     epochs: int = 1
     batch_size: int = 512
@@ -203,7 +203,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", choices=DATASETS)
     parser.add_argument("--data", metavar="PATH", help="data folder or file (criteo, movielens-100k)")
     parser.add_argument("--ps", metavar="ADDRESS[,ADDRESS]",
-                        help="shard addresses; without it an embedded local cluster runs for the job")
+                        help="a scheduler's address, or a static shard list; without it an embedded local cluster "
+                             "(a scheduler and --shards servers, 1 replica) runs for the job")
     parser.add_argument("--shards", type=int, help="shards of the embedded local cluster (default 2)")
     parser.add_argument("--epochs", type=int)
     parser.add_argument("--batch-size", type=int)

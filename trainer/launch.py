@@ -35,14 +35,19 @@ def under_launcher(environ: Mapping[str, str] | None = None) -> bool:
     return "WORLD_SIZE" in env or ("SLURM_PROCID" in env and "SLURM_NTASKS" in env)
 
 
-def start_cluster(shards: int = 2, data_dir: str | os.PathLike | None = None) -> ps.LocalCluster:
-    """A local cluster of ``shards`` daemons (child processes; ``close()`` stops them) tuned for training."""
-    return ps.LocalCluster(shards=shards, data_dir=data_dir, env={**ALLOCATOR_ENV, **os.environ})
+def start_cluster(shards: int = 2, data_dir: str | os.PathLike | None = None, replicas: int | None = 1
+                  ) -> ps.LocalCluster:
+    """A local cluster (a scheduler and ``shards`` daemons, every slot with ``replicas`` copies; child
+    processes, ``close()`` stops them) tuned for training. ``cluster.target`` is what ``ps.connect`` takes."""
+    return ps.LocalCluster(shards=shards, replicas=replicas, data_dir=data_dir, env={**ALLOCATOR_ENV, **os.environ})
 
 
 def _start_cluster(config: TrainConfig) -> ps.LocalCluster:
-    # With checkpoints, the shards keep their data (and snapshots) next to them so a later run can resume.
-    return start_cluster(config.shards, Path(config.checkpoint_dir) / "ps-data" if config.checkpoint_dir else None)
+    # With checkpoints, the shards keep their data (and snapshots) next to them so a later run can resume;
+    # a checkpoint restores per-shard snapshots, which needs the static shard list (no scheduler) for now.
+    if config.checkpoint_dir:
+        return start_cluster(config.shards, Path(config.checkpoint_dir) / "ps-data", replicas=None)
+    return start_cluster(config.shards)
 
 
 def _threads(env: DistEnv) -> None:
@@ -62,7 +67,7 @@ def run_rank(config: TrainConfig, env: DistEnv, addresses: list[str] | None) -> 
             box: list[Any] = [None]
             if env.rank == 0:
                 cluster = _start_cluster(config)
-                box = [list(cluster.addresses)]
+                box = [[cluster.target]]
             if env.world_size > 1:
                 dist.broadcast_object_list(box, src=0)
             addresses = box[0]
@@ -100,7 +105,7 @@ def run(config: TrainConfig, environ: Mapping[str, str] | None = None) -> dict[s
         addresses = list(config.ps)
         if not addresses:
             cluster = _start_cluster(config)
-            addresses = list(cluster.addresses)
+            addresses = [cluster.target]
         if config.nproc == 1:
             return run_rank(config, DistEnv(), addresses)
         with tempfile.TemporaryDirectory(prefix="tigana-train-") as tmp:

@@ -82,14 +82,16 @@ def test_base_port_and_a_shard_that_cannot_start(make_shard_cluster, tmp_path) -
 
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="util-linux setpriv not installed")
 def test_daemons_die_with_a_killed_parent(tmp_path) -> None:
-    """A LocalCluster owner killed with SIGKILL (no chance to clean up) leaves no shard daemon behind."""
+    """A LocalCluster owner killed with SIGKILL (no chance to clean up) leaves no daemon (shard or scheduler)
+    behind."""
     script = ("import sys, time\nfrom tigana.ps import LocalCluster\n"
               f"c = LocalCluster(2, data_dir={str(tmp_path)!r})\n"
-              "print(' '.join(str(p.pid) for p in c.procs), flush=True)\ntime.sleep(600)\n")
+              "print(' '.join(str(p.pid) for p in [*c.procs, c.scheduler_proc]), flush=True)\n"
+              "time.sleep(600)\n")
     owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in owner.stdout.readline().split()]
-        assert len(pids) == 2
+        assert len(pids) == 3  # two shard daemons and the scheduler
     finally:
         owner.kill()
         owner.wait(10)

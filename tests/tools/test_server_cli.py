@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tigana import ps
 from tigana.embeddings import TableConfig
 from tigana.embeddings import config as cfg
 from tigana.proto import shard_pb2 as pb
@@ -97,19 +98,28 @@ def test_server_rejects_bad_flags(tmp_path: Path) -> None:
 
 
 def test_local_starts_and_stops_its_shards(tmp_path: Path) -> None:
+    """``tigana local --shards 2 --replicas 1``: a scheduler and 2 shards; it prints the address to connect to
+    (the scheduler's), serves a client through it, and stops every process on Ctrl-C."""
     data_dir = tmp_path / "local"
-    with _spawn("local", "--shards", "2", "--data-dir", str(data_dir), stdout=subprocess.PIPE,
+    with _spawn("local", "--shards", "2", "--replicas", "1", "--data-dir", str(data_dir), stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, text=True) as proc:
         ready, _, _ = select.select([proc.stdout], [], [], 120)
-        assert ready, "no addresses printed"
-        addresses = proc.stdout.readline().strip().split(",")
-        assert len(addresses) == 2 and all(a.startswith("127.0.0.1:") for a in addresses)
-        assert "2 shard(s) serving" in proc.stdout.readline()
-        pids = [json.loads((data_dir / f"shard-{i}" / "ready.json").read_text())["pid"] for i in range(2)]
-        for address in addresses:
-            with grpc.insecure_channel(address) as channel:
+        assert ready, "no address printed"
+        target = proc.stdout.readline().strip()
+        assert target.startswith("127.0.0.1:") and "," not in target
+        line = proc.stdout.readline()
+        assert f"scheduler {target}, 1 replica(s), 2 shard(s) serving" in line
+        infos = [json.loads((data_dir / f"shard-{i}" / "ready.json").read_text()) for i in range(2)]
+        pids = [info["pid"] for info in infos] + [json.loads((data_dir / "scheduler" / "ready.json").read_text())["pid"]]
+        for info in infos:
+            with grpc.insecure_channel(info["address"]) as channel:
                 reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with ps.connect(target) as client:  # the printed address is a scheduler: the client follows its map
+            assert client.scheduler == target and client.epoch > 0
+            client.create_table("cli_local", dim=4, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
+            client.push("cli_local", np.arange(100), -np.ones((100, 4), np.float32)).result()
+            np.testing.assert_array_equal(client.pull("cli_local", np.arange(100)), np.ones((100, 4), np.float32))
         proc.send_signal(signal.SIGINT)
         assert proc.wait(90) == 0, proc.stderr.read()
         assert "exit codes [0, 0]" in proc.stderr.read()

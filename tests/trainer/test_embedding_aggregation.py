@@ -65,4 +65,4 @@ def _worker(rank: int, world: int, port: int, addresses: list[str]) -> None:
 @pytest.mark.timeout(180)
 def test_node_ranks_merge_pushes_at_the_leader() -> None:
     with ps.LocalCluster(shards=2) as cluster:
-        mp.spawn(_worker, args=(2, free_port(), cluster.addresses), nprocs=2, join=True)
+        mp.spawn(_worker, args=(2, free_port(), [cluster.target]), nprocs=2, join=True)

@@ -36,12 +36,12 @@ def _tamper(addresses: list[str], config: TrainConfig) -> None:
 @pytest.mark.timeout(240)
 def test_resume_from_a_mid_epoch_checkpoint_matches_an_uninterrupted_run(tmp_path) -> None:
     with ps.LocalCluster(shards=2) as cluster:
-        full = train(_config(table_prefix="r_"), DistEnv(), None, cluster.addresses)
+        full = train(_config(table_prefix="r_"), DistEnv(), None, [cluster.target])
     assert full["steps"] == 24 and full["eval_rows"] == 600 and 0.5 < full["auc"] <= 1.0
 
     ckpt = tmp_path / "ckpt"
     data_dir = tmp_path / "ps"
-    with ps.LocalCluster(shards=2, data_dir=data_dir) as cluster:
+    with ps.LocalCluster(shards=2, replicas=None, data_dir=data_dir) as cluster:
         first = train(_config(table_prefix="r_", max_steps=17, checkpoint_dir=str(ckpt), logdir=str(tmp_path / "tb")),
                       DistEnv(), None, cluster.addresses)
         assert first["steps"] == 17
@@ -51,7 +51,7 @@ def test_resume_from_a_mid_epoch_checkpoint_matches_an_uninterrupted_run(tmp_pat
     assert meta["epoch"] == 1 and meta["batch_in_epoch"] == 5 and len(meta["ps_snapshot"]) == 2
     assert any((tmp_path / "tb").iterdir())  # TensorBoard event file
 
-    with ps.LocalCluster(shards=2, data_dir=data_dir) as cluster:
+    with ps.LocalCluster(shards=2, replicas=None, data_dir=data_dir) as cluster:
         # The restarted daemons load their newest snapshot; damage every row the run uses so that only
         # restoring the checkpoint's snapshot can bring the right rows back.
         _tamper(cluster.addresses, _config(table_prefix="r_"))

@@ -56,7 +56,7 @@ def test_deepfm_through_the_ps_matches_local_and_reaches_auc() -> None:
 
     cards = {config.table_prefix + name: n for name, n in MovieLens100K(DATA / "ml-100k").cardinalities.items()}
     with ps.LocalCluster(shards=2) as cluster:
-        client = ps.connect(cluster.addresses)
+        client = ps.connect(cluster.target)
         try:
             # The PS's initial rows of every id the data can hold (the loop's own tables, created here first).
             features = [FeatureSpec(f.name, table=config.table_prefix + f.table_name, pooling=f.pooling)
@@ -66,7 +66,7 @@ def test_deepfm_through_the_ps_matches_local_and_reaches_auc() -> None:
                 optimizer=ps.Adagrad(lr=config.embedding_lr), initializer=ps.Normal(std=config.init_std),
                 staleness=config.staleness, seed=config.seed))
             init = {t: probe.table_rows(t, np.arange(cards[t])) for t in probe.tables}
-            result = train(config, DistEnv(), None, cluster.addresses)
+            result = train(config, DistEnv(), None, [cluster.target])
         finally:
             client.close()
     local = _train_local(config, data, init, cards)

@@ -299,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ, TIGANA_SNAPSHOT_ON_SHUTDOWN="0")
     cluster = echo = peer = client = None
     try:
-        cluster = ps.LocalCluster(2, env=env)
+        cluster = ps.LocalCluster(2, replicas=None, env=env)
         echo = EchoServers(2, options)
         peer = RedisPeer(redis_bin) if redis_bin else None
         client = ps.connect(cluster.addresses, cfg)

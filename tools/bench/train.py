@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
                   vocab_cap=args.vocab, statistic=f"best of {repeats} rounds")
 
     env = dict(os.environ, TIGANA_SNAPSHOT_ON_SHUTDOWN="0", **ALLOCATOR_ENV)
-    with ps.LocalCluster(2, env=env) as cluster:
+    with ps.LocalCluster(2, replicas=None, env=env) as cluster:
         client = ps.connect(cluster.addresses)
         try:
             local_coll = LocalEmbeddingCollection(features, DIM, cards, sparse_grad=True, seed=0)
