@@ -140,15 +140,21 @@ class ServerHandle:
     def _periodic(self) -> None:
         """About once a second: the service's upkeep (rates, streams); with ``snapshot_every_s``, a snapshot of
         every table on schedule (incremental, a full one every ``full_snapshot_every``)."""
-        last_snapshot, taken = time.monotonic(), 0
+        taken = 0
         every = self.config.snapshot_every_s
-        while not self._stopping.wait(min(1.0, every) if every else 1.0):
-            try:
-                self.service.maintain()
-            except Exception:  # noqa: BLE001 - upkeep must go on
-                log.exception("periodic upkeep failed")
-            if every and self.service.catalog is not None and time.monotonic() - last_snapshot >= every:
-                last_snapshot = time.monotonic()
+        next_upkeep = next_snapshot = time.monotonic()
+        next_snapshot += every
+        while not self._stopping.wait(max(0.0, min(next_upkeep, next_snapshot if every else next_upkeep)
+                                          - time.monotonic())):
+            now = time.monotonic()
+            if now >= next_upkeep:
+                next_upkeep = now + 1.0
+                try:
+                    self.service.maintain()
+                except Exception:  # noqa: BLE001 - upkeep must go on
+                    log.exception("periodic upkeep failed")
+            if every and self.service.catalog is not None and now >= next_snapshot:
+                next_snapshot = now + every  # the interval runs from each snapshot's start
                 try:
                     self.service.snapshot_all(incremental=taken % self.config.full_snapshot_every != 0)
                     taken += 1

@@ -127,8 +127,8 @@ def balance(copies: np.ndarray, alive: np.ndarray, replicas: int,
         cand = [int(t) for t in np.lexsort((np.arange(n), load)) if alive[t]]
         c[slot, 0] = cand[0]
     c, _ = repair(c, np.zeros(c.shape, np.uint8), alive, r)
-    c = c[:, :1 + r] if c.shape[1] > 1 + r else c
-    # Drop surplus copies (more than 1 + r) from the most loaded servers.
+    # Drop surplus copies (more than 1 + r) from the most loaded servers, then trim the width: a row's
+    # replicas need not be in its first columns (repair leaves holes where dead copies were).
     for slot in range(num_slots):
         extra = np.flatnonzero(c[slot, 1:] >= 0) + 1
         while extra.size > r:
@@ -136,6 +136,8 @@ def balance(copies: np.ndarray, alive: np.ndarray, replicas: int,
             j = int(extra[np.argmax(load[c[slot, extra]])])
             c[slot, j] = NO_SERVER
             extra = np.flatnonzero(c[slot, 1:] >= 0) + 1
+    order = np.argsort(c[:, 1:] < 0, axis=1, kind="stable")  # present replicas first, in their order
+    c = np.concatenate([c[:, :1], np.take_along_axis(c[:, 1:], order, axis=1)], axis=1)[:, :1 + r]
     _even_primaries(c, alive, w)
     _even_copies(c, alive, w)
     return c

@@ -263,8 +263,8 @@ def _pad(a: np.ndarray, width: int) -> np.ndarray:
 
 def _compact(copies: np.ndarray, states: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Keep column 0 (the primary, possibly none); move each row's other copies left; trim empty columns."""
-    if copies.shape[1] <= 1:
-        return copies.copy(), np.where(copies >= 0, states, 0).astype(np.uint8)
+    if copies.shape[1] <= 1:  # only primaries: in sync by definition, as below
+        return copies.copy(), np.zeros(copies.shape, np.uint8)
     rest, rest_states = copies[:, 1:], states[:, 1:]
     order = np.argsort(rest < 0, axis=1, kind="stable")  # present copies first, in their order
     rest = np.take_along_axis(rest, order, axis=1)

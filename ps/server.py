@@ -69,7 +69,7 @@ from tigana.ps.errors import (
 )
 from tigana.ps.metrics import ServerMetrics
 from tigana.ps.replication import NO_POSITION, Replicator, SlotLog, Stream
-from tigana.ps.routing import ShardMap, TableDef, format_slots, slot_of
+from tigana.ps.routing import ShardMap, TableDef, format_slots, parse_slots, slot_of
 
 log = logging.getLogger("tigana.ps.server")
 
@@ -913,7 +913,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         if num_slots is not None and int(num_slots) != self.num_slots:
             raise InvalidArgument(f"data dir {str(self.data_dir)!r} holds tables of {num_slots} slots; the server "
                                   f"was started with --num-slots {self.num_slots}")
-        if tables and not self.clustered and slots is not None and slots != self.config.slots:
+        if tables and not self.clustered and slots is not None and not self._same_slots(slots):
             raise InvalidArgument(f"data dir {str(self.data_dir)!r} holds the rows of slots {slots!r}; the server "
                                   f"was started with --slots {self.config.slots!r} and would answer for slots it "
                                   "has no rows of (move slots with a scheduler instead)")
@@ -929,6 +929,12 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                 log.info("re-created table %r (no snapshot)", name)
             self._tables[name] = hosted
         self._save_registry()
+
+    def _same_slots(self, saved: str) -> bool:
+        try:
+            return bool(np.array_equal(parse_slots(saved, self.num_slots), self.config.owned_slots()))
+        except ValueError:
+            return False
 
     def close_tables(self) -> None:
         if self.replicator is not None:

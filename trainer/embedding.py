@@ -201,8 +201,9 @@ class PSEmbeddingCollection(nn.Module):
         # Follows .to(device): pooling runs where the model runs (ids, plans and pushes stay on the CPU).
         self.register_buffer("_device_marker", torch.empty(0), persistent=False)
         self.steps = 0  # training forwards (one push per table each)
-        # (batch, plan, pull futures, training steps done when the pulls were sent), oldest first
-        self._prefetched: list[tuple[SparseFeatures, _Plan, list[Any], int]] = []
+        # (batch, plan, pull futures, training steps done when the pulls were sent, whether the pulls insert
+        # (training) or are read-only (evaluation)), oldest first
+        self._prefetched: list[tuple[SparseFeatures, _Plan, list[Any], int, bool]] = []
         self._aggregate_group = aggregate_group
         self.pushed_rows = 0
         self.pulled_rows = 0
@@ -287,11 +288,14 @@ class PSEmbeddingCollection(nn.Module):
                      row_starts=torch.from_numpy(cat(start_parts) if len(start_parts) > 1 else start_parts[0]),
                      bag_of_value=bag_of_value, batch_size=b, single_hot=single_hot)
 
-    def _issue_pulls(self, plan: _Plan) -> list[Any]:
+    def _issue_pulls(self, plan: _Plan, insert: bool) -> list[Any]:
         # The client holds each pull back (asynchronously) until the pushes the staleness bound needs are in.
+        # ``insert=False`` (evaluation): ids the tables lack read as their initial rows, stored nowhere and not
+        # counted toward admission, so held-out data never grows the tables.
         if self.fused_table is not None:
-            return [self.client.pull_async(self.fused_table, self._fused_ids(plan.unique))]
-        return [self.client.pull_async(table, ids) for table, ids in zip(self.tables, plan.unique, strict=True)]
+            return [self.client.pull_async(self.fused_table, self._fused_ids(plan.unique), insert=insert)]
+        return [self.client.pull_async(table, ids, insert=insert)
+                for table, ids in zip(self.tables, plan.unique, strict=True)]
 
     def _fused_ids(self, ids: list[np.ndarray]) -> np.ndarray:
         """The physical ids of every logical table's ``ids`` in the fused table, stacked table after table."""
@@ -319,33 +323,40 @@ class PSEmbeddingCollection(nn.Module):
         return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
     def prefetch(self, sparse: SparseFeatures) -> None:
-        """Start pulling the rows of ``sparse`` now, for the next training ``forward(sparse)`` (the same object).
+        """Start pulling the rows of ``sparse`` now, for the next ``forward(sparse)`` (the same object).
 
         A no-op unless every table's staleness is at least 1. The training loop calls it with batch t+1 before
         (or while) running step t. Rows prefetched further ahead than the next step would break the staleness
-        bound, so such a prefetch is pulled again at its forward; at most two prefetches are kept."""
+        bound, so such a prefetch is pulled again at its forward; at most two prefetches are kept. Like
+        ``forward``, a prefetch with gradients disabled (evaluation) pulls read-only; a forward in the other
+        mode pulls again."""
         if self.min_staleness < 1 or any(p[0] is sparse for p in self._prefetched):
             return
         while len(self._prefetched) >= 2:
             self._finish(self._prefetched.pop(0))
         plan = self._plan(sparse)
-        self._prefetched.append((sparse, plan, self._issue_pulls(plan), self.steps))
+        insert = torch.is_grad_enabled()
+        self._prefetched.append((sparse, plan, self._issue_pulls(plan, insert), self.steps, insert))
 
     def forward(self, sparse: SparseFeatures) -> torch.Tensor:
-        """(B, F, dim) float32 pooled rows, features in ``feature_names`` order."""
+        """(B, F, dim) float32 pooled rows, features in ``feature_names`` order.
+
+        With gradients enabled (training) the pulls insert the rows the backward pushes to; without
+        (evaluation) they are read-only: missing ids read as their initial rows and the tables do not grow."""
         training = torch.is_grad_enabled()
         pre = next((p for p in self._prefetched if p[0] is sparse), None)
         if pre is not None:
             self._prefetched.remove(pre)
             # Pulled after ``pre[3]`` steps; its client-side bound assumed it serves step pre[3] + 2 at latest.
-            if training and self.steps + 1 - pre[3] > 2:
+            # A prefetch of the other mode (read-only for training, inserting for evaluation) is pulled again.
+            if pre[4] != training or (training and self.steps + 1 - pre[3] > 2):
                 self._finish(pre)
                 pre = None
         if pre is not None:
             plan, futures = pre[1], pre[2]
         else:
             plan = self._plan(sparse)
-            futures = self._issue_pulls(plan)
+            futures = self._issue_pulls(plan, insert=training)
         rows = self._collect(plan, futures)
         device = self._device_marker.device
         if device.type != "cpu":
@@ -400,7 +411,7 @@ class PSEmbeddingCollection(nn.Module):
             self._finish(self._prefetched.pop(0))
 
     @staticmethod
-    def _finish(entry: tuple[SparseFeatures, _Plan, list[Any], int]) -> None:
+    def _finish(entry: tuple[SparseFeatures, _Plan, list[Any], int, bool]) -> None:
         for fut in entry[2]:  # let an unused pull finish (errors surface here) and drop its rows
             fut.result()
 

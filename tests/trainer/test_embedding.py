@@ -12,7 +12,8 @@ from torch import nn
 
 from tigana import ps
 from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions, _salted, _table_salt
-from tigana.trainer.types import FeatureSpec, SparseFeatures
+from tigana.trainer.loop import evaluate
+from tigana.trainer.types import Batch, FeatureSpec, SparseFeatures
 
 DIM = 4
 
@@ -241,3 +242,46 @@ def test_rows_read_within_the_staleness_bound(client, staleness: int) -> None:
     if staleness == 0:
         assert seen == list(range(8)), seen
     assert float(coll.table_rows(f"{prefix}x", np.array([7]))[0, 0]) == -8.0
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_evaluation_pulls_are_read_only(client, fused: bool) -> None:
+    """An evaluation pass (``loop.evaluate``: no grad, prefetching the next batch) reads held-out ids as their
+    initial rows without inserting them: the PS tables do not grow. Training pulls still insert, also of a
+    batch prefetched read-only during evaluation."""
+    prefix = _name()
+    features = _features(prefix)
+    coll = PSEmbeddingCollection(client, features, DIM, fused_table=f"{prefix}fused" if fused else None,
+                                 options=TableOptions(optimizer=ps.SGD(lr=0.5), staleness=1, seed=3))
+    physical = [coll.fused_table] if fused else coll.tables
+    model = _Tiny(coll)
+    rng = np.random.default_rng(21)
+
+    def batch(b: int, vocab: int) -> Batch:
+        return Batch(torch.from_numpy(rng.normal(size=(b, 2)).astype(np.float32)), _batch(rng, prefix, b, vocab),
+                     torch.from_numpy((rng.random(b) < 0.5).astype(np.float32)))
+
+    for _ in range(2):  # a little training on a small vocabulary: rows exist and were updated
+        train = batch(16, vocab=12)
+        nn.functional.binary_cross_entropy_with_logits(model(train.dense, train.sparse), train.labels).backward()
+    coll.flush()
+    rows = {t: client.describe_table(t).rows for t in physical}
+    assert all(n > 0 for n in rows.values())
+
+    held_out = [batch(32, vocab=5000) for _ in range(3)]  # mostly ids the tables never saw
+    pulled = coll.pulled_rows
+    result = evaluate(model, iter(held_out), coll)
+    assert result["eval_rows"] == 96 and 0.0 <= result["auc"] <= 1.0
+    assert coll.pulled_rows > pulled and coll.steps == 2 and coll._prefetched == []
+    assert {t: client.describe_table(t).rows for t in physical} == rows, "evaluation inserted rows"
+
+    # the read-only rows are the ones a training pull reads (stored rows as stored, new ids as initialized)
+    sparse = held_out[0].sparse
+    with torch.no_grad():
+        read_only = coll(sparse)
+        coll.prefetch(sparse)  # read-only too: the training forward below must pull again, inserting
+    assert {t: client.describe_table(t).rows for t in physical} == rows
+    trained = coll(sparse)  # gradients enabled: a training pull (no backward, so nothing is pushed)
+    torch.testing.assert_close(trained.detach(), read_only)
+    grown = {t: client.describe_table(t).rows for t in physical}
+    assert all(grown[t] > rows[t] for t in physical), (rows, grown)

@@ -61,9 +61,11 @@ class PushLoop:
     in_flight: int = 4
     seed: int = 0
     pause_s: float = 0.0
+    keep_ids: bool = False  # remember each acknowledged push's ids (``acked_ids``, aligned with ``events``)
     acked: np.ndarray = field(init=False)
     unknown: np.ndarray = field(init=False)
     events: list[tuple[float, float]] = field(default_factory=list)
+    acked_ids: list[np.ndarray] = field(default_factory=list)
     errors: list[BaseException] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -109,6 +111,8 @@ class PushLoop:
                 if fut.exception() is None:
                     self.acked[ids] += 1
                     self.events.append((sent_at, now))
+                    if self.keep_ids:
+                        self.acked_ids.append(ids)
                 else:
                     self.unknown[ids] += 1
                     self.errors.append(fut.exception())
@@ -129,6 +133,15 @@ class PushLoop:
     def snapshot_counts(self) -> np.ndarray:
         with self._lock:
             return self.acked.copy()
+
+    def counts_acked_between(self, t0: float, t1: float) -> np.ndarray:
+        """Per id, the increments of the pushes acknowledged in [t0, t1) (needs ``keep_ids``)."""
+        out = np.zeros(self.num_ids, np.int64)
+        with self._lock:
+            for (_, done), ids in zip(self.events, self.acked_ids, strict=True):
+                if t0 <= done < t1:
+                    out[ids] += 1
+        return out
 
     def first_ack_sent_after(self, t: float) -> float | None:
         """The acknowledgement time of the first push sent at or after ``t`` (recovery after a fault at t)."""
