@@ -376,3 +376,50 @@ if AVAILABLE:
                 else:
                     sgn = 1.0 if z > 0 else -1.0
                     weights[r, j] = np.float32(-(z - sgn * l1) / ((beta + math.sqrt(n_new)) / alpha + l2))
+
+    @njit(nogil=True, cache=True)
+    def unique_first_seen(ids):
+        """(k,) the distinct int64 ``ids`` in first-seen order (an O(n) hash pass; no sort)."""
+        n = ids.shape[0]
+        cap = 16
+        while cap < 2 * n:
+            cap *= 2
+        mask = cap - 1
+        keys = np.empty(cap, np.int64)
+        used = np.zeros(cap, np.bool_)
+        out = np.empty(n, np.int64)
+        k = 0
+        for i in range(n):
+            s = ids[i]
+            p = np.int64((np.uint64(s) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32)) & mask
+            while True:
+                if not used[p]:
+                    used[p] = True
+                    keys[p] = s
+                    out[k] = s
+                    k += 1
+                    break
+                if keys[p] == s:
+                    break
+                p = (p + 1) & mask
+        return out[:k].copy()
+
+    @njit(nogil=True, cache=True)
+    def gather_rows(src, index, out):
+        """out[i] = src[index[i]] for 2-D arrays of one dtype (a row loop: ~2x numpy's fancy indexing)."""
+        w = src.shape[1]
+        for i in range(index.shape[0]):
+            r = index[i]
+            if i + _ROW_PREFETCH_DISTANCE < index.shape[0]:
+                _prefetch_row(src, index[i + _ROW_PREFETCH_DISTANCE])
+            for c in range(w):
+                out[i, c] = src[r, c]
+
+    @njit(nogil=True, cache=True)
+    def scatter_rows(dst, index, src):
+        """dst[index[i]] = src[i] for 2-D arrays of one dtype."""
+        w = dst.shape[1]
+        for i in range(index.shape[0]):
+            r = index[i]
+            for c in range(w):
+                dst[r, c] = src[i, c]

@@ -13,7 +13,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Changes"]
+from tigana.embeddings import _kernels
+
+__all__ = ["Changes", "unique"]
+
+
+def unique(ids: np.ndarray) -> np.ndarray:
+    """The distinct int64 ``ids``: first-seen order with the compiled hash pass, sorted with numpy's."""
+    if _kernels.AVAILABLE:
+        return _kernels.unique_first_seen(ids)
+    return np.unique(ids)
+
 
 
 @dataclass
@@ -28,8 +38,11 @@ class Changes:
         return bool(self.written or self.deleted or self.sightings)
 
     def written_ids(self) -> np.ndarray:
-        """Unique ids written, (k,) int64 sorted."""
-        return np.unique(np.concatenate(self.written)) if self.written else np.empty(0, np.int64)
+        """Unique ids written, (k,) int64 (first-seen order)."""
+        if not self.written:
+            return np.empty(0, np.int64)
+        ids = self.written[0] if len(self.written) == 1 else np.concatenate(self.written)
+        return unique(np.ascontiguousarray(ids, np.int64))
 
     def deleted_ids(self) -> np.ndarray:
         """Unique ids removed, (k,) int64 sorted (some may have been written again after)."""

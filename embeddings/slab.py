@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tigana.embeddings import _kernels
 from tigana.embeddings.rows import RowBatch
 
 _MIN_ROWS = 64
@@ -142,15 +143,18 @@ class Slab:
     # --- whole rows ----------------------------------------------------------------------------------------
     def read_weights(self, positions: np.ndarray) -> np.ndarray:
         """(k,) positions -> (k, dim) float32."""
-        return to_float32(np.take(self.weights, positions, axis=0))
+        return to_float32(_gather(self.weights, positions))
 
     def write_weights(self, positions: np.ndarray, rows: np.ndarray) -> None:
-        self.weights[positions] = from_float32(rows, self.storage_dtype)
+        if self.storage_dtype == np.float32:
+            _scatter(self.weights, positions, np.asarray(rows, np.float32))
+        else:
+            self.weights[positions] = from_float32(rows, self.storage_dtype)
 
     def read(self, ids: np.ndarray, positions: np.ndarray) -> RowBatch:
         """Complete rows at ``positions`` labelled with ``ids``."""
         return RowBatch(
-            ids=np.asarray(ids, np.int64), weights=self.read_weights(positions), state=self.state[positions],
+            ids=np.asarray(ids, np.int64), weights=self.read_weights(positions), state=_gather(self.state, positions),
             update_count=self.update_count[positions].astype(np.int64), last_step=self.last_step[positions],
             last_time=self.last_time[positions],
         )
@@ -158,12 +162,37 @@ class Slab:
     def write(self, positions: np.ndarray, batch: RowBatch, *, access: int) -> None:
         """Store complete rows at ``positions``; they are marked dirty and accessed at ``access``."""
         self.write_weights(positions, batch.weights)
-        self.state[positions] = batch.state
+        _scatter(self.state, positions, np.asarray(batch.state, np.float32))
         self.update_count[positions] = np.minimum(batch.update_count, np.iinfo(np.uint32).max)
         self.last_step[positions] = batch.last_step
         self.last_time[positions] = batch.last_time
         self.last_access[positions] = access
         self.dirty[positions] = 1
+
+
+_WORDS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _gather(a: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """a[positions] for a 2-D column block, with the compiled row loop when there is one (about 2x faster);
+    the rows are copied as words of their item size, whatever the dtype."""
+    positions = np.ascontiguousarray(positions, np.int64)
+    word = _WORDS.get(a.dtype.itemsize)
+    if _kernels.AVAILABLE and word is not None and a.shape[1] and a.flags.c_contiguous:
+        out = np.empty((positions.shape[0], a.shape[1]), a.dtype)
+        _kernels.gather_rows(a.view(word), positions, out.view(word))
+        return out
+    return np.take(a, positions, axis=0)
+
+
+def _scatter(a: np.ndarray, positions: np.ndarray, rows: np.ndarray) -> None:
+    """a[positions] = rows (positions unique, rows of a's dtype)."""
+    positions = np.ascontiguousarray(positions, np.int64)
+    word = _WORDS.get(a.dtype.itemsize)
+    if _kernels.AVAILABLE and word is not None and a.shape[1] and a.flags.c_contiguous and rows.dtype == a.dtype:
+        _kernels.scatter_rows(a.view(word), positions, np.ascontiguousarray(rows).view(word))
+        return
+    a[positions] = rows
 
 
 def _storage_name(dtype: np.dtype) -> str:

@@ -27,7 +27,7 @@ import numpy as np
 from tigana.embeddings import _kernels, admission, eviction, optimizers
 from tigana.embeddings import snapshot as _snapshot
 from tigana.embeddings._checksum import crc32_rows
-from tigana.embeddings.changes import Changes
+from tigana.embeddings.changes import Changes, unique
 from tigana.embeddings.config import Adam, TableConfig
 from tigana.embeddings.errors import CorruptStore, InvalidArgument, SnapshotNotFound, StorageFull
 from tigana.embeddings.hashtable import HashIndex, resolve_backend
@@ -423,6 +423,22 @@ class EmbeddingTable:
             chunks = list(self._iter_sorted(ids, predicate))
             return RowBatch.concat(chunks) if chunks else RowBatch.empty(self.dim, self._width)
 
+    def rows_of(self, ids: np.ndarray) -> RowBatch:
+        """Complete rows of the stored ids among the unique ``ids``, in their order (absent ids skipped): the
+        cheap export of what a write touched (no sort), e.g. to replicate it."""
+        ids = self._check_ids(ids)
+        with self._lock:
+            self._check_open()
+            positions = self._index.lookup(ids)
+            have = positions >= 0
+            batch = self._slab.read(ids[have], positions[have]) if not have.all() else self._slab.read(ids, positions)
+            if len(self._spilled) and not have.all():
+                rest = ids[~have]
+                rest = rest[self._spilled.lookup(rest) >= 0]
+                if rest.size:
+                    batch = RowBatch.concat([batch, self._spill_rows(rest)])
+            return batch
+
     def _all_ids(self) -> np.ndarray:
         ids = self._index.items()[0]
         if len(self._spilled):
@@ -480,15 +496,15 @@ class EmbeddingTable:
         self._slab.write(positions, b, access=self._clock)
         self._maybe_spill()
 
-    def _check_batch(self, batch: RowBatch) -> RowBatch:
+    def _check_batch(self, batch: RowBatch, *, check_values: bool = True) -> RowBatch:
         if not isinstance(batch, RowBatch):
             raise self._bad("batch", f"must be a RowBatch, got {type(batch).__name__}")
         ids = self._check_ids(batch.ids, "batch.ids")
         n = ids.shape[0]
-        if np.unique(ids).shape[0] != n:
+        if unique(ids).shape[0] != n:
             raise self._bad("batch.ids", "must be unique")
         weights = self._check_grads(batch.weights, n, "batch.weights")
-        if not np.isfinite(weights).all():
+        if check_values and not np.isfinite(weights).all():
             raise self._bad("batch.weights", "has NaN/Inf")
         state = np.asarray(batch.state)
         if state.shape != (n, self._width) or state.dtype.kind != "f":
@@ -686,11 +702,13 @@ class EmbeddingTable:
             return self._all_ids()
 
     def apply_changes(self, rows: RowBatch | None = None, deleted: np.ndarray | None = None,
-                      sightings: tuple[np.ndarray, np.ndarray] | None = None, step: int | None = None) -> None:
+                      sightings: tuple[np.ndarray, np.ndarray] | None = None, step: int | None = None,
+                      *, check_values: bool = True) -> None:
         """Apply what another copy's call changed: admission sightings (counted as that copy counted them),
         complete rows written (inserted or overwritten), ids removed, and the table step (raised to
-        ``step``). Validates everything before changing anything."""
-        batch = self._check_batch(rows) if rows is not None and (
+        ``step``). Validates everything before changing anything; ``check_values=False`` skips the NaN/Inf
+        scan of the rows (they are a copy's, already checked where they were written)."""
+        batch = self._check_batch(rows, check_values=check_values) if rows is not None and (
             not isinstance(rows, RowBatch) or len(rows)) else None
         gone = self._check_ids(deleted if deleted is not None else np.empty(0, np.int64), "deleted")
         if step is not None and (not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0):

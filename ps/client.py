@@ -256,6 +256,8 @@ class Client:
         self._closed = False
         self._map: routing.ShardMap | None = None
         self._maps: MapFollower | None = None
+        self._waiters: list[tuple[int, Callable[[], None]]] = []
+        self._waiters_lock = threading.Lock()
         if scheduler is not None:
             self._maps = MapFollower(scheduler, self._on_map, self._options, self.config.map_poll_s)
             try:
@@ -295,6 +297,21 @@ class Client:
             for i, s in enumerate(m.servers):
                 if not s.up and (old.index_of(s.id) < 0 or old.servers[old.index_of(s.id)].up):
                     servers[i].cancel_all()
+        with self._waiters_lock:
+            due = [fn for epoch, fn in self._waiters if epoch <= m.epoch]
+            self._waiters = [(epoch, fn) for epoch, fn in self._waiters if epoch > m.epoch]
+        for fn in due:
+            _start_soon(fn)
+
+    def _when_epoch(self, epoch: int, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (on another thread) once the map's epoch reaches ``epoch`` (at once if it has)."""
+        with self._waiters_lock:
+            if self._route.epoch < epoch:
+                self._waiters.append((epoch, fn))
+                if len(self._waiters) > 4096:  # each also has a backoff timer: the oldest may go
+                    del self._waiters[:1024]
+                return
+        _start_soon(fn)
 
     @property
     def epoch(self) -> int:
@@ -693,6 +710,12 @@ class Client:
             if f.exception() is not None:
                 raise f.exception()
         return [f.result() for f in futs]
+
+
+def _start_soon(fn: Callable[[], None]) -> None:
+    t = threading.Timer(0.0, fn)
+    t.daemon = True
+    t.start()
 
 
 def _check_staleness(table: str, staleness: Any) -> None:

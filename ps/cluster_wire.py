@@ -164,3 +164,173 @@ def item_from_pb(msg: pb.ReplicationItem, *, dim: int, state_width: int) -> Item
              for d in msg.dedup]
     return Item(msg.kind, t, slots, (int(msg.lsn_epoch), int(msg.lsn_index)), prev, rows,
                 array(msg.deletes, "<i8", field=f"table {t!r}: item.deletes"), sightings, int(msg.step), dedup)
+
+
+# --- the replication stream, encoded and decoded without protobuf objects -----------------------------------
+# A stream carries tens of MiB of rows a second; protobuf objects copy every bytes field three times. These
+# write and read the same bytes as ``ReplicateRequest`` (tests/ps/test_cluster_wire.py checks them against
+# protobuf): rows are joined into the request in one copy and read back as views of the received message.
+def _msg_field(field_no: int, parts: list) -> list:
+    size = sum(memoryview(p).nbytes for p in parts)
+    return [wire._varint((field_no << 3) | 2), wire._varint(size), *parts]
+
+
+def _bytes_field(field_no: int, a: np.ndarray | bytes, dtype: str | None = None) -> list:
+    if isinstance(a, (bytes, memoryview)):
+        return wire._len_field(field_no, a) if memoryview(a).nbytes else []
+    if a.size == 0:
+        return []
+    return wire._len_field(field_no, wire._buffer(np.ascontiguousarray(a, dtype)))
+
+
+def _item_parts(item: Item) -> list:
+    v = wire._varint_field
+    parts: list = [v(1, item.kind), *wire._len_field(2, item.table.encode()), v(3, item.lsn[0]), v(4, item.lsn[1]),
+                   *_bytes_field(5, item.slots, "<i4")]
+    if item.prev.size:
+        parts += _bytes_field(6, item.prev[:, 0], "<u8") + _bytes_field(7, item.prev[:, 1], "<u8")
+    if item.rows is not None and len(item.rows):
+        r = item.rows
+        block = (_bytes_field(1, r.ids, "<i8") + _bytes_field(2, r.weights, "<f4") + _bytes_field(3, r.state, "<f4")
+                 + _bytes_field(4, r.update_count, "<i8") + _bytes_field(5, r.last_step, "<i8")
+                 + _bytes_field(6, r.last_time, "<f8") + [v(7, int(r.weights.shape[1])), v(8, int(r.state.shape[1]))])
+        parts += _msg_field(8, block)
+    parts += _bytes_field(9, item.deletes, "<i8")
+    if item.sightings is not None and item.sightings[0].size:
+        parts += _bytes_field(10, item.sightings[0], "<i8") + _bytes_field(11, item.sightings[1], "<i8")
+    parts.append(v(12, item.step))
+    for cid, seq, slots in item.dedup:
+        parts += _msg_field(13, [*wire._len_field(1, cid.encode()), v(2, seq), *_bytes_field(3, slots, "<i4")])
+    return parts
+
+
+def encode_replicate_request(source: str, boot: str, generation: int, epoch: int, first_seq: int,
+                             items: list[Item]) -> bytes:
+    """A serialized ``ReplicateRequest`` (one copy of the rows)."""
+    v = wire._varint_field
+    parts: list = [*wire._len_field(1, source.encode()), *wire._len_field(2, boot.encode()), v(3, generation),
+                   v(4, epoch), v(5, first_seq)]
+    for item in items:
+        parts += _msg_field(6, _item_parts(item))
+    return b"".join(p for p in parts if memoryview(p).nbytes)
+
+
+class RawReplicate:
+    """A ``ReplicateRequest`` parsed into its header and the items' undecoded views (``decode_item``)."""
+
+    __slots__ = ("source", "source_boot", "generation", "epoch", "first_seq", "items")
+
+    def __init__(self) -> None:
+        self.source, self.source_boot = "", ""
+        self.generation = self.epoch = self.first_seq = 0
+        self.items: list = []
+
+
+def decode_replicate_request(raw: bytes) -> RawReplicate | pb.ReplicateRequest:
+    """Parse the header and keep each item as a view; anything the fast parser does not take goes to
+    protobuf (which the server reads the same way)."""
+    out = RawReplicate()
+    try:
+        for field_no, value in wire._fields(memoryview(raw), "ReplicateRequest"):
+            if field_no == 1:
+                out.source = str(wire._len_value(value, 1), "utf-8")
+            elif field_no == 2:
+                out.source_boot = str(wire._len_value(value, 2), "utf-8")
+            elif field_no == 3:
+                out.generation = wire._int_value(value, 3)
+            elif field_no == 4:
+                out.epoch = wire._int_value(value, 4)
+            elif field_no == 5:
+                out.first_seq = wire._int_value(value, 5)
+            elif field_no == 6:
+                out.items.append(wire._len_value(value, 6))
+    except (wire._NotCanonical, InvalidArgument, UnicodeDecodeError):
+        return pb.ReplicateRequest.FromString(raw)
+    return out
+
+
+def _view_array(view: memoryview, dtype: str, field: str, count: int | None = None) -> np.ndarray:
+    a = array(view, dtype, field=field, count=count)
+    return a if a.flags.aligned else a.copy()  # the kernels want aligned rows
+
+
+def decode_item(view: memoryview | pb.ReplicationItem, *, dim: int, state_width: int) -> Item:
+    """One item (a view from ``decode_replicate_request``, or a protobuf message) as an ``Item``; arrays are
+    read-only views of the message where aligned."""
+    if not isinstance(view, memoryview):
+        return item_from_pb(view, dim=dim, state_width=state_width)
+    kind, table, lsn_e, lsn_i, step = 0, "", 0, 0, 0
+    f: dict[int, memoryview] = {}
+    rows_view = None
+    dedup = []
+    for field_no, value in wire._fields(view, "ReplicationItem"):
+        if field_no == 1:
+            kind = wire._int_value(value, 1)
+        elif field_no == 2:
+            table = str(wire._len_value(value, 2), "utf-8")
+        elif field_no == 3:
+            lsn_e = wire._int_value(value, 3)
+        elif field_no == 4:
+            lsn_i = wire._int_value(value, 4)
+        elif field_no == 8:
+            rows_view = wire._len_value(value, 8)
+        elif field_no == 12:
+            step = wire._int_value(value, 12)
+        elif field_no == 13:
+            cid, seq, slots = "", 0, memoryview(b"")
+            for g, w in wire._fields(wire._len_value(value, 13), "DedupRecord"):
+                if g == 1:
+                    cid = str(wire._len_value(w, 1), "utf-8")
+                elif g == 2:
+                    seq = wire._int_value(w, 2)
+                elif g == 3:
+                    slots = wire._len_value(w, 3)
+            dedup.append((cid, int(seq), array(slots, "<i4", field=f"table {table!r}: item.dedup.slots")))
+        elif field_no in (5, 6, 7, 9, 10, 11):
+            f[field_no] = wire._len_value(value, field_no)
+    where = f"table {table!r}: item"
+    empty = memoryview(b"")
+    slots = array(f.get(5, empty), "<i4", field=f"{where}.slots")
+    prev = np.zeros((0, 2), np.uint64)
+    if 6 in f or 7 in f:
+        k = slots.shape[0]
+        prev = np.stack([array(f.get(6, empty), "<u8", field=f"{where}.prev_epochs", count=k),
+                         array(f.get(7, empty), "<u8", field=f"{where}.prev_indexes", count=k)], axis=1)
+    rows = None
+    if rows_view is not None:
+        g: dict[int, memoryview] = {}
+        rdim = rwidth = 0
+        for field_no, value in wire._fields(rows_view, "RowBlock"):
+            if field_no == 7:
+                rdim = wire._int_value(value, 7)
+            elif field_no == 8:
+                rwidth = wire._int_value(value, 8)
+            elif 1 <= field_no <= 6:
+                g[field_no] = wire._len_value(value, field_no)
+        if rdim != dim or rwidth != state_width:
+            raise InvalidArgument(f"{where}.rows has dim {rdim} and state width {rwidth}, the table {dim} and "
+                                  f"{state_width}")
+        ids = _view_array(g.get(1, empty), "<i8", f"{where}.rows.ids")
+        n = ids.shape[0]
+        rows = RowBatch(ids, _view_array(g.get(2, empty), "<f4", f"{where}.rows.weights", n * dim).reshape(n, dim),
+                        _view_array(g.get(3, empty), "<f4", f"{where}.rows.state", n * state_width
+                                    ).reshape(n, state_width),
+                        _view_array(g.get(4, empty), "<i8", f"{where}.rows.update_count", n),
+                        _view_array(g.get(5, empty), "<i8", f"{where}.rows.last_step", n),
+                        _view_array(g.get(6, empty), "<f8", f"{where}.rows.last_time", n))
+    sightings = None
+    if 10 in f:
+        sid = array(f[10], "<i8", field=f"{where}.sighting_ids")
+        sightings = (sid, array(f.get(11, empty), "<i8", field=f"{where}.sighting_counts", count=sid.shape[0]))
+    return Item(kind, table, slots, (int(lsn_e), int(lsn_i)), prev, rows,
+                array(f.get(9, empty), "<i8", field=f"{where}.deletes"), sightings, int(step), dedup)
+
+
+def item_table(view: memoryview | pb.ReplicationItem) -> str:
+    """The table an item is about (read before the table's dims are known)."""
+    if not isinstance(view, memoryview):
+        return view.table
+    for field_no, value in wire._fields(view, "ReplicationItem"):
+        if field_no == 2:
+            return str(wire._len_value(value, 2), "utf-8")
+    return ""

@@ -175,6 +175,7 @@ class _Op:
     def __init__(self, client: Any, st: Any, fut: cf.Future, attempt: Attempt) -> None:
         self.client, self.st, self.fut, self.attempt = client, st, fut, attempt
         self.fanout: Fanout | None = None
+        self.routed_epoch = 0
 
     def _retry_or_fail(self, error: PSError, server: Server | None, again: Callable[[Attempt], cf.Future],
                        settle: Callable[[Any, PSError | None], None]) -> None:
@@ -190,14 +191,13 @@ class _Op:
             settle(None, error)
             return
         c._note_retry()
-        if clustered:
-            if isinstance(error, Unavailable) and server is not None:
-                c._maps.report_unreachable(server.address)
-            c._maps.refresh(max(error.epoch, c._route.epoch + (1 if isinstance(error, WrongShard) else 0)))
         delay = min(c.config.max_backoff_s, c.config.initial_backoff_s * (2 ** (a.number - 1)))
         child = Attempt(a.number + 1, a.deadline, error)
+        once = threading.Lock()
 
         def fire() -> None:
+            if not once.acquire(blocking=False):  # the newer map or the backoff, whichever comes first
+                return
             try:
                 fut = again(child)
             except Exception as exc:  # noqa: BLE001 - a timer thread must never raise
@@ -206,6 +206,13 @@ class _Op:
             fut.add_done_callback(lambda f: settle(f.result() if f.exception() is None else None,
                                                    f.exception()))
 
+        if clustered:
+            if isinstance(error, Unavailable) and server is not None:
+                c._maps.report_unreachable(server.address)
+            # A map newer than the one this part was routed by may route it elsewhere: go as soon as one is here.
+            wanted = max(error.epoch, self.routed_epoch + 1)
+            c._maps.refresh(wanted)
+            c._when_epoch(wanted, fire)
         timer = threading.Timer(delay, fire)
         timer.daemon = True
         timer.start()
@@ -232,6 +239,7 @@ class PullOp(_Op):
     def _start(self) -> None:
         c, st = self.client, self.st
         route = c._route
+        self.routed_epoch = route.epoch
         self.uniq, starts, self.src = route.group(self.ids)
         parts = route.parts(starts, wire.rows_nbytes(1, self.dim, self.codec), c.config.chunk_bytes)
         self.fanout = Fanout(len(parts))
@@ -343,6 +351,7 @@ class PushOp(_Op):
             self.route = c._route
             self.uniq, self.summed, self.starts, _ = self.route.group(self.uniq, self.summed)
         route = self.route
+        self.routed_epoch = route.epoch
         codec, dim = st.push_codec, st.dim
         parts = route.parts(self.starts, wire.rows_nbytes(1, dim, codec), c.config.chunk_bytes)
         self.fanout = Fanout(len(parts))

@@ -25,7 +25,7 @@ import numpy as np
 
 from tigana.ps.routing import CATCHING_UP, IN_SYNC, NO_SERVER
 
-__all__ = ["balance", "copy_counts", "initial", "moves", "repair", "step_toward"]
+__all__ = ["balance", "copy_counts", "initial", "moves", "repair", "step_toward", "trim"]
 
 
 def initial(num_servers: int, num_slots: int, replicas: int) -> np.ndarray:
@@ -100,6 +100,21 @@ def repair(copies: np.ndarray, states: np.ndarray, alive: np.ndarray, replicas: 
             col = int(free[0])
             c[slot, col], s[slot, col] = target, CATCHING_UP
             load[target] += 1
+    return c, s
+
+
+def trim(copies: np.ndarray, states: np.ndarray, replicas: int) -> tuple[np.ndarray, np.ndarray]:
+    """Drop catching-up copies beyond ``1 + replicas`` per slot (left by an election, or by a copy the
+    placement no longer wants); in-sync copies are never dropped here."""
+    c, s = copies.copy(), states.copy()
+    want = 1 + replicas
+    extra = np.flatnonzero((c >= 0).sum(axis=1) > want)
+    for slot in extra:
+        for j in range(c.shape[1] - 1, 0, -1):
+            if (c[slot] >= 0).sum() <= want:
+                break
+            if c[slot, j] >= 0 and s[slot, j] == CATCHING_UP:
+                c[slot, j], s[slot, j] = NO_SERVER, 0
     return c, s
 
 

@@ -157,7 +157,7 @@ class Stream:
         self.channel = grpc.insecure_channel(address, options=channel_options(
             replicator.max_message_bytes, 30.0, 10.0, 0.1))
         self.replicate = self.channel.unary_unary(
-            "/tigana.v1.Shard/Replicate", request_serializer=pb.ReplicateRequest.SerializeToString,
+            "/tigana.v1.Shard/Replicate", request_serializer=_identity,
             response_deserializer=pb.ReplicateResponse.FromString)
         self.thread = threading.Thread(target=self._run, name=f"tigana-repl-{target_id[:8]}", daemon=True)
 
@@ -190,9 +190,8 @@ class Stream:
                     batch.append(q)
                     size += q.nbytes
                 generation, epoch = self.generation, self.r.epoch
-            request = pb.ReplicateRequest(source=self.r.server_id, source_boot=self.r.boot, generation=generation,
-                                          epoch=epoch, first_seq=batch[0].seq,
-                                          items=[q.item.to_pb() for q in batch])
+            request = cluster_wire.encode_replicate_request(self.r.server_id, self.r.boot, generation, epoch,
+                                                            batch[0].seq, [q.item for q in batch])
             try:
                 reply = self.replicate(request, timeout=self.r.send_timeout_s)
             except grpc.RpcError as err:
@@ -265,6 +264,10 @@ class Stream:
             self.closed = True
             self.r.cond.notify_all()
         self.channel.close()
+
+
+def _identity(raw: bytes) -> bytes:
+    return raw
 
 
 def _item_bytes(item: Item) -> int:

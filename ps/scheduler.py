@@ -183,6 +183,8 @@ class SchedulerCore:
             if i < 0:
                 servers = (*m.servers, ServerEntry(server_id, address, boot, True))
                 self._commit(m.evolve(servers=servers), f"server {server_id} ({address}) joined")
+                if self.config.auto_rebalance and (m.copies >= 0).any():  # after the first placement
+                    self.target = placement.balance(self.map.copies, self._alive(), self.config.replicas)
             else:
                 s = m.servers[i]
                 if s.boot == boot:
@@ -410,7 +412,9 @@ class SchedulerCore:
         self._elect()
         m = self.map
         copies, states = placement.repair(m.copies, m.states, alive, self.config.replicas)
-        if self.target is not None:
+        if self.target is None:
+            copies, states = placement.trim(copies, states, self.config.replicas)
+        else:
             self.target = placement.balance(copies, alive, self.config.replicas)  # re-aimed after any change
             copies, states = placement.step_toward(copies, states, self.target,
                                                    max_new_copies=self.config.max_copies_per_step)
@@ -454,7 +458,8 @@ class SchedulerCore:
                 # No server has rows of it: what it held is gone (or it never had any). It starts empty on
                 # the least loaded server, so the cluster serves again.
                 _, load = placement.copy_counts(copies, len(m.servers))
-                live = np.flatnonzero(alive)
+                holders = [int(x) for x in copies[slot] if x >= 0 and alive[x]]  # no data moves for them
+                live = np.array(holders) if holders else np.flatnonzero(alive)
                 best = int(live[np.argmin(load[live])])
                 empty.append(int(slot))
             row = copies[slot]

@@ -485,7 +485,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             return []
         table = hosted.table
         written = changes.written_ids()
-        rows = table.export_rows(ids=written) if written.size else None  # absent ids (evicted) are skipped
+        rows = table.rows_of(written) if written.size else None  # absent ids (evicted) are skipped
         deleted = changes.deleted_ids()
         if deleted.size:
             deleted = deleted[~table.contains(deleted)]
@@ -569,7 +569,8 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         return msg
 
     @_rpc("Replicate")
-    def Replicate(self, request: pb.ReplicateRequest, context: grpc.ServicerContext) -> pb.ReplicateResponse:
+    def Replicate(self, request: pb.ReplicateRequest | cluster_wire.RawReplicate, context: grpc.ServicerContext
+                  ) -> pb.ReplicateResponse:
         """Apply a primary's stream in order (invariant I3 of ``replication``)."""
         with self._inbound_lock:
             st = self._inbound.setdefault(request.source, _Inbound())
@@ -595,7 +596,10 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                     continue  # a retried request: applied already
                 if seq != st.applied + 1:
                     return self._reject(st, pb.REJECT_GAP, f"expected seq {st.applied + 1}, got {seq}")
-                reject = self._apply_item(request.source, msg)
+                try:
+                    reject = self._apply_item(request.source, msg)
+                except Exception as exc:  # noqa: BLE001 - a malformed item breaks the stream, never the server
+                    reject = (pb.REJECT_DIVERGED, f"malformed replication item: {type(exc).__name__}: {exc}", None)
                 if reject is not None:
                     code, text, slots = reject
                     return self._reject(st, code, text, slots)
@@ -611,11 +615,13 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             out.slots = np.asarray(slots, "<i4").tobytes()
         return out
 
-    def _apply_item(self, source: str, msg: pb.ReplicationItem) -> tuple[int, str, np.ndarray | None] | None:
-        hosted = self._tables.get(msg.table)
+    def _apply_item(self, source: str, msg: Any) -> tuple[int, str, np.ndarray | None] | None:
+        """Apply one item (a view of the request or a protobuf message); a reject (code, text, slots) or None."""
+        name = cluster_wire.item_table(msg)
+        hosted = self._tables.get(name)
         if hosted is None:
-            return pb.REJECT_BEHIND, f"table {msg.table!r} is not in this server's map yet", None
-        item = cluster_wire.item_from_pb(msg, dim=hosted.table.dim, state_width=hosted.table.state_width)
+            return pb.REJECT_BEHIND, f"table {name!r} is not in this server's map yet", None
+        item = cluster_wire.decode_item(msg, dim=hosted.table.dim, state_width=hosted.table.state_width)
         slots = item.slots.astype(np.int64)
         with hosted.lock:
             view = self._view
@@ -634,7 +640,8 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                             "here are not at the position the item follows", slots[~match])
             try:
                 if item.kind == CHANGES:
-                    hosted.table.apply_changes(item.rows, item.deletes, item.sightings, item.step)
+                    hosted.table.apply_changes(item.rows, item.deletes, item.sightings, item.step,
+                                               check_values=False)
                     hosted.dedup.merge(item.dedup)
                     hosted.log.advance(slots, item.lsn)
                 elif item.kind == SNAPSHOT_BEGIN:
@@ -975,5 +982,8 @@ def add_to_server(service: ShardService, server: grpc.Server) -> None:
     handlers["Push"] = grpc.unary_unary_rpc_method_handler(
         service.Push, request_deserializer=wire.decode_push_request,
         response_serializer=pb.PushResponse.SerializeToString)
+    handlers["Replicate"] = grpc.unary_unary_rpc_method_handler(
+        service.Replicate, request_deserializer=cluster_wire.decode_replicate_request,
+        response_serializer=pb.ReplicateResponse.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)

@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "ps": ("tigana.tools.bench.ps", "client + 2 shard daemons over gRPC vs in-process, raw gRPC and Redis"),
     "train": ("tigana.tools.bench.train", "DeepFM samples/s through the PS vs local nn.EmbeddingBag"),
     "allreduce": ("tigana.tools.bench.allreduce", "hierarchical vs flat all-reduce of dense gradients"),
+    "failover": ("tigana.tools.bench.failover", "kill -9 of a primary under a push loop: lost, doubled, recovery"),
 }
 
 

@@ -155,6 +155,14 @@ def test_compact_keeps_primary_in_column_zero_and_trims():
     assert only_primaries.width == 1
 
 
+def test_width_one_primaries_are_in_sync():
+    """Regression: with one column (no replica anywhere) a primary is in sync too, whatever state was passed."""
+    m = ShardMap.empty(2).evolve(servers=SERVERS)
+    m = m.evolve(copies=np.array([[0], [NO_SERVER]], np.int32), states=np.array([[CATCHING_UP], [1]], np.uint8))
+    np.testing.assert_array_equal(m.states, [[IN_SYNC], [0]])
+    np.testing.assert_array_equal(m.in_sync_count(), [1, 0])
+
+
 def test_queries():
     m = ShardMap.empty(4).evolve(servers=SERVERS)
     m = m.evolve(copies=np.array([[0, 1, 2], [1, 0, NO_SERVER], [NO_SERVER, 2, NO_SERVER], [2, 0, 1]], np.int32),
