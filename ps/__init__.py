@@ -1,9 +1,10 @@
-"""tigana.ps — the parameter server: shard daemons over gRPC and the client trainers use.
+"""tigana.ps — the parameter server: shard daemons over gRPC, the scheduler that owns the shard map (placement,
+replication, failover), and the client trainers use.
 
 Example::
 
     from tigana import ps
-    client = ps.connect(["127.0.0.1:7101", "127.0.0.1:7102"])
+    client = ps.connect(scheduler="127.0.0.1:7100")     # or a static list: ps.connect(["h1:7101", "h2:7101"])
     client.create_table("user_id", dim=16, optimizer=ps.Adagrad(lr=0.05), initializer=ps.Normal(std=0.01))
     rows = client.pull("user_id", ids)        # (n,) int64 -> (n, 16) float32, in the order of ids
     fut = client.push("user_id", ids, grads)  # asynchronous; fut.result() waits
@@ -30,7 +31,9 @@ from tigana.ps.errors import (
     DeadlineExceeded,
     Internal,
     InvalidArgument,
+    NotEnoughReplicas,
     PSError,
+    PushExpired,
     ResourceExhausted,
     TableExists,
     TableNotFound,
@@ -38,11 +41,15 @@ from tigana.ps.errors import (
     WrongShard,
 )
 from tigana.ps.local import LocalCluster
+from tigana.ps.routing import ShardMap, TableDef
+from tigana.ps.scheduler import SchedulerConfig, SchedulerHandle, start_scheduler
 
 __all__ = [
     "FTRL", "SGD", "Adagrad", "Adam", "Admission", "DataLoss", "DeadlineExceeded", "Eviction", "Internal",
-    "InvalidArgument", "Normal", "PSError", "ResourceExhausted", "RowWiseAdagrad", "TableExists",
+    "InvalidArgument", "Normal", "NotEnoughReplicas", "PSError", "PushExpired", "ResourceExhausted",
+    "RowWiseAdagrad", "TableExists",
     "TableNotFound", "Unavailable", "Uniform", "WrongShard", "Zeros",
     "Client", "ClientConfig", "Compression", "TableInfo", "connect",
     "LocalCluster", "ServerConfig", "ServerHandle", "load_server_config", "parse_bytes", "start_server",
+    "SchedulerConfig", "SchedulerHandle", "ShardMap", "TableDef", "start_scheduler",
 ]

@@ -37,6 +37,8 @@ from tigana.ps.server import SERVICE_NAME, ShardService, add_to_server
 log = logging.getLogger("tigana.ps.daemon")
 
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+# Health of this server's copies: NOT_SERVING while any copy it holds is still catching up (slot copy).
+COPIES_HEALTH_NAME = "tigana.v1.Shard.copies"
 
 
 def grpc_server_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -87,6 +89,7 @@ class ServerHandle:
             self.agent = Agent(self.service, config.scheduler, self.advertise,
                                heartbeat_interval_s=config.heartbeat_interval_s, lease_s=config.lease_s)
             self.service.agent = self.agent
+            self.service.on_install = self._copies_health
         self.metrics_port: int | None = None
         self.error: BaseException | None = None
         self._ready = threading.Event()
@@ -99,6 +102,15 @@ class ServerHandle:
     def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
             self.health.set(name, status)
+        self._copies_health()
+
+    def _copies_health(self) -> None:
+        """``tigana.v1.Shard.copies``: SERVING once every copy this server holds is in sync."""
+        agent = getattr(self, "agent", None)
+        serving = self.service.state == "serving" and (agent is None or agent.registered)
+        ok = serving and self.service.catching_up() == 0
+        self.health.set(COPIES_HEALTH_NAME, health_pb2.HealthCheckResponse.SERVING if ok
+                        else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def _start(self, autoload: bool) -> None:
         if self.config.data_dir:

@@ -36,10 +36,43 @@ class _TableCollector:
         yield nbytes
 
 
+class _ClusterCollector:
+    """The server's place in the cluster, read at scrape time from ``source() -> {name: value}``: map epoch,
+    slots led and held, copies catching up, and the replication lag of its outgoing streams (items, bytes,
+    seconds: the loss bound of async tables)."""
+
+    _HELP = {
+        "epoch": "Shard map epoch this server holds",
+        "slots_led": "Routing slots this server is the primary of",
+        "slots_held": "Routing slots this server holds a copy of (primary or replica)",
+        "slots_catching_up": "Copies on this server still being built by a slot copy",
+        "replication_lag_items": "Items enqueued but not yet applied by the slowest copy",
+        "replication_lag_bytes": "Bytes enqueued but not yet applied by the slowest copy",
+        "replication_lag_s": "Seconds since the slowest lagging copy last applied an item",
+        "replication_streams": "Outgoing replication streams",
+        "replication_streams_broken": "Outgoing replication streams failing to deliver",
+        "slot_copies_in_progress": "Slot copies this server is sending",
+    }
+
+    def __init__(self, source: Callable[[], dict[str, float]]) -> None:
+        self._source = source
+
+    def describe(self) -> Iterable[Any]:
+        for name, text in self._HELP.items():
+            yield GaugeMetricFamily(f"tigana_{name}", text)
+
+    def collect(self) -> Iterable[Any]:
+        values = self._source()
+        for name, text in self._HELP.items():
+            if name in values:
+                yield GaugeMetricFamily(f"tigana_{name}", text, value=float(values[name]))
+
+
 class ServerMetrics:
     """The metrics of one server; ``http_port`` is set once ``serve_http`` runs."""
 
-    def __init__(self, table_source: Callable[[], dict[str, dict[str, float]]] | None = None) -> None:
+    def __init__(self, table_source: Callable[[], dict[str, dict[str, float]]] | None = None,
+                 cluster_source: Callable[[], dict[str, float]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("tigana_requests", "RPCs answered, by method and status code",
@@ -59,6 +92,8 @@ class ServerMetrics:
                                  registry=r)
         if table_source is not None:
             r.register(_TableCollector(table_source))
+        if cluster_source is not None:
+            r.register(_ClusterCollector(cluster_source))
         self.http_port: int | None = None
         self._httpd: Any = None
 

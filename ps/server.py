@@ -174,7 +174,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
 
     def __init__(self, config: ServerConfig, metrics: ServerMetrics | None = None) -> None:
         self.config = config
-        self.metrics = metrics or ServerMetrics(self.table_sizes)
+        self.metrics = metrics or ServerMetrics(self.table_sizes, self.cluster_figures)
         self.state = "loading"
         self.num_slots = config.num_slots
         self.data_dir = Path(config.data_dir) if config.data_dir else None
@@ -184,6 +184,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         self.boot = uuid.uuid4().hex[:12]
         self.clustered = config.scheduler is not None
         self.agent: Any = None
+        self.on_install: Callable[[], None] | None = None  # the daemon's health update
         self._tables: dict[str, _Hosted] = {}
         self._registry_lock = threading.RLock()
         self._install_lock = threading.Lock()
@@ -260,6 +261,22 @@ class ShardService(shard_pb2_grpc.ShardServicer):
 
     def _leads_ids(self, ids: np.ndarray) -> np.ndarray:
         return self._view.leads[slot_of(ids, self.num_slots)]
+
+    def cluster_figures(self) -> dict[str, float]:
+        """Epoch, slots led/held/catching up and replication lag (the metrics endpoint and heartbeats)."""
+        view = self._view
+        out = {"epoch": float(view.epoch), "slots_led": float(view.leads.sum()),
+               "slots_held": float(view.holds.sum()), "slots_catching_up": float(self.catching_up())}
+        if self.replicator is not None:
+            out.update(self.replicator.stats())
+        return out
+
+    def catching_up(self) -> int:
+        """Copies on this server that are still being built (not yet in the in-sync set)."""
+        view = self._view
+        if view.map is None or not view.valid:
+            return 0
+        return int((view.map.copy_state(view.me) == 1).sum())
 
     def table_names(self) -> list[str]:
         return sorted(self._tables)
@@ -706,6 +723,8 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                     self._save_registry()
         if new.valid and (not old.valid or dropped.size):
             threading.Thread(target=self._drop_unheld, name="tigana-drop-slots", daemon=True).start()
+        if self.on_install is not None:
+            self.on_install()
         log.info("installed map epoch %d: leads %d slot(s), holds %d%s", m.epoch, int(new.leads.sum()),
                  int(new.holds.sum()), "" if valid else " (this process is not in it yet)")
         return True

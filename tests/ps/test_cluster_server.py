@@ -1,0 +1,169 @@
+"""A shard server in a cluster, in process: a real scheduler and real servers on loopback ports.
+
+Covers what the fault suite does not pin down: the copies' health, min_copies, map installs fencing
+replication items, the replication wire codec against protobuf, and Prometheus figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tigana import ps
+from tigana.embeddings import RowBatch
+from tigana.proto import shard_pb2 as pb
+from tigana.ps import cluster_wire
+from tigana.ps.cluster_wire import BARRIER, CHANGES, Item
+from tigana.ps.config import ServerConfig
+from tigana.ps.daemon import COPIES_HEALTH_NAME, start_server
+from tigana.ps.routing import CATCHING_UP, IN_SYNC
+from tigana.ps.scheduler import SchedulerConfig, start_scheduler
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """A scheduler (1 replica) and two in-process servers registered with it; closed at teardown."""
+    sched = start_scheduler(SchedulerConfig(data_dir=str(tmp_path / "sched"), replicas=1, expect_servers=2,
+                                            heartbeat_timeout_s=5.0))
+    servers = []
+    try:
+        for i in range(2):
+            handle = start_server(ServerConfig(port=0, data_dir=str(tmp_path / f"s{i}"), scheduler=sched.address,
+                                               drain_grace_s=1.0))
+            servers.append(handle)
+        for h in servers:
+            assert h.wait_ready(30)
+        deadline = time.monotonic() + 30
+        while (sched.core.map.copies < 0).any() or sched.core.map.summary()["degraded_slots"]:
+            assert time.monotonic() < deadline, sched.core.map.summary()
+            time.sleep(0.05)
+        yield sched, servers
+    finally:
+        for h in servers:
+            h.close(grace=1.0)
+        sched.close()
+
+
+def _health(address: str, service: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                         timeout=10).status
+
+
+def _wait_installed(handles, epoch: int) -> None:
+    deadline = time.monotonic() + 20
+    while any(h.service.epoch < epoch for h in handles):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_copies_health_is_not_serving_while_a_copy_catches_up(cluster) -> None:
+    sched, servers = cluster
+    for h in servers:
+        assert _health(h.address, COPIES_HEALTH_NAME) == health_pb2.HealthCheckResponse.SERVING
+    # Mark every replica copy on server 1 catching up in a newer map, installed directly (no primary streams
+    # a copy to it in this test: the map says so, and the health must follow the map).
+    m = servers[1].service._view.map
+    states = m.states.copy()
+    me = m.index_of(servers[1].service.server_id)
+    states[(m.copies == me) & (np.arange(m.width) > 0)] = CATCHING_UP
+    servers[1].service.install(dataclasses.replace(m.evolve(states=states)))
+    assert servers[1].service.catching_up() > 0
+    assert _health(servers[1].address, COPIES_HEALTH_NAME) == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert _health(servers[1].address, "") == health_pb2.HealthCheckResponse.SERVING  # it still serves
+    figures = servers[1].service.metrics.render().decode()
+    assert "tigana_slots_catching_up" in figures and "tigana_replication_lag_items" in figures
+
+
+def test_min_copies_rejects_pushes_instead_of_weakening_durability(cluster) -> None:
+    sched, servers = cluster
+    with ps.connect(scheduler=sched.address, failover_timeout_s=1.0, max_backoff_s=0.2) as client:
+        client.create_table("mc", dim=4, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros(), min_copies=2)
+        ids = np.arange(200, dtype=np.int64)
+        client.push("mc", ids, -np.ones((200, 4), np.float32)).result()
+        # Server 1 stops: once the scheduler has taken its copies out, every slot has one in-sync copy, and
+        # pushes are rejected with NotEnoughReplicas instead of being acknowledged by one copy alone.
+        core = sched.core
+        servers[1].close(grace=0.5)
+        deadline = time.monotonic() + 30
+        while core.map.servers[1].up if core.map.index_of(servers[1].service.server_id) == 1 else \
+                core.map.servers[0].up:
+            assert time.monotonic() < deadline, "the scheduler did not notice the stopped server"
+            core.unreachable(servers[1].address)
+            time.sleep(0.1)
+        _wait_installed(servers[:1], core.map.epoch)
+        live = core.map.index_of(servers[0].service.server_id)
+        assert (core.map.in_sync_count() == 1).all()
+        victims = ids[np.isin(ps.routing.slot_of(ids), np.flatnonzero(core.map.leads(live)))]
+        assert victims.size == ids.size
+        with pytest.raises(ps.NotEnoughReplicas, match=r"table 'mc'.*min_copies is 2"):
+            client.push("mc", victims, -np.ones((victims.size, 4), np.float32)).result()
+        with pytest.raises(ps.NotEnoughReplicas):
+            client.flush()
+        np.testing.assert_array_equal(client.pull("mc", victims, insert=False), np.ones((victims.size, 4)))
+
+
+def test_replication_items_from_a_server_that_does_not_lead_are_refused(cluster) -> None:
+    """Fencing is checked by the target: an item claiming a slot its source does not lead (a deposed or
+    confused primary) is refused STALE and changes nothing; a CHANGES item whose prev position is not the
+    target's is refused DIVERGED."""
+    sched, servers = cluster
+    with ps.connect(scheduler=sched.address) as client:
+        client.create_table("fence", dim=4, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
+    m = sched.core.map
+    _wait_installed(servers, m.epoch)
+    s0, s1 = servers
+    i0 = m.index_of(s0.service.server_id)
+    slot = int(np.flatnonzero(m.leads(1 - i0) & m.holds(i0))[0])  # led by server 1, copied on server 0
+    ids = np.arange(100_000, dtype=np.int64)
+    ids = ids[ps.routing.slot_of(ids) == slot][:3]
+    rows = RowBatch(ids, np.full((3, 4), 7.0, np.float32), np.zeros((3, 0), np.float32), np.ones(3, np.int64),
+                    np.ones(3, np.int64), np.zeros(3))
+    prev = np.zeros((1, 2), np.uint64)
+    before = s0.service.slot_info("fence", s0.service._tables["fence"], checksums=True).checksums
+    stale = cluster_wire.encode_replicate_request(s0.service.server_id, "x", 1, m.epoch, 1, [
+        Item(CHANGES, "fence", np.array([slot], np.int32), (m.epoch, 99), prev, rows)])
+    with grpc.insecure_channel(s0.address) as channel:
+        call = channel.unary_unary("/tigana.v1.Shard/Replicate", response_deserializer=pb.ReplicateResponse.FromString)
+        reply = call(stale, timeout=10)  # the source claims to be server 0 itself, which does not lead the slot
+        assert reply.reject == pb.REJECT_STALE and reply.applied_through == 0
+        diverged = cluster_wire.encode_replicate_request(s1.service.server_id, "y", 1, m.epoch, 1, [
+            Item(BARRIER, "fence", np.array([slot], np.int32), (m.epoch, 1), np.array([[123, 456]], np.uint64))])
+        reply = call(diverged, timeout=10)
+        assert reply.reject == pb.REJECT_DIVERGED
+    after = s0.service.slot_info("fence", s0.service._tables["fence"], checksums=True).checksums
+    assert before == after
+
+
+def test_replication_codec_matches_protobuf() -> None:
+    rng = np.random.default_rng(0)
+    rows = RowBatch(np.array([5, -9, 2**62], np.int64), rng.normal(size=(3, 4)).astype(np.float32),
+                    rng.normal(size=(3, 4)).astype(np.float32), np.array([1, 2, 3], np.int64),
+                    np.array([4, 5, 6], np.int64), np.array([0.5, 1.5, 2.5]))
+    item = Item(CHANGES, "t", np.array([1, 7], np.int32), (3, 11), np.array([[1, 2], [3, 4]], np.uint64), rows,
+                np.array([8, 9], np.int64), (np.array([10], np.int64), np.array([2], np.int64)), 42,
+                [("c1", 5, np.array([1], np.int32))])
+    raw = cluster_wire.encode_replicate_request("src", "boot", 9, 12, 3, [item, item])
+    msg = pb.ReplicateRequest.FromString(raw)
+    assert (msg.source, msg.source_boot, msg.generation, msg.epoch, msg.first_seq) == ("src", "boot", 9, 12, 3)
+    assert msg == pb.ReplicateRequest(source="src", source_boot="boot", generation=9, epoch=12, first_seq=3,
+                                      items=[item.to_pb(), item.to_pb()])
+    fast = cluster_wire.decode_replicate_request(raw)
+    assert isinstance(fast, cluster_wire.RawReplicate) and len(fast.items) == 2
+    for view in (fast.items[0], msg.items[0]):
+        back = cluster_wire.decode_item(view, dim=4, state_width=4)
+        assert back.kind == CHANGES and back.table == "t" and back.lsn == (3, 11) and back.step == 42
+        np.testing.assert_array_equal(back.slots, item.slots)
+        np.testing.assert_array_equal(back.prev, item.prev)
+        for f in ("ids", "weights", "state", "update_count", "last_step", "last_time"):
+            np.testing.assert_array_equal(getattr(back.rows, f), getattr(rows, f))
+        np.testing.assert_array_equal(back.deletes, item.deletes)
+        assert back.dedup[0][:2] == ("c1", 5)
+    with pytest.raises(ps.InvalidArgument, match="dim"):
+        cluster_wire.decode_item(fast.items[0], dim=8, state_width=4)
+    assert IN_SYNC == 0
