@@ -207,8 +207,8 @@ class _Op:
                                                    f.exception()))
 
         if clustered:
-            if isinstance(error, Unavailable) and server is not None:
-                c._maps.report_unreachable(server.address)
+            if isinstance(error, Unavailable) and server is not None and not error.answered:
+                c._maps.report_unreachable(server.address)  # the connection failed: perhaps it died
             # A map newer than the one this part was routed by may route it elsewhere: go as soon as one is here.
             wanted = max(error.epoch, self.routed_epoch + 1)
             c._maps.refresh(wanted)

@@ -32,9 +32,10 @@ class PSError(Exception):
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
 
-    def __init__(self, *args: object, epoch: int = 0) -> None:
+    def __init__(self, *args: object, epoch: int = 0, answered: bool = False) -> None:
         super().__init__(*args)
         self.epoch = epoch
+        self.answered = answered  # a server answered with this status (not a lost connection or deadline)
 
 
 class Unavailable(PSError):
@@ -117,8 +118,8 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 def status_metadata(exc: BaseException, epoch: int = 0) -> tuple[tuple[str, str], ...]:
     """Trailing metadata a server sends with the status of ``exc``: its class name and the map epoch."""
-    name = type(exc).__name__ if isinstance(exc, PSError) else ""
-    out = ((ERROR_KEY, name),) if name else ()
+    name = type(exc).__name__ if isinstance(exc, PSError) else _BY_CODE.get(to_status(exc)[0], Internal).__name__
+    out = ((ERROR_KEY, name),)
     return out + (((EPOCH_KEY, str(epoch)),) if epoch else ())
 
 
@@ -132,7 +133,7 @@ def from_status(code: grpc.StatusCode, message: str, metadata: object = ()) -> P
         epoch = int(meta.get(EPOCH_KEY, 0))
     except ValueError:
         epoch = 0
-    return cls(message, epoch=epoch)
+    return cls(message, epoch=epoch, answered=ERROR_KEY in meta)
 
 
 def from_rpc_error(err: grpc.RpcError, address: str = "") -> PSError:

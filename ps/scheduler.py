@@ -285,6 +285,7 @@ class SchedulerCore:
 
     def unreachable(self, address: str) -> None:
         """A client or peer could not reach ``address``: probe it now."""
+        log.debug("reported unreachable: %s", address)
         with self.lock:
             for s in self.map.servers:
                 if s.address == address and s.up and s.id not in self._probing:

@@ -48,6 +48,7 @@ import grpc
 import numpy as np
 
 from tigana.embeddings import Changes, EmbeddingTable, TableConfig
+from tigana.embeddings.changes import unique
 from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc
 from tigana.ps import _kernels, cluster_wire, wire
@@ -447,7 +448,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         cid, seq = request.client_id, request.seq
         with hosted.lock:
             view, slots = self._check_leads(name, ids, epoch)  # under the lock: the map the apply sees
-            uslots = np.unique(slots)
+            uslots = unique(slots)
             sync = hosted.spec.durability == "sync"
             if not sync and self.agent is not None and not self.agent.lease_ok():
                 raise Unavailable(f"table {name!r}: server {self.server_id} has not reached the scheduler for "
@@ -507,9 +508,12 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         if deleted.size:
             deleted = deleted[~table.contains(deleted)]
         sightings = changes.sighting_arrays()
-        touched = [deleted, sightings[0]] + ([rows.ids] if rows is not None else [])
-        islots = np.unique(np.concatenate([slot_of(np.concatenate(touched), self.num_slots),
-                                           slots if slots is not None else np.empty(0, np.int64)]))
+        # A push's written rows lie in its own slots; a pull's inserts, removals and sightings name theirs.
+        touched = [deleted, sightings[0]] + ([rows.ids] if rows is not None and slots is None else [])
+        extra = np.concatenate(touched)
+        islots = slots if slots is not None else np.empty(0, np.int64)
+        if extra.size:
+            islots = unique(np.concatenate([islots, slot_of(extra, self.num_slots)]))
         if islots.size == 0:
             return []
         islots = islots.astype(np.int32)
