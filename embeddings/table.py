@@ -608,13 +608,14 @@ class EmbeddingTable:
 
     # --- snapshots -----------------------------------------------------------------------------------------
     def snapshot(self, directory: str | Path, *, incremental: bool = False,
-                 extra_files: dict[str, bytes] | None = None) -> Path:
+                 extra_files: dict[str, bytes] | None = None, track: bool = True) -> Path:
         """Write a snapshot under ``directory`` atomically; returns its path.
 
         Full: every row (resident and spilled), optimizer state, metadata, the config and the step.
         Incremental: the rows changed and the ids deleted since this table's previous snapshot, which must
         be the latest one in ``directory``; otherwise a full snapshot is written instead. ``extra_files``
-        ({name: bytes}) are stored in the snapshot (``snapshot.read_extra``), atomically with its rows."""
+        ({name: bytes}) are stored in the snapshot (``snapshot.read_extra``), atomically with its rows.
+        ``track=False`` (a one-off copy, e.g. a checkpoint cut) leaves the incremental chain as it was."""
         root = Path(directory)
         with self._lock:
             self._check_open()
@@ -628,7 +629,8 @@ class EmbeddingTable:
                                                 incremental=True, **common)
             else:
                 path = _snapshot.write_snapshot(root, rows=self._iter_sorted(), incremental=False, **common)
-            self._mark_clean(path)
+            if track:
+                self._mark_clean(path)
             return path
 
     def _iter_dirty(self) -> Iterator[RowBatch]:

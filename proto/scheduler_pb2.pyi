@@ -140,23 +140,131 @@ class ServerStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[_shard_pb2.ServerInfo, _Mapping]] = ..., last_heartbeat_s: _Optional[float] = ..., primaries: _Optional[int] = ..., replicas: _Optional[int] = ..., catching_up: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("map", "servers", "degraded_slots", "unavailable_slots")
+    __slots__ = ("map", "servers", "degraded_slots", "unavailable_slots", "moving_slots", "draining")
     MAP_FIELD_NUMBER: _ClassVar[int]
     SERVERS_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     UNAVAILABLE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MOVING_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     map: _shard_pb2.ShardMap
     servers: _containers.RepeatedCompositeFieldContainer[ServerStatus]
     degraded_slots: int
     unavailable_slots: int
-    def __init__(self, map: _Optional[_Union[_shard_pb2.ShardMap, _Mapping]] = ..., servers: _Optional[_Iterable[_Union[ServerStatus, _Mapping]]] = ..., degraded_slots: _Optional[int] = ..., unavailable_slots: _Optional[int] = ...) -> None: ...
+    moving_slots: int
+    draining: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, map: _Optional[_Union[_shard_pb2.ShardMap, _Mapping]] = ..., servers: _Optional[_Iterable[_Union[ServerStatus, _Mapping]]] = ..., degraded_slots: _Optional[int] = ..., unavailable_slots: _Optional[int] = ..., moving_slots: _Optional[int] = ..., draining: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class MoveSlotRequest(_message.Message):
+    __slots__ = ("slot", "to", "primary")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    TO_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_FIELD_NUMBER: _ClassVar[int]
+    FROM_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    to: str
+    primary: bool
+    def __init__(self, slot: _Optional[int] = ..., to: _Optional[str] = ..., primary: _Optional[bool] = ..., **kwargs) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("server", "undrain")
+    SERVER_FIELD_NUMBER: _ClassVar[int]
+    UNDRAIN_FIELD_NUMBER: _ClassVar[int]
+    server: str
+    undrain: bool
+    def __init__(self, server: _Optional[str] = ..., undrain: _Optional[bool] = ...) -> None: ...
+
+class CostModel(_message.Message):
+    __slots__ = ("row_weight", "rate_weight", "link_bytes_per_s")
+    ROW_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    RATE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    LINK_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    row_weight: float
+    rate_weight: float
+    link_bytes_per_s: float
+    def __init__(self, row_weight: _Optional[float] = ..., rate_weight: _Optional[float] = ..., link_bytes_per_s: _Optional[float] = ...) -> None: ...
+
+class SlotLoad(_message.Message):
+    __slots__ = ("rows", "bytes", "rates")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    RATES_FIELD_NUMBER: _ClassVar[int]
+    rows: bytes
+    bytes: bytes
+    rates: bytes
+    def __init__(self, rows: _Optional[bytes] = ..., bytes: _Optional[bytes] = ..., rates: _Optional[bytes] = ...) -> None: ...
+
+class RebalanceRequest(_message.Message):
+    __slots__ = ("plan_only", "cost", "load")
+    PLAN_ONLY_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    plan_only: bool
+    cost: CostModel
+    load: SlotLoad
+    def __init__(self, plan_only: _Optional[bool] = ..., cost: _Optional[_Union[CostModel, _Mapping]] = ..., load: _Optional[_Union[SlotLoad, _Mapping]] = ...) -> None: ...
+
+class Move(_message.Message):
+    __slots__ = ("slot", "add", "remove", "primary_from", "primary_to", "bytes")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    ADD_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_FROM_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_TO_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    add: _containers.RepeatedScalarFieldContainer[str]
+    remove: _containers.RepeatedScalarFieldContainer[str]
+    primary_from: str
+    primary_to: str
+    bytes: int
+    def __init__(self, slot: _Optional[int] = ..., add: _Optional[_Iterable[str]] = ..., remove: _Optional[_Iterable[str]] = ..., primary_from: _Optional[str] = ..., primary_to: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class LoadFigures(_message.Message):
+    __slots__ = ("max", "mean", "per_server")
+    class PerServerEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    PER_SERVER_FIELD_NUMBER: _ClassVar[int]
+    max: float
+    mean: float
+    per_server: _containers.ScalarMap[str, float]
+    def __init__(self, max: _Optional[float] = ..., mean: _Optional[float] = ..., per_server: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class PlanResponse(_message.Message):
+    __slots__ = ("moves", "before", "after", "bytes_moved", "predicted_seconds", "applied", "epoch")
+    MOVES_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    moves: _containers.RepeatedCompositeFieldContainer[Move]
+    before: LoadFigures
+    after: LoadFigures
+    bytes_moved: int
+    predicted_seconds: float
+    applied: bool
+    epoch: int
+    def __init__(self, moves: _Optional[_Iterable[_Union[Move, _Mapping]]] = ..., before: _Optional[_Union[LoadFigures, _Mapping]] = ..., after: _Optional[_Union[LoadFigures, _Mapping]] = ..., bytes_moved: _Optional[int] = ..., predicted_seconds: _Optional[float] = ..., applied: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class SchedulerState(_message.Message):
-    __slots__ = ("map", "target", "target_width")
+    __slots__ = ("map", "target", "target_width", "draining", "target_kind")
     MAP_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     TARGET_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    TARGET_KIND_FIELD_NUMBER: _ClassVar[int]
     map: _shard_pb2.ShardMap
     target: bytes
     target_width: int
-    def __init__(self, map: _Optional[_Union[_shard_pb2.ShardMap, _Mapping]] = ..., target: _Optional[bytes] = ..., target_width: _Optional[int] = ...) -> None: ...
+    draining: _containers.RepeatedScalarFieldContainer[str]
+    target_kind: str
+    def __init__(self, map: _Optional[_Union[_shard_pb2.ShardMap, _Mapping]] = ..., target: _Optional[bytes] = ..., target_width: _Optional[int] = ..., draining: _Optional[_Iterable[str]] = ..., target_kind: _Optional[str] = ...) -> None: ...

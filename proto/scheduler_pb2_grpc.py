@@ -85,6 +85,21 @@ class SchedulerStub:
                 request_serializer=tigana_dot_proto_dot_scheduler__pb2.StatusRequest.SerializeToString,
                 response_deserializer=tigana_dot_proto_dot_scheduler__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.MoveSlot = channel.unary_unary(
+                '/tigana.v1.Scheduler/MoveSlot',
+                request_serializer=tigana_dot_proto_dot_scheduler__pb2.MoveSlotRequest.SerializeToString,
+                response_deserializer=tigana_dot_proto_dot_scheduler__pb2.PlanResponse.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/tigana.v1.Scheduler/Drain',
+                request_serializer=tigana_dot_proto_dot_scheduler__pb2.DrainRequest.SerializeToString,
+                response_deserializer=tigana_dot_proto_dot_scheduler__pb2.PlanResponse.FromString,
+                _registered_method=True)
+        self.Rebalance = channel.unary_unary(
+                '/tigana.v1.Scheduler/Rebalance',
+                request_serializer=tigana_dot_proto_dot_scheduler__pb2.RebalanceRequest.SerializeToString,
+                response_deserializer=tigana_dot_proto_dot_scheduler__pb2.PlanResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -150,6 +165,24 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MoveSlot(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rebalance(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -202,6 +235,21 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=tigana_dot_proto_dot_scheduler__pb2.StatusRequest.FromString,
                     response_serializer=tigana_dot_proto_dot_scheduler__pb2.StatusResponse.SerializeToString,
+            ),
+            'MoveSlot': grpc.unary_unary_rpc_method_handler(
+                    servicer.MoveSlot,
+                    request_deserializer=tigana_dot_proto_dot_scheduler__pb2.MoveSlotRequest.FromString,
+                    response_serializer=tigana_dot_proto_dot_scheduler__pb2.PlanResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=tigana_dot_proto_dot_scheduler__pb2.DrainRequest.FromString,
+                    response_serializer=tigana_dot_proto_dot_scheduler__pb2.PlanResponse.SerializeToString,
+            ),
+            'Rebalance': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rebalance,
+                    request_deserializer=tigana_dot_proto_dot_scheduler__pb2.RebalanceRequest.FromString,
+                    response_serializer=tigana_dot_proto_dot_scheduler__pb2.PlanResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -474,6 +522,87 @@ class Scheduler:
             '/tigana.v1.Scheduler/Status',
             tigana_dot_proto_dot_scheduler__pb2.StatusRequest.SerializeToString,
             tigana_dot_proto_dot_scheduler__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MoveSlot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tigana.v1.Scheduler/MoveSlot',
+            tigana_dot_proto_dot_scheduler__pb2.MoveSlotRequest.SerializeToString,
+            tigana_dot_proto_dot_scheduler__pb2.PlanResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tigana.v1.Scheduler/Drain',
+            tigana_dot_proto_dot_scheduler__pb2.DrainRequest.SerializeToString,
+            tigana_dot_proto_dot_scheduler__pb2.PlanResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rebalance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tigana.v1.Scheduler/Rebalance',
+            tigana_dot_proto_dot_scheduler__pb2.RebalanceRequest.SerializeToString,
+            tigana_dot_proto_dot_scheduler__pb2.PlanResponse.FromString,
             options,
             channel_credentials,
             insecure,

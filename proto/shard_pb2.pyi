@@ -481,3 +481,53 @@ class SlotInfoResponse(_message.Message):
     server_id: str
     replication: _containers.ScalarMap[str, float]
     def __init__(self, epoch: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[SlotTableInfo, _Mapping]]] = ..., server_id: _Optional[str] = ..., replication: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class ExportRowsRequest(_message.Message):
+    __slots__ = ("table", "slots", "chunk_rows", "weights_only", "since_time", "epoch")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_ROWS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_ONLY_FIELD_NUMBER: _ClassVar[int]
+    SINCE_TIME_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    slots: bytes
+    chunk_rows: int
+    weights_only: bool
+    since_time: float
+    epoch: int
+    def __init__(self, table: _Optional[str] = ..., slots: _Optional[bytes] = ..., chunk_rows: _Optional[int] = ..., weights_only: _Optional[bool] = ..., since_time: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class ExportRowsChunk(_message.Message):
+    __slots__ = ("rows", "slots", "positions_epochs", "positions_indexes", "step", "server_time")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_INDEXES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    rows: RowBlock
+    slots: bytes
+    positions_epochs: bytes
+    positions_indexes: bytes
+    step: int
+    server_time: float
+    def __init__(self, rows: _Optional[_Union[RowBlock, _Mapping]] = ..., slots: _Optional[bytes] = ..., positions_epochs: _Optional[bytes] = ..., positions_indexes: _Optional[bytes] = ..., step: _Optional[int] = ..., server_time: _Optional[float] = ...) -> None: ...
+
+class ImportRowsRequest(_message.Message):
+    __slots__ = ("table", "rows", "epoch", "step")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    rows: RowBlock
+    epoch: int
+    step: int
+    def __init__(self, table: _Optional[str] = ..., rows: _Optional[_Union[RowBlock, _Mapping]] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class ImportRowsResponse(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    def __init__(self, rows: _Optional[int] = ...) -> None: ...

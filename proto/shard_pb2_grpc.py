@@ -94,6 +94,16 @@ class ShardStub:
                 request_serializer=tigana_dot_proto_dot_shard__pb2.SlotInfoRequest.SerializeToString,
                 response_deserializer=tigana_dot_proto_dot_shard__pb2.SlotInfoResponse.FromString,
                 _registered_method=True)
+        self.ExportRows = channel.unary_stream(
+                '/tigana.v1.Shard/ExportRows',
+                request_serializer=tigana_dot_proto_dot_shard__pb2.ExportRowsRequest.SerializeToString,
+                response_deserializer=tigana_dot_proto_dot_shard__pb2.ExportRowsChunk.FromString,
+                _registered_method=True)
+        self.ImportRows = channel.unary_unary(
+                '/tigana.v1.Shard/ImportRows',
+                request_serializer=tigana_dot_proto_dot_shard__pb2.ImportRowsRequest.SerializeToString,
+                response_deserializer=tigana_dot_proto_dot_shard__pb2.ImportRowsResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -172,6 +182,18 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportRows(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportRows(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -234,6 +256,16 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.SlotInfo,
                     request_deserializer=tigana_dot_proto_dot_shard__pb2.SlotInfoRequest.FromString,
                     response_serializer=tigana_dot_proto_dot_shard__pb2.SlotInfoResponse.SerializeToString,
+            ),
+            'ExportRows': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportRows,
+                    request_deserializer=tigana_dot_proto_dot_shard__pb2.ExportRowsRequest.FromString,
+                    response_serializer=tigana_dot_proto_dot_shard__pb2.ExportRowsChunk.SerializeToString,
+            ),
+            'ImportRows': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportRows,
+                    request_deserializer=tigana_dot_proto_dot_shard__pb2.ImportRowsRequest.FromString,
+                    response_serializer=tigana_dot_proto_dot_shard__pb2.ImportRowsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -560,6 +592,60 @@ class Shard:
             '/tigana.v1.Shard/SlotInfo',
             tigana_dot_proto_dot_shard__pb2.SlotInfoRequest.SerializeToString,
             tigana_dot_proto_dot_shard__pb2.SlotInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tigana.v1.Shard/ExportRows',
+            tigana_dot_proto_dot_shard__pb2.ExportRowsRequest.SerializeToString,
+            tigana_dot_proto_dot_shard__pb2.ExportRowsChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tigana.v1.Shard/ImportRows',
+            tigana_dot_proto_dot_shard__pb2.ImportRowsRequest.SerializeToString,
+            tigana_dot_proto_dot_shard__pb2.ImportRowsResponse.FromString,
             options,
             channel_credentials,
             insecure,

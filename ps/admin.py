@@ -127,3 +127,47 @@ def verify(scheduler: str, table: str = "", timeout_s: float = 120.0) -> dict[st
                     differing.append({"table": name, "slot": slot, "primary": m.servers[primary].id,
                                       "copy": m.servers[c].id})
     return {"epoch": m.epoch, "copies_checked": checked, "differing": differing, "unreachable": unreachable}
+
+
+# --- placement operations ------------------------------------------------------------------------------------
+def drain(address: str, server: str, *, undrain: bool = False, timeout_s: float = 30.0) -> spb.PlanResponse:
+    """Ask the scheduler to move every copy off ``server`` (id or address); the moves then run on their own."""
+    return _scheduler_call(address, "Drain", spb.DrainRequest(server=server, undrain=undrain), timeout_s)
+
+
+def move_slot(address: str, slot: int, to: str, *, from_: str = "", primary: bool = False,
+              timeout_s: float = 30.0) -> spb.PlanResponse:
+    """Ask the scheduler to move ``slot``'s copy on ``from_`` (default: its primary) to server ``to``."""
+    request = spb.MoveSlotRequest(slot=slot, to=to, primary=primary)
+    setattr(request, "from", from_)
+    return _scheduler_call(address, "MoveSlot", request, timeout_s)
+
+
+def slot_load(address: str, timeout_s: float = 60.0) -> spb.SlotLoad:
+    """The measured per-slot load, read from every slot's primary: rows, bytes, pull + push rows/s."""
+    m = shard_map(address, timeout_s)
+    rows = np.zeros(m.num_slots, np.int64)
+    nbytes = np.zeros(m.num_slots, np.int64)
+    rates = np.zeros(m.num_slots, np.float64)
+    for i, s in enumerate(m.servers):
+        if not s.up or not m.leads(i).any():
+            continue
+        for t in slot_info(s.address, checksums=False, timeout_s=timeout_s).values():
+            led = m.copies[t["slots"], 0] == i
+            slots = t["slots"][led]
+            rows[slots] += t["rows"][led]
+            nbytes[slots] += t["bytes"][led]
+            rates[slots] += t["pull_rates"][led] + t["push_rates"][led]
+    return spb.SlotLoad(rows=rows.astype("<i8").tobytes(), bytes=nbytes.astype("<i8").tobytes(),
+                        rates=rates.astype("<f8").tobytes())
+
+
+def rebalance(address: str, *, plan_only: bool = False, load: spb.SlotLoad | None = None, row_weight: float = 1.0,
+              rate_weight: float = 0.0, link_bytes_per_s: float = 100e6, timeout_s: float = 60.0
+              ) -> spb.PlanResponse:
+    """Plan (and unless ``plan_only`` apply) a placement that evens out the measured load."""
+    request = spb.RebalanceRequest(plan_only=plan_only, cost=spb.CostModel(
+        row_weight=row_weight, rate_weight=rate_weight, link_bytes_per_s=link_bytes_per_s))
+    if load is not None:
+        request.load.CopyFrom(load)
+    return _scheduler_call(address, "Rebalance", request, timeout_s)

@@ -462,6 +462,48 @@ class Client:
                 self._note_retry()
                 time.sleep(0.1)
 
+    def _spec_pb(self, name: str) -> pb.TableSpec:
+        """The table's spec as the servers hold it (with durability and min_copies)."""
+        if self._maps is not None:
+            for t in self._scheduler_call("ListTables", pb.ListTablesRequest()).tables:
+                if t.name == name:
+                    return t
+            raise TableNotFound(f"table {name!r} not found")
+        reply = self._call_all("DescribeTable", lambda _: pb.DescribeTableRequest(table=name), retry=True)[0]
+        return reply.spec
+
+    def _create_from_spec(self, spec: pb.TableSpec) -> None:
+        request = pb.CreateTableRequest(spec=spec, exist_ok=False)
+        if self._maps is not None:
+            self._scheduler_call("CreateTable", request)
+            self._await_table(spec.name)
+        else:
+            self._call_all("CreateTable", lambda _: request, retry=False)
+        with self._tables_lock:
+            self._tables.pop(spec.name, None)
+
+    def checkpoint(self, directory: str, tables: list[str] | None = None) -> dict[str, Any]:
+        """Write a consistent checkpoint of ``tables`` (default: all) into ``directory``: one cut per table on
+        every primary, rows and optimizer state, with a manifest and checksums (``tigana.ps.checkpoint``).
+        Flushes this client's pushes first. Returns the manifest."""
+        from tigana.ps.checkpoint import write_checkpoint
+
+        return write_checkpoint(self, directory, tables)
+
+    def restore_checkpoint(self, directory: str, tables: list[str] | None = None) -> dict[str, int]:
+        """Recreate the checkpoint's tables and load their rows and optimizer state onto the servers the
+        cluster has now (any number). Returns rows restored per table."""
+        from tigana.ps.checkpoint import restore_checkpoint
+
+        return restore_checkpoint(self, directory, tables)
+
+    def export(self, table: str, out: str, since: str | None = None) -> dict[str, Any]:
+        """Write ``table``'s ids and float32 rows (no optimizer state) as ``out/ids.npy``, ``out/rows.npy`` and
+        ``out/export.json``; with ``since`` (an earlier export) only the rows updated after it."""
+        from tigana.ps.checkpoint import export_table
+
+        return export_table(self, table, out, since)
+
     def describe_table(self, name: str) -> TableInfo:
         """The table's config and stats (summed over shards; ``shards`` per address). With replicas, ``rows``
         counts each row once (at its primary)."""

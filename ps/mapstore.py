@@ -26,10 +26,13 @@ __all__ = ["FileMapStore", "MapStore", "SchedulerState"]
 
 @dataclass(frozen=True)
 class SchedulerState:
-    """The map and the target placement ((num_slots, width) int32 server indexes)."""
+    """The map, the target placement ((num_slots, width) int32 server indexes) and the servers being
+    drained (ids)."""
 
     map: ShardMap
     target: np.ndarray
+    draining: tuple[str, ...] = ()
+    target_kind: str = "balance"
 
 
 class MapStore(Protocol):
@@ -48,7 +51,8 @@ class MapStore(Protocol):
 def encode_state(state: SchedulerState) -> bytes:
     target = np.ascontiguousarray(state.target, "<i4")
     return spb.SchedulerState(map=cluster_wire.map_to_pb(state.map), target=target.tobytes(),
-                              target_width=target.shape[1]).SerializeToString()
+                              target_width=target.shape[1], draining=list(state.draining),
+                              target_kind=state.target_kind).SerializeToString()
 
 
 def decode_state(data: bytes, where: str) -> SchedulerState:
@@ -59,7 +63,7 @@ def decode_state(data: bytes, where: str) -> SchedulerState:
                                     count=m.num_slots * msg.target_width).reshape(m.num_slots, msg.target_width)
     except Exception as exc:  # noqa: BLE001 - any decoding failure means the file is damaged
         raise DataLoss(f"scheduler state {where} cannot be read: {exc}") from exc
-    return SchedulerState(m, target.copy())
+    return SchedulerState(m, target.copy(), tuple(msg.draining), msg.target_kind or "balance")
 
 
 class FileMapStore:

@@ -95,9 +95,7 @@ class Agent:
 
     def _heartbeat(self) -> None:
         s = self.service
-        stats = {}
-        if s.replicator is not None:
-            stats.update(s.replicator.stats())
+        stats = {**s.cluster_figures(), **s.load_figures()}
         reply = self.stub.Heartbeat(spb.HeartbeatRequest(server_id=s.server_id, boot=s.boot, epoch=s.epoch,
                                                          stats=stats), timeout=max(1.0, 2 * self.interval))
         if reply.reregister:

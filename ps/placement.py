@@ -21,11 +21,14 @@ sync; a slot never loses its last in-sync copy through ``step_toward``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from tigana.ps.routing import CATCHING_UP, IN_SYNC, NO_SERVER
 
-__all__ = ["balance", "copy_counts", "initial", "moves", "repair", "step_toward", "trim"]
+__all__ = ["CostModel", "Plan", "balance", "copy_counts", "initial", "moves", "plan", "repair", "server_loads",
+           "step_toward", "trim"]
 
 
 def initial(num_servers: int, num_slots: int, replicas: int) -> np.ndarray:
@@ -62,13 +65,15 @@ def _widen(copies: np.ndarray, states: np.ndarray, width: int) -> tuple[np.ndarr
             np.concatenate([states, np.zeros((states.shape[0], extra), np.uint8)], axis=1))
 
 
-def repair(copies: np.ndarray, states: np.ndarray, alive: np.ndarray, replicas: int
-           ) -> tuple[np.ndarray, np.ndarray]:
+def repair(copies: np.ndarray, states: np.ndarray, alive: np.ndarray, replicas: int,
+           placeable: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Copies after servers not ``alive`` ((num_servers,) bool) are gone: their copies dropped, the first
     in-sync survivor promoted where the primary was lost (none: the slot has no primary), and catching-up
     copies added on the alive servers holding the fewest copies until each slot with a primary has
-    ``1 + replicas`` copies (or every alive server holds one)."""
+    ``1 + replicas`` copies (or every alive server holds one). New copies go only to ``placeable`` servers
+    (default: the alive ones; a draining server is alive but not placeable)."""
     alive = np.asarray(alive, bool)
+    placeable = alive if placeable is None else np.asarray(placeable, bool) & alive
     n = alive.shape[0]
     want = 1 + replicas
     c, s = _widen(np.asarray(copies, np.int32), np.asarray(states, np.uint8), want)
@@ -85,14 +90,14 @@ def repair(copies: np.ndarray, states: np.ndarray, alive: np.ndarray, replicas: 
             s[slot, 0], s[slot, j] = IN_SYNC, 0
     # Re-replication onto the least loaded alive servers.
     _, load = copy_counts(c, n)
-    load = np.where(alive, load, np.iinfo(np.int64).max)
+    load = np.where(placeable, load, np.iinfo(np.int64).max)
     have = (c >= 0).sum(axis=1)
     short = np.flatnonzero((c[:, 0] >= 0) & (have < want))
     for slot in short:
         for _ in range(want - int(have[slot])):
             held = set(c[slot][c[slot] >= 0].tolist())
             order = np.lexsort((np.arange(n), load))
-            target = next((int(t) for t in order if alive[t] and int(t) not in held), None)
+            target = next((int(t) for t in order if placeable[t] and int(t) not in held), None)
             if target is None:
                 break
             free = np.flatnonzero(c[slot] < 0)
@@ -211,6 +216,78 @@ def _even_copies(c: np.ndarray, alive: np.ndarray, w: np.ndarray) -> None:
             return
         k = int(np.argmax(w[rows]))
         c[rows[k], cols[k]] = lo
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """How a slot loads a server and what moving it costs.
+
+    row_weight: load of one row held (memory and snapshot work), on every copy; rate_weight: load of one
+    row/s pulled or pushed, on the primary only (requests go to primaries); None: chosen so that the mean
+    slot's rows and rate weigh the same. link_bytes_per_s: copy bandwidth, to predict how long moves take."""
+
+    row_weight: float = 1.0
+    rate_weight: float | None = None
+    link_bytes_per_s: float = 100e6
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``plan`` proposes: the target placement, the moves (slot, servers added, removed, primary from,
+    primary to, bytes copied), and the predicted load per server (before and after) and cost."""
+
+    target: np.ndarray
+    moves: list[tuple[int, list[int], list[int], int, int, int]]
+    load_before: np.ndarray
+    load_after: np.ndarray
+    bytes_moved: int
+    seconds: float
+
+
+def server_loads(copies: np.ndarray, num_servers: int, rows: np.ndarray, rates: np.ndarray,
+                 cost: CostModel) -> np.ndarray:
+    """(num_servers,) load under ``cost``: rows of every copy held, plus request rate of the slots led."""
+    row_w = cost.row_weight
+    rate_w = _rate_weight(rows, rates, cost)
+    load = np.zeros(num_servers)
+    for j in range(copies.shape[1]):
+        col = copies[:, j]
+        ok = col >= 0
+        w = row_w * rows[ok] + (rate_w * rates[ok] if j == 0 else 0.0)
+        load += np.bincount(col[ok], weights=w, minlength=num_servers)[:num_servers]
+    return load
+
+
+def _rate_weight(rows: np.ndarray, rates: np.ndarray, cost: CostModel) -> float:
+    if cost.rate_weight is not None:
+        return cost.rate_weight
+    mean_rate = float(np.mean(rates)) if rates.size else 0.0
+    return cost.row_weight * float(np.mean(rows)) / mean_rate if mean_rate > 0 else 0.0
+
+
+def plan(copies: np.ndarray, alive: np.ndarray, replicas: int, rows: np.ndarray, bytes_: np.ndarray,
+         rates: np.ndarray, cost: CostModel | None = None) -> Plan:
+    """The cost-model placement: a target over the ``alive`` servers that evens out the load (rows held and
+    request rate led, weighted by ``cost``) while moving as little as possible: primaries move first to
+    servers already holding a copy (no data copied), then copies move from the busiest to the idlest
+    servers, heaviest first. Pure: the caller measures the per-slot ``rows``, ``bytes_`` and ``rates``."""
+    cost = cost or CostModel()
+    n = np.asarray(alive).shape[0]
+    rows, bytes_, rates = (np.asarray(a, float) for a in (rows, bytes_, rates))
+    weights = cost.row_weight * rows + _rate_weight(rows, rates, cost) * rates
+    weights = np.where(weights > 0, weights, max(float(weights.mean()) * 1e-3, 1e-9) if weights.size else 1.0)
+    target = balance(copies, alive, replicas, weights=weights)
+    out = []
+    moved = 0
+    for slot, added, removed in moves(copies, target):
+        b = int(bytes_[slot]) * len(added)
+        moved += b
+        out.append((slot, added, removed, int(copies[slot, 0]), int(target[slot, 0]), b))
+    for slot in np.flatnonzero((copies[:, 0] != target[:, 0]) & ~np.isin(np.arange(copies.shape[0]),
+                                                                        [m[0] for m in out])):
+        out.append((int(slot), [], [], int(copies[slot, 0]), int(target[slot, 0]), 0))
+    return Plan(target, out, server_loads(copies, n, rows, rates, cost), server_loads(target, n, rows, rates, cost),
+                moved, moved / cost.link_bytes_per_s)
 
 
 def moves(current: np.ndarray, target: np.ndarray) -> list[tuple[int, list[int], list[int]]]:

@@ -127,6 +127,7 @@ class _Session:
     end_seq: int = 0
     switch_seq: int = 0
     rows_sent: int = 0
+    rows_total: int = 0
     started: float = field(default_factory=time.monotonic)
 
 
@@ -533,10 +534,13 @@ class Replicator:
             lag_bytes = max((s.queued_bytes for s in self.streams.values()), default=0)
             lag_s = max(((now - s.acked_time) if s.lag else 0.0 for s in self.streams.values()), default=0.0)
             copying = sum(len(s.sessions) for s in self.streams.values())
+            live = [x for s in self.streams.values() for x in s.sessions if x.state in (_COPYING, _ROWS_SENT)]
+            sent, total = sum(x.rows_sent for x in live), sum(x.rows_total for x in live)
             broken = sum(1 for s in self.streams.values() if s.broken_since is not None)
             return {"replication_lag_items": float(lag_items), "replication_lag_bytes": float(lag_bytes),
                     "replication_lag_s": float(lag_s), "replication_streams": float(len(self.streams)),
-                    "slot_copies_in_progress": float(copying), "replication_streams_broken": float(broken)}
+                    "slot_copies_in_progress": float(copying), "replication_streams_broken": float(broken),
+                    "slot_copy_rows_sent": float(sent), "slot_copy_rows_total": float(total)}
 
     def close(self) -> None:
         with self.cond:

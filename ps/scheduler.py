@@ -124,6 +124,8 @@ class SchedulerCore:
                                   f"--num-slots is {config.num_slots}")
         self.map: ShardMap = state.map
         self.target: np.ndarray | None = None if np.array_equal(state.target, state.map.copies) else state.target
+        self.draining: set[str] = set(state.draining)
+        self.target_kind = state.target_kind  # "balance": re-planned on failures; "moves": rolled back per slot
         start = clock()
         self.started = start
         # Liveness is not persisted: every server in the map gets a full timeout from this start.
@@ -139,13 +141,17 @@ class SchedulerCore:
     # --- helpers -------------------------------------------------------------------------------------
     def _commit(self, new: ShardMap, why: str) -> ShardMap:
         """Save ``new`` (durable), make it current, wake long-polls; announce after the lock is released."""
-        target = self.target if self.target is not None else new.copies
-        self.store.save(SchedulerState(new, np.asarray(target, np.int32)))
         self.map = new
+        self._save()
         self.cond.notify_all()
         log.info("epoch %d: %s (%s)", new.epoch, why, new.summary())
         self._pending_announce = new
         return new
+
+    def _save(self) -> None:
+        target = self.target if self.target is not None else self.map.copies
+        self.store.save(SchedulerState(self.map, np.asarray(target, np.int32), tuple(sorted(self.draining)),
+                                       self.target_kind))
 
     def _flush_announce(self) -> None:
         m = getattr(self, "_pending_announce", None)
@@ -184,7 +190,9 @@ class SchedulerCore:
                 servers = (*m.servers, ServerEntry(server_id, address, boot, True))
                 self._commit(m.evolve(servers=servers), f"server {server_id} ({address}) joined")
                 if self.config.auto_rebalance and (m.copies >= 0).any():  # after the first placement
-                    self.target = placement.balance(self.map.copies, self._alive(), self.config.replicas)
+                    self.target = placement.balance(self.map.copies, self._placeable(), self.config.replicas)
+                    self.target_kind = "balance"
+                    self._save()
             else:
                 s = m.servers[i]
                 if s.boot == boot:
@@ -388,23 +396,130 @@ class SchedulerCore:
             return True
 
     # --- placement -----------------------------------------------------------------------------------
-    def rebalance(self) -> np.ndarray:
-        """Set the target to a balanced placement over the alive servers; steps follow in ``tick``."""
+    def _placeable(self) -> np.ndarray:
+        """(num_servers,) bool: alive and not being drained (may receive copies)."""
+        alive = self._alive()
+        for i, s in enumerate(self.map.servers):
+            if s.id in self.draining:
+                alive[i] = False
+        return alive
+
+    def _find(self, server: str) -> int:
+        """A server's index by id or address; ``InvalidArgument`` naming it when unknown."""
+        for i, s in enumerate(self.map.servers):
+            if server in (s.id, s.address):
+                return i
+        raise InvalidArgument(f"server {server!r}: no such server in the map (ids: "
+                              f"{[s.id for s in self.map.servers]})")
+
+    def rebalance(self, *, plan_only: bool = False, rows: np.ndarray | None = None,
+                  bytes_: np.ndarray | None = None, rates: np.ndarray | None = None,
+                  cost: placement.CostModel | None = None) -> placement.Plan:
+        """Plan a placement that evens out the measured load (``placement.plan``); unless ``plan_only``, make it
+        the target (the map then moves toward it, one safe step at a time)."""
         with self._mutating():
-            self.target = placement.balance(self.map.copies, self._alive(), self.config.replicas)
+            m = self.map
+            n = m.num_slots
+            rows = np.ones(n) if rows is None else np.asarray(rows, float)
+            plan = placement.plan(m.copies, self._placeable(), self.config.replicas, rows,
+                                  np.zeros(n) if bytes_ is None else bytes_, np.zeros(n) if rates is None else rates,
+                                  cost)
+            if not plan_only:
+                self.target, self.target_kind = plan.target, "balance"
+                self._save()
+                log.info("rebalance: %d move(s), %d bytes to copy", len(plan.moves), plan.bytes_moved)
+                self._reconcile()
+            return plan
+
+    def move_slot(self, slot: int, to: str, *, from_: str = "", primary: bool = False) -> placement.Plan:
+        """Target: ``slot``'s copy on ``from_`` (default: its primary) moves to ``to``; the copy keeps its role
+        (a primary's move ends with ``to`` leading), or leads with ``primary``."""
+        with self._mutating():
+            m = self.map
+            if not 0 <= slot < m.num_slots:
+                raise InvalidArgument(f"move-slot: field 'slot' must be in [0, {m.num_slots}), got {slot}")
+            t = self._find(to)
+            if not self._placeable()[t]:
+                raise InvalidArgument(f"move-slot: server {to!r} is dead or draining")
+            target = (self.target if self.target is not None else m.copies).copy()
+            if target.shape[1] < m.width:
+                target = _pad(target, m.width)
+            row = [int(x) for x in target[slot] if x >= 0]
+            if not row:
+                raise InvalidArgument(f"move-slot: slot {slot} has no copy to move (no primary)")
+            src = row[0] if not from_ else self._find(from_)
+            if src not in row:
+                raise InvalidArgument(f"move-slot: slot {slot} has no copy on {from_!r}")
+            was_primary = row[0] == src
+            if t in row and not (primary and t != row[0]):
+                raise InvalidArgument(f"move-slot: server {to!r} already holds a copy of slot {slot}")
+            if t in row:  # make an existing copy the primary: roles swap, no data moves
+                new = [t] + [x for x in row if x != t]
+            else:
+                new = [t if x == src else x for x in row]
+                if primary and not was_primary:
+                    new = [t] + [x for x in new if x != t]
+            target[slot] = np.full(target.shape[1], NO_SERVER, np.int32)
+            target[slot, :len(new)] = new
+            self.target, self.target_kind = target, "moves"
+            self._save()
             self._reconcile()
-            return self.target
+            return placement.Plan(target, [(slot, [x for x in new if x not in row], [x for x in row if x not in new],
+                                            row[0], new[0], 0)], np.zeros(0), np.zeros(0), 0, 0.0)
+
+    def drain(self, server: str, *, undrain: bool = False) -> placement.Plan:
+        """Move every copy off ``server`` (it then holds nothing and may be stopped); ``undrain`` takes it back."""
+        with self._mutating():
+            i = self._find(server)
+            sid = self.map.servers[i].id
+            if undrain:
+                self.draining.discard(sid)
+                self._save()
+                return placement.Plan(self.map.copies, [], np.zeros(0), np.zeros(0), 0, 0.0)
+            self.draining.add(sid)
+            if not self._placeable().any():
+                self.draining.discard(sid)
+                raise InvalidArgument(f"drain: {server!r} is the last server that can hold slots")
+            self.target = placement.balance(self.map.copies, self._placeable(), self.config.replicas)
+            self.target_kind = "balance"
+            self._save()
+            log.info("draining %s: %d slot(s) to move", sid, len(placement.moves(self.map.copies, self.target)))
+            self._reconcile()
+            return placement.Plan(self.target, [(s, a, r, -1, -1, 0) for s, a, r in
+                                                placement.moves(self.map.copies, self.target)],
+                                  np.zeros(0), np.zeros(0), 0, 0.0)
+
+    def _fixed_target(self, target: np.ndarray, alive: np.ndarray, placeable: np.ndarray,
+                      current: np.ndarray) -> np.ndarray:
+        """The target with slots that name a dead server rolled back to their current copies, and re-planned
+        when it names a server being drained."""
+        if target.shape[0] != current.shape[0]:
+            return current.copy()
+        named = target[target >= 0]
+        if named.size and not placeable[named].all() and self.target_kind == "balance":
+            return placement.balance(current, placeable, self.config.replicas)  # plan again without them
+        if named.size and not placeable[named].all():
+            dead_rows = ((target >= 0) & ~alive[np.clip(target, 0, None)]).any(axis=1)
+            if dead_rows.any():  # a move to or from a dead server is rolled back
+                width = max(target.shape[1], current.shape[1])
+                target = _pad(target, width).copy()
+                target[dead_rows] = _pad(current, width)[dead_rows]
+            named = target[target >= 0]
+            if named.size and not placeable[named].all():  # a draining server still named: plan again
+                target = placement.balance(current, placeable, self.config.replicas)
+        return target
 
     def _reconcile(self) -> None:
         """First placement, elections, re-replication and one step toward the target (lock held)."""
         m = self.map
         alive = self._alive()
+        placeable = self._placeable()
         if not alive.any():
             return
         if (m.copies < 0).all():
-            if not self._bootstrap_due(int(alive.sum())):
+            if not self._bootstrap_due(int(placeable.sum())):
                 return
-            live = np.flatnonzero(alive)
+            live = np.flatnonzero(placeable)
             copies = live[placement.initial(live.size, m.num_slots, self.config.replicas)].astype(np.int32)
             copies[:, 0] = live[placement.initial(live.size, m.num_slots, 0)[:, 0]]
             self._commit(m.evolve(copies=copies, states=np.zeros(copies.shape, np.uint8)),
@@ -412,18 +527,22 @@ class SchedulerCore:
             return
         self._elect()
         m = self.map
-        copies, states = placement.repair(m.copies, m.states, alive, self.config.replicas)
-        if self.target is None:
-            copies, states = placement.trim(copies, states, self.config.replicas)
-        else:
-            self.target = placement.balance(copies, alive, self.config.replicas)  # re-aimed after any change
+        copies, states = placement.repair(m.copies, m.states, alive, self.config.replicas, placeable)
+        had_target = self.target is not None
+        if self.target is not None:
+            self.target = self._fixed_target(self.target, alive, placeable, copies)
             copies, states = placement.step_toward(copies, states, self.target,
                                                    max_new_copies=self.config.max_copies_per_step)
             if not placement.moves(copies, self.target) and (states[copies >= 0] == IN_SYNC).all():
+                log.info("placement reached its target")
                 self.target = None
+        if self.target is None:
+            copies, states = placement.trim(copies, states, self.config.replicas)
         if not (np.array_equal(_pad(copies, m.width), _pad(m.copies, copies.shape[1]))
                 and np.array_equal(_pad(states, m.width), _pad(m.states, states.shape[1]))):
             self._commit(m.evolve(copies=copies, states=states), "placement step")
+        elif had_target and self.target is None:
+            self._save()
 
     def _bootstrap_due(self, up: int) -> bool:
         if up >= self.config.expect_servers:
@@ -496,6 +615,9 @@ class SchedulerCore:
             out = spb.StatusResponse(map=cluster_wire.map_to_pb(m))
             s = m.summary()
             out.degraded_slots, out.unavailable_slots = s["degraded_slots"], s["unavailable_slots"]
+            if self.target is not None:
+                out.moving_slots = len(placement.moves(m.copies, self.target))
+            out.draining.extend(sorted(self.draining))
             for i, srv in enumerate(m.servers):
                 hit = m.copies == i
                 st = spb.ServerStatus(
@@ -611,6 +733,47 @@ class SchedulerService(spb_grpc.SchedulerServicer):
     @_handler("Status")
     def Status(self, request, context):
         return self.core.status()
+
+    @_handler("MoveSlot")
+    def MoveSlot(self, request, context):
+        plan = self.core.move_slot(int(request.slot), request.to, from_=getattr(request, "from"),
+                                   primary=request.primary)
+        return self._plan(plan, applied=True)
+
+    @_handler("Drain")
+    def Drain(self, request, context):
+        return self._plan(self.core.drain(request.server, undrain=request.undrain), applied=True)
+
+    @_handler("Rebalance")
+    def Rebalance(self, request, context):
+        n = self.core.map.num_slots
+        load = request.load
+        rows = cluster_wire.array(load.rows, "<i8", field="load.rows", count=n) if load.rows else None
+        bytes_ = cluster_wire.array(load.bytes, "<i8", field="load.bytes", count=n) if load.bytes else None
+        rates = cluster_wire.array(load.rates, "<f8", field="load.rates", count=n) if load.rates else None
+        c = request.cost
+        cost = placement.CostModel(row_weight=c.row_weight or 1.0, rate_weight=c.rate_weight or None,
+                                   link_bytes_per_s=c.link_bytes_per_s or 100e6)
+        plan = self.core.rebalance(plan_only=request.plan_only, rows=rows, bytes_=bytes_, rates=rates, cost=cost)
+        return self._plan(plan, applied=not request.plan_only)
+
+    def _plan(self, plan: placement.Plan, *, applied: bool) -> spb.PlanResponse:
+        m = self.core.map
+        ids = [s.id for s in m.servers]
+        out = spb.PlanResponse(bytes_moved=plan.bytes_moved, predicted_seconds=plan.seconds, applied=applied,
+                               epoch=m.epoch)
+        for slot, add, remove, p_from, p_to, nbytes in plan.moves:
+            out.moves.add(slot=slot, add=[ids[i] for i in add], remove=[ids[i] for i in remove],
+                          primary_from=ids[p_from] if p_from >= 0 else "", primary_to=ids[p_to] if p_to >= 0 else "",
+                          bytes=nbytes)
+        for field_, load in (("before", plan.load_before), ("after", plan.load_after)):
+            fig = getattr(out, field_)
+            up = [i for i, s in enumerate(m.servers) if s.up and i < load.shape[0]]
+            if up:
+                fig.max = float(max(load[i] for i in up))
+                fig.mean = float(np.mean([load[i] for i in up]))
+                fig.per_server.update({ids[i]: float(load[i]) for i in up})
+        return out
 
 
 # --- running it ---------------------------------------------------------------------------------------------

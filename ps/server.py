@@ -37,6 +37,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -272,6 +273,18 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             out.update(self.replicator.stats())
         return out
 
+    def load_figures(self) -> dict[str, float]:
+        """Rows, resident bytes and request rate (rows/s pulled + pushed, decayed) of every table here."""
+        rows = nbytes = rate = 0.0
+        for hosted in list(self._tables.values()):
+            try:
+                rows += len(hosted.table)
+                nbytes += float(hosted.table.stats().get("bytes_resident", 0.0))
+                rate += float(hosted.pull_rate.sum() + hosted.push_rate.sum())
+            except Exception:  # noqa: BLE001 - a closing table must not break a heartbeat
+                continue
+        return {"rows": rows, "bytes": nbytes, "request_rate": rate}
+
     def catching_up(self) -> int:
         """Copies on this server that are still being built (not yet in the in-sync set)."""
         view = self._view
@@ -303,6 +316,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                 continue
         values["rows"] = float(len(hosted.table))
         values["dim"] = float(hosted.table.config.dim)
+        values["state_width"] = float(hosted.table.state_width)
         values["dedup_keys"] = float(len(hosted.dedup))
         values["epoch"] = float(self._view.epoch)
         if self.replicator is not None:
@@ -589,6 +603,116 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             msg.checksums = sums[held].astype("<u8").tobytes()
         return msg
 
+    # --- whole-table reads and writes (checkpoint, restore, export) ----------------------------------------
+    def ExportRows(self, request: pb.ExportRowsRequest, context: grpc.ServicerContext):
+        """Stream the rows of the slots this server leads, as one consistent cut of the table: the table is
+        snapshotted under its write lock (with every slot's log position), then streamed from that snapshot,
+        so the lock is held only as long as a snapshot takes, whatever the table's size."""
+        start = time.perf_counter()
+        status: grpc.StatusCode | None = None
+        try:
+            if self.state != "serving":
+                raise Unavailable(f"ExportRows: server {_STATES.get(self.state, self.state)}")
+            yield from self._export_rows(request)
+        except Exception as exc:  # noqa: BLE001 - a request never takes the daemon down
+            status, message = to_status(exc)
+            if status == grpc.StatusCode.INTERNAL:
+                log.exception("ExportRows failed with a bug")
+            context.set_trailing_metadata(status_metadata(exc, self._view.epoch))
+            context.abort(status, message)
+        finally:
+            self.metrics.observe("ExportRows", status.name if status else "OK", time.perf_counter() - start)
+
+    def _export_rows(self, request: pb.ExportRowsRequest):
+        from tigana.embeddings import snapshot as snap
+
+        name = request.table
+        hosted = self._get(name)
+        view = self._view
+        if not view.valid:
+            raise Unavailable(f"table {name!r}: server {self.server_id} is not in the cluster yet")
+        if request.slots:
+            slots = cluster_wire.array(request.slots, "<i4", field="slots").astype(np.int64)
+            if slots.size and (slots.min() < 0 or slots.max() >= self.num_slots):
+                raise InvalidArgument(f"table {name!r}: field 'slots' is out of range [0, {self.num_slots})")
+            if not view.leads[slots].all():
+                raise WrongShard(f"table {name!r}: field 'slots' names slots this server does not lead at epoch "
+                                 f"{view.epoch}", epoch=view.epoch)
+        else:
+            slots = np.flatnonzero(view.leads)
+        want = np.zeros(self.num_slots, bool)
+        want[slots] = True
+        chunk = int(request.chunk_rows) or 65536
+        since = float(request.since_time)
+        base = self.data_dir / "export-tmp" if self.data_dir is not None else None
+        if base is not None:
+            base.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix="cut-", dir=base))
+        try:
+            with hosted.lock:  # the cut: rows, positions and step at one moment
+                cut_time = time.time()
+                table = hosted.table
+                path = Path(table.snapshot(tmp, incremental=False, track=False))
+                positions = hosted.log.positions[slots].copy()
+                step = table.step
+            first = True
+            buffered: list = []
+            count = 0
+            for batch in snap.iter_snapshot_rows(path, batch_size=chunk):
+                keep = want[slot_of(batch.ids, self.num_slots)]
+                if since:
+                    keep &= batch.last_time >= since
+                if not keep.all():
+                    batch = batch.take(keep)
+                if not len(batch):
+                    continue
+                buffered.append(batch)
+                count += len(batch)
+                if count >= chunk:
+                    yield self._chunk(buffered, request.weights_only, step, cut_time if first else 0.0)
+                    first, buffered, count = False, [], 0
+            out = self._chunk(buffered, request.weights_only, step, cut_time if first else 0.0)
+            out.slots = slots.astype("<i4").tobytes()
+            out.positions_epochs = positions[:, 0].astype("<u8").tobytes()
+            out.positions_indexes = positions[:, 1].astype("<u8").tobytes()
+            yield out
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _chunk(self, batches: list, weights_only: bool, step: int, server_time: float) -> pb.ExportRowsChunk:
+        from tigana.embeddings import RowBatch
+
+        out = pb.ExportRowsChunk(step=step, server_time=server_time)
+        if batches:
+            rows = RowBatch.concat(batches) if len(batches) > 1 else batches[0]
+            if weights_only:
+                rows = RowBatch(rows.ids, rows.weights, np.zeros((len(rows), 0), np.float32), rows.update_count,
+                                rows.last_step, rows.last_time)
+            out.rows.CopyFrom(cluster_wire.rows_to_pb(rows))
+        return out
+
+    @_rpc("ImportRows")
+    def ImportRows(self, request: pb.ImportRowsRequest, context: grpc.ServicerContext) -> pb.ImportRowsResponse:
+        """Write complete rows (a restore) through this primary: replicated to the slots' copies like a push."""
+        name = request.table
+        hosted = self._get(name)
+        rows = cluster_wire.rows_from_pb(request.rows, dim=hosted.table.dim, state_width=hosted.table.state_width,
+                                         table=name)
+        with hosted.lock:
+            view, slots = self._check_leads(name, rows.ids, request.epoch)
+            uslots = unique(slots)
+            changes = Changes() if self.replicator is not None and self.replicator.streams else None
+            hosted.table.import_rows(rows)
+            if request.step:
+                hosted.table.apply_changes(step=int(request.step))
+            if changes is not None:
+                changes.written.append(rows.ids)
+            marks = self._replicate(hosted, view, changes, uslots, None)
+        if marks and self.replicator is not None and not self.replicator.wait(marks, self.config.ack_timeout_s):
+            raise Unavailable(f"table {name!r}: rows written here but not yet by the in-sync copies; retry",
+                              epoch=self._view.epoch)
+        return pb.ImportRowsResponse(rows=len(rows))
+
     @_rpc("Replicate")
     def Replicate(self, request: pb.ReplicateRequest | cluster_wire.RawReplicate, context: grpc.ServicerContext
                   ) -> pb.ReplicateResponse:
@@ -778,6 +902,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                 continue
             ids = hosted.table.stored_ids()
             ids = np.sort(ids[want[slot_of(ids, self.num_slots)]]) if ids.size else ids
+            sess.rows_total += int(ids.size)  # progress of the copy (heartbeats carry it to the scheduler)
             for start in range(0, ids.shape[0], _COPY_CHUNK):
                 self.replicator.wait_for_room(stream)
                 chunk = ids[start:start + _COPY_CHUNK]
@@ -994,12 +1119,12 @@ def add_to_server(service: ShardService, server: grpc.Server) -> None:
     data path's own (de)serializers: Push requests parsed into zero-copy views (``wire.decode_push_request``)
     and Pull replies written as bytes in one copy (``ShardService.pull_serialized``). The wire format is
     exactly the one in proto/shard.proto."""
-    handlers = {
-        name: grpc.unary_unary_rpc_method_handler(
-            getattr(service, name),
-            request_deserializer=getattr(pb, f"{name}Request").FromString,
-            response_serializer=getattr(pb, f"{name}Response").SerializeToString)
-        for name in pb.DESCRIPTOR.services_by_name["Shard"].methods_by_name}
+    handlers = {}
+    for name, method in pb.DESCRIPTOR.services_by_name["Shard"].methods_by_name.items():
+        kind = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[name] = kind(getattr(service, name),
+                              request_deserializer=getattr(pb, method.input_type.name).FromString,
+                              response_serializer=getattr(pb, method.output_type.name).SerializeToString)
     handlers["Pull"] = grpc.unary_unary_rpc_method_handler(
         service.pull_serialized, request_deserializer=pb.PullRequest.FromString, response_serializer=wire.identity)
     handlers["Push"] = grpc.unary_unary_rpc_method_handler(

@@ -43,10 +43,7 @@ def start_cluster(shards: int = 2, data_dir: str | os.PathLike | None = None, re
 
 
 def _start_cluster(config: TrainConfig) -> ps.LocalCluster:
-    # With checkpoints, the shards keep their data (and snapshots) next to them so a later run can resume;
-    # a checkpoint restores per-shard snapshots, which needs the static shard list (no scheduler) for now.
-    if config.checkpoint_dir:
-        return start_cluster(config.shards, Path(config.checkpoint_dir) / "ps-data", replicas=None)
+    # The embedded cluster's data lives in a temp dir: a checkpoint holds the PS tables themselves.
     return start_cluster(config.shards)
 
 

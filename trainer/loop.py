@@ -231,17 +231,17 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 def save_checkpoint(root: Path, *, step: int, epoch: int, batch_in_epoch: int, model: nn.Module,
                     optimizer: torch.optim.Optimizer, client: Any, config: TrainConfig) -> Path:
-    """Rank 0 only, after every rank flushed its pushes: PS snapshot + dense state, written atomically."""
-    snapshot = client.snapshot()
+    """Rank 0 only, after every rank flushed its pushes: a cluster checkpoint of the PS tables (rows and
+    optimizer state, one cut per table) + the dense state, written atomically."""
     target = root / f"step-{step:09d}"
     tmp = root / f".tmp-step-{step:09d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    client.checkpoint(str(tmp / "ps"))
     state = model.dense_state_dict() if hasattr(model, "dense_state_dict") else model.state_dict()
     torch.save({"model": state, "optimizer": optimizer.state_dict()}, tmp / "dense.pt")
-    meta = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
-            "ps_snapshot": [snapshot[a] for a in client.addresses], "ps_addresses": list(client.addresses),
-            "config": config.to_dict(), "time": time.time()}
+    meta = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "ps_checkpoint": "ps",
+            "ps_addresses": list(client.addresses), "config": config.to_dict(), "time": time.time()}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
@@ -258,12 +258,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     else:
         model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    if client is not None:
-        shards = meta["ps_snapshot"]
-        if len(shards) != len(client.addresses):
-            raise ValueError(f"resume: checkpoint {path} holds a snapshot of {len(shards)} shards, the cluster "
-                             f"has {len(client.addresses)}")
-        client.restore({address: paths for address, paths in zip(client.addresses, shards, strict=True)})
+    if client is not None:  # any number of servers: the rows go through the cluster's current primaries
+        client.restore_checkpoint(str(path / meta.get("ps_checkpoint", "ps")))
     return meta
 
 

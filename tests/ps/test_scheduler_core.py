@@ -414,7 +414,7 @@ def test_restarted_scheduler_keeps_its_target(tmp_path):
     c = started(tmp_path, ("a", "b"))
     c.register("c")  # joins empty
     assert not c.map.holds(2).any()
-    target = c.core.rebalance()
+    target = c.core.rebalance().target
     assert c.map.holds(2).any()  # the first step started copies on c
     c2 = Cluster(tmp_path, t0=50.0)
     assert c2.core.target is not None

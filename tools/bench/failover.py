@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
                 victim = max(range(len(cluster.addresses)), key=lambda i: led.get(cluster.addresses[i], 0))
                 killed_at = time.monotonic()
                 cluster.kill(victim)
-                _wait(lambda: loop.first_ack_sent_after(killed_at) is not None, 120, "a push after the kill")
+                _wait(lambda t=killed_at: loop.first_ack_sent_after(t) is not None, 120, "a push after the kill")
                 recoveries.append(loop.first_ack_sent_after(killed_at) - killed_at)
                 log(f"bench failover: trial {trial + 1}/{trials}: killed shard {victim} ({led.get(cluster.addresses[victim])}"
                     f" slots led), recovery {recoveries[-1]:.3f}s, {loop.acked_count()} pushes acknowledged")

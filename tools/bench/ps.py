@@ -446,22 +446,8 @@ def _bench_replication(args: argparse.Namespace) -> int:
             batch = _Cycle(batches)
             n, in_flight = batches[0].size, 4
 
-            def pusher(client: ps.Client, name: str) -> Callable[[], int]:
-                def fn() -> int:
-                    for _ in range(in_flight):
-                        client.push(name, batch(), grads())
-                    client.flush()
-                    return n * in_flight
-                return fn
-
-            def puller(client: ps.Client, name: str) -> Callable[[], int]:
-                def fn() -> int:
-                    client.pull(name, batch())
-                    return n
-                return fn
-
-            push = interleaved_rates({m: pusher(*tables[m]) for m in tables}, repeats)
-            pull = interleaved_rates({m: puller(*tables[m]) for m in tables}, repeats)
+            push = interleaved_rates({m: _pusher(*tables[m], batch, grads, n, in_flight) for m in tables}, repeats)
+            pull = interleaved_rates({m: _puller(*tables[m], batch, n) for m in tables}, repeats)
             params = dict(base, dim=dim)
             for mode in ("sync", "async"):
                 emit(f"push_{mode}", "rows/s", push[mode], "no replication", push["none"], durability=mode, **params)
@@ -470,9 +456,26 @@ def _bench_replication(args: argparse.Namespace) -> int:
             lag = rep_client.server_stats(tables["async"][1])
             log("bench ps --replicas: replication lag after the async runs: " + ", ".join(
                 f"{a}: {v[tables['async'][1]].get('replication_lag_items', 0):.0f} items" for a, v in lag.items()))
-            for mode, (client, name) in tables.items():
+            for client, name in tables.values():
                 client.drop_table(name)
     return 0
+
+
+def _pusher(client: ps.Client, name: str, batch: _Cycle, grads: _Cycle, n: int, in_flight: int
+            ) -> Callable[[], int]:
+    def fn() -> int:
+        for _ in range(in_flight):
+            client.push(name, batch(), grads())
+        client.flush()
+        return n * in_flight
+    return fn
+
+
+def _puller(client: ps.Client, name: str, batch: _Cycle, n: int) -> Callable[[], int]:
+    def fn() -> int:
+        client.pull(name, batch())
+        return n
+    return fn
 
 
 def _redis_cases(peer: RedisPeer, uniques: list, dim: int, codec: str,

@@ -1,0 +1,234 @@
+"""``tigana admin``: operate a live cluster through its scheduler.
+
+    tigana admin status                          servers, slots, epoch, tables, degraded slots
+    tigana admin drain SERVER                    move every copy off SERVER and wait until it holds nothing
+    tigana admin rebalance [--plan]              even out the measured load (rows and request rate)
+    tigana admin move-slot SLOT --to SERVER      move one slot's copy (its primary by default)
+    tigana admin checkpoint --dir DIR            a consistent checkpoint of every table
+    tigana admin restore DIR                     load a checkpoint onto the servers the cluster has now
+    tigana admin export TABLE --out PATH [--since OLD]   ids and float32 rows for serving
+    tigana admin verify                          compare every copy's per-slot checksums with its primary's
+
+The scheduler comes from ``--scheduler HOST:PORT`` or ``TIGANA_SCHEDULER``. Each command prints a readable
+report, or with ``--json`` a single JSON object as its last line, and exits non-zero when what it was asked
+to do did not happen (a verify that finds a difference, a drain that times out...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from tigana import ps
+from tigana.proto import scheduler_pb2 as spb
+from tigana.ps import admin, cluster_wire
+from tigana.ps.errors import PSError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scheduler", default=os.environ.get("TIGANA_SCHEDULER"),
+                        help="HOST:PORT of the scheduler (default: $TIGANA_SCHEDULER)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for moves (default 600)")
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    sub.add_parser("status", help="servers, slots, epoch, tables, degraded slots")
+    p = sub.add_parser("drain", help="move every copy off a server, wait until it holds nothing")
+    p.add_argument("server", help="server id or address")
+    p.add_argument("--undrain", action="store_true", help="let placement use the server again")
+    p.add_argument("--no-wait", action="store_true", help="return once the moves are planned")
+    p = sub.add_parser("rebalance", help="even out the measured load across servers")
+    p.add_argument("--plan", action="store_true", help="only show the moves and the predicted load")
+    p.add_argument("--row-weight", type=float, default=1.0, help="load of a row held (default 1)")
+    p.add_argument("--rate-weight", type=float, default=0.0,
+                   help="load of a row/s pulled or pushed (default: the mean slot's rows and rate weigh the same)")
+    p.add_argument("--link-bandwidth", type=float, default=100e6, help="bytes/s, to predict move time")
+    p.add_argument("--no-wait", action="store_true", help="return once the moves are planned")
+    p = sub.add_parser("move-slot", help="move a slot's copy to another server")
+    p.add_argument("slot", type=int)
+    p.add_argument("--to", required=True, help="server id or address")
+    p.add_argument("--from", dest="from_", default="", help="the copy to move (default: the primary)")
+    p.add_argument("--primary", action="store_true", help="the slot's primary ends on --to")
+    p.add_argument("--no-wait", action="store_true")
+    p = sub.add_parser("checkpoint", help="write a consistent checkpoint of every table")
+    p.add_argument("--dir", required=True)
+    p.add_argument("--table", action="append", help="only these tables (repeatable)")
+    p = sub.add_parser("restore", help="load a checkpoint onto the servers the cluster has now")
+    p.add_argument("dir")
+    p.add_argument("--table", action="append", help="only these tables (repeatable)")
+    p = sub.add_parser("export", help="a table's ids and float32 rows for serving (.npy pairs)")
+    p.add_argument("table")
+    p.add_argument("--out", required=True)
+    p.add_argument("--since", default=None, help="an earlier export: only rows updated after it")
+    p = sub.add_parser("verify", help="compare the copies' checksums slot by slot")
+    p.add_argument("--table", default="")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.scheduler:
+        print("tigana admin: no scheduler: give --scheduler HOST:PORT or set TIGANA_SCHEDULER", file=sys.stderr)
+        return 2
+    try:
+        ok, report = _ACTIONS[args.action](args)
+    except PSError as exc:
+        ok, report = False, {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"tigana admin {args.action}: {report['error']}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"action": args.action, "ok": ok, **report}), flush=True)
+    return 0 if ok else 1
+
+
+def _say(args: argparse.Namespace, text: str) -> None:
+    print(text, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+
+def _status(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
+    s = admin.cluster_status(args.scheduler)
+    if s is None:
+        raise ps.Unavailable(f"scheduler {args.scheduler}: not reachable")
+    reply = admin.status(args.scheduler)
+    s["moving_slots"], s["draining"] = int(reply.moving_slots), list(reply.draining)
+    _say(args, f"cluster {s['cluster_id']}  epoch {s['epoch']}  {s['num_slots']} slots  {s['replicas']} replica(s)  "
+               f"degraded {s['degraded_slots']}  unavailable {s['unavailable_slots']}  moving {s['moving_slots']}")
+    _say(args, f"{'server':<14}{'address':<22}{'state':<9}{'primary':>8}{'replica':>8}{'catchup':>8}{'rows':>12}"
+               f"{'bytes':>14}{'rate r/s':>12}{'lag':>8}{'heartbeat':>10}")
+    for srv in s["servers"]:
+        st = srv["stats"]
+        state = "draining" if srv["id"] in s["draining"] else ("up" if srv["up"] else "DEAD")
+        _say(args, f"{srv['id']:<14}{srv['address']:<22}{state:<9}{srv['primaries']:>8}{srv['replicas']:>8}"
+                   f"{srv['catching_up']:>8}{st.get('rows', 0):>12.0f}{st.get('bytes', 0):>14.0f}"
+                   f"{st.get('request_rate', 0):>12.0f}{st.get('replication_lag_items', 0):>8.0f}"
+                   f"{srv['last_heartbeat_s']:>9.1f}s")
+    _say(args, f"tables: {', '.join(s['tables']) or '(none)'}")
+    return True, s
+
+
+def _wait_moves(args: argparse.Namespace, done, what: str) -> bool:
+    """Wait (with progress) until ``done(status) -> bool``; False on timeout."""
+    deadline = time.monotonic() + args.timeout
+    last = ""
+    while True:
+        reply = admin.status(args.scheduler)
+        sent = sum(s.stats.get("slot_copy_rows_sent", 0) for s in reply.servers)
+        total = sum(s.stats.get("slot_copy_rows_total", 0) for s in reply.servers)
+        catching = sum(s.catching_up for s in reply.servers)
+        line = (f"{what}: {reply.moving_slots} slot(s) to move, {catching} cop(ies) catching up"
+                + (f", {sent:.0f}/{total:.0f} rows copied" if total else ""))
+        if line != last:
+            _say(args, line)
+            last = line
+        if done(reply):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.25)
+
+
+def _plan_report(reply: spb.PlanResponse) -> dict[str, Any]:
+    return {"moves": len(reply.moves), "bytes_moved": reply.bytes_moved,
+            "predicted_seconds": round(reply.predicted_seconds, 3),
+            "load_before": {"max": reply.before.max, "mean": reply.before.mean},
+            "load_after": {"max": reply.after.max, "mean": reply.after.mean}, "epoch": reply.epoch}
+
+
+def _drain(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
+    reply = admin.drain(args.scheduler, args.server, undrain=args.undrain)
+    report = _plan_report(reply)
+    if args.undrain or args.no_wait:
+        _say(args, f"{'undrained' if args.undrain else 'draining'} {args.server}: {len(reply.moves)} slot(s) to move")
+        return True, report
+    _say(args, f"draining {args.server}: {len(reply.moves)} slot(s) to move")
+
+    def empty(status: spb.StatusResponse) -> bool:
+        srv = next((s for s in status.servers if args.server in (s.info.id, s.info.address)), None)
+        return srv is not None and srv.primaries + srv.replicas + srv.catching_up == 0 and status.moving_slots == 0
+
+    ok = _wait_moves(args, empty, f"drain {args.server}")
+    _say(args, f"{args.server} holds nothing: it can be stopped" if ok else f"drain of {args.server} timed out")
+    return ok, report
+
+
+def _rebalance(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
+    load = admin.slot_load(args.scheduler)
+    reply = admin.rebalance(args.scheduler, plan_only=args.plan, load=load, row_weight=args.row_weight,
+                            rate_weight=args.rate_weight, link_bytes_per_s=args.link_bandwidth)
+    report = _plan_report(reply)
+    _say(args, f"{len(reply.moves)} move(s), {reply.bytes_moved} bytes to copy (~{reply.predicted_seconds:.1f}s); "
+               f"load max/mean {reply.before.max:.0f}/{reply.before.mean:.0f} -> {reply.after.max:.0f}/"
+               f"{reply.after.mean:.0f}")
+    for m in list(reply.moves)[:20]:
+        _say(args, f"  slot {m.slot}: +{','.join(m.add) or '-'} -{','.join(m.remove) or '-'}"
+                   + (f" primary {m.primary_from}->{m.primary_to}" if m.primary_from != m.primary_to else ""))
+    if len(reply.moves) > 20:
+        _say(args, f"  ... {len(reply.moves) - 20} more")
+    if args.plan or args.no_wait:
+        return True, report
+    ok = _wait_moves(args, lambda s: s.moving_slots == 0 and not sum(x.catching_up for x in s.servers), "rebalance")
+    return ok, report
+
+
+def _move_slot(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
+    reply = admin.move_slot(args.scheduler, args.slot, args.to, from_=args.from_, primary=args.primary)
+    report = _plan_report(reply)
+    if args.no_wait:
+        return True, report
+    to = args.to
+
+    def moved(status: spb.StatusResponse) -> bool:
+        m = cluster_wire.map_from_pb(status.map)
+        i = next((k for k, s in enumerate(m.servers) if to in (s.id, s.address)), -1)
+        held = i >= 0 and bool((m.copies[args.slot] == i).any()) and \
+            m.states[args.slot][m.copies[args.slot] == i][0] == 0
+        return held and (not args.primary or int(m.copies[args.slot, 0]) == i) and status.moving_slots == 0
+
+    ok = _wait_moves(args, moved, f"move slot {args.slot}")
+    _say(args, f"slot {args.slot} {'moved to ' + to if ok else 'move timed out'}")
+    return ok, report
+
+
+def _client(args: argparse.Namespace) -> ps.Client:
+    return ps.connect(scheduler=args.scheduler)
+
+
+def _checkpoint(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
+    with _client(args) as client:
+        t = time.monotonic()
+        manifest = client.checkpoint(args.dir, args.table)
+        seconds = time.monotonic() - t
+    rows = {name: t["rows"] for name, t in manifest["tables"].items()}
+    _say(args, f"checkpoint {args.dir}: {len(rows)} table(s), {sum(rows.values())} rows in {seconds:.1f}s")
+    return True, {"dir": args.dir, "rows": rows, "seconds": round(seconds, 3), "epoch": manifest["epoch"]}
+
+
+def _restore(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
+    with _client(args) as client:
+        t = time.monotonic()
+        rows = client.restore_checkpoint(args.dir, args.table)
+        seconds = time.monotonic() - t
+    _say(args, f"restored {args.dir}: {len(rows)} table(s), {sum(rows.values())} rows in {seconds:.1f}s")
+    return True, {"dir": args.dir, "rows": rows, "seconds": round(seconds, 3)}
+
+
+def _export(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
+    with _client(args) as client:
+        meta = client.export(args.table, args.out, args.since)
+    _say(args, f"exported {meta['rows']} row(s) of {args.table!r} (dim {meta['dim']}) to {args.out}"
+               + (" (changed since the earlier export)" if args.since else ""))
+    return True, {"out": args.out, "rows": meta["rows"], "dim": meta["dim"], "time": meta["time"]}
+
+
+def _verify(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
+    result = admin.verify(args.scheduler, args.table)
+    for d in result["differing"][:50]:
+        _say(args, f"slot {d['slot']} of {d['table']!r}: copy on {d['copy']} differs from the primary {d['primary']}")
+    ok = not result["differing"] and not result["unreachable"]
+    _say(args, f"verify: {result['copies_checked']} cop(ies) checked at epoch {result['epoch']}: "
+               + ("all equal" if ok else f"{len(result['differing'])} differ, unreachable {result['unreachable']}"))
+    return ok, {**result, "differing": result["differing"][:1000], "slots_differing": len(result["differing"])}
+
+
+_ACTIONS = {"status": _status, "drain": _drain, "rebalance": _rebalance, "move-slot": _move_slot,
+            "checkpoint": _checkpoint, "restore": _restore, "export": _export, "verify": _verify}
