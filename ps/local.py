@@ -191,6 +191,32 @@ class LocalCluster:
         """Whether each shard process is still running."""
         return [p.poll() is None for p in self.procs]
 
+    def add_server(self, timeout: float | None = None) -> int:
+        """Start one more shard daemon (it registers with the scheduler and holds nothing until the placement
+        gives it slots); returns its index."""
+        if self.scheduler is None:
+            raise RuntimeError("add_server needs a cluster with a scheduler")
+        i = len(self.procs)
+        template = list(self._cmds[0])
+        shard_dir = self.data_dir / f"shard-{i}"
+        shard_dir.mkdir(parents=True, exist_ok=True)
+        ready = shard_dir / "ready.json"
+        ready.unlink(missing_ok=True)
+        template[template.index("--port") + 1] = "0"
+        template[template.index("--data-dir") + 1] = str(shard_dir)
+        template[template.index("--ready-file") + 1] = str(ready)
+        self._cmds.append(template)
+        self.procs.append(self._spawn(template, self.log_path(i)))
+        info = self._wait_ready([self.procs[i]], [ready], timeout or self._startup_timeout)[0]
+        self.addresses.append(str(info["address"]))
+        self.metrics_ports.append(info.get("metrics_port"))
+        self.shards += 1
+        return i
+
+    def server_id(self, i: int) -> str:
+        """The stable id shard i registered with (kept in its data dir)."""
+        return (self.data_dir / f"shard-{i}" / "server-id").read_text().strip()
+
     # --- faults ------------------------------------------------------------------------------------------
     def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` (default SIGKILL: ``kill -9``) to shard i and reap it."""

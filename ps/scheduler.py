@@ -480,14 +480,14 @@ class SchedulerCore:
             if not self._placeable().any():
                 self.draining.discard(sid)
                 raise InvalidArgument(f"drain: {server!r} is the last server that can hold slots")
-            self.target = placement.balance(self.map.copies, self._placeable(), self.config.replicas)
-            self.target_kind = "balance"
+            target = placement.balance(self.map.copies, self._placeable(), self.config.replicas)
+            todo = placement.moves(self.map.copies, target)
+            self.target, self.target_kind = target, "balance"
             self._save()
-            log.info("draining %s: %d slot(s) to move", sid, len(placement.moves(self.map.copies, self.target)))
+            log.info("draining %s: %d slot(s) to move", sid, len(todo))
             self._reconcile()
-            return placement.Plan(self.target, [(s, a, r, -1, -1, 0) for s, a, r in
-                                                placement.moves(self.map.copies, self.target)],
-                                  np.zeros(0), np.zeros(0), 0, 0.0)
+            return placement.Plan(target, [(s, a, r, -1, -1, 0) for s, a, r in todo], np.zeros(0), np.zeros(0),
+                                  0, 0.0)
 
     def _fixed_target(self, target: np.ndarray, alive: np.ndarray, placeable: np.ndarray,
                       current: np.ndarray) -> np.ndarray:

@@ -1,0 +1,115 @@
+"""Cluster checkpoints, restores and serving exports on real processes (``tigana.ps.checkpoint``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tigana import ps
+from tigana.embeddings import RowBatch
+from tigana.embeddings import snapshot as snap
+
+pytestmark = pytest.mark.timeout(240)
+
+READER = """
+import json, sys
+import numpy as np
+ids = np.load(sys.argv[1] + "/ids.npy")
+rows = np.load(sys.argv[1] + "/rows.npy")
+meta = json.load(open(sys.argv[1] + "/export.json"))
+assert rows.shape == (ids.size, meta["dim"]) and rows.dtype == np.float32 and ids.dtype == np.int64
+print(json.dumps({"rows": int(ids.size), "sum": float(rows.astype(np.float64).sum()), "first": int(ids[0])}))
+"""
+
+
+def _all_rows(directory, table: str) -> RowBatch:
+    manifest = json.loads((directory / "manifest.json").read_text())
+    batches = [b for p in manifest["tables"][table]["parts"] for b in snap.iter_snapshot_rows(directory / p["path"])]
+    rows = RowBatch.concat(batches)
+    return rows.take(np.argsort(rows.ids))
+
+
+def _train(client: ps.Client, table: str, steps: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        ids = rng.integers(0, 30_000, 4000)
+        client.push(table, ids, rng.normal(size=(ids.size, 8)).astype(np.float32))
+    client.flush()
+
+
+def test_checkpoint_on_3_servers_restores_identically_on_2(make_shard_cluster, tmp_path) -> None:
+    first = make_shard_cluster(3, replicas=1)
+    with ps.connect(first.target) as client:
+        client.create_table("emb", dim=8, optimizer=ps.Adam(lr=0.01), initializer=ps.Normal(std=0.1), seed=4)
+        client.create_table("wide", dim=8, optimizer=ps.FTRL(alpha=0.05, l1=0.001), seed=5)
+        for name in ("emb", "wide"):
+            _train(client, name, 5, seed=1)
+        ckpt = tmp_path / "ckpt"
+        manifest = client.checkpoint(str(ckpt))
+        assert set(manifest["tables"]) == {"emb", "wide"} and manifest["tables"]["emb"]["step"] > 0
+        assert len(manifest["tables"]["emb"]["parts"]) == 3  # one cut per primary
+        # training on without the restore, as the reference
+        _train(client, "emb", 3, seed=2)
+        reference = client.pull("emb", np.arange(30_000), insert=False)
+    second = make_shard_cluster(2, replicas=1)
+    with ps.connect(second.target) as client:
+        client.create_table("emb", dim=4)  # a table of that name with other rows: the restore replaces it
+        restored = client.restore_checkpoint(str(ckpt))
+        assert restored == {t: manifest["tables"][t]["rows"] for t in manifest["tables"]}
+        again = tmp_path / "again"
+        client.checkpoint(str(again))
+        for table in ("emb", "wide"):
+            a, b = _all_rows(ckpt, table), _all_rows(again, table)
+            np.testing.assert_array_equal(a.ids, b.ids)
+            np.testing.assert_array_equal(a.weights, b.weights)  # rows and optimizer state, bit for bit
+            np.testing.assert_array_equal(a.state, b.state)
+            np.testing.assert_array_equal(a.update_count, b.update_count)  # Adam's per-row step counts
+        # training on after the restore gives what training on without it gave
+        _train(client, "emb", 3, seed=2)
+        np.testing.assert_array_equal(client.pull("emb", np.arange(30_000), insert=False), reference)
+        assert ps.admin.verify(second.scheduler)["differing"] == []
+
+
+def test_a_damaged_checkpoint_is_refused(make_shard_cluster, tmp_path) -> None:
+    cluster = make_shard_cluster(2, replicas=1)
+    with ps.connect(cluster.target) as client:
+        client.create_table("t", dim=4)
+        client.pull("t", np.arange(1000))
+        ckpt = tmp_path / "ckpt"
+        client.checkpoint(str(ckpt))
+        with pytest.raises(ps.InvalidArgument, match="not empty"):
+            client.checkpoint(str(ckpt))
+        data = next(ckpt.rglob("data.mdb"))
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+        with pytest.raises(Exception, match="checksum|corrupt|CRC"):
+            client.restore_checkpoint(str(ckpt))
+
+
+def test_export_round_trip_through_the_documented_reader(make_shard_cluster, tmp_path) -> None:
+    cluster = make_shard_cluster(2, replicas=1)
+    with ps.connect(cluster.target) as client:
+        client.create_table("items", dim=6, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
+        ids = np.arange(-500, 2500, dtype=np.int64)
+        client.push("items", ids, -np.tile(np.arange(6, dtype=np.float32), (ids.size, 1))).result()
+        full = tmp_path / "full"
+        meta = client.export("items", str(full))
+        assert meta["rows"] == ids.size and meta["dim"] == 6
+        # a reader that does not import Tigana (the README's), in a fresh interpreter
+        out = subprocess.run([sys.executable, "-c", READER, str(full)], capture_output=True, text=True, check=True)
+        got = json.loads(out.stdout)
+        assert got == {"rows": ids.size, "sum": float(ids.size * sum(range(6))), "first": -500}
+        np.testing.assert_array_equal(np.load(full / "ids.npy"), np.sort(ids))
+        # --since: only the rows updated after the earlier export
+        changed = np.array([7, -3, 1999], np.int64)
+        client.push("items", changed, -np.ones((3, 6), np.float32)).result()
+        delta = tmp_path / "delta"
+        meta = client.export("items", str(delta), since=str(full))
+        assert meta["rows"] == 3
+        np.testing.assert_array_equal(np.load(delta / "ids.npy"), np.sort(changed))
+        np.testing.assert_array_equal(np.load(delta / "rows.npy"), np.tile(np.arange(1, 7, dtype=np.float32), (3, 1)))
