@@ -300,7 +300,7 @@ class Replicator:
                  refresh_map: Callable[[int], None], report_failure: Callable[[str, np.ndarray, str], None],
                  caught_up: Callable[[str, np.ndarray], None], copy_rows: Callable[[Stream, _Session], None],
                  failure_timeout_s: float = 2.0, send_timeout_s: float = 10.0, batch_bytes: int = 24 << 20,
-                 max_queue_bytes: int = 512 << 20) -> None:
+                 max_queue_bytes: int = 512 << 20, copy_window_bytes: int = 16 << 20) -> None:
         self.server_id, self.boot, self.num_slots = server_id, boot, num_slots
         self.max_message_bytes = max_message_bytes
         self.refresh_map, self.report_failure, self.caught_up = refresh_map, report_failure, caught_up
@@ -308,6 +308,7 @@ class Replicator:
         self.failure_timeout_s, self.send_timeout_s = failure_timeout_s, send_timeout_s
         self.batch_bytes = min(batch_bytes, max_message_bytes // 2)
         self.max_queue_bytes = max_queue_bytes
+        self.copy_window_bytes = copy_window_bytes
         self.cond = threading.Condition()
         self.streams: dict[str, Stream] = {}
         self.epoch = 0
@@ -422,11 +423,13 @@ class Replicator:
             return True
 
     def wait_for_room(self, s: Stream, timeout_s: float = 30.0) -> None:
-        """Block while ``s`` holds more than its byte budget (back-pressure for slot copies)."""
+        """Block while ``s`` holds more than ``copy_window_bytes`` unacknowledged: a slot copy's rows share the
+        stream with the writes of in-sync copies, and a sync push waits for its item, so the copy keeps only a
+        small window ahead of them (head-of-line delay stays a few MiB, not the whole copy)."""
         deadline = time.monotonic() + timeout_s
         with self.cond:
-            while not s.closed and s.queued_bytes > self.max_queue_bytes // 4 and time.monotonic() < deadline:
-                self.cond.wait(0.1)
+            while not s.closed and s.queued_bytes > self.copy_window_bytes and time.monotonic() < deadline:
+                self.cond.wait(0.05)
 
     def progress(self, s: Stream) -> None:
         """After an acknowledgement: move slot copies forward (I5)."""

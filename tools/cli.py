@@ -28,6 +28,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "train": ("tigana.tools.bench.train", "DeepFM samples/s through the PS vs local nn.EmbeddingBag"),
     "allreduce": ("tigana.tools.bench.allreduce", "hierarchical vs flat all-reduce of dense gradients"),
     "failover": ("tigana.tools.bench.failover", "kill -9 of a primary under a push loop: lost, doubled, recovery"),
+    "reshard": ("tigana.tools.bench.reshard", "live slot moves: throughput, push p99 during a move, drain, balance"),
 }
 
 

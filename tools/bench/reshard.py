@@ -1,0 +1,156 @@
+"""``tigana bench reshard``: live slot moves on a real cluster, measured against the data path of the same run.
+
+A scheduler and 3 shard daemons (1 replica of every slot, sync pushes) hold a table of ``--rows`` rows (dim 16,
+row-wise Adagrad). Cases, one JSON line each:
+
+- ``reshard.move``: a 4th server joins and ``rebalance`` moves its share of the slots to it while a push loop
+  runs; rows copied per second (peer: pulling every row of the table once, the read limit of the data path);
+- ``reshard.push_p99``: push latency p99 during that move (peer: p99 of the same push loop before it);
+- ``reshard.drain``: seconds to drain one server (peer: the time to pull the rows it held);
+- ``reshard.balance``: max/mean server load (rows held + request rate led, the planner's cost model) under
+  Zipf(1.05) pulls and pushes after ``rebalance``, against the same figure before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+
+import numpy as np
+
+from tigana import ps
+from tigana.ps import admin, placement
+from tigana.ps.daemon import ALLOCATOR_ENV
+from tigana.tools.bench.ps import zipf_batches
+from tigana.tools.bench.report import emit, log
+
+DIM = 16
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="1M rows instead of 10M")
+    parser.add_argument("--rows", type=int, default=None, help="rows in the table (default 10M, quick 1M)")
+    parser.add_argument("--batch", type=int, default=65536, help="ids per push of the traffic (default 65536)")
+
+
+def _settled(scheduler: str) -> bool:
+    reply = admin.status(scheduler)
+    return (not reply.unavailable_slots and not reply.degraded_slots and not reply.moving_slots
+            and not sum(s.catching_up for s in reply.servers))
+
+
+def _wait(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"bench reshard: timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+class _Traffic:
+    """Zipf(1.05) pushes (and the pulls a trainer does first), one batch at a time; latency of every push."""
+
+    def __init__(self, client: ps.Client, table: str, num_ids: int, batch: int) -> None:
+        self.client, self.table = client, table
+        self.batches = zipf_batches(8, batch, num_ids, 1.05, seed=7)
+        rng = np.random.default_rng(3)
+        self.grads = [rng.normal(0, 0.01, (b.size, DIM)).astype(np.float32) for b in self.batches]
+        self.latencies: list[tuple[float, float]] = []  # (start, seconds)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> _Traffic:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        i = 0
+        while not self._stop.is_set():
+            b = self.batches[i % len(self.batches)]
+            self.client.pull(self.table, b)
+            t = time.monotonic()
+            self.client.push(self.table, b, self.grads[i % len(self.grads)]).result()
+            self.latencies.append((t, time.monotonic() - t))
+            i += 1
+
+    def p99(self, t0: float, t1: float) -> float:
+        xs = [d for t, d in self.latencies if t0 <= t < t1]
+        return float(np.percentile(xs, 99)) if xs else float("nan")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(120)
+
+
+def _pull_all(client: ps.Client, table: str, ids: np.ndarray) -> float:
+    """Seconds to pull (read only) every one of ``ids`` once, in batches of 65536."""
+    t = time.monotonic()
+    for lo in range(0, ids.size, 65536):
+        client.pull(table, ids[lo:lo + 65536], insert=False)
+    return time.monotonic() - t
+
+
+def _measured_balance(scheduler: str) -> float:
+    """Max/mean server load under the planner's cost model, from the servers' own per-slot figures."""
+    m = admin.shard_map(scheduler)
+    load = admin.slot_load(scheduler)
+    rows = np.frombuffer(load.rows, "<i8").astype(float)
+    rates = np.frombuffer(load.rates, "<f8")
+    up = np.array([s.up for s in m.servers])
+    loads = placement.server_loads(m.copies, len(m.servers), rows, rates, placement.CostModel())[up]
+    return float(loads.max() / loads.mean())
+
+
+def run(args: argparse.Namespace) -> int:
+    total = args.rows or (1_000_000 if args.quick else 10_000_000)
+    env = {**ALLOCATOR_ENV, **os.environ}
+    params = {"rows": total, "dim": DIM, "optimizer": "rowwise_adagrad", "replicas": 1, "durability": "sync",
+              "quick": bool(args.quick)}
+    with ps.LocalCluster(3, replicas=1, env=env) as cluster, ps.connect(scheduler=cluster.scheduler) as client:
+        client.create_table("reshard", dim=DIM, optimizer=ps.RowWiseAdagrad(lr=0.01), staleness=None)
+        ids = np.arange(total, dtype=np.int64) * 2654435761 % (1 << 62)
+        t = time.monotonic()
+        for lo in range(0, total, 65536):
+            client.pull("reshard", ids[lo:lo + 65536])
+        log(f"bench reshard: {total} rows inserted in {time.monotonic() - t:.1f}s")
+        read_s = _pull_all(client, "reshard", ids)
+        traffic = _Traffic(client, "reshard", total, args.batch).start()
+        try:
+            time.sleep(3.0)
+            before_move = time.monotonic()
+            # a 4th server joins; rebalance moves its share to it while the traffic runs
+            new = cluster.add_server()
+            time.sleep(1.5)  # its rates and rows show in the servers' figures
+            balance_before = _measured_balance(cluster.scheduler)
+            start = time.monotonic()
+            admin.rebalance(cluster.scheduler, load=admin.slot_load(cluster.scheduler))
+            _wait(lambda: _settled(cluster.scheduler), 3600, "the rebalance")
+            move_s = time.monotonic() - start
+            moved = int(admin.cluster_status(cluster.scheduler)["servers"][new]["stats"].get("rows", 0))
+            _wait(lambda: admin.cluster_status(cluster.scheduler)["servers"][new]["stats"].get("rows", 0) > 0, 30,
+                  "the new server's figures")
+            moved = max(moved, int(admin.cluster_status(cluster.scheduler)["servers"][new]["stats"]["rows"]))
+            p99_idle, p99_move = traffic.p99(before_move - 3.0, before_move), traffic.p99(start, start + move_s)
+            time.sleep(3.0)  # rates settle on the new placement
+            balance_after = _measured_balance(cluster.scheduler)
+        finally:
+            traffic.stop()
+        emit("reshard.move", "rows/s", moved / move_s, "pull of every row (read limit)", total / read_s,
+             rows_moved=moved, seconds=round(move_s, 3), **params)
+        emit("reshard.push_p99", "s", p99_move, "push p99 before the move", p99_idle, batch=args.batch, **params)
+        emit("reshard.balance", "max/mean", balance_after, "max/mean before rebalance", balance_before,
+             servers=4, traffic="zipf(1.05) pull+push", **params)
+        # drain one of the original servers (no traffic): the time it takes against reading its rows
+        status = admin.cluster_status(cluster.scheduler)
+        victim = status["servers"][0]
+        held = int(victim["stats"].get("rows", 0))
+        start = time.monotonic()
+        admin.drain(cluster.scheduler, victim["id"])
+        _wait(lambda: _settled(cluster.scheduler), 3600, "the drain")
+        drain_s = time.monotonic() - start
+        emit("reshard.drain", "s", drain_s, "pull of the rows it held", read_s * held / total, rows_held=held,
+             **params)
+        log(f"bench reshard: verify {admin.verify(cluster.scheduler)['differing'][:3] or 'all copies equal'}")
+    return 0
