@@ -41,7 +41,7 @@ from tigana.ps.routing import TableDef
 DEDUP_FILE, POSITIONS_FILE = "dedup", "positions"
 
 
-@dataclass
+@dataclass(eq=False)
 class Restored:
     """A table read back from its snapshot chain, with the state saved beside its rows."""
 

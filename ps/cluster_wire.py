@@ -109,7 +109,7 @@ KIND_NAMES = {CHANGES: "changes", SNAPSHOT_BEGIN: "snapshot_begin", SNAPSHOT_ROW
               SNAPSHOT_END: "snapshot_end", BARRIER: "barrier"}
 
 
-@dataclass
+@dataclass(eq=False)
 class Item:
     """One replication item, decoded (see ``ReplicationItem`` in shard.proto).
 

@@ -24,7 +24,7 @@ from tigana.ps.routing import ShardMap
 __all__ = ["FileMapStore", "MapStore", "SchedulerState"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SchedulerState:
     """The map, the target placement ((num_slots, width) int32 server indexes) and the servers being
     drained (ids)."""

@@ -231,7 +231,7 @@ class CostModel:
     link_bytes_per_s: float = 100e6
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Plan:
     """What ``plan`` proposes: the target placement, the moves (slot, servers added, removed, primary from,
     primary to, bytes copied), and the predicted load per server (before and after) and cost."""

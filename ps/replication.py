@@ -110,14 +110,14 @@ class SlotLog:
 _COPYING, _ROWS_SENT, _SWITCHED, _REPORTED, _FAILED = 1, 2, 3, 4, 5
 
 
-@dataclass
+@dataclass(eq=False)
 class _Queued:
     seq: int
     item: Item
     nbytes: int
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (``sess in stream.sessions``), never by value
 class _Session:
     """A slot copy to one target: its slots, progress, and the seqs that mark its steps."""
 
@@ -279,7 +279,7 @@ def _item_bytes(item: Item) -> int:
     return n
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Mark:
     """What a write waits for: the target stream, its generation, the seq to be acknowledged, the slots."""
 
@@ -396,8 +396,10 @@ class Replicator:
         """A slot copy's rows (by the server's ``copy_rows``), then SNAPSHOT_END."""
         try:
             self.copy_rows(s, sess)
-        except Exception:  # noqa: BLE001 - the copy is retried by the next map change
-            log.exception("slot copy to %s failed", s.target_id)
+        except Exception:  # noqa: BLE001 - retried: the server's upkeep restarts failed copies
+            log.exception("slot copy to %s failed; it will be started again", s.target_id)
+            with self.cond:
+                sess.state = _FAILED
             return
         with self.cond:
             if s.closed or sess not in s.sessions:
@@ -472,6 +474,8 @@ class Replicator:
         with self.cond:
             for s in self.streams.values():
                 if (s.broken_since is not None or s.reported) and not (s.in_sync | s._reported_mask()).any():
+                    return True
+                if any(x.state == _FAILED for x in s.sessions):  # a copy to start again
                     return True
         return False
 

@@ -130,7 +130,7 @@ class TableDef:
             raise ValueError(f"table {self.config.name!r}: min_copies must be >= 1, got {self.min_copies}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # arrays: compared by identity
 class ShardMap:
     """The cluster's routing table at one ``epoch``. Arrays are read-only; ``evolve`` makes the next map.
 

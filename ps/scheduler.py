@@ -137,6 +137,7 @@ class SchedulerCore:
         self.first_register: float | None = None
         self.registered_at: dict[str, float] = {}
         self._probing: set[str] = set()
+        self.closing = False  # set when the service stops: long polls (``wait_map``) return at once
 
     # --- helpers -------------------------------------------------------------------------------------
     def _commit(self, new: ShardMap, why: str) -> ShardMap:
@@ -603,7 +604,7 @@ class SchedulerCore:
         with self.cond:
             while self.map.epoch <= known_epoch:
                 left = deadline - self.clock()
-                if left <= 0:
+                if left <= 0 or self.closing:
                     return None
                 self.cond.wait(min(left, 1.0))
             return self.map
@@ -915,6 +916,9 @@ class SchedulerHandle:
             return
         self._closed = True
         self._stop.set()
+        with self.core.cond:  # wake the long polls: their threads would hold the process up to 30 s
+            self.core.closing = True
+            self.core.cond.notify_all()
         self._server.stop(grace).wait()
         self.announcer.close()
         if self._tmp is not None:

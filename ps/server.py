@@ -90,7 +90,7 @@ def checksum_value(digest: str) -> float:
     return float(int.from_bytes(h, "little") >> 11)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Hosted:
     """A table as served: its definition, the engine table, its write lock, exactly-once window, log positions
     and per-slot request counters (decayed into rates)."""
@@ -111,7 +111,7 @@ class _Hosted:
         self.pull_rate, self.push_rate = np.zeros(n), np.zeros(n)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class _View:
     """What this server holds under one map: epoch, the slots it leads and holds, whether the map names this
     process (``valid``), and per slot the number of in-sync copies."""
@@ -317,6 +317,10 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         values["rows"] = float(len(hosted.table))
         values["dim"] = float(hosted.table.config.dim)
         values["state_width"] = float(hosted.table.state_width)
+        if self.clustered:  # rows counted once cluster-wide: at their primary
+            ids = hosted.table.stored_ids()
+            values["rows_led"] = float(np.count_nonzero(self._view.leads[slot_of(ids, self.num_slots)])) \
+                if ids.size else 0.0
         values["dedup_keys"] = float(len(hosted.dedup))
         values["epoch"] = float(self._view.epoch)
         if self.replicator is not None:
@@ -875,20 +879,29 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             log.info("dropped table %r (not in the shard map)", name)
 
     def _drop_unheld(self) -> None:
-        """Delete the rows of slots this server no longer holds (checked against the map current at the time)."""
+        """Delete the rows of slots this server no longer holds, checked against the map current at each step:
+        the ids are found outside the table's write lock and deleted a chunk per lock hold, so pushes to the
+        slots it still leads are not held up by a large delete."""
         for name in self.table_names():
             hosted = self._tables.get(name)
-            if hosted is None:
+            if hosted is None or not self._view.valid:
                 continue
-            with hosted.lock:
-                view = self._view
-                if not view.valid:
-                    return
-                ids = hosted.table.stored_ids()
-                gone = ids[~view.holds[slot_of(ids, self.num_slots)]] if ids.size else ids
-                if gone.size:
-                    hosted.table.delete(gone)
-                    log.info("table %r: deleted %d row(s) of slots no longer held", name, gone.size)
+            ids = hosted.table.stored_ids()
+            if not ids.size:
+                continue
+            gone = ids[~self._view.holds[slot_of(ids, self.num_slots)]]
+            deleted = 0
+            for lo in range(0, gone.size, _COPY_CHUNK * 4):
+                chunk = gone[lo:lo + _COPY_CHUNK * 4]
+                with hosted.lock:
+                    view = self._view
+                    if not view.valid or self._tables.get(name) is not hosted:
+                        break
+                    chunk = chunk[~view.holds[slot_of(chunk, self.num_slots)]]  # not taken back meanwhile
+                    if chunk.size:
+                        deleted += hosted.table.delete(chunk)
+            if deleted:
+                log.info("table %r: deleted %d row(s) of slots no longer held", name, deleted)
 
     def _copy_rows(self, stream: Stream, sess: Any) -> None:
         """The rows of a slot copy: each chunk exported and enqueued under the table's write lock, so it sits
