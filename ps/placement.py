@@ -124,13 +124,14 @@ def trim(copies: np.ndarray, states: np.ndarray, replicas: int) -> tuple[np.ndar
 
 
 def balance(copies: np.ndarray, alive: np.ndarray, replicas: int,
-            weights: np.ndarray | None = None) -> np.ndarray:
+            weights: np.ndarray | None = None, primary_weights: np.ndarray | None = None) -> np.ndarray:
     """A target placement over the ``alive`` servers that moves as little as possible from ``copies``.
 
     Each slot keeps ``1 + min(replicas, alive - 1)`` copies on distinct alive servers. Primaries are evened
     out first (by handing the role to a server that already holds a copy where possible: no data moves),
     then copies move from the most to the least loaded servers. ``weights`` ((num_slots,) float, default 1)
-    is the load of a slot's copy (rows, request rate...): balancing evens the weighted sums."""
+    is the load of a slot's copy (rows held...) and ``primary_weights`` (default: ``weights``) the load of
+    leading it (request rate...): balancing evens both weighted sums."""
     alive = np.asarray(alive, bool)
     n = alive.shape[0]
     live = np.flatnonzero(alive)
@@ -158,7 +159,9 @@ def balance(copies: np.ndarray, alive: np.ndarray, replicas: int,
             extra = np.flatnonzero(c[slot, 1:] >= 0) + 1
     order = np.argsort(c[:, 1:] < 0, axis=1, kind="stable")  # present replicas first, in their order
     c = np.concatenate([c[:, :1], np.take_along_axis(c[:, 1:], order, axis=1)], axis=1)[:, :1 + r]
-    _even_primaries(c, alive, w)
+    pw = w if primary_weights is None else np.asarray(primary_weights, float)
+    if pw.max(initial=0.0) > 0:
+        _even_primaries(c, alive, np.maximum(pw, 1e-9))
     _even_copies(c, alive, w)
     return c
 
@@ -274,9 +277,19 @@ def plan(copies: np.ndarray, alive: np.ndarray, replicas: int, rows: np.ndarray,
     cost = cost or CostModel()
     n = np.asarray(alive).shape[0]
     rows, bytes_, rates = (np.asarray(a, float) for a in (rows, bytes_, rates))
-    weights = cost.row_weight * rows + _rate_weight(rows, rates, cost) * rates
-    weights = np.where(weights > 0, weights, max(float(weights.mean()) * 1e-3, 1e-9) if weights.size else 1.0)
-    target = balance(copies, alive, replicas, weights=weights)
+    # The cost model: rows load every copy, the request rate only the primary. Copies are evened by rows,
+    # primary roles by rate (without rates, by rows, which also spreads where reads and writes will go).
+    row_load = cost.row_weight * rows
+    rate_load = _rate_weight(rows, rates, cost) * rates
+    copy_w = np.where(row_load > 0, row_load, max(float(row_load.mean()) * 1e-3, 1e-9) if rows.size else 1.0)
+    lead_w = rate_load if rate_load.max(initial=0.0) > 0 else copy_w
+    target = balance(copies, alive, replicas, weights=copy_w, primary_weights=lead_w)
+    before = server_loads(copies, n, rows, rates, cost)
+    after = server_loads(target, n, rows, rates, cost)
+    live = np.asarray(alive, bool)
+    if live.any() and (copies[copies >= 0] < n).all() and np.isin(copies[copies >= 0], np.flatnonzero(live)).all() \
+            and after[live].max() > before[live].max() * (1 + 1e-9):
+        target = copies.copy()  # never propose a placement that makes the busiest server busier
     out = []
     moved = 0
     for slot, added, removed in moves(copies, target):
@@ -286,8 +299,8 @@ def plan(copies: np.ndarray, alive: np.ndarray, replicas: int, rows: np.ndarray,
     for slot in np.flatnonzero((copies[:, 0] != target[:, 0]) & ~np.isin(np.arange(copies.shape[0]),
                                                                         [m[0] for m in out])):
         out.append((int(slot), [], [], int(copies[slot, 0]), int(target[slot, 0]), 0))
-    return Plan(target, out, server_loads(copies, n, rows, rates, cost), server_loads(target, n, rows, rates, cost),
-                moved, moved / cost.link_bytes_per_s)
+    return Plan(target, out, before, server_loads(target, n, rows, rates, cost), moved,
+                moved / cost.link_bytes_per_s)
 
 
 def moves(current: np.ndarray, target: np.ndarray) -> list[tuple[int, list[int], list[int]]]:

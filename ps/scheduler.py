@@ -82,7 +82,7 @@ class SchedulerConfig:
     expect_servers: int = 1
     bootstrap_wait_s: float = 2.0
     auto_rebalance: bool = False
-    max_workers: int = 64
+    max_workers: int = 256  # a connected client holds one in its long poll of the map
     max_copies_per_step: int | None = None
     probe_timeout_s: float = 0.5
 
@@ -190,7 +190,7 @@ class SchedulerCore:
             if i < 0:
                 servers = (*m.servers, ServerEntry(server_id, address, boot, True))
                 self._commit(m.evolve(servers=servers), f"server {server_id} ({address}) joined")
-                if self.config.auto_rebalance and (m.copies >= 0).any():  # after the first placement
+                if self.config.auto_rebalance and (m.copies >= 0).any() and self.target is None:
                     self.target = placement.balance(self.map.copies, self._placeable(), self.config.replicas)
                     self.target_kind = "balance"
                     self._save()
@@ -475,6 +475,8 @@ class SchedulerCore:
             sid = self.map.servers[i].id
             if undrain:
                 self.draining.discard(sid)
+                if self.target is not None and self.target_kind == "balance":
+                    self.target = None  # stop moving its copies away (what moved stays where it is)
                 self._save()
                 return placement.Plan(self.map.copies, [], np.zeros(0), np.zeros(0), 0, 0.0)
             self.draining.add(sid)

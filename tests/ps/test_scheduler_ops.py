@@ -1,0 +1,446 @@
+"""Placement operations of the scheduler (``SchedulerCore.move_slot``, ``drain``, ``rebalance``, auto-rebalance)
+without sockets: a ``FileMapStore`` under ``tmp_path`` that also records every state it saves, and a fake
+clock. Every saved map is checked: a slot always keeps an in-sync primary, and a move is never left half
+done, whether a server dies in the middle or the scheduler is killed and restarted on the same directory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tigana.ps import placement
+from tigana.ps.errors import InvalidArgument
+from tigana.ps.mapstore import FileMapStore, SchedulerState
+from tigana.ps.routing import CATCHING_UP, IN_SYNC, ShardMap
+from tigana.ps.scheduler import SchedulerConfig, SchedulerCore
+
+TIMEOUT = 3.0
+SLOTS = 24
+SLOT = 5
+
+
+class RecordingStore(FileMapStore):
+    """A ``FileMapStore`` that keeps every state it saved (the announcer only sees the last map of a call)."""
+
+    def __init__(self, data_dir) -> None:
+        super().__init__(data_dir)
+        self.saved: list[SchedulerState] = []
+
+    def save(self, state: SchedulerState) -> None:
+        super().save(state)
+        self.saved.append(state)
+
+
+class Cluster:
+    """A core, its fake clock ``t[0]``, its recording store and the boot of every server registered."""
+
+    def __init__(self, tmp_path, *, t0: float = 0.0, boots: dict[str, str] | None = None, **config) -> None:
+        self.t = [t0]
+        config.setdefault("num_slots", SLOTS)
+        config.setdefault("heartbeat_timeout_s", TIMEOUT)
+        config.setdefault("replicas", 1)
+        self.config = SchedulerConfig(**config)
+        self.store = RecordingStore(tmp_path / "scheduler")
+        self.core = SchedulerCore(self.config, self.store, clock=lambda: self.t[0])
+        self.boots: dict[str, str] = dict(boots or {})
+
+    @property
+    def map(self) -> ShardMap:
+        return self.core.map
+
+    def idx(self, server: str) -> int:
+        return self.map.index_of(server)
+
+    def register(self, server: str) -> ShardMap:
+        self.boots.setdefault(server, f"{server}-boot1")
+        return self.core.register(server, f"host-{server}:1", self.boots[server])
+
+    def up(self) -> tuple[str, ...]:
+        return tuple(s.id for s in self.map.servers if s.up)
+
+    def advance(self, dt: float, alive: tuple[str, ...] | None = None) -> None:
+        """Time passes in steps of at most a second: at each, the ``alive`` servers (default: all up)
+        heartbeat, then a tick."""
+        alive = self.up() if alive is None else alive
+        end = self.t[0] + dt
+        while self.t[0] < end:
+            self.t[0] = min(end, self.t[0] + 1.0)
+            for s in alive:
+                _, again = self.core.heartbeat(s, self.boots[s], self.map.epoch)
+                assert not again, s
+            self.core.tick()
+
+    def kill(self, server: str) -> None:
+        """``server`` stops: the clock jumps past the timeout at once (no tick in between), the others
+        heartbeat, one tick declares it dead."""
+        others = tuple(s for s in self.up() if s != server)
+        self.t[0] += TIMEOUT + 0.5
+        for s in others:
+            self.core.heartbeat(s, self.boots[s], self.map.epoch)
+        self.core.tick()
+        assert not self.map.servers[self.idx(server)].up
+
+    def catch_up_all(self) -> int:
+        """Every primary reports each of its slots' catching-up copies caught up (one report per
+        (primary, copy) pair, made from the map current at the time). Returns the reports made."""
+        reports = 0
+        while True:
+            m = self.map
+            pending = [(p, t, np.flatnonzero(m.leads(p) & (m.copy_state(t) == CATCHING_UP)))
+                       for p in range(len(m.servers)) for t in range(len(m.servers)) if t != p]
+            pending = [x for x in pending if x[2].size]
+            if not pending:
+                return reports
+            p, t, slots = pending[0]
+            ok, msg = self.core.copy_caught_up(m.servers[p].id, m.servers[t].id, slots)
+            assert ok, msg
+            reports += 1
+
+    def run_to_target(self, limit: int = 40) -> int:
+        """Catch up and tick until the target is reached, checking every saved map on the way."""
+        for step in range(limit):
+            if self.core.target is None:
+                self.check_saved()
+                return step
+            self.catch_up_all()
+            self.advance(0.5)
+        pytest.fail(f"the target was not reached: {self.core.target}")
+
+    def check_saved(self) -> None:
+        for state in self.store.saved:
+            assert_valid(state.map)
+
+
+def assert_valid(m: ShardMap) -> None:
+    """Copies on distinct servers that are up; every placed slot has an in-sync primary."""
+    up = np.array([s.up for s in m.servers], bool)
+    for slot in range(m.num_slots):
+        row = [int(x) for x in m.copies[slot] if x >= 0]
+        assert len(row) == len(set(row)), f"epoch {m.epoch} slot {slot}: {m.copies[slot]}"
+        assert all(up[x] for x in row), f"epoch {m.epoch} slot {slot}: a copy on a server that is down"
+        if row:
+            assert m.copies[slot, 0] >= 0 and m.states[slot, 0] == IN_SYNC, f"epoch {m.epoch} slot {slot}"
+
+
+def started(tmp_path, servers=("a", "b", "c"), **config) -> Cluster:
+    config.setdefault("expect_servers", len(servers))
+    c = Cluster(tmp_path, **config)
+    for s in servers:
+        c.register(s)
+    assert (c.map.copies[:, 0] >= 0).all() and (c.map.states == IN_SYNC).all()
+    return c
+
+
+def row_of(m: ShardMap, slot: int) -> list[tuple[int, int]]:
+    """A slot's copies as (server, state), primary first."""
+    return [(int(x), int(s)) for x, s in zip(m.copies[slot], m.states[slot], strict=True) if x >= 0]
+
+
+def history(c: Cluster, slot: int, since: int = 0) -> list[list[tuple[int, int]]]:
+    """The distinct rows of ``slot`` in the maps saved from ``c.store.saved[since]`` on, in order."""
+    out: list[list[tuple[int, int]]] = []
+    for state in c.store.saved[since:]:
+        row = row_of(state.map, slot)
+        if not out or out[-1] != row:
+            out.append(row)
+    return out
+
+
+def not_holding(m: ShardMap, slot: int) -> int:
+    return next(i for i in range(len(m.servers)) if not m.holds(i)[slot] and m.servers[i].up)
+
+
+# --- move_slot ----------------------------------------------------------------------------------------------
+def test_move_primary_in_safe_steps(tmp_path):
+    c = started(tmp_path)
+    m0 = c.map
+    (p, r), = [(int(m0.copies[SLOT, 0]), int(m0.copies[SLOT, 1]))]
+    x = not_holding(m0, SLOT)
+    others = np.setdiff1d(np.arange(SLOTS), [SLOT])
+    mark = len(c.store.saved)
+
+    plan = c.core.move_slot(SLOT, m0.servers[x].id)
+    assert plan.moves == [(SLOT, [x], [p], p, x, 0)]
+    assert c.core.target_kind == "moves"
+    assert row_of(c.map, SLOT) == [(p, IN_SYNC), (r, IN_SYNC), (x, CATCHING_UP)]  # step 1 at once
+    # nothing more happens until the copy is built, however long it takes
+    c.advance(10.0)
+    assert row_of(c.map, SLOT) == [(p, IN_SYNC), (r, IN_SYNC), (x, CATCHING_UP)]
+    # only the slot's primary may say the copy caught up
+    ok, _ = c.core.copy_caught_up(m0.servers[r].id, m0.servers[x].id, np.array([SLOT]))
+    assert not ok and row_of(c.map, SLOT)[2] == (x, CATCHING_UP)
+    ok, msg = c.core.copy_caught_up(m0.servers[p].id, m0.servers[x].id, np.array([SLOT]))
+    assert ok, msg
+    c.advance(1.0)
+    assert c.core.target is None
+    assert history(c, SLOT, mark) == [
+        [(p, IN_SYNC), (r, IN_SYNC)],
+        [(p, IN_SYNC), (r, IN_SYNC), (x, CATCHING_UP)],  # 1. a catching-up copy on the new server
+        [(p, IN_SYNC), (r, IN_SYNC), (x, IN_SYNC)],      # 2. in sync once its primary says so
+        [(x, IN_SYNC), (r, IN_SYNC), (p, IN_SYNC)],      # 3. the primary role moves (the old one stays)
+        [(x, IN_SYNC), (r, IN_SYNC)],                    # 4. the old copy is dropped
+    ]
+    for state in c.store.saved[mark:]:
+        assert_valid(state.map)
+        assert state.map.in_sync_count()[SLOT] >= 2  # never fewer in-sync copies than before the move
+        np.testing.assert_array_equal(state.map.copies[others, :2], m0.copies[others])  # no other slot moves
+
+
+def test_move_a_replica_keeps_the_primary(tmp_path):
+    c = started(tmp_path)
+    m0 = c.map
+    p, r = int(m0.copies[SLOT, 0]), int(m0.copies[SLOT, 1])
+    x = not_holding(m0, SLOT)
+    mark = len(c.store.saved)
+    plan = c.core.move_slot(SLOT, m0.servers[x].id, from_=m0.servers[r].id)
+    assert plan.moves == [(SLOT, [x], [r], p, p, 0)]
+    c.run_to_target()
+    assert row_of(c.map, SLOT) == [(p, IN_SYNC), (x, IN_SYNC)]
+    rows = history(c, SLOT, mark)
+    assert all(row[0] == (p, IN_SYNC) for row in rows), rows  # the primary never changes
+    assert rows[-2] == [(p, IN_SYNC), (r, IN_SYNC), (x, IN_SYNC)]  # r dropped only once x is in sync
+
+
+def test_move_a_replica_to_lead(tmp_path):
+    c = started(tmp_path)
+    m0 = c.map
+    p, r = int(m0.copies[SLOT, 0]), int(m0.copies[SLOT, 1])
+    x = not_holding(m0, SLOT)
+    c.core.move_slot(SLOT, m0.servers[x].id, from_=m0.servers[r].id, primary=True)
+    c.run_to_target()
+    assert row_of(c.map, SLOT) == [(x, IN_SYNC), (p, IN_SYNC)]
+
+
+def test_move_primary_to_an_existing_replica_swaps_roles(tmp_path):
+    c = started(tmp_path)
+    m0 = c.map
+    p, r = int(m0.copies[SLOT, 0]), int(m0.copies[SLOT, 1])
+    plan = c.core.move_slot(SLOT, m0.servers[r].id, primary=True)
+    assert plan.moves == [(SLOT, [], [], p, r, 0)]  # no data moves
+    assert row_of(c.map, SLOT) == [(r, IN_SYNC), (p, IN_SYNC)]
+    c.advance(1.0)
+    assert c.core.target is None and row_of(c.map, SLOT) == [(r, IN_SYNC), (p, IN_SYNC)]
+    c.check_saved()
+
+
+def test_move_slot_errors_name_the_field_or_server(tmp_path):
+    c = started(tmp_path, ("a", "b", "c", "d"))
+    m0 = c.map
+    p, r = (m0.servers[int(i)].id for i in m0.copies[SLOT, :2])
+    x = m0.servers[not_holding(m0, SLOT)].id
+    y = next(s.id for i, s in enumerate(m0.servers) if not m0.holds(i)[SLOT] and s.id != x)
+    epoch = m0.epoch
+    with pytest.raises(InvalidArgument, match="'zz'.*no such server"):
+        c.core.move_slot(SLOT, "zz")
+    with pytest.raises(InvalidArgument, match="'zz'.*no such server"):
+        c.core.move_slot(SLOT, x, from_="zz")
+    for bad in (-1, SLOTS, 10**6):
+        with pytest.raises(InvalidArgument, match=rf"field 'slot'.*{bad}"):
+            c.core.move_slot(bad, x)
+    with pytest.raises(InvalidArgument, match=f"'{r}' already holds a copy of slot {SLOT}"):
+        c.core.move_slot(SLOT, r)
+    with pytest.raises(InvalidArgument, match=f"'{p}' already holds a copy of slot {SLOT}"):
+        c.core.move_slot(SLOT, p, primary=True)
+    with pytest.raises(InvalidArgument, match=f"slot {SLOT} has no copy on '{y}'"):
+        c.core.move_slot(SLOT, x, from_=y)
+    assert c.map.epoch == epoch and c.core.target is None
+    # a draining target
+    c.core.drain(y)
+    with pytest.raises(InvalidArgument, match=f"'{y}' is dead or draining"):
+        c.core.move_slot(SLOT, y)
+    c.run_to_target()
+    # a dead target (by id or by address)
+    c.kill(x)
+    with pytest.raises(InvalidArgument, match=f"'{x}' is dead or draining"):
+        c.core.move_slot(SLOT, x)
+    with pytest.raises(InvalidArgument, match=f"'host-{x}:1' is dead or draining"):
+        c.core.move_slot(SLOT, f"host-{x}:1")
+    assert c.core.target is None
+
+
+# --- drain --------------------------------------------------------------------------------------------------
+def test_drain_moves_every_copy_off_then_undrain(tmp_path):
+    c = started(tmp_path, ("a", "b", "c", "d"))
+    d = c.idx("d")
+    held = set(np.flatnonzero(c.map.holds(d)).tolist())
+    assert len(held) == 12
+    plan = c.core.drain("host-d:1")  # by address
+    moved = {slot: removed for slot, _, removed, *_ in plan.moves}
+    assert held <= set(moved) and all(d in moved[slot] for slot in held)
+    assert c.core.draining == {"d"} and c.core.target_kind == "balance"
+    c.run_to_target()
+    m = c.map
+    assert not m.holds(d).any()
+    assert ((m.copies >= 0).sum(axis=1) == 2).all() and (m.states[m.copies >= 0] == IN_SYNC).all()
+    prim, total = placement.copy_counts(m.copies, 4)
+    assert prim.tolist()[:3] == [8, 8, 8] and total.tolist() == [16, 16, 16, 0]
+    # it stays empty and draining: failures elsewhere never put copies back on it
+    c.advance(5.0)
+    assert not c.map.holds(d).any() and c.core.draining == {"d"}
+    c.kill("a")
+    c.run_to_target()
+    c.advance(2.0)
+    c.catch_up_all()
+    assert not c.map.holds(d).any() and (c.map.in_sync_count() == 2).all()
+    assert c.core.status().draining == ["d"]
+    # undrain: placeable again (a rebalance then gives it slots)
+    c.core.drain("d", undrain=True)
+    assert c.core.draining == set() and c.core.status().draining == []
+    c.core.rebalance()
+    c.run_to_target()
+    assert c.map.holds(d).sum() == 16 and c.map.leads(d).sum() == 8
+    c.check_saved()
+
+
+def test_drain_the_last_server_is_refused(tmp_path):
+    c = started(tmp_path, ("a", "b"))
+    c.core.drain("a")
+    c.run_to_target()
+    assert not c.map.holds(0).any() and (c.map.copies[:, 0] == 1).all()
+    epoch = c.map.epoch
+    with pytest.raises(InvalidArgument, match="'b' is the last server"):
+        c.core.drain("b")
+    assert c.core.draining == {"a"} and c.core.target is None and c.map.epoch == epoch
+    with pytest.raises(InvalidArgument, match="'zz'"):
+        c.core.drain("zz")
+    # one server
+    solo = started(tmp_path / "solo", ("a",))
+    with pytest.raises(InvalidArgument, match="last server"):
+        solo.core.drain("a")
+    assert solo.core.draining == set()
+
+
+# --- failures in the middle of a move -------------------------------------------------------------------------
+@pytest.mark.parametrize("primary", [True, False])
+def test_target_of_a_move_dies_while_catching_up(tmp_path, primary):
+    c = started(tmp_path, ("a", "b", "c", "d"))
+    m0 = c.map
+    before = row_of(m0, SLOT)
+    x = not_holding(m0, SLOT)
+    src = "" if primary else m0.servers[before[1][0]].id
+    c.core.move_slot(SLOT, m0.servers[x].id, from_=src, primary=primary)
+    assert row_of(c.map, SLOT)[-1] == (x, CATCHING_UP)
+    c.kill(m0.servers[x].id)
+    # rolled back: the slot's target is its copies again (x's other slots are being re-replicated)
+    assert row_of(c.map, SLOT) == before
+    assert c.core.target is not None and c.core.target_kind == "moves"
+    assert [int(s) for s in c.core.target[SLOT] if s >= 0] == [s for s, _ in before]
+    assert not (c.core.target == x).any()
+    c.run_to_target()
+    assert row_of(c.map, SLOT) == before and not c.map.holds(x).any()
+    assert ((c.map.copies >= 0).sum(axis=1) == 2).all() and (c.map.in_sync_count() == 2).all()
+
+
+def test_new_primary_dies_after_the_role_moved(tmp_path):
+    """The move got as far as the primary transfer (the old primary still holds its copy): the new primary
+    dies, the slot fails over to an in-sync copy and keeps its original servers."""
+    c = started(tmp_path, ("a", "b", "c", "d"))
+    m0 = c.map
+    before = {x for x, _ in row_of(m0, SLOT)}
+    x = not_holding(m0, SLOT)
+    c.core.move_slot(SLOT, m0.servers[x].id)
+    c.catch_up_all()
+    row = row_of(c.map, SLOT)
+    assert row[0] == (x, IN_SYNC) and {s for s, _ in row} == before | {x}  # transferred, not yet dropped
+    c.kill(m0.servers[x].id)
+    row = row_of(c.map, SLOT)
+    assert {s for s, _ in row} == before and all(st == IN_SYNC for _, st in row)
+    assert not (c.core.target == x).any()
+    c.run_to_target()
+    assert row_of(c.map, SLOT) == row  # nothing half done is resumed
+    assert (c.map.in_sync_count() == 2).all()
+
+
+def test_source_of_a_move_dies_and_the_move_completes(tmp_path):
+    c = started(tmp_path, ("a", "b", "c", "d"))
+    m0 = c.map
+    p, r = int(m0.copies[SLOT, 0]), int(m0.copies[SLOT, 1])
+    x = not_holding(m0, SLOT)
+    c.core.move_slot(SLOT, m0.servers[x].id)
+    c.kill(m0.servers[p].id)
+    assert row_of(c.map, SLOT)[0] == (r, IN_SYNC)  # the in-sync replica took over, x still catching up
+    c.run_to_target()
+    row = row_of(c.map, SLOT)
+    assert row == [(x, IN_SYNC), (r, IN_SYNC)], row
+
+
+def test_server_dies_during_a_rebalance_is_planned_again(tmp_path):
+    c = started(tmp_path, ("a", "b", "c"))
+    c.register("d")
+    d = c.idx("d")
+    c.core.rebalance()
+    assert c.core.target_kind == "balance" and (c.core.target == d).any()
+    assert c.map.holds(d).any()
+    c.kill("d")  # the server being filled
+    target = c.core.target
+    assert target is None or not (target == d).any()
+    assert c.core.target_kind == "balance"
+    c.run_to_target()
+    m = c.map
+    assert not m.holds(d).any() and ((m.copies >= 0).sum(axis=1) == 2).all()
+    prim, total = placement.copy_counts(m.copies, 4)
+    assert prim.tolist() == [8, 8, 8, 0] and total.tolist() == [16, 16, 16, 0]
+    # a server that was not being moved to dies while d (back) is filled: planned again over the rest
+    c.register("d")
+    c.core.rebalance()
+    c.kill("c")
+    assert c.core.target is not None and not (c.core.target == c.idx("c")).any()
+    c.run_to_target()
+    prim, total = placement.copy_counts(c.map.copies, 4)
+    assert prim.tolist() == [8, 8, 0, 8] and total.tolist() == [16, 16, 0, 16]
+
+
+# --- persistence --------------------------------------------------------------------------------------------
+def test_scheduler_restart_mid_move_keeps_target_kind_and_draining(tmp_path):
+    c = started(tmp_path, ("a", "b", "c", "d"))
+    c.core.drain("d")
+    c.run_to_target()
+    m0 = c.map
+    x = not_holding(m0, SLOT)
+    plan = c.core.move_slot(SLOT, m0.servers[x].id)
+    assert row_of(c.map, SLOT)[-1] == (x, CATCHING_UP)
+    # kill -9 of the scheduler: a new core on the same directory, its clock elsewhere
+    c2 = Cluster(tmp_path, t0=500.0, boots=c.boots)
+    assert c2.core.target is not None
+    np.testing.assert_array_equal(c2.core.target, plan.target)
+    assert c2.core.target_kind == "moves" and c2.core.draining == {"d"}
+    assert c2.map.epoch == c.map.epoch and row_of(c2.map, SLOT) == row_of(c.map, SLOT)
+    assert c2.core.status().moving_slots == 1 and c2.core.status().draining == ["d"]
+    # the move then completes
+    c2.run_to_target()
+    assert row_of(c2.map, SLOT)[0] == (x, IN_SYNC) and len(row_of(c2.map, SLOT)) == 2
+    assert not c2.map.holds(c2.idx("d")).any() and c2.core.draining == {"d"}
+    # and the next restart finds nothing to do
+    c3 = Cluster(tmp_path, t0=900.0, boots=c.boots)
+    assert c3.core.target is None and c3.core.draining == {"d"} and c3.map.epoch == c2.map.epoch
+
+
+def test_scheduler_restart_mid_drain(tmp_path):
+    c = started(tmp_path, ("a", "b", "c"))
+    c.core.drain("c")
+    assert c.core.target is not None and c.core.target_kind == "balance"
+    c.catch_up_all()  # part way: copies built, not yet dropped
+    c2 = Cluster(tmp_path, t0=100.0, boots=c.boots)
+    assert c2.core.draining == {"c"} and c2.core.target_kind == "balance"
+    np.testing.assert_array_equal(c2.core.target, c.core.target)
+    c2.run_to_target()
+    assert not c2.map.holds(2).any() and ((c2.map.copies >= 0).sum(axis=1) == 2).all()
+
+
+# --- auto-rebalance -----------------------------------------------------------------------------------------
+def test_auto_rebalance_fills_joining_servers(tmp_path):
+    c = started(tmp_path, ("a", "b"), auto_rebalance=True)
+    before = c.map.copies.copy()
+    c.register("c")
+    assert c.core.target is not None and c.core.target_kind == "balance"
+    assert c.map.holds(2).any() and (c.map.copy_state(2)[c.map.holds(2)] == CATCHING_UP).all()
+    c.catch_up_all()
+    c.advance(0.5)
+    c.register("d")  # joins while c's moves are in flight: planned again over four
+    assert c.core.target is not None and (c.core.target == 3).any()
+    c.run_to_target()
+    m = c.map
+    prim, total = placement.copy_counts(m.copies, 4)
+    assert prim.tolist() == [6, 6, 6, 6] and total.tolist() == [12, 12, 12, 12]
+    assert (m.states[m.copies >= 0] == IN_SYNC).all()
+    assert sum(len(a) for _, a, _ in placement.moves(before, m.copies)) == 24  # exactly c's and d's shares
