@@ -6,9 +6,10 @@ of its ids still lies in the same slot, and a slot is the unit that moves betwee
 applies the ids of the slots not yet applied for that (client_id, seq) and skips the others. The window
 travels with its slots: replicated with every push, copied with a slot, saved inside every snapshot.
 
-Per client, the last ``size`` seqs are kept (a bitmap of slots each, in arrival order); at most
-``max_clients`` clients (least recently seen dropped first). A seq at or below the highest one dropped from
-the window, and not in it, cannot be told apart from a replay of a dropped one: ``applied`` raises
+Per client, the ``size`` highest seqs are kept (a bitmap of slots each; the lowest is dropped first, whatever
+the order records arrive in, e.g. merged from a slot copy); at most ``max_clients`` clients (least recently
+seen dropped first). Every seq dropped is at or below the ``floor``, every seq kept above it: a seq at or
+below it, and not in the window, cannot be told apart from a replay of a dropped one, so ``applied`` raises
 ``PushExpired`` rather than guess (a first arrival is never reported as a duplicate, nor a replay applied
 twice). Clients bound their pushes in flight, so this needs a push delayed by ``size`` later ones.
 
@@ -17,6 +18,7 @@ Not thread-safe: the server checks, applies and records under the table's write 
 
 from __future__ import annotations
 
+import heapq
 import io
 import json
 from collections import OrderedDict
@@ -29,27 +31,49 @@ __all__ = ["DedupWindow"]
 
 
 class _Client:
-    __slots__ = ("row_of_seq", "seq_of_row", "bits", "next", "floor")
+    """One client's window: a row of slot bits per seq, the lowest seq evicted first (``heap``)."""
+
+    __slots__ = ("row_of_seq", "seq_of_row", "bits", "free", "heap", "floor")
 
     def __init__(self, nbytes: int, rows: int = 16) -> None:
         self.row_of_seq: dict[int, int] = {}
         self.seq_of_row = np.full(rows, -1, np.int64)
         self.bits = np.zeros((rows, nbytes), np.uint8)
-        self.next = 0
+        self.free = list(range(rows - 1, -1, -1))
+        self.heap: list[int] = []
         self.floor = -1
 
-    def grow(self, size: int) -> bool:
-        """Double the ring (up to ``size`` rows) when it is full, oldest row first; False at ``size``."""
-        rows = self.seq_of_row.shape[0]
-        if rows >= size:
-            return False
-        new = min(size, rows * 2)
-        order = np.roll(np.arange(rows), -self.next)  # arrival order
-        self.seq_of_row = np.concatenate([self.seq_of_row[order], np.full(new - rows, -1, np.int64)])
-        self.bits = np.concatenate([self.bits[order], np.zeros((new - rows, self.bits.shape[1]), np.uint8)])
-        self.row_of_seq = {int(s): r for r, s in enumerate(self.seq_of_row[:rows]) if s >= 0}
-        self.next = rows
-        return True
+    def row_for(self, seq: int, size: int) -> int:
+        """A row for a new ``seq`` (above the floor): a free one, a new one (the window grows up to ``size``
+        rows), or the row of the lowest seq held, which is dropped and raises the floor."""
+        if not self.free:
+            rows = self.seq_of_row.shape[0]
+            if rows < size:
+                new = min(size, rows * 2)
+                self.seq_of_row = np.concatenate([self.seq_of_row, np.full(new - rows, -1, np.int64)])
+                self.bits = np.concatenate([self.bits, np.zeros((new - rows, self.bits.shape[1]), np.uint8)])
+                self.free = list(range(new - 1, rows - 1, -1))
+            else:
+                while True:
+                    old = heapq.heappop(self.heap)
+                    if old in self.row_of_seq:
+                        break
+                row = self.row_of_seq.pop(old)
+                self.floor = max(self.floor, old)
+                self.bits[row] = 0
+                self.seq_of_row[row] = -1
+                self.free.append(row)
+        row = self.free.pop()
+        self.seq_of_row[row] = seq
+        self.row_of_seq[seq] = row
+        heapq.heappush(self.heap, seq)
+        return row
+
+
+def _lowest(c: _Client) -> int:
+    while c.heap[0] not in c.row_of_seq:
+        heapq.heappop(c.heap)
+    return c.heap[0]
 
 
 def _bitmask(slots: np.ndarray, nbytes: int) -> np.ndarray:
@@ -105,24 +129,24 @@ class DedupWindow:
             self._clients.move_to_end(client_id)
         row = c.row_of_seq.get(seq)
         if row is None:
-            if c.seq_of_row[c.next] >= 0 and not c.grow(self.size):  # full: drop the oldest
-                old = int(c.seq_of_row[c.next])
-                del c.row_of_seq[old]
-                c.floor = max(c.floor, old)
-                c.bits[c.next] = 0
-            row = c.next
-            c.seq_of_row[row] = seq
-            c.row_of_seq[seq] = row
-            c.next = (row + 1) % c.seq_of_row.shape[0]
+            if seq <= c.floor:  # older than the window (a merged record): nothing to keep
+                return
+            if len(c.row_of_seq) >= self.size and seq < _lowest(c):
+                c.floor = max(c.floor, seq)  # full, and this is the lowest: it is the one dropped
+                return
+            row = c.row_for(seq, self.size)
         np.bitwise_or.at(c.bits[row], slots >> 3, (1 << (slots & 7)).astype(np.uint8))
 
     # --- moving with slots -------------------------------------------------------------------------
     def records_for(self, slots: np.ndarray) -> list[tuple[str, int, np.ndarray]]:
         """The window restricted to ``slots`` ((k,) int): [(client_id, seq, slots applied)], oldest first per
-        client, for a copy of those slots to ``merge``."""
+        client, for a copy of those slots to ``merge``; a client's floor travels as (client_id, floor, no
+        slots), so the copy refuses what this window could no longer tell (it would otherwise apply it)."""
         mask = _bitmask(np.asarray(slots, np.int64), self._nbytes)
         out = []
         for cid, c in self._clients.items():
+            if c.floor >= 0:
+                out.append((cid, int(c.floor), np.empty(0, np.int32)))
             used = np.flatnonzero(c.seq_of_row >= 0)
             if used.size == 0:
                 continue
@@ -135,10 +159,28 @@ class DedupWindow:
         return out
 
     def merge(self, records: list[tuple[str, int, np.ndarray]]) -> None:
-        """Record every (client_id, seq, slots) of ``records`` (a slot copy's or a replicated push's)."""
+        """Record every (client_id, seq, slots) of ``records`` (a slot copy's or a replicated push's); a record
+        with no slots raises the client's floor to its seq."""
         for cid, seq, slots in records:
             if slots.size:
                 self.record(cid, seq, slots)
+            elif cid:
+                self._raise_floor(cid, int(seq))
+
+    def _raise_floor(self, client_id: str, floor: int) -> None:
+        c = self._clients.get(client_id)
+        if c is None:
+            c = self._clients[client_id] = _Client(self._nbytes, min(16, self.size))
+            while len(self._clients) > self.max_clients:
+                self._clients.popitem(last=False)
+        if floor <= c.floor:
+            return
+        c.floor = floor
+        for seq in [q for q in c.row_of_seq if q <= floor]:  # at or below the floor: cannot be kept apart
+            row = c.row_of_seq.pop(seq)
+            c.bits[row] = 0
+            c.seq_of_row[row] = -1
+            c.free.append(row)
 
     def forget_slots(self, slots: np.ndarray) -> None:
         """Drop every key of ``slots`` (this server no longer holds them)."""
@@ -150,7 +192,7 @@ class DedupWindow:
     def to_bytes(self) -> bytes:
         ids = list(self._clients)
         meta = {"num_slots": self.num_slots, "size": self.size, "max_clients": self.max_clients,
-                "clients": [[cid, c.next, c.floor] for cid, c in self._clients.items()]}
+                "clients": [[cid, 0, c.floor] for cid, c in self._clients.items()]}
         arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), np.uint8)}
         for i, cid in enumerate(ids):
             c = self._clients[cid]
@@ -167,11 +209,13 @@ class DedupWindow:
             if int(meta["num_slots"]) != num_slots:
                 raise ValueError(f"dedup window of {meta['num_slots']} slots, the server has {num_slots}")
             window = cls(num_slots, size or int(meta["size"]), int(meta["max_clients"]))
-            for i, (cid, nxt, floor) in enumerate(meta["clients"]):
+            for i, (cid, _, floor) in enumerate(meta["clients"]):
                 c = _Client(window._nbytes, 1)
                 c.seq_of_row = z[f"s{i}"].astype(np.int64)
                 c.bits = z[f"b{i}"].astype(np.uint8)
-                c.next, c.floor = int(nxt), int(floor)
+                c.floor = int(floor)
                 c.row_of_seq = {int(s): int(r) for r, s in enumerate(c.seq_of_row) if s >= 0}
+                c.free = [r for r in range(c.seq_of_row.shape[0] - 1, -1, -1) if c.seq_of_row[r] < 0]
+                c.heap = sorted(c.row_of_seq)
                 window._clients[str(cid)] = c
         return window

@@ -52,7 +52,7 @@ def _ledger_run(cluster, action, *, ids: int = 20_000, before: int = 40, after: 
         _wait(lambda: loop.acked_count() > n + after, what="pushes after the moves")
         loop.stop()
         result = audit(client, loop)
-    assert (result.lost, result.doubled, result.failed_pushes) == (0, 0, 0), result
+    assert (result.lost, result.doubled, result.failed_pushes) == (0, 0, 0), (result, loop.errors[:2])
     check = admin.verify(cluster.scheduler)
     assert check["differing"] == [] and check["copies_checked"] == cluster.num_slots * cluster.replicas, check
     return result

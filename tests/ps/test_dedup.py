@@ -92,3 +92,33 @@ def test_client_count_is_bounded() -> None:
         w.record(f"c{c}", 0, _slots(0))
     assert len(w) == 3
     assert w.applied("c9", 0, _slots(0)).all() and not w.applied("c0", 0, _slots(0)).any()
+
+
+def test_merged_old_records_never_push_recent_ones_out() -> None:
+    """Regression (seen under live moves): the window dropped the oldest *arrival*, so records merged from a
+    slot copy (old seqs arriving late) pushed out a recent seq and raised the floor above it; a retry of that
+    recent push then failed with PushExpired. The lowest seq is dropped now, whatever the arrival order."""
+    w = DedupWindow(SLOTS, size=8)
+    for seq in range(100, 108):
+        w.record("a", seq, _slots(1))
+    w.merge([("a", seq, np.array([2], np.int32)) for seq in range(90, 100)])  # a slot copy's older records
+    assert w.applied("a", 107, _slots(1)).all() and w.applied("a", 100, _slots(1)).all()
+    assert not w.applied("a", 108, _slots(1)).any()  # a first arrival above the window is new
+    w.record("a", 108, _slots(1))
+    with pytest.raises(PushExpired):
+        w.applied("a", 100, _slots(1))  # the lowest seq was dropped to make room for 108
+    with pytest.raises(PushExpired):
+        w.applied("a", 95, _slots(2))  # merged, but below the window: cannot be told, refused
+
+
+def test_the_floor_travels_with_a_slot_copy() -> None:
+    """Regression: a slot copy carried the window's records but not its floor, so a retry of a push the
+    source could no longer tell (dropped from its window) was a first arrival on the copy, and applied twice."""
+    src = DedupWindow(SLOTS, size=4)
+    for seq in range(10, 20):
+        src.record("a", seq, _slots(3))  # seqs 10..15 dropped: floor 15
+    dst = DedupWindow(SLOTS, size=4)
+    dst.merge(src.records_for(_slots(3)))
+    with pytest.raises(PushExpired):
+        dst.applied("a", 12, _slots(3))  # the source could not tell: neither can the copy
+    assert dst.applied("a", 19, _slots(3)).all() and not dst.applied("a", 20, _slots(3)).any()

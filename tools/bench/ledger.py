@@ -42,6 +42,7 @@ class Audit:
     failed_pushes: int
     unknown_updates: int
     lost_ids: int = 0
+    doubled_ids: list[int] = field(default_factory=list)  # a few of them, to look into
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -163,4 +164,4 @@ def audit(client: ps.Client, loop: PushLoop, *, table: str | None = None) -> Aud
     over = np.maximum(actual - expected - unknown, 0)  # an unacknowledged push may have applied, once
     return Audit(acked_pushes=len(loop.events), acked_updates=int(expected.sum()), lost=int(short.sum()),
                  doubled=int(over.sum()), failed_pushes=len(loop.errors), unknown_updates=int(unknown.sum()),
-                 lost_ids=int((short > 0).sum()))
+                 lost_ids=int((short > 0).sum()), doubled_ids=np.flatnonzero(over)[:10].tolist())
