@@ -171,3 +171,21 @@ def rebalance(address: str, *, plan_only: bool = False, load: spb.SlotLoad | Non
     if load is not None:
         request.load.CopyFrom(load)
     return _scheduler_call(address, "Rebalance", request, timeout_s)
+
+
+def settled(address: str) -> bool:
+    """Every slot has a primary, every wanted copy is in sync, and nothing is moving."""
+    reply = status(address)
+    return (not reply.unavailable_slots and not reply.degraded_slots and not reply.moving_slots
+            and not sum(s.catching_up for s in reply.servers))
+
+
+def wait_for(predicate, timeout_s: float = 60.0, what: str = "condition", interval_s: float = 0.1) -> None:
+    """Poll ``predicate()`` until it is true; ``TimeoutError`` naming ``what`` after ``timeout_s``."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(interval_s)

@@ -125,14 +125,19 @@ def write_checkpoint(client: Any, directory: str | os.PathLike, tables: list[str
             manifest["tables"][name] = {"spec": json_format.MessageToDict(spec, preserving_proto_field_name=True),
                                         "rows": rows, "step": step, "parts": parts}
         (tmp / _MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        _fsync_tree(tmp)
-        if root.exists():
-            root.rmdir()
-        os.replace(tmp, root)
+        _publish(tmp, root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _publish(tmp: Path, root: Path) -> None:
+    """Make the folder ``tmp`` durable and rename it to ``root`` (absent or empty): all of it or nothing."""
+    _fsync_tree(tmp)
+    if root.exists():
+        root.rmdir()
+    os.replace(tmp, root)
 
 
 def _fsync_tree(path: Path) -> None:
@@ -266,10 +271,7 @@ def export_table(client: Any, table: str, out: str | os.PathLike, since: str | o
                 "rows": int(ids.size), "time": min(cut_times) if cut_times else time.time(), "since": since_time,
                 "files": {f: hashlib.sha256((tmp / f).read_bytes()).hexdigest() for f in ("ids.npy", "rows.npy")}}
         (tmp / "export.json").write_text(json.dumps(meta, indent=1))
-        _fsync_tree(tmp)
-        if root.exists():
-            root.rmdir()
-        os.replace(tmp, root)
+        _publish(tmp, root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

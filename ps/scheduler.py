@@ -326,44 +326,48 @@ class SchedulerCore:
                      f"failed over" + (f", {lost.size} left with no in-sync copy" if lost.size else ""))
 
     # --- reports from primaries ------------------------------------------------------------------------
+    def _primary_copies(self, reporter: str, target: str, slots: np.ndarray, state: int
+                        ) -> tuple[np.ndarray, np.ndarray] | None:
+        """(slots, columns) of ``target``'s copies in ``state`` among ``slots`` led by ``reporter``; None when
+        either server is unknown. Only a slot's primary may report on its copies."""
+        m = self.map
+        p, t = m.index_of(reporter), m.index_of(target)
+        if p < 0 or t < 0:
+            return None
+        slots = np.asarray(slots, np.int64)
+        slots = slots[(slots >= 0) & (slots < m.num_slots)]
+        mine = slots[m.copies[slots, 0] == p]
+        rows, cols = np.nonzero((m.copies[mine] == t) & (m.states[mine] == state))
+        return mine[rows], cols
+
     def copy_failed(self, reporter: str, target: str, slots: np.ndarray, reason: str) -> tuple[bool, str]:
-        """``reporter`` could not stream to ``target``: demote target's copies of the reporter's slots."""
+        """``reporter`` could not stream to ``target``: demote target's copies of the reporter's slots. This is
+        the only way a copy leaves the in-sync set (invariant I1 of ``replication``)."""
         with self._mutating():
-            m = self.map
-            p, t = m.index_of(reporter), m.index_of(target)
-            if p < 0 or t < 0:
+            hit = self._primary_copies(reporter, target, slots, IN_SYNC)
+            if hit is None:
                 return False, "unknown server"
-            slots = np.asarray(slots, np.int64)
-            slots = slots[(slots >= 0) & (slots < m.num_slots)]
-            mine = slots[m.copies[slots, 0] == p]
-            hit = (m.copies[mine] == t) & (m.states[mine] == IN_SYNC)
-            rows, cols = np.nonzero(hit)
-            if rows.size == 0:
+            if hit[0].size == 0:
                 return True, "nothing to demote"
-            states = m.states.copy()
-            states[mine[rows], cols] = CATCHING_UP
-            self._commit(m.evolve(states=states), f"{rows.size} cop(ies) on {target} out of the in-sync set "
-                                                  f"(reported by {reporter}: {reason})")
+            states = self.map.states.copy()
+            states[hit] = CATCHING_UP
+            self._commit(self.map.evolve(states=states), f"{hit[0].size} cop(ies) on {target} out of the in-sync "
+                                                         f"set (reported by {reporter}: {reason})")
             return True, ""
 
     def copy_caught_up(self, reporter: str, target: str, slots: np.ndarray) -> tuple[bool, str]:
         """``reporter`` (the primary) says ``target`` caught up on ``slots``: they join the in-sync set."""
         with self._mutating():
-            m = self.map
-            p, t = m.index_of(reporter), m.index_of(target)
-            if p < 0 or t < 0 or not m.servers[t].up:
+            t = self.map.index_of(target)
+            hit = self._primary_copies(reporter, target, slots, CATCHING_UP)
+            if hit is None or not self.map.servers[t].up:
                 return False, "unknown or dead server"
-            slots = np.asarray(slots, np.int64)
-            slots = slots[(slots >= 0) & (slots < m.num_slots)]
-            mine = slots[m.copies[slots, 0] == p]
-            hit = (m.copies[mine] == t) & (m.states[mine] == CATCHING_UP)
-            rows, cols = np.nonzero(hit)
-            if rows.size == 0:
+            if hit[0].size == 0:
                 return False, "no such catching-up copy (the map changed)"
-            states = m.states.copy()
-            states[mine[rows], cols] = IN_SYNC
-            self._commit(m.evolve(states=states), f"{rows.size} cop(ies) on {target} caught up "
-                                                  f"(slots {format_slots(mine[rows][:8])}...)")
+            states = self.map.states.copy()
+            states[hit] = IN_SYNC
+            self._commit(self.map.evolve(states=states), f"{hit[0].size} cop(ies) on {target} caught up "
+                                                         f"(slots {format_slots(hit[0][:8])}...)")
             self._reconcile()
             return True, ""
 

@@ -20,12 +20,6 @@ from tigana.tools.bench.ledger import PushLoop, audit, create_ledger_table
 pytestmark = pytest.mark.timeout(240)
 
 
-def _wait(predicate, timeout_s: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def test_scheduler_kill_9_and_restart_loses_nothing(make_shard_cluster) -> None:
@@ -34,10 +28,10 @@ def test_scheduler_kill_9_and_restart_loses_nothing(make_shard_cluster) -> None:
         create_ledger_table(client)
         before = admin.shard_map(cluster.scheduler)
         loop = PushLoop(client, ids_per_push=500).start()
-        _wait(lambda: loop.acked_count() > 30, what="pushes before the fault")
+        admin.wait_for(lambda: loop.acked_count() > 30, what="pushes before the fault")
         cluster.kill_scheduler()
         n = loop.acked_count()
-        _wait(lambda: loop.acked_count() > n + 100, what="pushes while the scheduler is down")
+        admin.wait_for(lambda: loop.acked_count() > n + 100, what="pushes while the scheduler is down")
         rows = client.pull("ledger", np.arange(1000), insert=False)  # pulls keep working too
         assert rows.shape == (1000, 4)
         cluster.restart_scheduler()
@@ -46,11 +40,11 @@ def test_scheduler_kill_9_and_restart_loses_nothing(make_shard_cluster) -> None:
         np.testing.assert_array_equal(after.copies, before.copies)  # the map survived kill -9
         assert sorted(after.tables) == ["ledger"]
         n = loop.acked_count()
-        _wait(lambda: loop.acked_count() > n + 50, what="pushes after the restart")
+        admin.wait_for(lambda: loop.acked_count() > n + 50, what="pushes after the restart")
         loop.stop()
         result = audit(client, loop)
         assert (result.lost, result.doubled, result.failed_pushes) == (0, 0, 0), result
-        _wait(lambda: all(s["last_heartbeat_s"] >= 0 for s in admin.cluster_status(cluster.scheduler)["servers"]),
+        admin.wait_for(lambda: all(s["last_heartbeat_s"] >= 0 for s in admin.cluster_status(cluster.scheduler)["servers"]),
               what="both servers to heartbeat the restarted scheduler")
         assert admin.cluster_status(cluster.scheduler)["degraded_slots"] == 0
 
@@ -61,7 +55,7 @@ def test_async_loss_is_bounded_by_the_lag_reported_before_the_kill(make_shard_cl
         create_ledger_table(client, durability="async")
         assert client.describe_table("ledger") is not None
         loop = PushLoop(client, ids_per_push=500, in_flight=8).start()
-        _wait(lambda: loop.acked_count() > 100, what="pushes before the fault")
+        admin.wait_for(lambda: loop.acked_count() > 100, what="pushes before the fault")
         victim = 0
         stats = client.server_stats("ledger")[cluster.addresses[victim]]["ledger"]
         lag_items = int(stats["replication_lag_items"])
@@ -69,7 +63,7 @@ def test_async_loss_is_bounded_by_the_lag_reported_before_the_kill(make_shard_cl
         cluster.kill(victim)
         acked_since = loop.acked_count() - acked_at_sample  # acknowledged between the sample and the kill
         n = loop.acked_count()
-        _wait(lambda: loop.acked_count() > n + 100, what="pushes after the failover")
+        admin.wait_for(lambda: loop.acked_count() > n + 100, what="pushes after the failover")
         loop.stop()
         result = audit(client, loop)
         lost_pushes = -(-result.lost // loop.ids_per_push)  # every push carries ids_per_push ids
@@ -84,7 +78,7 @@ def test_kill_9_of_every_server_loses_only_the_last_snapshot_interval(make_shard
     with ps.connect(scheduler=cluster.scheduler, failover_timeout_s=90) as client:
         create_ledger_table(client)
         loop = PushLoop(client, ids_per_push=500, pause_s=0.005, keep_ids=True).start()
-        _wait(lambda: loop.acked_count() > 100, timeout_s=30, what="pushes before the fault")
+        admin.wait_for(lambda: loop.acked_count() > 100, timeout_s=30, what="pushes before the fault")
         time.sleep(2 * every)
         killed_at = time.monotonic()
         for i in range(2):
@@ -93,7 +87,7 @@ def test_kill_9_of_every_server_loses_only_the_last_snapshot_interval(make_shard
             cluster.restart(i)
         back_at = time.monotonic()
         n = loop.acked_count()
-        _wait(lambda: loop.acked_count() > n + 50, timeout_s=90, what="pushes after the restart")
+        admin.wait_for(lambda: loop.acked_count() > n + 50, timeout_s=90, what="pushes after the restart")
         loop.stop()
         result = audit(client, loop)
         print(f"kill -9 of every server: {result.as_dict()}")

@@ -22,19 +22,8 @@ from tigana.tools.bench.ledger import PushLoop, audit, create_ledger_table
 pytestmark = pytest.mark.timeout(240)
 
 
-def _wait(predicate, timeout_s: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
-def _settled(scheduler: str) -> bool:
-    """Every slot has a primary and every wanted copy is in sync."""
-    s = admin.cluster_status(scheduler)
-    return s is not None and not s["unavailable_slots"] and not s["degraded_slots"] and \
-        not sum(x["catching_up"] for x in s["servers"])
 
 
 def _leader_of_most(cluster: ps.LocalCluster) -> int:
@@ -48,20 +37,20 @@ def test_kill_9_of_a_primary_loses_and_doubles_nothing(make_shard_cluster) -> No
     with ps.connect(scheduler=cluster.scheduler, failover_timeout_s=60) as client:
         create_ledger_table(client)  # sync: the default with replicas
         loop = PushLoop(client, num_ids=20_000, ids_per_push=500).start()
-        _wait(lambda: loop.acked_count() > 50, what="pushes before the fault")
+        admin.wait_for(lambda: loop.acked_count() > 50, what="pushes before the fault")
         victim = _leader_of_most(cluster)
         killed_at = time.monotonic()
         cluster.kill(victim)
-        _wait(lambda: loop.first_ack_sent_after(killed_at) is not None, what="a push acknowledged after the kill")
+        admin.wait_for(lambda: loop.first_ack_sent_after(killed_at) is not None, what="a push acknowledged after the kill")
         recovery = loop.first_ack_sent_after(killed_at) - killed_at
-        _wait(lambda: loop.acked_count() > 200, what="pushes after the fault")
+        admin.wait_for(lambda: loop.acked_count() > 200, what="pushes after the fault")
         loop.stop()
         result = audit(client, loop)
         print(f"kill -9 of a primary: {result.as_dict()}, recovery {recovery:.3f}s")
         assert (result.lost, result.doubled, result.failed_pushes) == (0, 0, 0), result
         assert result.acked_pushes == loop.sent  # the loop finished: no push was given up on, no restart
         # The copies of the dead server's slots are rebuilt on the survivors; every copy equals its primary.
-        _wait(lambda: _settled(cluster.scheduler), what="the lost copies to be rebuilt")
+        admin.wait_for(lambda: admin.settled(cluster.scheduler), what="the lost copies to be rebuilt")
         check = admin.verify(cluster.scheduler)
         assert check["differing"] == [] and check["copies_checked"] == cluster.num_slots, check
 
@@ -73,14 +62,14 @@ def test_kill_9_of_a_replica_keeps_pushes_going_and_rebuilds_the_copy(make_shard
     with ps.connect(scheduler=cluster.scheduler, failover_timeout_s=60) as client:
         create_ledger_table(client)
         loop = PushLoop(client, num_ids=20_000, ids_per_push=500).start()
-        _wait(lambda: loop.acked_count() > 50, what="pushes before the fault")
+        admin.wait_for(lambda: loop.acked_count() > 50, what="pushes before the fault")
         cluster.kill(1)
         n = loop.acked_count()
-        _wait(lambda: loop.acked_count() > n + 100, what="pushes with the copy gone")
+        admin.wait_for(lambda: loop.acked_count() > n + 100, what="pushes with the copy gone")
         cluster.restart(1)
-        _wait(lambda: _settled(cluster.scheduler), what="the copy to be rebuilt")
+        admin.wait_for(lambda: admin.settled(cluster.scheduler), what="the copy to be rebuilt")
         n = loop.acked_count()
-        _wait(lambda: loop.acked_count() > n + 50, what="pushes with the rebuilt copy in sync")
+        admin.wait_for(lambda: loop.acked_count() > n + 50, what="pushes with the rebuilt copy in sync")
         loop.stop()
         result = audit(client, loop)
         assert (result.lost, result.doubled, result.failed_pushes) == (0, 0, 0), result
@@ -97,7 +86,7 @@ def test_a_paused_primary_accepts_nothing_at_its_old_epoch_and_rejoins_as_a_copy
         create_ledger_table(client)
         old = admin.shard_map(cluster.scheduler)
         loop = PushLoop(client, num_ids=20_000, ids_per_push=500).start()
-        _wait(lambda: loop.acked_count() > 50, what="pushes before the fault")
+        admin.wait_for(lambda: loop.acked_count() > 50, what="pushes before the fault")
         victim = 0
         sid = (cluster.data_dir / f"shard-{victim}" / "server-id").read_text().strip()
         led = np.flatnonzero(old.leads(old.index_of(sid)))
@@ -105,7 +94,7 @@ def test_a_paused_primary_accepts_nothing_at_its_old_epoch_and_rejoins_as_a_copy
         paused_at = time.monotonic()
         cluster.pause(victim)
         try:
-            _wait(lambda: loop.first_ack_sent_after(paused_at + 0.1) is not None, timeout_s=30,
+            admin.wait_for(lambda: loop.first_ack_sent_after(paused_at + 0.1) is not None, timeout_s=30,
                   what="pushes acknowledged by the promoted copy while the old primary is paused")
             time.sleep(1.0)
         finally:
@@ -123,7 +112,7 @@ def test_a_paused_primary_accepts_nothing_at_its_old_epoch_and_rejoins_as_a_copy
             channel.close()
         error = from_rpc_error(refused.value)
         assert isinstance(error, (ps.WrongShard, ps.Unavailable)), error
-        _wait(lambda: _settled(cluster.scheduler), what="the old primary to rejoin as an in-sync copy")
+        admin.wait_for(lambda: admin.settled(cluster.scheduler), what="the old primary to rejoin as an in-sync copy")
         status = admin.cluster_status(cluster.scheduler)
         back = next(s for s in status["servers"] if s["address"] == cluster.addresses[victim])
         assert back["up"] and back["primaries"] == 0 and back["replicas"] == cluster.num_slots

@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
@@ -16,19 +14,8 @@ from tigana.tools.bench.ledger import PushLoop, audit, create_ledger_table
 pytestmark = pytest.mark.timeout(300)
 
 
-def _wait(predicate, timeout_s: float = 90.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}: {admin.cluster_status_line()}"
-                                 if hasattr(admin, "cluster_status_line") else f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
-def _settled(scheduler: str) -> bool:
-    reply = admin.status(scheduler)
-    return (not reply.unavailable_slots and not reply.degraded_slots and not reply.moving_slots
-            and not sum(s.catching_up for s in reply.servers))
 
 
 def _held(scheduler: str, server_id: str) -> int:
@@ -45,11 +32,11 @@ def _ledger_run(cluster, action, *, ids: int = 20_000, before: int = 40, after: 
         client.push("ledger", np.arange(ids), np.zeros((ids, 4), np.float32)).result()
         loop = PushLoop(client, num_ids=ids, ids_per_push=500).start()
         n = loop.acked_count()
-        _wait(lambda: loop.acked_count() > n + before, what="pushes before the moves")
+        admin.wait_for(lambda: loop.acked_count() > n + before, what="pushes before the moves")
         action(loop)
-        _wait(lambda: _settled(cluster.scheduler), what="the moves to finish")
+        admin.wait_for(lambda: admin.settled(cluster.scheduler), what="the moves to finish")
         n = loop.acked_count()
-        _wait(lambda: loop.acked_count() > n + after, what="pushes after the moves")
+        admin.wait_for(lambda: loop.acked_count() > n + after, what="pushes after the moves")
         loop.stop()
         result = audit(client, loop)
     assert (result.lost, result.doubled, result.failed_pushes) == (0, 0, 0), (result, loop.errors[:2])
@@ -64,7 +51,7 @@ def test_drain_a_server_under_a_push_loop(make_shard_cluster) -> None:
 
     def drain(loop) -> None:
         admin.drain(cluster.scheduler, victim)
-        _wait(lambda: _held(cluster.scheduler, victim) == 0, what="the drained server to hold nothing")
+        admin.wait_for(lambda: _held(cluster.scheduler, victim) == 0, what="the drained server to hold nothing")
 
     _ledger_run(cluster, drain)
     assert _held(cluster.scheduler, victim) == 0 and victim in admin.status(cluster.scheduler).draining
@@ -79,7 +66,7 @@ def test_a_new_server_gets_slots_by_rebalance_under_load(make_shard_cluster) -> 
         assert plan.moves and plan.after.max < plan.before.max  # the plan is shown before anything moves
         applied = admin.rebalance(cluster.scheduler, load=admin.slot_load(cluster.scheduler))
         assert applied.after.max <= 1.1 * applied.after.mean, applied  # measured load (rows, rate) evened out
-        _wait(lambda: _held(cluster.scheduler, cluster.server_id(i)) > 0, what="the new server to get slots")
+        admin.wait_for(lambda: _held(cluster.scheduler, cluster.server_id(i)) > 0, what="the new server to get slots")
 
     _ledger_run(cluster, grow)
     status = admin.cluster_status(cluster.scheduler)
@@ -98,7 +85,7 @@ def test_kill_9_of_the_source_mid_move_then_retry(make_shard_cluster) -> None:
         cluster.kill(0)  # mid-move: the copies it was sending are cut off
         cluster.restart(0)
         admin.drain(cluster.scheduler, victim)  # the retry (the target was kept: it is idempotent)
-        _wait(lambda: _held(cluster.scheduler, victim) == 0, what="the retried drain")
+        admin.wait_for(lambda: _held(cluster.scheduler, victim) == 0, what="the retried drain")
 
     _ledger_run(cluster, drain_and_kill)
 
@@ -112,9 +99,9 @@ def test_kill_9_of_the_target_mid_move_then_retry(make_shard_cluster) -> None:
         i = cluster.add_server()
         admin.rebalance(cluster.scheduler)
         cluster.kill(i)  # mid-move: it held only catching-up copies
-        _wait(lambda: not admin.cluster_status(cluster.scheduler)["servers"][i]["up"], what="the target's death")
+        admin.wait_for(lambda: not admin.cluster_status(cluster.scheduler)["servers"][i]["up"], what="the target's death")
         cluster.restart(i)
         admin.rebalance(cluster.scheduler)  # the retry
-        _wait(lambda: _held(cluster.scheduler, cluster.server_id(i)) > 0, what="the target to get slots again")
+        admin.wait_for(lambda: _held(cluster.scheduler, cluster.server_id(i)) > 0, what="the target to get slots again")
 
     _ledger_run(cluster, fill_and_kill)

@@ -36,18 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ids-per-push", type=int, default=2000, help="ids per push (default 2,000)")
 
 
-def _settled(scheduler: str) -> bool:
-    s = admin.cluster_status(scheduler)
-    return s is not None and not s["unavailable_slots"] and not s["degraded_slots"] and \
-        not sum(x["catching_up"] for x in s["servers"])
 
 
-def _wait(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"bench failover: timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,20 +50,20 @@ def run(args: argparse.Namespace) -> int:
         loop = PushLoop(client, num_ids=args.ids, ids_per_push=args.ids_per_push).start()
         try:
             for trial in range(trials):
-                _wait(lambda: _settled(cluster.scheduler), 120, "every copy in sync")
+                admin.wait_for(lambda: admin.settled(cluster.scheduler), 120, "every copy in sync")
                 n = loop.acked_count()
-                _wait(lambda n=n: loop.acked_count() > n + 20, 60, "pushes before the kill")
+                admin.wait_for(lambda n=n: loop.acked_count() > n + 20, 60, "pushes before the kill")
                 m = admin.shard_map(cluster.scheduler)
                 led = {m.servers[i].address: int(m.leads(i).sum()) for i in range(len(m.servers))}
                 victim = max(range(len(cluster.addresses)), key=lambda i: led.get(cluster.addresses[i], 0))
                 killed_at = time.monotonic()
                 cluster.kill(victim)
-                _wait(lambda t=killed_at: loop.first_ack_sent_after(t) is not None, 120, "a push after the kill")
+                admin.wait_for(lambda t=killed_at: loop.first_ack_sent_after(t) is not None, 120, "a push after the kill")
                 recoveries.append(loop.first_ack_sent_after(killed_at) - killed_at)
                 log(f"bench failover: trial {trial + 1}/{trials}: killed shard {victim} ({led.get(cluster.addresses[victim])}"
                     f" slots led), recovery {recoveries[-1]:.3f}s, {loop.acked_count()} pushes acknowledged")
                 cluster.restart(victim)
-            _wait(lambda: _settled(cluster.scheduler), 120, "every copy in sync")
+            admin.wait_for(lambda: admin.settled(cluster.scheduler), 120, "every copy in sync")
         finally:
             loop.stop()
         result = audit(client, loop)

@@ -35,18 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=65536, help="ids per push of the traffic (default 65536)")
 
 
-def _settled(scheduler: str) -> bool:
-    reply = admin.status(scheduler)
-    return (not reply.unavailable_slots and not reply.degraded_slots and not reply.moving_slots
-            and not sum(s.catching_up for s in reply.servers))
 
 
-def _wait(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"bench reshard: timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 class _Traffic:
@@ -127,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
             start = time.monotonic()
             load = admin.slot_load(cluster.scheduler)
             plan = admin.rebalance(cluster.scheduler, load=load)
-            _wait(lambda: _settled(cluster.scheduler), 3600, "the rebalance")
+            admin.wait_for(lambda: admin.settled(cluster.scheduler), 3600, "the rebalance")
             move_s = time.monotonic() - start
             rows_of_slot = np.frombuffer(load.rows, "<i8")
             moved = int(sum(int(rows_of_slot[m.slot]) * len(m.add) for m in plan.moves))  # rows copied
@@ -148,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         held = int(victim["stats"].get("rows", 0))
         start = time.monotonic()
         admin.drain(cluster.scheduler, victim["id"])
-        _wait(lambda: _settled(cluster.scheduler), 3600, "the drain")
+        admin.wait_for(lambda: admin.settled(cluster.scheduler), 3600, "the drain")
         drain_s = time.monotonic() - start
         emit("reshard.drain", "s", drain_s, "pull of the rows it held", read_s * held / total, rows_held=held,
              **params)
