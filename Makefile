@@ -36,6 +36,9 @@ bench: $(STAMP)
 	$(VENV)/bin/tigana bench ps --quick
 	$(VENV)/bin/tigana bench train --quick
 	$(VENV)/bin/tigana bench allreduce --quick
+	$(VENV)/bin/tigana bench ps --replicas 1 --quick
+	$(VENV)/bin/tigana bench failover --quick
+	$(VENV)/bin/tigana bench reshard --quick
 
 # Optional benchmark peers, never dependencies: TorchRec beside the CPU torch, with the CPU fbgemm-gpu
 # (torchrec's own requirements would pull the 0.5 GB CUDA build).
