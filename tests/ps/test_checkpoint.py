@@ -34,11 +34,12 @@ def _all_rows(directory, table: str) -> RowBatch:
 
 
 def _train(client: ps.Client, table: str, steps: int, seed: int) -> None:
+    """Pushes one at a time: pushes in flight together may be applied in either order, and Adam's steps do
+    not commute, so a bit-for-bit comparison needs an order."""
     rng = np.random.default_rng(seed)
     for _ in range(steps):
         ids = rng.integers(0, 30_000, 4000)
-        client.push(table, ids, rng.normal(size=(ids.size, 8)).astype(np.float32))
-    client.flush()
+        client.push(table, ids, rng.normal(size=(ids.size, 8)).astype(np.float32)).result()
 
 
 def test_checkpoint_on_3_servers_restores_identically_on_2(make_shard_cluster, tmp_path) -> None:
