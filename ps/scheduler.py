@@ -45,7 +45,7 @@ from tigana.proto import scheduler_pb2 as spb
 from tigana.proto import scheduler_pb2_grpc as spb_grpc
 from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc
-from tigana.ps import cluster_wire, placement
+from tigana.ps import cluster_wire, placement, rpc
 from tigana.ps.errors import InvalidArgument, PSError, TableExists, status_metadata, to_status
 from tigana.ps.mapstore import FileMapStore, MapStore, SchedulerState
 from tigana.ps.routing import (
@@ -650,6 +650,7 @@ def _handler(method: str) -> Callable:
     def wrap(fn: Callable) -> Callable:
         def wrapper(self: SchedulerService, request, context: grpc.ServicerContext):
             try:
+                rpc.check(request)
                 return fn(self, request, context)
             except Exception as exc:  # noqa: BLE001 - a request never takes the scheduler down
                 code, message = to_status(exc)
@@ -884,7 +885,7 @@ class SchedulerHandle:
                                    options=[("grpc.max_send_message_length", 64 << 20),
                                             ("grpc.max_receive_message_length", 64 << 20),
                                             ("grpc.so_reuseport", 0)])
-        spb_grpc.add_SchedulerServicer_to_server(SchedulerService(self.core), self._server)
+        rpc.register(self._server, spb.DESCRIPTOR.services_by_name["Scheduler"], SchedulerService(self.core))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         port = 0
         try:

@@ -52,7 +52,7 @@ from tigana.embeddings import Changes, EmbeddingTable, TableConfig
 from tigana.embeddings.changes import unique
 from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc
-from tigana.ps import _kernels, cluster_wire, wire
+from tigana.ps import _kernels, cluster_wire, rpc, wire
 from tigana.ps.catalog import Catalog
 from tigana.ps.cluster_wire import BARRIER, CHANGES, SNAPSHOT_BEGIN, SNAPSHOT_ROWS, Item
 from tigana.ps.config import ServerConfig
@@ -151,6 +151,7 @@ def _rpc(method: str) -> Callable:
             start = time.perf_counter()
             status: grpc.StatusCode | None = None
             try:
+                rpc.check(request)
                 if self.state != "serving":
                     raise Unavailable(f"{method}: server {_STATES.get(self.state, self.state)}")
                 return handler(self, request, context)
@@ -615,6 +616,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         start = time.perf_counter()
         status: grpc.StatusCode | None = None
         try:
+            rpc.check(request)
             if self.state != "serving":
                 raise Unavailable(f"ExportRows: server {_STATES.get(self.state, self.state)}")
             yield from self._export_rows(request)
@@ -1128,23 +1130,13 @@ class _Inbound:
 
 
 def add_to_server(service: ShardService, server: grpc.Server) -> None:
-    """Register ``service`` on ``server`` as ``shard_pb2_grpc.add_ShardServicer_to_server`` does, but with the
-    data path's own (de)serializers: Push requests parsed into zero-copy views (``wire.decode_push_request``)
-    and Pull replies written as bytes in one copy (``ShardService.pull_serialized``). The wire format is
-    exactly the one in proto/shard.proto."""
-    handlers = {}
-    for name, method in pb.DESCRIPTOR.services_by_name["Shard"].methods_by_name.items():
-        kind = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
-        handlers[name] = kind(getattr(service, name),
-                              request_deserializer=getattr(pb, method.input_type.name).FromString,
-                              response_serializer=getattr(pb, method.output_type.name).SerializeToString)
-    handlers["Pull"] = grpc.unary_unary_rpc_method_handler(
-        service.pull_serialized, request_deserializer=pb.PullRequest.FromString, response_serializer=wire.identity)
-    handlers["Push"] = grpc.unary_unary_rpc_method_handler(
-        service.Push, request_deserializer=wire.decode_push_request,
-        response_serializer=pb.PushResponse.SerializeToString)
-    handlers["Replicate"] = grpc.unary_unary_rpc_method_handler(
-        service.Replicate, request_deserializer=cluster_wire.decode_replicate_request,
-        response_serializer=pb.ReplicateResponse.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+    """Register ``service`` on ``server`` (every method of proto/shard.proto), with the data path's own
+    (de)serializers: Push requests parsed into zero-copy views (``wire.decode_push_request``), Pull replies
+    written as bytes in one copy (``ShardService.pull_serialized``), replication streams decoded as views.
+    A request that does not parse answers INVALID_ARGUMENT (``rpc.register``)."""
+    rpc.register(server, pb.DESCRIPTOR.services_by_name["Shard"], service, {
+        "Pull": (service.pull_serialized, pb.PullRequest.FromString, wire.identity),
+        "Push": (service.Push, wire.decode_push_request, pb.PushResponse.SerializeToString),
+        "Replicate": (service.Replicate, cluster_wire.decode_replicate_request,
+                      pb.ReplicateResponse.SerializeToString),
+    })
