@@ -32,24 +32,28 @@ from tigana.ps.errors import (
     Internal,
     InvalidArgument,
     NotEnoughReplicas,
+    PermissionDenied,
     PSError,
     PushExpired,
     ResourceExhausted,
     TableExists,
     TableNotFound,
+    Unauthenticated,
     Unavailable,
     WrongShard,
 )
 from tigana.ps.local import LocalCluster
 from tigana.ps.routing import ShardMap, TableDef
 from tigana.ps.scheduler import SchedulerConfig, SchedulerHandle, start_scheduler
+from tigana.ps.security import Security
 
 __all__ = [
     "FTRL", "SGD", "Adagrad", "Adam", "Admission", "DataLoss", "DeadlineExceeded", "Eviction", "Internal",
-    "InvalidArgument", "Normal", "NotEnoughReplicas", "PSError", "PushExpired", "ResourceExhausted",
+    "InvalidArgument", "Normal", "NotEnoughReplicas", "PSError", "PermissionDenied", "PushExpired",
+    "ResourceExhausted", "Unauthenticated",
     "RowWiseAdagrad", "TableExists",
     "TableNotFound", "Unavailable", "Uniform", "WrongShard", "Zeros",
     "Client", "ClientConfig", "Compression", "TableInfo", "connect",
     "LocalCluster", "ServerConfig", "ServerHandle", "load_server_config", "parse_bytes", "start_server",
-    "SchedulerConfig", "SchedulerHandle", "ShardMap", "TableDef", "start_scheduler",
+    "SchedulerConfig", "SchedulerHandle", "Security", "ShardMap", "TableDef", "start_scheduler",
 ]

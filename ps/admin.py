@@ -19,12 +19,13 @@ from tigana.proto import shard_pb2_grpc
 from tigana.ps import cluster_wire
 from tigana.ps.errors import Unavailable, from_rpc_error
 from tigana.ps.routing import IN_SYNC, ShardMap
+from tigana.ps.security import NONE, Security
 
 _OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
-def _scheduler_call(address: str, method: str, request: Any, timeout_s: float) -> Any:
-    channel = grpc.insecure_channel(address, options=_OPTIONS)
+def _scheduler_call(address: str, method: str, request: Any, timeout_s: float, security: Security = NONE) -> Any:
+    channel = security.channel(address, _OPTIONS)
     try:
         return getattr(spb_grpc.SchedulerStub(channel), method)(request, timeout=timeout_s)
     except grpc.RpcError as err:
@@ -33,18 +34,19 @@ def _scheduler_call(address: str, method: str, request: Any, timeout_s: float) -
         channel.close()
 
 
-def status(address: str, timeout_s: float = 10.0) -> spb.StatusResponse:
+def status(address: str, timeout_s: float = 10.0, security: Security = NONE) -> spb.StatusResponse:
     """The scheduler's ``Status`` reply (raises ``Unavailable`` when it does not answer)."""
-    return _scheduler_call(address, "Status", spb.StatusRequest(), timeout_s)
+    return _scheduler_call(address, "Status", spb.StatusRequest(), timeout_s, security)
 
 
-def cluster_status(address: str | None, timeout_s: float = 10.0) -> dict[str, Any] | None:
+def cluster_status(address: str | None, timeout_s: float = 10.0, security: Security = NONE
+                   ) -> dict[str, Any] | None:
     """{epoch, servers: [{id, address, up, primaries, replicas, catching_up, last_heartbeat_s, stats}],
     degraded_slots, unavailable_slots, tables}; None when the scheduler does not answer."""
     if address is None:
         return None
     try:
-        reply = status(address, timeout_s)
+        reply = status(address, timeout_s, security)
     except Unavailable:
         return None
     m = cluster_wire.map_from_pb(reply.map)
@@ -59,17 +61,17 @@ def cluster_status(address: str | None, timeout_s: float = 10.0) -> dict[str, An
     }
 
 
-def shard_map(address: str, timeout_s: float = 10.0) -> ShardMap:
+def shard_map(address: str, timeout_s: float = 10.0, security: Security = NONE) -> ShardMap:
     """The scheduler's current map."""
-    reply = _scheduler_call(address, "GetMap", spb.GetMapRequest(known_epoch=0), timeout_s)
+    reply = _scheduler_call(address, "GetMap", spb.GetMapRequest(known_epoch=0), timeout_s, security)
     return cluster_wire.map_from_pb(reply.map)
 
 
-def slot_info(server_address: str, table: str = "", *, checksums: bool = True,
+def slot_info(server_address: str, table: str = "", *, checksums: bool = True, security: Security = NONE,
               timeout_s: float = 60.0) -> dict[str, dict[str, np.ndarray]]:
     """Per table: {slots, rows, checksums, lsn_epochs, lsn_indexes, pull_rates, push_rates, bytes} of the
     copies one server holds (numpy arrays aligned on slots)."""
-    channel = grpc.insecure_channel(server_address, options=_OPTIONS)
+    channel = security.channel(server_address, _OPTIONS)
     try:
         reply = shard_pb2_grpc.ShardStub(channel).SlotInfo(pb.SlotInfoRequest(table=table, checksums=checksums),
                                                           timeout=timeout_s)
@@ -90,18 +92,18 @@ def slot_info(server_address: str, table: str = "", *, checksums: bool = True,
     return out
 
 
-def verify(scheduler: str, table: str = "", timeout_s: float = 120.0) -> dict[str, Any]:
+def verify(scheduler: str, table: str = "", timeout_s: float = 120.0, security: Security = NONE) -> dict[str, Any]:
     """Compare every in-sync copy's per-slot checksum with its primary's.
 
     Returns {epoch, slots_checked, copies_checked, differing: [{table, slot, primary, copy}], unreachable}."""
-    m = shard_map(scheduler)
+    m = shard_map(scheduler, security=security)
     infos: dict[int, dict[str, dict[str, np.ndarray]]] = {}
     unreachable = []
     for i, s in enumerate(m.servers):
         if not s.up or not m.holds(i).any():
             continue
         try:
-            infos[i] = slot_info(s.address, table, checksums=True, timeout_s=timeout_s)
+            infos[i] = slot_info(s.address, table, checksums=True, timeout_s=timeout_s, security=security)
         except Unavailable:
             unreachable.append(s.id)
     differing = []
@@ -130,29 +132,30 @@ def verify(scheduler: str, table: str = "", timeout_s: float = 120.0) -> dict[st
 
 
 # --- placement operations ------------------------------------------------------------------------------------
-def drain(address: str, server: str, *, undrain: bool = False, timeout_s: float = 30.0) -> spb.PlanResponse:
+def drain(address: str, server: str, *, undrain: bool = False, timeout_s: float = 30.0,
+          security: Security = NONE) -> spb.PlanResponse:
     """Ask the scheduler to move every copy off ``server`` (id or address); the moves then run on their own."""
-    return _scheduler_call(address, "Drain", spb.DrainRequest(server=server, undrain=undrain), timeout_s)
+    return _scheduler_call(address, "Drain", spb.DrainRequest(server=server, undrain=undrain), timeout_s, security)
 
 
 def move_slot(address: str, slot: int, to: str, *, from_: str = "", primary: bool = False,
-              timeout_s: float = 30.0) -> spb.PlanResponse:
+              timeout_s: float = 30.0, security: Security = NONE) -> spb.PlanResponse:
     """Ask the scheduler to move ``slot``'s copy on ``from_`` (default: its primary) to server ``to``."""
     request = spb.MoveSlotRequest(slot=slot, to=to, primary=primary)
     setattr(request, "from", from_)
-    return _scheduler_call(address, "MoveSlot", request, timeout_s)
+    return _scheduler_call(address, "MoveSlot", request, timeout_s, security)
 
 
-def slot_load(address: str, timeout_s: float = 60.0) -> spb.SlotLoad:
+def slot_load(address: str, timeout_s: float = 60.0, security: Security = NONE) -> spb.SlotLoad:
     """The measured per-slot load, read from every slot's primary: rows, bytes, pull + push rows/s."""
-    m = shard_map(address, timeout_s)
+    m = shard_map(address, timeout_s, security)
     rows = np.zeros(m.num_slots, np.int64)
     nbytes = np.zeros(m.num_slots, np.int64)
     rates = np.zeros(m.num_slots, np.float64)
     for i, s in enumerate(m.servers):
         if not s.up or not m.leads(i).any():
             continue
-        for t in slot_info(s.address, checksums=False, timeout_s=timeout_s).values():
+        for t in slot_info(s.address, checksums=False, timeout_s=timeout_s, security=security).values():
             led = m.copies[t["slots"], 0] == i
             slots = t["slots"][led]
             rows[slots] += t["rows"][led]
@@ -163,19 +166,19 @@ def slot_load(address: str, timeout_s: float = 60.0) -> spb.SlotLoad:
 
 
 def rebalance(address: str, *, plan_only: bool = False, load: spb.SlotLoad | None = None, row_weight: float = 1.0,
-              rate_weight: float = 0.0, link_bytes_per_s: float = 100e6, timeout_s: float = 60.0
-              ) -> spb.PlanResponse:
+              rate_weight: float = 0.0, link_bytes_per_s: float = 100e6, timeout_s: float = 60.0,
+              security: Security = NONE) -> spb.PlanResponse:
     """Plan (and unless ``plan_only`` apply) a placement that evens out the measured load."""
     request = spb.RebalanceRequest(plan_only=plan_only, cost=spb.CostModel(
         row_weight=row_weight, rate_weight=rate_weight, link_bytes_per_s=link_bytes_per_s))
     if load is not None:
         request.load.CopyFrom(load)
-    return _scheduler_call(address, "Rebalance", request, timeout_s)
+    return _scheduler_call(address, "Rebalance", request, timeout_s, security)
 
 
-def settled(address: str) -> bool:
+def settled(address: str, security: Security = NONE) -> bool:
     """Every slot has a primary, every wanted copy is in sync, and nothing is moving."""
-    reply = status(address)
+    reply = status(address, security=security)
     return (not reply.unavailable_slots and not reply.degraded_slots and not reply.moving_slots
             and not sum(s.catching_up for s in reply.servers))
 

@@ -40,6 +40,7 @@ from tigana.ps.daemon import tune_allocator
 from tigana.ps.datapath import Attempt, PullOp, PushOp, Route, Server, new_future
 from tigana.ps.errors import InvalidArgument, PSError, TableNotFound, Unavailable, from_rpc_error
 from tigana.ps.mapfollower import MapFollower
+from tigana.ps.security import Security
 
 log = logging.getLogger("tigana.ps.client")
 
@@ -62,7 +63,10 @@ class ClientConfig:
     ``tune_allocator``: at connect, raise glibc's mmap/trim thresholds for this process (process-wide, as
     ``tigana server`` does) so multi-MiB message buffers are reused instead of mapped and faulted in per call.
     With a scheduler: a data-path call is re-routed until ``failover_timeout_s`` passes; the map is
-    long-polled ``map_poll_s`` at a time.
+    long-polled ``map_poll_s`` at a time. Security: ``tls_ca`` verifies the servers (TLS), ``tls_cert``/
+    ``tls_key`` is this client's certificate (mutual TLS), ``auth_token_file`` holds the token it sends
+    (a trainer's, or the admin one for admin operations); a token needs TLS unless
+    ``allow_insecure_loopback``.
     """
 
     timeout_s: float = 60.0
@@ -80,6 +84,11 @@ class ClientConfig:
     tune_allocator: bool = True
     failover_timeout_s: float = 60.0
     map_poll_s: float = 10.0
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    auth_token_file: str | None = None
+    allow_insecure_loopback: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> InvalidArgument:
@@ -101,6 +110,10 @@ class ClientConfig:
             raise bad("max_pushes_in_flight", "must be >= 1")
         if self.num_slots < 1:
             raise bad("num_slots", "must be >= 1")
+
+    def security(self) -> Security:
+        return Security.of_files(tls_cert=self.tls_cert, tls_key=self.tls_key, tls_ca=self.tls_ca,
+                                 token_file=self.auth_token_file, allow_insecure=self.allow_insecure_loopback)
 
     @property
     def retry(self) -> RetryPolicy:
@@ -240,6 +253,7 @@ class Client:
         if self.config.tune_allocator:
             tune_allocator()
         self.client_id = uuid.uuid4().hex
+        self.security = self.config.security()
         self._options = channel_options(self.config.max_message_bytes, self.config.keepalive_time_s,
                                         self.config.keepalive_timeout_s, self.config.reconnect_backoff_s)
         self._server_cache: dict[str, Server] = {}
@@ -259,7 +273,8 @@ class Client:
         self._waiters: list[tuple[int, Callable[[], None]]] = []
         self._waiters_lock = threading.Lock()
         if scheduler is not None:
-            self._maps = MapFollower(scheduler, self._on_map, self._options, self.config.map_poll_s)
+            self._maps = MapFollower(scheduler, self._on_map, self._options, self.config.map_poll_s,
+                                     channel=self.security.channel)
             try:
                 self._maps.fetch(self.config.timeout_s)
             except BaseException:
@@ -281,7 +296,8 @@ class Client:
     def _server(self, address: str) -> Server:
         s = self._server_cache.get(address)
         if s is None:
-            s = self._server_cache[address] = Server(address, self._options, self.config.max_pushes_in_flight)
+            s = self._server_cache[address] = Server(address, self._options, self.config.max_pushes_in_flight,
+                                                     self.security)
         return s
 
     def _on_map(self, m: routing.ShardMap) -> None:
@@ -799,14 +815,14 @@ def connect(addresses: str | Iterable[str] | None = None, config: ClientConfig |
     addrs = [addresses] if isinstance(addresses, str) else list(addresses)
     if len(addrs) == 1 and "," in addrs[0]:
         addrs = addrs[0].split(",")
-    if len(addrs) == 1 and _is_scheduler(addrs[0].strip(), min(base.timeout_s, 5.0)):
+    if len(addrs) == 1 and _is_scheduler(addrs[0].strip(), min(base.timeout_s, 5.0), base.security()):
         return Client(config=base, scheduler=addrs[0].strip())
     return Client(addrs, base)
 
 
-def _is_scheduler(address: str, timeout_s: float) -> bool:
+def _is_scheduler(address: str, timeout_s: float, security: Security) -> bool:
     """Whether ``address`` serves the scheduler (its health service knows the Scheduler service)."""
-    channel = grpc.insecure_channel(address)
+    channel = security.channel(address)
     try:
         reply = health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service="tigana.v1.Scheduler"), timeout=timeout_s)

@@ -18,6 +18,7 @@ import numpy as np
 
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.routing import DEFAULT_NUM_SLOTS, parse_slots
+from tigana.ps.security import Security
 
 MiB = 1 << 20
 
@@ -68,6 +69,13 @@ class ServerConfig:
     before answering UNAVAILABLE (the client retries; exactly-once makes that safe). ``lease_s``: an async
     push is acknowledged only while the last successful heartbeat is younger than this (keep it below the
     scheduler's heartbeat timeout: it bounds what a paused, deposed primary can acknowledge).
+
+    Security (``tigana.ps.security``): ``tls_cert``/``tls_key`` serve TLS, ``tls_ca`` verifies peers (and,
+    with ``require_client_cert``, clients' certificates); ``auth_token_file`` holds the trainers' token,
+    ``admin_token_file`` the admin token (which this server also sends to the scheduler and its peers);
+    tokens need TLS unless ``allow_insecure_loopback``. Limits: ``max_message_bytes``,
+    ``max_rows_per_request`` (ids in one pull or push), ``max_concurrent_requests`` (RPCs in progress; more
+    answer RESOURCE_EXHAUSTED).
     """
 
     host: str = "127.0.0.1"
@@ -95,6 +103,15 @@ class ServerConfig:
     replication_timeout_s: float = 2.0
     ack_timeout_s: float = 10.0
     lease_s: float = 2.0
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    require_client_cert: bool = False
+    auth_token_file: str | None = None
+    admin_token_file: str | None = None
+    allow_insecure_loopback: bool = False
+    max_rows_per_request: int = 4_000_000
+    max_concurrent_requests: int = 256
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidArgument:
@@ -118,7 +135,8 @@ class ServerConfig:
             raise bad("keep_snapshots", f"must be >= 0 (0 keeps all), got {self.keep_snapshots}")
         if self.drain_grace_s < 0:
             raise bad("drain_grace_s", f"must be >= 0, got {self.drain_grace_s}")
-        for name in ("scheduler", "server_id", "advertise"):
+        for name in ("scheduler", "server_id", "advertise", "tls_cert", "tls_key", "tls_ca", "auth_token_file",
+                     "admin_token_file"):
             if getattr(self, name) is not None and not str(getattr(self, name)).strip():
                 object.__setattr__(self, name, None)
         for name in ("heartbeat_interval_s", "replication_timeout_s", "ack_timeout_s", "lease_s"):
@@ -128,12 +146,21 @@ class ServerConfig:
             raise bad("snapshot_every_s", f"must be >= 0 (0: off), got {self.snapshot_every_s}")
         if self.full_snapshot_every < 1:
             raise bad("full_snapshot_every", f"must be >= 1, got {self.full_snapshot_every}")
+        if self.max_rows_per_request < 1 or self.max_concurrent_requests < 1:
+            raise bad("max_rows_per_request", "and max_concurrent_requests must be >= 1")
         if self.scheduler is not None and self.slots.strip() not in ("", "all"):
             raise bad("slots", "must be 'all' with --scheduler: the shard map says which slots a server holds")
         try:
             parse_slots(self.slots, self.num_slots)
         except ValueError as exc:
             raise bad("slots", str(exc)) from None
+
+    def security(self) -> Security:
+        """TLS material and tokens, read from their files (``InvalidArgument`` naming a file that cannot be)."""
+        return Security.of_files(tls_cert=self.tls_cert, tls_key=self.tls_key, tls_ca=self.tls_ca,
+                                 require_client_cert=self.require_client_cert,
+                                 trainer_token_files=[self.auth_token_file], admin_token_files=[self.admin_token_file],
+                                 allow_insecure=self.allow_insecure_loopback)
 
     def owned_slots(self) -> np.ndarray:
         """(num_slots,) bool mask of the slots this server owns."""
@@ -142,11 +169,11 @@ class ServerConfig:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
 _INTS = {"port", "metrics_port", "num_slots", "max_workers", "keepalive_time_ms", "keepalive_timeout_ms",
-         "dedup_window", "keep_snapshots", "full_snapshot_every"}
+         "dedup_window", "keep_snapshots", "full_snapshot_every", "max_rows_per_request", "max_concurrent_requests"}
 _SIZES = {"memory_budget", "max_message_bytes"}
 _FLOATS = {"drain_grace_s", "heartbeat_interval_s", "snapshot_every_s", "replication_timeout_s", "ack_timeout_s",
            "lease_s"}
-_BOOLS = {"snapshot_on_shutdown"}
+_BOOLS = {"snapshot_on_shutdown", "require_client_cert", "allow_insecure_loopback"}
 ENV_PREFIX = "TIGANA_"
 
 

@@ -60,20 +60,23 @@ class ServerHandle:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.service = ShardService(config)
+        self.security = config.security()
+        self.service = ShardService(config, security=self.security)
         self.metrics: ServerMetrics = self.service.metrics
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers,
                                                               thread_name_prefix="tigana-shard"),
-                                   options=grpc_server_options(config))
+                                   options=grpc_server_options(config),
+                                   interceptors=self.security.interceptors(self.metrics.count_auth_rejection),
+                                   maximum_concurrent_rpcs=config.max_concurrent_requests)
         add_to_server(self.service, self._server)  # the generated registration, with raw data-path codecs
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME),
                                             self._server)
         target = f"{config.host}:{config.port}"
         try:
-            port = self._server.add_insecure_port(target)
+            port = self.security.add_port(self._server, target)
         except RuntimeError as exc:
             port, cause = 0, exc
         else:
@@ -87,7 +90,8 @@ class ServerHandle:
         self.agent: Agent | None = None
         if config.scheduler:
             self.agent = Agent(self.service, config.scheduler, self.advertise,
-                               heartbeat_interval_s=config.heartbeat_interval_s, lease_s=config.lease_s)
+                               heartbeat_interval_s=config.heartbeat_interval_s, lease_s=config.lease_s,
+                               security=self.security)
             self.service.agent = self.agent
             self.service.on_install = self._copies_health
         self.metrics_port: int | None = None

@@ -50,9 +50,10 @@ class Server:
 
     __slots__ = ("address", "channel", "stub", "pull", "push", "permits", "calls", "lock")
 
-    def __init__(self, address: str, options: list, max_pushes_in_flight: int) -> None:
+    def __init__(self, address: str, options: list, max_pushes_in_flight: int, security: Any = None) -> None:
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=options)
+        self.channel = security.channel(address, options) if security is not None else \
+            grpc.insecure_channel(address, options=options)
         self.stub = pb_grpc.ShardStub(self.channel)
         self.pull = self.channel.unary_unary(_PULL, request_serializer=wire.identity,
                                              response_deserializer=wire.decode_pull_response)

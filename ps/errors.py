@@ -9,6 +9,8 @@
     ├── InvalidArgument    INVALID_ARGUMENT    bad ids/grads/dims/config; nothing was applied
     ├── WrongShard         FAILED_PRECONDITION ids for slots this server does not lead at the caller's epoch
     ├── PushExpired        ABORTED             a retried push older than the exactly-once window
+    ├── Unauthenticated    UNAUTHENTICATED     no credential, or one the server does not accept
+    ├── PermissionDenied   PERMISSION_DENIED   a trainer's credential on an admin operation
     ├── ResourceExhausted  RESOURCE_EXHAUSTED  memory/LMDB/disk full, message too large, too many requests
     ├── DataLoss           DATA_LOSS           a corrupt store or snapshot
     └── Internal           INTERNAL            a bug; the daemon keeps serving
@@ -74,6 +76,14 @@ class PushExpired(PSError):
     code = grpc.StatusCode.ABORTED
 
 
+class Unauthenticated(PSError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(PSError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class ResourceExhausted(PSError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -89,7 +99,7 @@ class Internal(PSError):
 _BY_CODE: dict[grpc.StatusCode, type[PSError]] = {
     cls.code: cls
     for cls in (Unavailable, DeadlineExceeded, TableNotFound, TableExists, InvalidArgument, WrongShard,
-                PushExpired, ResourceExhausted, DataLoss, Internal)
+                PushExpired, Unauthenticated, PermissionDenied, ResourceExhausted, DataLoss, Internal)
 }
 _BY_NAME: dict[str, type[PSError]] = {cls.__name__: cls for cls in (*_BY_CODE.values(), NotEnoughReplicas)}
 ERROR_KEY, EPOCH_KEY = "tigana-error", "tigana-epoch"

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tigana.ps.routing import DEFAULT_NUM_SLOTS, slot_range
+from tigana.ps.security import NONE, Security
 
 
 def _death_signal_wrapper() -> list[str]:
@@ -47,7 +48,8 @@ class LocalCluster:
 
     data_dir: a folder with the scheduler's and each ``shard-<i>`` data dir and log file (a temporary folder,
     removed on close, when None). base_port: shard i listens on base_port + i (free ports when None).
-    server_args / scheduler_args: extra flags for every shard / the scheduler.
+    server_args / scheduler_args: extra flags for every shard / the scheduler; security_flags: TLS and token
+    flags for both (``client_security``: what the cluster object itself presents when it asks for status).
     """
 
     def __init__(self, shards: int = 2, *, replicas: int | None = 1, base_port: int | None = None,
@@ -55,7 +57,8 @@ class LocalCluster:
                  host: str = "127.0.0.1", memory_budget: str | None = None, metrics: bool = False,
                  server_args: Sequence[str] = (), scheduler_args: Sequence[str] = (), heartbeat_timeout: float = 3.0,
                  startup_timeout: float = 120.0, python: str = sys.executable, env: dict[str, str] | None = None,
-                 wait_placement: bool = True) -> None:
+                 wait_placement: bool = True, security_flags: Sequence[str] = (),
+                 client_security: Security = NONE) -> None:
         if shards < 1:
             raise ValueError(f"shards must be >= 1, got {shards}")
         if replicas is not None and replicas < 0:
@@ -76,9 +79,11 @@ class LocalCluster:
         self._env.setdefault("PYTHONUNBUFFERED", "1")
         self._startup_timeout = startup_timeout
         self._cmds: list[list[str]] = []
+        self.client_security = client_security  # what this object's own status calls present
         try:
             if replicas is not None:
-                self._start_scheduler(list(scheduler_args) + ["--replicas", str(replicas), "--expect-servers",
+                self._start_scheduler(list(scheduler_args) + list(security_flags) + ["--replicas", str(replicas),
+                                                                                     "--expect-servers",
                                                               str(shards), "--num-slots", str(num_slots),
                                                               "--heartbeat-timeout", str(heartbeat_timeout)])
             ready_files = []
@@ -98,7 +103,7 @@ class LocalCluster:
                     cmd += ["--slots", f"{start}-{stop - 1}"]
                 if memory_budget:
                     cmd += ["--memory-budget", memory_budget]
-                cmd += list(server_args)
+                cmd += list(server_args) + list(security_flags)
                 self._cmds.append(cmd)
                 self.procs.append(self._spawn(cmd, self.log_path(i)))
                 ready_files.append(ready)
@@ -164,7 +169,7 @@ class LocalCluster:
 
         deadline = time.monotonic() + timeout
         while True:
-            status = cluster_status(self.scheduler, timeout_s=5.0)
+            status = cluster_status(self.scheduler, timeout_s=5.0, security=self.client_security)
             if status is not None and status["epoch"] > 0 and not status["unavailable_slots"]:
                 catching = sum(srv["catching_up"] for srv in status["servers"])
                 full = self.replicas is None or self.shards <= (self.replicas or 0) or not status["degraded_slots"]

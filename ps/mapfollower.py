@@ -19,7 +19,7 @@ import grpc
 from tigana.proto import scheduler_pb2 as spb
 from tigana.proto import scheduler_pb2_grpc as spb_grpc
 from tigana.ps import cluster_wire
-from tigana.ps.errors import Unavailable, from_rpc_error
+from tigana.ps.errors import DeadlineExceeded, Unavailable, from_rpc_error
 from tigana.ps.routing import ShardMap
 
 log = logging.getLogger("tigana.ps.mapfollower")
@@ -30,13 +30,14 @@ class MapFollower:
     newer map. ``stub`` is the scheduler stub for other calls (tables)."""
 
     def __init__(self, addresses: str, on_map: Callable[[ShardMap], None], options: list,
-                 poll_s: float = 10.0) -> None:
+                 poll_s: float = 10.0, channel: Callable[[str, list], grpc.Channel] | None = None) -> None:
         self.addresses = [a.strip() for a in addresses.split(",") if a.strip()]
         if not self.addresses:
             raise Unavailable("scheduler: no address given")
         self.on_map = on_map
         self.poll_s = poll_s
-        self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
+        make = channel or (lambda a, o: grpc.insecure_channel(a, options=o))
+        self._channels = [make(a, options) for a in self.addresses]
         self._stubs = [spb_grpc.SchedulerStub(c) for c in self._channels]
         self._which = 0
         self.epoch = 0
@@ -70,6 +71,8 @@ class MapFollower:
                 return m
             except grpc.RpcError as err:
                 last = from_rpc_error(err, self.address)
+                if not isinstance(last, (Unavailable, DeadlineExceeded)):
+                    raise last from None  # refused (credentials, ...): another try would be refused too
                 self._failover()
             if time.monotonic() >= deadline:
                 raise Unavailable(f"scheduler {','.join(self.addresses)}: {last}") from None

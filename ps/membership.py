@@ -23,6 +23,7 @@ import numpy as np
 from tigana.proto import scheduler_pb2 as spb
 from tigana.proto import scheduler_pb2_grpc as spb_grpc
 from tigana.ps import cluster_wire
+from tigana.ps.security import NONE, Security
 
 log = logging.getLogger("tigana.ps.membership")
 
@@ -31,7 +32,7 @@ class Agent:
     """The link of one ``ShardService`` to its scheduler(s) (``scheduler``: "host:port[,host:port]")."""
 
     def __init__(self, service, scheduler: str, address: str, *, heartbeat_interval_s: float = 0.5,
-                 lease_s: float = 2.0) -> None:
+                 lease_s: float = 2.0, security: Security = NONE) -> None:
         self.service = service
         self.addresses = [a.strip() for a in scheduler.split(",") if a.strip()]
         self.address = address
@@ -41,7 +42,7 @@ class Agent:
         options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
                    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 1000)]
-        self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
+        self._channels = [security.channel(a, options) for a in self.addresses]
         self._stubs = [spb_grpc.SchedulerStub(c) for c in self._channels]
         self._stop = threading.Event()
         self._wake = threading.Event()

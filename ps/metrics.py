@@ -81,6 +81,8 @@ class ServerMetrics:
                                 ["method", "code"], registry=r)
         self.latency = Histogram("tigana_request_seconds", "RPC latency in the server, by method", ["method"],
                                  buckets=_LATENCY_BUCKETS, registry=r)
+        self.auth_rejected = Counter("tigana_auth_rejected", "Calls refused by the credential check, by method and "
+                                     "reason (missing, invalid, role)", ["method", "reason"], registry=r)
         self.rows_pulled = Counter("tigana_rows_pulled", "Rows returned by Pull, by table", ["table"], registry=r)
         self.rows_pushed = Counter("tigana_rows_pushed", "Gradient rows applied by Push, by table", ["table"],
                                    registry=r)
@@ -96,6 +98,10 @@ class ServerMetrics:
             r.register(_ClusterCollector(cluster_source))
         self.http_port: int | None = None
         self._httpd: Any = None
+
+    def count_auth_rejection(self, method: str, reason: str) -> None:
+        """A call refused by the credential check (reason: missing, invalid, role); never the token itself."""
+        self.auth_rejected.labels(method.rsplit("/", 1)[-1], reason).inc()
 
     def observe(self, method: str, code: str, seconds: float) -> None:
         """Count one answered RPC."""

@@ -155,8 +155,7 @@ class Stream:
         self.closed = False
         self.last_error = ""
         self.acked_time = time.monotonic()
-        self.channel = grpc.insecure_channel(address, options=channel_options(
-            replicator.max_message_bytes, 30.0, 10.0, 0.1))
+        self.channel = replicator.channel(address, channel_options(replicator.max_message_bytes, 30.0, 10.0, 0.1))
         self.replicate = self.channel.unary_unary(
             "/tigana.v1.Shard/Replicate", request_serializer=_identity,
             response_deserializer=pb.ReplicateResponse.FromString)
@@ -300,7 +299,8 @@ class Replicator:
                  refresh_map: Callable[[int], None], report_failure: Callable[[str, np.ndarray, str], None],
                  caught_up: Callable[[str, np.ndarray], None], copy_rows: Callable[[Stream, _Session], None],
                  failure_timeout_s: float = 2.0, send_timeout_s: float = 10.0, batch_bytes: int = 24 << 20,
-                 max_queue_bytes: int = 512 << 20, copy_window_bytes: int = 16 << 20) -> None:
+                 max_queue_bytes: int = 512 << 20, copy_window_bytes: int = 16 << 20,
+                 channel: Callable[[str, list], grpc.Channel] | None = None) -> None:
         self.server_id, self.boot, self.num_slots = server_id, boot, num_slots
         self.max_message_bytes = max_message_bytes
         self.refresh_map, self.report_failure, self.caught_up = refresh_map, report_failure, caught_up
@@ -309,6 +309,7 @@ class Replicator:
         self.batch_bytes = min(batch_bytes, max_message_bytes // 2)
         self.max_queue_bytes = max_queue_bytes
         self.copy_window_bytes = copy_window_bytes
+        self.channel = channel or (lambda address, options: grpc.insecure_channel(address, options=options))
         self.cond = threading.Condition()
         self.streams: dict[str, Stream] = {}
         self.epoch = 0

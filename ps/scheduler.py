@@ -58,6 +58,7 @@ from tigana.ps.routing import (
     TableDef,
     format_slots,
 )
+from tigana.ps.security import NONE, Security
 
 log = logging.getLogger("tigana.ps.scheduler")
 
@@ -85,6 +86,20 @@ class SchedulerConfig:
     max_workers: int = 256  # a connected client holds one in its long poll of the map
     max_copies_per_step: int | None = None
     probe_timeout_s: float = 0.5
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    require_client_cert: bool = False
+    auth_token_file: str | None = None
+    admin_token_file: str | None = None
+    allow_insecure_loopback: bool = False
+
+    def security(self) -> Security:
+        """TLS and tokens as for a shard server (the scheduler calls the servers with the admin token)."""
+        return Security.of_files(tls_cert=self.tls_cert, tls_key=self.tls_key, tls_ca=self.tls_ca,
+                                 require_client_cert=self.require_client_cert,
+                                 trainer_token_files=[self.auth_token_file], admin_token_files=[self.admin_token_file],
+                                 allow_insecure=self.allow_insecure_loopback)
 
     def __post_init__(self) -> None:
         if self.replicas < 0:
@@ -789,7 +804,8 @@ class _Announcer:
     """Pushes every new map to the servers that are up (latest map only; a server that misses one gets the
     next, or fetches it with its heartbeat)."""
 
-    def __init__(self, max_message_bytes: int = 64 << 20) -> None:
+    def __init__(self, max_message_bytes: int = 64 << 20, security: Security = NONE) -> None:
+        self._security = security
         self._latest: ShardMap | None = None
         self._cond = threading.Condition()
         self._channels: dict[str, grpc.Channel] = {}
@@ -811,7 +827,7 @@ class _Announcer:
     def channel(self, address: str) -> grpc.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.insecure_channel(address, options=self._options)
+            ch = self._channels[address] = self._security.channel(address, self._options)
         return ch
 
     def _run(self) -> None:
@@ -846,10 +862,10 @@ def _quiet_call(method, request, timeout: float) -> None:
         method(request, timeout=timeout)
 
 
-def probe_closed(address: str, timeout_s: float = 0.5) -> bool | None:
+def probe_closed(address: str, timeout_s: float = 0.5, security: Security = NONE) -> bool | None:
     """True when nothing listens at ``address`` (connection refused), False when a health check answered,
     None when it timed out (a paused or partitioned server: the heartbeat timeout decides)."""
-    channel = grpc.insecure_channel(address, options=[("grpc.initial_reconnect_backoff_ms", 50)])
+    channel = security.channel(address, [("grpc.initial_reconnect_backoff_ms", 50)])
     try:
         stub = health_pb2_grpc.HealthStub(channel)
         stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
@@ -876,20 +892,23 @@ class SchedulerHandle:
                 self._tmp = tempfile.TemporaryDirectory(prefix="tigana-scheduler-")
                 data_dir = self._tmp.name
             store = FileMapStore(data_dir)
-        self.announcer = _Announcer()
+        self.security = config.security()
+        self.announcer = _Announcer(security=self.security)
         self.core = SchedulerCore(config, store, announce=self.announcer,
-                                  probe=lambda a: probe_closed(a, config.probe_timeout_s))
+                                  probe=lambda a: probe_closed(a, config.probe_timeout_s, self.security))
+        self.auth_rejected = 0
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers,
                                                               thread_name_prefix="tigana-scheduler"),
                                    options=[("grpc.max_send_message_length", 64 << 20),
                                             ("grpc.max_receive_message_length", 64 << 20),
-                                            ("grpc.so_reuseport", 0)])
+                                            ("grpc.so_reuseport", 0)],
+                                   interceptors=self.security.interceptors(self._rejected))
         rpc.register(self._server, spb.DESCRIPTOR.services_by_name["Scheduler"], SchedulerService(self.core))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         port = 0
         try:
-            port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+            port = self.security.add_port(self._server, f"{config.host}:{config.port}")
         except RuntimeError:
             port = 0
         if not port:
@@ -901,6 +920,10 @@ class SchedulerHandle:
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="tigana-scheduler-tick", daemon=True)
         self._closed = False
+
+    def _rejected(self, method: str, reason: str) -> None:
+        self.auth_rejected += 1
+        log.warning("refused %s: %s credential", method, reason)
 
     def _tick(self) -> None:
         interval = min(0.2, self.config.heartbeat_timeout_s / 10)

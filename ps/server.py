@@ -72,6 +72,7 @@ from tigana.ps.errors import (
 from tigana.ps.metrics import ServerMetrics
 from tigana.ps.replication import NO_POSITION, Replicator, SlotLog, Stream
 from tigana.ps.routing import ShardMap, TableDef, format_slots, parse_slots, slot_of
+from tigana.ps.security import NONE, Security
 
 log = logging.getLogger("tigana.ps.server")
 
@@ -175,8 +176,10 @@ class ShardService(shard_pb2_grpc.ShardServicer):
     ``agent`` (set by the daemon in cluster mode) is the link to the scheduler: ``refresh(epoch)``,
     ``report_copy_failure(target, slots, reason)``, ``copy_caught_up(target, slots)``."""
 
-    def __init__(self, config: ServerConfig, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, config: ServerConfig, metrics: ServerMetrics | None = None, *,
+                 security: Security = NONE) -> None:
         self.config = config
+        self.security = security
         self.metrics = metrics or ServerMetrics(self.table_sizes, self.cluster_figures)
         self.state = "loading"
         self.num_slots = config.num_slots
@@ -199,7 +202,8 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             self.replicator: Replicator | None = Replicator(
                 self.server_id, self.boot, self.num_slots, max_message_bytes=config.max_message_bytes,
                 refresh_map=self._refresh, report_failure=self._report_failure, caught_up=self._caught_up,
-                copy_rows=self._copy_rows, failure_timeout_s=config.replication_timeout_s)
+                copy_rows=self._copy_rows, failure_timeout_s=config.replication_timeout_s,
+                channel=security.channel)
         else:
             self._view = _View.static(config.owned_slots())
             self.replicator = None
@@ -407,6 +411,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         hosted = self._get(name)
         raw_ids = request.ids  # protobuf copies a bytes field on every access: read it once
         ids = wire.decode_ids(raw_ids, table=name)
+        self._check_rows(name, ids.size)
         codec = request.codec
         if codec not in _CODECS:
             raise InvalidArgument(f"table {name!r}: field 'codec' has unknown value {codec}")
@@ -451,6 +456,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         hosted = self._get(name)
         raw_ids = request.ids  # protobuf copies a bytes field on every access: read each once
         ids = wire.decode_ids(raw_ids, table=name)
+        self._check_rows(name, ids.size)
         dim = hosted.table.config.dim
         g = request.grads
         codec, data, scales = g.codec, g.data, g.scales
@@ -512,6 +518,11 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         else:
             self.metrics.rows_pushed.labels(name).inc(len(ids))
         return pb.PushResponse(applied_rows=int(applied), duplicate=duplicate, epoch=self._view.epoch)
+
+    def _check_rows(self, table: str, n: int) -> None:
+        if n > self.config.max_rows_per_request:
+            raise ResourceExhausted(f"table {table!r}: field 'ids' has {n} ids, above the server's limit of "
+                                    f"{self.config.max_rows_per_request} per request; split it")
 
     def _replicate(self, hosted: _Hosted, view: _View, changes: Changes | None, slots: np.ndarray | None,
                    key: tuple[str, int, np.ndarray] | None) -> list:
@@ -704,6 +715,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         hosted = self._get(name)
         rows = cluster_wire.rows_from_pb(request.rows, dim=hosted.table.dim, state_width=hosted.table.state_width,
                                          table=name)
+        self._check_rows(name, len(rows))
         with hosted.lock:
             view, slots = self._check_leads(name, rows.ids, request.epoch)
             uslots = unique(slots)

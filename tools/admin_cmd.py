@@ -27,6 +27,7 @@ from tigana import ps
 from tigana.proto import scheduler_pb2 as spb
 from tigana.ps import admin, cluster_wire
 from tigana.ps.errors import PSError
+from tigana.ps.security import Security
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +35,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HOST:PORT of the scheduler (default: $TIGANA_SCHEDULER)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for moves (default 600)")
+    env = os.environ.get
+    parser.add_argument("--tls-ca", default=env("TIGANA_TLS_CA"), help="PEM CA that verifies the cluster (TLS)")
+    parser.add_argument("--tls-cert", default=env("TIGANA_TLS_CERT"), help="PEM client certificate (mutual TLS)")
+    parser.add_argument("--tls-key", default=env("TIGANA_TLS_KEY"), help="PEM key of --tls-cert")
+    parser.add_argument("--auth-token-file", default=env("TIGANA_ADMIN_TOKEN_FILE") or env("TIGANA_AUTH_TOKEN_FILE"),
+                        help="file with the admin token (default: $TIGANA_ADMIN_TOKEN_FILE)")
+    parser.add_argument("--allow-insecure-loopback", action="store_true",
+                        default=env("TIGANA_ALLOW_INSECURE_LOOPBACK", "") in ("1", "true"),
+                        help="send the token without TLS (loopback only)")
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     sub.add_parser("status", help="servers, slots, epoch, tables, degraded slots")
     p = sub.add_parser("drain", help="move every copy off a server, wait until it holds nothing")
@@ -72,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
         print("tigana admin: no scheduler: give --scheduler HOST:PORT or set TIGANA_SCHEDULER", file=sys.stderr)
         return 2
     try:
+        args.security = Security.of_files(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                                          token_file=args.auth_token_file, allow_insecure=args.allow_insecure_loopback)
         ok, report = _ACTIONS[args.action](args)
     except PSError as exc:
         ok, report = False, {"error": f"{type(exc).__name__}: {exc}"}
@@ -86,10 +98,10 @@ def _say(args: argparse.Namespace, text: str) -> None:
 
 
 def _status(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
-    s = admin.cluster_status(args.scheduler)
+    s = admin.cluster_status(args.scheduler, security=args.security)
     if s is None:
         raise ps.Unavailable(f"scheduler {args.scheduler}: not reachable")
-    reply = admin.status(args.scheduler)
+    reply = admin.status(args.scheduler, security=args.security)
     s["moving_slots"], s["draining"] = int(reply.moving_slots), list(reply.draining)
     _say(args, f"cluster {s['cluster_id']}  epoch {s['epoch']}  {s['num_slots']} slots  {s['replicas']} replica(s)  "
                f"degraded {s['degraded_slots']}  unavailable {s['unavailable_slots']}  moving {s['moving_slots']}")
@@ -111,7 +123,7 @@ def _wait_moves(args: argparse.Namespace, done, what: str) -> bool:
     deadline = time.monotonic() + args.timeout
     last = ""
     while True:
-        reply = admin.status(args.scheduler)
+        reply = admin.status(args.scheduler, security=args.security)
         sent = sum(s.stats.get("slot_copy_rows_sent", 0) for s in reply.servers)
         total = sum(s.stats.get("slot_copy_rows_total", 0) for s in reply.servers)
         catching = sum(s.catching_up for s in reply.servers)
@@ -135,7 +147,7 @@ def _plan_report(reply: spb.PlanResponse) -> dict[str, Any]:
 
 
 def _drain(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
-    reply = admin.drain(args.scheduler, args.server, undrain=args.undrain)
+    reply = admin.drain(args.scheduler, args.server, undrain=args.undrain, security=args.security)
     report = _plan_report(reply)
     if args.undrain or args.no_wait:
         _say(args, f"{'undrained' if args.undrain else 'draining'} {args.server}: {len(reply.moves)} slot(s) to move")
@@ -152,9 +164,9 @@ def _drain(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
 
 
 def _rebalance(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
-    load = admin.slot_load(args.scheduler)
+    load = admin.slot_load(args.scheduler, security=args.security)
     reply = admin.rebalance(args.scheduler, plan_only=args.plan, load=load, row_weight=args.row_weight,
-                            rate_weight=args.rate_weight, link_bytes_per_s=args.link_bandwidth)
+                            rate_weight=args.rate_weight, link_bytes_per_s=args.link_bandwidth, security=args.security)
     report = _plan_report(reply)
     _say(args, f"{len(reply.moves)} move(s), {reply.bytes_moved} bytes to copy (~{reply.predicted_seconds:.1f}s); "
                f"load max/mean {reply.before.max:.0f}/{reply.before.mean:.0f} -> {reply.after.max:.0f}/"
@@ -171,7 +183,8 @@ def _rebalance(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
 
 
 def _move_slot(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
-    reply = admin.move_slot(args.scheduler, args.slot, args.to, from_=args.from_, primary=args.primary)
+    reply = admin.move_slot(args.scheduler, args.slot, args.to, from_=args.from_, primary=args.primary,
+                            security=args.security)
     report = _plan_report(reply)
     if args.no_wait:
         return True, report
@@ -190,7 +203,8 @@ def _move_slot(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
 
 
 def _client(args: argparse.Namespace) -> ps.Client:
-    return ps.connect(scheduler=args.scheduler)
+    return ps.connect(scheduler=args.scheduler, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                      auth_token_file=args.auth_token_file, allow_insecure_loopback=args.allow_insecure_loopback)
 
 
 def _checkpoint(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
@@ -221,7 +235,7 @@ def _export(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
 
 
 def _verify(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
-    result = admin.verify(args.scheduler, args.table)
+    result = admin.verify(args.scheduler, args.table, security=args.security)
     for d in result["differing"][:50]:
         _say(args, f"slot {d['slot']} of {d['table']!r}: copy on {d['copy']} differs from the primary {d['primary']}")
     ok = not result["differing"] and not result["unreachable"]

@@ -35,6 +35,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="the first placement waits for this many servers (or --bootstrap-wait seconds; default 1)")
     a("--bootstrap-wait", type=float, default=2.0, help="seconds the first placement waits for more servers")
     a("--auto-rebalance", action="store_true", help="move slots to servers that join")
+    env = os.environ.get
+    a("--tls-cert", default=env("TIGANA_TLS_CERT"), help="PEM certificate the scheduler presents (TLS)")
+    a("--tls-key", default=env("TIGANA_TLS_KEY"), help="PEM private key of --tls-cert")
+    a("--tls-ca", default=env("TIGANA_TLS_CA"), help="PEM CA that verifies peers (and client certificates)")
+    a("--require-client-cert", action="store_true", default=env("TIGANA_REQUIRE_CLIENT_CERT", "") in ("1", "true"),
+      help="mutual TLS: refuse callers without a certificate signed by --tls-ca")
+    a("--auth-token-file", default=env("TIGANA_AUTH_TOKEN_FILE"), help="file with the trainers' token")
+    a("--admin-token-file", default=env("TIGANA_ADMIN_TOKEN_FILE"),
+      help="file with the admin token (servers register with it; admin operations need it)")
+    a("--allow-insecure-loopback", action="store_true",
+      default=env("TIGANA_ALLOW_INSECURE_LOOPBACK", "") in ("1", "true"),
+      help="accept tokens without TLS, from this machine only")
     a("--ready-file", default=None, help="write {address, port, pid} as JSON here once serving")
     a("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 
@@ -49,7 +61,10 @@ def run(args: argparse.Namespace) -> int:
         config = SchedulerConfig(host=args.host, port=args.port, data_dir=args.data_dir, replicas=args.replicas,
                                  num_slots=args.num_slots, heartbeat_timeout_s=args.heartbeat_timeout,
                                  expect_servers=args.expect_servers, bootstrap_wait_s=args.bootstrap_wait,
-                                 auto_rebalance=args.auto_rebalance)
+                                 auto_rebalance=args.auto_rebalance, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                                 tls_ca=args.tls_ca, require_client_cert=args.require_client_cert,
+                                 auth_token_file=args.auth_token_file, admin_token_file=args.admin_token_file,
+                                 allow_insecure_loopback=args.allow_insecure_loopback)
         handle = start_scheduler(config)
     except (OSError, PSError) as exc:
         print(f"tigana scheduler: {exc}", file=sys.stderr)

@@ -47,6 +47,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "copy at once costs")
     a("--replication-timeout", dest="replication_timeout_s", type=float, default=None,
       help="seconds a copy may fail to apply the stream before it is reported (default 2)")
+    a("--tls-cert", default=None, help="PEM certificate this server presents (TLS)")
+    a("--tls-key", default=None, help="PEM private key of --tls-cert")
+    a("--tls-ca", default=None, help="PEM CA that verifies peers (and client certificates)")
+    a("--require-client-cert", action="store_const", const=True, default=None,
+      help="mutual TLS: refuse clients without a certificate signed by --tls-ca")
+    a("--auth-token-file", default=None, help="file with the trainers' token (pull, push, create tables)")
+    a("--admin-token-file", default=None,
+      help="file with the admin token (every operation; this server also sends it to the scheduler and peers)")
+    a("--allow-insecure-loopback", action="store_const", const=True, default=None,
+      help="accept tokens without TLS, from this machine only")
+    a("--max-rows-per-request", type=int, default=None, help="ids in one pull or push (default 4,000,000)")
+    a("--max-concurrent-requests", type=int, default=None,
+      help="RPCs in progress before RESOURCE_EXHAUSTED (default 256)")
     a("--config", default=None, help="YAML or TOML file of settings (keys as the flags, with _ or -)")
     a("--ready-file", default=None, help="write {address, port, metrics_port, pid} as JSON here once serving")
     a("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
@@ -54,7 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 _FLAG_FIELDS = ("host", "port", "data_dir", "memory_budget", "metrics_port", "slots", "num_slots", "max_workers",
                 "max_message_bytes", "dedup_window", "drain_grace_s", "keep_snapshots", "scheduler", "server_id",
-                "advertise", "heartbeat_interval_s", "snapshot_every_s", "replication_timeout_s", "config")
+                "advertise", "heartbeat_interval_s", "snapshot_every_s", "replication_timeout_s", "tls_cert", "tls_key",
+                "tls_ca", "require_client_cert", "auth_token_file", "admin_token_file", "allow_insecure_loopback",
+                "max_rows_per_request", "max_concurrent_requests", "config")
 
 
 def run(args: argparse.Namespace) -> int:

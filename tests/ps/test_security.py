@@ -1,0 +1,134 @@
+"""TLS, mutual TLS, tokens and roles on a real cluster (a scheduler and shard daemons as processes), with
+certificates made at test time (trustme). Refused callers change nothing; tokens never reach a log."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from tigana import ps
+from tigana.ps import admin
+from tigana.ps.config import ServerConfig
+from tigana.ps.daemon import start_server
+from tigana.ps.security import Security
+
+trustme = pytest.importorskip("trustme")
+pytestmark = pytest.mark.timeout(240)
+
+TRAINER, ADMIN = "trainer-token-3f9a", "admin-token-77c1"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pki")
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    client = ca.issue_cert("trainer@tigana")
+    paths = {"ca": d / "ca.pem", "cert": d / "server.pem", "key": d / "server.key", "ccert": d / "client.pem",
+             "ckey": d / "client.key", "trainer": d / "trainer.token", "admin": d / "admin.token"}
+    ca.cert_pem.write_to_path(str(paths["ca"]))
+    server.cert_chain_pems[0].write_to_path(str(paths["cert"]))
+    server.private_key_pem.write_to_path(str(paths["key"]))
+    client.cert_chain_pems[0].write_to_path(str(paths["ccert"]))
+    client.private_key_pem.write_to_path(str(paths["ckey"]))
+    paths["trainer"].write_text(TRAINER + "\n")
+    paths["admin"].write_text(ADMIN + "\n")
+    return {k: str(v) for k, v in paths.items()}
+
+
+@pytest.fixture(scope="module")
+def cluster(pki, tmp_path_factory):
+    flags = ["--tls-cert", pki["cert"], "--tls-key", pki["key"], "--tls-ca", pki["ca"], "--require-client-cert",
+             "--auth-token-file", pki["trainer"], "--admin-token-file", pki["admin"]]
+    me = Security(tls_cert=pki["ccert"], tls_key=pki["ckey"], tls_ca=pki["ca"], token=ADMIN)
+    c = ps.LocalCluster(2, replicas=1, data_dir=tmp_path_factory.mktemp("secure"), security_flags=flags,
+                        client_security=me)
+    try:
+        yield c, me
+    finally:
+        c.close(timeout=30)
+
+
+def _connect(cluster, pki, token: str | None = "trainer", cert: bool = True, **kw) -> ps.Client:
+    return ps.connect(scheduler=cluster.scheduler, tls_ca=pki["ca"], tls_cert=pki["ccert"] if cert else None,
+                      tls_key=pki["ckey"] if cert else None, auth_token_file=pki[token] if token else None,
+                      timeout_s=5, failover_timeout_s=3, **kw)
+
+
+def test_tls_mutual_tls_tokens_and_roles(cluster, pki) -> None:
+    c, me = cluster
+    with _connect(c, pki) as trainer:  # the trainer's credential: create tables, pull, push
+        trainer.create_table("sec", dim=4, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
+        trainer.push("sec", np.arange(100), -np.ones((100, 4), np.float32)).result()
+        np.testing.assert_array_equal(trainer.pull("sec", np.arange(100)), np.ones((100, 4)))
+        # admin operations need the admin credential: refused, and nothing changes
+        with pytest.raises(ps.PermissionDenied, match="admin credential"):
+            trainer.drop_table("sec")
+        with pytest.raises(ps.PermissionDenied):
+            trainer.checkpoint(str(c.data_dir / "ckpt-trainer"))
+    check = admin.verify(c.scheduler, security=me)  # replication between the servers runs over mutual TLS
+    assert check["differing"] == [] and check["copies_checked"] == c.num_slots
+    with _connect(c, pki, token="admin") as root:
+        assert root.list_tables() == ["sec"]
+        root.checkpoint(str(c.data_dir / "ckpt"))
+        np.testing.assert_array_equal(root.pull("sec", np.arange(100), insert=False), np.ones((100, 4)))
+
+
+def test_refused_callers_change_nothing(cluster, pki) -> None:
+    c, me = cluster
+    with _connect(c, pki) as trainer:
+        trainer.create_table("sec2", dim=4, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
+        trainer.push("sec2", np.arange(50), -np.ones((50, 4), np.float32)).result()
+    bad_token = c.data_dir / "bad.token"
+    bad_token.write_text("not-the-token")
+    pki_bad = dict(pki, bad=str(bad_token))
+    with pytest.raises(ps.Unauthenticated, match="credential refused"):
+        _connect(c, pki_bad, token="bad")
+    with pytest.raises(ps.Unauthenticated, match="no credential"):
+        _connect(c, pki, token=None)
+    with pytest.raises(ps.Unavailable):  # mutual TLS: no client certificate, no connection
+        _connect(c, pki, cert=False)
+    with pytest.raises(ps.Unavailable):  # plaintext to a TLS server
+        ps.connect(scheduler=c.scheduler, timeout_s=3)
+    with grpc.insecure_channel(c.addresses[0]) as channel:  # straight to a shard, no TLS
+        with pytest.raises(grpc.RpcError) as err:
+            channel.unary_unary("/tigana.v1.Shard/DropTable")(b"\n\x04sec2", timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    with _connect(c, pki, token="admin") as root:
+        np.testing.assert_array_equal(root.pull("sec2", np.arange(50), insert=False), np.ones((50, 4)))
+    logs = "".join(p.read_text(errors="replace") for p in c.data_dir.glob("*.log"))
+    assert TRAINER not in logs and ADMIN not in logs and "not-the-token" not in logs
+    assert "refused" in logs  # the scheduler logs refusals (method and reason, not the token)
+
+
+def test_a_token_without_tls_is_refused_unless_loopback_is_allowed(tmp_path, pki) -> None:
+    with pytest.raises(ps.InvalidArgument, match="tokens need TLS"):
+        ServerConfig(auth_token_file=pki["trainer"]).security()
+    handle = start_server(ServerConfig(port=0, data_dir=str(tmp_path / "s"), auth_token_file=pki["trainer"],
+                                       admin_token_file=pki["admin"], allow_insecure_loopback=True))
+    try:
+        assert handle.wait_ready(30)
+        with ps.connect([handle.address], auth_token_file=pki["admin"], allow_insecure_loopback=True) as client:
+            client.create_table("plain", dim=4)
+            assert client.pull("plain", np.arange(3)).shape == (3, 4)
+        with ps.connect([handle.address], allow_insecure_loopback=True, max_attempts=1) as anonymous, \
+                pytest.raises((ps.Unauthenticated, ps.Unavailable)):
+            anonymous.list_tables()
+        rendered = handle.metrics.render().decode()
+        assert "tigana_auth_rejected_total" in rendered
+    finally:
+        handle.close(grace=1.0)
+
+
+def test_limits_answer_resource_exhausted(tmp_path) -> None:
+    handle = start_server(ServerConfig(port=0, data_dir=str(tmp_path / "lim"), max_rows_per_request=1000))
+    try:
+        assert handle.wait_ready(30)
+        with ps.connect([handle.address], max_attempts=1) as client:
+            client.create_table("lim", dim=4)
+            with pytest.raises(ps.ResourceExhausted, match=r"table 'lim'.*1000 per request"):
+                client.pull("lim", np.arange(5000))
+            assert client.describe_table("lim").rows == 0  # refused before anything was inserted
+    finally:
+        handle.close(grace=1.0)
