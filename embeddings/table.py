@@ -12,6 +12,7 @@ Eviction (TTL, capacity) runs cheaply on push and fully on ``evict()``; cold row
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import shutil
@@ -561,6 +562,20 @@ class EmbeddingTable:
         self._finalizer = weakref.finalize(self, _close_spill, self._spill, self._spill_path)
         per_row = self._slab.row_nbytes + 18  # + the row's share of the hash index
         self._budget_rows = max(1, int(self.config.memory_budget // per_row))
+
+    def set_memory_budget(self, nbytes: int) -> None:
+        """Change the resident-row budget (bytes) while serving: a daemon shares one budget among its tables and
+        re-splits it as tables come and go. Rows past it spill to the LMDB tier (opened on first use)."""
+        if nbytes < 1:
+            raise self._bad("memory_budget", f"must be >= 1 byte, got {nbytes}")
+        with self._lock:
+            self._check_open()
+            if self._spill is None:
+                self.config = dataclasses.replace(self.config, memory_budget=int(nbytes))
+                self._open_spill()
+            per_row = self._slab.row_nbytes + 18
+            self._budget_rows = max(1, int(nbytes // per_row))
+            self._maybe_spill()
 
     def _maybe_spill(self) -> None:
         """Spill at the end of a call that already changed the table: a full disk must not turn that call

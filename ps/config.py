@@ -54,8 +54,9 @@ class ServerConfig:
 
     port / metrics_port: 0 for ``port`` picks a free port; ``metrics_port`` 0 turns the metrics HTTP endpoint
     off and -1 picks a free port. ``slots`` is the owned set as text (``"all"`` or ``"0-2047,4000"``, inclusive
-    ranges over ``num_slots`` virtual slots). ``memory_budget`` (bytes) caps the resident rows of every table
-    that sets no budget of its own; past it cold rows spill to LMDB under ``data_dir``. ``data_dir`` None keeps
+    ranges over ``num_slots`` virtual slots). ``memory_budget`` (bytes) caps the resident rows of the whole
+    daemon: tables with no budget of their own share what tables with one leave (at least 1 MiB each); past
+    its share a table spills cold rows to LMDB under ``data_dir``. ``data_dir`` None keeps
     everything in memory (no snapshots on shutdown, Snapshot/Restore RPCs refused). ``keep_snapshots``: full
     snapshot chains kept per table after each full snapshot (0 keeps all).
 

@@ -251,7 +251,8 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         return hosted
 
     def _effective(self, spec: TableConfig) -> TableConfig:
-        """The config a table runs with: the server's memory budget when the spec sets none; spill under data_dir."""
+        """The config a table runs with: with a daemon budget, a share of it when the spec sets none (re-split
+        by ``_rebudget``); spill under data_dir."""
         budget = spec.memory_budget or self.config.memory_budget or None
         spill = spec.spill_dir
         if budget and spill is None and self.catalog is not None:
@@ -340,7 +341,26 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             self.catalog.remove_table_files(spec.config.name)
         hosted = self._new_hosted(spec)
         self._tables[spec.config.name] = hosted
+        self._rebudget()
         return hosted
+
+    def _rebudget(self) -> None:
+        """Split ``--memory-budget`` over the tables: it bounds the whole daemon, not each table. Tables with a
+        budget of their own keep it (and it counts against the daemon's); the others share what is left."""
+        total = self.config.memory_budget
+        if not total:
+            return
+        tables = list(self._tables.values())
+        own = sum(h.spec.config.memory_budget or 0 for h in tables)
+        shared = [h for h in tables if not h.spec.config.memory_budget]
+        if not shared:
+            return
+        each = max(1 << 20, (total - own) // len(shared))
+        for h in shared:
+            try:
+                h.table.set_memory_budget(each)
+            except Exception:  # noqa: BLE001 - a table being closed
+                log.debug("re-budgeting table %r failed", h.spec.config.name)
 
     def _drop_local(self, name: str) -> bool:
         hosted = self._tables.pop(name, None)
@@ -350,6 +370,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             hosted.table.close()
         if self.catalog is not None:
             self.catalog.remove_table_files(name)
+        self._rebudget()
         return True
 
     # --- client RPCs ----------------------------------------------------------------------------------------
@@ -1110,6 +1131,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                 hosted = self._new_hosted(spec)
                 log.info("re-created table %r (no snapshot)", name)
             self._tables[name] = hosted
+        self._rebudget()
         self._save_registry()
 
     def _same_slots(self, saved: str) -> bool:

@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--host", default=None, help="address to bind (default 127.0.0.1)")
     a("--port", type=int, default=None, help="gRPC port (0: a free port, printed at start)")
     a("--data-dir", default=None, help="tables, snapshots and the spill tier live here")
-    a("--memory-budget", default=None, help="resident bytes per table before spilling, e.g. 8GiB (default: none)")
+    a("--memory-budget", default=None, help="resident row bytes of the whole daemon, shared by its tables, before cold rows spill, e.g. 8GiB "
+                                                "(default: none)")
     a("--metrics-port", default=None, help="Prometheus HTTP port; 0 off (default), 'auto' a free port")
     a("--slots", default=None, help="owned virtual slots, e.g. 0-2047 (inclusive ranges); default all")
     a("--num-slots", type=int, default=None, help="number of virtual slots (default 4096)")

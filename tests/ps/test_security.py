@@ -132,3 +132,26 @@ def test_limits_answer_resource_exhausted(tmp_path) -> None:
             assert client.describe_table("lim").rows == 0  # refused before anything was inserted
     finally:
         handle.close(grace=1.0)
+
+
+def test_the_memory_budget_bounds_the_whole_daemon(tmp_path) -> None:
+    """``--memory-budget`` is the daemon's, shared by its tables: many tables together spill, they do not each
+    get the whole budget."""
+    budget = 4 << 20
+    handle = start_server(ServerConfig(port=0, data_dir=str(tmp_path / "mem"), memory_budget=budget))
+    try:
+        assert handle.wait_ready(30)
+        with ps.connect([handle.address]) as client:
+            for k in range(4):
+                client.create_table(f"m{k}", dim=16, optimizer=ps.Adagrad(lr=0.1))
+                client.pull(f"m{k}", np.arange(40_000))  # ~40k rows x ~150 B each: far past a quarter budget
+            stats = client.server_stats()[handle.address]
+        # the budget governs resident rows (the slab keeps the capacity a batch once needed; it is not freed)
+        resident = sum(t["rows_resident"] * (t["row_bytes"] + 18) for t in stats.values())
+        spilled = sum(t["rows_spilled"] for t in stats.values())
+        assert spilled > 0 and resident <= 1.05 * budget, (resident, spilled)
+        assert sum(t["rows"] for t in stats.values()) == 4 * 40_000
+        with ps.connect([handle.address]) as client:  # spilled rows come back intact
+            assert client.pull("m0", np.arange(10)).shape == (10, 16)
+    finally:
+        handle.close(grace=1.0)
