@@ -179,6 +179,7 @@ class TableConfig:
     eviction: Eviction = field(default_factory=Eviction)
     memory_budget: int | None = None  # bytes of resident rows; past it cold rows spill to LMDB
     spill_dir: str | None = None  # where the LMDB tier lives (a temp dir when None and a budget is set)
+    spill_max_bytes: int | None = None  # cap on the LMDB tier's map (None: grows until the disk is full)
     nonfinite_grads: Literal["reject", "skip_rows"] = "reject"  # NaN/Inf in a push: reject it, or drop those rows
     backend: Literal["auto", "numba", "numpy"] = "auto"  # kernels: numba when importable, or the numpy fallback
 
@@ -217,6 +218,8 @@ class TableConfig:
             raise bad("eviction.max_rows", f"must be positive, got {self.eviction.max_rows!r}")
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise bad("memory_budget", f"must be positive, got {self.memory_budget!r}")
+        if self.spill_max_bytes is not None and self.spill_max_bytes < (1 << 20):
+            raise bad("spill_max_bytes", f"must be None or >= 1 MiB, got {self.spill_max_bytes!r}")
         if self.nonfinite_grads not in ("reject", "skip_rows"):
             raise bad("nonfinite_grads", f"must be 'reject' or 'skip_rows', got {self.nonfinite_grads!r}")
         if self.backend not in ("auto", "numba", "numpy"):

@@ -81,7 +81,8 @@ class EmbeddingTable:
         self._protected = 0  # rows the evictable predicate excluded at the last eviction pass
         self._counters = dict.fromkeys(("pulls", "pushes", "lookups", "hits", "inserts", "admissions",
                                         "rejected_admissions", "evictions", "spills", "unspills",
-                                        "rows_updated", "nonfinite_rows_skipped", "spill_failures"), 0)
+                                        "rows_updated", "nonfinite_rows_skipped", "spill_failures",
+                                        "refused_inserts"), 0)
         if config.memory_budget is not None:
             self._open_spill()
 
@@ -284,6 +285,7 @@ class EmbeddingTable:
                 self._unspill(uniq[spilled])
                 uniq, sightings = uniq[~spilled], sightings[~spilled]
         if insert and uniq.size:
+            self._check_room(uniq.size)  # before admission counts a sighting: a refusal changes nothing
             if self._open_admission:
                 admitted = uniq
             elif count:
@@ -297,6 +299,24 @@ class EmbeddingTable:
             if admitted.size:
                 self._insert_new(admitted)
         return self._index.lookup(ids)
+
+    def _check_room(self, k: int) -> None:
+        """The memory ceiling: a table with a budget may run past it by a quarter while its spill tier works;
+        when spilling fails (disk or LMDB map full), inserting ``k`` new rows past that ceiling is refused
+        with ``StorageFull`` before anything changed. Updates of stored rows go on; inserts resume once
+        space is freed and a spill succeeds."""
+        if self._spill is None or len(self._index) + k <= self._budget_rows + self._budget_rows // 4:
+            return
+        if len(self._index) <= max(1, int(0.9 * self._budget_rows)):
+            return  # nothing to spill: one batch larger than the budget (bounded by the request limits)
+        try:
+            self._spill_coldest()
+        except StorageFull as exc:
+            self._counters["spill_failures"] += 1
+            self._counters["refused_inserts"] += k
+            raise StorageFull(f"table {self.name!r}: {len(self._index)} rows in memory, past its memory budget "
+                              f"of {self._budget_rows} rows, and the spill tier is full ({exc}); {k} new rows "
+                              "refused (rows already stored still update)") from None
 
     def _initial(self, ids: np.ndarray) -> np.ndarray:
         return initial_rows(self.config.initializer, self.config.seed, ids, self.dim, backend=self._backend)
@@ -557,8 +577,9 @@ class EmbeddingTable:
             Path(base).mkdir(parents=True, exist_ok=True)
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in self.name)[:40]
         self._spill_path = Path(tempfile.mkdtemp(prefix=f"tigana-spill-{safe}-", dir=base))
+        cap = self.config.spill_max_bytes
         self._spill = RowStore(self._spill_path, table=self.name, dim=self.dim, state_width=self._width,
-                               map_size=1 << 26)
+                               map_size=min(1 << 26, cap or 1 << 26), max_map_size=cap)
         self._finalizer = weakref.finalize(self, _close_spill, self._spill, self._spill_path)
         per_row = self._slab.row_nbytes + 18  # + the row's share of the hash index
         self._budget_rows = max(1, int(self.config.memory_budget // per_row))

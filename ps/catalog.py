@@ -9,6 +9,8 @@ Layout under ``data_dir``::
                                extra files written atomically with its rows, the exactly-once window
                                (``dedup``) and the slots' log positions (``positions``)
     spill/<table>/             the LMDB tier of tables with a memory budget (never restored: rows are)
+    quarantine/<table>-<time>/ snapshots found corrupt at start (a clustered server moves them here and
+                               rebuilds the table from its replicas)
     LOCK                       held by the running server
 
 ``<table>`` is the name percent-encoded, dots included, so every name maps to one folder inside data_dir.
@@ -16,10 +18,12 @@ Layout under ``data_dir``::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +33,7 @@ from urllib.parse import quote
 import numpy as np
 from google.protobuf import json_format
 
-from tigana.embeddings import EmbeddingTable
+from tigana.embeddings import CorruptStore, EmbeddingTable
 from tigana.embeddings import snapshot as snap
 from tigana.proto import shard_pb2 as pb
 from tigana.ps import cluster_wire
@@ -49,6 +53,14 @@ class Restored:
     dedup: DedupWindow
     log: SlotLog
     path: Path
+
+
+def _id_check(server_id: str) -> str:
+    return hashlib.sha256(server_id.encode()).hexdigest()[:16]
+
+
+def _digest(doc: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -78,13 +90,16 @@ class Catalog:
         A different ``wanted`` for a data dir that has one is refused (two identities for one set of rows)."""
         path = self.root / "server-id"
         if path.exists():
-            stored = path.read_text().strip()
+            stored, *check = path.read_text().split() or [""]
+            if not stored or (check and check[0] != _id_check(stored)):
+                raise CorruptStore(f"server id file {str(path)!r} is corrupt (checksum mismatch): restore it, or "
+                                   "delete it to join the cluster as a new server")
             if wanted and wanted != stored:
                 raise InvalidArgument(f"server id: data dir {str(self.root)!r} belongs to server {stored!r}, "
                                       f"not {wanted!r}")
             return stored
         sid = wanted or uuid.uuid4().hex[:12]
-        write_atomic(path, sid + "\n")
+        write_atomic(path, f"{sid}\n{_id_check(sid)}\n")
         return sid
 
     # --- the table registry ------------------------------------------------------------------------------
@@ -93,17 +108,36 @@ class Catalog:
             "version": 2, "num_slots": num_slots, "slots": slots,
             "tables": [json_format.MessageToDict(cluster_wire.table_def_to_pb(t), preserving_proto_field_name=True)
                        for t in sorted(tables, key=lambda t: t.config.name)]}
+        doc["sha256"] = _digest(doc)
         write_atomic(self.root / "tables.json", json.dumps(doc, indent=1, sort_keys=True))
 
     def load_tables(self) -> tuple[list[TableDef], int | None, str | None]:
-        """(tables, num_slots, slots) as saved; ([], None, None) for a new data dir."""
+        """(tables, num_slots, slots) as saved; ([], None, None) for a new data dir. ``CorruptStore`` naming
+        the file when it does not parse or its checksum differs (a flipped digit must not change a table)."""
         path = self.root / "tables.json"
         if not path.exists():
             return [], None, None
-        doc = json.loads(path.read_text())
-        tables = [cluster_wire.table_def_from_pb(json_format.ParseDict(e, pb.TableSpec()))
-                  for e in doc.get("tables", [])]
+        try:
+            doc = json.loads(path.read_bytes())
+            stored = doc.pop("sha256", None)
+            if stored is not None and stored != _digest(doc):
+                raise ValueError("checksum mismatch")
+            tables = [cluster_wire.table_def_from_pb(json_format.ParseDict(e, pb.TableSpec()))
+                      for e in doc.get("tables", [])]
+        except (ValueError, TypeError, AttributeError, KeyError, json_format.ParseError) as exc:
+            raise CorruptStore(f"table registry {str(path)!r} is corrupt: {exc}") from None
         return tables, doc.get("num_slots"), doc.get("slots")
+
+    def quarantine(self, what: str | None) -> Path:
+        """Move a table's snapshots (``what`` a table name) or the table registry (None) found corrupt out of
+        the way, into ``quarantine/``; returns where they went (kept for a post-mortem, never read again)."""
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{uuid.uuid4().hex[:6]}"
+        src = self.root / "tables.json" if what is None else self.dir("snapshots", what)
+        dest = self.root / "quarantine" / (f"tables.json-{stamp}" if what is None else f"{src.name}-{stamp}")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if src.exists():
+            os.replace(src, dest)
+        return dest
 
     def remove_table_files(self, name: str) -> None:
         for sub in ("snapshots", "spill", "dedup"):

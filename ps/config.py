@@ -56,7 +56,9 @@ class ServerConfig:
     off and -1 picks a free port. ``slots`` is the owned set as text (``"all"`` or ``"0-2047,4000"``, inclusive
     ranges over ``num_slots`` virtual slots). ``memory_budget`` (bytes) caps the resident rows of the whole
     daemon: tables with no budget of their own share what tables with one leave (at least 1 MiB each); past
-    its share a table spills cold rows to LMDB under ``data_dir``. ``data_dir`` None keeps
+    its share a table spills cold rows to LMDB under ``data_dir``, each table's spill tier capped at
+    ``spill_max_bytes`` (None: until the disk is full); when spilling fails, new rows past 1.25x a table's
+    share are refused with RESOURCE_EXHAUSTED (stored rows still update). ``data_dir`` None keeps
     everything in memory (no snapshots on shutdown, Snapshot/Restore RPCs refused). ``keep_snapshots``: full
     snapshot chains kept per table after each full snapshot (0 keeps all).
 
@@ -83,6 +85,7 @@ class ServerConfig:
     port: int = 0
     data_dir: str | None = None
     memory_budget: int | None = None
+    spill_max_bytes: int | None = None
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
     num_slots: int = DEFAULT_NUM_SLOTS
@@ -132,6 +135,8 @@ class ServerConfig:
             raise bad("dedup_window", f"must be >= 1, got {self.dedup_window}")
         if self.memory_budget is not None and self.memory_budget < 0:
             raise bad("memory_budget", f"must be >= 0, got {self.memory_budget}")
+        if self.spill_max_bytes is not None and self.spill_max_bytes < (1 << 20):
+            raise bad("spill_max_bytes", f"must be >= 1MiB, got {self.spill_max_bytes}")
         if self.keep_snapshots < 0:
             raise bad("keep_snapshots", f"must be >= 0 (0 keeps all), got {self.keep_snapshots}")
         if self.drain_grace_s < 0:
@@ -171,7 +176,7 @@ class ServerConfig:
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
 _INTS = {"port", "metrics_port", "num_slots", "max_workers", "keepalive_time_ms", "keepalive_timeout_ms",
          "dedup_window", "keep_snapshots", "full_snapshot_every", "max_rows_per_request", "max_concurrent_requests"}
-_SIZES = {"memory_budget", "max_message_bytes"}
+_SIZES = {"memory_budget", "spill_max_bytes", "max_message_bytes"}
 _FLOATS = {"drain_grace_s", "heartbeat_interval_s", "snapshot_every_s", "replication_timeout_s", "ack_timeout_s",
            "lease_s"}
 _BOOLS = {"snapshot_on_shutdown", "require_client_cert", "allow_insecure_loopback"}
@@ -186,7 +191,7 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     try:
         if name in _SIZES:
             if isinstance(value, str) and value.strip().lower() in ("", "none", "unlimited", "0"):
-                return None if name == "memory_budget" else parse_bytes(value, field=where)
+                return None if name in ("memory_budget", "spill_max_bytes") else parse_bytes(value, field=where)
             return parse_bytes(value, field=where)
         if name in _INTS:
             if name == "metrics_port" and isinstance(value, str) and value.strip().lower() in ("auto", "any"):

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tigana.ps.routing import DEFAULT_NUM_SLOTS, slot_range
@@ -50,6 +50,9 @@ class LocalCluster:
     removed on close, when None). base_port: shard i listens on base_port + i (free ports when None).
     server_args / scheduler_args: extra flags for every shard / the scheduler; security_flags: TLS and token
     flags for both (``client_security``: what the cluster object itself presents when it asks for status).
+    shard_args(i): flags for shard i alone, last (they win over earlier ones: ``--host``, ``--advertise``...);
+    shard_prefix(i) / scheduler_prefix: a command the daemon runs under (``ip netns exec NS`` for the fault
+    suite's network partitions).
     """
 
     def __init__(self, shards: int = 2, *, replicas: int | None = 1, base_port: int | None = None,
@@ -58,7 +61,9 @@ class LocalCluster:
                  server_args: Sequence[str] = (), scheduler_args: Sequence[str] = (), heartbeat_timeout: float = 3.0,
                  startup_timeout: float = 120.0, python: str = sys.executable, env: dict[str, str] | None = None,
                  wait_placement: bool = True, security_flags: Sequence[str] = (),
-                 client_security: Security = NONE) -> None:
+                 client_security: Security = NONE, shard_args: Callable[[int], Sequence[str]] | None = None,
+                 shard_prefix: Callable[[int], Sequence[str]] | None = None,
+                 scheduler_prefix: Sequence[str] = ()) -> None:
         if shards < 1:
             raise ValueError(f"shards must be >= 1, got {shards}")
         if replicas is not None and replicas < 0:
@@ -79,6 +84,8 @@ class LocalCluster:
         self._env.setdefault("PYTHONUNBUFFERED", "1")
         self._startup_timeout = startup_timeout
         self._cmds: list[list[str]] = []
+        self._shard_args, self._shard_prefix = shard_args, shard_prefix
+        self._scheduler_prefix = list(scheduler_prefix)
         self.client_security = client_security  # what this object's own status calls present
         try:
             if replicas is not None:
@@ -86,24 +93,12 @@ class LocalCluster:
                                                                                      "--expect-servers",
                                                               str(shards), "--num-slots", str(num_slots),
                                                               "--heartbeat-timeout", str(heartbeat_timeout)])
+            self._shard_common = [*(["--memory-budget", memory_budget] if memory_budget else []),
+                                  *server_args, *security_flags]
+            self._metrics = metrics
             ready_files = []
             for i in range(shards):
-                shard_dir = self.data_dir / f"shard-{i}"
-                ready = shard_dir / "ready.json"
-                shard_dir.mkdir(parents=True, exist_ok=True)
-                ready.unlink(missing_ok=True)
-                cmd = [*_death_signal_wrapper(), python, "-m", "tigana.tools.cli", "server", "--host", host,
-                       "--port", str(base_port + i if base_port else 0), "--data-dir", str(shard_dir),
-                       "--num-slots", str(num_slots), "--ready-file", str(ready),
-                       "--metrics-port", "auto" if metrics else "0"]
-                if self.scheduler is not None:
-                    cmd += ["--scheduler", self.scheduler]
-                else:
-                    start, stop = slot_range(i, shards, num_slots)
-                    cmd += ["--slots", f"{start}-{stop - 1}"]
-                if memory_budget:
-                    cmd += ["--memory-budget", memory_budget]
-                cmd += list(server_args) + list(security_flags)
+                cmd, ready = self._shard_cmd(i, base_port + i if base_port else 0)
                 self._cmds.append(cmd)
                 self.procs.append(self._spawn(cmd, self.log_path(i)))
                 ready_files.append(ready)
@@ -115,6 +110,23 @@ class LocalCluster:
         except BaseException:
             self.close(timeout=10)
             raise
+
+    def _shard_cmd(self, i: int, port: int) -> tuple[list[str], Path]:
+        """The command line of shard i and its ready file (removed: the new process writes it)."""
+        shard_dir = self.data_dir / f"shard-{i}"
+        shard_dir.mkdir(parents=True, exist_ok=True)
+        ready = shard_dir / "ready.json"
+        ready.unlink(missing_ok=True)
+        cmd = [*_death_signal_wrapper(), *(self._shard_prefix(i) if self._shard_prefix else ()), self._python,
+               "-m", "tigana.tools.cli", "server", "--host", self.host, "--port", str(port), "--data-dir",
+               str(shard_dir), "--num-slots", str(self.num_slots), "--ready-file", str(ready),
+               "--metrics-port", "auto" if self._metrics else "0"]
+        if self.scheduler is not None:
+            cmd += ["--scheduler", self.scheduler]
+        else:
+            start, stop = slot_range(i, self.shards, self.num_slots)
+            cmd += ["--slots", f"{start}-{stop - 1}"]
+        return cmd + self._shard_common + list(self._shard_args(i) if self._shard_args else ()), ready
 
     @property
     def target(self) -> str:
@@ -135,7 +147,8 @@ class LocalCluster:
         sdir.mkdir(parents=True, exist_ok=True)
         ready = sdir / "ready.json"
         ready.unlink(missing_ok=True)
-        cmd = [*_death_signal_wrapper(), self._python, "-m", "tigana.tools.cli", "scheduler", "--host", self.host,
+        cmd = [*_death_signal_wrapper(), *self._scheduler_prefix, self._python, "-m", "tigana.tools.cli", "scheduler",
+               "--host", self.host,
                "--port", str(port), "--data-dir", str(sdir), "--ready-file", str(ready), *args]
         self._scheduler_cmd = cmd
         self.scheduler_proc = self._spawn(cmd, self.data_dir / "scheduler.log")
@@ -202,14 +215,7 @@ class LocalCluster:
         if self.scheduler is None:
             raise RuntimeError("add_server needs a cluster with a scheduler")
         i = len(self.procs)
-        template = list(self._cmds[0])
-        shard_dir = self.data_dir / f"shard-{i}"
-        shard_dir.mkdir(parents=True, exist_ok=True)
-        ready = shard_dir / "ready.json"
-        ready.unlink(missing_ok=True)
-        template[template.index("--port") + 1] = "0"
-        template[template.index("--data-dir") + 1] = str(shard_dir)
-        template[template.index("--ready-file") + 1] = str(ready)
+        template, ready = self._shard_cmd(i, 0)
         self._cmds.append(template)
         self.procs.append(self._spawn(template, self.log_path(i)))
         info = self._wait_ready([self.procs[i]], [ready], timeout or self._startup_timeout)[0]
@@ -220,7 +226,7 @@ class LocalCluster:
 
     def server_id(self, i: int) -> str:
         """The stable id shard i registered with (kept in its data dir)."""
-        return (self.data_dir / f"shard-{i}" / "server-id").read_text().strip()
+        return (self.data_dir / f"shard-{i}" / "server-id").read_text().split()[0]
 
     # --- faults ------------------------------------------------------------------------------------------
     def kill(self, i: int, sig: int = signal.SIGKILL) -> None:

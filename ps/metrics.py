@@ -82,7 +82,7 @@ class ServerMetrics:
         self.latency = Histogram("tigana_request_seconds", "RPC latency in the server, by method", ["method"],
                                  buckets=_LATENCY_BUCKETS, registry=r)
         self.auth_rejected = Counter("tigana_auth_rejected", "Calls refused by the credential check, by method and "
-                                     "reason (missing, invalid, role)", ["method", "reason"], registry=r)
+                                     "reason (missing, invalid, expired, role)", ["method", "reason"], registry=r)
         self.rows_pulled = Counter("tigana_rows_pulled", "Rows returned by Pull, by table", ["table"], registry=r)
         self.rows_pushed = Counter("tigana_rows_pushed", "Gradient rows applied by Push, by table", ["table"],
                                    registry=r)

@@ -8,6 +8,8 @@
   rebalances, registering as a server) need the admin token, which the servers and the scheduler also use to
   call each other. Rejected calls answer UNAUTHENTICATED or PERMISSION_DENIED and are counted; no token is
   ever logged.
+- Token files hold one token per line, each optionally with ``expires=<ISO 8601 time>``; servers re-read them
+  when they change, so tokens rotate without a restart, and an expired token answers UNAUTHENTICATED.
 - A token needs TLS: without it, tokens are refused unless ``allow_insecure`` is set, and then only on
   loopback (gRPC local credentials: the server accepts connections from this machine only).
 
@@ -16,8 +18,11 @@ Health and reflection need no credential (a load balancer probes them).
 
 from __future__ import annotations
 
+import datetime
 import hmac
 import os
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +31,7 @@ import grpc
 
 from tigana.ps.errors import InvalidArgument
 
-__all__ = ["ADMIN_METHODS", "Security", "read_token"]
+__all__ = ["ADMIN_METHODS", "Security", "Token", "TokenBook", "read_token", "read_tokens"]
 
 AUTH_KEY = "authorization"
 # Methods that need the admin credential; every other method of the two services takes a trainer's too.
@@ -41,18 +46,116 @@ ADMIN_METHODS = frozenset({
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
-def read_token(path: str | os.PathLike | None) -> str | None:
-    """The token in a file (surrounding whitespace stripped); ``InvalidArgument`` naming the file (never its
-    contents) when it cannot be read or is empty."""
-    if not path:
-        return None
+@dataclass(frozen=True)
+class Token:
+    """One accepted credential: its value and, optionally, when it stops being accepted (Unix seconds)."""
+
+    value: str = field(repr=False)
+    expires: float | None = None
+
+
+def read_tokens(path: str | os.PathLike) -> list[Token]:
+    """The tokens of a token file: one per line, optionally followed by ``expires=<ISO 8601 time>`` (UTC
+    unless it names a zone); blank lines and ``#`` comments are skipped. Several lines let an operator
+    rotate a token: add the new one, move clients over, let the old one expire. ``InvalidArgument`` names
+    the file and line (never a token) when the file cannot be read, is empty or a line is malformed."""
     try:
-        token = Path(path).read_text().strip()
+        text = Path(path).read_text()
     except OSError as exc:
         raise InvalidArgument(f"token file {str(path)!r}: cannot read: {exc.strerror}") from None
-    if not token:
+    tokens = []
+    for n, line in enumerate(text.splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        expires = None
+        for word in words[1:]:
+            key, _, value = word.partition("=")
+            if key != "expires" or not value:
+                raise InvalidArgument(f"token file {str(path)!r} line {n}: expected '<token> [expires=<time>]'")
+            try:
+                when = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError:
+                raise InvalidArgument(f"token file {str(path)!r} line {n}: 'expires' is not an ISO 8601 time") from None
+            if when.tzinfo is None:
+                when = when.replace(tzinfo=datetime.timezone.utc)
+            expires = when.timestamp()
+        tokens.append(Token(words[0], expires))
+    if not tokens:
         raise InvalidArgument(f"token file {str(path)!r} is empty")
-    return token
+    return tokens
+
+
+def read_token(path: str | os.PathLike | None) -> str | None:
+    """The token a process sends: the first one of the file not yet expired (``InvalidArgument`` naming the
+    file when every one has)."""
+    if not path:
+        return None
+    now = time.time()
+    for token in read_tokens(path):
+        if token.expires is None or token.expires > now:
+            return token.value
+    raise InvalidArgument(f"token file {str(path)!r}: every token in it has expired")
+
+
+class TokenBook:
+    """What a server accepts, by role: tokens given directly plus those of token files, re-read when a file
+    changes (checked at most once a second), so tokens rotate without a restart."""
+
+    def __init__(self, trainer: Sequence[Token] = (), admin: Sequence[Token] = (),
+                 trainer_files: Sequence[str] = (), admin_files: Sequence[str] = ()) -> None:
+        self._fixed = {"trainer": list(trainer), "admin": list(admin)}
+        self._files = {"trainer": [str(f) for f in trainer_files if f], "admin": [str(f) for f in admin_files if f]}
+        self._lock = threading.Lock()
+        self._stamp: tuple = ()
+        self._checked = 0.0
+        self._entries: dict[str, list[tuple[bytes, float | None]]] = {}
+        self._reload(force=True)
+
+    def __bool__(self) -> bool:
+        return any(self._entries.values())
+
+    def _reload(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._checked < 1.0:
+            return
+        with self._lock:
+            self._checked = now
+            stamp = tuple(_mtime(f) for role in ("trainer", "admin") for f in self._files[role])
+            if stamp == self._stamp and not force:
+                return
+            try:
+                entries = {role: [(t.value.encode(), t.expires)
+                                  for t in [*self._fixed[role], *(t for f in self._files[role] for t in read_tokens(f))]]
+                           for role in ("trainer", "admin")}
+            except InvalidArgument:
+                if force:
+                    raise
+                return  # a file being rewritten: keep what was accepted, look again next time
+            self._entries, self._stamp = entries, stamp
+
+    def check(self, presented: bytes) -> tuple[str | None, str]:
+        """(role, reason): role "admin", "trainer" or None; reason "invalid" or "expired" when None.
+        Every token is compared (constant time each, no early exit), so timing tells nothing."""
+        self._reload()
+        now = time.time()
+        found: dict[str, list[float | None]] = {"admin": [], "trainer": []}
+        for role, entries in self._entries.items():
+            for value, expires in entries:
+                if hmac.compare_digest(presented, value):
+                    found[role].append(expires)
+        for role in ("admin", "trainer"):
+            if any(e is None or e > now for e in found[role]):
+                return role, ""
+        return None, "expired" if found["admin"] or found["trainer"] else "invalid"
+
+
+def _mtime(path: str) -> tuple[float, int]:
+    try:
+        st = os.stat(path)
+        return st.st_mtime, st.st_size
+    except OSError:
+        return 0.0, -1
 
 
 def _read(path: str | None, what: str) -> bytes | None:
@@ -81,6 +184,8 @@ class Security:
     trainer_tokens: frozenset[str] = field(default=frozenset(), repr=False)
     admin_tokens: frozenset[str] = field(default=frozenset(), repr=False)
     allow_insecure: bool = False
+    trainer_token_files: tuple[str, ...] = ()
+    admin_token_files: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -97,7 +202,13 @@ class Security:
 
     @property
     def uses_tokens(self) -> bool:
-        return bool(self.token or self.trainer_tokens or self.admin_tokens)
+        return bool(self.token or self.trainer_tokens or self.admin_tokens or self.trainer_token_files
+                    or self.admin_token_files)
+
+    def token_book(self) -> TokenBook:
+        """What this server accepts (the token files re-read when they change)."""
+        return TokenBook([Token(t) for t in sorted(self.trainer_tokens)], [Token(t) for t in sorted(self.admin_tokens)],
+                         self.trainer_token_files, self.admin_token_files)
 
     @property
     def enabled(self) -> bool:
@@ -108,12 +219,16 @@ class Security:
                  require_client_cert: bool = False, token_file: str | None = None,
                  trainer_token_files: Sequence[str | None] = (), admin_token_files: Sequence[str | None] = (),
                  allow_insecure: bool = False) -> Security:
-        """Read the token files (the first admin token is also what this process sends, unless
-        ``token_file`` names another)."""
-        admin = frozenset(t for t in (read_token(p) for p in admin_token_files) if t)
-        trainer = frozenset(t for t in (read_token(p) for p in trainer_token_files) if t)
-        token = read_token(token_file) if token_file else (next(iter(sorted(admin)), None))
-        return cls(tls_cert, tls_key, tls_ca, require_client_cert, token, trainer, admin, allow_insecure)
+        """A server accepts the tokens of ``trainer_token_files``/``admin_token_files`` (re-read when they change;
+        see ``read_tokens``); this process sends the token of ``token_file``, or else the first valid one of the
+        first admin file. Unreadable files raise ``InvalidArgument`` now, not at the first call."""
+        admin_files = tuple(str(p) for p in admin_token_files if p)
+        trainer_files = tuple(str(p) for p in trainer_token_files if p)
+        for path in (*admin_files, *trainer_files):
+            read_tokens(path)
+        token = read_token(token_file) if token_file else (read_token(admin_files[0]) if admin_files else None)
+        return cls(tls_cert, tls_key, tls_ca, require_client_cert, token, allow_insecure=allow_insecure,
+                   trainer_token_files=trainer_files, admin_token_files=admin_files)
 
     # --- servers -----------------------------------------------------------------------------------------
     def add_port(self, server: grpc.Server, target: str) -> int:
@@ -130,9 +245,10 @@ class Security:
 
     def interceptors(self, on_reject: Callable[[str, str], None] | None = None) -> list[grpc.ServerInterceptor]:
         """The token check (none when no token is configured)."""
-        if not (self.trainer_tokens or self.admin_tokens):
+        book = self.token_book()
+        if not book:
             return []
-        return [_TokenInterceptor(self.trainer_tokens, self.admin_tokens, on_reject)]
+        return [_TokenInterceptor(book, on_reject)]
 
     # --- clients -----------------------------------------------------------------------------------------
     def channel(self, address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
@@ -176,17 +292,9 @@ def _deny(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
 class _TokenInterceptor(grpc.ServerInterceptor):
     """Checks the bearer token and the role before any handler runs."""
 
-    def __init__(self, trainer: frozenset[str], admin: frozenset[str],
-                 on_reject: Callable[[str, str], None] | None) -> None:
-        self._trainer = [t.encode() for t in trainer]
-        self._admin = [t.encode() for t in admin]
+    def __init__(self, book: TokenBook, on_reject: Callable[[str, str], None] | None) -> None:
+        self._book = book
         self._on_reject = on_reject
-
-    def _role(self, presented: bytes) -> str | None:
-        # Compare against every token (constant time each, no early exit), so timing tells nothing.
-        admin = any([hmac.compare_digest(presented, t) for t in self._admin])
-        trainer = any([hmac.compare_digest(presented, t) for t in self._trainer])
-        return "admin" if admin else ("trainer" if trainer else None)
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
@@ -199,9 +307,10 @@ class _TokenInterceptor(grpc.ServerInterceptor):
         if not value.startswith("Bearer "):
             return self._reject(method, "missing", grpc.StatusCode.UNAUTHENTICATED,
                                 f"{method}: no credential (send authorization: Bearer <token>)")
-        role = self._role(value[7:].encode())
+        role, why = self._book.check(value[7:].encode())
         if role is None:
-            return self._reject(method, "invalid", grpc.StatusCode.UNAUTHENTICATED, f"{method}: credential refused")
+            return self._reject(method, why, grpc.StatusCode.UNAUTHENTICATED,
+                                f"{method}: credential {'expired' if why == 'expired' else 'refused'}")
         if role != "admin" and method in ADMIN_METHODS:
             return self._reject(method, "role", grpc.StatusCode.PERMISSION_DENIED,
                                 f"{method}: needs the admin credential")

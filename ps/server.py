@@ -48,7 +48,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from tigana.embeddings import Changes, EmbeddingTable, TableConfig
+from tigana.embeddings import Changes, CorruptStore, EmbeddingTable, SnapshotNotFound, TableConfig
 from tigana.embeddings.changes import unique
 from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc
@@ -189,6 +189,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                           else config.server_id or uuid.uuid4().hex[:12])
         self.boot = uuid.uuid4().hex[:12]
         self.clustered = config.scheduler is not None
+        self.corrupt_stores = 0  # stores found corrupt at start and quarantined (clustered servers)
         self.agent: Any = None
         self.on_install: Callable[[], None] | None = None  # the daemon's health update
         self._tables: dict[str, _Hosted] = {}
@@ -257,7 +258,8 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         spill = spec.spill_dir
         if budget and spill is None and self.catalog is not None:
             spill = self.catalog.spill_dir(spec.name)
-        return dataclasses.replace(spec, memory_budget=budget, spill_dir=spill)
+        return dataclasses.replace(spec, memory_budget=budget, spill_dir=spill,
+                                   spill_max_bytes=spec.spill_max_bytes or self.config.spill_max_bytes)
 
     def _new_hosted(self, spec: TableDef, table: EmbeddingTable | None = None, dedup: DedupWindow | None = None,
                     slot_log: SlotLog | None = None) -> _Hosted:
@@ -274,7 +276,8 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         """Epoch, slots led/held/catching up and replication lag (the metrics endpoint and heartbeats)."""
         view = self._view
         out = {"epoch": float(view.epoch), "slots_led": float(view.leads.sum()),
-               "slots_held": float(view.holds.sum()), "slots_catching_up": float(self.catching_up())}
+               "slots_held": float(view.holds.sum()), "slots_catching_up": float(self.catching_up()),
+               "corrupt_stores": float(self.corrupt_stores)}
         if self.replicator is not None:
             out.update(self.replicator.stats())
         return out
@@ -1112,7 +1115,13 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         must never answer for slots whose rows it does not have."""
         if self.catalog is None:
             return
-        tables, num_slots, slots = self.catalog.load_tables()
+        try:
+            tables, num_slots, slots = self.catalog.load_tables()
+        except CorruptStore as exc:
+            if not self.clustered:
+                raise
+            self._quarantine(None, exc)  # the scheduler's map names the tables again
+            tables, num_slots, slots = [], None, None
         if num_slots is not None and int(num_slots) != self.num_slots:
             raise InvalidArgument(f"data dir {str(self.data_dir)!r} holds tables of {num_slots} slots; the server "
                                   f"was started with --num-slots {self.num_slots}")
@@ -1124,15 +1133,33 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             name = spec.config.name
             latest = self.catalog.latest(name)
             shutil.rmtree(self.catalog.dir("spill", name), ignore_errors=True)  # a dead process's spill tier
+            hosted = None
             if latest is not None:
-                hosted = self._restore_one(latest, spec)
-                log.info("restored table %r from %s (%d rows)", name, latest, len(hosted.table))
-            else:
+                try:
+                    hosted = self._restore_one(latest, spec)
+                    log.info("restored table %r from %s (%d rows)", name, latest, len(hosted.table))
+                except (CorruptStore, SnapshotNotFound) as exc:
+                    if not self.clustered:  # no replica to rebuild from: the operator decides
+                        raise
+                    self._quarantine(name, exc)
+            if hosted is None:
                 hosted = self._new_hosted(spec)
                 log.info("re-created table %r (no snapshot)", name)
             self._tables[name] = hosted
         self._rebudget()
         self._save_registry()
+
+    def _quarantine(self, table: str | None, exc: Exception) -> None:
+        """A clustered server that finds a store corrupt at start moves it aside and starts that table empty.
+
+        Safe because a restarted server never serves its old rows: the scheduler demotes every copy of a new
+        boot and rebuilds it from the slot's primary, and an empty table has no log positions, so it can
+        never win an election over a copy that has rows."""
+        where = self.catalog.quarantine(table)
+        self.corrupt_stores += 1
+        log.error("%s: %s; moved to %s; starting %s empty, to be rebuilt from replicas",
+                  "table registry" if table is None else f"table {table!r}", exc, where,
+                  "with no tables" if table is None else "it")
 
     def _same_slots(self, saved: str) -> bool:
         try:

@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--data-dir", default=None, help="tables, snapshots and the spill tier live here")
     a("--memory-budget", default=None, help="resident row bytes of the whole daemon, shared by its tables, before cold rows spill, e.g. 8GiB "
                                                 "(default: none)")
+    a("--spill-max-bytes", default=None, help="cap on each table's LMDB spill tier, e.g. 64GiB (default: until the "
+                                                "disk is full); past it new rows are refused")
     a("--metrics-port", default=None, help="Prometheus HTTP port; 0 off (default), 'auto' a free port")
     a("--slots", default=None, help="owned virtual slots, e.g. 0-2047 (inclusive ranges); default all")
     a("--num-slots", type=int, default=None, help="number of virtual slots (default 4096)")
@@ -66,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 
 
-_FLAG_FIELDS = ("host", "port", "data_dir", "memory_budget", "metrics_port", "slots", "num_slots", "max_workers",
+_FLAG_FIELDS = ("host", "port", "data_dir", "memory_budget", "spill_max_bytes", "metrics_port", "slots", "num_slots", "max_workers",
                 "max_message_bytes", "dedup_window", "drain_grace_s", "keep_snapshots", "scheduler", "server_id",
                 "advertise", "heartbeat_interval_s", "snapshot_every_s", "replication_timeout_s", "tls_cert", "tls_key",
                 "tls_ca", "require_client_cert", "auth_token_file", "admin_token_file", "allow_insecure_loopback",

@@ -88,7 +88,7 @@ def test_a_paused_primary_accepts_nothing_at_its_old_epoch_and_rejoins_as_a_copy
         loop = PushLoop(client, num_ids=20_000, ids_per_push=500).start()
         admin.wait_for(lambda: loop.acked_count() > 50, what="pushes before the fault")
         victim = 0
-        sid = (cluster.data_dir / f"shard-{victim}" / "server-id").read_text().strip()
+        sid = (cluster.data_dir / f"shard-{victim}" / "server-id").read_text().split()[0]
         led = np.flatnonzero(old.leads(old.index_of(sid)))
         assert led.size > 0
         paused_at = time.monotonic()

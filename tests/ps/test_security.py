@@ -3,6 +3,8 @@ certificates made at test time (trustme). Refused callers change nothing; tokens
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ from tigana import ps
 from tigana.ps import admin
 from tigana.ps.config import ServerConfig
 from tigana.ps.daemon import start_server
-from tigana.ps.security import Security
+from tigana.ps.security import Security, read_token, read_tokens
 
 trustme = pytest.importorskip("trustme")
 pytestmark = pytest.mark.timeout(240)
@@ -155,3 +157,46 @@ def test_the_memory_budget_bounds_the_whole_daemon(tmp_path) -> None:
             assert client.pull("m0", np.arange(10)).shape == (10, 16)
     finally:
         handle.close(grace=1.0)
+
+
+def test_tokens_expire_and_rotate_without_a_restart(tmp_path) -> None:
+    """A token file line may carry ``expires=``; the server re-reads the file when it changes."""
+    trainer, admin_file = tmp_path / "trainer.token", tmp_path / "admin.token"
+    trainer.write_text("old-token expires=2020-01-01T00:00:00Z\n")
+    admin_file.write_text("# the admin credential\nroot-token\n")
+    handle = start_server(ServerConfig(port=0, data_dir=str(tmp_path / "s"), auth_token_file=str(trainer),
+                                       admin_token_file=str(admin_file), allow_insecure_loopback=True))
+    sends = {name: tmp_path / f"{name}.send" for name in ("old", "new")}
+    sends["old"].write_text("old-token\n")
+    sends["new"].write_text("new-token\n")
+    try:
+        assert handle.wait_ready(30)
+        for name, why in (("old", "credential expired"), ("new", "credential refused")):
+            with ps.connect([handle.address], auth_token_file=str(sends[name]), allow_insecure_loopback=True,
+                            max_attempts=1) as client, pytest.raises(ps.Unauthenticated, match=why):
+                client.list_tables()
+        trainer.write_text("old-token expires=2020-01-01T00:00:00Z\nnew-token\n")  # rotation: no restart
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with ps.connect([handle.address], auth_token_file=str(sends["new"]), allow_insecure_loopback=True,
+                                max_attempts=1) as client:
+                    assert client.list_tables() == []
+                break
+            except ps.Unauthenticated:
+                assert time.monotonic() < deadline, "the rotated token was never accepted"
+                time.sleep(0.2)
+        assert 'reason="expired"' in handle.metrics.render().decode()
+    finally:
+        handle.close(grace=1.0)
+
+
+def test_token_files_are_checked_when_read(tmp_path) -> None:
+    bad = tmp_path / "bad.token"
+    bad.write_text("tok expires=tomorrow\n")
+    with pytest.raises(ps.InvalidArgument, match=r"line 1: 'expires' is not an ISO 8601 time") as err:
+        read_tokens(bad)
+    assert "tok" not in str(err.value).replace("token", "")
+    bad.write_text("tok expires=2020-01-01\n")
+    with pytest.raises(ps.InvalidArgument, match="every token in it has expired"):
+        read_token(bad)
