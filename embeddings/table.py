@@ -43,6 +43,9 @@ _INT64_MAX = np.iinfo(np.int64).max
 _CHUNK = 1 << 16  # rows per chunk when streaming the whole table (export, checksum, snapshot, spill)
 
 
+_LOCAL_SETTINGS = ("memory_budget", "spill_dir", "spill_max_bytes", "backend")
+
+
 class EmbeddingTable:
     """One table: rows, optimizer state, metadata; hash index; admission, eviction, LMDB spill, snapshots.
 
@@ -688,10 +691,12 @@ class EmbeddingTable:
         self._last_snapshot = path
 
     @classmethod
-    def restore(cls, path: str | Path) -> EmbeddingTable:
+    def restore(cls, path: str | Path, *, configure: Callable[[TableConfig], TableConfig] | None = None
+                ) -> EmbeddingTable:
         """A new table from the snapshot at ``path`` (or the latest one under the root ``path``), with its
         chain of increments applied, its config, and its step. The table's next incremental snapshot
-        chains onto it."""
+        chains onto it. ``configure`` maps the stored config to the one to run with: it may change only the
+        settings of this process (memory budget, spill tier, backend), not what defines the rows."""
         snap = Path(path)
         if not (snap / _snapshot.MANIFEST).is_file():
             latest = _snapshot.latest_snapshot(snap)
@@ -699,7 +704,13 @@ class EmbeddingTable:
                 raise SnapshotNotFound(f"no snapshot at {snap}")
             snap = latest
         manifest = _snapshot.read_manifest(snap)
-        table = cls(_snapshot.config_from_dict(manifest["config"]))
+        config = _snapshot.config_from_dict(manifest["config"])
+        if configure is not None:
+            local = configure(config)
+            if dataclasses.replace(local, **{f: getattr(config, f) for f in _LOCAL_SETTINGS}) != config:
+                raise InvalidArgument(f"table {config.name!r}: restoring may change only {list(_LOCAL_SETTINGS)}")
+            config = local
+        table = cls(config)
         try:
             for batch in _snapshot.iter_snapshot_rows(snap):
                 table.import_rows(batch)

@@ -18,6 +18,8 @@ Layout under ``data_dir``::
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -25,6 +27,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +36,7 @@ from urllib.parse import quote
 import numpy as np
 from google.protobuf import json_format
 
-from tigana.embeddings import CorruptStore, EmbeddingTable
+from tigana.embeddings import CorruptStore, EmbeddingTable, StorageError, StorageFull, TableConfig
 from tigana.embeddings import snapshot as snap
 from tigana.proto import shard_pb2 as pb
 from tigana.ps import cluster_wire
@@ -65,13 +68,20 @@ def _digest(doc: dict[str, Any]) -> str:
 
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Write ``data`` to ``path`` through a fsynced temp file and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.{threading.get_ident()}")
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:  # the old file stays as it was
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StorageFull(f"disk full writing {str(path)!r}: {exc.strerror}") from None
+        raise StorageError(f"cannot write {str(path)!r}: {exc.strerror}") from None
 
 
 class Catalog:
@@ -172,12 +182,13 @@ class Catalog:
         snap.cleanup_temp(root)
         return snap.latest_snapshot(root)
 
-    def restore(self, path: Path, *, num_slots: int, dedup_size: int) -> Restored:
+    def restore(self, path: Path, *, num_slots: int, dedup_size: int,
+                configure: Callable[[TableConfig], TableConfig] | None = None) -> Restored:
         """The table at snapshot ``path`` (or the newest under it) with its window and positions (empty ones
-        for snapshots written without them)."""
+        for snapshots written without them); ``configure``: see ``EmbeddingTable.restore``."""
         if not (path / snap.MANIFEST).is_file():
             path = snap.latest_snapshot(path) or path
-        table = EmbeddingTable.restore(path)
+        table = EmbeddingTable.restore(path, configure=configure)
         try:
             raw = snap.read_extra(path, DEDUP_FILE)
             dedup = (DedupWindow.from_bytes(raw, num_slots=num_slots, size=dedup_size) if raw is not None

@@ -48,7 +48,14 @@ from typing import Any
 import grpc
 import numpy as np
 
-from tigana.embeddings import Changes, CorruptStore, EmbeddingTable, SnapshotNotFound, TableConfig
+from tigana.embeddings import (
+    Changes,
+    CorruptStore,
+    EmbeddingTable,
+    SnapshotNotFound,
+    StorageError,
+    TableConfig,
+)
 from tigana.embeddings.changes import unique
 from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc
@@ -400,7 +407,11 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                 raise InvalidArgument(f"table {name!r}: this server is part of a cluster; create tables through "
                                       f"its scheduler ({self.config.scheduler})")
             self._create_local(spec)
-            self._save_registry()
+            try:
+                self._save_registry()
+            except BaseException:  # a full disk: the table was not created
+                self._drop_local(name)
+                raise
         log.info("created table %r (dim %d, %s)", name, spec.config.dim, spec.config.optimizer.kind)
         return pb.CreateTableResponse(spec=cluster_wire.table_def_to_pb(spec), created=True)
 
@@ -417,9 +428,9 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             raise InvalidArgument(f"table {request.table!r}: this server is part of a cluster; drop tables "
                                   f"through its scheduler ({self.config.scheduler})")
         with self._registry_lock:
+            if request.table in self._tables:
+                self._save_registry(without=request.table)  # first: a full disk leaves the table as it was
             dropped = self._drop_local(request.table)
-            if dropped:
-                self._save_registry()
         if dropped:
             log.info("dropped table %r", request.table)
         return pb.DropTableResponse(dropped=dropped)
@@ -890,7 +901,10 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                     for _, h in reversed(hosted_all):
                         h.lock.release()
                 if self.catalog is not None:
-                    self._save_registry()
+                    try:
+                        self._save_registry()
+                    except StorageError as exc:  # a cache of the map's tables: written again at the next change
+                        log.warning("saving the table registry failed: %s", exc)
         if new.valid and (not old.valid or dropped.size):
             threading.Thread(target=self._drop_unheld, name="tigana-drop-slots", daemon=True).start()
         if self.on_install is not None:
@@ -1032,10 +1046,11 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             raise InvalidArgument(f"{what}: this server has no data dir (start it with --data-dir)")
         return self.catalog
 
-    def _save_registry(self) -> None:
+    def _save_registry(self, without: str | None = None) -> None:
+        """Persist the table registry (less ``without``); ``StorageFull`` when the disk is full."""
         if self.catalog is None:
             return
-        self.catalog.save_tables([h.spec for h in self._tables.values()], self.num_slots,
+        self.catalog.save_tables([h.spec for n, h in self._tables.items() if n != without], self.num_slots,
                                  None if self.clustered else self.config.slots)
 
     def _complete_slots(self) -> np.ndarray:
@@ -1070,7 +1085,15 @@ class ShardService(shard_pb2_grpc.ShardServicer):
 
     def _restore_one(self, path: Path, spec: TableDef | None) -> _Hosted:
         catalog = self.catalog or Catalog(path)
-        restored = catalog.restore(path, num_slots=self.num_slots, dedup_size=self.config.dedup_window)
+
+        def configure(stored: TableConfig) -> TableConfig:  # this daemon's memory settings, not the writer's
+            own = spec.config if spec is not None else None
+            return self._effective(dataclasses.replace(
+                stored, memory_budget=own.memory_budget if own else None, spill_dir=own.spill_dir if own else None,
+                spill_max_bytes=own.spill_max_bytes if own else None))
+
+        restored = catalog.restore(path, num_slots=self.num_slots, dedup_size=self.config.dedup_window,
+                                   configure=configure)
         if spec is None:
             spec = TableDef(dataclasses.replace(restored.table.config, spill_dir=None))
         return self._new_hosted(spec, restored.table, restored.dedup, restored.log)

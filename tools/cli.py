@@ -29,6 +29,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "allreduce": ("tigana.tools.bench.allreduce", "hierarchical vs flat all-reduce of dense gradients"),
     "failover": ("tigana.tools.bench.failover", "kill -9 of a primary under a push loop: lost, doubled, recovery"),
     "reshard": ("tigana.tools.bench.reshard", "live slot moves: throughput, push p99 during a move, drain, balance"),
+    "faults": ("tigana.tools.bench.faults", "the fault suite: kills, pauses, partitions, disks, corruption, hostile "
+                                            "requests, a soak; a ledger counts what was lost"),
 }
 
 

@@ -20,8 +20,6 @@ from tigana.tools.bench.ledger import PushLoop, audit, create_ledger_table
 pytestmark = pytest.mark.timeout(240)
 
 
-
-
 def test_scheduler_kill_9_and_restart_loses_nothing(make_shard_cluster) -> None:
     cluster = make_shard_cluster(2, replicas=1)
     with ps.connect(scheduler=cluster.scheduler, failover_timeout_s=60) as client:

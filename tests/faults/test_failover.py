@@ -22,10 +22,6 @@ from tigana.tools.bench.ledger import PushLoop, audit, create_ledger_table
 pytestmark = pytest.mark.timeout(240)
 
 
-
-
-
-
 def _leader_of_most(cluster: ps.LocalCluster) -> int:
     m = admin.shard_map(cluster.scheduler)
     counts = {m.servers[i].address: int(m.leads(i).sum()) for i in range(len(m.servers))}

@@ -14,10 +14,6 @@ from tigana.tools.bench.ledger import PushLoop, audit, create_ledger_table
 pytestmark = pytest.mark.timeout(300)
 
 
-
-
-
-
 def _held(scheduler: str, server_id: str) -> int:
     reply = admin.status(scheduler)
     s = next(s for s in reply.servers if s.info.id == server_id)

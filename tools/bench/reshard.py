@@ -35,10 +35,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=65536, help="ids per push of the traffic (default 65536)")
 
 
-
-
-
-
 class _Traffic:
     """Zipf(1.05) pushes (and the pulls a trainer does first), one batch at a time; latency of every push."""
 
