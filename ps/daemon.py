@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import IO
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 
+from tigana.ps import rpc
 from tigana.ps.config import ServerConfig
 from tigana.ps.membership import Agent
 from tigana.ps.metrics import ServerMetrics
@@ -36,7 +36,6 @@ from tigana.ps.server import SERVICE_NAME, ShardService, add_to_server
 
 log = logging.getLogger("tigana.ps.daemon")
 
-HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 # Health of this server's copies: NOT_SERVING while any copy it holds is still catching up (slot copy).
 COPIES_HEALTH_NAME = "tigana.v1.Shard.copies"
 
@@ -71,9 +70,7 @@ class ServerHandle:
                                    interceptors=self.security.interceptors(self.metrics.count_auth_rejection),
                                    maximum_concurrent_rpcs=config.max_concurrent_requests)
         add_to_server(self.service, self._server)  # the generated registration, with raw data-path codecs
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME),
-                                            self._server)
+        rpc.add_health_and_reflection(self._server, self.health, (SERVICE_NAME,))
         target = f"{config.host}:{config.port}"
         try:
             port = self.security.add_port(self._server, target)

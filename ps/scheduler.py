@@ -905,7 +905,7 @@ class SchedulerHandle:
                                             ("grpc.so_reuseport", 0)],
                                    interceptors=self.security.interceptors(self._rejected))
         rpc.register(self._server, spb.DESCRIPTOR.services_by_name["Scheduler"], SchedulerService(self.core))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        rpc.add_health_and_reflection(self._server, self.health, (SERVICE_NAME,))
         port = 0
         try:
             port = self.security.add_port(self._server, f"{config.host}:{config.port}")
