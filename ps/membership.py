@@ -78,7 +78,9 @@ class Agent:
                 log.debug("scheduler call failed: %s", err.code().name)
                 self._next()
                 self._stop.wait(backoff)
-                backoff = min(2.0, backoff * 2)
+                # a registered server keeps heartbeating at its interval: silence longer than that (a backoff)
+                # would let a slow scheduler link look like a dead server
+                backoff = min(self.interval if self.registered else 2.0, backoff * 2)
             except Exception:  # noqa: BLE001 - keep the server in the cluster whatever happened
                 log.exception("membership loop")
             self._wake.wait(self.interval)
@@ -97,15 +99,19 @@ class Agent:
     def _heartbeat(self) -> None:
         s = self.service
         stats = {**s.cluster_figures(), **s.load_figures()}
+        # The lease counts from when the heartbeat was sent: the scheduler heard from us no earlier, so its
+        # timeout (> lease_s) runs out after our lease does however slow the reply is. The deadline is the
+        # lease: a slow link (a round trip under the scheduler's timeout) must not fail heartbeats.
+        sent = time.monotonic()
         reply = self.stub.Heartbeat(spb.HeartbeatRequest(server_id=s.server_id, boot=s.boot, epoch=s.epoch,
-                                                         stats=stats), timeout=max(1.0, 2 * self.interval))
+                                                         stats=stats), timeout=max(1.0, self.lease_s))
         if reply.reregister:
             self.registered = False
             self._wake.set()
             return
         if reply.HasField("map"):
             s.install(cluster_wire.map_from_pb(reply.map))
-        self.last_ok = time.monotonic()
+        self.last_ok = sent
 
     # --- calls from the service ---------------------------------------------------------------------------
     def refresh(self, epoch: int = 0, wait_s: float = 0.0) -> None:
