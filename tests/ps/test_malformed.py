@@ -81,6 +81,11 @@ def test_random_bytes_to_every_method_are_rejected_cleanly(cluster, data) -> Non
             seen.append((name, _call(shard, "Shard", name, streaming, payload)))
         for name, streaming in SCHED:
             seen.append((name, _call(schd, "Scheduler", name, streaming, payload)))
+        for channel in (shard, schd):  # gRPC's health service answered INTERNAL to these once
+            try:
+                channel.unary_unary("/grpc.health.v1.Health/Check")(payload, timeout=10)
+            except grpc.RpcError as err:
+                seen.append(("Health/Check", err.code()))
     bad = [(n, c) for n, c in seen if c in BAD]
     assert not bad, (payload[:40], bad)
     assert _checksums(servers) == before
