@@ -70,7 +70,7 @@ class ServerConfig:
     ``full_snapshot_every`` snapshots). ``replication_timeout_s``: a copy that has not applied the stream for
     that long is reported to the scheduler; ``ack_timeout_s``: how long a sync push waits for its copies
     before answering UNAVAILABLE (the client retries; exactly-once makes that safe). ``lease_s``: an async
-    push is acknowledged only while the last successful heartbeat is younger than this (keep it below the
+    push is acknowledged only while the last successful heartbeat was sent less than this ago (keep it below the
     scheduler's heartbeat timeout: it bounds what a paused, deposed primary can acknowledge).
 
     Security (``tigana.ps.security``): ``tls_cert``/``tls_key`` serve TLS, ``tls_ca`` verifies peers (and,
