@@ -175,7 +175,7 @@ class EmbeddingTable:
             self._counters["hits"] += n - misses
             if misses:
                 miss = np.flatnonzero(positions < 0)
-                positions[miss] = self._materialize(ids[miss], insert=insert, count=True)
+                positions[miss] = self._materialize(ids[miss], insert=insert, count=True, hold=positions)
                 if gathered:  # fill in what the fused kernel could not
                     got = miss[positions[miss] >= 0]
                     out[got] = self._slab.read_weights(positions[got])
@@ -238,7 +238,8 @@ class EmbeddingTable:
             positions = self._index.lookup(ids)
             miss = np.flatnonzero(positions < 0)
             if miss.size:
-                positions[miss] = self._materialize(ids[miss], insert=self._open_admission, count=False)
+                positions[miss] = self._materialize(ids[miss], insert=self._open_admission, count=False,
+                                                    hold=positions)
             keep = positions >= 0
             if not keep.all():
                 positions, grads = positions[keep], grads[keep]
@@ -277,18 +278,21 @@ class EmbeddingTable:
             slab.write_weights(rows, w)
             slab.state[rows] = s
 
-    def _materialize(self, ids: np.ndarray, *, insert: bool, count: bool) -> np.ndarray:
+    def _materialize(self, ids: np.ndarray, *, insert: bool, count: bool, hold: np.ndarray) -> np.ndarray:
         """Slab positions for ids missing from the index: bring spilled rows back, insert admitted new ids.
 
+        ``hold``: the slab positions the caller already resolved for this batch (-1 entries ignored); they
+        must stay where they are, so the memory ceiling never spills them to make room.
         Returns (len(ids),) positions, -1 for ids left unstored."""
         uniq, sightings = np.unique(ids, return_counts=True)
         if len(self._spilled):
             spilled = self._spilled.lookup(uniq) >= 0
             if spilled.any():
                 self._unspill(uniq[spilled])
+                hold = np.concatenate([hold, self._index.lookup(uniq[spilled])])
                 uniq, sightings = uniq[~spilled], sightings[~spilled]
         if insert and uniq.size:
-            self._check_room(uniq.size)  # before admission counts a sighting: a refusal changes nothing
+            self._check_room(uniq.size, hold)  # before admission counts a sighting: a refusal changes nothing
             if self._open_admission:
                 admitted = uniq
             elif count:
@@ -303,7 +307,7 @@ class EmbeddingTable:
                 self._insert_new(admitted)
         return self._index.lookup(ids)
 
-    def _check_room(self, k: int) -> None:
+    def _check_room(self, k: int, hold: np.ndarray) -> None:
         """The memory ceiling: a table with a budget may run past it by a quarter while its spill tier works;
         when spilling fails (disk or LMDB map full), inserting ``k`` new rows past that ceiling is refused
         with ``StorageFull`` before anything changed. Updates of stored rows go on; inserts resume once
@@ -313,7 +317,7 @@ class EmbeddingTable:
         if len(self._index) <= max(1, int(0.9 * self._budget_rows)):
             return  # nothing to spill: one batch larger than the budget (bounded by the request limits)
         try:
-            self._spill_coldest()
+            self._spill_coldest(hold)
         except StorageFull as exc:
             self._counters["spill_failures"] += 1
             self._counters["refused_inserts"] += k
@@ -612,9 +616,15 @@ class EmbeddingTable:
             self._counters["spill_failures"] += 1
             _log.warning("%s", exc)
 
-    def _spill_coldest(self) -> None:
+    def _spill_coldest(self, hold: np.ndarray | None = None) -> None:
+        """Spill the least recently used rows down to 90% of the budget, never the positions in ``hold``."""
         k = len(self._index) - max(1, int(0.9 * self._budget_rows))
         ids, positions = self._index.items()
+        if hold is not None and hold.size:
+            free = ~np.isin(positions, hold[hold >= 0])
+            ids, positions = ids[free], positions[free]
+        if k <= 0 or not ids.size:
+            return
         cold = np.argpartition(self._slab.last_access[positions], k - 1)[:k] if k < ids.shape[0] else \
             np.arange(ids.shape[0])
         ids, positions = ids[cold], positions[cold]

@@ -365,7 +365,9 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         shared = [h for h in tables if not h.spec.config.memory_budget]
         if not shared:
             return
-        each = max(1 << 20, (total - own) // len(shared))
+        # tables with budgets of their own may take it all: the shared ones still get a floor (1 MiB, or an
+        # even share of the daemon's budget when that is smaller)
+        each = max(min(1 << 20, total // len(tables)), (total - own) // len(shared), 1)
         for h in shared:
             try:
                 h.table.set_memory_budget(each)

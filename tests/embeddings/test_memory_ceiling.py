@@ -39,3 +39,23 @@ def test_inserts_past_the_ceiling_are_refused_and_change_nothing(tmp_path) -> No
     with pytest.raises(emb.InvalidArgument, match="may change only"):
         emb.EmbeddingTable.restore(path, configure=lambda c: dataclasses.replace(c, dim=8))
     bigger.close()
+
+
+def test_making_room_never_spills_the_rows_of_the_batch_being_applied(tmp_path) -> None:
+    """A batch that mixes stored ids with enough new ones to cross the ceiling makes room by spilling cold rows,
+    never the batch's own (their slab positions are already resolved): each row gets exactly its own update."""
+    cfg = emb.TableConfig(name="t", dim=4, optimizer=emb.SGD(lr=1.0), initializer=emb.Zeros(),
+                          memory_budget=600, spill_dir=str(tmp_path / "spill"))
+    table = emb.EmbeddingTable(cfg)
+    budget_rows = table._budget_rows  # a handful of rows at this budget
+    old = np.arange(budget_rows, dtype=np.int64)
+    table.pull(old[:2])  # the coldest rows: the first a spill would take
+    table.pull(old[2:])
+    ids = np.concatenate([old[:2], np.arange(1000, 1000 + budget_rows // 2 + 2)])  # cold stored ids + new ones
+    grads = (np.arange(len(ids), dtype=np.float32)[:, None] + 1) * np.ones((1, 4), np.float32)
+    table.push(ids, grads)
+    rows = table.export_rows()
+    got = dict(zip(rows.ids.tolist(), rows.weights[:, 0].tolist(), strict=True))
+    assert {i: got[i] for i in ids.tolist()} == {i: -float(k + 1) for k, i in enumerate(ids.tolist())}
+    assert all(got[i] == 0.0 for i in old[2:].tolist())
+    table.close()

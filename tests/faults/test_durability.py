@@ -55,13 +55,15 @@ def test_async_loss_is_bounded_by_the_lag_reported_before_the_kill(make_shard_cl
         loop = PushLoop(client, ids_per_push=500, in_flight=8).start()
         admin.wait_for(lambda: loop.acked_count() > 100, what="pushes before the fault")
         victim = 0
+        sampled_at = time.monotonic()  # before the lag is read: a push acknowledged meanwhile is in the bound
         stats = client.server_stats("ledger")[cluster.addresses[victim]]["ledger"]
         lag_items = int(stats["replication_lag_items"])
-        acked_at_sample = loop.acked_count()
+        killed_at = time.monotonic()
         cluster.kill(victim)
-        acked_since = loop.acked_count() - acked_at_sample  # acknowledged between the sample and the kill
         n = loop.acked_count()
         admin.wait_for(lambda: loop.acked_count() > n + 100, what="pushes after the failover")
+        # pushes sent before the kill and acknowledged after the sample (replies still in flight included)
+        acked_since = loop.count_acked(killed_at, sampled_at)
         loop.stop()
         result = audit(client, loop)
         lost_pushes = -(-result.lost // loop.ids_per_push)  # every push carries ids_per_push ids

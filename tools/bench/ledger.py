@@ -144,6 +144,12 @@ class PushLoop:
                     out[ids] += 1
         return out
 
+    def count_acked(self, sent_before: float, acked_from: float) -> int:
+        """Pushes sent before ``sent_before`` and acknowledged at or after ``acked_from`` (what a server killed
+        at ``sent_before`` may have acknowledged since a lag sampled at ``acked_from``)."""
+        with self._lock:
+            return sum(1 for sent, done in self.events if sent < sent_before and done >= acked_from)
+
     def first_ack_sent_after(self, t: float) -> float | None:
         """The acknowledgement time of the first push sent at or after ``t`` (recovery after a fault at t)."""
         with self._lock:

@@ -3,10 +3,12 @@ count of servers it declared dead, and a raw push stamped with a chosen map epoc
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from tigana import ps
 from tigana.proto import shard_pb2 as pb
 from tigana.ps import admin, routing, wire
 from tigana.ps.daemon import ALLOCATOR_ENV
-from tigana.tools.bench.ledger import TABLE_DIM
+from tigana.tools.bench.ledger import TABLE_DIM, PushLoop, create_ledger_table
 from tigana.tools.bench.report import emit
 
 BAD_CODES = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
@@ -122,6 +124,25 @@ def raw_push(address: str, table: str, ids: np.ndarray, epoch: int, timeout_s: f
 
 def wait_settled(c: ps.LocalCluster, timeout_s: float = 120.0) -> None:
     admin.wait_for(lambda: admin.settled(c.scheduler), timeout_s, "every copy in sync")
+
+
+@contextlib.contextmanager
+def ledger_loop(client: ps.Client, table: str = "ledger", durability: str | None = None, **loop_kwargs: Any
+                ) -> Iterator[PushLoop]:
+    """A ledger table and its push loop (``PushLoop`` arguments), stopped on the way out; audit it after."""
+    create_ledger_table(client, table, durability=durability)
+    loop = PushLoop(client, table=table, **loop_kwargs).start()
+    try:
+        yield loop
+    finally:
+        loop.stop()
+
+
+def ready_for_fault(c: ps.LocalCluster, loop: PushLoop, pushes: int = 20) -> None:
+    """Every copy in sync and ``pushes`` more pushes acknowledged: the moment for the next fault."""
+    wait_settled(c)
+    n = loop.acked_count()
+    admin.wait_for(lambda: loop.acked_count() > n + pushes, 60, "pushes before the fault")
 
 
 def since(t: float) -> float:

@@ -17,11 +17,13 @@ from tigana.tools.bench.faults.common import (
     deaths,
     ids_in_slots,
     leader_of_most,
+    ledger_loop,
     percentiles,
     raw_push,
+    ready_for_fault,
     wait_settled,
 )
-from tigana.tools.bench.ledger import Audit, PushLoop, audit, create_ledger_table
+from tigana.tools.bench.ledger import Audit, audit
 from tigana.tools.bench.report import log
 
 TARGET_P95_S = 3.0
@@ -35,13 +37,9 @@ def kill_primaries(trials: int, *, heartbeat_timeout: float = 3.0, num_ids: int 
     recoveries: list[float] = []
     with cluster(2, heartbeat_timeout=heartbeat_timeout) as c, \
             ps.connect(scheduler=c.scheduler, failover_timeout_s=120) as client:
-        create_ledger_table(client)
-        loop = PushLoop(client, num_ids=num_ids, ids_per_push=ids_per_push).start()
-        try:
+        with ledger_loop(client, num_ids=num_ids, ids_per_push=ids_per_push) as loop:
             for trial in range(trials):
-                wait_settled(c)
-                n = loop.acked_count()
-                admin.wait_for(lambda n=n: loop.acked_count() > n + 20, 60, "pushes before the kill")
+                ready_for_fault(c, loop)
                 victim, led = leader_of_most(c)
                 killed_at = time.monotonic()
                 c.kill(victim)
@@ -52,8 +50,6 @@ def kill_primaries(trials: int, *, heartbeat_timeout: float = 3.0, num_ids: int 
                     f"{recoveries[-1]:.3f}s, {loop.acked_count()} pushes acknowledged")
                 c.restart(victim)
             wait_settled(c)
-        finally:
-            loop.stop()
         result = audit(client, loop)
         check = admin.verify(c.scheduler)
     return {"lost": result.lost, "doubled": result.doubled, **percentiles(recoveries), "trials": trials,
@@ -90,24 +86,21 @@ def kill_async(trials: int, quick: bool, **_: Any) -> Report:
 
 def _async_trial(c: ps.LocalCluster, client: ps.Client, trial: int) -> tuple[Audit, int, float, int]:
     """(audit, loss bound in updates, recovery seconds, the killed shard) of one async kill."""
-    table = f"ledger-async-{trial}"
-    create_ledger_table(client, table, durability="async")
-    wait_settled(c)
-    loop = PushLoop(client, table=table, ids_per_push=500, in_flight=8, seed=trial).start()
-    try:
-        admin.wait_for(lambda: loop.acked_count() > 100, 60, "pushes before the kill")
+    with ledger_loop(client, f"ledger-async-{trial}", "async", ids_per_push=500, in_flight=8, seed=trial) as loop:
+        ready_for_fault(c, loop, 100)
+        table = loop.table
         victim, _ = leader_of_most(c)
+        sampled_at = time.monotonic()  # before the lag is read: a push acknowledged meanwhile is in the bound
         lag_items = int(client.server_stats(table)[c.addresses[victim]][table]["replication_lag_items"])
-        sampled = loop.acked_count()
         killed_at = time.monotonic()
         c.kill(victim)
-        acked_since = loop.acked_count() - sampled
         admin.wait_for(lambda: loop.first_ack_sent_after(killed_at) is not None, 120, "a push after the kill")
         recovery = loop.first_ack_sent_after(killed_at) - killed_at
         n = loop.acked_count()
         admin.wait_for(lambda: loop.acked_count() > n + 50, 120, "pushes after the failover")
-    finally:
-        loop.stop()
+        # what the victim may have acknowledged past the sampled lag: pushes sent before it died, acknowledged
+        # after the sample (counted now, once every reply it sent has arrived)
+        acked_since = loop.count_acked(killed_at, sampled_at)
     return audit(client, loop), (lag_items + acked_since) * loop.ids_per_push, recovery, victim
 
 
@@ -118,13 +111,9 @@ def pause(trials: int, quick: bool, **_: Any) -> Report:
     recoveries: list[float] = []
     timeout = 1.5
     with cluster(2, heartbeat_timeout=timeout) as c, ps.connect(scheduler=c.scheduler, failover_timeout_s=60) as client:
-        create_ledger_table(client)
-        loop = PushLoop(client, num_ids=20_000, ids_per_push=500).start()
-        try:
+        with ledger_loop(client, num_ids=20_000, ids_per_push=500) as loop:
             for trial in range(trials):
-                wait_settled(c)
-                n = loop.acked_count()
-                admin.wait_for(lambda n=n: loop.acked_count() > n + 20, 60, "pushes before the pause")
+                ready_for_fault(c, loop)
                 old = admin.shard_map(c.scheduler)
                 victim, led = leader_of_most(c)
                 paused_at = time.monotonic()
@@ -144,8 +133,6 @@ def pause(trials: int, quick: bool, **_: Any) -> Report:
                 log(f"  pause trial {trial + 1}/{trials}: recovery {recoveries[-1]:.3f}s, stale-epoch pushes "
                     f"accepted so far {stale}/{probes}")
             wait_settled(c)
-        finally:
-            loop.stop()
         result = audit(client, loop)
         check = admin.verify(c.scheduler)
     # A probe the old primary wrongly accepted adds 1 to its ids without the ledger knowing: it shows as
@@ -162,12 +149,10 @@ def mid_reshard(trials: int, quick: bool, **_: Any) -> Report:
     server (rebalance) and ``kill -9`` that target, in the middle of the copy; restart it and retry."""
     num_ids = 20_000
     with cluster(3) as c, ps.connect(scheduler=c.scheduler, failover_timeout_s=120) as client:
-        create_ledger_table(client)
-        client.push("ledger", np.arange(num_ids), np.zeros((num_ids, 4), np.float32)).result()
-        loop = PushLoop(client, num_ids=num_ids, ids_per_push=500).start()
-        try:
+        with ledger_loop(client, num_ids=num_ids, ids_per_push=500) as loop:
+            client.push("ledger", np.arange(num_ids), np.zeros((num_ids, 4), np.float32)).result()  # rows to move
             for trial in range(trials):
-                wait_settled(c)
+                ready_for_fault(c, loop)
                 if trial % 2 == 0:  # the source: drain a server and kill it while its slots leave
                     i = trial // 2 % c.shards
                     sid = c.server_id(i)
@@ -194,10 +179,7 @@ def mid_reshard(trials: int, quick: bool, **_: Any) -> Report:
                     role = "target"
                 log(f"  mid-reshard trial {trial + 1}/{trials}: killed the {role}, {loop.acked_count()} pushes")
             wait_settled(c, 300)
-            n = loop.acked_count()
-            admin.wait_for(lambda: loop.acked_count() > n + 20, 60, "pushes after the moves")
-        finally:
-            loop.stop()
+            ready_for_fault(c, loop)  # and pushes after the moves
         result = audit(client, loop)
         check = admin.verify(c.scheduler)
     f = {"lost": result.lost, "doubled": result.doubled, "trials": trials, "failed_pushes": result.failed_pushes,
@@ -222,14 +204,10 @@ def scheduler_kill(trials: int, quick: bool, **_: Any) -> Report:
     intact = 0
     during: list[int] = []
     with cluster(2) as c, ps.connect(scheduler=c.scheduler, failover_timeout_s=120) as client:
-        create_ledger_table(client)
-        loop = PushLoop(client, ids_per_push=500).start()
-        try:
+        with ledger_loop(client, ids_per_push=500) as loop:
             for trial in range(trials):
-                wait_settled(c)
+                ready_for_fault(c, loop)
                 before = admin.shard_map(c.scheduler)
-                n = loop.acked_count()
-                admin.wait_for(lambda n=n: loop.acked_count() > n + 20, 60, "pushes before the kill")
                 c.kill_scheduler()
                 n = loop.acked_count()
                 time.sleep(2.0)
@@ -241,10 +219,7 @@ def scheduler_kill(trials: int, quick: bool, **_: Any) -> Report:
                 intact += same
                 log(f"  scheduler trial {trial + 1}/{trials}: {during[-1]} pushes acknowledged while it was down, "
                     f"map intact {same}")
-            n = loop.acked_count()
-            admin.wait_for(lambda: loop.acked_count() > n + 20, 60, "pushes after the restart")
-        finally:
-            loop.stop()
+            ready_for_fault(c, loop)  # and pushes after the restart
         result = audit(client, loop)
         died = deaths(c)
     f = {"lost": result.lost, "doubled": result.doubled, "trials": trials, "maps_intact": intact,

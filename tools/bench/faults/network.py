@@ -34,11 +34,13 @@ from tigana.tools.bench.faults.common import (
     deaths,
     ids_in_slots,
     leader_of_most,
+    ledger_loop,
     percentiles,
     raw_push,
+    ready_for_fault,
     wait_settled,
 )
-from tigana.tools.bench.ledger import PushLoop, audit, create_ledger_table
+from tigana.tools.bench.ledger import audit, create_ledger_table
 from tigana.tools.bench.report import log
 
 
@@ -141,11 +143,8 @@ def slow_link(trials: int, quick: bool, **_: Any) -> Report:
 
         with cluster(2, heartbeat_timeout=timeout, scheduler_args=["--port", str(sched_port)], shard_args=args) as c, \
                 ps.connect(scheduler=c.scheduler, failover_timeout_s=120) as client:
-            create_ledger_table(client)
-            wait_settled(c)
-            loop = PushLoop(client, ids_per_push=500).start()
             dead0, demoted0 = deaths(c), _demotions(c)
-            try:
+            with ledger_loop(client, ids_per_push=500) as loop:
                 for trial in range(trials):
                     delay = fractions[trial % len(fractions)] * replication_timeout
                     inbound.delay_s = to_sched.delay_s = delay
@@ -157,8 +156,6 @@ def slow_link(trials: int, quick: bool, **_: Any) -> Report:
                         f"{latencies[-1]:.3f}s, deaths {deaths(c) - dead0}, copies demoted {_demotions(c) - demoted0}")
                 inbound.delay_s = to_sched.delay_s = 0.0
                 wait_settled(c)
-            finally:
-                loop.stop()
             result = audit(client, loop)
             false_failovers, demoted = deaths(c) - dead0, _demotions(c) - demoted0
     finally:
@@ -263,13 +260,10 @@ def partition(trials: int, quick: bool, **_: Any) -> Report:
     recoveries: list[float] = []
     with _partitioned_cluster(2, timeout) as (c, nets), \
             ps.connect(scheduler=c.scheduler, failover_timeout_s=120, timeout_s=5) as client:
-        create_ledger_table(client)
         create_ledger_table(client, "ledger-async", durability="async")
-        loop = PushLoop(client, num_ids=20_000, ids_per_push=500).start()
-        try:
+        with ledger_loop(client, num_ids=20_000, ids_per_push=500) as loop:
             for trial in range(trials):
-                wait_settled(c)
-                admin.wait_for(lambda n=loop.acked_count(): loop.acked_count() > n + 20, 60, "pushes before")
+                ready_for_fault(c, loop)
                 victim, led = leader_of_most(c)
                 cut_at = time.monotonic()
                 answers = _cut_and_probe(c, nets, victim, led, timeout)
@@ -283,8 +277,6 @@ def partition(trials: int, quick: bool, **_: Any) -> Report:
                 log(f"  partition trial {trial + 1}/{trials}: shard {victim} cut off, failover after "
                     f"{failed_over - cut_at:.2f}s, split-brain writes so far {split}/{probes}")
             wait_settled(c, 180)
-        finally:
-            loop.stop()
         result = audit(client, loop)
         check = admin.verify(c.scheduler)
     f = {"split_brain_writes": split, "stale_epoch_probes": probes, "async_acked_before_failover": async_acked_before,

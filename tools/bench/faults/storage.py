@@ -21,8 +21,16 @@ import numpy as np
 from tigana import ps
 from tigana.embeddings import snapshot as snap
 from tigana.ps import admin
-from tigana.tools.bench.faults.common import Report, cluster, pct, percentiles, wait_settled
-from tigana.tools.bench.ledger import PushLoop, audit, create_ledger_table
+from tigana.tools.bench.faults.common import (
+    Report,
+    cluster,
+    ledger_loop,
+    pct,
+    percentiles,
+    ready_for_fault,
+    wait_settled,
+)
+from tigana.tools.bench.ledger import audit
 from tigana.tools.bench.report import log
 
 DIM = 16
@@ -285,12 +293,9 @@ def corrupt_store(trials: int, quick: bool, **_: Any) -> Report:
     detected = 0
     resync: list[float] = []
     with cluster(2) as c, ps.connect(scheduler=c.scheduler, failover_timeout_s=120) as client:
-        create_ledger_table(client)
-        loop = PushLoop(client, ids_per_push=500).start()
-        try:
+        with ledger_loop(client, ids_per_push=500) as loop:
             for trial in range(trials):
-                wait_settled(c)
-                admin.wait_for(lambda n=loop.acked_count(): loop.acked_count() > n + 20, 60, "pushes")
+                ready_for_fault(c, loop)
                 client.snapshot()
                 victim = trial % 2
                 c.kill(victim)
@@ -305,10 +310,7 @@ def corrupt_store(trials: int, quick: bool, **_: Any) -> Report:
                 resync.append(time.monotonic() - t)
                 detected += seen
                 log(f"  corrupt trial {trial + 1}/{trials}: {what}: detected {seen}, rebuilt in {resync[-1]:.2f}s")
-            n = loop.acked_count()
-            admin.wait_for(lambda: loop.acked_count() > n + 20, 60, "pushes after the last trial")
-        finally:
-            loop.stop()
+            ready_for_fault(c, loop)  # and pushes after the last trial
         result = audit(client, loop)
         check = admin.verify(c.scheduler)
     f = {"detected_pct": pct(detected, trials), "trials": trials, "lost": result.lost, "doubled": result.doubled,
