@@ -138,6 +138,17 @@ def ledger_loop(client: ps.Client, table: str = "ledger", durability: str | None
         loop.stop()
 
 
+@contextlib.contextmanager
+def ledger_cluster(shards: int = 2, *, failover_timeout_s: float = 120, loop: dict[str, Any] | None = None,
+                   **cluster_kwargs: Any) -> Iterator[tuple[ps.LocalCluster, ps.Client, PushLoop]]:
+    """``cluster(shards, **cluster_kwargs)``, a client routed by its scheduler and a ledger push loop
+    (``loop``: ``PushLoop`` arguments, 500 ids a push by default), all stopped on the way out."""
+    with cluster(shards, **cluster_kwargs) as c, \
+            ps.connect(scheduler=c.scheduler, failover_timeout_s=failover_timeout_s) as client, \
+            ledger_loop(client, **{"ids_per_push": 500, **(loop or {})}) as push_loop:
+        yield c, client, push_loop
+
+
 def ready_for_fault(c: ps.LocalCluster, loop: PushLoop, pushes: int = 20) -> None:
     """Every copy in sync and ``pushes`` more pushes acknowledged: the moment for the next fault."""
     wait_settled(c)

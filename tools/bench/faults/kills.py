@@ -17,6 +17,7 @@ from tigana.tools.bench.faults.common import (
     deaths,
     ids_in_slots,
     leader_of_most,
+    ledger_cluster,
     ledger_loop,
     percentiles,
     raw_push,
@@ -110,29 +111,30 @@ def pause(trials: int, quick: bool, **_: Any) -> Report:
     stale = probes = 0
     recoveries: list[float] = []
     timeout = 1.5
-    with cluster(2, heartbeat_timeout=timeout) as c, ps.connect(scheduler=c.scheduler, failover_timeout_s=60) as client:
-        with ledger_loop(client, num_ids=20_000, ids_per_push=500) as loop:
-            for trial in range(trials):
-                ready_for_fault(c, loop)
-                old = admin.shard_map(c.scheduler)
-                victim, led = leader_of_most(c)
-                paused_at = time.monotonic()
-                c.pause(victim)
-                try:
-                    admin.wait_for(lambda t=paused_at: loop.first_ack_sent_after(t + 0.1) is not None, 60,
-                                   "pushes acknowledged by the promoted copies")
-                    recoveries.append(loop.first_ack_sent_after(paused_at + 0.1) - paused_at)
-                    time.sleep(timeout)
-                finally:
-                    c.resume(victim)
-                ids = ids_in_slots(led[:8], 20_000)
-                for k in range(0, ids.size, 2):
-                    probes += 1
-                    code = raw_push(c.addresses[victim], "ledger", ids[k:k + 2], old.epoch)
-                    stale += code == grpc.StatusCode.OK
-                log(f"  pause trial {trial + 1}/{trials}: recovery {recoveries[-1]:.3f}s, stale-epoch pushes "
-                    f"accepted so far {stale}/{probes}")
-            wait_settled(c)
+    with ledger_cluster(2, heartbeat_timeout=timeout, failover_timeout_s=60,
+                        loop={"num_ids": 20_000}) as (c, client, loop):
+        for trial in range(trials):
+            ready_for_fault(c, loop)
+            old = admin.shard_map(c.scheduler)
+            victim, led = leader_of_most(c)
+            paused_at = time.monotonic()
+            c.pause(victim)
+            try:
+                admin.wait_for(lambda t=paused_at: loop.first_ack_sent_after(t + 0.1) is not None, 60,
+                               "pushes acknowledged by the promoted copies")
+                recoveries.append(loop.first_ack_sent_after(paused_at + 0.1) - paused_at)
+                time.sleep(timeout)
+            finally:
+                c.resume(victim)
+            ids = ids_in_slots(led[:8], 20_000)
+            for k in range(0, ids.size, 2):
+                probes += 1
+                code = raw_push(c.addresses[victim], "ledger", ids[k:k + 2], old.epoch)
+                stale += code == grpc.StatusCode.OK
+            log(f"  pause trial {trial + 1}/{trials}: recovery {recoveries[-1]:.3f}s, stale-epoch pushes "
+                f"accepted so far {stale}/{probes}")
+        wait_settled(c)
+        loop.stop()
         result = audit(client, loop)
         check = admin.verify(c.scheduler)
     # A probe the old primary wrongly accepted adds 1 to its ids without the ledger knowing: it shows as
@@ -148,38 +150,38 @@ def mid_reshard(trials: int, quick: bool, **_: Any) -> Report:
     """Move slots off a server (drain) and ``kill -9`` the move's source, or (alternating) fill an emptied
     server (rebalance) and ``kill -9`` that target, in the middle of the copy; restart it and retry."""
     num_ids = 20_000
-    with cluster(3) as c, ps.connect(scheduler=c.scheduler, failover_timeout_s=120) as client:
-        with ledger_loop(client, num_ids=num_ids, ids_per_push=500) as loop:
-            client.push("ledger", np.arange(num_ids), np.zeros((num_ids, 4), np.float32)).result()  # rows to move
-            for trial in range(trials):
-                ready_for_fault(c, loop)
-                if trial % 2 == 0:  # the source: drain a server and kill it while its slots leave
-                    i = trial // 2 % c.shards
-                    sid = c.server_id(i)
-                    admin.drain(c.scheduler, sid)
-                    c.kill(i)
-                    c.restart(i)
-                    admin.drain(c.scheduler, sid)  # the retry
-                    admin.wait_for(lambda sid=sid: _held(c, sid) == 0, 180, "the retried drain")
-                    admin.drain(c.scheduler, sid, undrain=True)
-                    admin.rebalance(c.scheduler)
-                    role = "source"
-                else:  # the target: an emptied server filled again by rebalance, killed while it fills
-                    i = (trial // 2 + 1) % c.shards
-                    sid = c.server_id(i)
-                    admin.drain(c.scheduler, sid)
-                    admin.wait_for(lambda sid=sid: _held(c, sid) == 0, 180, "the server to be emptied")
-                    admin.drain(c.scheduler, sid, undrain=True)
-                    admin.rebalance(c.scheduler)
-                    c.kill(i)  # mid-move: it held only catching-up copies
-                    admin.wait_for(lambda sid=sid: not _up(c, sid), 60, "the target's death")
-                    c.restart(i)
-                    admin.rebalance(c.scheduler)  # the retry
-                    admin.wait_for(lambda sid=sid: _held(c, sid) > 0, 180, "the target to get slots")
-                    role = "target"
-                log(f"  mid-reshard trial {trial + 1}/{trials}: killed the {role}, {loop.acked_count()} pushes")
-            wait_settled(c, 300)
-            ready_for_fault(c, loop)  # and pushes after the moves
+    with ledger_cluster(3, loop={"num_ids": num_ids}) as (c, client, loop):
+        client.push("ledger", np.arange(num_ids), np.zeros((num_ids, 4), np.float32)).result()  # rows to move
+        for trial in range(trials):
+            ready_for_fault(c, loop)
+            if trial % 2 == 0:  # the source: drain a server and kill it while its slots leave
+                i = trial // 2 % c.shards
+                sid = c.server_id(i)
+                admin.drain(c.scheduler, sid)
+                c.kill(i)
+                c.restart(i)
+                admin.drain(c.scheduler, sid)  # the retry
+                admin.wait_for(lambda sid=sid: _held(c, sid) == 0, 180, "the retried drain")
+                admin.drain(c.scheduler, sid, undrain=True)
+                admin.rebalance(c.scheduler)
+                role = "source"
+            else:  # the target: an emptied server filled again by rebalance, killed while it fills
+                i = (trial // 2 + 1) % c.shards
+                sid = c.server_id(i)
+                admin.drain(c.scheduler, sid)
+                admin.wait_for(lambda sid=sid: _held(c, sid) == 0, 180, "the server to be emptied")
+                admin.drain(c.scheduler, sid, undrain=True)
+                admin.rebalance(c.scheduler)
+                c.kill(i)  # mid-move: it held only catching-up copies
+                admin.wait_for(lambda sid=sid: not _up(c, sid), 60, "the target's death")
+                c.restart(i)
+                admin.rebalance(c.scheduler)  # the retry
+                admin.wait_for(lambda sid=sid: _held(c, sid) > 0, 180, "the target to get slots")
+                role = "target"
+            log(f"  mid-reshard trial {trial + 1}/{trials}: killed the {role}, {loop.acked_count()} pushes")
+        wait_settled(c, 300)
+        ready_for_fault(c, loop)  # and pushes after the moves
+        loop.stop()
         result = audit(client, loop)
         check = admin.verify(c.scheduler)
     f = {"lost": result.lost, "doubled": result.doubled, "trials": trials, "failed_pushes": result.failed_pushes,
@@ -203,23 +205,23 @@ def scheduler_kill(trials: int, quick: bool, **_: Any) -> Report:
     map is the one it had (same cluster id, same copies, epoch not behind)."""
     intact = 0
     during: list[int] = []
-    with cluster(2) as c, ps.connect(scheduler=c.scheduler, failover_timeout_s=120) as client:
-        with ledger_loop(client, ids_per_push=500) as loop:
-            for trial in range(trials):
-                ready_for_fault(c, loop)
-                before = admin.shard_map(c.scheduler)
-                c.kill_scheduler()
-                n = loop.acked_count()
-                time.sleep(2.0)
-                during.append(loop.acked_count() - n)
-                c.restart_scheduler()
-                after = admin.shard_map(c.scheduler)
-                same = (after.cluster_id == before.cluster_id and after.epoch >= before.epoch
-                        and np.array_equal(after.copies, before.copies) and sorted(after.tables) == sorted(before.tables))
-                intact += same
-                log(f"  scheduler trial {trial + 1}/{trials}: {during[-1]} pushes acknowledged while it was down, "
-                    f"map intact {same}")
-            ready_for_fault(c, loop)  # and pushes after the restart
+    with ledger_cluster(2) as (c, client, loop):
+        for trial in range(trials):
+            ready_for_fault(c, loop)
+            before = admin.shard_map(c.scheduler)
+            c.kill_scheduler()
+            n = loop.acked_count()
+            time.sleep(2.0)
+            during.append(loop.acked_count() - n)
+            c.restart_scheduler()
+            after = admin.shard_map(c.scheduler)
+            same = (after.cluster_id == before.cluster_id and after.epoch >= before.epoch
+                    and np.array_equal(after.copies, before.copies) and sorted(after.tables) == sorted(before.tables))
+            intact += same
+            log(f"  scheduler trial {trial + 1}/{trials}: {during[-1]} pushes acknowledged while it was down, "
+                f"map intact {same}")
+        ready_for_fault(c, loop)  # and pushes after the restart
+        loop.stop()
         result = audit(client, loop)
         died = deaths(c)
     f = {"lost": result.lost, "doubled": result.doubled, "trials": trials, "maps_intact": intact,

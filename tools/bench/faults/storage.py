@@ -24,7 +24,7 @@ from tigana.ps import admin
 from tigana.tools.bench.faults.common import (
     Report,
     cluster,
-    ledger_loop,
+    ledger_cluster,
     pct,
     percentiles,
     ready_for_fault,
@@ -292,25 +292,25 @@ def corrupt_store(trials: int, quick: bool, **_: Any) -> Report:
     rng = random.Random(7)
     detected = 0
     resync: list[float] = []
-    with cluster(2) as c, ps.connect(scheduler=c.scheduler, failover_timeout_s=120) as client:
-        with ledger_loop(client, ids_per_push=500) as loop:
-            for trial in range(trials):
-                ready_for_fault(c, loop)
-                client.snapshot()
-                victim = trial % 2
-                c.kill(victim)
-                data_dir = c.data_dir / f"shard-{victim}"
-                target = rng.choice(_store_files(data_dir))
-                what = corrupt(target, rng)
-                before = _quarantined(c, victim)
-                t = time.monotonic()
-                c.restart(victim)  # ready once it serves: the damage was found while it loaded, or never
-                seen = _quarantined(c, victim) > before
-                wait_settled(c)
-                resync.append(time.monotonic() - t)
-                detected += seen
-                log(f"  corrupt trial {trial + 1}/{trials}: {what}: detected {seen}, rebuilt in {resync[-1]:.2f}s")
-            ready_for_fault(c, loop)  # and pushes after the last trial
+    with ledger_cluster(2) as (c, client, loop):
+        for trial in range(trials):
+            ready_for_fault(c, loop)
+            client.snapshot()
+            victim = trial % 2
+            c.kill(victim)
+            data_dir = c.data_dir / f"shard-{victim}"
+            target = rng.choice(_store_files(data_dir))
+            what = corrupt(target, rng)
+            before = _quarantined(c, victim)
+            t = time.monotonic()
+            c.restart(victim)  # ready once it serves: the damage was found while it loaded, or never
+            seen = _quarantined(c, victim) > before
+            wait_settled(c)
+            resync.append(time.monotonic() - t)
+            detected += seen
+            log(f"  corrupt trial {trial + 1}/{trials}: {what}: detected {seen}, rebuilt in {resync[-1]:.2f}s")
+        ready_for_fault(c, loop)  # and pushes after the last trial
+        loop.stop()
         result = audit(client, loop)
         check = admin.verify(c.scheduler)
     f = {"detected_pct": pct(detected, trials), "trials": trials, "lost": result.lost, "doubled": result.doubled,
