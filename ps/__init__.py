@@ -42,7 +42,7 @@ from tigana.ps.errors import (
     Unavailable,
     WrongShard,
 )
-from tigana.ps.local import LocalCluster
+from tigana.ps.local import LocalCluster, LocalEtcd
 from tigana.ps.routing import ShardMap, TableDef
 from tigana.ps.scheduler import SchedulerConfig, SchedulerHandle, start_scheduler
 from tigana.ps.security import Security
@@ -54,6 +54,6 @@ __all__ = [
     "RowWiseAdagrad", "TableExists",
     "TableNotFound", "Unavailable", "Uniform", "WrongShard", "Zeros",
     "Client", "ClientConfig", "Compression", "TableInfo", "connect",
-    "LocalCluster", "ServerConfig", "ServerHandle", "load_server_config", "parse_bytes", "start_server",
+    "LocalCluster", "LocalEtcd", "ServerConfig", "ServerHandle", "load_server_config", "parse_bytes", "start_server",
     "SchedulerConfig", "SchedulerHandle", "Security", "ShardMap", "TableDef", "start_scheduler",
 ]

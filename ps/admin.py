@@ -7,6 +7,7 @@ slots that differ. Both talk to real processes over gRPC.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import grpc
@@ -17,7 +18,7 @@ from tigana.proto import scheduler_pb2_grpc as spb_grpc
 from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc
 from tigana.ps import cluster_wire
-from tigana.ps.errors import Unavailable, from_rpc_error
+from tigana.ps.errors import DeadlineExceeded, Unavailable, from_rpc_error
 from tigana.ps.routing import IN_SYNC, ShardMap
 from tigana.ps.security import NONE, Security
 
@@ -25,13 +26,28 @@ _OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_messa
 
 
 def _scheduler_call(address: str, method: str, request: Any, timeout_s: float, security: Security = NONE) -> Any:
-    channel = security.channel(address, _OPTIONS)
-    try:
-        return getattr(spb_grpc.SchedulerStub(channel), method)(request, timeout=timeout_s)
-    except grpc.RpcError as err:
-        raise from_rpc_error(err, address) from None
-    finally:
-        channel.close()
+    """One call to the scheduler at ``address`` ("host:port[,host:port]": a leader and its standbys; a standby
+    or a dead one answers UNAVAILABLE, and the next is tried until one answers or ``timeout_s`` passes)."""
+    addresses = [a.strip() for a in address.split(",") if a.strip()] or [address]
+    deadline = time.monotonic() + timeout_s
+    k = 0
+    while True:
+        one = addresses[k % len(addresses)]
+        channel = security.channel(one, _OPTIONS)
+        try:
+            left = deadline - time.monotonic()
+            return getattr(spb_grpc.SchedulerStub(channel), method)(
+                request, timeout=max(0.5, left / 2 if len(addresses) > 1 else left))
+        except grpc.RpcError as err:
+            error = from_rpc_error(err, one)
+            if not isinstance(error, (Unavailable, DeadlineExceeded)) or len(addresses) == 1 \
+                    or time.monotonic() >= deadline:
+                raise error from None
+        finally:
+            channel.close()
+        k += 1
+        if k % len(addresses) == 0:
+            time.sleep(0.1)
 
 
 def status(address: str, timeout_s: float = 10.0, security: Security = NONE) -> spb.StatusResponse:

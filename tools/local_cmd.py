@@ -11,8 +11,10 @@ import argparse
 import signal
 import sys
 import threading
+from pathlib import Path
 
-from tigana.ps.local import LocalCluster
+from tigana.ps.errors import PSError
+from tigana.ps.local import LocalCluster, LocalEtcd
 from tigana.ps.routing import DEFAULT_NUM_SLOTS
 
 
@@ -28,25 +30,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--num-slots", type=int, default=DEFAULT_NUM_SLOTS, help="virtual slots (default 4096)")
     a("--metrics", action="store_true", help="serve Prometheus metrics from every shard on a free port")
     a("--startup-timeout", type=float, default=120.0, help="seconds to wait for every shard to serve")
+    a("--schedulers", type=int, default=1,
+      help="schedulers (default 1); more than one keeps the map in etcd (--store, or an etcd started here) and "
+           "elects a leader")
+    a("--store", default=None, help="etcd://HOST:PORT of an etcd for the schedulers (default: the data dir, or a "
+                                    "local etcd with --schedulers > 1)")
 
 
 def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    etcd = None
     try:
         replicas = None if str(args.replicas).lower() == "none" else int(args.replicas)
+        store = args.store
+        if args.schedulers > 1 and store is None:
+            etcd = LocalEtcd(Path(args.data_dir) / "etcd" if args.data_dir else None)
+            store = etcd.url
         cluster = LocalCluster(args.shards, replicas=replicas, base_port=args.base_port, data_dir=args.data_dir,
                                num_slots=args.num_slots, host=args.host, memory_budget=args.memory_budget,
-                               metrics=args.metrics, startup_timeout=args.startup_timeout)
-    except (RuntimeError, TimeoutError, OSError, ValueError) as exc:  # noqa: B014
+                               metrics=args.metrics, startup_timeout=args.startup_timeout,
+                               schedulers=args.schedulers, store=store)
+    except (RuntimeError, TimeoutError, OSError, ValueError, PSError) as exc:  # noqa: B014
         print(f"tigana local: {exc}", file=sys.stderr)
+        if etcd is not None:
+            etcd.close()
         return 1
     code = 0
     try:
         print(cluster.target, flush=True)
         extra = f"; metrics on ports {cluster.metrics_ports}" if args.metrics else ""
         sched = f"scheduler {cluster.scheduler}, {replicas} replica(s), " if cluster.scheduler else ""
+        if store:
+            sched += f"map in {store}, "
         print(f"tigana local: {sched}{args.shards} shard(s) serving on {','.join(cluster.addresses)}, data in "
               f"{cluster.data_dir}{extra}; Ctrl-C stops them", flush=True)
         while not stop.wait(0.5):
@@ -58,5 +75,7 @@ def run(args: argparse.Namespace) -> int:
                 break
     finally:
         codes = cluster.close()
+        if etcd is not None:
+            etcd.close()
     print(f"tigana local: stopped; exit codes {codes}", file=sys.stderr, flush=True)
     return code

@@ -25,7 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--port", type=int, default=int(os.environ.get("TIGANA_SCHEDULER_PORT", "0")),
       help="gRPC port (0: a free port, printed at start)")
     a("--data-dir", default=os.environ.get("TIGANA_SCHEDULER_DATA_DIR"),
-      help="the shard map is persisted here (required to survive a restart)")
+      help="the shard map is persisted here (required to survive a restart) unless --store says otherwise")
+    a("--store", default=os.environ.get("TIGANA_SCHEDULER_STORE"),
+      help="etcd://HOST:PORT[,HOST:PORT][/PREFIX]: keep the map in etcd; run 2-3 schedulers on it, one leads "
+           "(default: the data dir)")
+    a("--leader-ttl", type=int, default=int(os.environ.get("TIGANA_LEADER_TTL", "2")),
+      help="seconds of the leader's etcd lease: a standby takes over this long after the leader dies (default 2)")
     a("--replicas", type=int, default=int(os.environ.get("TIGANA_REPLICAS", "1")),
       help="copies of every slot besides its primary (default 1)")
     a("--heartbeat-timeout", type=float, default=3.0,
@@ -64,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
                                  auto_rebalance=args.auto_rebalance, tls_cert=args.tls_cert, tls_key=args.tls_key,
                                  tls_ca=args.tls_ca, require_client_cert=args.require_client_cert,
                                  auth_token_file=args.auth_token_file, admin_token_file=args.admin_token_file,
-                                 allow_insecure_loopback=args.allow_insecure_loopback)
+                                 allow_insecure_loopback=args.allow_insecure_loopback, store=args.store,
+                                 leader_ttl_s=args.leader_ttl)
         handle = start_scheduler(config)
     except (OSError, PSError) as exc:
         print(f"tigana scheduler: {exc}", file=sys.stderr)
@@ -76,9 +82,13 @@ def run(args: argparse.Namespace) -> int:
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_text(json.dumps({"address": handle.address, "port": handle.port, "pid": os.getpid()}))
             os.replace(tmp, path)
-        print(f"tigana scheduler: serving on {handle.address} (cluster {handle.core.map.cluster_id}, epoch "
-              f"{handle.core.map.epoch}, {args.replicas} replica(s), state in {handle.core.store.describe()})",
-              file=sys.stderr, flush=True)
+        if handle.core is not None:
+            print(f"tigana scheduler: serving on {handle.address} (cluster {handle.core.map.cluster_id}, epoch "
+                  f"{handle.core.map.epoch}, {args.replicas} replica(s), state in {handle.store.describe()})",
+                  file=sys.stderr, flush=True)
+        else:
+            print(f"tigana scheduler: serving on {handle.address}, standing by for election (state in "
+                  f"{handle.store.describe()})", file=sys.stderr, flush=True)
         stop.wait()
     finally:
         handle.close()

@@ -1,0 +1,129 @@
+"""A highly available scheduler: two schedulers on a real etcd, one leading, under a ledger push loop.
+
+- ``kill -9`` of the leader: the standby takes over within the lease TTL with the map intact, and a shard
+  server ``kill -9``-ed after that still fails over (under the new leader): 0 acknowledged updates lost;
+- SIGSTOP of the leader past its lease: the standby takes over; the paused one, resumed, finds its lease gone
+  and its writes refused (fencing), so it changes nothing (it would otherwise declare every server dead: it
+  heard no heartbeat while stopped) and stands by;
+- the store itself: a deposed leader's write is refused, a standby's too.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from tigana import ps
+from tigana.ps import admin
+from tigana.ps.etcdstore import Deposed, EtcdMapStore, parse_store_url
+from tigana.ps.mapstore import SchedulerState
+from tigana.ps.routing import ShardMap
+from tigana.tools.bench.ledger import PushLoop, audit, create_ledger_table
+
+pytestmark = pytest.mark.timeout(240)
+TTL = 2
+
+
+def _up(c: ps.LocalCluster) -> list[bool]:
+    """Whether the leading scheduler has each shard (by index) up."""
+    up = {s["id"]: s["up"] for s in admin.cluster_status(c.scheduler, timeout_s=5.0)["servers"]}
+    return [up[c.server_id(i)] for i in range(c.shards)]
+
+
+def test_leader_kill_9_then_a_shard_kill_9_lose_nothing(make_shard_cluster, etcd) -> None:
+    c = make_shard_cluster(2, replicas=1, schedulers=2, store=etcd.url, scheduler_args=["--leader-ttl", str(TTL)])
+    with ps.connect(scheduler=c.scheduler, failover_timeout_s=60) as client:
+        create_ledger_table(client)
+        loop = PushLoop(client, ids_per_push=500).start()
+        try:
+            admin.wait_for(lambda: loop.acked_count() > 30, what="pushes before the fault")
+            before = admin.shard_map(c.scheduler)
+            old = c.kill_scheduler()
+            killed_at = time.monotonic()
+            new = c.leading_scheduler(timeout=30)
+            took_over = time.monotonic() - killed_at
+            assert new != old
+            assert took_over < TTL + 2.0, f"the standby took {took_over:.2f}s to lead (lease TTL {TTL}s)"
+            after = admin.shard_map(c.scheduler)
+            assert after.cluster_id == before.cluster_id and after.epoch >= before.epoch
+            np.testing.assert_array_equal(after.copies, before.copies)  # the map survived the leader
+            n = loop.acked_count()
+            admin.wait_for(lambda: loop.acked_count() > n + 50, what="pushes under the new leader")
+
+            c.kill(0)  # a shard server now: the new leader must fail it over
+            admin.wait_for(lambda: _up(c) == [False, True], 30, "the new leader to see the death")
+            n = loop.acked_count()
+            admin.wait_for(lambda: loop.acked_count() > n + 50, 60, "pushes after the shard failover")
+            c.restart(0)
+            c.restart_scheduler(old)  # back as a standby
+            c.wait_placed(120)
+            assert c.leading_scheduler() == new
+        finally:
+            loop.stop()
+        result = audit(client, loop)
+    assert result.lost == 0 and result.doubled == 0, result
+    assert result.acked_pushes > 130
+    assert admin.verify(c.scheduler)["differing"] == []
+
+
+def test_a_paused_leader_is_fenced_and_stands_by(make_shard_cluster, etcd) -> None:
+    c = make_shard_cluster(2, replicas=1, schedulers=2, store=etcd.url, scheduler_args=["--leader-ttl", str(TTL)],
+                           heartbeat_timeout=3.0)
+    with ps.connect(scheduler=c.scheduler, failover_timeout_s=60) as client:
+        create_ledger_table(client)
+        loop = PushLoop(client, ids_per_push=500).start()
+        try:
+            admin.wait_for(lambda: loop.acked_count() > 30, what="pushes before the fault")
+            old = c.leading_scheduler()
+            c.kill_scheduler(signal.SIGSTOP, which=old)
+            try:
+                new = c.leading_scheduler(timeout=30)
+                assert new != old
+                epoch = admin.shard_map(c.scheduler).epoch
+                time.sleep(4.0)  # past the heartbeat timeout: the paused leader's view of the servers is stale
+            finally:
+                c.scheduler_procs[old].send_signal(signal.SIGCONT)
+            time.sleep(2.0)  # it runs its failure detection on stale heartbeats; its writes must be refused
+            assert _up(c) == [True, True]  # nobody declared dead
+            m = admin.shard_map(c.scheduler)
+            assert m.epoch == epoch or all(s.up for s in m.servers)
+            assert c.leading_scheduler() == new
+            log = c.scheduler_log(old).read_text()
+            assert "stepping down as leader" in log
+            n = loop.acked_count()
+            admin.wait_for(lambda: loop.acked_count() > n + 50, what="pushes after the resume")
+        finally:
+            loop.stop()
+        result = audit(client, loop)
+    assert result.lost == 0 and result.doubled == 0, result
+
+
+def test_the_store_fences_a_deposed_leader(etcd) -> None:
+    url = etcd.url + "/fence-test"
+    assert parse_store_url(url)[1] == "/fence-test"
+    a, b = EtcdMapStore(url), EtcdMapStore(url)
+    try:
+        m = ShardMap.empty(8, 1, "c1")
+        state = SchedulerState(m, m.copies.copy())
+        assert a.campaign("a:1", TTL) and not b.campaign("b:1", TTL)
+        assert a.load() is None
+        a.save(state)
+        assert a.leader() == "a:1"
+        with pytest.raises(Deposed, match="not the leader"):
+            b.save(state)  # a standby writes nothing
+        deadline = time.monotonic() + 10
+        while not b.campaign("b:1", TTL):  # a stops renewing: its lease runs out
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert b.load().map.epoch == 0
+        with pytest.raises(Deposed, match="no longer the leader"):
+            a.save(SchedulerState(m.evolve(), m.copies.copy()))  # deposed: refused, even though it thinks it leads
+        assert a.deposed.is_set()
+        b.save(SchedulerState(m.evolve(), m.copies.copy()))
+        assert b.load().map.epoch == 1
+    finally:
+        a.close()
+        b.close()
