@@ -6,16 +6,17 @@ a YAML or TOML config file, the dataclass defaults. Sizes accept ``8GiB``, ``512
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
-from collections.abc import Mapping
+import socket
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tigana.ps import settings
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.routing import DEFAULT_NUM_SLOTS, parse_slots
 from tigana.ps.security import Security
@@ -173,101 +174,68 @@ class ServerConfig:
         return parse_slots(self.slots, self.num_slots)
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
-_INTS = {"port", "metrics_port", "num_slots", "max_workers", "keepalive_time_ms", "keepalive_timeout_ms",
-         "dedup_window", "keep_snapshots", "full_snapshot_every", "max_rows_per_request", "max_concurrent_requests"}
-_SIZES = {"memory_budget", "spill_max_bytes", "max_message_bytes"}
-_FLOATS = {"drain_grace_s", "heartbeat_interval_s", "snapshot_every_s", "replication_timeout_s", "ack_timeout_s",
-           "lease_s"}
-_BOOLS = {"snapshot_on_shutdown", "require_client_cert", "allow_insecure_loopback"}
-ENV_PREFIX = "TIGANA_"
+_SIZES = ("memory_budget", "spill_max_bytes", "max_message_bytes")
 
 
-def _coerce(name: str, value: Any, source: str) -> Any:
-    """A raw value (string from env, any YAML/TOML scalar, CLI value) -> the field's type."""
-    where = f"{source}: field {name!r}"
-    if value is None:
-        return None
+def _size(name: str) -> Callable[[Any, str], int | None]:
+    def parse(value: Any, where: str) -> int | None:
+        empty = value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "unlimited", "0"))
+        if empty and name in ("memory_budget", "spill_max_bytes"):
+            return None
+        return parse_bytes(value, field=f"{where}: field {name!r}")
+    return parse
+
+
+def _metrics_port(value: Any, where: str) -> int:
+    if isinstance(value, str) and value.strip().lower() in ("auto", "any"):
+        return -1
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise InvalidArgument(f"{where}: field 'metrics_port': cannot read {value!r} as a port")
     try:
-        if name in _SIZES:
-            if isinstance(value, str) and value.strip().lower() in ("", "none", "unlimited", "0"):
-                return None if name in ("memory_budget", "spill_max_bytes") else parse_bytes(value, field=where)
-            return parse_bytes(value, field=where)
-        if name in _INTS:
-            if name == "metrics_port" and isinstance(value, str) and value.strip().lower() in ("auto", "any"):
-                return -1
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError(value)
-            return int(value)
-        if name in _FLOATS:
-            return float(value)
-        if name in _BOOLS:
-            if isinstance(value, str):
-                low = value.strip().lower()
-                if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-                    raise ValueError(value)
-                return low in ("1", "true", "yes", "on")
-            return bool(value)
-        if name == "slots" and isinstance(value, (list, tuple)):
-            return ",".join(str(v) for v in value)
-        return str(value)
-    except InvalidArgument:
-        raise
+        return int(value)
     except (TypeError, ValueError):
-        raise InvalidArgument(f"{where}: cannot read {value!r} as {_FIELDS[name].type}") from None
+        raise InvalidArgument(f"{where}: field 'metrics_port': cannot read {value!r} as a port") from None
 
 
-def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Settings from a YAML (.yaml/.yml) or TOML (.toml) file. Keys are field names (``-`` or ``_``); a
-    top-level ``server:`` section, when present, is used. Unknown keys raise ``InvalidArgument``."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise InvalidArgument(f"config file {str(p)!r}: cannot read: {exc}") from None
-    try:
-        if p.suffix.lower() == ".toml":
-            import tomllib
+def _slots(value: Any, where: str) -> str:
+    return ",".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
 
-            data = tomllib.loads(text)
-        else:
-            import yaml
 
-            data = yaml.safe_load(text) or {}
-    except Exception as exc:  # any parser error is a user error here
-        raise InvalidArgument(f"config file {str(p)!r}: cannot parse: {exc}") from None
-    if not isinstance(data, dict):
-        raise InvalidArgument(f"config file {str(p)!r}: expected a mapping of settings")
-    if isinstance(data.get("server"), dict):
-        data = data["server"]
-    out = {}
-    for key, value in data.items():
-        name = str(key).replace("-", "_")
-        if name not in _FIELDS:
-            raise InvalidArgument(f"config file {str(p)!r}: unknown field {key!r}; expected one of {sorted(_FIELDS)}")
-        out[name] = value
-    return out
+PARSERS: dict[str, Callable[[Any, str], Any]] = {**{n: _size(n) for n in _SIZES}, "metrics_port": _metrics_port,
+                                                 "slots": _slots}
+_STATEFULSET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?-[0-9]+$")
+
+
+def statefulset_identity(values: dict[str, Any], sources: dict[str, str], env: Mapping[str, str] | None = None,
+                         hostname: str | None = None) -> None:
+    """A shard daemon in a Kubernetes StatefulSet (``KUBERNETES_SERVICE_HOST`` set, hostname ``NAME-ORDINAL``)
+    with no ``server_id`` from any source, and a data dir that has none stored yet, takes its hostname as its
+    id: the same pod ordinal is the same server across restarts and rescheduling."""
+    env = os.environ if env is None else env
+    if values.get("server_id") or "KUBERNETES_SERVICE_HOST" not in env:
+        return
+    data_dir = values.get("data_dir")
+    if data_dir and (Path(data_dir) / "server-id").exists():
+        return  # the stored id wins (checked against the rows it names)
+    host = hostname or socket.gethostname()
+    if _STATEFULSET_NAME.match(host):
+        values["server_id"], sources["server_id"] = host, "StatefulSet hostname"
+
+
+def load_server_config_sources(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
+                               file: str | os.PathLike | None = None) -> settings.Loaded[ServerConfig]:
+    """``load_server_config`` with where each value came from."""
+    env = os.environ if env is None else env
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    file = file or flags.pop("config", None) or env.get(settings.ENV_PREFIX + "CONFIG") or None
+    flags.pop("config", None)
+    return settings.load(ServerConfig, flags=flags, env=env, file=file, section="server", parsers=PARSERS,
+                         derive=lambda v, s: statefulset_identity(v, s, env))
 
 
 def load_server_config(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
                        file: str | os.PathLike | None = None) -> ServerConfig:
     """Merge CLI ``flags`` (field name -> value; None means not given) > ``TIGANA_<FIELD>`` variables in ``env``
-    (``os.environ`` when None) > ``file`` (or ``TIGANA_CONFIG``) > defaults. Raises ``InvalidArgument`` naming the
-    source and field of a bad value."""
-    env = os.environ if env is None else env
-    flags = {k: v for k, v in (flags or {}).items() if v is not None}
-    file = file or flags.pop("config", None) or env.get(ENV_PREFIX + "CONFIG") or None
-    flags.pop("config", None)
-    merged: dict[str, Any] = {}
-    if file:
-        for name, value in read_config_file(file).items():
-            merged[name] = _coerce(name, value, f"config file {str(file)!r}")
-    for name in _FIELDS:
-        raw = env.get(ENV_PREFIX + name.upper())
-        if raw is not None and raw != "":
-            merged[name] = _coerce(name, raw, f"environment variable {ENV_PREFIX + name.upper()}")
-    for name, value in flags.items():
-        if name not in _FIELDS:
-            raise InvalidArgument(f"flags: unknown field {name!r}")
-        merged[name] = _coerce(name, value, f"flag --{name.replace('_', '-')}")
-    return ServerConfig(**merged)
+    (``os.environ`` when None) > ``file`` (or ``TIGANA_CONFIG``; a ``server:`` section when present) >
+    defaults. Raises ``InvalidArgument`` naming the source and field of a bad value."""
+    return load_server_config_sources(flags, env, file).config

@@ -30,12 +30,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent import futures
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -45,9 +47,11 @@ from tigana.proto import scheduler_pb2 as spb
 from tigana.proto import scheduler_pb2_grpc as spb_grpc
 from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc
-from tigana.ps import cluster_wire, placement, rpc
+from tigana.ps import cluster_wire, placement, rpc, settings
 from tigana.ps.errors import InvalidArgument, PSError, TableExists, Unavailable, status_metadata, to_status
+from tigana.ps.logs import event, slots_text
 from tigana.ps.mapstore import FileMapStore, MapStore, SchedulerState
+from tigana.ps.metrics import SchedulerMetrics
 from tigana.ps.routing import (
     CATCHING_UP,
     DEFAULT_NUM_SLOTS,
@@ -97,6 +101,8 @@ class SchedulerConfig:
     allow_insecure_loopback: bool = False
     store: str | None = None
     leader_ttl_s: int = 2
+    metrics_port: int = 0  # Prometheus /metrics: 0 off, -1 any free port (SchedulerHandle.metrics_port)
+    metrics_host: str = "127.0.0.1"
 
     def security(self) -> Security:
         """TLS and tokens as for a shard server (the scheduler calls the servers with the admin token)."""
@@ -118,6 +124,22 @@ class SchedulerConfig:
             raise InvalidArgument(f"scheduler config: field 'store' must be etcd://HOST:PORT[,...], got {self.store!r}")
         if self.leader_ttl_s < 1:
             raise InvalidArgument("scheduler config: field 'leader_ttl_s' must be >= 1 (etcd leases count seconds)")
+        if not -1 <= self.metrics_port <= 65535:
+            raise InvalidArgument(f"scheduler config: field 'metrics_port' must be -1 (any free port), 0 (off) or a "
+                                  f"port, got {self.metrics_port}")
+
+
+def load_scheduler_config(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
+                          file: str | None = None) -> settings.Loaded[SchedulerConfig]:
+    """The scheduler's settings (and where each came from): flags (field -> value, None: not given) >
+    ``TIGANA_SCHEDULER_<FIELD>`` > ``TIGANA_<FIELD>`` > ``file`` (or ``TIGANA_SCHEDULER_CONFIG``; a
+    ``scheduler:`` section when present) > defaults."""
+    env = os.environ if env is None else env
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    file = file or flags.pop("config", None) or env.get("TIGANA_SCHEDULER_CONFIG") or None
+    flags.pop("config", None)
+    return settings.load(SchedulerConfig, flags=flags, env=env, file=file, section="scheduler",
+                         env_prefixes=("TIGANA_SCHEDULER_", settings.ENV_PREFIX))
 
 
 class SchedulerCore:
@@ -127,9 +149,11 @@ class SchedulerCore:
 
     def __init__(self, config: SchedulerConfig, store: MapStore,
                  announce: Callable[[ShardMap], None] = lambda m: None,
-                 probe: Callable[[str], bool | None] = lambda a: None, clock: Callable[[], float] = time.monotonic
-                 ) -> None:
+                 probe: Callable[[str], bool | None] = lambda a: None, clock: Callable[[], float] = time.monotonic,
+                 metrics: SchedulerMetrics | None = None) -> None:
         self.config, self.store, self.announce, self.probe, self.clock = config, store, announce, probe, clock
+        self.metrics = metrics if metrics is not None else SchedulerMetrics()
+        self._moved: set[int] = set()  # slots changed by placement steps since the target was set
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
         state = store.load()
@@ -163,15 +187,18 @@ class SchedulerCore:
         self.closing = False  # set when the service stops: long polls (``wait_map``) return at once
 
     # --- helpers -------------------------------------------------------------------------------------
-    def _commit(self, new: ShardMap, why: str) -> ShardMap:
+    def _commit(self, new: ShardMap, why: str, extra: dict[str, Any] | None = None) -> ShardMap:
         """Save ``new`` (durable), make it current, wake long-polls; announce after the lock is released.
+        ``extra``: the log record's fields (``logs.event``: slots, server...); the epoch is added.
 
         Saved first: a store that refuses the write (``etcdstore.Deposed``) leaves this core's map as it was,
         so nobody is ever shown a map that was not saved."""
         self._save(new)
         self.map = new
         self.cond.notify_all()
-        log.info("epoch %d: %s (%s)", new.epoch, why, new.summary())
+        self.metrics.map_changes.inc()
+        log.info("epoch %d: %s (%s)", new.epoch, why, new.summary(),
+                 extra={**(extra or event("map_change")), "epoch": new.epoch})
         self._pending_announce = new
         return new
 
@@ -210,13 +237,15 @@ class SchedulerCore:
                 self.first_register = now
             self.positions[server_id] = positions or {}
             self.registered_at[server_id] = now
-            log.info("server %s (%s, boot %s) registers with rows of %s", server_id, address, boot,
-                     {t: len(p) for t, p in (positions or {}).items()} or "no table")
+            log.info("server %s (%s, boot %s) registers at epoch %d with rows of %s", server_id, address, boot,
+                     self.map.epoch, {t: len(p) for t, p in (positions or {}).items()} or "no table",
+                     extra=event("server_register", epoch=self.map.epoch, server=server_id, address=address))
             m = self.map
             i = m.index_of(server_id)
             if i < 0:
                 servers = (*m.servers, ServerEntry(server_id, address, boot, True))
-                self._commit(m.evolve(servers=servers), f"server {server_id} ({address}) joined")
+                self._commit(m.evolve(servers=servers), f"server {server_id} ({address}) joined",
+                             event("server_joined", server=server_id, address=address))
                 if self.config.auto_rebalance and (m.copies >= 0).any() and self.target is None:
                     self.target = placement.balance(self.map.copies, self._placeable(), self.config.replicas)
                     self.target_kind = "balance"
@@ -226,7 +255,8 @@ class SchedulerCore:
                 if s.boot == boot:
                     if s.address != address or not s.up:
                         self._commit(m.evolve(servers=m.replace_server(i, address=address, up=True)),
-                                     f"server {server_id} ({address}) is back")
+                                     f"server {server_id} ({address}) is back",
+                                     event("server_back", server=server_id, address=address))
                 else:
                     self._restarted(i, address, boot)
             self._reconcile()
@@ -240,6 +270,7 @@ class SchedulerCore:
         alive[i] = False  # for promotion purposes its old copies do not count
         held = np.flatnonzero((copies == i).any(axis=1))
         promoted = orphaned = 0
+        moved: list[int] = []  # slots it led whose primary role went to an in-sync copy
         for slot in held:
             row = copies[slot]
             j = int(np.flatnonzero(row == i)[0])
@@ -251,6 +282,7 @@ class SchedulerCore:
                     copies[slot, 0], copies[slot, k] = row[k], i
                     states[slot, 0], states[slot, k] = IN_SYNC, CATCHING_UP
                     promoted += 1
+                    moved.append(int(slot))
                 else:  # no valid copy left anywhere: an unclean election decides (``_elect``)
                     copies[slot, 0] = NO_SERVER
                     states[slot, :] = CATCHING_UP
@@ -267,9 +299,15 @@ class SchedulerCore:
             else:
                 states[slot, j] = CATCHING_UP
         servers = m.replace_server(i, address=address, boot=boot, up=True)
+        sid = m.servers[i].id
         self._commit(m.evolve(copies=copies, states=states, servers=servers),
-                     f"server {m.servers[i].id} restarted (boot {boot}): {held.size} cop(ies) to rebuild, "
-                     f"{promoted} primar(ies) moved, {orphaned} slot(s) await an election")
+                     f"server {sid} restarted (boot {boot}): {held.size} cop(ies) to rebuild (slots "
+                     f"{slots_text(held)}), {promoted} primar(ies) failed over (slots {slots_text(moved)}), "
+                     f"{orphaned} slot(s) await an election",
+                     event("server_restarted", slots=held, server=sid, failed_over=format_slots(moved),
+                           address=address))
+        self.metrics.failovers.labels("restart").inc(promoted)
+        self.metrics.copies_demoted.labels("restart").inc(held.size)
 
     def heartbeat(self, server_id: str, boot: str, epoch: int, stats: dict[str, float] | None = None
                   ) -> tuple[ShardMap | None, bool]:
@@ -286,7 +324,8 @@ class SchedulerCore:
                 self.stats[server_id] = dict(stats)
             if not m.servers[i].up:  # declared dead, yet alive (a pause or a partition): back, empty
                 self._commit(m.evolve(servers=m.replace_server(i, up=True)),
-                             f"server {server_id} is back after being declared dead")
+                             f"server {server_id} is back after being declared dead",
+                             event("server_back", server=server_id))
                 self._reconcile()
             return (self.map if self.map.epoch > epoch else None), False
 
@@ -347,10 +386,19 @@ class SchedulerCore:
         for slot in lost:
             self.orphaned_since.setdefault(int(slot), now)
         servers = m.replace_server(i, up=False)
-        promoted = int(((before[:, 0] == i) & (copies[:, 0] >= 0)).sum())
+        moved = np.flatnonzero((before[:, 0] == i) & (copies[:, 0] >= 0))
+        promoted = int(moved.size)
+        sid = m.servers[i].id
+        leaders = sorted({m.servers[int(p)].id for p in copies[moved, 0]})
         self._commit(m.evolve(copies=copies, states=states, servers=servers),
-                     f"server {m.servers[i].id} ({m.servers[i].address}) declared dead: {why}; {promoted} slot(s) "
-                     f"failed over" + (f", {lost.size} left with no in-sync copy" if lost.size else ""))
+                     f"server {sid} ({m.servers[i].address}) declared dead: {why}; {promoted} slot(s) failed over "
+                     f"(slots {slots_text(moved)}) to {','.join(leaders) or 'none'}"
+                     + (f", {lost.size} left with no in-sync copy (slots {slots_text(lost)})" if lost.size else ""),
+                     event("failover", slots=np.union1d(moved, lost), server=sid, reason=why,
+                           failed_over=format_slots(moved), new_primaries=",".join(leaders),
+                           no_copy=format_slots(lost)))
+        self.metrics.servers_dead.inc()
+        self.metrics.failovers.labels("dead").inc(promoted)
 
     # --- reports from primaries ------------------------------------------------------------------------
     def _primary_copies(self, reporter: str, target: str, slots: np.ndarray, state: int
@@ -378,8 +426,11 @@ class SchedulerCore:
                 return True, "nothing to demote"
             states = self.map.states.copy()
             states[hit] = CATCHING_UP
-            self._commit(self.map.evolve(states=states), f"{hit[0].size} cop(ies) on {target} out of the in-sync "
-                                                         f"set (reported by {reporter}: {reason})")
+            self._commit(self.map.evolve(states=states),
+                         f"{hit[0].size} cop(ies) on {target} out of the in-sync set (slots {slots_text(hit[0])}; "
+                         f"reported by {reporter}: {reason})",
+                         event("copy_demoted", slots=hit[0], server=target, reporter=reporter, reason=reason))
+            self.metrics.copies_demoted.labels("replication_failed").inc(hit[0].size)
             return True, ""
 
     def copy_caught_up(self, reporter: str, target: str, slots: np.ndarray) -> tuple[bool, str]:
@@ -393,8 +444,10 @@ class SchedulerCore:
                 return False, "no such catching-up copy (the map changed)"
             states = self.map.states.copy()
             states[hit] = IN_SYNC
-            self._commit(self.map.evolve(states=states), f"{hit[0].size} cop(ies) on {target} caught up "
-                                                         f"(slots {format_slots(hit[0][:8])}...)")
+            self._commit(self.map.evolve(states=states),
+                         f"{hit[0].size} cop(ies) on {target} caught up (slots {slots_text(hit[0])}; reported by "
+                         f"{reporter})", event("copy_caught_up", slots=hit[0], server=target, reporter=reporter))
+            self.metrics.copies_caught_up.inc(hit[0].size)
             self._reconcile()
             return True, ""
 
@@ -415,7 +468,8 @@ class SchedulerCore:
                 return existing, False
             tables = dict(m.tables)
             tables[spec.config.name] = spec
-            self._commit(m.evolve(tables=tables), f"table {spec.config.name!r} created ({spec.durability})")
+            self._commit(m.evolve(tables=tables), f"table {spec.config.name!r} created ({spec.durability})",
+                         event("table_created", table=spec.config.name))
             return spec, True
 
     def drop_table(self, name: str) -> bool:
@@ -424,10 +478,15 @@ class SchedulerCore:
             if name not in m.tables:
                 return False
             tables = {k: v for k, v in m.tables.items() if k != name}
-            self._commit(m.evolve(tables=tables), f"table {name!r} dropped")
+            self._commit(m.evolve(tables=tables), f"table {name!r} dropped", event("table_dropped", table=name))
             return True
 
     # --- placement -----------------------------------------------------------------------------------
+    def _ids(self, indexes: Any) -> list[str]:
+        """The sorted distinct ids of the servers at ``indexes`` (negative ones skipped), for logs."""
+        servers = self.map.servers
+        return sorted({servers[int(i)].id for i in indexes if 0 <= int(i) < len(servers)})
+
     def _placeable(self) -> np.ndarray:
         """(num_servers,) bool: alive and not being drained (may receive copies)."""
         alive = self._alive()
@@ -459,7 +518,11 @@ class SchedulerCore:
             if not plan_only:
                 self.target, self.target_kind = plan.target, "balance"
                 self._save()
-                log.info("rebalance: %d move(s), %d bytes to copy", len(plan.moves), plan.bytes_moved)
+                slots = [mv[0] for mv in plan.moves]
+                ids = self._ids(x for mv in plan.moves for x in (*mv[1], *mv[2], mv[3], mv[4]))
+                log.info("rebalance at epoch %d: %d move(s) (slots %s, servers %s), %d bytes to copy", m.epoch,
+                         len(plan.moves), slots_text(slots), ",".join(ids) or "none", plan.bytes_moved,
+                         extra=event("rebalance", slots=slots, epoch=m.epoch, server=ids, bytes=plan.bytes_moved))
                 self._reconcile()
             return plan
 
@@ -495,6 +558,10 @@ class SchedulerCore:
             target[slot, :len(new)] = new
             self.target, self.target_kind = target, "moves"
             self._save()
+            log.info("move-slot at epoch %d: slot %d from %s to %s%s", m.epoch, slot, m.servers[src].id,
+                     m.servers[t].id, " (as primary)" if new[0] == t else "",
+                     extra=event("move_slot", slots=[slot], epoch=m.epoch, server=self._ids([src, t]),
+                                 source=m.servers[src].id, target=m.servers[t].id))
             self._reconcile()
             return placement.Plan(target, [(slot, [x for x in new if x not in row], [x for x in row if x not in new],
                                             row[0], new[0], 0)], np.zeros(0), np.zeros(0), 0, 0.0)
@@ -508,6 +575,7 @@ class SchedulerCore:
                 self.draining.discard(sid)
                 if self.target is not None and self.target_kind == "balance":
                     self.target = None  # stop moving its copies away (what moved stays where it is)
+                    self._moved.clear()
                 self._save()
                 return placement.Plan(self.map.copies, [], np.zeros(0), np.zeros(0), 0, 0.0)
             self.draining.add(sid)
@@ -518,7 +586,9 @@ class SchedulerCore:
             todo = placement.moves(self.map.copies, target)
             self.target, self.target_kind = target, "balance"
             self._save()
-            log.info("draining %s: %d slot(s) to move", sid, len(todo))
+            slots = [mv[0] for mv in todo]
+            log.info("draining %s at epoch %d: %d slot(s) to move (slots %s)", sid, self.map.epoch, len(todo),
+                     slots_text(slots), extra=event("drain", slots=slots, epoch=self.map.epoch, server=sid))
             self._reconcile()
             return placement.Plan(target, [(s, a, r, -1, -1, 0) for s, a, r in todo], np.zeros(0), np.zeros(0),
                                   0, 0.0)
@@ -557,26 +627,77 @@ class SchedulerCore:
             copies = live[placement.initial(live.size, m.num_slots, self.config.replicas)].astype(np.int32)
             copies[:, 0] = live[placement.initial(live.size, m.num_slots, 0)[:, 0]]
             self._commit(m.evolve(copies=copies, states=np.zeros(copies.shape, np.uint8)),
-                         f"first placement over {live.size} server(s)")
+                         f"first placement over {live.size} server(s)",
+                         event("first_placement", slots=range(m.num_slots), server=self._ids(live)))
             return
         self._elect()
         m = self.map
         copies, states = placement.repair(m.copies, m.states, alive, self.config.replicas, placeable)
+        repaired, repair_servers = _placement_changes(m.copies, copies)
+        stepped: dict[str, list[int]] = {"added": [], "primary": [], "dropped": []}
+        step_servers: set[int] = set()
         had_target = self.target is not None
+        reached = False
         if self.target is not None:
             self.target = self._fixed_target(self.target, alive, placeable, copies)
+            before = copies
             copies, states = placement.step_toward(copies, states, self.target,
                                                    max_new_copies=self.config.max_copies_per_step)
+            stepped, step_servers = _placement_changes(before, copies)
+            for kind in ("added", "primary", "dropped"):
+                self._moved.update(stepped[kind])
             if not placement.moves(copies, self.target) and (states[copies >= 0] == IN_SYNC).all():
-                log.info("placement reached its target")
                 self.target = None
+                reached = True
         if self.target is None:
             copies, states = placement.trim(copies, states, self.config.replicas)
         if not (np.array_equal(_pad(copies, m.width), _pad(m.copies, copies.shape[1]))
                 and np.array_equal(_pad(states, m.width), _pad(m.states, states.shape[1]))):
-            self._commit(m.evolve(copies=copies, states=states), "placement step")
+            why, extra = self._describe_step(repaired["added"], repair_servers, stepped, step_servers,
+                                             _placement_changes(m.copies, copies))
+            self._commit(m.evolve(copies=copies, states=states), why, extra)
+            self.metrics.copies_added.inc(len(repaired["added"]))
+            for kind, step in (("added", "copy_started"), ("primary", "primary_handover"),
+                               ("dropped", "copy_dropped")):
+                self.metrics.slot_moves.labels(step).inc(len(stepped[kind]))
         elif had_target and self.target is None:
             self._save()
+        if reached:
+            moved = sorted(self._moved)
+            self._moved.clear()
+            self.metrics.moves_completed.inc(len(moved))
+            log.info("placement reached its target at epoch %d: %d slot(s) moved (slots %s)", self.map.epoch,
+                     len(moved), slots_text(moved), extra=event("moves_done", slots=moved, epoch=self.map.epoch,
+                                                                 server=self._ids(step_servers)))
+
+    def _describe_step(self, rebuilt: list[int], rebuilt_on: set[int], stepped: dict[str, list[int]],
+                       step_servers: set[int], overall: tuple[dict[str, list[int]], set[int]]
+                       ) -> tuple[str, dict[str, Any]]:
+        """The log text and fields of a placement step: copies re-added after a failure, and the move steps
+        (copies started, primaries handed over, copies dropped), each naming its slots and servers; else what
+        changed overall (extra catching-up copies trimmed, copy states)."""
+        parts = []
+        if rebuilt:
+            parts.append(f"{len(rebuilt)} lost cop(ies) re-added (slots {slots_text(rebuilt)}) on "
+                         f"{','.join(self._ids(rebuilt_on))}")
+        for kind, what in (("added", "move cop(ies) started"), ("primary", "primar(ies) handed over"),
+                           ("dropped", "old cop(ies) dropped")):
+            if stepped[kind]:
+                parts.append(f"{len(stepped[kind])} {what} (slots {slots_text(stepped[kind])})")
+        servers = self._ids(rebuilt_on | step_servers)
+        if step_servers:
+            parts[-1] += f" on {','.join(self._ids(step_servers))}"
+        slots = sorted({*rebuilt, *stepped["added"], *stepped["primary"], *stepped["dropped"]})
+        if not parts:
+            changed, on = overall
+            slots, servers = sorted({*changed["added"], *changed["primary"], *changed["dropped"]}), self._ids(on)
+            parts.append(f"{len(changed['dropped'])} extra cop(ies) trimmed (slots {slots_text(changed['dropped'])})"
+                         f" on {','.join(servers)}" if changed["dropped"] else "copy states updated")
+        text = "placement step: " + "; ".join(parts)
+        return text, event("slot_move" if step_servers else "re_replication", slots=slots, server=servers,
+                           rebuilt=format_slots(rebuilt), copies_started=format_slots(stepped["added"]),
+                           primaries_moved=format_slots(stepped["primary"]),
+                           copies_dropped=format_slots(stepped["dropped"]))
 
     def _bootstrap_due(self, up: int) -> bool:
         if up >= self.config.expect_servers:
@@ -593,7 +714,7 @@ class SchedulerCore:
         now = self.clock()
         alive = self._alive()
         copies, states = m.copies.copy(), m.states.copy()
-        chosen, empty = 0, []
+        chosen, empty, elected = 0, [], []
         for slot in orphans:
             since = self.orphaned_since.setdefault(int(slot), now)
             # Wait for every server of the map to be back (registered with its rows' positions), or the timeout.
@@ -623,14 +744,34 @@ class SchedulerCore:
             copies[slot, 0], states[slot, 0] = best, IN_SYNC
             self.orphaned_since.pop(int(slot), None)
             chosen += 1
+            elected.append(int(slot))
         if empty:
-            log.warning("%d slot(s) with no copy and no rows on any server (never written, or lost) start empty: "
-                        "%s", len(empty), format_slots(empty[:64]))
+            on = self._ids(copies[empty, 0])
+            log.warning("%d slot(s) with no copy and no rows on any server (never written, or lost) start empty at "
+                        "epoch %d: slots %s on %s", len(empty), m.epoch, slots_text(empty), ",".join(on),
+                        extra=event("slots_empty", slots=empty, epoch=m.epoch, server=on))
         if chosen:
+            leaders = self._ids(copies[elected, 0])
             self._commit(m.evolve(copies=copies, states=states),
-                         f"unclean election of {chosen} slot(s) with no in-sync copy (newest snapshot wins)")
+                         f"unclean election of {chosen} slot(s) with no in-sync copy (slots {slots_text(elected)}; "
+                         f"new primaries {','.join(leaders)}; newest snapshot wins)",
+                         event("unclean_election", slots=elected, server=leaders))
+            self.metrics.elections.inc(chosen)
 
     # --- reads -------------------------------------------------------------------------------------------
+    def figures(self) -> dict[str, float]:
+        """The map's state for the metrics endpoint: epoch, servers up and down, slots unavailable, degraded
+        and moving, copies catching up."""
+        with self.lock:
+            m = self.map
+            summary = m.summary()
+            moving = len(placement.moves(m.copies, self.target)) if self.target is not None else 0
+            return {"leader": 1.0, "epoch": float(m.epoch), "servers_up": float(summary["servers_up"]),
+                    "servers_down": float(len(m.servers) - summary["servers_up"]),
+                    "slots_unavailable": float(summary["unavailable_slots"]),
+                    "slots_degraded": float(summary["degraded_slots"]),
+                    "copies_catching_up": float(summary["catching_up"]), "slots_moving": float(moving)}
+
     def wait_map(self, known_epoch: int, wait_s: float) -> ShardMap | None:
         """The map when newer than ``known_epoch``, waiting up to ``wait_s`` for one; else None."""
         deadline = self.clock() + max(0.0, wait_s)
@@ -670,6 +811,28 @@ def _pad(a: np.ndarray, width: int) -> np.ndarray:
         return a
     fill = NO_SERVER if a.dtype == np.int32 else 0
     return np.concatenate([a, np.full((a.shape[0], width - a.shape[1]), fill, a.dtype)], axis=1)
+
+
+def _placement_changes(before: np.ndarray, after: np.ndarray) -> tuple[dict[str, list[int]], set[int]]:
+    """What changed between two copies arrays, for logs and metrics: the slots where a server gained a copy
+    (``added``), the primary changed (``primary``) or a server lost its copy (``dropped``), and the indexes
+    of the servers involved."""
+    width = max(before.shape[1], after.shape[1])
+    a, b = _pad(np.asarray(before, np.int32), width), _pad(np.asarray(after, np.int32), width)
+    out: dict[str, list[int]] = {"added": [], "primary": [], "dropped": []}
+    servers: set[int] = set()
+    differs = (np.sort(a, axis=1) != np.sort(b, axis=1)).any(axis=1) | (a[:, 0] != b[:, 0])
+    for slot in np.flatnonzero(differs):
+        old, new = set(a[slot][a[slot] >= 0].tolist()), set(b[slot][b[slot] >= 0].tolist())
+        if new - old:
+            out["added"].append(int(slot))
+        if old - new:
+            out["dropped"].append(int(slot))
+        servers |= old ^ new
+        if a[slot, 0] != b[slot, 0]:
+            out["primary"].append(int(slot))
+            servers |= {int(x) for x in (a[slot, 0], b[slot, 0]) if x >= 0}
+    return out, servers
 
 
 # --- the gRPC service ---------------------------------------------------------------------------------------
@@ -934,6 +1097,9 @@ class SchedulerHandle:
         self.electing = hasattr(store, "campaign")
         self.security = config.security()
         self.announcer = _Announcer(security=self.security)
+        # One registry for the process, kept across leadership terms; a standby reports leader 0.
+        self.metrics = SchedulerMetrics(self._figures)
+        self.metrics_port: int | None = None
         self.core: SchedulerCore | None = None if self.electing else self._new_core()
         self.auth_rejected = 0
         self.health = health.HealthServicer(experimental_non_blocking=True)
@@ -965,7 +1131,12 @@ class SchedulerHandle:
 
     def _new_core(self) -> SchedulerCore:
         return SchedulerCore(self.config, self.store, announce=self.announcer,
-                             probe=lambda a: probe_closed(a, self.config.probe_timeout_s, self.security))
+                             probe=lambda a: probe_closed(a, self.config.probe_timeout_s, self.security),
+                             metrics=self.metrics)
+
+    def _figures(self) -> dict[str, float]:
+        core = getattr(self, "core", None)
+        return core.figures() if core is not None else {"leader": 0.0}
 
     def _leading(self) -> SchedulerCore:
         core = self.core
@@ -1058,6 +1229,8 @@ class SchedulerHandle:
             self._election.start()
         else:
             self.announcer(self.core.map)
+        if self.config.metrics_port:
+            self.metrics_port = self.metrics.serve_http(self.config.metrics_port, self.config.metrics_host)
         return self
 
     def close(self, grace: float = 1.0) -> None:
@@ -1072,6 +1245,7 @@ class SchedulerHandle:
                 core.cond.notify_all()
         self._server.stop(grace).wait()
         self.announcer.close()
+        self.metrics.close()
         if self.electing:
             self._election.join(5.0)
             self.store.resign()  # a standby takes over at once instead of after the lease TTL

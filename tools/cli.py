@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "admin": ("tigana.tools.admin_cmd", "operate a live cluster"),
     "train": ("tigana.tools.train_cmd", "train a CTR model through the parameter server"),
     "demo": ("tigana.tools.demo_cmd", "train DeepFM on an embedded local cluster"),
+    "config": ("tigana.tools.config_cmd", "show a command's effective configuration and where each value came from"),
 }
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "table": ("tigana.tools.bench.table", "storage engine: lookup, update, capacity"),
@@ -90,8 +91,24 @@ def _attach(parser: argparse.ArgumentParser, argv: list[str], module) -> None:
                 for child in action.choices.values():
                     if child.get_default("_module") == module.__name__:
                         module.add_arguments(child)
+                        _show_defaults(child)
                         return
                     stack.append(child)
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """``--help`` shows every flag's default: append it to flags whose help does not say it yet (the layered
+    commands describe theirs from their config dataclass, since their flags default to None)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _show_defaults(child)
+            continue
+        if (not action.option_strings or action.help in (None, argparse.SUPPRESS) or "default" in action.help
+                or action.default is argparse.SUPPRESS or isinstance(action, (argparse._HelpAction,
+                                                                              argparse._VersionAction))):
+            continue
+        action.help = f"{action.help} (default: {'none' if action.default is None else action.default})"
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ persisted in ``--data-dir`` before it is announced, so a restart (even after ``k
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -15,45 +16,52 @@ import sys
 import threading
 from pathlib import Path
 
+from tigana.ps import settings
 from tigana.ps.errors import PSError
-from tigana.ps.scheduler import SchedulerConfig, start_scheduler
+from tigana.ps.scheduler import SchedulerConfig, load_scheduler_config, start_scheduler
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The scheduler's flags: every default is None, so only flags given override ``TIGANA_*`` variables and
+    the config file; ``--help`` shows the value each setting takes when nothing sets it."""
     a = parser.add_argument
-    a("--host", default=os.environ.get("TIGANA_SCHEDULER_HOST", "127.0.0.1"), help="address to bind (default 127.0.0.1)")
-    a("--port", type=int, default=int(os.environ.get("TIGANA_SCHEDULER_PORT", "0")),
-      help="gRPC port (0: a free port, printed at start)")
-    a("--data-dir", default=os.environ.get("TIGANA_SCHEDULER_DATA_DIR"),
-      help="the shard map is persisted here (required to survive a restart) unless --store says otherwise")
-    a("--store", default=os.environ.get("TIGANA_SCHEDULER_STORE"),
-      help="etcd://HOST:PORT[,HOST:PORT][/PREFIX]: keep the map in etcd; run 2-3 schedulers on it, one leads "
-           "(default: the data dir)")
-    a("--leader-ttl", type=int, default=int(os.environ.get("TIGANA_LEADER_TTL", "2")),
-      help="seconds of the leader's etcd lease: a standby takes over this long after the leader dies (default 2)")
-    a("--replicas", type=int, default=int(os.environ.get("TIGANA_REPLICAS", "1")),
-      help="copies of every slot besides its primary (default 1)")
-    a("--heartbeat-timeout", type=float, default=3.0,
-      help="seconds without a heartbeat before a server is declared dead (default 3)")
-    a("--num-slots", type=int, default=4096, help="virtual slots (default 4096; fixed for the cluster's life)")
-    a("--expect-servers", type=int, default=1,
-      help="the first placement waits for this many servers (or --bootstrap-wait seconds; default 1)")
-    a("--bootstrap-wait", type=float, default=2.0, help="seconds the first placement waits for more servers")
-    a("--auto-rebalance", action="store_true", help="move slots to servers that join")
-    env = os.environ.get
-    a("--tls-cert", default=env("TIGANA_TLS_CERT"), help="PEM certificate the scheduler presents (TLS)")
-    a("--tls-key", default=env("TIGANA_TLS_KEY"), help="PEM private key of --tls-cert")
-    a("--tls-ca", default=env("TIGANA_TLS_CA"), help="PEM CA that verifies peers (and client certificates)")
-    a("--require-client-cert", action="store_true", default=env("TIGANA_REQUIRE_CLIENT_CERT", "") in ("1", "true"),
+    a("--host", help="address to bind")
+    a("--port", type=int, help="gRPC port (0: a free port, printed at start)")
+    a("--data-dir", help="the shard map is persisted here (required to survive a restart) unless --store says "
+                         "otherwise; none: a temporary folder")
+    a("--store", help="etcd://HOST:PORT[,HOST:PORT][/PREFIX]: keep the map in etcd; run 2-3 schedulers on it, one "
+                      "leads (none: the data dir)")
+    a("--leader-ttl", dest="leader_ttl_s", type=int,
+      help="seconds of the leader's etcd lease: a standby takes over this long after the leader dies")
+    a("--replicas", type=int, help="copies of every slot besides its primary")
+    a("--heartbeat-timeout", dest="heartbeat_timeout_s", type=float,
+      help="seconds without a heartbeat before a server is declared dead")
+    a("--num-slots", type=int, help="virtual slots (fixed for the cluster's life)")
+    a("--expect-servers", type=int, help="the first placement waits for this many servers (or --bootstrap-wait)")
+    a("--bootstrap-wait", dest="bootstrap_wait_s", type=float, help="seconds the first placement waits for more servers")
+    a("--auto-rebalance", action="store_const", const=True, help="move slots to servers that join")
+    a("--tls-cert", help="PEM certificate the scheduler presents (TLS)")
+    a("--tls-key", help="PEM private key of --tls-cert")
+    a("--tls-ca", help="PEM CA that verifies peers (and client certificates)")
+    a("--require-client-cert", action="store_const", const=True,
       help="mutual TLS: refuse callers without a certificate signed by --tls-ca")
-    a("--auth-token-file", default=env("TIGANA_AUTH_TOKEN_FILE"), help="file with the trainers' token")
-    a("--admin-token-file", default=env("TIGANA_ADMIN_TOKEN_FILE"),
-      help="file with the admin token (servers register with it; admin operations need it)")
-    a("--allow-insecure-loopback", action="store_true",
-      default=env("TIGANA_ALLOW_INSECURE_LOOPBACK", "") in ("1", "true"),
+    a("--auth-token-file", help="file with the trainers' token")
+    a("--admin-token-file", help="file with the admin token (servers register with it; admin operations need it)")
+    a("--allow-insecure-loopback", action="store_const", const=True,
       help="accept tokens without TLS, from this machine only")
+    a("--config", help="YAML or TOML file of settings (keys as the flags, with _ or -; a scheduler: section when "
+                       "present)")
     a("--ready-file", default=None, help="write {address, port, pid} as JSON here once serving")
-    a("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    a("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
+    settings.describe_defaults(parser, SchedulerConfig)
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(SchedulerConfig)) + ("config",)
+
+
+def load(args: argparse.Namespace) -> settings.Loaded[SchedulerConfig]:
+    """The effective settings of parsed flags (``tigana config show scheduler`` prints them)."""
+    return load_scheduler_config({k: getattr(args, k, None) for k in FIELDS})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,14 +71,7 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        config = SchedulerConfig(host=args.host, port=args.port, data_dir=args.data_dir, replicas=args.replicas,
-                                 num_slots=args.num_slots, heartbeat_timeout_s=args.heartbeat_timeout,
-                                 expect_servers=args.expect_servers, bootstrap_wait_s=args.bootstrap_wait,
-                                 auto_rebalance=args.auto_rebalance, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                                 tls_ca=args.tls_ca, require_client_cert=args.require_client_cert,
-                                 auth_token_file=args.auth_token_file, admin_token_file=args.admin_token_file,
-                                 allow_insecure_loopback=args.allow_insecure_loopback, store=args.store,
-                                 leader_ttl_s=args.leader_ttl)
+        config = load(args).config
         handle = start_scheduler(config)
     except (OSError, PSError) as exc:
         print(f"tigana scheduler: {exc}", file=sys.stderr)
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
             os.replace(tmp, path)
         if handle.core is not None:
             print(f"tigana scheduler: serving on {handle.address} (cluster {handle.core.map.cluster_id}, epoch "
-                  f"{handle.core.map.epoch}, {args.replicas} replica(s), state in {handle.store.describe()})",
+                  f"{handle.core.map.epoch}, {config.replicas} replica(s), state in {handle.store.describe()})",
                   file=sys.stderr, flush=True)
         else:
             print(f"tigana scheduler: serving on {handle.address}, standing by for election (state in "

@@ -8,6 +8,7 @@ On SIGTERM/SIGINT the server stops accepting RPCs, drains the ones in flight, sn
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -16,40 +17,43 @@ import sys
 import threading
 from pathlib import Path
 
-from tigana.ps.config import load_server_config
+from tigana.ps import settings
+from tigana.ps.config import ServerConfig, load_server_config_sources
 from tigana.ps.daemon import start_server, tune_allocator
 from tigana.ps.errors import InvalidArgument
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--host", default=None, help="address to bind (default 127.0.0.1)")
+    a("--host", default=None, help="address to bind")
     a("--port", type=int, default=None, help="gRPC port (0: a free port, printed at start)")
     a("--data-dir", default=None, help="tables, snapshots and the spill tier live here")
-    a("--memory-budget", default=None, help="resident row bytes of the whole daemon, shared by its tables, before cold rows spill, e.g. 8GiB "
-                                                "(default: none)")
-    a("--spill-max-bytes", default=None, help="cap on each table's LMDB spill tier, e.g. 64GiB (default: until the "
-                                                "disk is full); past it new rows are refused")
-    a("--metrics-port", default=None, help="Prometheus HTTP port; 0 off (default), 'auto' a free port")
+    a("--memory-budget", default=None,
+      help="resident row bytes of the whole daemon, shared by its tables, before cold rows spill, e.g. 8GiB")
+    a("--spill-max-bytes", default=None,
+      help="cap on each table's LMDB spill tier, e.g. 64GiB; past it new rows are refused (none: the disk)")
+    a("--metrics-port", default=None, help="Prometheus HTTP port; 0 off, 'auto' a free port")
     a("--slots", default=None, help="owned virtual slots, e.g. 0-2047 (inclusive ranges); default all")
-    a("--num-slots", type=int, default=None, help="number of virtual slots (default 4096)")
-    a("--max-workers", type=int, default=None, help="gRPC thread pool size (default 16)")
-    a("--max-message-bytes", default=None, help="largest gRPC message sent or received (default 64MiB)")
-    a("--dedup-window", type=int, default=None, help="pushes remembered per client for exactly-once (default 8192)")
+    a("--num-slots", type=int, default=None, help="number of virtual slots")
+    a("--max-workers", type=int, default=None, help="gRPC thread pool size")
+    a("--max-message-bytes", default=None, help="largest gRPC message sent or received")
+    a("--dedup-window", type=int, default=None, help="pushes remembered per client for exactly-once")
     a("--drain-grace", dest="drain_grace_s", type=float, default=None,
-      help="seconds in-flight RPCs get to finish on shutdown (default 30)")
+      help="seconds in-flight RPCs get to finish on shutdown")
     a("--keep-snapshots", type=int, default=None,
-      help="full snapshot chains kept per table (default 2; 0 keeps all)")
+      help="full snapshot chains kept per table")
     a("--scheduler", default=None, help="HOST:PORT of the scheduler to register with (its map gives the slots)")
-    a("--server-id", default=None, help="stable identity (default: created once in the data dir)")
+    a("--server-id", default=None,
+      help="stable identity (none: the one stored in the data dir, else the StatefulSet hostname NAME-ORDINAL "
+           "under Kubernetes, else a new one)")
     a("--advertise", default=None, help="HOST:PORT the scheduler, clients and peers reach this server at")
     a("--heartbeat-interval", dest="heartbeat_interval_s", type=float, default=None,
-      help="seconds between heartbeats to the scheduler (default 0.5)")
+      help="seconds between heartbeats to the scheduler")
     a("--snapshot-every", dest="snapshot_every_s", type=float, default=None,
-      help="seconds between periodic snapshots of every table (default 0: off); bounds what losing every "
+      help="seconds between periodic snapshots of every table; bounds what losing every "
            "copy at once costs")
     a("--replication-timeout", dest="replication_timeout_s", type=float, default=None,
-      help="seconds a copy may fail to apply the stream before it is reported (default 2)")
+      help="seconds a copy may fail to apply the stream before it is reported")
     a("--tls-cert", default=None, help="PEM certificate this server presents (TLS)")
     a("--tls-key", default=None, help="PEM private key of --tls-cert")
     a("--tls-ca", default=None, help="PEM CA that verifies peers (and client certificates)")
@@ -60,26 +64,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="file with the admin token (every operation; this server also sends it to the scheduler and peers)")
     a("--allow-insecure-loopback", action="store_const", const=True, default=None,
       help="accept tokens without TLS, from this machine only")
-    a("--max-rows-per-request", type=int, default=None, help="ids in one pull or push (default 4,000,000)")
+    a("--max-rows-per-request", type=int, default=None, help="ids in one pull or push")
     a("--max-concurrent-requests", type=int, default=None,
-      help="RPCs in progress before RESOURCE_EXHAUSTED (default 256)")
+      help="RPCs in progress before RESOURCE_EXHAUSTED")
     a("--config", default=None, help="YAML or TOML file of settings (keys as the flags, with _ or -)")
     a("--ready-file", default=None, help="write {address, port, metrics_port, pid} as JSON here once serving")
-    a("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    a("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
+    settings.describe_defaults(parser, ServerConfig, shown={"max_message_bytes": "64MiB", "metrics_port": "0 (off)",
+                                                            "data_dir": "none (in memory only)"})
 
 
-_FLAG_FIELDS = ("host", "port", "data_dir", "memory_budget", "spill_max_bytes", "metrics_port", "slots", "num_slots", "max_workers",
-                "max_message_bytes", "dedup_window", "drain_grace_s", "keep_snapshots", "scheduler", "server_id",
-                "advertise", "heartbeat_interval_s", "snapshot_every_s", "replication_timeout_s", "tls_cert", "tls_key",
-                "tls_ca", "require_client_cert", "auth_token_file", "admin_token_file", "allow_insecure_loopback",
-                "max_rows_per_request", "max_concurrent_requests", "config")
+FIELDS = tuple(f.name for f in dataclasses.fields(ServerConfig)) + ("config",)
+
+
+def load(args: argparse.Namespace) -> settings.Loaded[ServerConfig]:
+    """The effective settings of parsed flags (``tigana config show server`` prints them)."""
+    return load_server_config_sources({k: getattr(args, k, None) for k in FIELDS})
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        config = load_server_config({k: getattr(args, k, None) for k in _FLAG_FIELDS})
+        config = load(args).config
     except InvalidArgument as exc:
         print(f"tigana server: {exc}", file=sys.stderr)
         return 2

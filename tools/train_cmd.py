@@ -20,6 +20,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train_config.add_arguments(parser)
 
 
+def load(args: argparse.Namespace):
+    """The effective settings of parsed flags and where each came from (``tigana config show train``)."""
+    return train_config.config_sources_from_args(args)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = train_config.config_from_args(args)

@@ -11,17 +11,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import yaml
+from tigana.ps import settings
 
 __all__ = ["DATASETS", "MODELS", "ConfigError", "TrainConfig", "add_arguments", "config_from_args",
-           "load_config"]
+           "load_config", "load_config_sources"]
 
 MODELS = ("deepfm", "dlrm", "wide_deep", "dcn_v2")
 DATASETS = ("synthetic", "criteo", "movielens-100k")
@@ -112,88 +109,26 @@ def _check(c: TrainConfig) -> None:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-_HINTS = typing.get_type_hints(TrainConfig)
 
 
-def _coerce(name: str, value: Any, source: str) -> Any:
-    """``value`` (a YAML value or an environment/flag string) as field ``name``'s type."""
-    hint = _HINTS[name]
-    args = typing.get_args(hint)
-    optional = type(None) in args and (typing.get_origin(hint) in (typing.Union, types.UnionType))
-    base = next((a for a in args if a is not type(None)), hint) if optional else hint
-    if value is None or (optional and isinstance(value, str) and value.lower() in ("", "none", "null")):
-        if optional:
-            return None
-        raise ConfigError(f"{name} ({source}): a value is required")
-    try:
-        if typing.get_origin(base) is tuple:
-            if isinstance(value, str):
-                return tuple(v.strip() for v in value.split(",") if v.strip())
-            if isinstance(value, (list, tuple)):
-                return tuple(str(v) for v in value)
-            raise TypeError(type(value).__name__)
-        if base is bool:
-            if isinstance(value, bool):
-                return value
-            text = str(value).strip().lower()
-            if text in ("1", "true", "yes", "on"):
-                return True
-            if text in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(value)
-        if base is int:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError(value)
-            return int(value)
-        if base is float:
-            if isinstance(value, bool):
-                raise ValueError(value)
-            return float(value)
-        return str(value)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{name} ({source}): cannot read {value!r} as {getattr(base, '__name__', base)}") from exc
-
-
-def _normalize(key: str) -> str:
-    return key.strip().replace("-", "_").lower()
+def load_config_sources(path: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None,
+                        environ: Mapping[str, str] | None = None) -> settings.Loaded[TrainConfig]:
+    """``load_config`` with where each value came from (``tigana config show train --sources``)."""
+    flags = {_normalize(k): v for k, v in (overrides or {}).items()}
+    unknown = sorted(k for k in flags if k not in _FIELDS)
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown field")
+    return settings.load(TrainConfig, flags=flags, env=environ, file=path, section="train", error=ConfigError)
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None,
                 environ: Mapping[str, str] | None = None) -> TrainConfig:
     """Defaults < YAML file ``path`` < ``TIGANA_*`` environment < ``overrides`` (flags; None values skipped)."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except OSError as exc:
-            raise ConfigError(f"config: cannot read {p}: {exc}") from exc
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config: {p} is not valid YAML: {exc}") from exc
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config: {p} must hold a mapping of field names to values")
-        for key, value in loaded.items():
-            name = _normalize(str(key))
-            if name not in _FIELDS:
-                raise ConfigError(f"{key} ({p}): unknown field; expected one of {sorted(_FIELDS)}")
-            values[name] = _coerce(name, value, str(p))
-    env = os.environ if environ is None else environ
-    for name in _FIELDS:
-        var = f"TIGANA_{name.upper()}"
-        if var in env:
-            values[name] = _coerce(name, env[var], var)
-    for key, value in (overrides or {}).items():
-        name = _normalize(key)
-        if name not in _FIELDS:
-            raise ConfigError(f"{key}: unknown field")
-        if value is not None:
-            values[name] = _coerce(name, value, f"--{name.replace('_', '-')}")
-    try:
-        return TrainConfig(**values)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(str(exc)) from exc
+    return load_config_sources(path, overrides, environ).config
+
+
+def _normalize(key: str) -> str:
+    return key.strip().replace("-", "_").lower()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -238,9 +173,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--synthetic-rows", type=int)
     parser.add_argument("--synthetic-vocab", type=int)
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    settings.describe_defaults(parser, TrainConfig, shown={"ps": "none (an embedded local cluster)"})
 
 
 def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> TrainConfig:
     """The TrainConfig of parsed ``add_arguments`` flags."""
+    return config_sources_from_args(args, environ).config
+
+
+def config_sources_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None
+                             ) -> settings.Loaded[TrainConfig]:
+    """``config_from_args`` with where each value came from."""
     overrides = {name: getattr(args, name) for name in _FIELDS if hasattr(args, name)}
-    return load_config(getattr(args, "config", None), overrides, environ)
+    return load_config_sources(getattr(args, "config", None), overrides, environ)

@@ -1,0 +1,181 @@
+"""Layered settings, the same for every ``tigana`` command: flags > ``TIGANA_*`` variables > a config file
+(YAML or TOML) > the dataclass defaults.
+
+A command's configuration is a frozen dataclass; ``load`` fills it from the four sources and remembers where
+each value came from (``tigana config show --sources`` prints it). Values are converted by the field's type
+hint (``int``, ``float``, ``bool``, ``str``, ``X | None``, ``tuple[str, ...]``) unless the command gives a
+parser for the field (sizes such as ``8GiB``); a bad value raises the command's error type naming the field
+and its source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from tigana.ps.errors import InvalidArgument
+
+__all__ = ["ENV_PREFIX", "Loaded", "describe_defaults", "load", "read_file"]
+
+ENV_PREFIX = "TIGANA_"
+T = TypeVar("T")
+Parser = Callable[[Any, str], Any]  # (raw value, "where it came from") -> the field's value
+
+
+@dataclass(frozen=True)
+class Loaded(Generic[T]):
+    """A configuration and, per field, where its value came from: ``default``, ``file PATH``,
+    ``env TIGANA_X`` or ``flag --x``."""
+
+    config: T
+    sources: dict[str, str]
+
+    def rows(self) -> list[tuple[str, Any, str]]:
+        """(field, value, source) in field order."""
+        return [(f.name, getattr(self.config, f.name), self.sources.get(f.name, "default"))
+                for f in dataclasses.fields(self.config)]  # type: ignore[arg-type]
+
+
+def read_file(path: str | os.PathLike, fields: set[str], section: str | None = None,
+              error: type[Exception] = InvalidArgument) -> dict[str, Any]:
+    """Settings from a YAML (.yaml/.yml) or TOML (.toml) file: keys are field names (``-`` or ``_``); a
+    top-level ``section:`` mapping, when present, is used instead of the whole file. Unknown keys are errors."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise error(f"config file {str(p)!r}: cannot read: {exc}") from None
+    try:
+        if p.suffix.lower() == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+    except Exception as exc:  # noqa: BLE001 - any parser error is a user error here
+        raise error(f"config file {str(p)!r}: cannot parse: {exc}") from None
+    if not isinstance(data, dict):
+        raise error(f"config file {str(p)!r}: expected a mapping of settings")
+    if section and isinstance(data.get(section), dict):
+        data = data[section]
+    out = {}
+    for key, value in data.items():
+        name = str(key).strip().replace("-", "_").lower()
+        if name not in fields:
+            raise error(f"config file {str(p)!r}: unknown field {key!r}; expected one of {sorted(fields)}")
+        out[name] = value
+    return out
+
+
+def _convert(hint: Any, value: Any) -> Any:
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        empty = value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null"))
+        if empty and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0], value)
+    if value is None:
+        raise ValueError("a value is required")
+    if typing.get_origin(hint) is tuple:
+        if isinstance(value, str):
+            return tuple(v.strip() for v in value.split(",") if v.strip())
+        if isinstance(value, (list, tuple)):
+            return tuple(str(v) for v in value)
+        raise TypeError(type(value).__name__)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(value)
+    if hint is int:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError(value)
+        return int(value)
+    if hint is float:
+        if isinstance(value, bool):
+            raise ValueError(value)
+        return float(value)
+    return str(value)
+
+
+def load(cls: type[T], *, flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
+         file: str | os.PathLike | None = None, section: str | None = None,
+         parsers: Mapping[str, Parser] | None = None, env_prefixes: tuple[str, ...] = (ENV_PREFIX,),
+         error: type[Exception] = InvalidArgument,
+         derive: Callable[[dict[str, Any], dict[str, str]], None] | None = None) -> Loaded[T]:
+    """``cls`` filled from ``flags`` (field -> value; None: not given) > environment variables (``PREFIX +
+    FIELD``, the first of ``env_prefixes`` that is set wins) > ``file`` > defaults. ``derive(values, sources)``
+    may fill fields no source gave (a StatefulSet identity). The dataclass checks the result."""
+    env = os.environ if env is None else env
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    parsers = dict(parsers or {})
+
+    def convert(name: str, value: Any, where: str) -> Any:
+        try:
+            if name in parsers:
+                return parsers[name](value, where)
+            return _convert(hints[name], value)
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, error):
+                raise
+            raise error(f"{where}: field {name!r}: cannot read {value!r} as {hints[name]}") from None
+
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if file:
+        for name, value in read_file(file, set(names), section, error).items():
+            values[name], sources[name] = convert(name, value, f"config file {str(file)!r}"), f"file {file}"
+    for name in names:
+        for prefix in env_prefixes:
+            var = prefix + name.upper()
+            raw = env.get(var)
+            if raw is not None and raw != "":
+                values[name], sources[name] = convert(name, raw, f"environment variable {var}"), f"env {var}"
+                break
+    for name, value in (flags or {}).items():
+        if value is None:
+            continue
+        if name not in hints:
+            raise error(f"flags: unknown field {name!r}")
+        flag = f"--{name.replace('_', '-')}"
+        values[name], sources[name] = convert(name, value, f"flag {flag}"), f"flag {flag}"
+    if derive is not None:
+        derive(values, sources)
+    try:
+        config = cls(**values)
+    except error:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise error(str(exc)) from None
+    return Loaded(config, {n: sources.get(n, "default") for n in names})
+
+
+def describe_defaults(parser: argparse.ArgumentParser, cls: type, *, shown: Mapping[str, str] | None = None) -> None:
+    """Append ``(default: X)`` to the help of every flag of ``parser`` whose destination is a field of ``cls``
+    (flags default to None so that only given ones override the environment and the file; ``--help`` still
+    shows the value a field takes when nothing sets it). ``shown`` overrides the text per field."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)
+                if f.default is not dataclasses.MISSING}
+    for action in parser._actions:  # noqa: SLF001 - argparse has no public iterator over actions
+        name = action.dest
+        if name not in defaults or action.help in (None, argparse.SUPPRESS) or "default" in action.help:
+            continue
+        value = (shown or {}).get(name, defaults[name])
+        if value is None or value == ():
+            value = "none"
+        action.help = f"{action.help} (default: {value})"
