@@ -128,6 +128,28 @@ def test_local_starts_and_stops_its_shards(tmp_path: Path) -> None:
             os.kill(pid, 0)
 
 
+def test_local_with_two_schedulers_on_etcd(tmp_path: Path) -> None:
+    """``tigana local --shards 2 --schedulers 2``: an etcd, two schedulers (one leads), two shards; the printed
+    address is the scheduler list, which ``ps.connect`` and ``tigana admin --scheduler`` take as it is."""
+    data_dir = tmp_path / "local-ha"
+    with _spawn("local", "--shards", "2", "--schedulers", "2", "--data-dir", str(data_dir), stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True) as proc:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        assert ready, "no address printed"
+        target = proc.stdout.readline().strip()
+        assert target.count(",") == 1 and "map in etcd://127.0.0.1:" in proc.stdout.readline()
+        with ps.connect(target) as client:  # a list of schedulers: the client finds the leader
+            assert client.scheduler == target
+            client.create_table("ha_local", dim=4, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
+            client.push("ha_local", np.arange(10), -np.ones((10, 4), np.float32)).result()
+        status = subprocess.run([*CLI, "admin", "--scheduler", target, "--json", "status"], capture_output=True,
+                                text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        assert "ha_local" in json.loads(status.stdout.splitlines()[-1])["tables"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(90) == 0, proc.stderr.read()
+
+
 def test_subcommand_help_lists_its_flags() -> None:
     for command, flag in (("server", "--memory-budget"), ("local", "--shards")):
         out = subprocess.run([*CLI, command, "--help"], capture_output=True, text=True, timeout=120)
