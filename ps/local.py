@@ -86,6 +86,7 @@ class LocalCluster:
         self.scheduler_proc: subprocess.Popen | None = None  # the first scheduler (the only one without a store)
         self.scheduler_procs: list[subprocess.Popen] = []
         self.scheduler_addresses: list[str] = []
+        self.scheduler_metrics_ports: list[int | None] = []  # with ``metrics``
         self._scheduler_cmds: list[list[str]] = []
         self._closed = False
         self._python = python
@@ -98,7 +99,8 @@ class LocalCluster:
         self.client_security = client_security  # what this object's own status calls present
         try:
             if replicas is not None:
-                args = [*scheduler_args, *security_flags, "--replicas", str(replicas), "--expect-servers",
+                args = [*scheduler_args, *security_flags, *(["--metrics-port", "auto"] if metrics else []),
+                        "--replicas", str(replicas), "--expect-servers",
                         str(shards), "--num-slots", str(num_slots), "--heartbeat-timeout", str(heartbeat_timeout)]
                 for k in range(schedulers if store else 1):
                     self._start_scheduler(args + (["--store", store] if store else []), k=k)
@@ -168,6 +170,7 @@ class LocalCluster:
         self.scheduler_proc = self.scheduler_procs[0]
         info = self._wait_ready([proc], [ready], self._startup_timeout, what="scheduler")[0]
         self.scheduler_addresses.append(str(info["address"]))
+        self.scheduler_metrics_ports.append(info.get("metrics_port"))
         self.scheduler = ",".join(self.scheduler_addresses)
 
     def leading_scheduler(self, timeout: float = 30.0) -> int:
@@ -328,6 +331,7 @@ class LocalCluster:
         self.scheduler_proc = self.scheduler_procs[0]
         info = self._wait_ready([self.scheduler_procs[k]], [ready], self._startup_timeout, what="scheduler")[0]
         self.scheduler_addresses[k] = str(info["address"])
+        self.scheduler_metrics_ports[k] = info.get("metrics_port")
         self.scheduler = ",".join(self.scheduler_addresses)
         return self.scheduler_addresses[k]
 

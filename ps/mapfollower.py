@@ -37,6 +37,7 @@ class MapFollower:
         self.on_map = on_map
         self.poll_s = poll_s
         make = channel or (lambda a, o: grpc.insecure_channel(a, options=o))
+        self._make, self._options = make, options
         self._channels = [make(a, options) for a in self.addresses]
         self._stubs = [spb_grpc.SchedulerStub(c) for c in self._channels]
         self._which = 0
@@ -57,7 +58,12 @@ class MapFollower:
         return self.addresses[self._which % len(self.addresses)]
 
     def _failover(self) -> None:
+        """Move on to the next scheduler. With one address (a Kubernetes Service in front of a leader and its
+        standbys) dial it again instead: the open connection would keep reaching the same, refusing pod."""
         self._which += 1
+        if len(self.addresses) == 1:  # the old channel is not closed: calls in flight on it finish or fail
+            self._channels[0] = self._make(self.addresses[0], self._options)
+            self._stubs[0] = spb_grpc.SchedulerStub(self._channels[0])
 
     def fetch(self, timeout_s: float) -> ShardMap:
         """The scheduler's map now (blocking); ``Unavailable`` naming the scheduler when none answers."""

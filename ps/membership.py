@@ -42,6 +42,7 @@ class Agent:
         options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
                    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 1000)]
+        self._security, self._options = security, options
         self._channels = [security.channel(a, options) for a in self.addresses]
         self._stubs = [spb_grpc.SchedulerStub(c) for c in self._channels]
         self._stop = threading.Event()
@@ -56,7 +57,11 @@ class Agent:
         return self._stubs[self._which % len(self._stubs)]
 
     def _next(self) -> None:
+        """The next scheduler; with one address (a Service over a leader and standbys), a new connection."""
         self._which += 1
+        if len(self.addresses) == 1:  # the old channel is not closed: calls in flight on it finish or fail
+            self._channels[0] = self._security.channel(self.addresses[0], self._options)
+            self._stubs[0] = spb_grpc.SchedulerStub(self._channels[0])
 
     def start(self) -> None:
         self._thread.start()

@@ -1,5 +1,5 @@
-"""Prometheus metrics of one shard server, in a registry of its own (never the process-global one), so several
-servers in one process (tests, benchmarks) keep separate counts.
+"""Prometheus metrics of a shard server, a scheduler and a client, each in a registry of its own (never the
+process-global one), so several in one process (tests, benchmarks) keep separate counts.
 
 Counters and histograms are updated per RPC (a handful of label lookups, not per row); rows and bytes per table
 are read from the tables when scraped. Thread-safe (prometheus-client metrics are).
@@ -11,29 +11,43 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class _TableCollector:
-    """Rows and bytes per table, read at scrape time from ``source() -> {table: {"rows": .., "bytes": ..}}``."""
+    """Rows, bytes, admissions and evictions per table, read at scrape time from ``source() -> {table: {"rows",
+    "bytes", "rows_spilled", "admissions", "rejected_admissions", "evictions", "spills"}}`` (the engine's
+    ``stats()``; a key a table lacks is left out)."""
+
+    _GAUGES = (("rows", "tigana_table_rows", "Rows held per table (resident and spilled)"),
+               ("bytes", "tigana_table_bytes", "Bytes of memory held per table (rows, index, admission state)"),
+               ("rows_spilled", "tigana_table_rows_spilled", "Rows per table moved to the LMDB spill tier"))
+    _COUNTERS = (("admissions", "tigana_table_admissions", "Rows admitted into the table (inserted)"),
+                 ("rejected_admissions", "tigana_table_rejected_admissions",
+                  "Row insertions refused by the admission policy (not seen often enough yet)"),
+                 ("evictions", "tigana_table_evictions", "Rows evicted by TTL or the row cap"),
+                 ("spills", "tigana_table_spills", "Rows moved from memory to the spill tier"))
 
     def __init__(self, source: Callable[[], dict[str, dict[str, float]]]) -> None:
         self._source = source
 
+    def _families(self) -> list[Any]:
+        return [GaugeMetricFamily(name, text, labels=["table"]) for _, name, text in self._GAUGES] + \
+            [CounterMetricFamily(name, text, labels=["table"]) for _, name, text in self._COUNTERS]
+
     def describe(self) -> Iterable[Any]:  # registering must not read tables that do not exist yet
-        yield GaugeMetricFamily("tigana_table_rows", "Rows held per table (resident and spilled)", labels=["table"])
-        yield GaugeMetricFamily("tigana_table_bytes", "Bytes held per table", labels=["table"])
+        yield from self._families()
 
     def collect(self) -> Iterable[Any]:
-        rows = GaugeMetricFamily("tigana_table_rows", "Rows held per table (resident and spilled)", labels=["table"])
-        nbytes = GaugeMetricFamily("tigana_table_bytes", "Bytes held per table", labels=["table"])
+        families = self._families()
+        keys = [k for k, _, _ in self._GAUGES] + [k for k, _, _ in self._COUNTERS]
         for name, values in sorted(self._source().items()):
-            rows.add_metric([name], float(values.get("rows", 0.0)))
-            nbytes.add_metric([name], float(values.get("bytes", 0.0)))
-        yield rows
-        yield nbytes
+            for key, family in zip(keys, families, strict=True):
+                if key in values or key in ("rows", "bytes"):
+                    family.add_metric([name], float(values.get(key, 0.0)))
+        yield from families
 
 
 class _ClusterCollector:
@@ -53,22 +67,51 @@ class _ClusterCollector:
         "replication_streams_broken": "Outgoing replication streams failing to deliver",
         "slot_copies_in_progress": "Slot copies this server is sending",
     }
+    _PREFIX = "tigana_"
 
     def __init__(self, source: Callable[[], dict[str, float]]) -> None:
         self._source = source
 
     def describe(self) -> Iterable[Any]:
         for name, text in self._HELP.items():
-            yield GaugeMetricFamily(f"tigana_{name}", text)
+            yield GaugeMetricFamily(f"{self._PREFIX}{name}", text)
 
     def collect(self) -> Iterable[Any]:
         values = self._source()
         for name, text in self._HELP.items():
             if name in values:
-                yield GaugeMetricFamily(f"tigana_{name}", text, value=float(values[name]))
+                yield GaugeMetricFamily(f"{self._PREFIX}{name}", text, value=float(values[name]))
 
 
-class ServerMetrics:
+class MetricsEndpoint:
+    """A registry served over HTTP: ``serve_http`` starts ``/metrics`` in a daemon thread, ``close`` stops it."""
+
+    registry: CollectorRegistry
+    http_port: int | None = None
+    _httpd: Any = None
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this registry."""
+        return generate_latest(self.registry)
+
+    def serve_http(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serve ``/metrics`` on ``port`` (0 or -1: a free port) in a daemon thread; returns the bound port."""
+        from prometheus_client import start_http_server
+
+        httpd, _thread = start_http_server(max(port, 0), addr=host, registry=self.registry)
+        self._httpd = httpd
+        self.http_port = int(httpd.server_port)
+        return self.http_port
+
+    def close(self) -> None:
+        """Stop the HTTP endpoint (idempotent)."""
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+
+
+class ServerMetrics(MetricsEndpoint):
     """The metrics of one server; ``http_port`` is set once ``serve_http`` runs."""
 
     def __init__(self, table_source: Callable[[], dict[str, dict[str, float]]] | None = None,
@@ -92,6 +135,11 @@ class ServerMetrics:
                                 registry=r)
         self.bytes_out = Counter("tigana_response_bytes", "Row payload bytes sent, by method", ["method"],
                                  registry=r)
+        # Rows only (no ids): raw / wire is the compression ratio of the fp16, bf16 and int8 codecs.
+        self.row_bytes_raw = Counter("tigana_row_bytes_raw", "Row bytes of Pull replies and Push requests as "
+                                     "float32, before wire compression, by method", ["method"], registry=r)
+        self.row_bytes_wire = Counter("tigana_row_bytes_wire", "Row bytes of Pull replies and Push requests as "
+                                      "sent (after fp16/bf16/int8 compression), by method", ["method"], registry=r)
         if table_source is not None:
             r.register(_TableCollector(table_source))
         if cluster_source is not None:
@@ -110,21 +158,110 @@ class ServerMetrics:
         if code != "OK":
             self.rejected.labels(method, code).inc()
 
-    def render(self) -> bytes:
-        """The Prometheus text exposition of this registry."""
-        return generate_latest(self.registry)
 
-    def serve_http(self, port: int, host: str = "127.0.0.1") -> int:
-        """Serve ``/metrics`` on ``port`` (0 or -1: a free port) in a daemon thread; returns the bound port."""
-        from prometheus_client import start_http_server
+class ClientCollector:
+    """A client's counters, read at scrape time from ``source()`` (``Client.stats()``): pulls, pushes, rows,
+    retries and errors, wire bytes per table and direction, and the staleness it observed per table (its own
+    pushes not yet acknowledged when a pull was sent: rows the pull's answer may lack, in steps)."""
 
-        httpd, _thread = start_http_server(max(port, 0), addr=host, registry=self.registry)
-        self._httpd = httpd
-        self.http_port = int(httpd.server_port)
-        return self.http_port
+    _COUNTERS = (("pulls", "Pulls completed by this client"), ("pushes", "Pushes acknowledged to this client"),
+                 ("rows_pulled", "Ids pulled by this client (duplicates counted)"),
+                 ("rows_pushed", "Distinct rows pushed by this client"),
+                 ("retries", "Messages this client sent again (re-routed or retried)"),
+                 ("pull_errors", "Pulls that failed"), ("push_errors", "Pushes that failed"))
 
-    def close(self) -> None:
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
+    def __init__(self, source: Callable[[], dict[str, Any]]) -> None:
+        self._source = source
+
+    def _families(self) -> list[Any]:
+        out: list[Any] = [CounterMetricFamily(f"tigana_client_{k}", text) for k, text in self._COUNTERS]
+        out += [
+            CounterMetricFamily("tigana_client_wire_bytes", "Bytes of pull and push messages on the wire, by table, "
+                                "operation and direction (after compression)", labels=["table", "op", "direction"]),
+            GaugeMetricFamily("tigana_client_staleness_steps", "Observed staleness: this client's pushes not yet "
+                              "acknowledged when its last pull of the table was sent", labels=["table"]),
+            GaugeMetricFamily("tigana_client_staleness_max_steps", "The largest observed staleness so far",
+                              labels=["table"]),
+            GaugeMetricFamily("tigana_client_staleness_bound_steps", "The table's staleness bound in this client "
+                              "(absent: fully asynchronous)", labels=["table"]),
+            CounterMetricFamily("tigana_client_staleness_waits", "Pulls held back until older pushes were "
+                                "acknowledged (the staleness bound at work)", labels=["table"]),
+            GaugeMetricFamily("tigana_client_pushes_in_flight", "Pushes sent and not yet acknowledged"),
+            GaugeMetricFamily("tigana_client_map_epoch", "Shard map epoch this client routes by"),
+        ]
+        return out
+
+    def describe(self) -> Iterable[Any]:
+        yield from self._families()
+
+    def collect(self) -> Iterable[Any]:
+        stats = self._source()
+        families = self._families()
+        by_name = {f.name: f for f in families}
+        for key, _ in self._COUNTERS:
+            by_name[f"tigana_client_{key}"].add_metric([], float(stats.get(key, 0)))
+        wire = by_name["tigana_client_wire_bytes"]
+        for direction in ("sent", "received"):
+            for table, ops in sorted(stats.get(f"bytes_{direction}", {}).items()):
+                for op, n in sorted(ops.items()):
+                    wire.add_metric([table, op, direction], float(n))
+        for table, st in sorted(stats.get("staleness", {}).items()):
+            by_name["tigana_client_staleness_steps"].add_metric([table], float(st.get("last", 0)))
+            by_name["tigana_client_staleness_max_steps"].add_metric([table], float(st.get("max", 0)))
+            by_name["tigana_client_staleness_waits"].add_metric([table], float(st.get("waits", 0)))
+            if st.get("bound") is not None:
+                by_name["tigana_client_staleness_bound_steps"].add_metric([table], float(st["bound"]))
+        by_name["tigana_client_pushes_in_flight"].add_metric([], float(stats.get("pushes_in_flight", 0)))
+        by_name["tigana_client_map_epoch"].add_metric([], float(stats.get("epoch", 0)))
+        yield from families
+
+
+class _SchedulerCollector(_ClusterCollector):
+    """The scheduler's view of the cluster, read at scrape time from ``source() -> {name: value}`` (empty on
+    a standby, which then reports only ``leader`` 0)."""
+
+    _PREFIX = "tigana_scheduler_"
+    _HELP = {
+        "leader": "1 when this scheduler leads (owns the map), 0 on a standby",
+        "epoch": "Epoch of the shard map",
+        "servers_up": "Servers the map lists as up",
+        "servers_down": "Servers the map lists as dead",
+        "slots_unavailable": "Slots without a primary",
+        "slots_degraded": "Slots with fewer in-sync copies than 1 + replicas",
+        "copies_catching_up": "Copies being built by a slot copy",
+        "slots_moving": "Slots whose placement differs from the target being moved toward",
+    }
+
+
+class SchedulerMetrics(MetricsEndpoint):
+    """The metrics of one scheduler, in a registry of its own (kept across leadership terms): failovers, slot
+    moves and copy changes as counters, the map's state as gauges read at scrape time from ``state_source``."""
+
+    def __init__(self, state_source: Callable[[], dict[str, float]] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.map_changes = Counter("tigana_scheduler_map_changes", "Shard maps saved (each one epoch)", registry=r)
+        self.servers_dead = Counter("tigana_scheduler_servers_declared_dead", "Servers declared dead (no heartbeat "
+                                    "within the timeout, or a probe found the port closed)", registry=r)
+        self.failovers = Counter("tigana_scheduler_failovers", "Slots whose primary role moved to an in-sync copy "
+                                 "because the primary died or restarted, by reason", ["reason"], registry=r)
+        self.elections = Counter("tigana_scheduler_unclean_elections", "Slots given a primary by an unclean "
+                                 "election (no in-sync copy left; the newest snapshot wins)", registry=r)
+        self.copies_added = Counter("tigana_scheduler_copies_added", "Copies started to replace lost ones "
+                                    "(re-replication after a failure)", registry=r)
+        self.copies_demoted = Counter("tigana_scheduler_copies_demoted", "Copies taken out of the in-sync set, by "
+                                      "reason (replication failed, server restarted)", ["reason"], registry=r)
+        self.copies_caught_up = Counter("tigana_scheduler_copies_caught_up", "Copies that joined the in-sync set "
+                                        "after a slot copy", registry=r)
+        self.slot_moves = Counter("tigana_scheduler_slot_moves", "Slot move steps toward a placement target, by "
+                                  "step (copy_started, primary_handover, copy_dropped)", ["step"], registry=r)
+        self.moves_completed = Counter("tigana_scheduler_slot_moves_completed", "Slots whose move (drain, "
+                                       "rebalance, move-slot) reached its target placement", registry=r)
+        for reason in ("dead", "restart"):
+            self.failovers.labels(reason)
+        for reason in ("replication_failed", "restart"):
+            self.copies_demoted.labels(reason)
+        for step in ("copy_started", "primary_handover", "copy_dropped"):
+            self.slot_moves.labels(step)
+        if state_source is not None:
+            r.register(_SchedulerCollector(state_source))

@@ -47,6 +47,7 @@ from tigana.proto import shard_pb2 as pb
 from tigana.ps import cluster_wire
 from tigana.ps.channels import channel_options
 from tigana.ps.cluster_wire import BARRIER, CHANGES, SNAPSHOT_BEGIN, SNAPSHOT_END, SNAPSHOT_ROWS, Item
+from tigana.ps.logs import event, slots_text
 from tigana.ps.routing import CATCHING_UP, IN_SYNC, ShardMap
 
 log = logging.getLogger("tigana.ps.replication")
@@ -247,10 +248,13 @@ class Stream:
             self.required = self.in_sync | self._reported_mask()
             self.r.cond.notify_all()
             held = np.flatnonzero(self.held).astype(np.int32)
-        log.warning("replication to %s (%s) failing: %s; reporting %d slot(s) to the scheduler", self.target_id,
-                    self.address, reason, held.size)
-        self.r.report_failure(self.target_id, held if slots is None else np.union1d(slots, held).astype(np.int32),
-                              reason)
+            epoch = self.r.epoch
+        report = held if slots is None else np.union1d(slots, held).astype(np.int32)
+        log.warning("replication from %s to %s (%s) failing at epoch %d: %s; reporting %d slot(s) to the scheduler "
+                    "(slots %s)", self.r.server_id, self.target_id, self.address, epoch, reason, report.size,
+                    slots_text(report), extra=event("replication_failing", slots=report, epoch=epoch,
+                                                    server=self.target_id, source=self.r.server_id, reason=reason))
+        self.r.report_failure(self.target_id, report, reason)
 
     def _reported_mask(self) -> np.ndarray:
         m = np.zeros(self.held.shape[0], bool)
@@ -386,6 +390,9 @@ class Replicator:
                 self._close(key)
             self.cond.notify_all()
         for s, sess in starts:
+            log.info("slot copy from %s to %s at epoch %d started (slots %s)", self.server_id, s.target_id, m.epoch,
+                     slots_text(sess.slots), extra=event("slot_copy_started", slots=sess.slots, epoch=m.epoch,
+                                                         server=s.target_id, source=self.server_id))
             threading.Thread(target=self._copy, args=(s, sess), name="tigana-slot-copy", daemon=True).start()
 
     def _close(self, key: str) -> None:
@@ -398,7 +405,10 @@ class Replicator:
         try:
             self.copy_rows(s, sess)
         except Exception:  # noqa: BLE001 - retried: the server's upkeep restarts failed copies
-            log.exception("slot copy to %s failed; it will be started again", s.target_id)
+            log.exception("slot copy from %s to %s at epoch %d failed (slots %s); it will be started again",
+                          self.server_id, s.target_id, self.epoch, slots_text(sess.slots),
+                          extra=event("slot_copy_failed", slots=sess.slots, epoch=self.epoch, server=s.target_id,
+                                      source=self.server_id))
             with self.cond:
                 sess.state = _FAILED
             return
@@ -409,7 +419,10 @@ class Replicator:
                 sess.end_seq = s.push(Item(SNAPSHOT_END, name, sess.slots))
             sess.state = _ROWS_SENT
             self.cond.notify_all()
-        log.info("slot copy to %s: %d slot(s), %d rows sent", s.target_id, sess.slots.size, sess.rows_sent)
+        log.info("slot copy from %s to %s at epoch %d: %d slot(s) (slots %s), %d rows sent", self.server_id,
+                 s.target_id, self.epoch, sess.slots.size, slots_text(sess.slots), sess.rows_sent,
+                 extra=event("slot_copy_sent", slots=sess.slots, epoch=self.epoch, server=s.target_id,
+                             source=self.server_id, rows=sess.rows_sent))
 
     def session_active(self, s: Stream, sess: _Session) -> bool:
         with self.cond:

@@ -101,6 +101,7 @@ class SchedulerConfig:
     allow_insecure_loopback: bool = False
     store: str | None = None
     leader_ttl_s: int = 2
+    advertise: str | None = None  # host:port others reach this scheduler at (a standby names the leader by it)
     metrics_port: int = 0  # Prometheus /metrics: 0 off, -1 any free port (SchedulerHandle.metrics_port)
     metrics_host: str = "127.0.0.1"
 
@@ -138,8 +139,11 @@ def load_scheduler_config(flags: Mapping[str, Any] | None = None, env: Mapping[s
     flags = {k: v for k, v in (flags or {}).items() if v is not None}
     file = file or flags.pop("config", None) or env.get("TIGANA_SCHEDULER_CONFIG") or None
     flags.pop("config", None)
+    from tigana.ps.config import PARSERS  # the server's parsers: "auto" metrics port
+
     return settings.load(SchedulerConfig, flags=flags, env=env, file=file, section="scheduler",
-                         env_prefixes=("TIGANA_SCHEDULER_", settings.ENV_PREFIX))
+                         env_prefixes=("TIGANA_SCHEDULER_", settings.ENV_PREFIX),
+                         parsers={"metrics_port": PARSERS["metrics_port"]})
 
 
 class SchedulerCore:
@@ -154,6 +158,7 @@ class SchedulerCore:
         self.config, self.store, self.announce, self.probe, self.clock = config, store, announce, probe, clock
         self.metrics = metrics if metrics is not None else SchedulerMetrics()
         self._moved: set[int] = set()  # slots changed by placement steps since the target was set
+        self._moved_on: set[str] = set()  # and the ids of the servers those steps involved
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
         state = store.load()
@@ -576,6 +581,7 @@ class SchedulerCore:
                 if self.target is not None and self.target_kind == "balance":
                     self.target = None  # stop moving its copies away (what moved stays where it is)
                     self._moved.clear()
+                    self._moved_on.clear()
                 self._save()
                 return placement.Plan(self.map.copies, [], np.zeros(0), np.zeros(0), 0, 0.0)
             self.draining.add(sid)
@@ -646,6 +652,7 @@ class SchedulerCore:
             stepped, step_servers = _placement_changes(before, copies)
             for kind in ("added", "primary", "dropped"):
                 self._moved.update(stepped[kind])
+            self._moved_on.update(self._ids(step_servers))
             if not placement.moves(copies, self.target) and (states[copies >= 0] == IN_SYNC).all():
                 self.target = None
                 reached = True
@@ -663,12 +670,13 @@ class SchedulerCore:
         elif had_target and self.target is None:
             self._save()
         if reached:
-            moved = sorted(self._moved)
+            moved, on = sorted(self._moved), sorted(self._moved_on)
             self._moved.clear()
+            self._moved_on.clear()
             self.metrics.moves_completed.inc(len(moved))
-            log.info("placement reached its target at epoch %d: %d slot(s) moved (slots %s)", self.map.epoch,
-                     len(moved), slots_text(moved), extra=event("moves_done", slots=moved, epoch=self.map.epoch,
-                                                                 server=self._ids(step_servers)))
+            log.info("placement reached its target at epoch %d: %d slot(s) moved (slots %s; servers %s)",
+                     self.map.epoch, len(moved), slots_text(moved), ",".join(on) or "none",
+                     extra=event("moves_done", slots=moved, epoch=self.map.epoch, server=on))
 
     def _describe_step(self, rebuilt: list[int], rebuilt_on: set[int], stepped: dict[str, list[int]],
                        step_servers: set[int], overall: tuple[dict[str, list[int]], set[int]]
@@ -686,7 +694,7 @@ class SchedulerCore:
                 parts.append(f"{len(stepped[kind])} {what} (slots {slots_text(stepped[kind])})")
         servers = self._ids(rebuilt_on | step_servers)
         if step_servers:
-            parts[-1] += f" on {','.join(self._ids(step_servers))}"
+            parts[-1] += f"; servers {','.join(self._ids(step_servers))}"
         slots = sorted({*rebuilt, *stepped["added"], *stepped["primary"], *stepped["dropped"]})
         if not parts:
             changed, on = overall
@@ -1069,7 +1077,8 @@ class NotLeader(Unavailable):
 
 
 class SchedulerHandle:
-    """A running scheduler: ``address``, ``core`` (None on a standby), ``close()`` (idempotent).
+    """A running scheduler: ``address``, ``core`` (None on a standby), ``metrics`` (its Prometheus registry;
+    served on ``metrics_port`` when ``SchedulerConfig.metrics_port`` is set, else None), ``close()`` (idempotent).
 
     With an electing store (etcd) the handle serves at once but leads only once elected: the election thread
     campaigns, builds a ``SchedulerCore`` from the stored state when it wins (so a new leader starts from the
@@ -1121,7 +1130,7 @@ class SchedulerHandle:
             raise OSError(f"cannot bind {config.host}:{config.port} (port in use or address not local)")
         self.port = port
         host = "127.0.0.1" if config.host in ("", "0.0.0.0", "[::]", "::") else config.host
-        self.address = f"{host}:{port}"
+        self.address = config.advertise or f"{host}:{port}"
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="tigana-scheduler-tick", daemon=True)
         self._election = threading.Thread(target=self._elect, name="tigana-scheduler-election", daemon=True)

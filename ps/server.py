@@ -76,6 +76,7 @@ from tigana.ps.errors import (
     status_metadata,
     to_status,
 )
+from tigana.ps.logs import event, slots_text
 from tigana.ps.metrics import ServerMetrics
 from tigana.ps.replication import NO_POSITION, Replicator, SlotLog, Stream
 from tigana.ps.routing import ShardMap, TableDef, format_slots, parse_slots, slot_of
@@ -90,6 +91,7 @@ _STATES = {"loading": "is loading its tables", "failed": "failed to load its tab
            "closed": "is shut down"}
 _COPY_CHUNK = 16384  # rows per SNAPSHOT_ROWS item of a slot copy
 _RATE_HALF_LIFE_S = 10.0
+_TABLE_COUNTERS = ("rows_spilled", "admissions", "rejected_admissions", "evictions", "spills")
 
 
 def checksum_value(digest: str) -> float:
@@ -312,13 +314,15 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         return sorted(self._tables)
 
     def table_sizes(self) -> dict[str, dict[str, float]]:
-        """{table: {"rows", "bytes"}} for the metrics endpoint (cheap: no checksum)."""
+        """{table: {"rows", "bytes", "rows_spilled", "admissions", "rejected_admissions", "evictions", "spills"}}
+        for the metrics endpoint (cheap: no checksum)."""
         out = {}
         for name, hosted in list(self._tables.items()):
             try:
                 stats = hosted.table.stats()
                 out[name] = {"rows": float(len(hosted.table)),
                              "bytes": float(stats.get("bytes_resident", stats.get("bytes", 0.0)))}
+                out[name].update({k: float(stats[k]) for k in _TABLE_COUNTERS if k in stats})
             except Exception:  # noqa: BLE001 - a closing table must not break a scrape
                 continue
         return out
@@ -472,6 +476,8 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         self.metrics.rows_pulled.labels(name).inc(len(ids))
         self.metrics.bytes_in.labels("Pull").inc(len(raw_ids))
         self.metrics.bytes_out.labels("Pull").inc(reply_bytes)
+        self.metrics.row_bytes_raw.labels("Pull").inc(len(ids) * hosted.table.config.dim * 4)
+        self.metrics.row_bytes_wire.labels("Pull").inc(reply_bytes)
         return name, rows, codec
 
     @_rpc("Pull")
@@ -507,6 +513,8 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         grads = wire.decode_rows(grads_rows, len(ids), dim, table=name, field="grads")
         epoch = getattr(request, "epoch", 0)
         self.metrics.bytes_in.labels("Push").inc(memoryview(raw_ids).nbytes + nbytes + memoryview(scales).nbytes)
+        self.metrics.row_bytes_raw.labels("Push").inc(len(ids) * dim * 4)
+        self.metrics.row_bytes_wire.labels("Push").inc(nbytes + memoryview(scales).nbytes)
         cid, seq = request.client_id, request.seq
         with hosted.lock:
             view, slots = self._check_leads(name, ids, epoch)  # under the lock: the map the apply sees
@@ -773,7 +781,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                   ) -> pb.ReplicateResponse:
         """Apply a primary's stream in order (invariant I3 of ``replication``)."""
         with self._inbound_lock:
-            st = self._inbound.setdefault(request.source, _Inbound())
+            st = self._inbound.setdefault(request.source, _Inbound(request.source))
         with st.lock:
             if request.source_boot != st.boot or request.generation != st.generation:
                 if request.source_boot == st.boot and request.generation < st.generation:
@@ -809,7 +817,12 @@ class ShardService(shard_pb2_grpc.ShardServicer):
     def _reject(self, st: _Inbound, code: int, message: str, slots: np.ndarray | None = None
                 ) -> pb.ReplicateResponse:
         if code != pb.REJECT_BEHIND:
-            log.warning("replication stream rejected: %s: %s", pb.ReplicateReject.Name(code), message)
+            epoch, name = self._view.epoch, pb.ReplicateReject.Name(code)
+            listed = np.empty(0, np.int64) if slots is None else np.asarray(slots)
+            log.warning("replication stream from %s to %s rejected at epoch %d (slots %s): %s: %s", st.source,
+                        self.server_id, epoch, slots_text(listed), name, message,
+                        extra=event("replication_rejected", slots=listed, epoch=epoch, server=self.server_id,
+                                    source=st.source, reject=name))
         out = pb.ReplicateResponse(applied_through=st.applied, reject=code, message=message, epoch=self._view.epoch)
         if slots is not None:
             out.slots = np.asarray(slots, "<i4").tobytes()
@@ -855,7 +868,10 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                 return pb.REJECT_DIVERGED, f"table {item.table!r}: cannot apply item: {exc}", slots
             except Exception as exc:  # noqa: BLE001 - engine validation errors and bugs alike break the stream
                 if not isinstance(exc, ValueError):
-                    log.exception("applying a replication item failed")
+                    log.exception("applying a replication item from %s on %s at epoch %d failed (table %r, slots %s)",
+                                  source, self.server_id, view.epoch, item.table, slots_text(slots),
+                                  extra=event("replication_apply_failed", slots=slots, epoch=view.epoch,
+                                              server=self.server_id, source=source, table=item.table))
                 return pb.REJECT_DIVERGED, f"table {item.table!r}: cannot apply item: {exc}", slots
         return None
 
@@ -911,8 +927,18 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             threading.Thread(target=self._drop_unheld, name="tigana-drop-slots", daemon=True).start()
         if self.on_install is not None:
             self.on_install()
-        log.info("installed map epoch %d: leads %d slot(s), holds %d%s", m.epoch, int(new.leads.sum()),
-                 int(new.holds.sum()), "" if valid else " (this process is not in it yet)")
+        was_leading = old.leads if old.valid else np.zeros(self.num_slots, bool)
+        was_holding = old.holds if old.valid else np.zeros(self.num_slots, bool)
+        gained, lost = np.flatnonzero(new.leads & ~was_leading), np.flatnonzero(was_leading & ~new.leads)
+        added = np.flatnonzero(new.holds & ~was_holding & ~new.leads)
+        log.info("server %s installed map epoch %d: leads %d slot(s) (new: %s; no longer: %s), holds %d (new copies: "
+                 "%s; dropped: %s)%s", self.server_id, m.epoch, int(new.leads.sum()), slots_text(gained),
+                 slots_text(lost), int(new.holds.sum()), slots_text(added), slots_text(dropped),
+                 "" if valid else " (this process is not in it yet)",
+                 extra=event("map_installed", slots=np.union1d(np.union1d(gained, lost), np.union1d(added, dropped)),
+                             epoch=m.epoch, server=self.server_id, leads_gained=format_slots(gained),
+                             leads_lost=format_slots(lost), copies_added=format_slots(added),
+                             copies_dropped=format_slots(dropped)))
         return True
 
     def _sync_tables(self, m: ShardMap) -> None:
@@ -955,7 +981,12 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                     if chunk.size:
                         deleted += hosted.table.delete(chunk)
             if deleted:
-                log.info("table %r: deleted %d row(s) of slots no longer held", name, deleted)
+                view = self._view
+                slots = unique(slot_of(gone, self.num_slots))
+                log.info("server %s at epoch %d: table %r: deleted %d row(s) of slots no longer held (slots %s)",
+                         self.server_id, view.epoch, name, deleted, slots_text(slots),
+                         extra=event("rows_dropped", slots=slots, epoch=view.epoch, server=self.server_id, table=name,
+                                     rows=deleted))
 
     def _copy_rows(self, stream: Stream, sess: Any) -> None:
         """The rows of a slot copy: each chunk exported and enqueued under the table's write lock, so it sits
@@ -1208,7 +1239,8 @@ class ShardService(shard_pb2_grpc.ShardServicer):
 class _Inbound:
     """The state of one incoming stream (per source server): its boot, generation and last applied seq."""
 
-    def __init__(self) -> None:
+    def __init__(self, source: str = "") -> None:
+        self.source = source  # the sending server's id
         self.lock = threading.Lock()
         self.boot = ""
         self.generation = 0

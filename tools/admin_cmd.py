@@ -1,6 +1,7 @@
 """``tigana admin``: operate a live cluster through its scheduler.
 
     tigana admin status                          servers, slots, epoch, tables, degraded slots
+    tigana admin top [--interval S] [--once]     the same, live: rows, load and lag per server
     tigana admin drain SERVER                    move every copy off SERVER and wait until it holds nothing
     tigana admin rebalance [--plan]              even out the measured load (rows and request rate)
     tigana admin move-slot SLOT --to SERVER      move one slot's copy (its primary by default)
@@ -46,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="send the token without TLS (loopback only)")
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     sub.add_parser("status", help="servers, slots, epoch, tables, degraded slots")
+    p = sub.add_parser("top", help="a live view: rows, load and replication lag per server (Ctrl-C to quit)")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    p.add_argument("--once", action="store_true", help="print one frame and exit (scripts, tests)")
     p = sub.add_parser("drain", help="move every copy off a server, wait until it holds nothing")
     p.add_argument("server", help="server id or address")
     p.add_argument("--undrain", action="store_true", help="let placement use the server again")
@@ -116,6 +120,21 @@ def _status(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
                    f"{srv['last_heartbeat_s']:>9.1f}s")
     _say(args, f"tables: {', '.join(s['tables']) or '(none)'}")
     return True, s
+
+
+def _top(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
+    from rich.console import Console
+
+    from tigana.tools.admin_top import run_top
+
+    if args.interval <= 0:
+        raise ps.InvalidArgument(f"top: --interval must be > 0 seconds, got {args.interval}")
+    console = Console(file=sys.stderr) if args.json else None
+    status = run_top(args.scheduler, interval=args.interval, once=args.once, security=args.security,
+                     console=console)
+    if status is None:
+        raise ps.Unavailable(f"scheduler {args.scheduler}: not reachable")
+    return True, status
 
 
 def _wait_moves(args: argparse.Namespace, done, what: str) -> bool:
@@ -244,5 +263,5 @@ def _verify(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     return ok, {**result, "differing": result["differing"][:1000], "slots_differing": len(result["differing"])}
 
 
-_ACTIONS = {"status": _status, "drain": _drain, "rebalance": _rebalance, "move-slot": _move_slot,
+_ACTIONS = {"status": _status, "top": _top, "drain": _drain, "rebalance": _rebalance, "move-slot": _move_slot,
             "checkpoint": _checkpoint, "restore": _restore, "export": _export, "verify": _verify}

@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--num-slots", type=int, default=DEFAULT_NUM_SLOTS, help="virtual slots (default 4096)")
     a("--metrics", action="store_true", help="serve Prometheus metrics from every shard on a free port")
     a("--startup-timeout", type=float, default=120.0, help="seconds to wait for every shard to serve")
+    a("--log-format", default="text", choices=("text", "json"), help="the daemons' logs: text, or JSON lines")
     a("--schedulers", type=int, default=1,
       help="schedulers (default 1); more than one keeps the map in etcd (--store, or an etcd started here) and "
            "elects a leader")
@@ -51,7 +52,9 @@ def run(args: argparse.Namespace) -> int:
         cluster = LocalCluster(args.shards, replicas=replicas, base_port=args.base_port, data_dir=args.data_dir,
                                num_slots=args.num_slots, host=args.host, memory_budget=args.memory_budget,
                                metrics=args.metrics, startup_timeout=args.startup_timeout,
-                               schedulers=args.schedulers, store=store)
+                               schedulers=args.schedulers, store=store,
+                               server_args=["--log-format", args.log_format],
+                               scheduler_args=["--log-format", args.log_format])
     except (RuntimeError, TimeoutError, OSError, ValueError, PSError) as exc:  # noqa: B014
         print(f"tigana local: {exc}", file=sys.stderr)
         if etcd is not None:
@@ -60,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     code = 0
     try:
         print(cluster.target, flush=True)
-        extra = f"; metrics on ports {cluster.metrics_ports}" if args.metrics else ""
+        extra = (f"; metrics on ports {cluster.metrics_ports} (scheduler {cluster.scheduler_metrics_ports})"
+                 if args.metrics else "")
         sched = f"scheduler {cluster.scheduler}, {replicas} replica(s), " if cluster.scheduler else ""
         if store:
             sched += f"map in {store}, "

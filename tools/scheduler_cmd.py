@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import os
 import signal
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from tigana.ps import settings
 from tigana.ps.errors import PSError
+from tigana.ps.logs import FORMATS, setup_logging
 from tigana.ps.scheduler import SchedulerConfig, load_scheduler_config, start_scheduler
 
 
@@ -33,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "leads (none: the data dir)")
     a("--leader-ttl", dest="leader_ttl_s", type=int,
       help="seconds of the leader's etcd lease: a standby takes over this long after the leader dies")
+    a("--advertise", help="HOST:PORT servers and clients reach this scheduler at (a standby names the leader by "
+                          "it; none: the bound address)")
     a("--replicas", type=int, help="copies of every slot besides its primary")
     a("--heartbeat-timeout", dest="heartbeat_timeout_s", type=float,
       help="seconds without a heartbeat before a server is declared dead")
@@ -51,8 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="accept tokens without TLS, from this machine only")
     a("--config", help="YAML or TOML file of settings (keys as the flags, with _ or -; a scheduler: section when "
                        "present)")
-    a("--ready-file", default=None, help="write {address, port, pid} as JSON here once serving")
+    a("--metrics-port", help="Prometheus HTTP port (failovers, slot moves, servers, slots); 0 off, 'auto' a free port")
+    a("--metrics-host", help="address the metrics endpoint binds (0.0.0.0: every interface)")
+    a("--ready-file", default=None, help="write {address, port, metrics_port, pid} as JSON here once serving")
     a("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
+    a("--log-format", default="text", choices=FORMATS, help="text lines, or one JSON object per line (default: text)")
     settings.describe_defaults(parser, SchedulerConfig)
 
 
@@ -65,8 +70,7 @@ def load(args: argparse.Namespace) -> settings.Loaded[SchedulerConfig]:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    setup_logging(args.log_level, args.log_format)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -81,15 +85,17 @@ def run(args: argparse.Namespace) -> int:
             path = Path(args.ready_file)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps({"address": handle.address, "port": handle.port, "pid": os.getpid()}))
+            tmp.write_text(json.dumps({"address": handle.address, "port": handle.port,
+                                       "metrics_port": handle.metrics_port, "pid": os.getpid()}))
             os.replace(tmp, path)
+        metrics = f", metrics on :{handle.metrics_port}" if handle.metrics_port else ""
         if handle.core is not None:
             print(f"tigana scheduler: serving on {handle.address} (cluster {handle.core.map.cluster_id}, epoch "
-                  f"{handle.core.map.epoch}, {config.replicas} replica(s), state in {handle.store.describe()})",
-                  file=sys.stderr, flush=True)
+                  f"{handle.core.map.epoch}, {config.replicas} replica(s), state in {handle.store.describe()}"
+                  f"{metrics})", file=sys.stderr, flush=True)
         else:
             print(f"tigana scheduler: serving on {handle.address}, standing by for election (state in "
-                  f"{handle.store.describe()})", file=sys.stderr, flush=True)
+                  f"{handle.store.describe()}{metrics})", file=sys.stderr, flush=True)
         stop.wait()
     finally:
         handle.close()

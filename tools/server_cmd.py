@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import os
 import signal
 import sys
@@ -21,6 +20,7 @@ from tigana.ps import settings
 from tigana.ps.config import ServerConfig, load_server_config_sources
 from tigana.ps.daemon import start_server, tune_allocator
 from tigana.ps.errors import InvalidArgument
+from tigana.ps.logs import FORMATS, setup_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--spill-max-bytes", default=None,
       help="cap on each table's LMDB spill tier, e.g. 64GiB; past it new rows are refused (none: the disk)")
     a("--metrics-port", default=None, help="Prometheus HTTP port; 0 off, 'auto' a free port")
+    a("--metrics-host", default=None, help="address the metrics endpoint binds (0.0.0.0: every interface)")
     a("--slots", default=None, help="owned virtual slots, e.g. 0-2047 (inclusive ranges); default all")
     a("--num-slots", type=int, default=None, help="number of virtual slots")
     a("--max-workers", type=int, default=None, help="gRPC thread pool size")
@@ -70,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--config", default=None, help="YAML or TOML file of settings (keys as the flags, with _ or -)")
     a("--ready-file", default=None, help="write {address, port, metrics_port, pid} as JSON here once serving")
     a("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
+    a("--log-format", default="text", choices=FORMATS, help="text lines, or one JSON object per line (default: text)")
     settings.describe_defaults(parser, ServerConfig, shown={"max_message_bytes": "64MiB", "metrics_port": "0 (off)",
                                                             "data_dir": "none (in memory only)"})
 
@@ -83,8 +85,7 @@ def load(args: argparse.Namespace) -> settings.Loaded[ServerConfig]:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    setup_logging(args.log_level, args.log_format)
     try:
         config = load(args).config
     except InvalidArgument as exc:

@@ -11,13 +11,17 @@ import argparse
 import json
 import sys
 
+from tigana.ps.logs import FORMATS, setup_logging
 from tigana.trainer import config as train_config
-from tigana.trainer import launch
+from tigana.trainer import launch, preemption
 from tigana.trainer.loop import check_inputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     train_config.add_arguments(parser)
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
+    parser.add_argument("--log-format", default="text", choices=FORMATS,
+                        help="text lines, or one JSON object per line (default: text)")
 
 
 def load(args: argparse.Namespace):
@@ -32,7 +36,10 @@ def run(args: argparse.Namespace) -> int:
     except (train_config.ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"tigana train: {exc}", file=sys.stderr)
         return 2
+    setup_logging(args.log_level, args.log_format)
     result = launch.run(config)
     if result is not None:
         print(json.dumps(result), flush=True)
-    return 0
+    # a preempted run (SIGTERM) checkpointed and stopped: a distinct status tells a batch script to requeue it
+    stopped = result.get("preempted", False) if result is not None else preemption.requested()
+    return preemption.EXIT_PREEMPTED if stopped else 0

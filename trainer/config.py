@@ -67,6 +67,9 @@ class TrainConfig:
     synthetic_rows: int = 200_000           # synthetic data: training rows (held-out rows: a fifth of it)
     synthetic_vocab: int = 100_000          # synthetic data: distinct ids per feature
     progress: bool = True                   # tqdm progress bar on rank 0 (stderr)
+    metrics_port: int = 0                   # Prometheus /metrics of each rank: N + local rank; 0 off, -1 any free
+    metrics_host: str = "127.0.0.1"         # address the metrics endpoint binds
+    wandb_project: str | None = None        # Weights & Biases project (rank 0; pip install 'tigana[wandb]')
 
     def __post_init__(self) -> None:
         _check(self)
@@ -86,6 +89,7 @@ def _check(c: TrainConfig) -> None:
             raise ConfigError(f"{name}: {what}, got {getattr(c, name)!r}")
 
     need(c.model in MODELS, "model", f"must be one of {MODELS}")
+    need(-1 <= c.metrics_port <= 65535, "metrics_port", "must be -1 (any free port), 0 (off) or a port")
     need(c.dataset in DATASETS, "dataset", f"must be one of {DATASETS}")
     need(c.embedding_optimizer in OPTIMIZERS, "embedding_optimizer", f"must be one of {OPTIMIZERS}")
     need(c.allreduce in ("hierarchical", "flat"), "allreduce", "must be hierarchical or flat")
@@ -173,6 +177,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--synthetic-rows", type=int)
     parser.add_argument("--synthetic-vocab", type=int)
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--metrics-port", type=int,
+                        help="Prometheus /metrics of every rank on this port + its local rank (0 off, -1 any free)")
+    parser.add_argument("--metrics-host", help="address the metrics endpoint binds (0.0.0.0: every interface)")
+    parser.add_argument("--wandb-project", metavar="PROJECT",
+                        help="log the run to Weights & Biases (rank 0; off unless given)")
     settings.describe_defaults(parser, TrainConfig, shown={"ps": "none (an embedded local cluster)"})
 
 

@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent import futures as cf
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,6 +209,9 @@ class PSEmbeddingCollection(nn.Module):
         self._aggregate_group = aggregate_group
         self.pushed_rows = 0
         self.pulled_rows = 0
+        # (op, seconds, rows) for the trainer's metrics: "pull" and "push" from the call to the rows or the
+        # acknowledgement (on a client callback thread), "pull_wait" the time a forward waited for its rows.
+        self.observer: Callable[[str, float, int], None] | None = None
         self.fused_table = fused_table
         if fused_table is not None:
             distinct = set(self.options.values())
@@ -292,16 +297,30 @@ class PSEmbeddingCollection(nn.Module):
         # The client holds each pull back (asynchronously) until the pushes the staleness bound needs are in.
         # ``insert=False`` (evaluation): ids the tables lack read as their initial rows, stored nowhere and not
         # counted toward admission, so held-out data never grows the tables.
+        start = time.perf_counter()
         if self.fused_table is not None:
-            return [self.client.pull_async(self.fused_table, self._fused_ids(plan.unique), insert=insert)]
-        return [self.client.pull_async(table, ids, insert=insert)
+            ids = self._fused_ids(plan.unique)
+            return [self._timed("pull", self.client.pull_async(self.fused_table, ids, insert=insert), start,
+                                ids.shape[0])]
+        return [self._timed("pull", self.client.pull_async(table, ids, insert=insert), start, ids.shape[0])
                 for table, ids in zip(self.tables, plan.unique, strict=True)]
+
+    def _timed(self, op: str, fut: Any, start: float, rows: int) -> Any:
+        """``fut``, reporting to ``observer`` how long it took from ``start`` once it is done."""
+        observer = self.observer
+        if observer is not None:
+            fut.add_done_callback(lambda _: observer(op, time.perf_counter() - start, rows))
+        return fut
 
     def _fused_ids(self, ids: list[np.ndarray]) -> np.ndarray:
         """The physical ids of every logical table's ``ids`` in the fused table, stacked table after table."""
         return np.concatenate([_salted(t_ids, salt) for t_ids, salt in zip(ids, self._salts, strict=True)])
 
     def _collect(self, plan: _Plan, futures: list[Any]) -> torch.Tensor:
+        if self.observer is not None:
+            start = time.perf_counter()
+            cf.wait(futures)
+            self.observer("pull_wait", time.perf_counter() - start, sum(u.shape[0] for u in plan.unique))
         if self.fused_table is not None:
             total = sum(u.shape[0] for u in plan.unique)
             rows = np.asarray(futures[0].result(), dtype=np.float32)
@@ -381,13 +400,18 @@ class PSEmbeddingCollection(nn.Module):
         if self.fused_table is not None:
             n = sum(t.numel() for t in ids)
             if n:
-                self.client.push(self.fused_table, self._fused_ids([t.numpy() for t in ids]),
-                                 np.ascontiguousarray(torch.cat(grads).numpy(), dtype=np.float32))
+                start = time.perf_counter()
+                self._timed("push", self.client.push(self.fused_table, self._fused_ids([t.numpy() for t in ids]),
+                                                     np.ascontiguousarray(torch.cat(grads).numpy(), dtype=np.float32)),
+                            start, n)
                 self.pushed_rows += n
             return
         for table, t_ids, t_grads in zip(self.tables, ids, grads, strict=True):
             if t_ids.numel():
-                self.client.push(table, t_ids.numpy(), np.ascontiguousarray(t_grads.numpy(), dtype=np.float32))
+                start = time.perf_counter()
+                self._timed("push", self.client.push(table, t_ids.numpy(),
+                                                     np.ascontiguousarray(t_grads.numpy(), dtype=np.float32)),
+                            start, t_ids.numel())
                 self.pushed_rows += t_ids.numel()
 
     def table_rows(self, table: str, ids: np.ndarray | torch.Tensor) -> np.ndarray:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch.multiprocessing as mp
 
 from tigana import ps
 from tigana.ps.daemon import ALLOCATOR_ENV, tune_allocator
+from tigana.trainer import preemption
 from tigana.trainer.config import TrainConfig
 from tigana.trainer.distributed import DistEnv, free_port, init_distributed, read_env, shutdown
 from tigana.trainer.loop import check_inputs, nan_to_none, train
@@ -55,6 +57,7 @@ def run_rank(config: TrainConfig, env: DistEnv, addresses: list[str] | None) -> 
     """This process's part of the job: join the process group, train, leave. ``addresses`` None: rank 0
     starts an embedded cluster for the job."""
     _threads(env)
+    preemption.install()  # SIGTERM: stop after the current step, checkpoint, return "preempted"
     # glibc maps and unmaps every multi-MiB gRPC buffer by default, which costs several times the copy.
     tune_allocator(top_pad=64 << 20)
     groups = init_distributed(env, config.backend) if env.world_size > 1 else None
@@ -107,8 +110,16 @@ def run(config: TrainConfig, environ: Mapping[str, str] | None = None) -> dict[s
             return run_rank(config, DistEnv(), addresses)
         with tempfile.TemporaryDirectory(prefix="tigana-train-") as tmp:
             out = os.path.join(tmp, "result.json")
-            mp.start_processes(_spawned, args=(config.nproc, free_port(), config, addresses, out),
-                               nprocs=config.nproc, join=True, start_method="spawn")
+            context = mp.start_processes(_spawned, args=(config.nproc, free_port(), config, addresses, out),
+                                         nprocs=config.nproc, join=False, start_method="spawn")
+            preemption.install()
+            forwarded = False
+            while not context.join(timeout=0.2):
+                if preemption.requested() and not forwarded:  # the ranks stop together at a step boundary
+                    for p in context.processes:
+                        if p.is_alive():
+                            os.kill(p.pid, signal.SIGTERM)
+                    forwarded = True
             return json.loads(Path(out).read_text())
     finally:
         if cluster is not None:

@@ -6,7 +6,9 @@
                          └ dense optimizer (Adam) steps the dense parameters only
 
 Every rank reads its own part of the data; ranks agree on each step with one small all-reduce so uneven
-parts never leave a rank waiting in a collective. Rank 0 logs to TensorBoard and shows the progress bar.
+parts never leave a rank waiting in a collective. Rank 0 logs to TensorBoard (and Weights & Biases with
+``wandb_project``) and shows the progress bar; every rank keeps Prometheus metrics (``trainer.metrics``),
+served when ``metrics_port`` is set.
 
 A checkpoint (``checkpoint_dir/step-<n>/``) holds the dense state (model, optimizer, position in the data)
 and the PS snapshot taken at the same step: every rank flushes its pushes, the ranks meet at a barrier, rank 0
@@ -16,6 +18,7 @@ has every shard snapshot its tables. Resuming restores both and continues from t
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -33,13 +36,17 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from tigana import ps
+from tigana.trainer import preemption
 from tigana.trainer.allreduce import register_hook
 from tigana.trainer.config import TrainConfig
 from tigana.trainer.distributed import DistEnv, Groups
 from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
+from tigana.trainer.metrics import TrainerMetrics, require_wandb, start_wandb
 from tigana.trainer.types import Batch, FeatureSpec, SparseFeatures
 
 __all__ = ["TrainData", "check_inputs", "evaluate", "load_data", "train"]
+
+log = logging.getLogger("tigana.trainer")
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -84,11 +91,15 @@ def _criteo_files(path: str | None) -> tuple[Path, Path | None]:
 
 def check_inputs(config: TrainConfig) -> None:
     """Fail fast, before a cluster or a trainer process starts, when the data set's files or the checkpoint to
-    resume from are missing (``FileNotFoundError``/``ValueError`` naming the path)."""
+    resume from are missing (``FileNotFoundError``/``ValueError`` naming the path), or W&B is asked for and
+    not installed (``ConfigError``)."""
     if config.dataset == "movielens-100k":
         _movielens_root(config.data)
     elif config.dataset == "criteo":
         _criteo_files(config.data)
+    project = getattr(config, "wandb_project", None)
+    if project:
+        require_wandb(project)
     if config.resume is not None:
         root = config.checkpoint_dir
         path = (latest_checkpoint(root) if root is not None else None) if config.resume == "latest" \
@@ -264,24 +275,36 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
 
 # ---------------------------------------------------------------------------------------------- training
-def _all_ready(has_batch: bool, world: int) -> bool:
-    """True when every rank has a batch for this step (one tiny MIN all-reduce when there are peers)."""
+def _step_flags(has_batch: bool, world: int) -> tuple[bool, bool]:
+    """(every rank has a batch for this step, some rank was asked to stop): one tiny MIN all-reduce when there
+    are peers, so every rank takes the same decision after the same step."""
+    stop = preemption.requested()
     if world == 1:
-        return has_batch
-    flag = torch.tensor([1 if has_batch else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+        return has_batch, stop
+    flags = torch.tensor([1 if has_batch else 0, 0 if stop else 1], dtype=torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    return bool(flags[0].item()), not bool(flags[1].item())
 
 
-def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: list[str]) -> dict[str, Any]:
+def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: list[str],
+          metrics: TrainerMetrics | None = None) -> dict[str, Any]:
     """Run the configured training as rank ``env.rank`` (the process group is already up when world > 1).
-    Returns the result every rank agrees on: auc, logloss, samples_per_s, steps, eval_rows, ..."""
+    Returns the result every rank agrees on: auc, logloss, samples_per_s, steps, eval_rows, ...
+    ``metrics``: this rank's metrics (default: new ones, served on ``metrics_port`` + local rank when set)."""
     world, rank = env.world_size, env.rank
     client = ps.connect(addresses)
-    writer = None
+    writer = wandb_run = None
+    metrics = metrics if metrics is not None else TrainerMetrics(rank)
+    serving = False  # whether this call started the metrics endpoint (and so stops it)
     try:
         data = load_data(config, rank, world)
         model, collection = build(config, client, data, groups)
+        metrics.attach(client, collection)
+        port = int(getattr(config, "metrics_port", 0) or 0)
+        if port and metrics.http_port is None:
+            metrics.serve_http(port + env.local_rank if port > 0 else port,
+                               getattr(config, "metrics_host", "127.0.0.1"))
+            serving = True
         device = torch.device("cpu")
         if world > 1 and dist.get_backend() == "nccl":
             device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
@@ -311,6 +334,8 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
             from torch.utils.tensorboard import SummaryWriter
             writer = SummaryWriter(config.logdir)
             writer.add_text("config", json.dumps(config.to_dict(), indent=1))
+        if rank == 0 and getattr(config, "wandb_project", None):
+            wandb_run = start_wandb(config.wandb_project, config.to_dict(), config.logdir)
         bar = None
         if rank == 0 and config.progress:
             from tqdm import tqdm
@@ -337,6 +362,7 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
         train_time = 0.0
         loss_sum, loss_n = 0.0, 0
         done = config.max_steps is not None and step >= config.max_steps
+        preempted = False
         net.train()
         for epoch in range(start_epoch, config.epochs):
             if done:
@@ -349,8 +375,12 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
                         break
                 batch_in_epoch = skip
             t0 = time.perf_counter()
+            metrics.epoch.set(epoch)
             nxt = next(batches, None)
-            while _all_ready(nxt is not None, world):
+            while True:
+                ready, preempted = _step_flags(nxt is not None, world)
+                if preempted or not ready:
+                    break
                 batch = nxt
                 nxt = next(batches, None)
                 if config.prefetch and nxt is not None:
@@ -365,12 +395,17 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
                 samples += len(batch)
                 loss_sum += float(loss.detach()) * len(batch)
                 loss_n += len(batch)
+                metrics.step(len(batch))
                 if bar is not None:
                     bar.update(1)
-                if writer is not None and step % config.log_every == 0:
-                    writer.add_scalar("train/loss", loss_sum / max(loss_n, 1), step)
-                    writer.add_scalar("train/samples_per_s_rank0", samples / max(
-                        train_time + time.perf_counter() - t0, 1e-9), step)
+                if step % config.log_every == 0:
+                    scalars = metrics.window(loss_sum / max(loss_n, 1))
+                    scalars["train/samples_per_s_rank0"] = samples / max(train_time + time.perf_counter() - t0, 1e-9)
+                    if writer is not None:
+                        for tag, value in scalars.items():
+                            writer.add_scalar(tag, value, step)
+                    if wandb_run is not None:
+                        wandb_run.log(scalars, step=step)
                     loss_sum, loss_n = 0.0, 0
                 if config.checkpoint_every and step % config.checkpoint_every == 0:
                     train_time += time.perf_counter() - t0
@@ -381,17 +416,27 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
                     break
             train_time += time.perf_counter() - t0
             collection.flush()
+            if preempted:  # a checkpoint where the next step starts (nxt was read, not trained), no evaluation
+                position = (epoch, batch_in_epoch)
+                if ckpt_root is not None:
+                    checkpoint(*position)
+                break
             finished_epoch = not done or nxt is None
             position = (epoch + 1, 0) if finished_epoch else (epoch, batch_in_epoch)
             if ckpt_root is not None and not config.checkpoint_every:
                 checkpoint(*position)
             result = evaluate(model, data.eval_batches(), collection)
+            metrics.evaluated(result)
             if writer is not None:
                 writer.add_scalar("eval/auc", result["auc"], step)
                 writer.add_scalar("eval/logloss", result["logloss"], step)
+            if wandb_run is not None:
+                wandb_run.log({"eval/auc": result["auc"], "eval/logloss": result["logloss"]}, step=step)
         if bar is not None:
             bar.close()
-        if ckpt_root is not None and config.checkpoint_every and step % config.checkpoint_every and position:
+        if preempted:
+            result = {"preempted": True, "auc": float("nan"), "logloss": float("nan")}
+        elif ckpt_root is not None and config.checkpoint_every and step % config.checkpoint_every and position:
             checkpoint(*position)  # where this run stopped, so a resume continues from there
         if result is None:  # nothing left to train (resumed at the end): evaluate anyway
             result = evaluate(model, data.eval_batches(), collection)
@@ -401,6 +446,9 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
                       dataset=config.dataset, allreduce=hook, train_seconds=round(slowest, 3))
         if resumed_from:
             result["resumed_from"] = resumed_from
+        if preempted:
+            where = f"; checkpoint {latest_checkpoint(ckpt_root)}" if ckpt_root is not None else " (no --checkpoint-dir)"
+            log.warning("stopped by SIGTERM after step %d%s", step, where)
         if ckpt_root is not None:
             latest = latest_checkpoint(ckpt_root)
             result["checkpoint"] = str(latest) if latest else None
@@ -408,10 +456,16 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
             result["logdir"] = str(config.logdir)
         if writer is not None:
             writer.add_scalar("train/samples_per_s", result["samples_per_s"], step)
+        if wandb_run is not None:
+            wandb_run.log({"train/samples_per_s": result["samples_per_s"]}, step=step)
         return result
     finally:
         if writer is not None:
             writer.close()
+        if wandb_run is not None:
+            wandb_run.finish()
+        if serving:
+            metrics.close()
         client.close()
 
 

@@ -37,6 +37,7 @@ FAULTS: dict[str, tuple[str, str, bool, str]] = {
     "credentials": ("requests", "credentials", False, "wrong, missing, expired or wrong-role credentials"),
     "mid_reshard": ("kills", "mid_reshard", False, "kill -9 of a slot move's source or target, then retry"),
     "scheduler": ("kills", "scheduler_kill", False, "kill -9 of the scheduler under load"),
+    "scheduler_ha": ("kills", "scheduler_ha", False, "kill -9 of the leading scheduler (2 on etcd), then of a shard"),
     "soak": ("soak", "soak", False, "4 clients with a server killed and replaced periodically"),
 }
 

@@ -79,9 +79,9 @@ def rss_mib(pid: int) -> float:
 
 
 def deaths(c: ps.LocalCluster) -> int:
-    """Servers the scheduler declared dead so far (its log says so once per declaration)."""
-    path = c.data_dir / "scheduler.log"
-    return path.read_text(errors="replace").count(" declared dead: ") if path.exists() else 0
+    """Servers the scheduler(s) declared dead so far (a leader's log says so once per declaration)."""
+    paths = [c.scheduler_log(k) for k in range(max(1, len(c.scheduler_procs)))]
+    return sum(p.read_text(errors="replace").count(" declared dead: ") for p in paths if p.exists())
 
 
 def leader_of_most(c: ps.LocalCluster) -> tuple[int, np.ndarray]:

@@ -1,0 +1,70 @@
+"""Preemption as SLURM, Kubernetes or torchrun do it: SIGTERM to a running ``tigana train`` (2 ranks, an
+embedded cluster) stops both ranks after the same step, writes a checkpoint there, exits with status 75
+(``"preempted": true`` in its result), and ``--resume`` continues from exactly that step."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tigana.trainer import preemption
+
+pytestmark = pytest.mark.timeout(300)
+ARGS = ["--dataset", "synthetic", "--synthetic-rows", "200000", "--synthetic-vocab", "2000", "--batch-size", "256",
+        "--no-progress", "--nproc", "2", "--checkpoint-every", "5"]
+
+
+def _steps(ckpt: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in ckpt.glob("step-*") if (p / "meta.json").is_file())
+
+
+def test_sigterm_checkpoints_at_a_step_boundary_and_resume_continues(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-m", "tigana.tools.cli", "train", *ARGS, "--checkpoint-dir", str(ckpt)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not _steps(ckpt):  # training runs: a periodic checkpoint exists
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint after 180 s"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == preemption.EXIT_PREEMPTED, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["preempted"] is True and result["auc"] is None  # stopped before evaluating
+    stopped_at = result["steps"]
+    assert stopped_at == _steps(ckpt)[-1]  # the checkpoint is where it stopped, not the last periodic one
+    meta = json.loads((ckpt / f"step-{stopped_at:09d}" / "meta.json").read_text())
+    assert meta["step"] == stopped_at
+
+    again = subprocess.run([sys.executable, "-m", "tigana.tools.cli", "train", *ARGS, "--checkpoint-dir", str(ckpt),
+                            "--resume", "--max-steps", str(stopped_at + 3)], capture_output=True, text=True,
+                           timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = json.loads(again.stdout.strip().splitlines()[-1])
+    assert resumed["resumed_from"].endswith(f"step-{stopped_at:09d}") and resumed["steps"] == stopped_at + 3
+    assert "preempted" not in resumed and 0.0 <= resumed["auc"] <= 1.0
+
+
+def test_the_flag_is_shared_with_the_step_decision() -> None:
+    from tigana.trainer.loop import _step_flags
+
+    preemption.reset()
+    try:
+        assert _step_flags(True, 1) == (True, False)
+        preemption.request()
+        assert _step_flags(True, 1) == (True, True)
+    finally:
+        preemption.reset()
