@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -275,10 +276,11 @@ def test_sbatch_preempt_requeue_resume(tmp_path: Path) -> None:
         assert not [pid for s in started for pid in s["pids"] if _alive(pid)]
         newest = _checkpoints(checkpoints)[-1]
         resume_step = json.loads((newest / "meta.json").read_text())["step"]
-        # the trainers checkpointed where SIGTERM stopped them (status 75), not only at the periodic steps
-        assert "trainers stopped (exit status 75)" in log, log
-        stopped = json.loads(first.stdout.read_text().strip().splitlines()[-1])
-        assert stopped["preempted"] is True and stopped["steps"] == resume_step
+        # the trainers checkpointed where SIGTERM stopped them, not only at the periodic steps. They exit 75;
+        # with --kill-on-bad-exit the launcher may SIGKILL ranks still leaving once the first 75 arrives (137):
+        # harmless, the checkpoint is written before any rank leaves.
+        assert re.search(r"trainers stopped \(exit status (75|137)\)", log), log
+        assert f"stopped by SIGTERM after step {resume_step}; checkpoint {newest}" in log
 
         # ---- run 2: the requeued job (same id, same work dir), one torchrun per node, resumes and finishes
         dumps2 = tmp_path / "env2"
