@@ -83,10 +83,10 @@ def test_a_paused_leader_is_fenced_and_stands_by(make_shard_cluster, etcd) -> No
                 new = c.leading_scheduler(timeout=30)
                 assert new != old
                 epoch = admin.shard_map(c.scheduler).epoch
-                time.sleep(4.0)  # past the heartbeat timeout: the paused leader's view of the servers is stale
+                time.sleep(3.5)  # past the heartbeat timeout: the paused leader's view of the servers is stale
             finally:
                 c.scheduler_procs[old].send_signal(signal.SIGCONT)
-            time.sleep(2.0)  # it runs its failure detection on stale heartbeats; its writes must be refused
+            time.sleep(1.5)  # it runs its failure detection on stale heartbeats; its writes must be refused
             assert _up(c) == [True, True]  # nobody declared dead
             m = admin.shard_map(c.scheduler)
             assert m.epoch == epoch or all(s.up for s in m.servers)

@@ -17,7 +17,7 @@ import pytest
 from tigana.trainer import preemption
 
 pytestmark = pytest.mark.timeout(300)
-ARGS = ["--dataset", "synthetic", "--synthetic-rows", "200000", "--synthetic-vocab", "2000", "--batch-size", "256",
+ARGS = ["--dataset", "synthetic", "--synthetic-rows", "40000", "--synthetic-vocab", "2000", "--batch-size", "256",
         "--no-progress", "--nproc", "2", "--checkpoint-every", "5"]
 
 

@@ -48,20 +48,27 @@ def test_train_two_processes_then_resume(tmp_path) -> None:
     assert second["train_rows"] == 4000  # only the second epoch ran in this process
 
 
-def test_bad_flags_and_config_are_refused(tmp_path) -> None:
+def test_bad_flags_and_config_are_refused(tmp_path, capsys) -> None:
+    """In process (``cli.main``, the console script's entry): each is refused before any process starts."""
+    from tigana.tools import cli
+
+    def train(*args: str) -> tuple[int, str]:
+        code = cli.main(["train", *args])
+        return code, capsys.readouterr().err
+
     bad = tmp_path / "bad.yaml"
     bad.write_text("batch_sise: 10\n")
-    out = _tigana("train", "--config", str(bad))
-    assert out.returncode == 2 and "batch_sise" in out.stderr
-    out = _tigana("train", "--epochs", "0")
-    assert out.returncode == 2 and "epochs" in out.stderr
+    code, err = train("--config", str(bad))
+    assert code == 2 and "batch_sise" in err
+    code, err = train("--epochs", "0")
+    assert code == 2 and "epochs" in err
     # missing data or checkpoint: refused with the path named, before any shard or trainer process starts
     missing = tmp_path / "no-such-data"
-    out = _tigana("train", "--dataset", "criteo", "--data", str(missing))
-    assert out.returncode == 2 and str(missing) in out.stderr and "Traceback" not in out.stderr
-    assert "local cluster" not in out.stderr and "tigana server" not in out.stderr
-    out = _tigana("train", "--checkpoint-dir", str(tmp_path / "empty-ckpt"), "--resume")
-    assert out.returncode == 2 and "resume" in out.stderr and "Traceback" not in out.stderr
+    code, err = train("--dataset", "criteo", "--data", str(missing))
+    assert code == 2 and str(missing) in err and "Traceback" not in err
+    assert "local cluster" not in err and "tigana server" not in err
+    code, err = train("--checkpoint-dir", str(tmp_path / "empty-ckpt"), "--resume")
+    assert code == 2 and "resume" in err and "Traceback" not in err
 
 
 def test_demo_finds_movielens_where_the_user_points(tmp_path) -> None:
