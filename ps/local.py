@@ -406,13 +406,7 @@ class LocalEtcd:
             raise
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
@@ -422,6 +416,17 @@ class LocalEtcd:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGTERM ``proc``, wait up to ``timeout_s``, then SIGKILL it; reaped either way."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _free_port() -> int:

@@ -46,6 +46,7 @@ from tigana.embeddings import EmbeddingTable, TableConfig
 from tigana.ps import routing, wire
 from tigana.ps.channels import channel_options
 from tigana.ps.daemon import tune_allocator
+from tigana.ps.local import stop_process
 from tigana.tools.bench.report import emit, log
 
 _ECHO = "/tigana.bench.Echo/Exchange"
@@ -259,13 +260,7 @@ class RedisPeer:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.db.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 def _rows_as_values(rows: np.ndarray, codec: str) -> list[bytes]:
