@@ -62,7 +62,7 @@ def test_a_slow_link_under_the_timeouts_causes_no_failover() -> None:
 
 
 def test_a_short_soak_with_servers_killed_and_replaced() -> None:
-    f = _run("soak", 1, soak_s=14.0, kill_every_s=6.0)
+    f = _run("soak", 1, soak_s=10.0, kill_every_s=4.0)
     assert f["kills"] >= 1 and f["lost"] == 0 and f["doubled"] == 0
 
 

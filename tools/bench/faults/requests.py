@@ -77,11 +77,11 @@ def _targets(c: ps.LocalCluster) -> list[tuple[str, str, bool | str]]:
 def malformed(trials: int, quick: bool, **_: Any) -> Report:
     """``trials`` rounds of random payloads (hypothesis: raw bytes, repeated patterns, truncated valid
     requests) to every method of the scheduler and both shard daemons: 10,000 requests in the full run
-    (2,000 quick). Memory is sampled after the first tenth and at the end."""
+    (1,000 quick). Memory is sampled after the first tenth and at the end."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    total = 2_000 if quick else 10_000
+    total = 1_000 if quick else 10_000
     with cluster(2) as c, ps.connect(scheduler=c.scheduler) as client:
         create_ledger_table(client)
         client.push("ledger", np.arange(5000), -np.ones((5000, TABLE_DIM), np.float32)).result()
