@@ -1,10 +1,11 @@
 """A highly available scheduler: two schedulers on a real etcd, one leading, under a ledger push loop.
 
-- ``kill -9`` of the leader: the standby takes over within the lease TTL with the map intact, and a shard
-  server ``kill -9``-ed after that still fails over (under the new leader): 0 acknowledged updates lost;
-- SIGSTOP of the leader past its lease: the standby takes over; the paused one, resumed, finds its lease gone
-  and its writes refused (fencing), so it changes nothing (it would otherwise declare every server dead: it
-  heard no heartbeat while stopped) and stands by;
+- ``kill -9`` of the leader: the standby takes over within the lease TTL with the map intact;
+- SIGSTOP of the (new) leader past its lease: the other takes over; the paused one, resumed, finds its lease
+  gone and its writes refused (fencing), so it changes nothing (it would otherwise declare every server dead:
+  it heard no heartbeat while stopped) and stands by;
+- ``kill -9`` of a shard server after all that still fails over under the leader: 0 acknowledged updates
+  lost, none doubled, the copies identical;
 - the store itself: a deposed leader's write is refused, a standby's too.
 """
 
@@ -33,13 +34,20 @@ def _up(c: ps.LocalCluster) -> list[bool]:
     return [up[c.server_id(i)] for i in range(c.shards)]
 
 
-def test_leader_kill_9_then_a_shard_kill_9_lose_nothing(make_shard_cluster, etcd) -> None:
-    c = make_shard_cluster(2, replicas=1, schedulers=2, store=etcd.url, scheduler_args=["--leader-ttl", str(TTL)])
+def test_leader_kill_9_a_paused_leader_then_a_shard_kill_9_lose_nothing(make_shard_cluster, etcd) -> None:
+    c = make_shard_cluster(2, replicas=1, schedulers=2, store=etcd.url, scheduler_args=["--leader-ttl", str(TTL)],
+                           heartbeat_timeout=3.0)
     with ps.connect(scheduler=c.scheduler, failover_timeout_s=60) as client:
         create_ledger_table(client)
         loop = PushLoop(client, ids_per_push=500).start()
+
+        def pushes_go_on(what: str) -> None:
+            n = loop.acked_count()
+            admin.wait_for(lambda: loop.acked_count() > n + 30, 60, f"pushes {what}")
+
         try:
-            admin.wait_for(lambda: loop.acked_count() > 30, what="pushes before the fault")
+            pushes_go_on("before the fault")
+            # 1. kill -9 of the leader: the standby leads within the lease TTL, with the map intact
             before = admin.shard_map(c.scheduler)
             old = c.kill_scheduler()
             killed_at = time.monotonic()
@@ -50,55 +58,37 @@ def test_leader_kill_9_then_a_shard_kill_9_lose_nothing(make_shard_cluster, etcd
             after = admin.shard_map(c.scheduler)
             assert after.cluster_id == before.cluster_id and after.epoch >= before.epoch
             np.testing.assert_array_equal(after.copies, before.copies)  # the map survived the leader
-            n = loop.acked_count()
-            admin.wait_for(lambda: loop.acked_count() > n + 50, what="pushes under the new leader")
+            pushes_go_on("under the new leader")
+            c.restart_scheduler(old)  # back, as a standby
 
-            c.kill(0)  # a shard server now: the new leader must fail it over
-            admin.wait_for(lambda: _up(c) == [False, True], 30, "the new leader to see the death")
-            n = loop.acked_count()
-            admin.wait_for(lambda: loop.acked_count() > n + 50, 60, "pushes after the shard failover")
-            c.restart(0)
-            c.restart_scheduler(old)  # back as a standby
-            c.wait_placed(120)
-            assert c.leading_scheduler() == new
-        finally:
-            loop.stop()
-        result = audit(client, loop)
-    assert result.lost == 0 and result.doubled == 0, result
-    assert result.acked_pushes > 130
-    assert admin.verify(c.scheduler)["differing"] == []
-
-
-def test_a_paused_leader_is_fenced_and_stands_by(make_shard_cluster, etcd) -> None:
-    c = make_shard_cluster(2, replicas=1, schedulers=2, store=etcd.url, scheduler_args=["--leader-ttl", str(TTL)],
-                           heartbeat_timeout=3.0)
-    with ps.connect(scheduler=c.scheduler, failover_timeout_s=60) as client:
-        create_ledger_table(client)
-        loop = PushLoop(client, ids_per_push=500).start()
-        try:
-            admin.wait_for(lambda: loop.acked_count() > 30, what="pushes before the fault")
-            old = c.leading_scheduler()
-            c.kill_scheduler(signal.SIGSTOP, which=old)
+            # 2. SIGSTOP of the leader past its lease and the heartbeat timeout: the other leads; the paused
+            # one, resumed, runs its failure detection on stale heartbeats, but its writes are refused
+            paused = c.leading_scheduler()
+            c.kill_scheduler(signal.SIGSTOP, which=paused)
             try:
-                new = c.leading_scheduler(timeout=30)
-                assert new != old
-                epoch = admin.shard_map(c.scheduler).epoch
-                time.sleep(3.5)  # past the heartbeat timeout: the paused leader's view of the servers is stale
+                leader = c.leading_scheduler(timeout=30)
+                assert leader != paused
+                time.sleep(3.5)
             finally:
-                c.scheduler_procs[old].send_signal(signal.SIGCONT)
-            time.sleep(1.5)  # it runs its failure detection on stale heartbeats; its writes must be refused
+                c.scheduler_procs[paused].send_signal(signal.SIGCONT)
+            time.sleep(1.5)
             assert _up(c) == [True, True]  # nobody declared dead
-            m = admin.shard_map(c.scheduler)
-            assert m.epoch == epoch or all(s.up for s in m.servers)
-            assert c.leading_scheduler() == new
-            log = c.scheduler_log(old).read_text()
-            assert "stepping down as leader" in log
-            n = loop.acked_count()
-            admin.wait_for(lambda: loop.acked_count() > n + 50, what="pushes after the resume")
+            assert c.leading_scheduler() == leader
+            assert "stepping down as leader" in c.scheduler_log(paused).read_text()
+            pushes_go_on("after the resume")
+
+            # 3. kill -9 of a shard server: the new leader fails it over
+            c.kill(0)
+            admin.wait_for(lambda: _up(c) == [False, True], 30, "the new leader to see the death")
+            pushes_go_on("after the shard failover")
+            c.restart(0)
+            c.wait_placed(120)
         finally:
             loop.stop()
         result = audit(client, loop)
     assert result.lost == 0 and result.doubled == 0, result
+    assert result.acked_pushes > 150
+    assert admin.verify(c.scheduler)["differing"] == []
 
 
 def test_the_store_fences_a_deposed_leader(etcd) -> None:

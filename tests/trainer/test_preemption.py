@@ -1,6 +1,6 @@
 """Preemption as SLURM, Kubernetes or torchrun do it: SIGTERM to a running ``tigana train`` (2 ranks, an
 embedded cluster) stops both ranks after the same step, writes a checkpoint there, exits with status 75
-(``"preempted": true`` in its result), and ``--resume`` continues from exactly that step."""
+(``"preempted": true`` in its result); the requeue-and-resume is in ``tests/tools/test_slurm_launch.py``."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _steps(ckpt: Path) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in ckpt.glob("step-*") if (p / "meta.json").is_file())
 
 
-def test_sigterm_checkpoints_at_a_step_boundary_and_resume_continues(tmp_path: Path) -> None:
+def test_sigterm_checkpoints_at_a_step_boundary(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     proc = subprocess.Popen([sys.executable, "-m", "tigana.tools.cli", "train", *ARGS, "--checkpoint-dir", str(ckpt)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -49,13 +49,7 @@ def test_sigterm_checkpoints_at_a_step_boundary_and_resume_continues(tmp_path: P
     meta = json.loads((ckpt / f"step-{stopped_at:09d}" / "meta.json").read_text())
     assert meta["step"] == stopped_at
 
-    again = subprocess.run([sys.executable, "-m", "tigana.tools.cli", "train", *ARGS, "--checkpoint-dir", str(ckpt),
-                            "--resume", "--max-steps", str(stopped_at + 3)], capture_output=True, text=True,
-                           timeout=240)
-    assert again.returncode == 0, again.stderr[-3000:]
-    resumed = json.loads(again.stdout.strip().splitlines()[-1])
-    assert resumed["resumed_from"].endswith(f"step-{stopped_at:09d}") and resumed["steps"] == stopped_at + 3
-    assert "preempted" not in resumed and 0.0 <= resumed["auc"] <= 1.0
+    # the resume from it, to exactly this step, runs in tests/tools/test_slurm_launch.py (a requeued job)
 
 
 def test_the_flag_is_shared_with_the_step_decision() -> None:
