@@ -19,7 +19,7 @@ import numpy as np
 from tigana.ps import settings
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.routing import DEFAULT_NUM_SLOTS, parse_slots
-from tigana.ps.security import Security
+from tigana.ps.security import SecuritySettings
 
 MiB = 1 << 20
 
@@ -50,7 +50,7 @@ def parse_bytes(text: str | int | float, *, field: str = "size") -> int:
 
 
 @dataclass(frozen=True)
-class ServerConfig:
+class ServerConfig(SecuritySettings):
     """Everything a shard server needs. Immutable; ``dataclasses.replace`` makes variants.
 
     port / metrics_port: 0 for ``port`` picks a free port; ``metrics_port`` 0 turns the metrics HTTP endpoint
@@ -108,13 +108,6 @@ class ServerConfig:
     replication_timeout_s: float = 2.0
     ack_timeout_s: float = 10.0
     lease_s: float = 2.0
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
-    require_client_cert: bool = False
-    auth_token_file: str | None = None
-    admin_token_file: str | None = None
-    allow_insecure_loopback: bool = False
     max_rows_per_request: int = 4_000_000
     max_concurrent_requests: int = 256
 
@@ -161,13 +154,6 @@ class ServerConfig:
             parse_slots(self.slots, self.num_slots)
         except ValueError as exc:
             raise bad("slots", str(exc)) from None
-
-    def security(self) -> Security:
-        """TLS material and tokens, read from their files (``InvalidArgument`` naming a file that cannot be)."""
-        return Security.of_files(tls_cert=self.tls_cert, tls_key=self.tls_key, tls_ca=self.tls_ca,
-                                 require_client_cert=self.require_client_cert,
-                                 trainer_token_files=[self.auth_token_file], admin_token_files=[self.admin_token_file],
-                                 allow_insecure=self.allow_insecure_loopback)
 
     def owned_slots(self) -> np.ndarray:
         """(num_slots,) bool mask of the slots this server owns."""

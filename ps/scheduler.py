@@ -62,7 +62,7 @@ from tigana.ps.routing import (
     TableDef,
     format_slots,
 )
-from tigana.ps.security import NONE, Security
+from tigana.ps.security import NONE, Security, SecuritySettings
 
 log = logging.getLogger("tigana.ps.scheduler")
 
@@ -70,7 +70,7 @@ SERVICE_NAME = spb.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class SchedulerConfig(SecuritySettings):
     """Settings of a scheduler. ``data_dir`` holds the persisted map (None: a temporary directory), unless
     ``store`` names another store: ``etcd://HOST:PORT[,HOST:PORT][/PREFIX]`` keeps it in etcd, where two or three
     schedulers elect a leader (an etcd lease of ``leader_ttl_s`` seconds) and the others stand by.
@@ -92,25 +92,11 @@ class SchedulerConfig:
     max_workers: int = 256  # a connected client holds one in its long poll of the map
     max_copies_per_step: int | None = None
     probe_timeout_s: float = 0.5
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
-    require_client_cert: bool = False
-    auth_token_file: str | None = None
-    admin_token_file: str | None = None
-    allow_insecure_loopback: bool = False
     store: str | None = None
     leader_ttl_s: int = 2
     advertise: str | None = None  # host:port others reach this scheduler at (a standby names the leader by it)
     metrics_port: int = 0  # Prometheus /metrics: 0 off, -1 any free port (SchedulerHandle.metrics_port)
     metrics_host: str = "127.0.0.1"
-
-    def security(self) -> Security:
-        """TLS and tokens as for a shard server (the scheduler calls the servers with the admin token)."""
-        return Security.of_files(tls_cert=self.tls_cert, tls_key=self.tls_key, tls_ca=self.tls_ca,
-                                 require_client_cert=self.require_client_cert,
-                                 trainer_token_files=[self.auth_token_file], admin_token_files=[self.admin_token_file],
-                                 allow_insecure=self.allow_insecure_loopback)
 
     def __post_init__(self) -> None:
         if self.replicas < 0:

@@ -31,7 +31,7 @@ import grpc
 
 from tigana.ps.errors import InvalidArgument
 
-__all__ = ["ADMIN_METHODS", "Security", "Token", "TokenBook", "read_token", "read_tokens"]
+__all__ = ["ADMIN_METHODS", "Security", "SecuritySettings", "Token", "TokenBook", "read_token", "read_tokens"]
 
 AUTH_KEY = "authorization"
 # Methods that need the admin credential; every other method of the two services takes a trainer's too.
@@ -320,3 +320,26 @@ class _TokenInterceptor(grpc.ServerInterceptor):
         if self._on_reject is not None:
             self._on_reject(method, reason)
         return _deny(code, message)
+
+
+@dataclass(frozen=True)
+class SecuritySettings:
+    """The TLS and token settings every daemon takes (the server's and the scheduler's configs extend it):
+    ``tls_cert``/``tls_key`` serve TLS, ``tls_ca`` verifies peers (and, with ``require_client_cert``, callers'
+    certificates), ``auth_token_file`` holds the trainers' tokens, ``admin_token_file`` the admin tokens (which
+    the daemon also presents to its peers); tokens need TLS unless ``allow_insecure_loopback``."""
+
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    require_client_cert: bool = False
+    auth_token_file: str | None = None
+    admin_token_file: str | None = None
+    allow_insecure_loopback: bool = False
+
+    def security(self) -> Security:
+        """TLS material and tokens, read from their files (``InvalidArgument`` naming a file that cannot be)."""
+        return Security.of_files(tls_cert=self.tls_cert, tls_key=self.tls_key, tls_ca=self.tls_ca,
+                                 require_client_cert=self.require_client_cert,
+                                 trainer_token_files=[self.auth_token_file], admin_token_files=[self.admin_token_file],
+                                 allow_insecure=self.allow_insecure_loopback)

@@ -38,9 +38,11 @@ class Loaded(Generic[T]):
     sources: dict[str, str]
 
     def rows(self) -> list[tuple[str, Any, str]]:
-        """(field, value, source) in field order."""
-        return [(f.name, getattr(self.config, f.name), self.sources.get(f.name, "default"))
-                for f in dataclasses.fields(self.config)]  # type: ignore[arg-type]
+        """(field, value, source): the config's own fields in order, then those it inherits (security)."""
+        fields = dataclasses.fields(self.config)  # type: ignore[arg-type]
+        own = set(vars(type(self.config)).get("__annotations__", {}))
+        ordered = [f for f in fields if f.name in own] + [f for f in fields if f.name not in own]
+        return [(f.name, getattr(self.config, f.name), self.sources.get(f.name, "default")) for f in ordered]
 
 
 def read_file(path: str | os.PathLike, fields: set[str], section: str | None = None,

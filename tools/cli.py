@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
@@ -78,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     _attach(parser, argv, module)
     args = parser.parse_args(argv)
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except BrokenPipeError:  # the reader went away (``tigana ... | head``): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def _attach(parser: argparse.ArgumentParser, argv: list[str], module) -> None:
