@@ -13,7 +13,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class _TableCollector:
@@ -123,7 +123,7 @@ class ServerMetrics(MetricsEndpoint):
         self.rejected = Counter("tigana_rejected_requests", "RPCs answered with an error status, by method and code",
                                 ["method", "code"], registry=r)
         self.latency = Histogram("tigana_request_seconds", "RPC latency in the server, by method", ["method"],
-                                 buckets=_LATENCY_BUCKETS, registry=r)
+                                 buckets=LATENCY_BUCKETS, registry=r)
         self.auth_rejected = Counter("tigana_auth_rejected", "Calls refused by the credential check, by method and "
                                      "reason (missing, invalid, expired, role)", ["method", "reason"], registry=r)
         self.rows_pulled = Counter("tigana_rows_pulled", "Rows returned by Pull, by table", ["table"], registry=r)
@@ -144,8 +144,6 @@ class ServerMetrics(MetricsEndpoint):
             r.register(_TableCollector(table_source))
         if cluster_source is not None:
             r.register(_ClusterCollector(cluster_source))
-        self.http_port: int | None = None
-        self._httpd: Any = None
 
     def count_auth_rejection(self, method: str, reason: str) -> None:
         """A call refused by the credential check (reason: missing, invalid, role); never the token itself."""

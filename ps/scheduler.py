@@ -810,23 +810,27 @@ def _pad(a: np.ndarray, width: int) -> np.ndarray:
 def _placement_changes(before: np.ndarray, after: np.ndarray) -> tuple[dict[str, list[int]], set[int]]:
     """What changed between two copies arrays, for logs and metrics: the slots where a server gained a copy
     (``added``), the primary changed (``primary``) or a server lost its copy (``dropped``), and the indexes
-    of the servers involved."""
+    of the servers involved. Vectorized over slots: a (slots, servers) membership matrix per side."""
     width = max(before.shape[1], after.shape[1])
     a, b = _pad(np.asarray(before, np.int32), width), _pad(np.asarray(after, np.int32), width)
-    out: dict[str, list[int]] = {"added": [], "primary": [], "dropped": []}
-    servers: set[int] = set()
-    differs = (np.sort(a, axis=1) != np.sort(b, axis=1)).any(axis=1) | (a[:, 0] != b[:, 0])
-    for slot in np.flatnonzero(differs):
-        old, new = set(a[slot][a[slot] >= 0].tolist()), set(b[slot][b[slot] >= 0].tolist())
-        if new - old:
-            out["added"].append(int(slot))
-        if old - new:
-            out["dropped"].append(int(slot))
-        servers |= old ^ new
-        if a[slot, 0] != b[slot, 0]:
-            out["primary"].append(int(slot))
-            servers |= {int(x) for x in (a[slot, 0], b[slot, 0]) if x >= 0}
-    return out, servers
+    servers = int(max(a.max(initial=-1), b.max(initial=-1))) + 1
+    had, has = _members(a, servers), _members(b, servers)
+    gained, lost = has & ~had, had & ~has
+    primary = a[:, 0] != b[:, 0]
+    out = {"added": np.flatnonzero(gained.any(axis=1)).tolist(),
+           "primary": np.flatnonzero(primary).tolist(),
+           "dropped": np.flatnonzero(lost.any(axis=1)).tolist()}
+    heads = np.concatenate([a[primary, 0], b[primary, 0]])
+    involved = set(np.flatnonzero((gained | lost).any(axis=0)).tolist()) | set(heads[heads >= 0].tolist())
+    return out, involved
+
+
+def _members(copies: np.ndarray, servers: int) -> np.ndarray:
+    """(slots, servers) bool: which servers hold a copy of each slot."""
+    out = np.zeros((copies.shape[0], max(servers, 1)), bool)
+    rows, cols = np.nonzero(copies >= 0)
+    out[rows, copies[rows, cols]] = True
+    return out
 
 
 # --- the gRPC service ---------------------------------------------------------------------------------------

@@ -97,9 +97,8 @@ def check_inputs(config: TrainConfig) -> None:
         _movielens_root(config.data)
     elif config.dataset == "criteo":
         _criteo_files(config.data)
-    project = getattr(config, "wandb_project", None)
-    if project:
-        require_wandb(project)
+    if config.wandb_project:
+        require_wandb(config.wandb_project)
     if config.resume is not None:
         root = config.checkpoint_dir
         path = (latest_checkpoint(root) if root is not None else None) if config.resume == "latest" \
@@ -300,10 +299,9 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
         data = load_data(config, rank, world)
         model, collection = build(config, client, data, groups)
         metrics.attach(client, collection)
-        port = int(getattr(config, "metrics_port", 0) or 0)
+        port = config.metrics_port
         if port and metrics.http_port is None:
-            metrics.serve_http(port + env.local_rank if port > 0 else port,
-                               getattr(config, "metrics_host", "127.0.0.1"))
+            metrics.serve_http(port + env.local_rank if port > 0 else port, config.metrics_host)
             serving = True
         device = torch.device("cpu")
         if world > 1 and dist.get_backend() == "nccl":
@@ -334,7 +332,7 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
             from torch.utils.tensorboard import SummaryWriter
             writer = SummaryWriter(config.logdir)
             writer.add_text("config", json.dumps(config.to_dict(), indent=1))
-        if rank == 0 and getattr(config, "wandb_project", None):
+        if rank == 0 and config.wandb_project:
             wandb_run = start_wandb(config.wandb_project, config.to_dict(), config.logdir)
         bar = None
         if rank == 0 and config.progress:

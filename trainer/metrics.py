@@ -20,12 +20,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from tigana.ps.metrics import ClientCollector, MetricsEndpoint
+from tigana.ps.metrics import LATENCY_BUCKETS, ClientCollector, MetricsEndpoint
 from tigana.trainer.config import ConfigError
 
 __all__ = ["TrainerMetrics", "require_wandb", "start_wandb"]
 
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _OPS = ("pull", "push", "pull_wait")
 
 
@@ -52,9 +51,9 @@ class TrainerMetrics(MetricsEndpoint):
                                   registry=r).labels(label)
         ps_seconds = Histogram("tigana_trainer_ps_seconds", "Pull and push latency seen by the trainer (call to rows "
                                "or acknowledgement, staleness waits included), by op", ["rank", "op"],
-                               buckets=_LATENCY_BUCKETS, registry=r)
+                               buckets=LATENCY_BUCKETS, registry=r)
         wait = Histogram("tigana_trainer_pull_wait_seconds", "Time a forward waited for its rows (near 0 when the "
-                         "prefetched rows were ready)", ["rank"], buckets=_LATENCY_BUCKETS, registry=r)
+                         "prefetched rows were ready)", ["rank"], buckets=LATENCY_BUCKETS, registry=r)
         self._histograms = {"pull": ps_seconds.labels(label, "pull"), "push": ps_seconds.labels(label, "push"),
                             "pull_wait": wait.labels(label)}
         self._lock = threading.Lock()
@@ -62,8 +61,6 @@ class TrainerMetrics(MetricsEndpoint):
         self._window_start = time.perf_counter()
         self._window_samples = 0
         self._client: Any = None
-        self.http_port = None
-        self._httpd = None
 
     def attach(self, client: Any, collection: Any = None) -> None:
         """Report ``client``'s counters (``Client.stats()``, read when scraped) and time the pulls and pushes of

@@ -8,6 +8,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tigana.embeddings import TableConfig
 from tigana.ps import placement
@@ -528,3 +530,33 @@ def test_wait_map_times_out(tmp_path):
     t0 = time.monotonic()
     assert core.wait_map(core.map.epoch, 0.2) is None
     assert 0.2 <= time.monotonic() - t0 < 2.0
+
+
+@given(st.data())
+@settings(max_examples=100, deadline=None)
+def test_placement_changes_match_a_set_reference(data) -> None:
+    """The vectorized diff of two copies arrays against per-slot sets (copies anywhere in a row, -1 holes)."""
+    from tigana.ps.scheduler import _placement_changes
+
+    n = data.draw(st.integers(1, 8))
+
+    def copies(width: int) -> np.ndarray:
+        rows = [data.draw(st.lists(st.integers(-1, 4), min_size=width, max_size=width)) for _ in range(n)]
+        rows = [[x if x < 0 or x not in row[:k] else -1 for k, x in enumerate(row)] for row in rows]  # distinct
+        return np.array(rows, np.int32).reshape(n, width)
+
+    a, b = copies(data.draw(st.integers(1, 3))), copies(data.draw(st.integers(1, 3)))
+    out, servers = _placement_changes(a, b)
+    want: dict[str, list[int]] = {"added": [], "primary": [], "dropped": []}
+    involved: set[int] = set()
+    for slot in range(n):
+        old, new = {int(x) for x in a[slot] if x >= 0}, {int(x) for x in b[slot] if x >= 0}
+        if new - old:
+            want["added"].append(slot)
+        if old - new:
+            want["dropped"].append(slot)
+        involved |= old ^ new
+        if a[slot, 0] != b[slot, 0]:
+            want["primary"].append(slot)
+            involved |= {int(x) for x in (a[slot, 0], b[slot, 0]) if x >= 0}
+    assert out == want and servers == involved
