@@ -82,8 +82,6 @@ class LocalCluster:
         self.addresses: list[str] = []
         self.metrics_ports: list[int | None] = []
         self.returncodes: list[int | None] = []
-        self.scheduler: str | None = None
-        self.scheduler_proc: subprocess.Popen | None = None  # the first scheduler (the only one without a store)
         self.scheduler_procs: list[subprocess.Popen] = []
         self.scheduler_addresses: list[str] = []
         self.scheduler_metrics_ports: list[int | None] = []  # with ``metrics``
@@ -113,7 +111,8 @@ class LocalCluster:
                 self._cmds.append(cmd)
                 self.procs.append(self._spawn(cmd, self.log_path(i)))
                 ready_files.append(ready)
-            infos = self._wait_ready(self.procs, ready_files, startup_timeout)
+            infos = self._wait_ready(self.procs, ready_files, [self.log_path(i) for i in range(shards)],
+                                     startup_timeout)
             self.addresses = [str(info["address"]) for info in infos]
             self.metrics_ports = [info.get("metrics_port") for info in infos]
             if self.scheduler is not None and wait_placement:
@@ -167,11 +166,31 @@ class LocalCluster:
         proc = self._spawn(cmd, self.scheduler_log(k))
         self._scheduler_cmds.append(cmd)
         self.scheduler_procs.append(proc)
-        self.scheduler_proc = self.scheduler_procs[0]
-        info = self._wait_ready([proc], [ready], self._startup_timeout, what="scheduler")[0]
+        info = self._wait_ready([proc], [ready], [self.scheduler_log(k)], self._startup_timeout, what="scheduler")[0]
         self.scheduler_addresses.append(str(info["address"]))
         self.scheduler_metrics_ports.append(info.get("metrics_port"))
-        self.scheduler = ",".join(self.scheduler_addresses)
+
+    @property
+    def scheduler(self) -> str | None:
+        """The scheduler's address (a comma-joined list with a store and several schedulers); None in static
+        mode."""
+        return ",".join(self.scheduler_addresses) or None
+
+    @property
+    def scheduler_proc(self) -> subprocess.Popen | None:
+        """The first scheduler's process (the only one without a store)."""
+        return self.scheduler_procs[0] if self.scheduler_procs else None
+
+    def _respawn(self, cmd: list[str], address: str, log_path: Path, timeout: float | None, what: str
+                 ) -> tuple[subprocess.Popen, dict]:
+        """Start a daemon that died again from its command line, on the port of ``address``: (process, its
+        ready-file info)."""
+        cmd = list(cmd)
+        cmd[cmd.index("--port") + 1] = address.rsplit(":", 1)[1] if address else "0"
+        ready = Path(cmd[cmd.index("--ready-file") + 1])
+        ready.unlink(missing_ok=True)
+        proc = self._spawn(cmd, log_path)
+        return proc, self._wait_ready([proc], [ready], [log_path], timeout or self._startup_timeout, what=what)[0]
 
     def leading_scheduler(self, timeout: float = 30.0) -> int:
         """The index of the scheduler that leads now (waits for an election; 0 without a store)."""
@@ -198,8 +217,10 @@ class LocalCluster:
                 raise TimeoutError(f"no scheduler of {self.scheduler} leads after {timeout:.0f}s")
             time.sleep(0.1)
 
-    def _wait_ready(self, procs: list[subprocess.Popen], ready_files: list[Path], timeout: float,
+    def _wait_ready(self, procs: list[subprocess.Popen], ready_files: list[Path], logs: list[Path], timeout: float,
                     what: str = "shard") -> list[dict]:
+        """The ready-file info of each process once all have written theirs; an error with the log's tail of the
+        first that exited or was late."""
         deadline = time.monotonic() + timeout
         infos: list[dict | None] = [None] * len(ready_files)
         while any(info is None for info in infos):
@@ -207,16 +228,14 @@ class LocalCluster:
                 if infos[i] is not None:
                     continue
                 if proc.poll() is not None:
-                    tail = self.log_tail(i) if what == "shard" else self._tail(
-                        self.scheduler_log(len(self.scheduler_procs) - 1))
+                    tail = self._tail(logs[i])
                     raise RuntimeError(f"{what} {i} exited with code {proc.returncode} while starting:\n{tail}")
                 if path.exists():
                     with contextlib.suppress(ValueError):
                         infos[i] = json.loads(path.read_text())
             if time.monotonic() > deadline:
                 late = [i for i, info in enumerate(infos) if info is None]
-                tail = self.log_tail(late[0]) if what == "shard" else self._tail(
-                    self.scheduler_log(len(self.scheduler_procs) - 1))
+                tail = self._tail(logs[late[0]])
                 raise TimeoutError(f"{what}(s) {late} not ready after {timeout:.0f}s:\n{tail}")
             time.sleep(0.05)
         return infos  # type: ignore[return-value]
@@ -263,7 +282,7 @@ class LocalCluster:
         template, ready = self._shard_cmd(i, 0)
         self._cmds.append(template)
         self.procs.append(self._spawn(template, self.log_path(i)))
-        info = self._wait_ready([self.procs[i]], [ready], timeout or self._startup_timeout)[0]
+        info = self._wait_ready([self.procs[i]], [ready], [self.log_path(i)], timeout or self._startup_timeout)[0]
         self.addresses.append(str(info["address"]))
         self.metrics_ports.append(info.get("metrics_port"))
         self.shards += 1
@@ -294,13 +313,8 @@ class LocalCluster:
         """Start shard i again on its data dir and port after it died; returns its address."""
         if self.procs[i].poll() is None:
             raise RuntimeError(f"shard {i} is still running")
-        cmd = list(self._cmds[i])
-        port = self.addresses[i].rsplit(":", 1)[1] if self.addresses else "0"
-        cmd[cmd.index("--port") + 1] = port
-        ready = Path(cmd[cmd.index("--ready-file") + 1])
-        ready.unlink(missing_ok=True)
-        self.procs[i] = self._spawn(cmd, self.log_path(i))
-        info = self._wait_ready([self.procs[i]], [ready], timeout or self._startup_timeout)[0]
+        self.procs[i], info = self._respawn(self._cmds[i], self.addresses[i] if self.addresses else "",
+                                            self.log_path(i), timeout, "shard")
         self.addresses[i] = str(info["address"])
         return self.addresses[i]
 
@@ -323,16 +337,10 @@ class LocalCluster:
         k = which if which is not None else (dead[0] if dead else 0)
         if self.scheduler_procs[k].poll() is None:
             raise RuntimeError(f"scheduler {k} is still running")
-        cmd = list(self._scheduler_cmds[k])
-        cmd[cmd.index("--port") + 1] = self.scheduler_addresses[k].rsplit(":", 1)[1]
-        ready = Path(cmd[cmd.index("--ready-file") + 1])
-        ready.unlink(missing_ok=True)
-        self.scheduler_procs[k] = self._spawn(cmd, self.scheduler_log(k))
-        self.scheduler_proc = self.scheduler_procs[0]
-        info = self._wait_ready([self.scheduler_procs[k]], [ready], self._startup_timeout, what="scheduler")[0]
+        self.scheduler_procs[k], info = self._respawn(self._scheduler_cmds[k], self.scheduler_addresses[k],
+                                                      self.scheduler_log(k), None, "scheduler")
         self.scheduler_addresses[k] = str(info["address"])
         self.scheduler_metrics_ports[k] = info.get("metrics_port")
-        self.scheduler = ",".join(self.scheduler_addresses)
         return self.scheduler_addresses[k]
 
     def close(self, timeout: float = 60.0) -> list[int | None]:
