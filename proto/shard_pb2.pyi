@@ -531,3 +531,33 @@ class ImportRowsResponse(_message.Message):
     ROWS_FIELD_NUMBER: _ClassVar[int]
     rows: int
     def __init__(self, rows: _Optional[int] = ...) -> None: ...
+
+class ExchangeRequest(_message.Message):
+    __slots__ = ("id", "pull", "push", "timeout_ms")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    pull: PullRequest
+    push: PushRequest
+    timeout_ms: int
+    def __init__(self, id: _Optional[int] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., push: _Optional[_Union[PushRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class ExchangeResponse(_message.Message):
+    __slots__ = ("id", "pull", "push", "code", "message", "error", "epoch")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    pull: PullResponse
+    push: PushResponse
+    code: int
+    message: str
+    error: str
+    epoch: int
+    def __init__(self, id: _Optional[int] = ..., pull: _Optional[_Union[PullResponse, _Mapping]] = ..., push: _Optional[_Union[PushResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., error: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...

@@ -64,6 +64,11 @@ class ShardStub:
                 request_serializer=tigana_dot_proto_dot_shard__pb2.PushRequest.SerializeToString,
                 response_deserializer=tigana_dot_proto_dot_shard__pb2.PushResponse.FromString,
                 _registered_method=True)
+        self.Exchange = channel.stream_stream(
+                '/tigana.v1.Shard/Exchange',
+                request_serializer=tigana_dot_proto_dot_shard__pb2.ExchangeRequest.SerializeToString,
+                response_deserializer=tigana_dot_proto_dot_shard__pb2.ExchangeResponse.FromString,
+                _registered_method=True)
         self.Snapshot = channel.unary_unary(
                 '/tigana.v1.Shard/Snapshot',
                 request_serializer=tigana_dot_proto_dot_shard__pb2.SnapshotRequest.SerializeToString,
@@ -141,6 +146,13 @@ class ShardServicer:
 
     def Push(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Exchange(self, request_iterator, context):
+        """pulls and pushes on one stream
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -226,6 +238,11 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=tigana_dot_proto_dot_shard__pb2.PushRequest.FromString,
                     response_serializer=tigana_dot_proto_dot_shard__pb2.PushResponse.SerializeToString,
+            ),
+            'Exchange': grpc.stream_stream_rpc_method_handler(
+                    servicer.Exchange,
+                    request_deserializer=tigana_dot_proto_dot_shard__pb2.ExchangeRequest.FromString,
+                    response_serializer=tigana_dot_proto_dot_shard__pb2.ExchangeResponse.SerializeToString,
             ),
             'Snapshot': grpc.unary_unary_rpc_method_handler(
                     servicer.Snapshot,
@@ -430,6 +447,33 @@ class Shard:
             '/tigana.v1.Shard/Push',
             tigana_dot_proto_dot_shard__pb2.PushRequest.SerializeToString,
             tigana_dot_proto_dot_shard__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Exchange(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tigana.v1.Shard/Exchange',
+            tigana_dot_proto_dot_shard__pb2.ExchangeRequest.SerializeToString,
+            tigana_dot_proto_dot_shard__pb2.ExchangeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -66,7 +66,9 @@ class ClientConfig:
     long-polled ``map_poll_s`` at a time. Security: ``tls_ca`` verifies the servers (TLS), ``tls_cert``/
     ``tls_key`` is this client's certificate (mutual TLS), ``auth_token_file`` holds the token it sends
     (a trainer's, or the admin one for admin operations); a token needs TLS unless
-    ``allow_insecure_loopback``.
+    ``allow_insecure_loopback``. ``transport``: ``"stream"`` sends pulls and pushes as frames of one
+    bidirectional stream per server (``tigana.ps.streams``; falls back to unary calls for a server without
+    it), ``"unary"`` as one RPC per message.
     """
 
     timeout_s: float = 60.0
@@ -89,6 +91,7 @@ class ClientConfig:
     tls_key: str | None = None
     auth_token_file: str | None = None
     allow_insecure_loopback: bool = False
+    transport: str = "stream"
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> InvalidArgument:
@@ -106,6 +109,8 @@ class ClientConfig:
             raise bad("chunk_bytes", "must be >= 4096")
         if self.max_message_bytes < self.chunk_bytes + 64 * 1024:
             raise bad("max_message_bytes", "must exceed chunk_bytes by at least 64KiB")
+        if self.transport not in ("stream", "unary"):
+            raise bad("transport", "must be 'stream' or 'unary'")
         if self.max_pushes_in_flight < 1:
             raise bad("max_pushes_in_flight", "must be >= 1")
         if self.num_slots < 1:
@@ -297,7 +302,7 @@ class Client:
         s = self._server_cache.get(address)
         if s is None:
             s = self._server_cache[address] = Server(address, self._options, self.config.max_pushes_in_flight,
-                                                     self.security)
+                                                     self.security, stream=self.config.transport == "stream")
         return s
 
     def _on_map(self, m: routing.ShardMap) -> None:
@@ -376,7 +381,7 @@ class Client:
             if self._maps is not None:
                 self._maps.close()
             for s in self._server_cache.values():
-                s.channel.close()
+                s.close()
 
     def __enter__(self) -> Client:
         return self

@@ -231,7 +231,7 @@ def decode_replicate_request(raw: bytes) -> RawReplicate | pb.ReplicateRequest:
     protobuf (which the server reads the same way)."""
     out = RawReplicate()
     try:
-        for field_no, value in wire._fields(memoryview(raw), "ReplicateRequest"):
+        for field_no, value in wire.message_fields(memoryview(raw), "ReplicateRequest"):
             if field_no == 1:
                 out.source = str(wire._len_value(value, 1), "utf-8")
             elif field_no == 2:
@@ -263,7 +263,7 @@ def decode_item(view: memoryview | pb.ReplicationItem, *, dim: int, state_width:
     f: dict[int, memoryview] = {}
     rows_view = None
     dedup = []
-    for field_no, value in wire._fields(view, "ReplicationItem"):
+    for field_no, value in wire.message_fields(view, "ReplicationItem"):
         if field_no == 1:
             kind = wire._int_value(value, 1)
         elif field_no == 2:
@@ -278,7 +278,7 @@ def decode_item(view: memoryview | pb.ReplicationItem, *, dim: int, state_width:
             step = wire._int_value(value, 12)
         elif field_no == 13:
             cid, seq, slots = "", 0, memoryview(b"")
-            for g, w in wire._fields(wire._len_value(value, 13), "DedupRecord"):
+            for g, w in wire.message_fields(wire._len_value(value, 13), "DedupRecord"):
                 if g == 1:
                     cid = str(wire._len_value(w, 1), "utf-8")
                 elif g == 2:
@@ -300,7 +300,7 @@ def decode_item(view: memoryview | pb.ReplicationItem, *, dim: int, state_width:
     if rows_view is not None:
         g: dict[int, memoryview] = {}
         rdim = rwidth = 0
-        for field_no, value in wire._fields(rows_view, "RowBlock"):
+        for field_no, value in wire.message_fields(rows_view, "RowBlock"):
             if field_no == 7:
                 rdim = wire._int_value(value, 7)
             elif field_no == 8:
@@ -330,7 +330,7 @@ def item_table(view: memoryview | pb.ReplicationItem) -> str:
     """The table an item is about (read before the table's dims are known)."""
     if not isinstance(view, memoryview):
         return view.table
-    for field_no, value in wire._fields(view, "ReplicationItem"):
+    for field_no, value in wire.message_fields(view, "ReplicationItem"):
         if field_no == 2:
             return str(wire._len_value(value, 2), "utf-8")
     return ""

@@ -79,7 +79,9 @@ class ServerConfig(SecuritySettings):
     ``admin_token_file`` the admin token (which this server also sends to the scheduler and its peers);
     tokens need TLS unless ``allow_insecure_loopback``. Limits: ``max_message_bytes``,
     ``max_rows_per_request`` (ids in one pull or push), ``max_concurrent_requests`` (RPCs in progress; more
-    answer RESOURCE_EXHAUSTED).
+    answer RESOURCE_EXHAUSTED). Streaming data path: ``max_streams`` ``Exchange`` streams at most (each holds a
+    gRPC thread for its life; past the limit clients use the unary calls), each with at most ``stream_window``
+    frames read and not yet answered (flow control holds the client back past it).
     """
 
     host: str = "127.0.0.1"
@@ -110,6 +112,8 @@ class ServerConfig(SecuritySettings):
     lease_s: float = 2.0
     max_rows_per_request: int = 4_000_000
     max_concurrent_requests: int = 256
+    max_streams: int = 64
+    stream_window: int = 8
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidArgument:
@@ -148,6 +152,8 @@ class ServerConfig(SecuritySettings):
             raise bad("full_snapshot_every", f"must be >= 1, got {self.full_snapshot_every}")
         if self.max_rows_per_request < 1 or self.max_concurrent_requests < 1:
             raise bad("max_rows_per_request", "and max_concurrent_requests must be >= 1")
+        if self.max_streams < 0 or self.stream_window < 1:
+            raise bad("max_streams", "must be >= 0 and stream_window >= 1")
         if self.scheduler is not None and self.slots.strip() not in ("", "all"):
             raise bad("slots", "must be 'all' with --scheduler: the shard map says which slots a server holds")
         try:

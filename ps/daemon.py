@@ -64,7 +64,7 @@ class ServerHandle:
         self.metrics: ServerMetrics = self.service.metrics
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers,
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers + config.max_streams,
                                                               thread_name_prefix="tigana-shard"),
                                    options=grpc_server_options(config),
                                    interceptors=self.security.interceptors(self.metrics.count_auth_rejection),

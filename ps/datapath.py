@@ -28,7 +28,7 @@ import numpy as np
 
 from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc as pb_grpc
-from tigana.ps import _kernels, routing, wire
+from tigana.ps import _kernels, frames, routing, streams, wire
 from tigana.ps.channels import Call
 from tigana.ps.errors import (
     DeadlineExceeded,
@@ -45,12 +45,13 @@ _PUSH = "/tigana.v1.Shard/Push"
 
 
 class Server:
-    """One shard server as the client sees it: its channel, the data-path callables and its push permits
-    (at most ``max_pushes_in_flight`` push messages outstanding)."""
+    """One shard server as the client sees it: its channel, the data path (an ``Exchange`` stream, or the
+    unary callables) and its push permits (at most ``max_pushes_in_flight`` push messages outstanding)."""
 
-    __slots__ = ("address", "channel", "stub", "pull", "push", "permits", "calls", "lock")
+    __slots__ = ("address", "channel", "stub", "pull", "push", "exchange", "permits", "calls", "lock")
 
-    def __init__(self, address: str, options: list, max_pushes_in_flight: int, security: Any = None) -> None:
+    def __init__(self, address: str, options: list, max_pushes_in_flight: int, security: Any = None, *,
+                 stream: bool = True) -> None:
         self.address = address
         self.channel = security.channel(address, options) if security is not None else \
             grpc.insecure_channel(address, options=options)
@@ -59,13 +60,18 @@ class Server:
                                              response_deserializer=wire.decode_pull_response)
         self.push = self.channel.unary_unary(_PUSH, request_serializer=wire.identity,
                                              response_deserializer=pb.PushResponse.FromString)
+        self.exchange = streams.Exchange(self.channel, address) if stream else None
         self.permits = threading.BoundedSemaphore(max_pushes_in_flight)
         self.calls: set[Call] = set()
         self.lock = threading.Lock()
 
-    def send(self, method: Any, request: bytes, timeout_s: float, done: Callable[[Any, PSError | None], None],
+    def send(self, kind: int, parts: list, timeout_s: float, done: Callable[[Any, PSError | None], None],
              on_retry: Callable[[], None]) -> None:
-        """One data-path call (a single attempt), tracked so ``cancel_all`` can give up on it."""
+        """One data-path request (``frames.PULL``/``PUSH``, a single attempt) in pieces: a frame of the stream,
+        or a unary call tracked so ``cancel_all`` can give up on it."""
+        if self.exchange is not None and self.exchange.supported:
+            self.exchange.send(kind, parts, timeout_s, done)
+            return
         holder: list[Call] = []
 
         def finished(response: Any, error: PSError | None) -> None:
@@ -73,20 +79,26 @@ class Server:
                 self.calls.discard(holder[0])
             done(response, error)
 
-        call = Call(method, request, self.address, timeout_s, None, finished, on_retry)
+        method = self.pull if kind == frames.PULL else self.push
+        call = Call(method, b"".join(parts), self.address, timeout_s, None, finished, on_retry)
         holder.append(call)
         with self.lock:
             self.calls.add(call)
         call.start()
 
     def cancel_all(self) -> int:
-        """Cancel the calls in flight (the map declared this server dead: a paused one would hold them until
-        their deadline); they are routed again by the new map."""
+        """Cancel the calls and frames in flight (the map declared this server dead: a paused one would hold
+        them until their deadline); they are routed again by the new map."""
         with self.lock:
             calls = list(self.calls)
         for call in calls:
             call.cancel()
-        return len(calls)
+        return len(calls) + (self.exchange.cancel_all() if self.exchange is not None else 0)
+
+    def close(self) -> None:
+        if self.exchange is not None:
+            self.exchange.close()
+        self.channel.close()
 
 
 class Route:
@@ -257,8 +269,8 @@ class PullOp(_Op):
                 calls.append((None, None, k, lo, hi, err))
                 continue
             s = route.servers[owner]
-            request = wire.encode_pull_request(st.name, self.uniq[lo:hi], self.codec, route.epoch, self.read_only)
-            sent += len(request)
+            request = wire.pull_request_parts(st.name, self.uniq[lo:hi], self.codec, route.epoch, self.read_only)
+            sent += wire.parts_nbytes(request)
             calls.append((s, request, k, lo, hi, None))
         with st.lock:
             st.bytes["sent"]["pull"] += sent
@@ -266,7 +278,7 @@ class PullOp(_Op):
             if s is None:
                 self._done_for(k, lo, hi, None)(None, err)
             else:
-                s.send(s.pull, request, c.config.timeout_s, self._done_for(k, lo, hi, s), c._note_retry)
+                s.send(frames.PULL, request, c.config.timeout_s, self._done_for(k, lo, hi, s), c._note_retry)
 
     def _gather(self) -> np.ndarray:
         """The batch's rows, (n, dim) float32, from the unique rows in ``blocks`` (consecutive ranges)."""
@@ -372,17 +384,17 @@ class PushOp(_Op):
             part = index[owner] = index.get(owner, -1) + 1  # chunk index within the server (informational)
             try:
                 data, scales = wire.encode_block(self.summed[lo:hi], codec)
-                request = wire.encode_push_request(st.name, self.uniq[lo:hi], codec, dim, data, scales,
-                                                   c.client_id, self.seq, part, route.epoch)
+                request = wire.push_request_parts(st.name, self.uniq[lo:hi], codec, dim, data, scales,
+                                                  c.client_id, self.seq, part, route.epoch)
             except Exception as exc:  # noqa: BLE001 - settle the part, so flush cannot hang
                 error = exc if isinstance(exc, PSError) else Internal(f"table {st.name!r}: push encoding: {exc}")
                 self._done_for(None, lo, hi)(None, error)
                 continue
             del data, scales
             with st.lock:
-                st.bytes["sent"]["push"] += len(request)
+                st.bytes["sent"]["push"] += wire.parts_nbytes(request)
             s.permits.acquire()  # back-pressure: at most max_pushes_in_flight messages per server
-            s.send(s.push, request, c.config.timeout_s, self._done_for(s, lo, hi), c._note_retry)
+            s.send(frames.PUSH, request, c.config.timeout_s, self._done_for(s, lo, hi), c._note_retry)
 
     def _again(self, lo: int, hi: int) -> Callable[[Attempt], cf.Future]:
         def again(attempt: Attempt) -> cf.Future:  # this part is unsettled, so the op's arrays are alive

@@ -42,6 +42,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -59,12 +60,13 @@ from tigana.embeddings import (
 from tigana.embeddings.changes import unique
 from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc
-from tigana.ps import _kernels, cluster_wire, rpc, wire
+from tigana.ps import _kernels, cluster_wire, frames, rpc, streams, wire
 from tigana.ps.catalog import Catalog
 from tigana.ps.cluster_wire import BARRIER, CHANGES, SNAPSHOT_BEGIN, SNAPSHOT_ROWS, Item
 from tigana.ps.config import ServerConfig
 from tigana.ps.dedup import DedupWindow
 from tigana.ps.errors import (
+    DeadlineExceeded,
     InvalidArgument,
     NotEnoughReplicas,
     PSError,
@@ -207,6 +209,10 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         self._inbound: dict[str, _Inbound] = {}
         self._inbound_lock = threading.Lock()
         self._last_decay = time.monotonic()
+        self._streams = 0  # Exchange streams open
+        self._streams_lock = threading.Lock()
+        self._frame_pool = futures.ThreadPoolExecutor(max_workers=config.max_workers,
+                                                      thread_name_prefix="tigana-frame")
         if self.clustered:
             self._view = _View.waiting(self.num_slots)
             self.replicator: Replicator | None = Replicator(
@@ -495,6 +501,53 @@ class ShardService(shard_pb2_grpc.ShardServicer):
     @_rpc("Push")
     def Push(self, request: pb.PushRequest | wire.RawPush, context: grpc.ServicerContext) -> pb.PushResponse:
         """Apply a gradient block; ``request`` is the protobuf message or ``wire.decode_push_request``'s views."""
+        return self._push(request)
+
+    def Exchange(self, requests: Any, context: grpc.ServicerContext) -> Any:
+        """The streaming data path: this client's pulls and pushes as frames of one stream (``streams``)."""
+        with self._streams_lock:
+            if self._streams >= self.config.max_streams:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"Exchange: server has {self._streams} streams open, the limit (max_streams); "
+                              "use the unary Pull and Push")
+            self._streams += 1
+
+        def malformed(item: Any) -> None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item.error()))
+
+        try:
+            yield from streams.serve(requests, self._answer_frame, self._frame_pool, self.config.stream_window,
+                                     malformed)
+        finally:
+            with self._streams_lock:
+                self._streams -= 1
+
+    def _answer_frame(self, frame: frames.Frame, received: float) -> bytes:
+        """One frame of an ``Exchange`` stream, answered as the unary call would be (never raises)."""
+        method = frames.KINDS[frame.kind]
+        start = time.perf_counter()
+        status: grpc.StatusCode | None = None
+        try:
+            try:
+                rpc.check(frame.request)
+                if self.state != "serving":
+                    raise Unavailable(f"{method}: server {_STATES.get(self.state, self.state)}")
+                if frame.timeout_ms and time.monotonic() - received > frame.timeout_ms / 1000:
+                    raise DeadlineExceeded(f"table {frame.request.table!r}: {method} frame waited past its "
+                                           f"deadline ({frame.timeout_ms} ms) before it was handled; not applied")
+                if frame.kind == frames.PULL:
+                    _, rows, codec = self._pull(frame.request)
+                    return frames.pull_answer(frame.id, rows, codec)
+                return frames.push_answer(frame.id, self._push(frame.request))
+            except Exception as exc:  # noqa: BLE001 - a frame never takes the stream or the daemon down
+                status = to_status(exc)[0]
+                if status == grpc.StatusCode.INTERNAL:
+                    log.exception("%s frame failed with a bug", method)
+                return frames.error_answer(frame.id, exc, self._view.epoch)
+        finally:
+            self.metrics.observe(method, status.name if status else "OK", time.perf_counter() - start)
+
+    def _push(self, request: pb.PushRequest | wire.RawPush) -> pb.PushResponse:
         name = request.table
         hosted = self._get(name)
         raw_ids = request.ids  # protobuf copies a bytes field on every access: read each once
@@ -1224,6 +1277,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             return False
 
     def close_tables(self) -> None:
+        self._frame_pool.shutdown(wait=False, cancel_futures=True)
         if self.replicator is not None:
             self.replicator.close()
         with self._registry_lock:
@@ -1255,6 +1309,7 @@ def add_to_server(service: ShardService, server: grpc.Server) -> None:
     rpc.register(server, pb.DESCRIPTOR.services_by_name["Shard"], service, {
         "Pull": (service.pull_serialized, pb.PullRequest.FromString, wire.identity),
         "Push": (service.Push, wire.decode_push_request, pb.PushResponse.SerializeToString),
+        "Exchange": (service.Exchange, frames.read_request, wire.identity),
         "Replicate": (service.Replicate, cluster_wire.decode_replicate_request,
                       pb.ReplicateResponse.SerializeToString),
     })

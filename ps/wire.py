@@ -210,35 +210,62 @@ def _rows_parts(codec: int, dim: int, data: np.ndarray, scales: np.ndarray | Non
     return parts
 
 
+def pull_request_parts(table: str, ids: np.ndarray, codec: int = pb.CODEC_FP32, epoch: int = 0,
+                       read_only: bool = False) -> list:
+    """The pieces of a serialized ``PullRequest`` (joined by ``encode_pull_request``, or framed first)."""
+    parts = _len_field(1, table.encode()) + _len_field(2, _buffer(np.asarray(ids, "<i8")))
+    return parts + [_varint_field(3, codec), _varint_field(4, epoch), _varint_field(5, int(read_only))]
+
+
 def encode_pull_request(table: str, ids: np.ndarray, codec: int = pb.CODEC_FP32, epoch: int = 0,
                         read_only: bool = False) -> bytes:
     """A serialized ``PullRequest`` for (n,) int64 ``ids`` (unique) asking for rows in ``codec``, routed at
     map ``epoch``; ``read_only`` inserts nothing."""
+    return b"".join(pull_request_parts(table, ids, codec, epoch, read_only))
+
+
+def push_request_parts(table: str, ids: np.ndarray, codec: int, dim: int, data: np.ndarray,
+                       scales: np.ndarray | None, client_id: str, seq: int, part: int, epoch: int = 0) -> list:
+    """The pieces of a serialized ``PushRequest`` (see ``encode_push_request``)."""
+    rows = _rows_parts(codec, dim, data, scales)
     parts = _len_field(1, table.encode()) + _len_field(2, _buffer(np.asarray(ids, "<i8")))
-    parts += [_varint_field(3, codec), _varint_field(4, epoch), _varint_field(5, int(read_only))]
-    return b"".join(parts)
+    parts += [_varint((3 << 3) | _WT_LEN), _varint(parts_nbytes(rows)), *rows]
+    parts += _len_field(4, client_id.encode())
+    return parts + [_varint_field(5, seq), _varint_field(6, part), _varint_field(7, epoch)]
 
 
 def encode_push_request(table: str, ids: np.ndarray, codec: int, dim: int, data: np.ndarray,
                         scales: np.ndarray | None, client_id: str, seq: int, part: int, epoch: int = 0) -> bytes:
     """A serialized ``PushRequest``: (n,) int64 ``ids`` and their gradient block from ``encode_block``, routed
     at map ``epoch``."""
-    rows = _rows_parts(codec, dim, data, scales)
-    parts = _len_field(1, table.encode()) + _len_field(2, _buffer(np.asarray(ids, "<i8")))
-    parts += [_varint((3 << 3) | _WT_LEN), _varint(sum(memoryview(p).nbytes for p in rows)), *rows]
-    parts += _len_field(4, client_id.encode())
-    parts += [_varint_field(5, seq), _varint_field(6, part), _varint_field(7, epoch)]
-    return b"".join(parts)
+    return b"".join(push_request_parts(table, ids, codec, dim, data, scales, client_id, seq, part, epoch))
+
+
+def pull_response_parts(rows: np.ndarray, codec: int = pb.CODEC_FP32) -> list:
+    """The pieces of a serialized ``PullResponse`` for (n, dim) float32 rows (see ``encode_pull_response``)."""
+    rows = np.asarray(rows, dtype=np.float32)
+    data, scales = encode_block(rows, codec)
+    parts = _rows_parts(codec, rows.shape[1] if rows.ndim == 2 else 0, data, scales)
+    return [_varint((1 << 3) | _WT_LEN), _varint(parts_nbytes(parts)), *parts]
 
 
 def encode_pull_response(rows: np.ndarray, codec: int = pb.CODEC_FP32) -> bytes:
     """A serialized ``PullResponse`` for (n, dim) float32 rows, in one copy (for a server that registers Pull
     with a bytes response serializer; ``pb.PullResponse(rows=encode_rows(...))`` costs ~4 copies)."""
-    rows = np.asarray(rows, dtype=np.float32)
-    data, scales = encode_block(rows, codec)
-    parts = _rows_parts(codec, rows.shape[1] if rows.ndim == 2 else 0, data, scales)
-    size = sum(memoryview(p).nbytes for p in parts)
-    return b"".join([_varint((1 << 3) | _WT_LEN), _varint(size), *parts])  # one copy of the rows
+    return b"".join(pull_response_parts(rows, codec))  # one copy of the rows
+
+
+def parts_nbytes(parts: list) -> int:
+    return sum(memoryview(p).nbytes for p in parts)
+
+
+def len_field_parts(field_no: int, parts: list) -> list:
+    """``parts`` (a serialized message in pieces) as a length-delimited field of an enclosing message."""
+    return [_varint((field_no << 3) | _WT_LEN), _varint(parts_nbytes(parts)), *parts]
+
+
+def varint_field(field_no: int, value: int) -> bytes:
+    return _varint_field(field_no, value)
 
 
 def _read_varint(buf: memoryview, pos: int, what: str) -> tuple[int, int]:
@@ -255,7 +282,7 @@ def _read_varint(buf: memoryview, pos: int, what: str) -> tuple[int, int]:
         shift += 7
 
 
-def _fields(buf: memoryview, what: str):
+def message_fields(buf: memoryview, what: str):
     """Yield (field number, value) of a serialized message: int for scalar wire types, a view for LEN."""
     pos, end = 0, len(buf)
     while pos < end:
@@ -291,9 +318,9 @@ class RawRows:
         return pb.Rows(codec=self.codec, dim=self.dim, data=bytes(self.data), scales=bytes(self.scales))
 
 
-def _parse_rows(buf: memoryview, nbytes: int, what: str) -> RawRows:
+def parse_rows(buf: memoryview, nbytes: int, what: str) -> RawRows:
     codec, dim, data, scales = 0, 0, memoryview(b""), memoryview(b"")
-    for field_no, value in _fields(buf, what):
+    for field_no, value in message_fields(buf, what):
         if field_no == 1:
             codec = value
         elif field_no == 2:
@@ -309,10 +336,10 @@ def decode_pull_response(raw: bytes) -> RawRows:
     """A serialized ``PullResponse`` -> its rows as views (no copy); used as the gRPC response deserializer."""
     view = memoryview(raw)
     rows = memoryview(b"")
-    for field_no, value in _fields(view, "PullResponse"):
+    for field_no, value in message_fields(view, "PullResponse"):
         if field_no == 1:
             rows = value
-    return _parse_rows(rows, len(raw), "PullResponse.rows")
+    return parse_rows(rows, len(raw), "PullResponse.rows")
 
 
 class RawPush:
@@ -348,13 +375,13 @@ def _int_value(value, field_no: int) -> int:
     return value
 
 
-def _parse_push(raw: bytes) -> RawPush:
+def _parse_push(raw: bytes | memoryview) -> RawPush:
     view = memoryview(raw)
     table, ids, client_id, seq, part, epoch = "", memoryview(b""), "", 0, 0, 0
     codec = dim = 0
     data = scales = memoryview(b"")
     seen_grads = False
-    for field_no, value in _fields(view, "PushRequest"):
+    for field_no, value in message_fields(view, "PushRequest"):
         if field_no == 1:
             table = str(_len_value(value, 1), "utf-8")
         elif field_no == 2:
@@ -363,7 +390,7 @@ def _parse_push(raw: bytes) -> RawPush:
             if seen_grads:  # protobuf merges repeated sub-messages
                 raise _NotCanonical(3)
             seen_grads = True
-            for f, v in _fields(_len_value(value, 3), "PushRequest.grads"):
+            for f, v in message_fields(_len_value(value, 3), "PushRequest.grads"):
                 if f == 1:
                     codec = _signed32(_int_value(v, f))
                 elif f == 2:
@@ -383,7 +410,7 @@ def _parse_push(raw: bytes) -> RawPush:
     return RawPush(table, ids, RawRows(codec, dim, data, scales, len(raw)), client_id, seq, part, epoch)
 
 
-def decode_push_request(raw: bytes) -> RawPush | pb.PushRequest:
+def decode_push_request(raw: bytes | memoryview) -> RawPush | pb.PushRequest:
     """A serialized ``PushRequest`` -> ``RawPush`` views (no copy of ids or rows; protobuf copies every bytes
     field on every access). Used by the server as the Push request deserializer; anything the fast parser does
     not take as is (unknown wire types, a repeated sub-message, invalid UTF-8, truncation) goes to protobuf,
@@ -391,7 +418,7 @@ def decode_push_request(raw: bytes) -> RawPush | pb.PushRequest:
     try:
         return _parse_push(raw)
     except (_NotCanonical, InvalidArgument, UnicodeDecodeError):
-        return pb.PushRequest.FromString(raw)
+        return pb.PushRequest.FromString(bytes(raw) if isinstance(raw, memoryview) else raw)
 
 
 def decode_block(rows: RawRows | pb.Rows, n: int, dim: int, *, table: str, field: str = "rows") -> np.ndarray:

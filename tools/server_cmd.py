@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--slots", default=None, help="owned virtual slots, e.g. 0-2047 (inclusive ranges); default all")
     a("--num-slots", type=int, default=None, help="number of virtual slots")
     a("--max-workers", type=int, default=None, help="gRPC thread pool size")
+    a("--max-streams", type=int, default=None,
+      help="Exchange (streaming data path) streams at most; past it clients use unary calls")
+    a("--stream-window", type=int, default=None, help="frames of one stream handled at once")
     a("--max-message-bytes", default=None, help="largest gRPC message sent or received")
     a("--dedup-window", type=int, default=None, help="pushes remembered per client for exactly-once")
     a("--drain-grace", dest="drain_grace_s", type=float, default=None,

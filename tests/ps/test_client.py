@@ -16,7 +16,7 @@ import torch
 from tigana import ps
 from tigana.embeddings import EmbeddingTable, TableConfig
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import routing, wire
+from tigana.ps import frames, routing, wire
 
 OPTIMIZERS = [ps.SGD(lr=0.1), ps.Adagrad(lr=0.05), ps.RowWiseAdagrad(lr=0.05), ps.Adam(lr=0.01),
               ps.FTRL(alpha=0.1, l1=0.001)]
@@ -179,15 +179,44 @@ class _OnTheWire:
         return fut
 
 
-def test_bounded_pushes_in_flight(shard_servers):
+class _FramesOnTheWire:
+    """Wraps a server's Exchange stream: counts the push frames outstanding and keeps the peak."""
+
+    def __init__(self, exchange) -> None:
+        self.inner_send, self.now, self.peak, self.sent = exchange.send, 0, 0, 0
+        self.lock = threading.Lock()
+
+    def send(self, kind, parts, timeout_s, done):
+        if kind != frames.PUSH:
+            return self.inner_send(kind, parts, timeout_s, done)
+        with self.lock:
+            self.now += 1
+            self.sent += 1
+            self.peak = max(self.peak, self.now)
+
+        def counted(reply, error):
+            with self.lock:
+                self.now -= 1
+            done(reply, error)
+        return self.inner_send(kind, parts, timeout_s, counted)
+
+
+@pytest.mark.parametrize("transport", ["stream", "unary"])
+def test_bounded_pushes_in_flight(shard_servers, transport):
     ref = EmbeddingTable(TableConfig("bp", 8, optimizer=ps.Adam(lr=0.01), seed=2))
     rng = np.random.default_rng(5)
-    with ps.connect([h.address for h in shard_servers], max_pushes_in_flight=1, chunk_bytes=8192) as client:
+    with ps.connect([h.address for h in shard_servers], max_pushes_in_flight=1, chunk_bytes=8192,
+                    transport=transport) as client:
         client.create_table("bp", dim=8, optimizer=ps.Adam(lr=0.01), seed=2, staleness=None)
         wires = []
         for server in client._servers:  # count the real messages on each server's channel
-            server.push = _OnTheWire(server.push)
-            wires.append(server.push)
+            if transport == "unary":
+                server.push = _OnTheWire(server.push)
+                wires.append(server.push)
+            else:
+                wire = _FramesOnTheWire(server.exchange)
+                server.exchange.send = wire.send
+                wires.append(wire)
         futs = []
         for _ in range(10):
             ids = _zipf_ids(rng, 1500)

@@ -11,7 +11,10 @@ Each case is reported against three references measured in the same run, one JSO
 
 - ``in-process``  the same tables as ``EmbeddingTable`` in this process, no network (the limit);
 - ``grpc-echo``   the same messages (sizes, chunks, 2 servers, same channel options) as raw bytes through a
-                  generic-handler echo service in 2 child processes (the Python gRPC ceiling);
+                  generic-handler echo service in 2 child processes (the Python gRPC ceiling of unary calls);
+- ``grpc-stream-echo``  the same bytes as frames of one bidirectional stream per echo server (the ceiling
+                  of the streaming data path the client uses by default);
+- ``ps-unary``    the same client with ``transport="unary"`` (one RPC per message);
 - ``redis``       ``redis-server`` on a free loopback port, pipelined MGET/MSET of the unique ids' rows as
                   packed bytes (skipped with a message on stderr when the binary is absent).
 
@@ -25,7 +28,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import dataclasses
+import functools
+import itertools
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -33,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent import futures as cf
@@ -50,6 +58,7 @@ from tigana.ps.local import stop_process
 from tigana.tools.bench.report import emit, log
 
 _ECHO = "/tigana.bench.Echo/Exchange"
+_ECHO_STREAM = "/tigana.bench.Echo/Stream"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repeats (about a minute on 2 cores)")
@@ -115,8 +124,13 @@ def _echo_main(ready_file: str) -> None:
             reply = replies[size] = bytes(size)
         return reply
 
+    def stream(requests, context):  # frame: reply size (8 bytes), frame id (8 bytes), payload
+        for request in requests:
+            yield request[8:16] + exchange(request, context)
+
     handler = grpc.method_handlers_generic_handler("tigana.bench.Echo", {
-        "Exchange": grpc.unary_unary_rpc_method_handler(exchange)})
+        "Exchange": grpc.unary_unary_rpc_method_handler(exchange),
+        "Stream": grpc.stream_stream_rpc_method_handler(stream)})
     server = grpc.server(cf.ThreadPoolExecutor(max_workers=16), options=grpc_server_options(ServerConfig()))
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
@@ -147,6 +161,7 @@ class EchoServers:
             self.channels = [grpc.insecure_channel(f.read_text(), options=options) for f in files]
             self.calls = [c.unary_unary(_ECHO, request_serializer=wire.identity, response_deserializer=wire.identity)
                           for c in self.channels]
+            self.streams = [_EchoStream(c) for c in self.channels]
         except BaseException:
             self.close()
             raise
@@ -156,7 +171,14 @@ class EchoServers:
         futs = [self.calls[i].future(req, timeout=60) for i, req in plan]
         return sum(len(f.result()) for f in futs)
 
+    def stream_exchange(self, plan: list[tuple[int, bytes]]) -> int:
+        """``exchange`` through the streams: every request a frame (its id in bytes 8-16), all sent at once."""
+        futs = [self.streams[i].send(req) for i, req in plan]
+        return sum(f.result(timeout=60) for f in futs)
+
     def close(self) -> None:
+        for st in getattr(self, "streams", []):
+            st.close()
         for c in self.channels:
             c.close()
         for p in self.procs:
@@ -169,6 +191,43 @@ class EchoServers:
                 p.kill()
                 p.wait()
         self._tmp.cleanup()
+
+
+class _EchoStream:
+    """One bidirectional echo stream: frames carry an id in bytes 8-16; answers settle futures by id."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: dict[int, cf.Future] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+
+        def outgoing():
+            while (item := self._queue.get()) is not None:
+                yield item
+
+        self._call = channel.stream_stream(_ECHO_STREAM, request_serializer=wire.identity,
+                                           response_deserializer=wire.identity)(outgoing())
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        with contextlib.suppress(grpc.RpcError):
+            for reply in self._call:
+                with self._lock:
+                    fut = self._waiting.pop(int.from_bytes(reply[:8], "little"))
+                fut.set_result(len(reply) - 8)
+
+    def send(self, request: bytes) -> cf.Future:
+        fut: cf.Future = cf.Future()
+        frame_id = next(self._ids)
+        with self._lock:
+            self._waiting[frame_id] = fut
+        self._queue.put(request[:8] + frame_id.to_bytes(8, "little") + request[16:])
+        return fut
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._call.cancel()
 
 
 def _message_plan(uniq: np.ndarray, dim: int, codec: str, kind: str, chunk_bytes: int,
@@ -298,20 +357,22 @@ def run(args: argparse.Namespace) -> int:
     options = channel_options(cfg.max_message_bytes, cfg.keepalive_time_s, cfg.keepalive_timeout_s,
                               cfg.reconnect_backoff_s)
     env = dict(os.environ, TIGANA_SNAPSHOT_ON_SHUTDOWN="0")
-    cluster = echo = peer = client = None
+    cluster = echo = peer = client = unary = None
     try:
         cluster = ps.LocalCluster(2, replicas=None, env=env)
         echo = EchoServers(2, options)
         peer = RedisPeer(redis_bin) if redis_bin else None
         client = ps.connect(cluster.addresses, cfg)
         client.wait_ready(30)
+        unary = ps.connect(cluster.addresses, dataclasses.replace(cfg, transport="unary"))
         for dim in dims:
             for codec in codecs:
-                _bench_table(client, echo, peer, batches, uniques, dim, codec, repeats, base)
+                _bench_table(client, unary, echo, peer, batches, uniques, dim, codec, repeats, base)
     finally:
-        if client is not None:
-            with contextlib.suppress(ps.PSError):
-                client.close()
+        for c in (client, unary):
+            if c is not None:
+                with contextlib.suppress(ps.PSError):
+                    c.close()
         if peer is not None:
             peer.close()
         if echo is not None:
@@ -337,13 +398,14 @@ def interleaved_rates(fns: dict[str, Callable[[], int]], repeats: int) -> dict[s
     return {name: statistics.median(v) for name, v in rates.items()}
 
 
-def _bench_table(client: ps.Client, echo: EchoServers, peer: RedisPeer | None, batches: list[np.ndarray],
-                 uniques: list, dim: int, codec: str, repeats: int, base: dict) -> None:
+def _bench_table(client: ps.Client, unary: ps.Client, echo: EchoServers, peer: RedisPeer | None,
+                 batches: list[np.ndarray], uniques: list, dim: int, codec: str, repeats: int, base: dict) -> None:
     name = f"bench_d{dim}_{codec}"
     opt = ps.Adagrad(lr=0.01)
-    params = dict(base, dim=dim, wire=codec, optimizer="adagrad")
-    client.create_table(name, dim=dim, optimizer=opt, initializer=ps.Normal(std=0.01), staleness=1,
-                        compression=codec)
+    params = dict(base, dim=dim, wire=codec, optimizer="adagrad", transport=client.config.transport)
+    for c in (client, unary):
+        c.create_table(name, dim=dim, optimizer=opt, initializer=ps.Normal(std=0.01), staleness=1,
+                       compression=codec)
     local = EmbeddingTable(TableConfig(name, dim, optimizer=opt, initializer=ps.Normal(std=0.01)))
     rng = np.random.default_rng(1)
     grads = [rng.normal(0, 0.01, (b.size, dim)).astype(np.float32) for b in batches]
@@ -355,22 +417,22 @@ def _bench_table(client: ps.Client, echo: EchoServers, peer: RedisPeer | None, b
             local.pull(b)
         batch, grad = _Cycle(batches), _Cycle(grads)
 
-        def ps_pull() -> int:
-            client.pull(name, batch())
+        def ps_pull(c: ps.Client = client) -> int:
+            c.pull(name, batch())
             return n
 
-        def ps_push() -> int:
+        def ps_push(c: ps.Client = client) -> int:
             for _ in range(in_flight):
-                client.push(name, batch(), grad())
-            client.flush()
+                c.push(name, batch(), grad())
+            c.flush()
             return n * in_flight
 
-        def ps_step() -> int:
+        def ps_step(c: ps.Client = client) -> int:
             for _ in range(in_flight):
                 b = batch()
-                client.pull(name, b)
-                client.push(name, b, grad())
-            client.flush()
+                c.pull(name, b)
+                c.push(name, b, grad())
+            c.flush()
             return n * in_flight
 
         def local_pull() -> int:
@@ -390,20 +452,21 @@ def _bench_table(client: ps.Client, echo: EchoServers, peer: RedisPeer | None, b
         plans = {kind: _Cycle([_message_plan(u, dim, codec, kind, client.config.chunk_bytes) for u, _ in uniques])
                  for kind in ("pull", "push", "step")}
 
-        def echo_case(kind: str) -> Callable[[], int]:
+        def echo_case(kind: str, streaming: bool = False) -> Callable[[], int]:
             def fn() -> int:
-                echo.exchange(plans[kind]())
+                (echo.stream_exchange if streaming else echo.exchange)(plans[kind]())
                 return n
             return fn
 
         redis = _redis_cases(peer, uniques, dim, codec, n) if peer is not None else {}
         for kind, fn, lim in (("pull", ps_pull, local_pull), ("push", ps_push, local_push),
                               ("step", ps_step, local_step)):
-            fns = {"ps": fn, "in-process": lim, "grpc-echo": echo_case(kind)}
+            fns = {"ps": fn, "in-process": lim, "grpc-echo": echo_case(kind),
+                   "grpc-stream-echo": echo_case(kind, streaming=True), "ps-unary": functools.partial(fn, unary)}
             if kind in redis:
                 fns["redis"] = redis[kind][1]
             rates = interleaved_rates(fns, repeats)
-            for other in ("in-process", "grpc-echo", "redis"):
+            for other in ("in-process", "grpc-echo", "grpc-stream-echo", "redis", "ps-unary"):
                 if other in rates:
                     extra = {"redis_op": redis[kind][0]} if other == "redis" else {}
                     emit(kind, "rows/s", rates["ps"], other, rates[other], **extra, **params)

@@ -1,0 +1,125 @@
+"""The frames of the streaming data path (``Shard/Exchange``), written and read without protobuf objects.
+
+An ``ExchangeRequest`` is a frame id, a ``PullRequest`` or ``PushRequest`` and the client's remaining deadline;
+an ``ExchangeResponse`` repeats the id and carries the ``PullResponse``/``PushResponse`` or an error (status
+code, message, error class, epoch). As on the unary path (``wire``), ids and rows are copied once on the way
+out (one join of header and payload) and read as views of the received message on the way in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import numpy as np
+
+from tigana.proto import shard_pb2 as pb
+from tigana.ps import wire
+from tigana.ps.errors import PSError, from_status, status_metadata, to_status
+from tigana.ps.rpc import Malformed
+
+PULL, PUSH = 2, 3  # the oneof field numbers of both frames
+KINDS = {PULL: "Pull", PUSH: "Push"}
+_STATUS = {c.value[0]: c for c in grpc.StatusCode}
+
+
+# --- client -> server -----------------------------------------------------------------------------------
+def request(frame_id: int, timeout_ms: int, kind: int, parts: list) -> bytes:
+    """An ``ExchangeRequest`` around a request in pieces (``wire.pull_request_parts``/``push_request_parts``),
+    joined in one copy."""
+    head = [wire.varint_field(1, frame_id)]
+    tail = [wire.varint_field(4, timeout_ms)] if timeout_ms else []
+    return b"".join(head + wire.len_field_parts(kind, parts) + tail)
+
+
+class Frame:
+    """A received ``ExchangeRequest``: its id, kind (PULL/PUSH), request (``pb.PullRequest``, push views from
+    ``wire.decode_push_request``, or ``Malformed``) and deadline budget in ms (0: none)."""
+
+    __slots__ = ("id", "kind", "request", "timeout_ms")
+
+    def __init__(self, frame_id: int, kind: int, req: Any, timeout_ms: int) -> None:
+        self.id, self.kind, self.request, self.timeout_ms = frame_id, kind, req, timeout_ms
+
+
+def read_request(raw: bytes) -> Frame | Malformed:
+    """A serialized ``ExchangeRequest`` -> ``Frame``. A frame whose id parses but whose request does not is a
+    ``Frame`` holding ``Malformed`` (answered INVALID_ARGUMENT under its id); one that does not parse at all
+    is ``Malformed`` (the stream is ended with INVALID_ARGUMENT: there is no id to answer)."""
+    try:
+        frame_id, kind, body, timeout_ms = 0, 0, None, 0
+        for field_no, value in wire.message_fields(memoryview(raw), "ExchangeRequest"):
+            if field_no == 1 and isinstance(value, int):
+                frame_id = value & 0xFFFFFFFFFFFFFFFF
+            elif field_no in (PULL, PUSH) and isinstance(value, memoryview):
+                kind, body = field_no, value
+            elif field_no == 4 and isinstance(value, int):
+                timeout_ms = value & 0xFFFFFFFF
+            elif field_no in (1, PULL, PUSH, 4):
+                raise ValueError(f"field {field_no} has the wrong wire type")
+    except (PSError, ValueError) as exc:
+        return Malformed("Exchange", str(exc))
+    if body is None:
+        return Frame(frame_id, PULL, Malformed("Exchange", "frame carries neither pull nor push"), timeout_ms)
+    try:
+        req = pb.PullRequest.FromString(bytes(body)) if kind == PULL else wire.decode_push_request(body)
+    except Exception as exc:  # noqa: BLE001 - the client's malformed request
+        req = Malformed(KINDS[kind], f"{type(exc).__name__}: {exc}")
+    return Frame(frame_id, kind, req, timeout_ms)
+
+
+# --- server -> client -----------------------------------------------------------------------------------
+def pull_answer(frame_id: int, rows: np.ndarray, codec: int) -> bytes:
+    """The answer to a pull frame: its rows in ``codec``, in one copy."""
+    return b"".join([wire.varint_field(1, frame_id)] + wire.len_field_parts(PULL, wire.pull_response_parts(rows, codec)))
+
+
+def push_answer(frame_id: int, response: pb.PushResponse) -> bytes:
+    return pb.ExchangeResponse(id=frame_id, push=response).SerializeToString()
+
+
+def error_answer(frame_id: int, exc: BaseException, epoch: int) -> bytes:
+    """The answer to a frame that failed: what the unary call's status and trailing metadata would carry."""
+    code, message = to_status(exc)
+    meta = dict(status_metadata(exc, epoch))
+    return pb.ExchangeResponse(id=frame_id, code=code.value[0], message=message,
+                               error=meta.get("tigana-error", ""), epoch=epoch).SerializeToString()
+
+
+class Answer:
+    """A received ``ExchangeResponse``: the frame id and either the reply (``wire.RawRows`` views for a pull,
+    ``pb.PushResponse`` for a push) or the error."""
+
+    __slots__ = ("id", "reply", "error")
+
+    def __init__(self, frame_id: int, reply: Any, error: PSError | None) -> None:
+        self.id, self.reply, self.error = frame_id, reply, error
+
+
+def read_answer(raw: bytes, address: str = "") -> Answer:
+    """A serialized ``ExchangeResponse`` -> ``Answer`` (``InvalidArgument`` when it does not parse)."""
+    frame_id, kind, body, code, message, error, epoch = 0, 0, None, 0, "", "", 0
+    for field_no, value in wire.message_fields(memoryview(raw), "ExchangeResponse"):
+        if field_no == 1:
+            frame_id = int(value)
+        elif field_no in (PULL, PUSH):
+            kind, body = field_no, value
+        elif field_no == 4:
+            code = int(value)
+        elif field_no == 5:
+            message = str(value, "utf-8", "replace")
+        elif field_no == 6:
+            error = str(value, "utf-8", "replace")
+        elif field_no == 7:
+            epoch = int(value)
+    if code:
+        status = _STATUS.get(code, grpc.StatusCode.UNKNOWN)
+        if status in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and address:
+            message = f"{address}: {message}"
+        meta = [("tigana-error", error)] if error else []
+        if epoch:
+            meta.append(("tigana-epoch", str(epoch)))
+        return Answer(frame_id, None, from_status(status, message, meta))
+    if kind == PULL:
+        return Answer(frame_id, wire.decode_pull_response(body), None)
+    return Answer(frame_id, pb.PushResponse.FromString(bytes(body or b"")), None)

@@ -1,0 +1,226 @@
+"""The streaming data path: one bidirectional ``Shard/Exchange`` stream per client–server pair.
+
+Client side (``Exchange``): frames are sent as they are made, each under a client-chosen id, and answered in
+completion order; a reader thread settles each frame's callback exactly once: with its answer, its error,
+``DeadlineExceeded`` when its deadline passes first, or ``Unavailable`` (unanswered) when the stream breaks or
+is cancelled. The frames carry the same requests as the unary calls, so everything that keeps a pull or push
+correct stays where it was: (client id, seq) for exactly-once, the routed epoch for fencing, the client's
+re-routing of failed parts, its push permits. A broken stream is opened again by the next frame.
+
+Server side (``serve``): a reader thread takes frames off the stream and hands each to the server's frame
+pool; answers are written back as they finish. At most ``window`` frames of one stream are read and not yet
+answered: past that the reader stops reading, and HTTP/2 flow control holds the client back.
+
+Invariant (the same as the unary path's): a frame whose callback got an error may still have been applied by
+the server (an answer lost with the connection, or later than the deadline). Only pushes have effects, and a
+push re-sent under its (client id, seq) is applied once, so "unanswered" is always safe to retry.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures as cf
+from typing import Any
+
+import grpc
+
+from tigana.ps import frames, wire
+from tigana.ps.errors import DeadlineExceeded, Internal, PSError, Unavailable, from_rpc_error
+
+EXCHANGE = "/tigana.v1.Shard/Exchange"
+Done = Callable[[Any, "PSError | None"], None]
+_END = object()
+
+
+class _Pending:
+    __slots__ = ("done", "timer", "generation")
+
+    def __init__(self, done: Done, generation: int) -> None:
+        self.done, self.generation = done, generation
+        self.timer: threading.Timer | None = None
+
+
+class Exchange:
+    """This client's stream to one server. ``send`` returns at once; ``done(reply, error)`` runs once per
+    frame on the reader or a timer thread. ``supported`` turns False when the server has no ``Exchange``
+    (an older server): the caller then uses the unary calls.
+
+    Thread-safety: every method may be called from any thread."""
+
+    def __init__(self, channel: grpc.Channel, address: str) -> None:
+        self.address = address
+        self._method = channel.stream_stream(EXCHANGE, request_serializer=wire.identity,
+                                             response_deserializer=wire.identity)
+        self._lock = threading.Lock()
+        self._pending: dict[int, _Pending] = {}
+        self._next_id = 0
+        self._generation = 0
+        self._queue: queue.SimpleQueue | None = None  # the open stream's outgoing frames
+        self._call: Any = None
+        self._closed = False
+        self.supported = True
+
+    def send(self, kind: int, parts: list, timeout_s: float, done: Done) -> None:
+        """Send one frame (a pull or push request in pieces, ``wire.*_request_parts``)."""
+        with self._lock:
+            if self._closed:
+                err: PSError | None = Unavailable(f"{self.address}: client closed")
+            else:
+                err = None
+                if self._queue is None:
+                    self._open()
+                self._next_id += 1
+                frame_id = self._next_id
+                pending = self._pending[frame_id] = _Pending(done, self._generation)
+                q = self._queue
+        if err is not None:
+            done(None, err)
+            return
+        try:
+            raw = frames.request(frame_id, max(1, int(timeout_s * 1000)), kind, parts)
+        except Exception as exc:  # noqa: BLE001 - settle the frame, never leave it pending
+            self._settle(frame_id, None, Internal(f"{self.address}: frame encoding: {exc}"))
+            return
+        timer = threading.Timer(timeout_s, self._expire, (frame_id, timeout_s))
+        timer.daemon = True
+        pending.timer = timer
+        timer.start()
+        assert q is not None
+        q.put(raw)
+
+    def cancel_all(self) -> int:
+        """Give up on every frame in flight (the server was declared dead): they get ``Unavailable``."""
+        with self._lock:
+            call, n = self._call, len(self._pending)
+        if call is not None:
+            call.cancel()  # the reader then fails every frame of this stream
+        return n
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            call, q = self._call, self._queue
+            self._queue = self._call = None
+        if q is not None:
+            q.put(_END)
+        if call is not None:
+            call.cancel()
+
+    # --- internals ---
+    def _open(self) -> None:
+        """Start a new stream (under the lock)."""
+        self._generation += 1
+        q: queue.SimpleQueue = queue.SimpleQueue()
+
+        def outgoing() -> Iterator[bytes]:
+            while True:
+                item = q.get()
+                if item is _END:
+                    return
+                yield item
+
+        call = self._method(outgoing())
+        self._queue, self._call = q, call
+        thread = threading.Thread(target=self._read, args=(call, q, self._generation),
+                                  name=f"tigana-exchange-{self.address}", daemon=True)
+        thread.start()
+
+    def _read(self, call: Any, q: queue.SimpleQueue, generation: int) -> None:
+        error: PSError | None = None
+        try:
+            for raw in call:
+                try:
+                    answer = frames.read_answer(raw, self.address)
+                except PSError as exc:  # a reply we cannot read: fail the stream's frames
+                    error = Internal(f"{self.address}: unreadable stream answer: {exc}")
+                    call.cancel()
+                    break
+                self._settle(answer.id, answer.reply, answer.error)
+        except grpc.RpcError as err:
+            code = err.code() if hasattr(err, "code") else None
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                self.supported = False
+            if code == grpc.StatusCode.CANCELLED:
+                error = Unavailable(f"{self.address}: stream cancelled (the server was declared dead or the "
+                                    "client closed)")
+            else:
+                error = from_rpc_error(err, self.address)
+                if not isinstance(error, Unavailable):  # a failed stream: no frame of it was answered
+                    error = Unavailable(f"{self.address}: stream failed: {error}")
+        except Exception as exc:  # noqa: BLE001 - a reader thread must never die silently
+            error = Unavailable(f"{self.address}: stream failed: {type(exc).__name__}: {exc}")
+        finally:
+            with self._lock:
+                if self._generation == generation:
+                    self._queue = self._call = None
+                lost = [k for k, p in self._pending.items() if p.generation == generation]
+            q.put(_END)
+            for k in lost:
+                self._settle(k, None, error or Unavailable(f"{self.address}: stream ended"))
+
+    def _expire(self, frame_id: int, timeout_s: float) -> None:
+        self._settle(frame_id, None, DeadlineExceeded(
+            f"{self.address}: no answer within {timeout_s:g}s (deadline exceeded)"), from_timer=True)
+
+    def _settle(self, frame_id: int, reply: Any, error: PSError | None, *, from_timer: bool = False) -> None:
+        with self._lock:
+            pending = self._pending.pop(frame_id, None)
+        if pending is None:  # answered already (a late answer after the deadline, or the reverse)
+            return
+        if pending.timer is not None and not from_timer:
+            pending.timer.cancel()
+        pending.done(reply, error)
+
+
+# --- the server's side ------------------------------------------------------------------------------------
+def serve(requests: Iterator[Any], handle: Callable[[frames.Frame, float], bytes], pool: cf.Executor,
+          window: int, on_malformed: Callable[[Any], None]) -> Iterator[bytes]:
+    """The answers of one ``Exchange`` stream: every frame handed to ``pool`` as ``handle(frame, received)``
+    (which answers, never raises), at most ``window`` frames at a time. ``on_malformed`` ends the stream for
+    a frame with no id to answer under (it aborts the RPC)."""
+    answers: queue.SimpleQueue = queue.SimpleQueue()
+    slots = threading.BoundedSemaphore(window)
+    lock = threading.Lock()
+    open_count = [1]  # the reader, plus one per frame being handled
+
+    def release() -> None:
+        with lock:
+            open_count[0] -= 1
+            last = open_count[0] == 0
+        if last:
+            answers.put(_END)
+
+    def work(frame: frames.Frame, received: float) -> None:
+        try:
+            answers.put(handle(frame, received))
+        finally:
+            slots.release()
+            release()
+
+    def read() -> None:
+        try:
+            for frame in requests:
+                if not isinstance(frame, frames.Frame):
+                    answers.put(frame)  # Malformed: ends the stream below
+                    return
+                slots.acquire()
+                with lock:
+                    open_count[0] += 1
+                pool.submit(work, frame, time.monotonic())
+        except Exception:  # noqa: BLE001, S110 - the client went away: answer what is in flight, then end
+            pass
+        finally:
+            release()
+
+    threading.Thread(target=read, name="tigana-exchange-reader", daemon=True).start()
+    while True:
+        item = answers.get()
+        if item is _END:
+            return
+        if not isinstance(item, bytes):
+            on_malformed(item)
+            return
+        yield item
