@@ -16,12 +16,14 @@ def test_bench_ps_prints_one_json_line_per_case(capsys):
             "--repeats", "1"]
     assert cli.main(argv) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
-    peers = {"in-process", "grpc-echo"} | ({"redis"} if shutil.which("redis-server") else set())
+    peers = {"in-process", "grpc-echo", "grpc-stream-echo", "ps-unary"} | (
+        {"redis"} if shutil.which("redis-server") else set())
     assert {(d["case"], d["peer"]) for d in lines} == {(c, p) for c in ("pull", "push", "step") for p in peers}
     for d in lines:
         assert d["unit"] == "rows/s" and d["value"] > 0 and d["peer_value"] > 0
         assert abs(d["ratio"] - d["value"] / d["peer_value"]) <= 2e-3 * d["ratio"]  # each figure has 4 digits
         assert d["dim"] == 8 and d["wire"] == "fp16" and d["batch"] == 2048 and d["shards"] == 2
+        assert d["transport"] == "stream"
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
