@@ -18,6 +18,9 @@ push re-sent under its (client id, seq) is applied once, so "unanswered" is alwa
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import heapq
 import queue
 import threading
 import time
@@ -36,11 +39,44 @@ _END = object()
 
 
 class _Pending:
-    __slots__ = ("done", "timer", "generation")
+    __slots__ = ("done", "generation")
 
     def __init__(self, done: Done, generation: int) -> None:
         self.done, self.generation = done, generation
-        self.timer: threading.Timer | None = None
+
+
+class _Deadlines:
+    """One thread for the deadlines of every frame of this process (a timer thread per frame costs more than
+    a small frame): ``add(when, fn)`` calls ``fn()`` at ``when`` (monotonic) unless the frame settled first,
+    which ``fn`` finds out itself."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._cond = threading.Condition()
+        self._count = 0
+        self._thread: threading.Thread | None = None
+
+    def add(self, when: float, fn: Callable[[], None]) -> None:
+        with self._cond:
+            self._count += 1
+            heapq.heappush(self._heap, (when, self._count, fn))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tigana-frame-deadlines", daemon=True)
+                self._thread.start()
+            if self._heap[0][1] == self._count:  # the new earliest deadline: wake the thread to sleep less
+                self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    self._cond.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
+                _, _, fn = heapq.heappop(self._heap)
+            with contextlib.suppress(Exception):  # a deadline callback must not stop the others
+                fn()
+
+
+_DEADLINES = _Deadlines()
 
 
 class Exchange:
@@ -74,7 +110,7 @@ class Exchange:
                     self._open()
                 self._next_id += 1
                 frame_id = self._next_id
-                pending = self._pending[frame_id] = _Pending(done, self._generation)
+                self._pending[frame_id] = _Pending(done, self._generation)
                 q = self._queue
         if err is not None:
             done(None, err)
@@ -84,10 +120,7 @@ class Exchange:
         except Exception as exc:  # noqa: BLE001 - settle the frame, never leave it pending
             self._settle(frame_id, None, Internal(f"{self.address}: frame encoding: {exc}"))
             return
-        timer = threading.Timer(timeout_s, self._expire, (frame_id, timeout_s))
-        timer.daemon = True
-        pending.timer = timer
-        timer.start()
+        _DEADLINES.add(time.monotonic() + timeout_s, functools.partial(self._expire, frame_id, timeout_s))
         assert q is not None
         q.put(raw)
 
@@ -163,15 +196,13 @@ class Exchange:
 
     def _expire(self, frame_id: int, timeout_s: float) -> None:
         self._settle(frame_id, None, DeadlineExceeded(
-            f"{self.address}: no answer within {timeout_s:g}s (deadline exceeded)"), from_timer=True)
+            f"{self.address}: no answer within {timeout_s:g}s (deadline exceeded)"))
 
-    def _settle(self, frame_id: int, reply: Any, error: PSError | None, *, from_timer: bool = False) -> None:
+    def _settle(self, frame_id: int, reply: Any, error: PSError | None) -> None:
         with self._lock:
             pending = self._pending.pop(frame_id, None)
         if pending is None:  # answered already (a late answer after the deadline, or the reverse)
             return
-        if pending.timer is not None and not from_timer:
-            pending.timer.cancel()
         pending.done(reply, error)
 
 
