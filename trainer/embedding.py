@@ -23,6 +23,19 @@ without blocking the caller). ``prefetch(next_batch)`` overlaps the pull of step
 which needs k >= 1 (the rows cannot include step t's own pushes); with k = 0 every pull waits for every
 earlier push and prefetch does nothing. Pushes of other trainers are never waited for (asynchronous SGD).
 
+Hot-row cache (``TableOptions.cache_rows``, ``tigana.trainer.cache``): training forwards read the rows of hot
+ids from copies pulled earlier while each copy is within the table's staleness bound (per row: this
+trainer's own pushes it misses, counted at every push; the invariant is in ``cache``), and pull only the
+rest. A prefetch decides which rows the cache will serve counting the pushes of the steps that run before
+its forward; the forward checks again and pulls any row that is no longer servable. With a cache the misses
+are pulled with a client bound of 0 (a pull reflects every push issued before it), so the whole staleness
+budget goes to the cache. Evaluation (read-only) forwards never use it.
+
+Adaptive compression (``TableOptions(compression="adaptive")``, ``tigana.trainer.compression``): each PS
+table's pull and push codecs are chosen per step from the measured quantization error, pushes carry error
+feedback and top-k sparsification, and a guard backs off to full precision; ``flush`` delivers every
+gradient still held. ``observe_loss`` feeds the guard the training loss.
+
 Hierarchical sparse aggregation (``aggregate_group``): the ranks of one node gather their (ids, grads) at the
 node leader, which sums the rows of equal ids and pushes once for the node.
 
@@ -34,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures as cf
 from dataclasses import dataclass, field
@@ -46,26 +60,57 @@ from torch import nn
 from torch.nn import functional as F
 
 from tigana import ps
+from tigana.trainer._kernels import group_ids
+from tigana.trainer.cache import POLICIES, RowCache
+from tigana.trainer.compression import AdaptiveCompressor, AdaptiveConfig
 from tigana.trainer.data.hashing import mix64
 from tigana.trainer.types import FeatureSpec, SparseFeatures
 
-__all__ = ["PSEmbeddingCollection", "TableOptions"]
+__all__ = ["COMPRESSIONS", "PSEmbeddingCollection", "TableOptions"]
+
+_PUSH_LOG = 8  # own pushes per PS table remembered for the lag of the pulls in flight
+
+
+COMPRESSIONS = (None, "none", "fp32", "fp16", "bf16", "int8", "adaptive")
 
 
 @dataclass(frozen=True)
 class TableOptions:
-    """How a PS table is created: its server-side optimizer and initializer, staleness bound, seed and the
-    wire compression of its rows (None: float32)."""
+    """How a PS table is created and read: its server-side optimizer and initializer, staleness bound, seed,
+    the wire compression of its rows (None: float32; a codec for both directions; "adaptive": chosen per
+    step by ``AdaptiveCompressor`` with the knobs of ``adaptive``) and the trainer's hot-row cache
+    (``cache_rows`` rows, 0: none; ``cache_max_age`` steps a copy may serve, None: no age bound;
+    ``cache_policy`` lfu or lru)."""
 
     optimizer: Any = field(default_factory=lambda: ps.Adagrad(lr=0.05))
     initializer: Any = field(default_factory=lambda: ps.Normal(std=0.01))
     staleness: int = 1
     seed: int = 0
     compression: str | None = None
+    adaptive: AdaptiveConfig | None = None
+    cache_rows: int = 0
+    cache_max_age: int | None = None
+    cache_policy: str = "lfu"
 
     def __post_init__(self) -> None:
         if self.staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {self.staleness}")
+        if self.compression not in COMPRESSIONS:
+            raise ps.InvalidArgument(f"table options: field 'compression' must be one of {COMPRESSIONS}, "
+                                     f"got {self.compression!r}")
+        if self.adaptive is not None and not isinstance(self.adaptive, AdaptiveConfig):
+            raise ps.InvalidArgument(f"table options: field 'adaptive' must be an AdaptiveConfig, got "
+                                     f"{type(self.adaptive).__name__}")
+        if isinstance(self.cache_rows, bool) or not isinstance(self.cache_rows, int) or self.cache_rows < 0:
+            raise ps.InvalidArgument(f"table options: field 'cache_rows' must be an integer >= 0, got "
+                                     f"{self.cache_rows!r}")
+        if self.cache_max_age is not None and (isinstance(self.cache_max_age, bool)
+                                               or not isinstance(self.cache_max_age, int) or self.cache_max_age < 0):
+            raise ps.InvalidArgument(f"table options: field 'cache_max_age' must be None or an integer >= 0, got "
+                                     f"{self.cache_max_age!r}")
+        if self.cache_policy not in POLICIES:
+            raise ps.InvalidArgument(f"table options: field 'cache_policy' must be one of {POLICIES}, got "
+                                     f"{self.cache_policy!r}")
 
 
 @dataclass
@@ -75,7 +120,7 @@ class _Plan:
     N values of F*B bags; the rows of every table are stacked, table after table, into (U, dim), U = sum U_t.
     """
 
-    unique: list[np.ndarray]          # per table: (U_t,) int64 distinct ids, ascending
+    unique: list[np.ndarray]          # per table: (U_t,) int64 distinct ids, in first-seen order
     index: torch.Tensor               # (N,) int64 stacked row of each value
     offsets: torch.Tensor             # (F*B,) int64 bag starts in the values
     weights: torch.Tensor | None      # (N,) float32 per-value weights (1/len of its bag for mean pooling)
@@ -84,6 +129,29 @@ class _Plan:
     bag_of_value: torch.Tensor | None  # (N,) int64 bag of each value (multi-hot batches only)
     batch_size: int
     single_hot: bool                  # every bag holds exactly one id
+
+
+@dataclass
+class _Fetch:
+    """One PS table's rows for one plan: which rows the cache serves at the forward, and the pull of the rest."""
+
+    table: str                   # PS table
+    ids: np.ndarray              # (U,) physical ids, in the plan's row order
+    hit: np.ndarray | None       # (U,) bool rows to read from the cache (None: no cache, everything pulled)
+    future: Any                  # rows of ids[~hit] (or of every id)
+    push_no: int                 # this table's own pushes issued when the pull was sent
+    absorbed: bool = False       # its pulled rows are in the cache
+
+
+@dataclass
+class _Prefetch:
+    """A batch whose rows are being pulled ahead of its forward."""
+
+    batch: SparseFeatures
+    plan: _Plan
+    fetches: list[_Fetch]
+    steps: int                   # training forwards done when the pulls were sent
+    insert: bool                 # training (inserting) pulls, or read-only (evaluation)
 
 
 def _plan_on(plan: _Plan, device: torch.device) -> _Plan:
@@ -143,16 +211,9 @@ def _salted(ids: np.ndarray, salt: np.uint64) -> np.ndarray:
 
 
 def _group(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(n,) int64 -> (unique ascending, inverse (n,), order (n,) grouping equal ids, group starts in order)."""
-    order = np.argsort(ids)
-    ordered = ids[order]
-    first = np.empty(ids.shape[0], dtype=bool)
-    first[:1] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
-    starts = np.flatnonzero(first)
-    inverse = np.empty(ids.shape[0], dtype=np.int64)
-    inverse[order] = np.cumsum(first) - 1
-    return ordered[starts], inverse, order, starts
+    """(n,) int64 -> (distinct ids in first-seen order, inverse (n,), order (n,) grouping equal ids, group
+    starts in order): one hash pass and a counting sort (``_kernels.group_ids``), no sort."""
+    return group_ids(ids)
 
 
 class PSEmbeddingCollection(nn.Module):
@@ -203,12 +264,11 @@ class PSEmbeddingCollection(nn.Module):
         # Follows .to(device): pooling runs where the model runs (ids, plans and pushes stay on the CPU).
         self.register_buffer("_device_marker", torch.empty(0), persistent=False)
         self.steps = 0  # training forwards (one push per table each)
-        # (batch, plan, pull futures, training steps done when the pulls were sent, whether the pulls insert
-        # (training) or are read-only (evaluation)), oldest first
-        self._prefetched: list[tuple[SparseFeatures, _Plan, list[Any], int, bool]] = []
+        self._prefetched: list[_Prefetch] = []  # oldest first
         self._aggregate_group = aggregate_group
         self.pushed_rows = 0
         self.pulled_rows = 0
+        self.cached_rows = 0  # rows training forwards read from the hot-row cache instead of pulling
         # (op, seconds, rows) for the trainer's metrics: "pull" and "push" from the call to the rows or the
         # acknowledgement (on a client callback thread), "pull_wait" the time a forward waited for its rows.
         self.observer: Callable[[str, float, int], None] | None = None
@@ -219,18 +279,41 @@ class PSEmbeddingCollection(nn.Module):
                 raise ValueError(f"fused_table {fused_table!r}: every table must have the same TableOptions to "
                                  f"share one PS table, got {len(distinct)} different ones")
             self._salts = [_table_salt(t) for t in self.tables]
+        # The PS tables behind the logical ones, and per PS table its cache, compressor and own-push log.
+        self.ps_tables: list[str] = [fused_table] if fused_table is not None else list(self.tables)
+        self.caches: dict[str, RowCache] = {}
+        self.compressors: dict[str, AdaptiveCompressor] = {}
+        self._push_no = {t: 0 for t in self.ps_tables}
+        # (push number, sorted distinct ids) of the last pushes: the lag of rows pulled before them
+        self._push_log: dict[str, deque[tuple[int, np.ndarray]]] = {t: deque(maxlen=_PUSH_LOG) for t in self.ps_tables}
+        for table in self.ps_tables:
+            o = self._options_of(table)
+            if o.cache_rows:
+                if aggregate_group is not None:
+                    raise ps.InvalidArgument(f"table {table!r}: field 'cache_rows' needs the pushes of this rank "
+                                             "sent by this rank (no aggregate_group): the cache counts them")
+                self.caches[table] = RowCache(o.cache_rows, self.dim, o.staleness, max_age=o.cache_max_age,
+                                              policy=o.cache_policy, table=table)
+            if o.compression == "adaptive":
+                self.compressors[table] = AdaptiveCompressor(self.dim, o.adaptive, table=table)
         if create:
-            for table in ([fused_table] if fused_table is not None else self.tables):
+            for table in self.ps_tables:
                 self._create(table)
 
     # ------------------------------------------------------------------ tables
+    def _options_of(self, table: str) -> TableOptions:
+        return self.options[self.tables[0]] if table == self.fused_table else self.options[table]
+
     def _create(self, table: str) -> None:
-        o = self.options[self.tables[0]] if table == self.fused_table else self.options[table]
+        o = self._options_of(table)
         # The client's bound counts its own pushes before the pull is sent. A prefetched pull for step t+1 is
         # sent before step t pushes, so the client's k-1 is this table's k (and a stricter k-1 for a pull
-        # sent at its own step).
+        # sent at its own step). With a cache, pulls reflect every push issued before them (bound 0) and the
+        # cache spends the table's k.
+        staleness = 0 if table in self.caches else max(o.staleness - 1, 0)
+        codec = None if o.compression in (None, "adaptive") else o.compression
         self.client.create_table(table, dim=self.dim, optimizer=o.optimizer, initializer=o.initializer,
-                                 seed=o.seed, staleness=max(o.staleness - 1, 0), compression=o.compression)
+                                 seed=o.seed, staleness=staleness, compression=codec)
 
     @property
     def min_staleness(self) -> int:
@@ -293,17 +376,37 @@ class PSEmbeddingCollection(nn.Module):
                      row_starts=torch.from_numpy(cat(start_parts) if len(start_parts) > 1 else start_parts[0]),
                      bag_of_value=bag_of_value, batch_size=b, single_hot=single_hot)
 
-    def _issue_pulls(self, plan: _Plan, insert: bool) -> list[Any]:
+    def _ps_ids(self, plan: _Plan) -> list[np.ndarray]:
+        """The plan's distinct ids per PS table (one fused block, or one per table), in stacked row order."""
+        return [self._fused_ids(plan.unique)] if self.fused_table is not None else plan.unique
+
+    def _issue_pulls(self, plan: _Plan, insert: bool, pending: Sequence[_Prefetch] = ()) -> list[_Fetch]:
+        """Send the pulls of ``plan``'s rows, except (training) the rows the cache will serve at a forward
+        that runs after the forwards of ``pending`` (prefetched batches whose steps will push first)."""
         # The client holds each pull back (asynchronously) until the pushes the staleness bound needs are in.
         # ``insert=False`` (evaluation): ids the tables lack read as their initial rows, stored nowhere and not
         # counted toward admission, so held-out data never grows the tables.
         start = time.perf_counter()
-        if self.fused_table is not None:
-            ids = self._fused_ids(plan.unique)
-            return [self._timed("pull", self.client.pull_async(self.fused_table, ids, insert=insert), start,
-                                ids.shape[0])]
-        return [self._timed("pull", self.client.pull_async(table, ids, insert=insert), start, ids.shape[0])
-                for table, ids in zip(self.tables, plan.unique, strict=True)]
+        fetches = []
+        for table, ids in zip(self.ps_tables, self._ps_ids(plan), strict=True):
+            cache = self.caches.get(table) if insert else None
+            hit = None
+            wanted = ids
+            if cache is not None:
+                ahead = [p.fetches[self.ps_tables.index(table)].ids for p in pending if p.insert]
+                touches = sum((np.isin(ids, a) for a in ahead), np.zeros(ids.shape[0], np.int64))
+                hit = cache.lookup(ids, pending=touches, ahead=len(ahead)) >= 0
+                wanted = ids[~hit]
+            self._set_codecs(table)
+            fut = self._timed("pull", self.client.pull_async(table, wanted, insert=insert), start, wanted.shape[0])
+            fetches.append(_Fetch(table, ids, hit, fut, self._push_no[table]))
+        return fetches
+
+    def _set_codecs(self, table: str, push: str | None = None) -> None:
+        """Point the client's codecs of ``table`` at what its compressor chose (no-op without one)."""
+        comp = self.compressors.get(table)
+        if comp is not None:
+            self.client.set_compression(table, {"pull": comp.pull_codec, "push": push or comp.push_dir.codec()})
 
     def _timed(self, op: str, fut: Any, start: float, rows: int) -> Any:
         """``fut``, reporting to ``observer`` how long it took from ``start`` once it is done."""
@@ -316,30 +419,88 @@ class PSEmbeddingCollection(nn.Module):
         """The physical ids of every logical table's ``ids`` in the fused table, stacked table after table."""
         return np.concatenate([_salted(t_ids, salt) for t_ids, salt in zip(ids, self._salts, strict=True)])
 
-    def _collect(self, plan: _Plan, futures: list[Any]) -> torch.Tensor:
+    def _collect(self, plan: _Plan, fetches: list[_Fetch], training: bool,
+                 pending: Sequence[_Prefetch] = ()) -> torch.Tensor:
+        """(U, dim) rows of the plan, stacked table after table: pulled rows, plus (training, with a cache)
+        the rows the cache serves, checked again now; ``pending``: prefetches still ahead (their promised
+        rows stay cached)."""
         if self.observer is not None:
             start = time.perf_counter()
-            cf.wait(futures)
+            cf.wait([f.future for f in fetches])
             self.observer("pull_wait", time.perf_counter() - start, sum(u.shape[0] for u in plan.unique))
-        if self.fused_table is not None:
-            total = sum(u.shape[0] for u in plan.unique)
-            rows = np.asarray(futures[0].result(), dtype=np.float32)
-            if rows.shape != (total, self.dim):
-                raise RuntimeError(f"table {self.fused_table!r}: pulled rows of shape {rows.shape}, "
-                                   f"expected ({total}, {self.dim})")
-            self.pulled_rows += total
-            return torch.from_numpy(rows if rows.flags.writeable else rows.copy())
-        blocks = []
-        for table, ids, fut in zip(self.tables, plan.unique, futures, strict=True):
-            rows = np.asarray(fut.result(), dtype=np.float32)
-            if rows.shape != (ids.shape[0], self.dim):
-                raise RuntimeError(f"table {table!r}: pulled rows of shape {rows.shape}, "
-                                   f"expected ({ids.shape[0]}, {self.dim})")
-            if not rows.flags.writeable:
-                rows = rows.copy()
-            blocks.append(torch.from_numpy(rows))
-            self.pulled_rows += ids.shape[0]
-        return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+        blocks = [self._rows_of(f, training, pending) for f in fetches]
+        return torch.from_numpy(blocks[0] if len(blocks) == 1 else np.concatenate(blocks))
+
+    def _pulled(self, f: _Fetch) -> np.ndarray:
+        """The rows ``f``'s pull returned, shape-checked (and seen by the table's compressor)."""
+        n = f.ids.shape[0] if f.hit is None else int(f.hit.shape[0] - f.hit.sum())
+        rows = np.asarray(f.future.result(), dtype=np.float32)
+        if rows.shape != (n, self.dim):
+            raise RuntimeError(f"table {f.table!r}: pulled rows of shape {rows.shape}, expected ({n}, {self.dim})")
+        return rows
+
+    def _rows_of(self, f: _Fetch, training: bool, pending: Sequence[_Prefetch]) -> np.ndarray:
+        pulled = self._pulled(f)
+        comp = self.compressors.get(f.table)
+        if comp is not None:
+            comp.observe_pull(pulled)
+        self.pulled_rows += pulled.shape[0]
+        cache = self.caches.get(f.table) if training else None
+        if cache is None or f.hit is None:
+            return pulled if pulled.flags.writeable else pulled.copy()
+        rows = np.empty((f.ids.shape[0], self.dim), np.float32)
+        miss = ~f.hit
+        rows[miss] = pulled
+        promised = np.flatnonzero(f.hit)
+        late = promised[:0]
+        if promised.shape[0]:
+            # Checked again: this forward may come after more own pushes than the prefetch counted.
+            slots = cache.lookup(f.ids[promised])
+            ok = slots >= 0
+            rows[promised[ok]] = cache.read(slots[ok])
+            self.cached_rows += int(ok.sum())
+            late = promised[~ok]
+            if late.shape[0]:  # no longer servable: pull them now (they reflect every push issued so far)
+                self._set_codecs(f.table)
+                fresh = np.asarray(self.client.pull(f.table, f.ids[late]), np.float32)
+                rows[late] = fresh
+                self.pulled_rows += late.shape[0]
+                cache.insert(f.ids[late], fresh, 0, protect=self._promised(f.table, pending))
+        cache.miss(int(miss.sum()) + late.shape[0])
+        self._absorb(f, pending, pulled)
+        return rows
+
+    def _promised(self, table: str, pending: Sequence[_Prefetch]) -> np.ndarray:
+        """Ids of ``table`` that the pending prefetches will read from its cache (kept from eviction)."""
+        i = self.ps_tables.index(table)
+        parts = [p.fetches[i].ids[p.fetches[i].hit] for p in pending if p.insert and p.fetches[i].hit is not None]
+        return np.concatenate(parts) if parts else np.empty(0, np.int64)
+
+    def _absorb(self, f: _Fetch, pending: Sequence[_Prefetch], pulled: np.ndarray | None = None) -> None:
+        """Put ``f``'s pulled rows into the table's cache (once), with the lag of the own pushes issued
+        after the pull was sent."""
+        cache = self.caches.get(f.table)
+        if cache is None or f.hit is None or f.absorbed:
+            return
+        f.absorbed = True
+        rows = self._pulled(f) if pulled is None else pulled
+        ids = f.ids[~f.hit]
+        cache.insert(ids, rows, self._lag_since(f.table, ids, f.push_no), born=f.push_no,
+                     protect=self._promised(f.table, pending))
+
+    def _lag_since(self, table: str, ids: np.ndarray, push_no: int) -> np.ndarray:
+        """(n,) how many of this trainer's pushes of ``table`` issued after push ``push_no`` touched each id
+        (more than the staleness bound, so never cached, when the log does not reach that far back)."""
+        lag = np.zeros(ids.shape[0], np.int64)
+        if self._push_no[table] - push_no > _PUSH_LOG:
+            lag += self.caches[table].staleness + 1
+            return lag
+        for no, pushed in self._push_log[table]:
+            if no > push_no:
+                pos = np.minimum(np.searchsorted(pushed, ids), max(pushed.shape[0] - 1, 0))
+                if pushed.shape[0]:
+                    lag += pushed[pos] == ids
+        return lag
 
     def prefetch(self, sparse: SparseFeatures) -> None:
         """Start pulling the rows of ``sparse`` now, for the next ``forward(sparse)`` (the same object).
@@ -349,13 +510,19 @@ class PSEmbeddingCollection(nn.Module):
         bound, so such a prefetch is pulled again at its forward; at most two prefetches are kept. Like
         ``forward``, a prefetch with gradients disabled (evaluation) pulls read-only; a forward in the other
         mode pulls again."""
-        if self.min_staleness < 1 or any(p[0] is sparse for p in self._prefetched):
+        if self.min_staleness < 1 or any(p.batch is sparse for p in self._prefetched):
             return
         while len(self._prefetched) >= 2:
             self._finish(self._prefetched.pop(0))
         plan = self._plan(sparse)
         insert = torch.is_grad_enabled()
-        self._prefetched.append((sparse, plan, self._issue_pulls(plan, insert), self.steps, insert))
+        if insert and self.caches:
+            # The rows already on their way go into the cache first, so this batch can be served from them.
+            for p in self._prefetched:
+                for f in p.fetches:
+                    self._absorb(f, self._prefetched)
+        self._prefetched.append(_Prefetch(sparse, plan, self._issue_pulls(plan, insert, self._prefetched),
+                                          self.steps, insert))
 
     def forward(self, sparse: SparseFeatures) -> torch.Tensor:
         """(B, F, dim) float32 pooled rows, features in ``feature_names`` order.
@@ -363,20 +530,21 @@ class PSEmbeddingCollection(nn.Module):
         With gradients enabled (training) the pulls insert the rows the backward pushes to; without
         (evaluation) they are read-only: missing ids read as their initial rows and the tables do not grow."""
         training = torch.is_grad_enabled()
-        pre = next((p for p in self._prefetched if p[0] is sparse), None)
+        pre = next((p for p in self._prefetched if p.batch is sparse), None)
         if pre is not None:
             self._prefetched.remove(pre)
-            # Pulled after ``pre[3]`` steps; its client-side bound assumed it serves step pre[3] + 2 at latest.
-            # A prefetch of the other mode (read-only for training, inserting for evaluation) is pulled again.
-            if pre[4] != training or (training and self.steps + 1 - pre[3] > 2):
+            # Pulled after ``pre.steps`` steps; its client-side bound assumed it serves step pre.steps + 2 at
+            # latest. A prefetch of the other mode (read-only for training, inserting for evaluation) is pulled
+            # again.
+            if pre.insert != training or (training and self.steps + 1 - pre.steps > 2):
                 self._finish(pre)
                 pre = None
         if pre is not None:
-            plan, futures = pre[1], pre[2]
+            plan, fetches = pre.plan, pre.fetches
         else:
             plan = self._plan(sparse)
-            futures = self._issue_pulls(plan, insert=training)
-        rows = self._collect(plan, futures)
+            fetches = self._issue_pulls(plan, insert=training)
+        rows = self._collect(plan, fetches, training, self._prefetched)
         device = self._device_marker.device
         if device.type != "cpu":
             plan = _plan_on(plan, device)
@@ -394,25 +562,51 @@ class PSEmbeddingCollection(nn.Module):
         if self.grad_scale != 1.0:
             grad = grad * self.grad_scale
         grads = list(torch.split(grad, [u.shape[0] for u in plan.unique]))
+        for table, own in zip(self.ps_tables, self._ps_ids(plan), strict=True):
+            self._note_push(table, own)  # this trainer's contribution, whoever sends it
         ids = [torch.from_numpy(u) for u in plan.unique]
         if self._aggregate_group is not None:
             ids, grads = _aggregate(ids, grads, self._aggregate_group, self.dim)
         if self.fused_table is not None:
-            n = sum(t.numel() for t in ids)
-            if n:
-                start = time.perf_counter()
-                self._timed("push", self.client.push(self.fused_table, self._fused_ids([t.numpy() for t in ids]),
-                                                     np.ascontiguousarray(torch.cat(grads).numpy(), dtype=np.float32)),
-                            start, n)
-                self.pushed_rows += n
+            if sum(t.numel() for t in ids):
+                self._send(self.fused_table, self._fused_ids([t.numpy() for t in ids]), torch.cat(grads).numpy())
             return
         for table, t_ids, t_grads in zip(self.tables, ids, grads, strict=True):
             if t_ids.numel():
-                start = time.perf_counter()
-                self._timed("push", self.client.push(table, t_ids.numpy(),
-                                                     np.ascontiguousarray(t_grads.numpy(), dtype=np.float32)),
-                            start, t_ids.numel())
-                self.pushed_rows += t_ids.numel()
+                self._send(table, t_ids.numpy(), t_grads.numpy())
+
+    def _note_push(self, table: str, ids: np.ndarray) -> None:
+        """One own push of ``ids`` to ``table``: counted by its cache and remembered for the lag of pulls in
+        flight."""
+        self._push_no[table] += 1
+        cache = self.caches.get(table)
+        if cache is not None:
+            cache.pushed(ids)
+            self._push_log[table].append((self._push_no[table], np.sort(ids)))
+
+    def _send(self, table: str, ids: np.ndarray, grads: np.ndarray) -> None:
+        """Push ``grads`` of ``ids`` to PS table ``table`` (through its compressor when it has one)."""
+        comp = self.compressors.get(table)
+        if comp is not None:
+            plan = comp.plan_push(ids, grads)
+            ids, grads = plan.ids, plan.grads
+            self._set_codecs(table, push=plan.codec)
+        if ids.shape[0]:
+            start = time.perf_counter()
+            self._timed("push", self.client.push(table, ids, np.ascontiguousarray(grads, dtype=np.float32)), start,
+                        ids.shape[0])
+            self.pushed_rows += ids.shape[0]
+
+    def observe_loss(self, loss: float) -> None:
+        """A training step's loss, for the accuracy guard of adaptive compression (no-op without it)."""
+        for comp in self.compressors.values():
+            comp.observe_loss(float(loss))
+
+    def stats(self) -> dict[str, Any]:
+        """Rows pulled, pushed and served by the cache, and per PS table its cache's and compressor's counters."""
+        return {"pulled_rows": self.pulled_rows, "pushed_rows": self.pushed_rows, "cached_rows": self.cached_rows,
+                "cache": {t: c.stats() for t, c in self.caches.items()},
+                "compression": {t: c.stats() for t, c in self.compressors.items()}}
 
     def table_rows(self, table: str, ids: np.ndarray | torch.Tensor) -> np.ndarray:
         """(n, dim) float32 current rows of logical table ``table`` for int64 ``ids`` (through the fused table
@@ -420,14 +614,28 @@ class PSEmbeddingCollection(nn.Module):
         if table not in self.tables:
             raise ValueError(f"no table named {table!r} (tables: {self.tables})")
         ids = np.ascontiguousarray(torch.as_tensor(ids).numpy(), dtype=np.int64)
-        if self.fused_table is None:
-            return self.client.pull(table, ids)
-        return self.client.pull(self.fused_table, _salted(ids, self._salts[self.tables.index(table)]))
+        physical = table if self.fused_table is None else self.fused_table
+        if self.fused_table is not None:
+            ids = _salted(ids, self._salts[self.tables.index(table)])
+        comp = self.compressors.get(physical)
+        if comp is None:
+            return self.client.pull(physical, ids)
+        self.client.set_compression(physical, {"pull": "fp32", "push": comp.push_dir.codec()})  # exact rows
+        try:
+            return self.client.pull(physical, ids)
+        finally:
+            self._set_codecs(physical)
 
     def flush(self) -> None:
-        """Wait until every push this collection made has been applied, and drop any prefetched rows (they may
-        predate those pushes)."""
+        """Deliver every gradient adaptive compression still holds, wait until every push this collection made
+        has been applied, and drop any prefetched rows (they may predate those pushes)."""
         self._drop_prefetch()
+        for table, comp in self.compressors.items():
+            plan = comp.drain()
+            if plan is not None:
+                self._set_codecs(table, push=plan.codec)
+                self.client.push(table, plan.ids, plan.grads)
+                self.pushed_rows += plan.ids.shape[0]
         self.client.flush()
 
     def _drop_prefetch(self) -> None:
@@ -435,9 +643,9 @@ class PSEmbeddingCollection(nn.Module):
             self._finish(self._prefetched.pop(0))
 
     @staticmethod
-    def _finish(entry: tuple[SparseFeatures, _Plan, list[Any], int, bool]) -> None:
-        for fut in entry[2]:  # let an unused pull finish (errors surface here) and drop its rows
-            fut.result()
+    def _finish(entry: _Prefetch) -> None:
+        for f in entry.fetches:  # let an unused pull finish (errors surface here) and drop its rows
+            f.future.result()
 
     def extra_repr(self) -> str:
         return f"features={len(self.features)}, tables={len(self.tables)}, dim={self.dim}"
