@@ -1,9 +1,11 @@
 """How a training run is configured: one frozen dataclass and the loader that fills it.
 
-Sources, lowest to highest priority: the dataclass defaults, a YAML file (``--config train.yaml``; keys are
-the field names, ``-`` or ``_``), ``TIGANA_<FIELD>`` environment variables (e.g. ``TIGANA_BATCH_SIZE=1024``,
-``TIGANA_PS=host1:7101,host2:7101``), then command-line flags. Every value is checked, and a bad one raises
-``ConfigError`` naming the field and where it came from.
+Sources, lowest to highest priority: the dataclass defaults, the tuned defaults of the data set (and model)
+the run trains (``TUNED``: epochs, batch size, learning rates... that train that data set well, so a user
+who gives only ``--model``, ``--dataset`` and ``--data`` gets a good model), a YAML file (``--config
+train.yaml``; keys are the field names, ``-`` or ``_``), ``TIGANA_<FIELD>`` environment variables (e.g.
+``TIGANA_BATCH_SIZE=1024``, ``TIGANA_PS=host1:7101,host2:7101``), then command-line flags. Every value is
+checked, and a bad one raises ``ConfigError`` naming the field and where it came from.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from typing import Any
 
 from tigana.ps import settings
 
-__all__ = ["DATASETS", "MODELS", "ConfigError", "TrainConfig", "add_arguments", "config_from_args",
-           "load_config", "load_config_sources"]
+__all__ = ["DATASETS", "MODELS", "TUNED", "ConfigError", "TrainConfig", "Tuned", "add_arguments",
+           "config_from_args", "load_config", "load_config_sources", "tuned_settings"]
 
 MODELS = ("deepfm", "dlrm", "wide_deep", "dcn_v2")
 DATASETS = ("synthetic", "criteo", "movielens-100k")
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl")
+PS_COMPRESSIONS = ("none", "fp16", "bf16", "int8", "adaptive")
 
 
 class ConfigError(ValueError):
@@ -70,6 +73,10 @@ class TrainConfig:
     metrics_port: int = 0                   # Prometheus /metrics of each rank: N + local rank; 0 off, -1 any free
     metrics_host: str = "127.0.0.1"         # address the metrics endpoint binds
     wandb_project: str | None = None        # Weights & Biases project (rank 0; pip install 'tigana[wandb]')
+    ps_compression: str = "none"            # wire codec of the PS tables: none | fp16 | bf16 | int8 | adaptive
+    cache_rows: int = 0                     # hot rows cached in each trainer per PS table (0: no cache)
+    cache_max_age: int | None = None        # steps a cached row may serve (None: bounded by staleness only)
+    cache_policy: str = "lfu"               # which cached rows a full cache evicts: lfu | lru
 
     def __post_init__(self) -> None:
         _check(self)
@@ -95,6 +102,12 @@ def _check(c: TrainConfig) -> None:
     need(c.allreduce in ("hierarchical", "flat"), "allreduce", "must be hierarchical or flat")
     need(c.compression in ("none", "fp16", "bf16"), "compression", "must be none, fp16 or bf16")
     need(c.backend in (None, "gloo", "nccl"), "backend", "must be gloo or nccl")
+    need(c.ps_compression in PS_COMPRESSIONS, "ps_compression", f"must be one of {PS_COMPRESSIONS}")
+    need(c.cache_policy in ("lfu", "lru"), "cache_policy", "must be lfu or lru")
+    need(c.cache_rows >= 0, "cache_rows", "must be >= 0")
+    need(c.cache_max_age is None or c.cache_max_age >= 0, "cache_max_age", "must be >= 0")
+    need(not (c.cache_rows and c.sparse_aggregation), "cache_rows",
+         "needs every rank to send its own pushes (no sparse_aggregation)")
     for name in ("shards", "epochs", "batch_size", "eval_batch_size", "dim", "nproc", "log_every",
                  "synthetic_rows", "synthetic_vocab"):
         need(getattr(c, name) >= 1, name, "must be >= 1")
@@ -112,6 +125,60 @@ def _check(c: TrainConfig) -> None:
         need(":" in address and address.rsplit(":", 1)[1].isdigit(), "ps", "must list HOST:PORT addresses")
 
 
+@dataclass(frozen=True)
+class Tuned:
+    """Settings one data set trains well with, found by a sweep (``tools/tune_defaults.py``, its log in
+    ``tools/tuning/``, the figures in the README's training section). They apply only to the fields that no
+    flag, ``TIGANA_*`` variable or config file sets; None keeps the TrainConfig default. ``models`` holds
+    what one model needs different from the data set's values."""
+
+    epochs: int | None = None
+    batch_size: int | None = None
+    lr: float | None = None
+    weight_decay: float | None = None
+    embedding_optimizer: str | None = None
+    embedding_lr: float | None = None
+    dim: int | None = None
+    init_std: float | None = None
+    models: Mapping[str, Tuned] = dataclasses.field(default_factory=dict)
+
+    def own(self) -> dict[str, Any]:
+        """The fields this entry sets (not None), without ``models``."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "models" and getattr(self, f.name) is not None}
+
+
+# Tuned on MovieLens-100K u1 (train u1.base, score u1.test) and the 1,999-row Criteo head (every 10th row held
+# out: 199 rows, too few for a stable AUC; those values keep the run sensible, they are not a measured optimum).
+TUNED: dict[str, Tuned] = {
+    "movielens-100k": Tuned(),
+    "criteo": Tuned(),
+}
+
+
+def tuned_settings(dataset: str, model: str) -> dict[str, tuple[Any, str]]:
+    """field -> (value, source) of the tuned defaults of ``dataset`` trained with ``model`` (empty for a data
+    set without any: synthetic). The source reads ``dataset default (DATASET)`` or, for a value only that
+    model gets, ``dataset default (DATASET, MODEL)``."""
+    tuned = TUNED.get(dataset)
+    if tuned is None:
+        return {}
+    out = {name: (value, f"dataset default ({dataset})") for name, value in tuned.own().items()}
+    special = tuned.models.get(model)
+    if special is not None:
+        out.update({name: (value, f"dataset default ({dataset}, {model})") for name, value in special.own().items()})
+    return out
+
+
+def _apply_tuned(values: dict[str, Any], sources: dict[str, str]) -> None:
+    """Fill the fields no flag, variable or file gave from the tuned defaults of the run's data set and model."""
+    dataset = values.get("dataset", TrainConfig.dataset)
+    model = values.get("model", TrainConfig.model)
+    for name, (value, source) in tuned_settings(dataset, model).items():
+        if name not in values:
+            values[name], sources[name] = value, source
+
+
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
@@ -122,17 +189,31 @@ def load_config_sources(path: str | os.PathLike | None = None, overrides: Mappin
     unknown = sorted(k for k in flags if k not in _FIELDS)
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown field")
-    return settings.load(TrainConfig, flags=flags, env=environ, file=path, section="train", error=ConfigError)
+    return settings.load(TrainConfig, flags=flags, env=environ, file=path, section="train", error=ConfigError,
+                         derive=_apply_tuned)
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None,
                 environ: Mapping[str, str] | None = None) -> TrainConfig:
-    """Defaults < YAML file ``path`` < ``TIGANA_*`` environment < ``overrides`` (flags; None values skipped)."""
+    """Defaults < the data set's tuned defaults (``TUNED``) < YAML file ``path`` < ``TIGANA_*`` environment <
+    ``overrides`` (flags; None values skipped)."""
     return load_config_sources(path, overrides, environ).config
 
 
 def _normalize(key: str) -> str:
     return key.strip().replace("-", "_").lower()
+
+
+def _tuned_help(name: str, text: str = "") -> str:
+    """Help naming the field's default and every data set's (and model's) tuned value of it."""
+    parts = [f"default: {_FIELDS[name].default}"]
+    for dataset, tuned in TUNED.items():
+        own = tuned.own()
+        special = ", ".join(f"{m}: {t.own()[name]}" for m, t in tuned.models.items() if name in t.own())
+        if name in own or special:
+            value = own.get(name, _FIELDS[name].default)
+            parts.append(f"{dataset}: {value}" + (f" ({special})" if special else ""))
+    return f"{text} ({'; '.join(parts)})".strip()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -145,16 +226,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a scheduler's address, or a static shard list; without it an embedded local cluster "
                              "(a scheduler and --shards servers, 1 replica) runs for the job")
     parser.add_argument("--shards", type=int, help="shards of the embedded local cluster (default 2)")
-    parser.add_argument("--epochs", type=int)
-    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--epochs", type=int, help=_tuned_help("epochs"))
+    parser.add_argument("--batch-size", type=int, help=_tuned_help("batch_size", "per trainer process"))
     parser.add_argument("--eval-batch-size", type=int)
     parser.add_argument("--max-steps", type=int)
-    parser.add_argument("--dim", type=int, help="embedding width")
-    parser.add_argument("--lr", type=float, help="dense (Adam) learning rate")
-    parser.add_argument("--weight-decay", type=float)
-    parser.add_argument("--embedding-optimizer", choices=OPTIMIZERS)
-    parser.add_argument("--embedding-lr", type=float)
-    parser.add_argument("--init-std", type=float)
+    parser.add_argument("--dim", type=int, help=_tuned_help("dim", "embedding width"))
+    parser.add_argument("--lr", type=float, help=_tuned_help("lr", "dense (Adam) learning rate"))
+    parser.add_argument("--weight-decay", type=float, help=_tuned_help("weight_decay", "of the dense Adam"))
+    parser.add_argument("--embedding-optimizer", choices=OPTIMIZERS,
+                        help=_tuned_help("embedding_optimizer", "server-side optimizer of the tables"))
+    parser.add_argument("--embedding-lr", type=float, help=_tuned_help("embedding_lr"))
+    parser.add_argument("--init-std", type=float, help=_tuned_help("init_std", "std of new embedding rows"))
     parser.add_argument("--staleness", type=int)
     parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--sparse-aggregation", action=argparse.BooleanOptionalAction, default=None,
@@ -163,7 +245,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fuse-tables", action=argparse.BooleanOptionalAction, default=None,
                         help="store every table in one PS table, ids salted per table (default: on)")
     parser.add_argument("--allreduce", choices=("hierarchical", "flat"))
-    parser.add_argument("--compression", choices=("none", "fp16", "bf16"))
+    parser.add_argument("--compression", choices=("none", "fp16", "bf16"),
+                        help="codec of the dense all-reduce (the PS tables' wire: --ps-compression)")
+    parser.add_argument("--ps-compression", choices=PS_COMPRESSIONS,
+                        help="wire codec of the PS tables' pulls and pushes; adaptive: chosen per step from the "
+                             "measured error, with error feedback, top-k pushes and a guard that backs off to fp32")
+    parser.add_argument("--cache-rows", type=int,
+                        help="rows of a trainer-side hot-row cache per PS table, served within --staleness own "
+                             "pushes missed (0: no cache)")
+    parser.add_argument("--cache-max-age", type=int, help="steps a cached row may serve (default: no bound)")
+    parser.add_argument("--cache-policy", choices=("lfu", "lru"), help="which rows a full cache evicts")
     parser.add_argument("--nproc", type=int, help="trainer processes to spawn (not under torchrun/srun)")
     parser.add_argument("--ranks-per-node", type=int, help="simulate nodes of this many ranks")
     parser.add_argument("--backend", choices=("gloo", "nccl"))

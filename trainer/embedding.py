@@ -129,6 +129,7 @@ class _Plan:
     bag_of_value: torch.Tensor | None  # (N,) int64 bag of each value (multi-hot batches only)
     batch_size: int
     single_hot: bool                  # every bag holds exactly one id
+    ps_ids: list[np.ndarray] | None = None  # the distinct ids as the PS tables key them (set once, by _ps_ids)
 
 
 @dataclass
@@ -377,8 +378,11 @@ class PSEmbeddingCollection(nn.Module):
                      bag_of_value=bag_of_value, batch_size=b, single_hot=single_hot)
 
     def _ps_ids(self, plan: _Plan) -> list[np.ndarray]:
-        """The plan's distinct ids per PS table (one fused block, or one per table), in stacked row order."""
-        return [self._fused_ids(plan.unique)] if self.fused_table is not None else plan.unique
+        """The plan's distinct ids per PS table (one fused block, or one per table), in stacked row order;
+        computed once per plan (the pull, the push and the cache all need them)."""
+        if plan.ps_ids is None:
+            plan.ps_ids = [self._fused_ids(plan.unique)] if self.fused_table is not None else plan.unique
+        return plan.ps_ids
 
     def _issue_pulls(self, plan: _Plan, insert: bool, pending: Sequence[_Prefetch] = ()) -> list[_Fetch]:
         """Send the pulls of ``plan``'s rows, except (training) the rows the cache will serve at a forward
@@ -569,7 +573,9 @@ class PSEmbeddingCollection(nn.Module):
             ids, grads = _aggregate(ids, grads, self._aggregate_group, self.dim)
         if self.fused_table is not None:
             if sum(t.numel() for t in ids):
-                self._send(self.fused_table, self._fused_ids([t.numpy() for t in ids]), torch.cat(grads).numpy())
+                fused = self._ps_ids(plan)[0] if self._aggregate_group is None else \
+                    self._fused_ids([t.numpy() for t in ids])
+                self._send(self.fused_table, fused, torch.cat(grads).numpy())
             return
         for table, t_ids, t_grads in zip(self.tables, ids, grads, strict=True):
             if t_ids.numel():

@@ -181,7 +181,10 @@ def build(config: TrainConfig, client: Any, data: TrainData, groups: Groups | No
     if config.sparse_aggregation and groups is not None and groups.env.local_world_size > 1:
         aggregate = groups.sparse_node
     options = TableOptions(optimizer=_optimizer_of(config), initializer=ps.Normal(std=config.init_std),
-                           staleness=config.staleness, seed=config.seed)
+                           staleness=config.staleness, seed=config.seed,
+                           compression=None if config.ps_compression == "none" else config.ps_compression,
+                           cache_rows=config.cache_rows, cache_max_age=config.cache_max_age,
+                           cache_policy=config.cache_policy)
     fused = f"{config.table_prefix}{config.model}_{config.dataset}_fused" if config.fuse_tables else None
     collection = PSEmbeddingCollection(client, features, config.dim, options=options, aggregate_group=aggregate,
                                        fused_table=fused)
@@ -388,6 +391,8 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
+                if collection.compressors:
+                    collection.observe_loss(float(loss.detach()))  # the accuracy guard of adaptive compression
                 step += 1
                 batch_in_epoch += 1
                 samples += len(batch)
@@ -439,6 +444,7 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
         if result is None:  # nothing left to train (resumed at the end): evaluate anyway
             result = evaluate(model, data.eval_batches(), collection)
         total_samples, slowest = _max_time(samples, train_time, world)
+        result.update(_ps_figures(client, collection))
         result.update(samples_per_s=total_samples / slowest if slowest > 0 else 0.0, steps=step,
                       train_rows=int(total_samples), world_size=world, model=config.model,
                       dataset=config.dataset, allreduce=hook, train_seconds=round(slowest, 3))
@@ -465,6 +471,24 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
         if serving:
             metrics.close()
         client.close()
+
+
+def _ps_figures(client: Any, collection: PSEmbeddingCollection) -> dict[str, Any]:
+    """This rank's data-path bytes (sent + received, pulls and pushes, every PS table of the run), and the
+    hot-row cache's hit rate and the adaptive compressor's counters when they are on."""
+    stats = client.stats()
+    out: dict[str, Any] = {"wire_bytes": int(sum(sum(stats[k].get(t, {}).values())
+                                                 for k in ("bytes_sent", "bytes_received")
+                                                 for t in collection.ps_tables))}
+    own = collection.stats()
+    if own["cache"]:
+        looked = sum(c["hits"] + c["misses"] for c in own["cache"].values())
+        out["cache_hit_rate"] = sum(c["hits"] for c in own["cache"].values()) / looked if looked else 0.0
+    if own["compression"]:
+        out["compression"] = {t: {k: c[k] for k in ("codec_steps", "push_trips", "pull_trips", "loss_trips",
+                                                    "rows_given", "rows_sent")}
+                              for t, c in own["compression"].items()}
+    return out
 
 
 def _max_time(samples: int, seconds: float, world: int) -> tuple[float, float]:
