@@ -31,6 +31,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "allreduce": ("tigana.tools.bench.allreduce", "hierarchical vs flat all-reduce of dense gradients"),
     "failover": ("tigana.tools.bench.failover", "kill -9 of a primary under a push loop: lost, doubled, recovery"),
     "reshard": ("tigana.tools.bench.reshard", "live slot moves: throughput, push p99 during a move, drain, balance"),
+    "quality": ("tigana.tools.bench.quality", "the price of every knob: AUC and wire bytes of each PS setting on "
+                                              "MovieLens-100K against local nn.EmbeddingBag"),
+    "cache": ("tigana.tools.bench.cache", "the trainer's hot-row cache under Zipf(1.05): hit rate and pulled bytes "
+                                          "saved at staleness 0, 1, 4, 16, with the AUC cost"),
     "faults": ("tigana.tools.bench.faults", "the fault suite: kills, pauses, partitions, disks, corruption, hostile "
                                             "requests, a soak; a ledger counts what was lost"),
 }
