@@ -3,7 +3,9 @@
 A ``Route`` is one routing snapshot: the map epoch, the servers, and for every slot its primary. A batch is
 deduplicated and bucketed by slot in one pass (slots ordered by primary, so each server's ids are one
 contiguous range, and within it each slot's), then cut into messages at slot boundaries under
-``chunk_bytes``, one RPC per server unless a batch is larger. Replies are reassembled in the order of the ids.
+``chunk_bytes``, one message per server unless a batch is larger. A message is a frame of the server's
+``Exchange`` stream (``streams``), or a unary call (``ClientConfig.transport``, or a server without streams).
+Replies are reassembled in the order of the ids.
 
 A message that fails with an error a new route can fix (``WrongShard``: the map moved; ``Unavailable``: the
 server is down or failing over; ``NotEnoughReplicas``; a deadline) is not failed: its ids are routed again

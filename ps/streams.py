@@ -97,6 +97,7 @@ class Exchange:
         self._queue: queue.SimpleQueue | None = None  # the open stream's outgoing frames
         self._call: Any = None
         self._closed = False
+        self._answered = False  # some frame of some stream was answered: the server has Exchange
         self.supported = True
 
     def send(self, kind: int, parts: list, timeout_s: float, done: Done) -> None:
@@ -171,10 +172,12 @@ class Exchange:
                     error = Internal(f"{self.address}: unreadable stream answer: {exc}")
                     call.cancel()
                     break
+                self._answered = True
                 self._settle(answer.id, answer.reply, answer.error)
         except grpc.RpcError as err:
             code = err.code() if hasattr(err, "code") else None
-            if code == grpc.StatusCode.UNIMPLEMENTED:
+            if code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED) and not self._answered:
+                # A server without Exchange, or with no stream to spare: its frames go as unary calls from now.
                 self.supported = False
             if code == grpc.StatusCode.CANCELLED:
                 error = Unavailable(f"{self.address}: stream cancelled (the server was declared dead or the "

@@ -1,0 +1,134 @@
+"""The streaming data path (``Shard/Exchange``): frames on the wire, malformed frames, deadlines with a paused
+server (exactly once or not at all), the unary fallback, and the same results as the unary calls."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from tigana import ps
+from tigana.embeddings import EmbeddingTable, TableConfig
+from tigana.proto import shard_pb2 as pb
+from tigana.ps import frames, wire
+from tigana.ps.errors import NotEnoughReplicas, TableNotFound
+from tigana.ps.rpc import Malformed
+from tigana.ps.streams import EXCHANGE
+
+
+def test_frames_round_trip() -> None:
+    ids = np.array([3, 1, 7], np.int64)
+    raw = frames.request(9, 250, frames.PULL, wire.pull_request_parts("t", ids, pb.CODEC_FP16, 4, True))
+    frame = frames.read_request(raw)
+    assert (frame.id, frame.kind, frame.timeout_ms) == (9, frames.PULL, 250)
+    assert frame.request == pb.PullRequest(table="t", ids=ids.tobytes(), codec=pb.CODEC_FP16, epoch=4,
+                                           read_only=True)
+    assert pb.ExchangeRequest.FromString(raw).pull == frame.request  # the hand codec writes the proto's wire
+
+    grads = np.arange(6, dtype=np.float32).reshape(3, 2)
+    data, scales = wire.encode_block(grads, pb.CODEC_FP32)
+    parts = wire.push_request_parts("t", ids, pb.CODEC_FP32, 2, data, scales, "me", 11, 0, 5)
+    frame = frames.read_request(frames.request(10, 0, frames.PUSH, parts))
+    assert (frame.id, frame.kind, frame.timeout_ms) == (10, frames.PUSH, 0)
+    push = frame.request
+    assert (push.table, push.client_id, push.seq, push.epoch) == ("t", "me", 11, 5)
+    np.testing.assert_array_equal(wire.decode_rows(push.grads, 3, 2, table="t"), grads)
+
+    rows = np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32)
+    answer = frames.read_answer(frames.pull_answer(9, rows, pb.CODEC_FP32))
+    assert answer.id == 9 and answer.error is None
+    np.testing.assert_array_equal(wire.decode_block(answer.reply, 3, 4, table="t"), rows)
+    answer = frames.read_answer(frames.push_answer(10, pb.PushResponse(applied_rows=3, epoch=2)))
+    assert answer.reply == pb.PushResponse(applied_rows=3, epoch=2)
+
+    answer = frames.read_answer(frames.error_answer(12, NotEnoughReplicas("table 't': slot 4 short", epoch=8), 8))
+    assert answer.id == 12 and isinstance(answer.error, NotEnoughReplicas) and answer.error.epoch == 8
+    assert answer.error.answered and "slot 4" in str(answer.error)
+    assert isinstance(frames.read_request(b"\xff\xff\xff"), Malformed)
+
+
+def test_malformed_frames_are_answered_and_the_server_lives_on(shard_server) -> None:
+    with ps.connect([shard_server.address]) as client:
+        client.create_table("m", dim=4)
+        before = client.pull("m", np.arange(5))
+    with grpc.insecure_channel(shard_server.address) as channel:
+        call = channel.stream_stream(EXCHANGE, request_serializer=wire.identity, response_deserializer=wire.identity)
+        good = frames.request(2, 0, frames.PULL, wire.pull_request_parts("nope", np.arange(3)))
+        bad_body = wire.varint_field(1, 1) + b"\x12\x03\xff\xff\xff"  # id 1, a pull that does not parse
+        answers = [frames.read_answer(r) for r in call(iter([bad_body, good]), timeout=10)]
+        by_id = {a.id: a.error for a in answers}
+        assert "malformed" in str(by_id[1]) and by_id[1].code == grpc.StatusCode.INVALID_ARGUMENT
+        assert isinstance(by_id[2], TableNotFound) and "'nope'" in str(by_id[2])
+        with pytest.raises(grpc.RpcError) as err:  # no id to answer under: the stream ends, the server does not
+            list(call(iter([b"\x08"]), timeout=10))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with ps.connect([shard_server.address]) as client:
+        client.create_table("m", dim=4)
+        np.testing.assert_array_equal(client.pull("m", np.arange(5)), before)
+
+
+def test_stream_and_unary_give_the_same_rows(shard_servers) -> None:
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 5000, 4000)
+    grads = rng.normal(size=(ids.size, 8)).astype(np.float32)
+    results = []
+    for transport in ("stream", "unary"):
+        with ps.connect([h.address for h in shard_servers], transport=transport, chunk_bytes=16384) as client:
+            client.create_table(f"same_{transport}", dim=8, optimizer=ps.Adam(lr=0.01), seed=4)
+            client.pull(f"same_{transport}", ids)
+            client.push(f"same_{transport}", ids, grads)
+            client.flush()
+            results.append(client.pull(f"same_{transport}", ids))
+            assert (client._servers[0].exchange is not None) == (transport == "stream")
+    np.testing.assert_array_equal(results[0], results[1])
+
+
+def test_a_server_without_streams_is_served_by_unary_calls(make_shard_server) -> None:
+    handle = make_shard_server(max_streams=0)
+    ref = EmbeddingTable(TableConfig("u", 4, optimizer=ps.Adagrad(lr=0.1), seed=1))
+    with ps.connect([handle.address], max_attempts=3, initial_backoff_s=0.01) as client:
+        client.create_table("u", dim=4, optimizer=ps.Adagrad(lr=0.1), seed=1, staleness=None)
+        ids = np.arange(10)
+        g = np.ones((10, 4), np.float32)
+        np.testing.assert_array_equal(client.pull("u", ids), ref.pull(ids))
+        client.push("u", ids, g).result()
+        ref.push(ids, g)
+        np.testing.assert_array_equal(client.pull("u", ids), ref.pull(ids))
+        assert client._servers[0].exchange.supported is False
+
+
+def test_deadline_on_a_paused_server_applies_a_push_once_or_not_at_all(make_shard_cluster) -> None:
+    """SIGSTOP the server with a push in flight: the frame's deadline fails it (retried under the same (client
+    id, seq), then given up); after SIGCONT the queued frames are read, and the push lands exactly once."""
+    cluster = make_shard_cluster(1, replicas=None)
+    ref = EmbeddingTable(TableConfig("d", 4, optimizer=ps.SGD(lr=1.0), seed=2))
+    with ps.connect(cluster.addresses, timeout_s=0.5, max_attempts=3, initial_backoff_s=0.05) as client:
+        client.create_table("d", dim=4, optimizer=ps.SGD(lr=1.0), seed=2, staleness=None)
+        ids = np.arange(6)
+        before = client.pull("d", ids)
+        np.testing.assert_array_equal(before, ref.pull(ids))
+        pid = cluster.procs[0].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            fut = client.push("d", ids, np.ones((6, 4), np.float32))
+            with pytest.raises((ps.DeadlineExceeded, ps.Unavailable)):
+                fut.result(timeout=30)
+            assert time.monotonic() - start < 10  # three attempts of 0.5 s plus backoff, not the default 60 s
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        with pytest.raises((ps.DeadlineExceeded, ps.Unavailable)):  # a failed push is raised at the next call
+            client.pull("d", ids)
+        deadline = time.monotonic() + 30
+        while True:  # the attempts queued in the socket are read now: at most one of them applies
+            after = client.pull("d", ids)
+            if not np.array_equal(after, before) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        np.testing.assert_allclose(after, before - 1.0)  # once (SGD lr 1: one push moves every row by -1)
+        time.sleep(0.5)
+        np.testing.assert_allclose(client.pull("d", ids), before - 1.0)
