@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from concurrent import futures as cf
 
 import grpc
 import numpy as np
@@ -14,10 +16,10 @@ import pytest
 from tigana import ps
 from tigana.embeddings import EmbeddingTable, TableConfig
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import frames, wire
+from tigana.ps import frames, routing, wire
 from tigana.ps.errors import NotEnoughReplicas, TableNotFound
 from tigana.ps.rpc import Malformed
-from tigana.ps.streams import EXCHANGE
+from tigana.ps.streams import EXCHANGE, serve
 
 
 def test_frames_round_trip() -> None:
@@ -132,3 +134,53 @@ def test_deadline_on_a_paused_server_applies_a_push_once_or_not_at_all(make_shar
         np.testing.assert_allclose(after, before - 1.0)  # once (SGD lr 1: one push moves every row by -1)
         time.sleep(0.5)
         np.testing.assert_allclose(client.pull("d", ids), before - 1.0)
+
+
+def test_a_frame_for_slots_the_server_does_not_lead_is_fenced(shard_servers) -> None:
+    """The ownership check is the same on a frame as on a unary push: WrongShard with the server's epoch,
+    under the frame's id, nothing applied; the stream carries on."""
+    with ps.connect([h.address for h in shard_servers]) as client:
+        client.create_table("f", dim=2, optimizer=ps.SGD(lr=1.0))
+        ids = np.arange(200)
+        before = client.pull("f", ids)
+        owned = shard_servers[0].service.owned_slots()
+        foreign = ids[~owned[routing.slot_of(ids, owned.shape[0])]]
+        data, scales = wire.encode_block(np.ones((foreign.size, 2), np.float32), pb.CODEC_FP32)
+        push = wire.push_request_parts("f", foreign, pb.CODEC_FP32, 2, data, scales, "intruder", 1, 0, 0)
+        with grpc.insecure_channel(shard_servers[0].address) as channel:
+            call = channel.stream_stream(EXCHANGE, request_serializer=wire.identity,
+                                         response_deserializer=wire.identity)
+            ok = frames.request(8, 0, frames.PULL, wire.pull_request_parts("f", ids[owned[routing.slot_of(
+                ids, owned.shape[0])]]))
+            answers = {a.id: a for a in map(frames.read_answer, call(iter([frames.request(7, 0, frames.PUSH, push),
+                                                                             ok]), timeout=10))}
+        assert isinstance(answers[7].error, ps.WrongShard) and "does not lead" in str(answers[7].error)
+        assert answers[8].error is None
+        np.testing.assert_array_equal(client.pull("f", ids), before)
+
+
+def test_serve_holds_at_most_window_frames_in_progress() -> None:
+    """Back-pressure on the server: with a window of 2, a third frame is not taken off the stream until one of
+    the two in progress is answered; every frame is answered once."""
+    lock = threading.Lock()
+    now, peak, read = [0], [0], []
+
+    def requests():
+        for i in range(12):
+            read.append(i)
+            yield frames.Frame(i, frames.PULL, None, 0)
+
+    def handle(frame, received):
+        with lock:
+            now[0] += 1
+            peak[0] = max(peak[0], now[0])
+            assert len(read) <= frame.id + 3  # never more than the window read ahead of the oldest in progress
+        time.sleep(0.01)
+        with lock:
+            now[0] -= 1
+        return frame.id.to_bytes(8, "little")
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        answers = list(serve(requests(), handle, pool, 2, lambda item: None))
+    assert sorted(int.from_bytes(a, "little") for a in answers) == list(range(12))
+    assert peak[0] == 2
