@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True, metavar="DIR",
                         help="MovieLens-100K: the ml-100k folder or a folder holding it (read in place)")
     parser.add_argument("--quick", action="store_true",
-                        help="1 epoch of 16 batches, scored on 4,096 rows of u1.test (a smoke test of every setting)")
+                        help="1 epoch of 12 batches, scored on 2,048 rows of u1.test (a smoke test of every setting)")
     parser.add_argument("--epochs", type=int, default=3, help="epochs of u1.base (quick: 1)")
     parser.add_argument("--batch-size", type=int, default=1024, help="samples per step")
 
@@ -143,11 +143,11 @@ def run(args: argparse.Namespace) -> int:
     tune_allocator(top_pad=64 << 20)
     root = movielens_root(args.data)
     epochs = 1 if args.quick else args.epochs
-    steps = 16 if args.quick else None
+    steps = 12 if args.quick else None
     ml = MovieLens100K(root)
     train_set, test_set = ml.train(), ml.test()
     if args.quick:
-        test_set = test_set.subset(np.arange(min(4096, len(test_set))))
+        test_set = test_set.subset(np.arange(min(2048, len(test_set))))
     params = dict(model="deepfm", dataset="movielens-100k u1", dim=DIM, epochs=epochs, batch_size=args.batch_size,
                   steps_per_epoch=steps or train_set.num_batches(args.batch_size), eval_rows=len(test_set),
                   seed=SEED, shards=2, embedding_optimizer="adagrad", embedding_lr=0.05, dense_lr=1e-3,
