@@ -60,7 +60,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tigana import ps
-from tigana.trainer._kernels import group_ids
+from tigana.trainer._kernels import group_ids, group_segments
 from tigana.trainer.cache import POLICIES, RowCache
 from tigana.trainer.compression import AdaptiveCompressor, AdaptiveConfig
 from tigana.trainer.data.hashing import mix64
@@ -258,6 +258,7 @@ class PSEmbeddingCollection(nn.Module):
             raise ValueError(f"table_options name tables no feature reads: {unknown}")
         self.options: dict[str, TableOptions] = {t: table_options.get(t, default) for t in self.tables}
         self._features_of_table = [[i for i, f in enumerate(features) if f.table_name == t] for t in self.tables]
+        self._table_per_feature = self._features_of_table == [[i] for i in range(len(features))]
         self._mean = torch.tensor([f.pooling == "mean" for f in features])
         self._any_mean = bool(self._mean.any())
         # The anchor makes autograd call _PooledLookup.backward; it is not a Parameter, so no optimizer sees it.
@@ -341,7 +342,11 @@ class PSEmbeddingCollection(nn.Module):
         index = np.empty(values.numel(), dtype=np.int64)
         order_parts, start_parts = [], []
         rows_before = values_before = 0
-        for feats in self._features_of_table:
+        if self._table_per_feature:  # the values are already table after table: one kernel call for all
+            uniq, index, order, row_starts, counts = group_segments(values_np, starts_of_feature)
+            unique = np.split(uniq, np.cumsum(counts)[:-1])
+            order_parts, start_parts = [order], [row_starts]
+        for feats in () if self._table_per_feature else self._features_of_table:
             # positions (into values) of this table's values, feature after feature
             spans = [(int(starts_of_feature[f]), int(starts_of_feature[f + 1])) for f in feats]
             if len(spans) == 1:
@@ -568,6 +573,11 @@ class PSEmbeddingCollection(nn.Module):
         grads = list(torch.split(grad, [u.shape[0] for u in plan.unique]))
         for table, own in zip(self.ps_tables, self._ps_ids(plan), strict=True):
             self._note_push(table, own)  # this trainer's contribution, whoever sends it
+        if self.fused_table is not None and self._aggregate_group is None:
+            # the gradient rows are already stacked in the order of the fused ids: no split and join
+            if grad.shape[0]:
+                self._send(self.fused_table, self._ps_ids(plan)[0], grad.numpy())
+            return
         ids = [torch.from_numpy(u) for u in plan.unique]
         if self._aggregate_group is not None:
             ids, grads = _aggregate(ids, grads, self._aggregate_group, self.dim)
