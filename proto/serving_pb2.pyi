@@ -1,0 +1,55 @@
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ServingLookupRequest(_message.Message):
+    __slots__ = ("ids", "table")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    ids: bytes
+    table: str
+    def __init__(self, ids: _Optional[bytes] = ..., table: _Optional[str] = ...) -> None: ...
+
+class ServingLookupResponse(_message.Message):
+    __slots__ = ("rows", "found", "dim", "seq")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    rows: bytes
+    found: bytes
+    dim: int
+    seq: int
+    def __init__(self, rows: _Optional[bytes] = ..., found: _Optional[bytes] = ..., dim: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class ServingInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServingInfoResponse(_message.Message):
+    __slots__ = ("table", "dim", "rows", "seq", "base_seq", "data_time", "loaded_time", "default_row", "deltas_applied", "rows_applied", "apply_seconds")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    BASE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    DATA_TIME_FIELD_NUMBER: _ClassVar[int]
+    LOADED_TIME_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_ROW_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    dim: int
+    rows: int
+    seq: int
+    base_seq: int
+    data_time: float
+    loaded_time: float
+    default_row: str
+    deltas_applied: int
+    rows_applied: int
+    apply_seconds: float
+    def __init__(self, table: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., seq: _Optional[int] = ..., base_seq: _Optional[int] = ..., data_time: _Optional[float] = ..., loaded_time: _Optional[float] = ..., default_row: _Optional[str] = ..., deltas_applied: _Optional[int] = ..., rows_applied: _Optional[int] = ..., apply_seconds: _Optional[float] = ...) -> None: ...
