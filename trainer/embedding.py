@@ -474,7 +474,8 @@ class PSEmbeddingCollection(nn.Module):
                 fresh = np.asarray(self.client.pull(f.table, f.ids[late]), np.float32)
                 rows[late] = fresh
                 self.pulled_rows += late.shape[0]
-                cache.insert(f.ids[late], fresh, 0, protect=self._promised(f.table, pending))
+                if cache.staleness:  # (this step pushes them: at staleness 0 they would be dead at once)
+                    cache.insert(f.ids[late], fresh, 0, protect=self._promised(f.table, pending))
         cache.miss(int(miss.sum()) + late.shape[0])
         self._absorb(f, pending, pulled)
         return rows
@@ -494,8 +495,13 @@ class PSEmbeddingCollection(nn.Module):
         f.absorbed = True
         rows = self._pulled(f) if pulled is None else pulled
         ids = f.ids[~f.hit]
-        cache.insert(ids, rows, self._lag_since(f.table, ids, f.push_no), born=f.push_no,
-                     protect=self._promised(f.table, pending))
+        lag = self._lag_since(f.table, ids, f.push_no)
+        # Its step has not pushed yet and will push every one of these rows: a copy whose lag is already at the
+        # bound would be dead after that push (at staleness 0, every copy), so it is not cached at all.
+        live = lag < cache.staleness
+        if not live.all():
+            ids, rows, lag = ids[live], rows[live], lag[live]
+        cache.insert(ids, rows, lag, born=f.push_no, protect=self._promised(f.table, pending))
 
     def _lag_since(self, table: str, ids: np.ndarray, push_no: int) -> np.ndarray:
         """(n,) how many of this trainer's pushes of ``table`` issued after push ``push_no`` touched each id
