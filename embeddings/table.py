@@ -441,15 +441,29 @@ class EmbeddingTable:
 
     # --- export / import / checksum ------------------------------------------------------------------------
     def export_rows(self, predicate: Callable[[np.ndarray], np.ndarray] | None = None,
-                    ids: np.ndarray | None = None) -> RowBatch:
+                    ids: np.ndarray | None = None, *, since: float | None = None) -> RowBatch:
         """Complete rows (resident and spilled), sorted by id: all of them, those whose id is in ``ids``
-        (absent ids are skipped), or those for which ``predicate(ids) -> bool mask`` is true."""
+        (absent ids are skipped), or those for which ``predicate(ids) -> bool mask`` is true. ``since``: only
+        rows updated (or inserted) at or after this unix time (a serving delta: the cost follows the rows
+        selected, plus one pass over the resident rows' update times and a read of the spilled ones)."""
         if ids is not None:
             ids = self._check_ids(ids)
         with self._lock:
             self._check_open()
+            if since is not None:
+                recent = self._updated_since(float(since))
+                ids = recent if ids is None else np.intersect1d(ids, recent)
             chunks = list(self._iter_sorted(ids, predicate))
             return RowBatch.concat(chunks) if chunks else RowBatch.empty(self.dim, self._width)
+
+    def _updated_since(self, since: float) -> np.ndarray:
+        """Ids of the stored rows whose last update is at or after ``since`` (under the lock)."""
+        ids, positions = self._index.items()
+        out = ids[self._slab.last_time[positions] >= since]
+        if len(self._spilled):  # their update times live in the store
+            sp = self._spill_rows(self._spilled.items()[0])
+            out = np.concatenate([out, sp.ids[sp.last_time >= since]])
+        return out
 
     def rows_of(self, ids: np.ndarray) -> RowBatch:
         """Complete rows of the stored ids among the unique ``ids``, in their order (absent ids skipped): the

@@ -234,14 +234,18 @@ def _retryable(error: Exception, client: Any) -> bool:
     return retryable(error, client._maps is not None)
 
 
-def export_table(client: Any, table: str, out: str | os.PathLike, since: str | os.PathLike | None = None
-                 ) -> dict[str, Any]:
+def export_table(client: Any, table: str, out: str | os.PathLike, since: str | os.PathLike | None = None,
+                 *, since_time: float | None = None) -> dict[str, Any]:
     """Write ``table``'s ids and float32 rows (no optimizer state) to ``out`` (a folder: ids.npy, rows.npy,
-    export.json), or with ``since`` (an earlier export's folder) only the rows updated after it."""
+    export.json), or with ``since`` (an earlier export's folder) only the rows updated after it.
+    ``since_time`` (a unix time on the servers' clocks) is the same cut given directly: the follow loop
+    (``tigana.ps.exportlog``) passes its previous cut minus an overlap."""
     root = Path(out)
     if root.exists() and any(root.iterdir()):
         raise InvalidArgument(f"export: {str(root)!r} exists and is not empty")
-    since_time = 0.0
+    if since is not None and since_time is not None:
+        raise InvalidArgument("export: give since or since_time, not both")
+    since_time = float(since_time or 0.0)
     if since is not None:
         try:
             since_time = float(json.loads((Path(since) / "export.json").read_text())["time"])

@@ -762,6 +762,9 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         base = self.data_dir / "export-tmp" if self.data_dir is not None else None
         if base is not None:
             base.mkdir(parents=True, exist_ok=True)
+        if since:
+            yield from self._export_since(hosted, slots, want, since, chunk, request.weights_only)
+            return
         tmp = Path(tempfile.mkdtemp(prefix="cut-", dir=base))
         try:
             with hosted.lock:  # the cut: rows, positions and step at one moment
@@ -793,6 +796,27 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             yield out
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+    def _export_since(self, hosted: _Hosted, slots: np.ndarray, want: np.ndarray, since: float, chunk: int,
+                      weights_only: bool):
+        """ExportRows with ``since_time`` (serving deltas, ``tigana admin export --since/--follow``): the rows
+        updated at or after ``since`` are copied in memory under the lock (the same cut as a snapshot: rows,
+        positions, step and time at one moment), then streamed; its cost follows the rows changed, not the
+        table's size, and no snapshot is written."""
+        with hosted.lock:
+            cut_time = time.time()
+            rows = hosted.table.export_rows(lambda ids: want[slot_of(ids, self.num_slots)], since=since)
+            positions = hosted.log.positions[slots].copy()
+            step = hosted.table.step
+        starts = range(0, len(rows), chunk) if len(rows) else range(1)
+        for k, lo in enumerate(starts):
+            part = [rows.take(slice(lo, lo + chunk))] if len(rows) else []
+            out = self._chunk(part, weights_only, step, cut_time if k == 0 else 0.0)
+            if lo + chunk >= len(rows):
+                out.slots = slots.astype("<i4").tobytes()
+                out.positions_epochs = positions[:, 0].astype("<u8").tobytes()
+                out.positions_indexes = positions[:, 1].astype("<u8").tobytes()
+            yield out
 
     def _chunk(self, batches: list, weights_only: bool, step: int, server_time: float) -> pb.ExportRowsChunk:
         from tigana.embeddings import RowBatch

@@ -8,6 +8,8 @@
     tigana admin checkpoint --dir DIR            a consistent checkpoint of every table
     tigana admin restore DIR                     load a checkpoint onto the servers the cluster has now
     tigana admin export TABLE --out PATH [--since OLD]   ids and float32 rows for serving
+    tigana admin export TABLE --follow --out DIR [--interval S]   a full export, then a delta every S seconds
+                                                 (the export log ``tigana serve --from DIR`` follows)
     tigana admin verify                          compare every copy's per-slot checksums with its primary's
 
 The scheduler comes from ``--scheduler HOST:PORT`` or ``TIGANA_SCHEDULER``. Each command prints a readable
@@ -77,6 +79,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("table")
     p.add_argument("--out", required=True)
     p.add_argument("--since", default=None, help="an earlier export: only rows updated after it")
+    p.add_argument("--follow", action="store_true",
+                   help="keep going: write the export log into --out (a full export, then the rows changed since "
+                        "the previous entry every --interval seconds) until SIGTERM or Ctrl-C")
+    p.add_argument("--interval", type=float, default=2.0, help="--follow: seconds between deltas (default 2)")
+    p.add_argument("--overlap", type=float, default=0.5,
+                   help="--follow: each delta re-reads rows updated this many seconds before the previous cut "
+                        "(covers clock skew between servers; default 0.5)")
+    p.add_argument("--full-every", type=int, default=100,
+                   help="--follow: a new full export (compaction: drops deleted rows, prunes old deltas) every N "
+                        "deltas; 0 never (default 100)")
+    p.add_argument("--max-entries", type=int, default=None, help=argparse.SUPPRESS)  # tests: stop after N ticks
     p = sub.add_parser("verify", help="compare the copies' checksums slot by slot")
     p.add_argument("--table", default="")
 
@@ -246,11 +259,41 @@ def _restore(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
 
 
 def _export(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
+    if args.follow:
+        return _export_follow(args)
     with _client(args) as client:
         meta = client.export(args.table, args.out, args.since)
     _say(args, f"exported {meta['rows']} row(s) of {args.table!r} (dim {meta['dim']}) to {args.out}"
                + (" (changed since the earlier export)" if args.since else ""))
     return True, {"out": args.out, "rows": meta["rows"], "dim": meta["dim"], "time": meta["time"]}
+
+
+def _export_follow(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
+    """``export --follow``: the export log (``tigana.ps.exportlog``) until SIGTERM/SIGINT, then exit 0."""
+    import signal
+    import threading
+
+    from tigana.ps.exportlog import ExportFollower
+
+    if args.since:
+        raise ps.InvalidArgument("export --follow: --since does not apply (the log's own cuts are used)")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with _client(args) as client:
+        follower = ExportFollower(client, args.table, args.out, interval_s=args.interval, overlap_s=args.overlap,
+                                  full_every=args.full_every)
+
+        def said(entry: dict[str, Any]) -> None:
+            what = entry.get("path") or "no change"
+            _say(args, f"{what}: {entry['rows']} row(s) of {args.table!r}, cut {entry['time']:.3f}, "
+                       f"{entry['seconds']:.3f}s")
+
+        _say(args, f"following {args.table!r} into {args.out} every {args.interval:g}s (SIGTERM or Ctrl-C stops)")
+        follower.run(stop, on_entry=said, max_entries=args.max_entries)
+    m = follower.manifest or {}
+    return True, {"out": args.out, "seq": m.get("seq", 0), "time": m.get("time"), "entries": follower.entries_written,
+                  "rows": follower.rows_written}
 
 
 def _verify(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:

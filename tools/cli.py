@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "admin": ("tigana.tools.admin_cmd", "operate a live cluster"),
     "train": ("tigana.tools.train_cmd", "train a CTR model through the parameter server"),
     "demo": ("tigana.tools.demo_cmd", "train DeepFM on an embedded local cluster"),
+    "serve": ("tigana.tools.serve_cmd", "a read-only embedding lookup server for inference, following an export log"),
     "config": ("tigana.tools.config_cmd", "show a command's effective configuration and where each value came from"),
 }
 BENCHMARKS: dict[str, tuple[str, str]] = {
@@ -35,6 +36,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                                               "MovieLens-100K against local nn.EmbeddingBag"),
     "cache": ("tigana.tools.bench.cache", "the trainer's hot-row cache under Zipf(1.05): hit rate and pulled bytes "
                                           "saved at staleness 0, 1, 4, 16, with the AUC cost"),
+    "serving-sync": ("tigana.tools.bench.serving_sync", "continuous sync to serving: push-to-visible lag, delta "
+                                                        "throughput, lookup latency of tigana serve"),
+    "elastic": ("tigana.tools.bench.elastic", "kill -9 of one of two trainers mid-run: the job restarts it and ends "
+                                              "as well as undisturbed runs (AUC), the PS untouched"),
     "faults": ("tigana.tools.bench.faults", "the fault suite: kills, pauses, partitions, disks, corruption, hostile "
                                             "requests, a soak; a ledger counts what was lost"),
 }

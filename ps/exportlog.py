@@ -1,0 +1,278 @@
+"""The serving export log: ``tigana admin export TABLE --follow --out DIR`` writes it, ``tigana serve --from
+DIR`` (``tigana.ps.serving``) and a 20-line numpy reader (README) read it.
+
+Layout of ``DIR``::
+
+    DIR/manifest.json        the log: which entries exist and their order (schema below), replaced atomically
+    DIR/full-00000001/       a full export: ids.npy, rows.npy, export.json (the `tigana admin export` format)
+    DIR/delta-00000002/      the rows changed since the previous entry's cut, in the same format
+    DIR/delta-00000003/ ...
+
+``manifest.json``::
+
+    {"format": "tigana-export-log", "version": 1, "log_id": "3f2a...",   # log_id: new for every fresh log
+     "table": "user_id", "dim": 16,
+     "seq": 7,            # the newest entry's number (entries are numbered 1, 2, ... in the order written)
+     "time": 1718000000.5,  # the cut the log is complete up to (servers' clocks); empty deltas advance it too
+     "written": 1718000000.7, "interval_s": 2.0, "overlap_s": 0.5, "full_every": 100,
+     "base": {"path": "full-00000005", "seq": 5, "time": ..., "since": 0.0, "rows": 1000000, "seconds": 1.2},
+     "deltas": [{"path": "delta-00000006", "seq": 6, "time": ..., "since": ..., "rows": 812, "seconds": 0.02},
+                {"path": "delta-00000007", ...}]}
+
+A reader loads ``base``, then applies ``deltas`` in list order (ascending ``seq``), a later row replacing an
+earlier row of the same id. Ids absent from the result were never exported.
+
+Design (what the follow loop guarantees, and why):
+
+- **One mechanism.** Every entry is one ``checkpoint.export_table`` call: ``ExportRows`` on every primary, each
+  a consistent cut (the table snapshotted under its write lock), rows filtered by their last-update time on the
+  server. An entry's ``time`` is the earliest of the primaries' cut times.
+- **No gap between deltas.** Delta k+1 asks for the rows updated at or after ``T_k - overlap`` (``T_k`` the
+  previous entry's cut). A row's update is stamped, under the table lock, with the primary's clock; an update
+  not in cut k happened after it, so its stamp is >= that primary's cut time >= ``T_k``: delta k+1 (or a later
+  one) carries the row's newest value. A row changed exactly at a boundary may appear in two deltas (overlap,
+  harmless: the later one wins); it cannot be in neither. ``--overlap`` (default 0.5 s) also covers clock skew
+  between servers (a slot whose primary moved to a server with a slower clock) and clock steps.
+- **A failed entry loses nothing.** A failed export (a map move, a server down) is retried at the next tick
+  with the same ``since``; the manifest is not touched.
+- **Atomic.** An entry is written by ``export_table`` into ``DIR/.NAME.tmp-PID``, fsynced and renamed; the
+  manifest is written last, to a temp file, fsynced and ``os.replace``d (then ``DIR`` fsynced). A reader that
+  follows the manifest never sees a half-written entry, and an entry exists before any manifest names it.
+- **Empty deltas** are not kept: the folder is removed and only the manifest's ``time`` advances.
+- **Deletions.** ``ExportRows`` lists the rows a table stores, so a delta cannot tell a deleted or evicted row
+  from an unchanged one: such rows stay in serving until the next full export. **Compaction**: every
+  ``full_every`` deltas (default 100; 0 = never) the loop writes a new full export, which becomes the base
+  (deltas before it leave the manifest). Entries older than the *previous* base are then deleted, so a reader
+  that read the manifest before this compaction still finds every entry it names; a reader that finds an
+  entry gone re-reads the manifest.
+- **Restart.** The loop resumes an existing log (its ``seq`` and ``time``); temp folders and entries newer than
+  the manifest (a crash between an entry's rename and the manifest) are removed first. After a restore or a
+  table dropped and recreated, rows keep their old update times: start a new log (an empty ``DIR``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tigana.ps.checkpoint import export_table
+from tigana.ps.errors import DataLoss, InvalidArgument, PSError
+
+log = logging.getLogger("tigana.ps.exportlog")
+
+FORMAT = "tigana-export-log"
+VERSION = 1
+MANIFEST = "manifest.json"
+_ENTRY = re.compile(r"^(full|delta)-(\d{8})$")
+
+
+def entry_name(kind: str, seq: int) -> str:
+    return f"{kind}-{seq:08d}"
+
+
+def read_manifest(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """The log's manifest, or None when there is none yet. Raises ``DataLoss`` for an unreadable or foreign
+    one (it is replaced atomically, so a reader never sees a torn file)."""
+    path = Path(directory) / MANIFEST
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        manifest = json.loads(raw)
+    except ValueError as exc:
+        raise DataLoss(f"export log {str(path)!r}: not JSON: {exc}") from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise DataLoss(f"export log {str(path)!r}: unsupported format {manifest.get('format')!r} "
+                       f"version {manifest.get('version')!r}")
+    return manifest
+
+
+def load_entry(directory: str | os.PathLike, entry: dict[str, Any], *, verify: bool = True
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """(ids sorted int64, rows float32) of one log entry; ``verify`` checks the files' sha256 against the
+    entry's ``export.json``. ``FileNotFoundError`` when a compaction removed it (re-read the manifest)."""
+    folder = Path(directory) / entry["path"]
+    meta = json.loads((folder / "export.json").read_text())
+    files = {}
+    for name in ("ids.npy", "rows.npy"):
+        raw = (folder / name).read_bytes()
+        if verify and hashlib.sha256(raw).hexdigest() != meta["files"][name]:
+            raise DataLoss(f"export log entry {str(folder)!r}: {name} does not match its checksum")
+        files[name] = raw
+    ids = _npy(files["ids.npy"], folder / "ids.npy")
+    rows = _npy(files["rows.npy"], folder / "rows.npy")
+    if ids.dtype != np.int64 or rows.dtype != np.float32 or rows.shape != (ids.size, int(meta["dim"])):
+        raise DataLoss(f"export log entry {str(folder)!r}: ids {ids.dtype}{ids.shape} and rows "
+                       f"{rows.dtype}{rows.shape} do not match dim {meta['dim']}")
+    return ids, rows
+
+
+def _npy(raw: bytes, path: Path) -> np.ndarray:
+    import io
+
+    try:
+        return np.load(io.BytesIO(raw), allow_pickle=False)
+    except ValueError as exc:
+        raise DataLoss(f"{str(path)!r}: not a .npy array: {exc}") from None
+
+
+def read_log(directory: str | os.PathLike, *, verify: bool = True) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
+    """(manifest, ids, rows): the whole table as the log has it now, base then deltas (the reference reader)."""
+    manifest = read_manifest(directory)
+    if manifest is None:
+        raise DataLoss(f"export log {str(directory)!r}: no {MANIFEST} yet")
+    ids, rows = load_entry(directory, manifest["base"], verify=verify)
+    for entry in manifest["deltas"]:
+        ids, rows = merge(ids, rows, *load_entry(directory, entry, verify=verify))
+    return manifest, ids, rows
+
+
+def merge(ids: np.ndarray, rows: np.ndarray, new_ids: np.ndarray, new_rows: np.ndarray
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted unique ``ids`` with ``rows``, updated by sorted unique ``new_ids``/``new_rows`` (those win):
+    new arrays, O(len(ids) + len(new_ids)); the inputs are not changed."""
+    if not new_ids.size:
+        return ids, rows
+    pos = np.searchsorted(ids, new_ids)
+    exists = pos < ids.size
+    exists[exists] = ids[pos[exists]] == new_ids[exists]
+    out_rows = rows.copy()
+    out_rows[pos[exists]] = new_rows[exists]
+    fresh = ~exists
+    if not fresh.any():
+        return ids, out_rows
+    return (np.insert(ids, pos[fresh], new_ids[fresh]), np.insert(out_rows, pos[fresh], new_rows[fresh], axis=0))
+
+
+def _write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
+    """Write ``obj`` to ``path`` so that a reader sees the old file or the new one, never a part."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(obj, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class ExportFollower:
+    """Writes the export log of ``table`` into ``out``: a full export, then a delta every ``interval_s``.
+
+    ``step()`` writes one entry now (tests drive it directly); ``run(stop)`` ticks until ``stop`` is set.
+    Not thread-safe: one follower per log (two would number entries alike; the temp names differ by pid,
+    and the second one's renames fail, so it stops rather than corrupting the log)."""
+
+    def __init__(self, client: Any, table: str, out: str | os.PathLike, *, interval_s: float = 2.0,
+                 overlap_s: float = 0.5, full_every: int = 100) -> None:
+        if interval_s <= 0:
+            raise InvalidArgument(f"export --follow: --interval must be > 0 seconds, got {interval_s}")
+        if overlap_s < 0:
+            raise InvalidArgument(f"export --follow: --overlap must be >= 0 seconds, got {overlap_s}")
+        if full_every < 0:
+            raise InvalidArgument(f"export --follow: --full-every must be >= 0, got {full_every}")
+        self.client, self.table, self.root = client, table, Path(out)
+        self.interval_s, self.overlap_s, self.full_every = float(interval_s), float(overlap_s), int(full_every)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.manifest = read_manifest(self.root)
+        if self.manifest is not None and self.manifest["table"] != table:
+            raise InvalidArgument(f"export --follow: {str(self.root)!r} holds the log of table "
+                                  f"{self.manifest['table']!r}, not {table!r}")
+        self._clean()
+        self.entries_written = 0
+        self.rows_written = 0
+
+    def _clean(self) -> None:
+        """Remove temp folders and entries the manifest does not know yet (a crash before it was updated)."""
+        newest = int(self.manifest["seq"]) if self.manifest else 0
+        for p in self.root.iterdir():
+            m = _ENTRY.match(p.name)
+            if p.name.startswith(".") and ".tmp-" in p.name and p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            elif p.name.startswith(".") and ".tmp-" in p.name:
+                p.unlink(missing_ok=True)
+            elif m and int(m.group(2)) > newest:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def step(self) -> dict[str, Any]:
+        """Write one entry (a full export when due, else a delta) and then the manifest; returns the entry
+        (``rows`` 0 and no ``path`` for an empty delta). Raises what the export raised (nothing changed)."""
+        m = self.manifest
+        full = m is None or (self.full_every > 0 and len(m["deltas"]) >= self.full_every)
+        seq = (int(m["seq"]) if m else 0) + 1
+        name = entry_name("full" if full else "delta", seq)
+        since = None if full else max(float(m["time"]) - self.overlap_s, 1e-6)
+        shutil.rmtree(self.root / name, ignore_errors=True)  # left by a failed manifest write: never named
+        started = time.monotonic()
+        meta = export_table(self.client, self.table, self.root / name, since_time=since)
+        entry = {"path": name, "seq": seq, "time": float(meta["time"]), "since": float(meta["since"]),
+                 "rows": int(meta["rows"]), "seconds": round(time.monotonic() - started, 6)}
+        _fsync_dir(self.root)  # the entry's rename is durable before a manifest names it
+        if full:
+            previous = m["base"]["seq"] if m else None
+            new = {"format": FORMAT, "version": VERSION, "log_id": m["log_id"] if m else uuid.uuid4().hex,
+                   "table": self.table, "dim": int(meta["dim"]), "base": entry, "deltas": []}
+        else:
+            new = {**m, "deltas": list(m["deltas"])}
+            if entry["rows"]:
+                new["deltas"].append(entry)
+            else:
+                shutil.rmtree(self.root / name)
+                entry = {k: v for k, v in entry.items() if k != "path"}
+        new.update(seq=seq if (full or entry["rows"]) else int(m["seq"]), time=entry["time"], written=time.time(),
+                   interval_s=self.interval_s, overlap_s=self.overlap_s, full_every=self.full_every)
+        _write_json_atomic(self.root / MANIFEST, new)
+        self.manifest = new
+        self.entries_written += 1 if (full or entry["rows"]) else 0
+        self.rows_written += entry["rows"]
+        if full and previous is not None:
+            self._prune(int(previous))
+        return entry
+
+    def _prune(self, keep_from: int) -> None:
+        """Delete the entries older than ``keep_from`` (the previous base): no current manifest names them, and
+        a reader of the previous manifest only needs entries from its base on."""
+        for p in self.root.iterdir():
+            m = _ENTRY.match(p.name)
+            if m and int(m.group(2)) < keep_from:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def run(self, stop: threading.Event, *, on_entry: Callable[[dict[str, Any]], None] | None = None,
+            max_entries: int | None = None) -> None:
+        """Write an entry every ``interval_s`` (from each entry's start) until ``stop`` is set (or
+        ``max_entries`` ticks). A failed export is logged and retried at the next tick with the same cut."""
+        ticks = 0
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                entry = self.step()
+            except PSError as exc:
+                log.warning("export of %r failed, retried in %.1fs: %s: %s", self.table, self.interval_s,
+                            type(exc).__name__, exc)
+            else:
+                if on_entry is not None:
+                    on_entry(entry)
+            ticks += 1
+            if max_entries is not None and ticks >= max_entries:
+                return
+            stop.wait(max(0.0, started + self.interval_s - time.monotonic()))

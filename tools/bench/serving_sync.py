@@ -1,0 +1,277 @@
+"""``tigana bench serving-sync [--quick]``: continuous sync from training to serving, on real processes.
+
+A scheduler and 2 shard daemons (``ps.LocalCluster``, no replicas), a table of ``--rows`` rows (dim
+``--dim``, SGD, zero init), ``tigana admin export TABLE --follow --out DIR --interval S`` and ``tigana serve
+--from DIR`` as child processes. Three measurements, one JSON line each (``tigana.tools.bench.report.emit``):
+
+- ``serving_sync.lag_p50`` / ``serving_sync.lag_p95`` (s): from an acknowledged push of a new id (one every
+  ``--push-every`` s for ``--duration`` s) to the first lookup of ``tigana serve`` that finds it (the bench
+  looks up every pending id every 5 ms). Peer: the export interval (p50) and interval + serve poll (p95), the
+  design's mean and worst wait. ``export_s_mean``: the follower's mean time to write an entry.
+- ``serving_sync.delta_throughput`` (rows/s): one push updating ``--delta-rows`` existing rows, then the
+  delta carrying them: rows / (the follower's export-and-write seconds + the server's read-and-apply seconds).
+  Peer: a one-shot full export of the same table (``tigana admin export``, the same ``ExportRows``), rows/s.
+- ``serving_sync.lookup_p50`` / ``serving_sync.lookup_p99`` (ms): ``Serving/Lookup`` of 100 ids (90 held,
+  10 unknown), ``--lookups`` sequential requests from one client. Peer: a training client's pull of the same
+  100 ids from the shard daemons (``insert=False``).
+
+Every child process (cluster, follower, server) is stopped by its own handle, also on failure. The helpers
+``spawn_follow``, ``spawn_serve`` and ``wait_serving`` are what the tests use too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tigana import ps
+from tigana.ps.exportlog import read_manifest
+from tigana.ps.local import stop_process
+from tigana.ps.serving import SERVICE_NAME, ServingClient
+from tigana.tools.bench.report import emit, log
+
+TABLE = "serving"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="a smaller table and shorter phases (about 30 s)")
+    parser.add_argument("--rows", type=int, default=None, help="rows in the table (default 1,000,000; quick 50,000)")
+    parser.add_argument("--dim", type=int, default=32, help="embedding dim (default 32)")
+    parser.add_argument("--interval", type=float, default=None,
+                        help="export --follow --interval, seconds (default 1; quick 0.5)")
+    parser.add_argument("--poll", type=float, default=0.05, help="tigana serve --poll, seconds (default 0.05)")
+    parser.add_argument("--duration", type=float, default=None, help="seconds of the lag phase (default 30; quick 6)")
+    parser.add_argument("--push-every", type=float, default=0.05, help="seconds between lag-phase pushes")
+    parser.add_argument("--delta-rows", type=int, default=None,
+                        help="rows updated for the throughput phase (default 200,000; quick 20,000)")
+    parser.add_argument("--lookups", type=int, default=None, help="lookup requests (default 5,000; quick 500)")
+
+
+def _child_prefix() -> list[str]:
+    """Children die with us (PR_SET_PDEATHSIG through util-linux ``setpriv``) when the bench itself is killed."""
+    return ["setpriv", "--pdeathsig", "KILL"] if shutil.which("setpriv") else []
+
+
+def spawn_follow(scheduler: str, table: str, out: str | Path, log_path: str | Path, *, interval: float = 1.0,
+                 extra: list[str] | None = None) -> subprocess.Popen:
+    """``tigana admin export TABLE --follow --out OUT`` as a child process (stop it with ``stop_process``)."""
+    cmd = [*_child_prefix(), sys.executable, "-m", "tigana.tools.cli", "admin", "--scheduler", scheduler, "export",
+           table, "--follow", "--out", str(out), "--interval", str(interval), *(extra or [])]
+    with open(log_path, "ab") as f:
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=f, start_new_session=True)
+
+
+def spawn_serve(source: str | Path, log_path: str | Path, *, poll: float = 0.05, extra: list[str] | None = None,
+                timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """``tigana serve --from SOURCE --port 0`` as a child process; returns it and its bound address (stop it
+    with ``stop_process``)."""
+    ready = Path(log_path).with_suffix(".ready.json")
+    ready.unlink(missing_ok=True)
+    cmd = [*_child_prefix(), sys.executable, "-m", "tigana.tools.cli", "serve", "--from", str(source), "--port", "0",
+           "--poll", str(poll), "--ready-file", str(ready), *(extra or [])]
+    with open(log_path, "ab") as f:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=f, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while not ready.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(f"tigana serve exited {proc.returncode}: {Path(log_path).read_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tigana serve did not bind in {timeout}s: {Path(log_path).read_text()[-2000:]}")
+            time.sleep(0.02)
+        return proc, json.loads(ready.read_text())["address"]
+    except BaseException:
+        stop_process(proc)
+        raise
+
+
+def health_status(address: str, service: str = SERVICE_NAME) -> int:
+    """The health service's status of ``service`` at ``address`` (UNKNOWN when unreachable)."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                              timeout=2.0)
+        except grpc.RpcError:
+            return health_pb2.HealthCheckResponse.UNKNOWN
+    return reply.status
+
+
+def wait_serving(address: str, timeout: float = 60.0) -> None:
+    """Wait until ``tigana serve`` at ``address`` reports SERVING (its first full export is loaded)."""
+    deadline = time.monotonic() + timeout
+    while health_status(address) != health_pb2.HealthCheckResponse.SERVING:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"tigana serve {address}: not SERVING after {timeout}s")
+        time.sleep(0.05)
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def measure_lag(client: ps.Client, serving: ServingClient, dim: int, *, duration: float, push_every: float,
+                first_id: int) -> list[float]:
+    """Push one new id every ``push_every`` s for ``duration`` s; seconds from each push's acknowledgement to
+    the first lookup that finds it."""
+    pending: dict[int, float] = {}
+    lags: list[float] = []
+    lock = threading.Lock()
+    done = threading.Event()
+
+    def check() -> None:
+        while not (done.is_set() and not pending):
+            with lock:
+                ids = np.fromiter(pending, np.int64, len(pending))
+            if ids.size:
+                _, found = serving.lookup(ids)
+                now = time.monotonic()
+                with lock:
+                    for i in ids[found].tolist():
+                        lags.append(now - pending.pop(i))
+            time.sleep(0.005)
+
+    checker = threading.Thread(target=check, name="bench-lag-check", daemon=True)
+    checker.start()
+    try:
+        next_id, end = first_id, time.monotonic() + duration
+        while time.monotonic() < end:
+            started = time.monotonic()
+            client.push(TABLE, np.array([next_id]), -np.ones((1, dim), np.float32)).result()
+            with lock:
+                pending[next_id] = time.monotonic()
+            next_id += 1
+            time.sleep(max(0.0, started + push_every - time.monotonic()))
+    finally:
+        done.set()
+        checker.join(timeout=duration + 30)
+    if checker.is_alive() or pending:
+        raise TimeoutError(f"{len(pending)} pushed id(s) never became visible in tigana serve")
+    return lags
+
+
+def run(args: argparse.Namespace) -> int:
+    quick = bool(args.quick)
+    rows = args.rows or (50_000 if quick else 1_000_000)
+    interval = args.interval or (0.5 if quick else 1.0)
+    duration = args.duration or (6.0 if quick else 30.0)
+    delta_rows = min(rows, args.delta_rows or (20_000 if quick else 200_000))
+    lookups = args.lookups or (500 if quick else 5000)
+    params = {"rows": rows, "dim": args.dim, "shards": 2, "replicas": 0, "interval_s": interval, "poll_s": args.poll,
+              "quick": quick}
+    work = Path(tempfile.mkdtemp(prefix="tigana-bench-serving-"))
+    procs: list[subprocess.Popen] = []
+    try:
+        with ps.LocalCluster(2, replicas=0, data_dir=work / "cluster") as cluster, \
+                ps.connect(cluster.target) as client:
+            try:
+                _measure(args, cluster, client, work, procs, rows=rows, interval=interval, duration=duration,
+                         delta_rows=delta_rows, lookups=lookups, params=params)
+            finally:  # stopped before the cluster, by their own handles
+                for proc in procs:
+                    stop_process(proc)
+    finally:
+        for proc in procs:
+            stop_process(proc)
+        shutil.rmtree(work, ignore_errors=True)
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        log(f"serving-sync: a child exited with {codes}")
+        return 1
+    return 0
+
+
+def _measure(args: argparse.Namespace, cluster: ps.LocalCluster, client: ps.Client, work: Path,
+             procs: list[subprocess.Popen], *, rows: int, interval: float, duration: float, delta_rows: int,
+             lookups: int, params: dict[str, Any]) -> None:
+    dim = args.dim
+    log(f"serving-sync: cluster up; loading {rows} rows of dim {dim}")
+    client.create_table(TABLE, dim=dim, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
+    rng = np.random.default_rng(0)
+    for lo in range(0, rows, 100_000):
+        ids = np.arange(lo, min(rows, lo + 100_000), dtype=np.int64)
+        client.push(TABLE, ids, rng.normal(size=(ids.size, dim)).astype(np.float32))
+    client.flush()
+    out = work / "log"
+    procs.append(spawn_follow(cluster.scheduler, TABLE, out, work / "follow.log", interval=interval))
+    serve, address = spawn_serve(out, work / "serve.log", poll=args.poll)
+    procs.append(serve)
+    wait_serving(address, timeout=120)
+    with ServingClient(address) as serving:
+        # 1. lag from an acknowledged push to a visible row
+        log(f"serving-sync: lag phase, {duration:g}s")
+        lags = measure_lag(client, serving, dim, duration=duration, push_every=args.push_every,
+                           first_id=10 * rows + 1)
+        m = read_manifest(out) or {}
+        export_s = [float(e["seconds"]) for e in m.get("deltas", [])]
+        lag = {"samples": len(lags), "push_every_s": args.push_every,
+               "export_s_mean": round(float(np.mean(export_s)), 4) if export_s else None}
+        emit("serving_sync.lag_p50", "s", _percentile(lags, 50), "export interval", interval, **lag, **params)
+        emit("serving_sync.lag_p95", "s", _percentile(lags, 95), "export interval + serve poll",
+             interval + args.poll, **lag, **params)
+
+        # 2. delta throughput: one push of delta_rows existing rows, then the delta(s) carrying them
+        log(f"serving-sync: delta phase, {delta_rows} rows")
+        before = serving.info()
+        seq_before = int((read_manifest(out) or {}).get("seq", 0))
+        ids = rng.choice(rows, delta_rows, replace=False).astype(np.int64)
+        client.push(TABLE, ids, np.ones((ids.size, dim), np.float32)).result()
+        acked = time.time()
+        m, after = _wait_cut_applied(out, serving, acked, timeout=60 + 10 * interval)
+        carried = [e for e in m["deltas"] if seq_before < int(e["seq"]) <= after.seq]
+        export_s = sum(float(e["seconds"]) for e in carried)
+        apply_s = after.apply_seconds - before.apply_seconds
+        delta_total = sum(int(e["rows"]) for e in carried)
+        t = time.perf_counter()
+        full = client.export(TABLE, str(work / "full"))
+        full_s = time.perf_counter() - t
+        emit("serving_sync.delta_throughput", "rows/s", delta_total / (export_s + apply_s),
+             "full export of the table (tigana admin export), rows/s", full["rows"] / full_s,
+             delta_rows=delta_total, rows_pushed=delta_rows, deltas=len(carried), export_s=round(export_s, 4),
+             apply_s=round(apply_s, 4), full_export_s=round(full_s, 4), **params)
+
+        # 3. lookup latency, 100 ids
+        log(f"serving-sync: lookup phase, {lookups} requests of 100 ids")
+        queries = [np.concatenate([rng.choice(rows, 90), 10 * rows + 10**9 + rng.integers(0, 10**6, 10)])
+                   .astype(np.int64) for _ in range(lookups)]
+        serve_ms, pull_ms = [], []
+        for q in queries:
+            t = time.perf_counter()
+            serving.lookup(q)
+            serve_ms.append(1000 * (time.perf_counter() - t))
+        for q in queries:
+            t = time.perf_counter()
+            client.pull(TABLE, q, insert=False)
+            pull_ms.append(1000 * (time.perf_counter() - t))
+        look = {"ids_per_request": 100, "unknown_per_request": 10, "requests": lookups}
+        peer = "ps client pull of the same ids (training path)"
+        emit("serving_sync.lookup_p50", "ms", _percentile(serve_ms, 50), peer, _percentile(pull_ms, 50), **look,
+             **params)
+        emit("serving_sync.lookup_p99", "ms", _percentile(serve_ms, 99), peer, _percentile(pull_ms, 99), **look,
+             **params)
+
+
+def _wait_cut_applied(out: Path, serving: ServingClient, after_time: float, timeout: float) -> tuple[dict, Any]:
+    """Wait until the log holds a cut taken after ``after_time`` (servers' clock, this machine) and ``tigana
+    serve`` has applied it: (that manifest, the server's Info)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = read_manifest(out)
+        if m is not None and float(m["time"]) > after_time:
+            info = serving.info()
+            if info.seq >= int(m["seq"]) and info.data_time >= float(m["time"]):
+                return m, info
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no cut after {after_time} applied by tigana serve in {timeout}s")
+        time.sleep(0.01)

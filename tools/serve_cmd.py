@@ -1,0 +1,79 @@
+"""``tigana serve --from DIR --port P``: a read-only embedding lookup server for inference.
+
+It follows the export log that ``tigana admin export TABLE --follow --out DIR`` writes (``tigana.ps.exportlog``):
+loads the latest full export, applies deltas as they appear, and answers ``tigana.v1.Serving/Lookup`` (ids as
+packed int64, rows as packed float32) with gRPC health (SERVING once the first full export is loaded). Unknown
+ids get the ``--default`` row. SIGTERM or Ctrl-C: health NOT_SERVING, RPCs in flight finish, exit 0. The
+design is in ``tigana.ps.serving``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from tigana.ps.errors import InvalidArgument
+from tigana.ps.logs import FORMATS, setup_logging
+from tigana.ps.serving import ServeConfig, start_serving
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--from", dest="source", required=True, help="the export log folder (tigana admin export --follow --out)")
+    a("--port", type=int, default=0, help="gRPC port (0: a free port, printed at start)")
+    a("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    a("--poll", dest="poll_s", type=float, default=ServeConfig.poll_s,
+      help="seconds between polls of the log's manifest")
+    a("--default", default="zeros",
+      help="the row of an id the table does not hold: zeros, mean (the mean row), or a number for every element")
+    a("--max-ids", type=int, default=ServeConfig.max_ids, help="ids in one lookup at most")
+    a("--no-verify", dest="verify", action="store_false", help="skip the sha256 check of each entry's files")
+    a("--ready-file", default=None,
+      help="write {address, port, pid} as JSON here once the port is bound (health says when it serves)")
+    a("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    a("--log-format", default="text", choices=FORMATS, help="text lines, or one JSON object per line")
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level, args.log_format)
+    stop = threading.Event()
+    received: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        received.append(signum)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    try:
+        config = ServeConfig(source=args.source, host=args.host, port=args.port, poll_s=args.poll_s,
+                             default=args.default, max_ids=args.max_ids, verify=args.verify)
+        handle = start_serving(config)
+    except (OSError, InvalidArgument) as exc:
+        print(f"tigana serve: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, InvalidArgument) else 1
+    try:
+        if args.ready_file:
+            _write_ready(Path(args.ready_file), {"address": handle.address, "port": handle.port,
+                                                 "pid": os.getpid()})
+        print(f"tigana serve: listening on {handle.address}, following {args.source} (default row "
+              f"{args.default}); SERVING once a full export is loaded", file=sys.stderr, flush=True)
+        stop.wait()
+        print(f"tigana serve: {signal.Signals(received[0]).name}, stopping", file=sys.stderr, flush=True)
+    finally:
+        handle.close()
+        if args.ready_file:
+            Path(args.ready_file).unlink(missing_ok=True)
+    return 0
+
+
+def _write_ready(path: Path, info: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, path)
