@@ -133,12 +133,11 @@ def test_adaptive_compression_delivers_every_gradient(client) -> None:
     assert pushed["adaptive"] < 0.6 * pushed[None], pushed
 
 
-def test_train_flags_reach_the_tables(tmp_path) -> None:
+def test_train_flags_reach_the_tables(shard_cluster) -> None:
     config = TrainConfig(model="deepfm", dataset="synthetic", synthetic_rows=1500, synthetic_vocab=300,
                          batch_size=250, eval_batch_size=1000, epochs=1, staleness=2, seed=1, progress=False,
-                         ps_compression="adaptive", cache_rows=2000, table_prefix="qc_")
-    with ps.LocalCluster(2, replicas=None, data_dir=tmp_path / "c") as cluster:
-        result = train(config, DistEnv(), None, cluster.addresses)
+                         ps_compression="adaptive", cache_rows=2000, table_prefix=f"q{uuid.uuid4().hex[:6]}_")
+    result = train(config, DistEnv(), None, shard_cluster.addresses)
     assert result["steps"] == 6 and 0.0 <= result["auc"] <= 1.0
     assert 0 < result["cache_hit_rate"] < 1 and result["wire_bytes"] > 0
     (comp,) = result["compression"].values()
