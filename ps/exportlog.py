@@ -143,18 +143,29 @@ def read_log(directory: str | os.PathLike, *, verify: bool = True) -> tuple[dict
 def merge(ids: np.ndarray, rows: np.ndarray, new_ids: np.ndarray, new_rows: np.ndarray
           ) -> tuple[np.ndarray, np.ndarray]:
     """Sorted unique ``ids`` with ``rows``, updated by sorted unique ``new_ids``/``new_rows`` (those win):
-    new arrays, O(len(ids) + len(new_ids)); the inputs are not changed."""
+    new arrays written in one pass, O(len(ids) + len(new_ids)); the inputs are not changed."""
     if not new_ids.size:
         return ids, rows
     pos = np.searchsorted(ids, new_ids)
     exists = pos < ids.size
     exists[exists] = ids[pos[exists]] == new_ids[exists]
-    out_rows = rows.copy()
-    out_rows[pos[exists]] = new_rows[exists]
-    fresh = ~exists
-    if not fresh.any():
+    fresh, update = np.flatnonzero(~exists), np.flatnonzero(exists)
+    if not fresh.size:
+        out_rows = rows.copy()
+        out_rows[pos[update]] = new_rows[update]
         return ids, out_rows
-    return (np.insert(ids, pos[fresh], new_ids[fresh]), np.insert(out_rows, pos[fresh], new_rows[fresh], axis=0))
+    n = ids.size + fresh.size
+    at = pos[fresh] + np.arange(fresh.size)  # where each new id lands (an id goes before the old one at pos)
+    old = np.ones(n, bool)
+    old[at] = False
+    out_ids = np.empty(n, ids.dtype)
+    out_ids[old], out_ids[at] = ids, new_ids[fresh]
+    out_rows = np.empty((n, rows.shape[1]), rows.dtype)
+    out_rows[old], out_rows[at] = rows, new_rows[fresh]
+    if update.size:  # an old row at p moved right by the new ids inserted at or before p
+        shifted = pos[update] + np.searchsorted(pos[fresh], pos[update], side="right")
+        out_rows[shifted] = new_rows[update]
+    return out_ids, out_rows
 
 
 def _write_json_atomic(path: Path, obj: dict[str, Any]) -> None:

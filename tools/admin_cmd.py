@@ -285,9 +285,9 @@ def _export_follow(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
                                   full_every=args.full_every)
 
         def said(entry: dict[str, Any]) -> None:
-            what = entry.get("path") or "no change"
-            _say(args, f"{what}: {entry['rows']} row(s) of {args.table!r}, cut {entry['time']:.3f}, "
-                       f"{entry['seconds']:.3f}s")
+            if entry.get("path"):  # an empty delta only advances the manifest's time: not worth a line
+                _say(args, f"{entry['path']}: {entry['rows']} row(s) of {args.table!r}, cut {entry['time']:.3f}, "
+                           f"{entry['seconds']:.3f}s")
 
         _say(args, f"following {args.table!r} into {args.out} every {args.interval:g}s (SIGTERM or Ctrl-C stops)")
         follower.run(stop, on_entry=said, max_entries=args.max_entries)

@@ -1,0 +1,311 @@
+"""Continuous sync to serving on real processes: the export log (``tigana admin export --follow``, in process and
+as a CLI) against a real ``ps.LocalCluster``, ``tigana serve`` as a child process, and the README's standalone
+reader in an interpreter that cannot import Tigana. Every process a test starts, it stops by its handle."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2
+
+from tigana import ps
+from tigana.proto import serving_pb2 as spb
+from tigana.ps.exportlog import ExportFollower, read_log, read_manifest
+from tigana.ps.local import stop_process
+from tigana.ps.serving import ServingClient
+from tigana.tools.bench.serving_sync import health_status, spawn_follow, spawn_serve, wait_serving
+
+pytestmark = pytest.mark.timeout(180)
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ps.LocalCluster]:
+    """A scheduler and 2 shard daemons, shared by this module's tests (each uses its own table)."""
+    c = ps.LocalCluster(2, replicas=0, data_dir=tmp_path_factory.mktemp("serving-cluster"))
+    try:
+        yield c
+    finally:
+        c.close(timeout=30)
+
+
+def _ledger_table(client: ps.Client, name: str, dim: int = 4) -> None:
+    # SGD(lr=1) from zero rows with gradients of -1: a row's every element counts the pushes applied to it
+    client.create_table(name, dim=dim, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
+
+
+def test_follow_writes_ordered_atomic_deltas_and_misses_no_acknowledged_push(cluster, tmp_path: Path) -> None:
+    out = tmp_path / "log"
+    with ps.connect(cluster.target) as client:
+        _ledger_table(client, "ledger")
+        client.push("ledger", np.arange(500), -np.ones((500, 4), np.float32)).result()
+        ledger = np.zeros(2000, np.int64)
+        ledger[:500] = 1
+        lock, stop = threading.Lock(), threading.Event()
+        problems: list[str] = []
+        reads = [0]
+
+        def push_loop() -> None:
+            rng = np.random.default_rng(1)
+            while not stop.is_set():
+                ids = rng.choice(2000, 50, replace=False)
+                client.push("ledger", ids, -np.ones((50, 4), np.float32)).result()
+                with lock:  # acknowledged: counted
+                    ledger[ids] += 1
+
+        def read_loop() -> None:  # a reader racing the writer: every entry it is shown is whole
+            while not stop.is_set():
+                before = read_manifest(out)
+                try:
+                    m, ids, rows = read_log(out, verify=True)  # checksums of every file of every entry
+                except FileNotFoundError:
+                    after = read_manifest(out)
+                    if before is not None and after["base"]["seq"] == before["base"]["seq"]:
+                        problems.append(f"an entry named by the manifest is missing: {before}")
+                    continue
+                except Exception as exc:  # noqa: BLE001 - reported below
+                    if before is not None:
+                        problems.append(f"{type(exc).__name__}: {exc}")
+                    continue
+                entries = [m["base"], *m["deltas"]]
+                seqs = [e["seq"] for e in entries]
+                if seqs != sorted(set(seqs)) or m["seq"] != seqs[-1] or rows.shape != (ids.size, 4):
+                    problems.append(f"entries out of order or torn: {seqs}, seq {m['seq']}, {rows.shape}")
+                for prev, e in zip(entries, entries[1:], strict=False):
+                    if e["since"] > prev["time"]:
+                        problems.append(f"a gap between {prev['path']} (cut {prev['time']}) and {e['path']} "
+                                        f"(since {e['since']})")
+                reads[0] += 1
+
+        threads = [threading.Thread(target=push_loop), threading.Thread(target=read_loop)]
+        follower = ExportFollower(client, "ledger", out, interval_s=0.2, overlap_s=0.0, full_every=4)
+        for t in threads:
+            t.start()
+        try:
+            bases = set()
+            for _ in range(14):
+                with lock:
+                    acked = ledger.copy()
+                follower.step()
+                m, ids, rows = read_log(out)
+                bases.add(m["base"]["seq"])
+                held = np.zeros(2000, np.int64)
+                held[ids] = rows[:, 0].astype(np.int64)
+                missing = np.flatnonzero(held < acked)
+                assert missing.size == 0, f"acknowledged pushes missing from the log after {m['seq']}: {missing[:10]}"
+                time.sleep(0.1)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        client.flush()
+        follower.step()
+        m, ids, rows = read_log(out)
+        np.testing.assert_array_equal(ids, np.flatnonzero(ledger))
+        np.testing.assert_array_equal(rows, np.repeat(ledger[ids, None], 4, axis=1).astype(np.float32))
+        np.testing.assert_array_equal(rows, client.pull("ledger", ids, insert=False))
+    assert not problems, problems[:5]
+    assert reads[0] > 5
+    assert len(bases) >= 3  # compactions happened: a new full export every 4 deltas
+    names = sorted(p.name for p in out.iterdir())
+    assert not [n for n in names if ".tmp-" in n]  # no temp folder left behind
+    kept = [n for n in names if re.match(r"(full|delta)-\d{8}$", n)]
+    assert len(kept) <= 2 * (4 + 1)  # entries older than the previous base were pruned
+    assert all(int(n[-8:]) >= min(bases - {max(bases)}) for n in kept)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _readme_reader() -> str:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    return next(b for b in blocks if "def read_export_log" in b)
+
+
+DRIVER = """
+import sys
+try:
+    import tigana  # noqa: F401
+except ImportError:
+    pass
+else:
+    raise SystemExit("tigana is importable here")
+ids, rows, manifest = read_export_log(sys.argv[1])
+out, found = lookup(ids, rows, np.load(sys.argv[2]))
+np.savez(sys.argv[3], ids=ids, rows=rows, out=out, found=found, seq=manifest["seq"])
+"""
+
+
+def _raw_lookup(address: str, payload: bytes) -> grpc.RpcError | bytes:
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary("/tigana.v1.Serving/Lookup")
+        try:
+            return call(payload, timeout=5)
+        except grpc.RpcError as err:
+            return err
+
+
+def test_export_follow_and_serve_cli_end_to_end(cluster, tmp_path: Path) -> None:
+    out = tmp_path / "log"
+    procs: list[subprocess.Popen] = []
+    try:
+        with ps.connect(cluster.target) as client:
+            client.create_table("emb", dim=8, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
+            held = np.arange(-300, 700, dtype=np.int64)
+            rng = np.random.default_rng(2)
+            client.push("emb", held, rng.normal(size=(held.size, 8)).astype(np.float32)).result()
+
+            # the server starts before the log exists: health NOT_SERVING, lookups UNAVAILABLE
+            serve, address = spawn_serve(out, tmp_path / "serve.log", poll=0.05, extra=["--max-ids", "5000"])
+            procs.append(serve)
+            assert health_status(address) == health_pb2.HealthCheckResponse.NOT_SERVING
+            with ServingClient(address) as serving, pytest.raises(ps.Unavailable):
+                serving.lookup(held[:3])
+            follow = spawn_follow(cluster.scheduler, "emb", out, tmp_path / "follow.log", interval=0.3,
+                                  extra=["--full-every", "5"])
+            procs.append(follow)
+            wait_serving(address, timeout=60)
+
+            with ServingClient(address) as serving:
+                rows, found = serving.lookup(held)
+                assert found.all()
+                np.testing.assert_array_equal(rows, client.pull("emb", held, insert=False))
+                unknown = np.array([10**12, -(2**63), 2**63 - 1, 701], np.int64)
+                rows, found = serving.lookup(unknown)
+                assert not found.any() and (rows == 0).all()  # --default zeros
+
+                # a push becomes visible within a bounded time (interval + export + poll, with slack)
+                client.push("emb", np.array([5, 9000]), np.ones((2, 8), np.float32)).result()
+                want = client.pull("emb", np.array([5, 9000]), insert=False)
+                acked, deadline = time.monotonic(), time.monotonic() + 5.0
+                while True:
+                    rows, found = serving.lookup(np.array([5, 9000]))
+                    if found.all() and np.array_equal(rows, want):
+                        break
+                    assert time.monotonic() < deadline, "a push did not reach tigana serve within 5 s"
+                    time.sleep(0.01)
+                assert time.monotonic() - acked < 5.0
+
+                # bad input: INVALID_ARGUMENT naming the field, and the server lives on
+                for payload, field in ((b"\xff\x01\x02garbage", "malformed"),
+                                       (spb.ServingLookupRequest(ids=b"1234567").SerializeToString(), "'ids'"),
+                                       (spb.ServingLookupRequest(ids=np.zeros(5001, np.int64).tobytes())
+                                        .SerializeToString(), "'ids'"),
+                                       (spb.ServingLookupRequest(ids=held[:2].tobytes(), table="other")
+                                        .SerializeToString(), "'table'")):
+                    err = _raw_lookup(address, payload)
+                    assert isinstance(err, grpc.RpcError), f"{field}: answered"
+                    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.details(), err.details()
+                rows, found = serving.lookup(held[:10], table="emb")
+                assert found.all() and serve.poll() is None
+                assert health_status(address) == health_pb2.HealthCheckResponse.SERVING
+
+                # the follower stops cleanly on SIGTERM; the server catches up with the last entry
+                stop_process(follow)
+                assert follow.returncode == 0, (tmp_path / "follow.log").read_text()[-2000:]
+                m = read_manifest(out)
+                deadline = time.monotonic() + 10
+                while serving.info().seq < m["seq"] or serving.info().data_time < m["time"]:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.02)
+                info = serving.info()
+                assert info.table == "emb" and info.dim == 8 and info.rows == held.size + 1
+
+                # the README's standalone reader, in an interpreter that cannot import tigana: the same rows
+                query = np.concatenate([held, [9000, 123456789]]).astype(np.int64)
+                np.save(tmp_path / "query.npy", query)
+                script = "import sys\nsys.modules['tigana'] = None\n" + _readme_reader() + DRIVER
+                subprocess.run([sys.executable, "-I", "-c", script, str(out), str(tmp_path / "query.npy"),
+                                str(tmp_path / "read.npz")], check=True, timeout=60, capture_output=True)
+                got = np.load(tmp_path / "read.npz")
+                assert int(got["seq"]) == m["seq"]
+                rows, found = serving.lookup(query)
+                np.testing.assert_array_equal(got["found"], found)
+                np.testing.assert_array_equal(got["out"], rows)
+                rows, found = serving.lookup(got["ids"])
+                assert found.all()
+                np.testing.assert_array_equal(got["rows"], rows)
+
+            stop_process(serve)  # SIGTERM: a clean exit
+            assert serve.returncode == 0, (tmp_path / "serve.log").read_text()[-2000:]
+    finally:
+        for proc in procs:
+            stop_process(proc)
+
+
+def test_serve_state_is_always_one_whole_log_entry(cluster, tmp_path: Path, monkeypatch) -> None:
+    """``tigana serve``'s follower against the reference reader after every entry, with folds and compactions;
+    a concurrent reader only ever sees the table as of some whole entry; the default-row policies."""
+    from tigana.ps import serving
+
+    monkeypatch.setattr(serving, "_FOLD_MIN_ROWS", 40)  # fold often: the base is rebuilt under the reader
+    out = tmp_path / "log"
+    with ps.connect(cluster.target) as client:
+        _ledger_table(client, "state", dim=3)
+        client.push("state", np.arange(300), -np.ones((300, 3), np.float32)).result()
+        follower = ExportFollower(client, "state", out, interval_s=0.1, overlap_s=0.0, full_every=3)
+        follower.step()
+        reader = serving.LogFollower(out, "mean")
+        assert reader.poll() and reader.state.size == 300
+        np.testing.assert_allclose(reader.state.default_row, np.ones(3))  # the mean row
+        expected: dict[int, np.ndarray] = {}
+        query = np.arange(-5, 700, dtype=np.int64)
+
+        def reference() -> None:
+            m, ids, rows = read_log(out)
+            want, _ = serving.TableState.build("state", ids, rows, 0.0, seq=0, base_seq=0, log_id="",
+                                               data_time=0.0).lookup(query)
+            found = np.isin(query, ids)
+            expected[m["seq"]] = np.where(found[:, None], want, np.nan)
+
+        reference()
+        stop, seen, bad = threading.Event(), [0], []
+
+        def look() -> None:
+            while not stop.is_set():
+                state = reader.state  # what a Lookup reads: one attribute, once
+                rows, found = state.lookup(query)
+                want = expected.get(state.seq)
+                if want is None:
+                    continue
+                if not np.array_equal(np.where(found[:, None], rows, np.nan), want, equal_nan=True):
+                    bad.append(state.seq)
+                seen[0] += 1
+
+        thread = threading.Thread(target=look)
+        thread.start()
+        try:
+            rng = np.random.default_rng(5)
+            for _ in range(10):
+                ids = np.unique(rng.integers(0, 700, 60))
+                client.push("state", ids, -np.ones((ids.size, 3), np.float32)).result()
+                follower.step()
+                reference()  # recorded before the follower may show it
+                assert reader.poll()
+                rows, found = reader.state.lookup(query)
+                np.testing.assert_array_equal(np.where(found[:, None], rows, np.nan), expected[reader.state.seq])
+                time.sleep(0.05)
+        finally:
+            stop.set()
+            thread.join()
+        assert not bad and seen[0] > 10
+        assert reader.deltas_applied >= 5 and reader.state.base_seq > 1  # compactions were reloaded
+        assert not reader.poll()  # nothing new: no swap
+        # the other default policies
+        assert serving.default_policy("zeros") == "zeros" and serving.default_policy("2.5") == 2.5
+        with pytest.raises(ps.InvalidArgument, match="--default"):
+            serving.default_policy("median")
+        const = serving.LogFollower(out, 2.5)
+        const.poll()
+        rows, found = const.state.lookup(np.array([10**15], np.int64))
+        assert not found[0] and (rows == 2.5).all()
