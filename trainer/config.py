@@ -64,6 +64,8 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0               # steps between checkpoints; 0: at the end of every epoch
     resume: str | None = None               # "latest" (newest in checkpoint_dir) or a checkpoint folder
+    max_restarts: int = 0                   # --nproc: start the trainers again this many times when one dies
+    elastic_every: int = 20                 # steps between elastic states (dense weights + data position)
     logdir: str | None = None               # TensorBoard logs (rank 0)
     log_every: int = 50                     # steps between TensorBoard scalars
     seed: int = 0
@@ -111,7 +113,8 @@ def _check(c: TrainConfig) -> None:
     for name in ("shards", "epochs", "batch_size", "eval_batch_size", "dim", "nproc", "log_every",
                  "synthetic_rows", "synthetic_vocab"):
         need(getattr(c, name) >= 1, name, "must be >= 1")
-    for name in ("staleness", "checkpoint_every", "seed"):
+    need(c.elastic_every >= 1, "elastic_every", "must be >= 1")
+    for name in ("staleness", "checkpoint_every", "seed", "max_restarts"):
         need(getattr(c, name) >= 0, name, "must be >= 0")
     for name in ("lr", "embedding_lr"):
         need(getattr(c, name) > 0, name, "must be > 0")
@@ -262,6 +265,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (0: every epoch)")
     parser.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
                         help="resume from a checkpoint folder (default: the newest in --checkpoint-dir)")
+    parser.add_argument("--max-restarts", type=int,
+                        help="with --nproc: when a trainer dies, start the trainers again (from the last elastic "
+                             "state, the PS cluster untouched) up to this many times")
+    parser.add_argument("--elastic-every", type=int,
+                        help="steps between elastic states (dense weights and data position, saved by rank 0)")
     parser.add_argument("--logdir", metavar="DIR", help="TensorBoard log folder")
     parser.add_argument("--log-every", type=int)
     parser.add_argument("--seed", type=int)

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tigana.trainer.elastic import restart_count
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -158,9 +160,15 @@ def init_distributed(env: DistEnv, backend: str | None = None, timeout_s: float 
     if not dist.is_initialized():
         if backend == "nccl":
             torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
-        dist.init_process_group(backend=backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                                rank=env.rank, world_size=env.world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE) and keeps it across restarts: every
+        # generation of workers gets its own key prefix, or a new one reads its predecessors' addresses.
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                              is_master=env.rank == 0 and not agent_store, timeout=timeout)
+        store = dist.PrefixStore(f"tigana/generation-{restart_count()}", store)
+        dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size,
+                                timeout=timeout)
     node = leaders = sparse = None
     # new_group must be called by every rank for every group, in the same order.
     for node_index in range(env.num_nodes):

@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from tigana.ps.daemon import ALLOCATOR_ENV, tune_allocator
 from tigana.trainer import preemption
 from tigana.trainer.config import TrainConfig
 from tigana.trainer.distributed import DistEnv, free_port, init_distributed, read_env, shutdown
+from tigana.trainer.elastic import ELASTIC_DIR_ENV, RESTART_ENV, under_torch_elastic
 from tigana.trainer.loop import check_inputs, nan_to_none, train
 
 __all__ = ["run", "start_cluster", "under_launcher"]
@@ -81,9 +84,12 @@ def run_rank(config: TrainConfig, env: DistEnv, addresses: list[str] | None) -> 
         shutdown()
 
 
-def _spawned(index: int, nproc: int, port: int, config: TrainConfig, addresses: list[str], out: str) -> None:
+def _spawned(index: int, nproc: int, port: int, config: TrainConfig, addresses: list[str], out: str,
+             elastic: tuple[str, int] | None = None) -> None:
     os.environ.update(RANK=str(index), WORLD_SIZE=str(nproc), LOCAL_RANK=str(index),
                       LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if elastic is not None:  # (the job's elastic state folder, this generation's restart count)
+        os.environ.update({ELASTIC_DIR_ENV: elastic[0], RESTART_ENV: str(elastic[1])})
     env = read_env(config.ranks_per_node)
     result = run_rank(config, env, addresses)
     if index == 0:
@@ -98,6 +104,9 @@ def run(config: TrainConfig, environ: Mapping[str, str] | None = None) -> dict[s
         if not config.ps and env.num_nodes > 1 and config.ranks_per_node is None:
             raise ValueError("ps: a job on several nodes needs --ps (an embedded cluster listens on loopback "
                              "of one node only)")
+        if under_torch_elastic(environ) and not config.ps:
+            raise ValueError("ps: torchrun --max-restarts needs --ps (an embedded cluster would stop with the "
+                             "rank that started it, and the tables with it)")
         result = run_rank(config, env, list(config.ps) or None)
         return result if env.rank == 0 else None
     cluster = None
@@ -106,21 +115,52 @@ def run(config: TrainConfig, environ: Mapping[str, str] | None = None) -> dict[s
         if not addresses:
             cluster = _start_cluster(config)
             addresses = [cluster.target]
-        if config.nproc == 1:
+        if config.nproc == 1 and not config.max_restarts:
             return run_rank(config, DistEnv(), addresses)
         with tempfile.TemporaryDirectory(prefix="tigana-train-") as tmp:
             out = os.path.join(tmp, "result.json")
-            context = mp.start_processes(_spawned, args=(config.nproc, free_port(), config, addresses, out),
-                                         nprocs=config.nproc, join=False, start_method="spawn")
             preemption.install()
-            forwarded = False
-            while not context.join(timeout=0.2):
-                if preemption.requested() and not forwarded:  # the ranks stop together at a step boundary
-                    for p in context.processes:
-                        if p.is_alive():
-                            os.kill(p.pid, signal.SIGTERM)
-                    forwarded = True
-            return json.loads(Path(out).read_text())
+            for restarts in range(config.max_restarts + 1):
+                folder = os.path.join(config.checkpoint_dir or tmp, "elastic")
+                elastic = (folder, restarts) if config.max_restarts else None
+                context = mp.start_processes(_spawned, args=(config.nproc, free_port(), config, addresses, out,
+                                                             elastic),
+                                             nprocs=config.nproc, join=False, start_method="spawn")
+                failed = _supervise(context.processes)
+                if failed is None:
+                    return json.loads(Path(out).read_text())
+                if preemption.requested() or restarts == config.max_restarts:
+                    raise RuntimeError(f"trainer rank {failed[0]} exited with {failed[1]}"
+                                       + (f" after {restarts} restart(s)" if restarts else ""))
+                print(f"tigana train: trainer rank {failed[0]} exited with {failed[1]}; starting the trainers "
+                      f"again ({restarts + 1} of {config.max_restarts}) from the last elastic state",
+                      file=sys.stderr, flush=True)
+            raise AssertionError("unreachable")
     finally:
         if cluster is not None:
             cluster.close()
+
+
+def _supervise(processes: list[Any]) -> tuple[int, int] | None:
+    """Wait for one generation of trainer processes: None when all exit 0; else (rank, exit code) of the first
+    that failed, after killing the others (they would wait on a dead peer). Forwards a SIGTERM this process
+    gets to every rank once (they stop together at a step boundary)."""
+    forwarded = False
+    while True:
+        codes = [p.exitcode for p in processes]
+        bad = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+        if bad:
+            for p in processes:
+                if p.is_alive():
+                    p.kill()  # a survivor's pushes in flight: applied once or not at all (client id, seq)
+            for p in processes:
+                p.join()
+            return bad[0]
+        if all(code == 0 for code in codes):
+            return None
+        if preemption.requested() and not forwarded:
+            for p in processes:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGTERM)
+            forwarded = True
+        time.sleep(0.1)

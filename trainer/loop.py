@@ -40,6 +40,7 @@ from tigana.trainer import preemption
 from tigana.trainer.allreduce import register_hook
 from tigana.trainer.config import TrainConfig
 from tigana.trainer.distributed import DistEnv, Groups
+from tigana.trainer.elastic import Position, elastic_state, restart_count
 from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
 from tigana.trainer.metrics import TrainerMetrics, require_wandb, start_wandb
 from tigana.trainer.types import Batch, FeatureSpec, SparseFeatures
@@ -331,6 +332,13 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
                 dist.barrier()  # the PS holds the snapshot before anyone pulls
             step, start_epoch, skip = meta["step"], meta["epoch"], meta["batch_in_epoch"]
             resumed_from = str(path)
+        elastic = elastic_state(config)
+        restarts = restart_count()
+        if elastic is not None and restarts:  # a new generation: the dense state and position, the PS as is
+            saved = elastic.load(model, optimizer)
+            if saved is not None:
+                step, start_epoch, skip = saved.step, saved.epoch, saved.batches_to_skip(world)
+                resumed_from = f"elastic state at step {saved.step}"
         if rank == 0 and config.logdir:
             from torch.utils.tensorboard import SummaryWriter
             writer = SummaryWriter(config.logdir)
@@ -410,6 +418,9 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
                     if wandb_run is not None:
                         wandb_run.log(scalars, step=step)
                     loss_sum, loss_n = 0.0, 0
+                if elastic is not None and rank == 0 and elastic.due(step):
+                    elastic.save(Position(step, epoch, batch_in_epoch * world * config.batch_size, world,
+                                          config.batch_size), model, optimizer)
                 if config.checkpoint_every and step % config.checkpoint_every == 0:
                     train_time += time.perf_counter() - t0
                     checkpoint(epoch, batch_in_epoch)
@@ -450,6 +461,8 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
                       dataset=config.dataset, allreduce=hook, train_seconds=round(slowest, 3))
         if resumed_from:
             result["resumed_from"] = resumed_from
+        if elastic is not None:
+            result["restarts"] = restarts
         if preempted:
             where = f"; checkpoint {latest_checkpoint(ckpt_root)}" if ckpt_root is not None else " (no --checkpoint-dir)"
             log.warning("stopped by SIGTERM after step %d%s", step, where)

@@ -1,0 +1,129 @@
+"""Elastic training: trainer processes die and come back while the parameter-server cluster runs on.
+
+Every table lives on the shard servers, so a trainer holds only the dense model, its optimizer and its place
+in the data. Losing one costs what it held since the last *elastic state*: rank 0 saves the dense state and
+the data position (not the tables) every ``elastic_every`` steps, atomically. When the workers are started
+again (``tigana train --nproc N --max-restarts R``: the launcher kills the surviving ranks of a failed
+generation and starts a new one; ``torchrun --max-restarts R``: torch elastic does the same and sets
+``TORCHELASTIC_RESTART_COUNT``), every rank loads the newest state and goes on from its position, with the
+tables as the servers hold them now.
+
+What a restart costs, and why it is safe:
+- The steps between the state and the failure are trained again: the dense side from the saved weights, the
+  sparse side on rows that already took those steps' pushes (at most ``elastic_every`` steps twice).
+- A dead trainer's pushes in flight are applied exactly once or not at all: each carries (client id, seq),
+  the servers apply a (client id, seq) once per slot, and nobody re-sends a dead client's pushes (a new
+  generation connects with new client ids).
+- The position is kept in global samples, so a generation with another number of ranks (torchrun
+  ``--nnodes MIN:MAX``) starts its ranks where the job as a whole stopped (each rank's part of an epoch
+  depends on the world size, so a few samples may be seen twice or skipped around the cut).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ElasticState", "Position", "elastic_state", "restart_count"]
+
+RESTART_ENV = "TIGANA_RESTART_COUNT"       # set by ``tigana train --nproc`` for each new generation
+ELASTIC_DIR_ENV = "TIGANA_ELASTIC_DIR"     # the job's elastic state folder (the launcher makes one)
+_TORCH_RESTARTS = "TORCHELASTIC_RESTART_COUNT"
+_TORCH_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
+
+
+def restart_count(environ: Mapping[str, str] | None = None) -> int:
+    """How many times this job's workers were started again before this generation (0: the first)."""
+    env = os.environ if environ is None else environ
+    for key in (RESTART_ENV, _TORCH_RESTARTS):
+        if env.get(key):
+            return int(env[key])
+    return 0
+
+
+def under_torch_elastic(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether torchrun may restart this worker (``--max-restarts`` > 0)."""
+    env = os.environ if environ is None else environ
+    return int(env.get(_TORCH_MAX_RESTARTS, "0") or 0) > 0
+
+
+def elastic_state(config: Any, environ: Mapping[str, str] | None = None) -> ElasticState | None:
+    """This job's elastic state, or None when its trainers are not restarted: the folder the ``--nproc``
+    launcher made (``TIGANA_ELASTIC_DIR``), or ``checkpoint_dir/elastic`` under torchrun ``--max-restarts``
+    (a folder every node sees)."""
+    env = os.environ if environ is None else environ
+    if env.get(ELASTIC_DIR_ENV):
+        return ElasticState(env[ELASTIC_DIR_ENV], config.elastic_every)
+    if under_torch_elastic(env):
+        if not config.checkpoint_dir:
+            raise ValueError("checkpoint_dir: torchrun --max-restarts needs --checkpoint-dir (a folder every node "
+                             "sees) for the trainers' elastic state")
+        return ElasticState(Path(config.checkpoint_dir) / "elastic", config.elastic_every)
+    return None
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where the job stands: steps done by every rank, and the place in the data as (epoch, global samples
+    into it), with the world size and batch size it was counted in."""
+
+    step: int
+    epoch: int
+    samples_in_epoch: int
+    world_size: int
+    batch_size: int
+
+    def batches_to_skip(self, world_size: int) -> int:
+        """This rank's batches of the epoch to skip in a generation of ``world_size`` ranks."""
+        return self.samples_in_epoch // (self.batch_size * max(world_size, 1))
+
+
+class ElasticState:
+    """The job's elastic state in ``folder`` (``state.json`` + ``dense.pt``, replaced atomically together:
+    the JSON names the weights file it goes with)."""
+
+    def __init__(self, folder: str | os.PathLike, every: int) -> None:
+        self.folder = Path(folder)
+        self.every = int(every)
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def save(self, position: Position, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Rank 0: the dense state at ``position`` (ranks agree on the dense weights after every step)."""
+        weights = f"dense-{position.step:09d}.pt"
+        state = model.dense_state_dict() if hasattr(model, "dense_state_dict") else model.state_dict()
+        tmp = self.folder / f".{weights}.tmp"
+        torch.save({"model": state, "optimizer": optimizer.state_dict()}, tmp)
+        os.replace(tmp, self.folder / weights)
+        meta = {**position.__dict__, "weights": weights, "time": time.time()}
+        tmp_meta = self.folder / ".state.json.tmp"
+        tmp_meta.write_text(json.dumps(meta))
+        os.replace(tmp_meta, self.folder / "state.json")  # the switch: the new weights are now the state
+        for old in self.folder.glob("dense-*.pt"):
+            if old.name != weights:
+                old.unlink(missing_ok=True)
+
+    def load(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Position | None:
+        """Load the newest state into ``model``/``optimizer``; None when there is none yet."""
+        path = self.folder / "state.json"
+        if not path.is_file():
+            return None
+        meta: dict[str, Any] = json.loads(path.read_text())
+        state = torch.load(self.folder / meta["weights"], weights_only=True)
+        if hasattr(model, "load_dense_state_dict"):
+            model.load_dense_state_dict(state["model"])
+        else:
+            model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        return Position(int(meta["step"]), int(meta["epoch"]), int(meta["samples_in_epoch"]),
+                        int(meta["world_size"]), int(meta["batch_size"]))
