@@ -45,13 +45,14 @@ Design (what the follow loop guarantees, and why):
   (deltas before it leave the manifest). Entries older than the *previous* base are then deleted, so a reader
   that read the manifest before this compaction still finds every entry it names; a reader that finds an
   entry gone re-reads the manifest.
-- **Restart.** The loop resumes an existing log (its ``seq`` and ``time``); temp folders and entries newer than
+- **One writer, restarts.** A follower holds ``DIR/LOCK`` (flock) while open. It resumes an existing log (its ``seq`` and ``time``); temp folders and entries newer than
   the manifest (a crash between an entry's rename and the manifest) are removed first. After a restore or a
   table dropped and recreated, rows keep their old update times: start a new log (an empty ``DIR``).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -63,7 +64,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -187,12 +188,30 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _lock_log(root: Path) -> IO[str]:
+    """An exclusive lock on ``root/LOCK`` for the follower's life (the kernel drops it when the process dies)."""
+    f = open(root / "LOCK", "a+")  # noqa: SIM115 - held until close
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        owner = f.read().strip() or "unknown"
+        f.close()
+        raise InvalidArgument(f"export --follow: {str(root)!r} is being written by another follower "
+                              f"({owner})") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}\n")
+    f.flush()
+    return f
+
+
 class ExportFollower:
     """Writes the export log of ``table`` into ``out``: a full export, then a delta every ``interval_s``.
 
-    ``step()`` writes one entry now (tests drive it directly); ``run(stop)`` ticks until ``stop`` is set.
-    Not thread-safe: one follower per log (two would number entries alike; the temp names differ by pid,
-    and the second one's renames fail, so it stops rather than corrupting the log)."""
+    ``step()`` writes one entry now (tests drive it directly); ``run(stop)`` ticks until ``stop`` is set;
+    ``close()`` releases the log. Not thread-safe. One follower per log: it holds an exclusive lock on
+    ``out/LOCK`` while open, and a second one refuses to start (``InvalidArgument``)."""
 
     def __init__(self, client: Any, table: str, out: str | os.PathLike, *, interval_s: float = 2.0,
                  overlap_s: float = 0.5, full_every: int = 100) -> None:
@@ -205,13 +224,30 @@ class ExportFollower:
         self.client, self.table, self.root = client, table, Path(out)
         self.interval_s, self.overlap_s, self.full_every = float(interval_s), float(overlap_s), int(full_every)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.manifest = read_manifest(self.root)
-        if self.manifest is not None and self.manifest["table"] != table:
-            raise InvalidArgument(f"export --follow: {str(self.root)!r} holds the log of table "
-                                  f"{self.manifest['table']!r}, not {table!r}")
-        self._clean()
+        self._lock = _lock_log(self.root)
+        try:
+            self.manifest = read_manifest(self.root)
+            if self.manifest is not None and self.manifest["table"] != table:
+                raise InvalidArgument(f"export --follow: {str(self.root)!r} holds the log of table "
+                                      f"{self.manifest['table']!r}, not {table!r}")
+            self._clean()
+        except BaseException:
+            self.close()
+            raise
         self.entries_written = 0
         self.rows_written = 0
+
+    def close(self) -> None:
+        """Release the log's lock (idempotent)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def __enter__(self) -> ExportFollower:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _clean(self) -> None:
         """Remove temp folders and entries the manifest does not know yet (a crash before it was updated)."""
@@ -277,7 +313,7 @@ class ExportFollower:
             started = time.monotonic()
             try:
                 entry = self.step()
-            except PSError as exc:
+            except (PSError, OSError) as exc:  # a cluster or disk problem: the next tick retries the same cut
                 log.warning("export of %r failed, retried in %.1fs: %s: %s", self.table, self.interval_s,
                             type(exc).__name__, exc)
             else:

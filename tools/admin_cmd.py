@@ -89,7 +89,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--full-every", type=int, default=100,
                    help="--follow: a new full export (compaction: drops deleted rows, prunes old deltas) every N "
                         "deltas; 0 never (default 100)")
-    p.add_argument("--max-entries", type=int, default=None, help=argparse.SUPPRESS)  # tests: stop after N ticks
     p = sub.add_parser("verify", help="compare the copies' checksums slot by slot")
     p.add_argument("--table", default="")
 
@@ -270,6 +269,7 @@ def _export(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
 
 def _export_follow(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     """``export --follow``: the export log (``tigana.ps.exportlog``) until SIGTERM/SIGINT, then exit 0."""
+    import contextlib
     import signal
     import threading
 
@@ -280,9 +280,11 @@ def _export_follow(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    with _client(args) as client:
+    with contextlib.ExitStack() as stack:
+        client = stack.enter_context(_client(args))
         follower = ExportFollower(client, args.table, args.out, interval_s=args.interval, overlap_s=args.overlap,
                                   full_every=args.full_every)
+        stack.callback(follower.close)
 
         def said(entry: dict[str, Any]) -> None:
             if entry.get("path"):  # an empty delta only advances the manifest's time: not worth a line
@@ -290,7 +292,7 @@ def _export_follow(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
                            f"{entry['seconds']:.3f}s")
 
         _say(args, f"following {args.table!r} into {args.out} every {args.interval:g}s (SIGTERM or Ctrl-C stops)")
-        follower.run(stop, on_entry=said, max_entries=args.max_entries)
+        follower.run(stop, on_entry=said)
     m = follower.manifest or {}
     return True, {"out": args.out, "seq": m.get("seq", 0), "time": m.get("time"), "entries": follower.entries_written,
                   "rows": follower.rows_written}

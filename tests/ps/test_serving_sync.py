@@ -114,14 +114,30 @@ def test_follow_writes_ordered_atomic_deltas_and_misses_no_acknowledged_push(clu
         np.testing.assert_array_equal(ids, np.flatnonzero(ledger))
         np.testing.assert_array_equal(rows, np.repeat(ledger[ids, None], 4, axis=1).astype(np.float32))
         np.testing.assert_array_equal(rows, client.pull("ledger", ids, insert=False))
+        assert len(bases) >= 3  # compactions happened: a new full export every 4 deltas
+        names = sorted(p.name for p in out.iterdir())
+        assert not [n for n in names if ".tmp-" in n]  # no temp folder left behind
+        kept = [n for n in names if re.match(r"(full|delta)-\d{8}$", n)]
+        assert len(kept) <= 2 * (4 + 1)  # entries older than the previous base were pruned
+        assert all(int(n[-8:]) >= min(bases - {max(bases)}) for n in kept)
+
+        # one follower per log; a restarted one resumes it, after removing what a crash could leave behind
+        with pytest.raises(ps.InvalidArgument, match="another follower"):
+            ExportFollower(client, "ledger", out)
+        follower.close()
+        seq = m["seq"]
+        (out / f".delta-{seq + 1:08d}.tmp-1").mkdir()  # a crash mid-entry
+        (out / f"delta-{seq + 1:08d}").mkdir()  # a crash between an entry's rename and the manifest
+        with ExportFollower(client, "ledger", out, overlap_s=0.0) as again:
+            assert not (out / f"delta-{seq + 1:08d}").exists() and not (out / f".delta-{seq + 1:08d}.tmp-1").exists()
+            client.push("ledger", np.array([3]), -np.ones((1, 4), np.float32)).result()
+            entry = again.step()
+            assert entry["seq"] == seq + 1 and entry["rows"] == 1 and entry["since"] == m["time"]
+            ledger[3] += 1
+            m, ids, rows = read_log(out)
+            np.testing.assert_array_equal(rows[:, 0], ledger[ids])
     assert not problems, problems[:5]
     assert reads[0] > 5
-    assert len(bases) >= 3  # compactions happened: a new full export every 4 deltas
-    names = sorted(p.name for p in out.iterdir())
-    assert not [n for n in names if ".tmp-" in n]  # no temp folder left behind
-    kept = [n for n in names if re.match(r"(full|delta)-\d{8}$", n)]
-    assert len(kept) <= 2 * (4 + 1)  # entries older than the previous base were pruned
-    assert all(int(n[-8:]) >= min(bases - {max(bases)}) for n in kept)
 
 
 # ---------------------------------------------------------------------------------------------------------------
