@@ -25,8 +25,9 @@ earlier row of the same id. Ids absent from the result were never exported.
 Design (what the follow loop guarantees, and why):
 
 - **One mechanism.** Every entry is one ``checkpoint.export_table`` call: ``ExportRows`` on every primary, each
-  a consistent cut (the table snapshotted under its write lock), rows filtered by their last-update time on the
-  server. An entry's ``time`` is the earliest of the primaries' cut times.
+  a consistent cut taken under the table's write lock (a full export snapshots the table; a delta, given
+  ``since_time``, copies only the rows whose last update is at or after it, so its cost follows the rows
+  changed). An entry's ``time`` is the earliest of the primaries' cut times.
 - **No gap between deltas.** Delta k+1 asks for the rows updated at or after ``T_k - overlap`` (``T_k`` the
   previous entry's cut). A row's update is stamped, under the table lock, with the primary's clock; an update
   not in cut k happened after it, so its stamp is >= that primary's cut time >= ``T_k``: delta k+1 (or a later
@@ -45,9 +46,10 @@ Design (what the follow loop guarantees, and why):
   (deltas before it leave the manifest). Entries older than the *previous* base are then deleted, so a reader
   that read the manifest before this compaction still finds every entry it names; a reader that finds an
   entry gone re-reads the manifest.
-- **One writer, restarts.** A follower holds ``DIR/LOCK`` (flock) while open. It resumes an existing log (its ``seq`` and ``time``); temp folders and entries newer than
-  the manifest (a crash between an entry's rename and the manifest) are removed first. After a restore or a
-  table dropped and recreated, rows keep their old update times: start a new log (an empty ``DIR``).
+- **One writer, restarts.** A follower holds ``DIR/LOCK`` (flock) while open. It resumes an existing log (its
+  ``seq`` and ``time``); temp folders and entries newer than the manifest (a crash between an entry's rename
+  and the manifest) are removed first. After a restore or a table dropped and recreated, rows keep their old
+  update times: start a new log (an empty ``DIR``).
 """
 
 from __future__ import annotations
