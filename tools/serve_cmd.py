@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--default", default="zeros",
       help="the row of an id the table does not hold: zeros, mean (the mean row), or a number for every element")
     a("--max-ids", type=int, default=ServeConfig.max_ids, help="ids in one lookup at most")
-    a("--no-verify", dest="verify", action="store_false", help="skip the sha256 check of each entry's files")
+    a("--no-verify", dest="verify", action="store_false", help="skip the sha256 check of each entry's files (default: checked)")
     a("--ready-file", default=None,
       help="write {address, port, pid} as JSON here once the port is bound (health says when it serves)")
     a("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
