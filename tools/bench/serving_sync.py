@@ -46,17 +46,17 @@ TABLE = "serving"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="a smaller table and shorter phases (about 30 s)")
-    parser.add_argument("--rows", type=int, default=None, help="rows in the table (default 1,000,000; quick 50,000)")
+    parser.add_argument("--quick", action="store_true", help="a smaller table and shorter phases (about 20 s)")
+    parser.add_argument("--rows", type=int, default=None, help="rows in the table (default 1,000,000; quick 20,000)")
     parser.add_argument("--dim", type=int, default=32, help="embedding dim (default 32)")
     parser.add_argument("--interval", type=float, default=None,
                         help="export --follow --interval, seconds (default 1; quick 0.5)")
     parser.add_argument("--poll", type=float, default=0.05, help="tigana serve --poll, seconds (default 0.05)")
-    parser.add_argument("--duration", type=float, default=None, help="seconds of the lag phase (default 30; quick 6)")
+    parser.add_argument("--duration", type=float, default=None, help="seconds of the lag phase (default 30; quick 4)")
     parser.add_argument("--push-every", type=float, default=0.05, help="seconds between lag-phase pushes")
     parser.add_argument("--delta-rows", type=int, default=None,
-                        help="rows updated for the throughput phase (default 200,000; quick 20,000)")
-    parser.add_argument("--lookups", type=int, default=None, help="lookup requests (default 5,000; quick 500)")
+                        help="rows updated for the throughput phase (default 200,000; quick 10,000)")
+    parser.add_argument("--lookups", type=int, default=None, help="lookup requests (default 5,000; quick 300)")
 
 
 def _child_prefix() -> list[str]:
@@ -163,11 +163,11 @@ def measure_lag(client: ps.Client, serving: ServingClient, dim: int, *, duration
 
 def run(args: argparse.Namespace) -> int:
     quick = bool(args.quick)
-    rows = args.rows or (50_000 if quick else 1_000_000)
+    rows = args.rows or (20_000 if quick else 1_000_000)
     interval = args.interval or (0.5 if quick else 1.0)
-    duration = args.duration or (6.0 if quick else 30.0)
-    delta_rows = min(rows, args.delta_rows or (20_000 if quick else 200_000))
-    lookups = args.lookups or (500 if quick else 5000)
+    duration = args.duration or (4.0 if quick else 30.0)
+    delta_rows = min(rows, args.delta_rows or (10_000 if quick else 200_000))
+    lookups = args.lookups or (300 if quick else 5000)
     params = {"rows": rows, "dim": args.dim, "shards": 2, "replicas": 0, "interval_s": interval, "poll_s": args.poll,
               "quick": quick}
     work = Path(tempfile.mkdtemp(prefix="tigana-bench-serving-"))
