@@ -53,4 +53,4 @@ def test_bench_cache_reports_every_staleness(capsys) -> None:
         assert d["pulled_bytes_saved"] == pytest.approx(1 - d["value"] / d["peer_value"], abs=1e-3)
         assert 0 <= d["auc"] <= 1 and "auc_delta" in d and 0 <= d["hit_rate"] < 1
     rates = [d["hit_rate"] for d in lines]
-    assert rates[0] == 0 and rates == sorted(rates) and rates[-1] > 0.3  # more staleness, more hits
+    assert rates[0] == 0 and rates == sorted(rates) and rates[-1] > 0.2  # more staleness, more hits
