@@ -40,6 +40,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                                                         "throughput, lookup latency of tigana serve"),
     "elastic": ("tigana.tools.bench.elastic", "kill -9 of one of two trainers mid-run: the job restarts it and ends "
                                               "as well as undisturbed runs (AUC), the PS untouched"),
+    "scale": ("tigana.tools.bench.scale", "scale curves: pull/push/step rows/s and CPU-s per M rows against shards, "
+                                          "client processes, resident rows and batch size"),
     "faults": ("tigana.tools.bench.faults", "the fault suite: kills, pauses, partitions, disks, corruption, hostile "
                                             "requests, a soak; a ledger counts what was lost"),
 }
