@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tigana import ps
@@ -32,16 +32,21 @@ _batches = st.lists(st.tuples(st.lists(st.integers(0, 30), min_size=1, max_size=
 @settings(max_examples=120, deadline=None)
 @given(batches=_batches, density=st.floats(0.05, 1.0), max_delay=st.integers(1, 6),
        capacity=st.integers(1, 40), max_error=st.sampled_from([1e-6, 0.02, 0.5]))
+# found by CI: large pushes of one id that nearly cancel, with its remainders dropped (capacity 1)
+@example(batches=[([0], 0, 1.0), ([0], 0, 1.0), ([0, 2, 3, 1], 17355, 51.0), ([0, 2, 3, 4, 1, 5, 6], 6574, 28.0)],
+         density=1.0, max_delay=1, capacity=1, max_error=0.02)
 def test_error_feedback_delivers_every_gradient(batches, density, max_delay, capacity, max_error) -> None:
     comp = AdaptiveCompressor(DIM, AdaptiveConfig(density=density, max_delay=max_delay, capacity=capacity,
                                                   max_error=max_error), table="t")
     given_sum: dict[int, np.ndarray] = {}
+    given_mag: dict[int, float] = {}  # sum over batches of the row's largest element: bounds what one push carries
     plans = []
     for ids, seed, scale in batches:
         rng = np.random.default_rng(seed)
         grads = (rng.standard_normal((len(ids), DIM)) * scale * rng.random((len(ids), 1))).astype(np.float32)
         for i, g in zip(ids, grads.astype(np.float64), strict=True):
             given_sum[i] = given_sum.get(i, np.zeros(DIM)) + g
+            given_mag[i] = given_mag.get(i, 0.0) + float(np.abs(g).max())
         plans.append(comp.plan_push(np.array(ids, np.int64), grads))
         assert plans[-1].codec in ("int8", "fp16", "fp32")
         used = comp.index.used_slots()
@@ -59,8 +64,10 @@ def test_error_feedback_delivers_every_gradient(batches, density, max_delay, cap
     for i, g in given_sum.items():
         got = pushed.get(i, np.zeros(DIM))
         tol = 1e-4 * (np.abs(g).max() + 1)
-        if dropped:  # only quantization remainders may have been dropped: at most half a step per element
-            tol += np.abs(g).max() * 0.01 + 1e-3 * len(batches)
+        if dropped:
+            # only quantization remainders may have been dropped: at most half an int8 step (1/254 of the
+            # pushed row's largest element) a push; the rows pushed can be far larger than their sum here
+            tol += given_mag[i] * 0.01 + 1e-3 * len(batches)
         np.testing.assert_allclose(got, g, atol=tol, rtol=1e-4)
     if max_error == 1e-6:  # nothing but fp32 fits that bound: no remainders, nothing dropped, exact
         assert dropped == 0
