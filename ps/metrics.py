@@ -263,3 +263,54 @@ class SchedulerMetrics(MetricsEndpoint):
             self.slot_moves.labels(step)
         if state_source is not None:
             r.register(_SchedulerCollector(state_source))
+
+
+class _ServingCollector(_ClusterCollector):
+    """What ``tigana serve`` holds, read at scrape time from ``source() -> {name: value}``."""
+
+    _PREFIX = "tigana_serving_"
+    _HELP = {
+        "ready": "1 once a full export is loaded (health SERVING)",
+        "rows": "Distinct ids of the table served",
+        "dim": "Row width of the table served",
+        "seq": "Export log entry the served state is complete up to",
+        "base_seq": "Export log entry of the full export the served state started from",
+        "deltas_applied": "Deltas applied since this process started",
+        "rows_applied": "Rows of deltas applied since this process started",
+        "apply_seconds": "Seconds spent loading and applying log entries since this process started",
+        "data_age_seconds": "Seconds since the cluster cut the served rows are complete up to (the freshness "
+                            "of what lookups return)",
+    }
+
+
+class ServingMetrics(MetricsEndpoint):
+    """The metrics of one ``tigana serve``: lookups by status, their latency and the ids found or not, calls
+    refused by the credential check, and (from ``state_source``) the table and the log position it serves."""
+
+    def __init__(self, state_source: Callable[[], dict[str, float]] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.lookups = Counter("tigana_serving_lookups", "Lookups answered, by status code", ["code"], registry=r)
+        self.latency = Histogram("tigana_serving_lookup_seconds", "Lookup latency in the server",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.ids = Counter("tigana_serving_ids", "Ids looked up, by whether the table held them (found) or they got "
+                           "the default row", ["found"], registry=r)
+        self.auth_rejected = Counter("tigana_auth_rejected", "Calls refused by the credential check, by method and "
+                                     "reason (missing, invalid, expired, role)", ["method", "reason"], registry=r)
+        for found in ("true", "false"):
+            self.ids.labels(found)
+        if state_source is not None:
+            r.register(_ServingCollector(state_source))
+
+    def count_auth_rejection(self, method: str, reason: str) -> None:
+        """A call refused by the credential check; never the token itself."""
+        self.auth_rejected.labels(method.rsplit("/", 1)[-1], reason).inc()
+
+    def observe(self, code: str, seconds: float, found: int = 0, missing: int = 0) -> None:
+        """Count one answered lookup and its ids."""
+        self.lookups.labels(code).inc()
+        self.latency.observe(seconds)
+        if found:
+            self.ids.labels("true").inc(found)
+        if missing:
+            self.ids.labels("false").inc(missing)

@@ -21,6 +21,9 @@ Design:
   rows, as of the last full load or fold) or a number (every element). ``found`` says which ids were known.
 - **Bad input** (ids not a multiple of 8 bytes, too many ids, another table's name, a request that does not
   parse) answers INVALID_ARGUMENT naming the field; the server lives on.
+- **Security and metrics** as on a shard server: TLS (``security.tls_cert``/``tls_key``, mutual with
+  ``require_client_cert``), bearer tokens (``auth_token_file``/``admin_token_file``: either may look up), health
+  open to all; with ``metrics_port`` a Prometheus endpoint (lookups, latency, ids found, log position, freshness).
 - ``close()`` (SIGTERM in ``tigana serve``): health NOT_SERVING, stop the follower, drain RPCs in flight.
 
 Example::
@@ -58,6 +61,8 @@ from tigana.ps.errors import (
     status_metadata,
     to_status,
 )
+from tigana.ps.metrics import ServingMetrics
+from tigana.ps.security import NONE, Security, SecuritySettings
 
 log = logging.getLogger("tigana.ps.serving")
 
@@ -69,7 +74,8 @@ _FOLD_MIN_ROWS = 65536
 class ServeConfig:
     """Settings of ``tigana serve``. ``source``: the export log folder; ``poll_s``: seconds between manifest
     polls; ``default``: the row of an unknown id (``zeros``, ``mean`` or a number); ``max_ids``: ids per
-    lookup; ``verify``: check every entry's sha256 before using it."""
+    lookup; ``verify``: check every entry's sha256 before using it; ``security``: TLS and tokens (none: plain);
+    ``metrics_port``: Prometheus HTTP port (0 off, -1 a free one)."""
 
     source: str
     host: str = "127.0.0.1"
@@ -81,6 +87,9 @@ class ServeConfig:
     max_workers: int = 8
     verify: bool = True
     drain_grace_s: float = 5.0
+    security: SecuritySettings = dataclasses.field(default_factory=SecuritySettings)
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         default_policy(self.default)  # raises InvalidArgument for a bad one
@@ -88,6 +97,8 @@ class ServeConfig:
             raise InvalidArgument(f"serve: --poll must be > 0 seconds, got {self.poll_s}")
         if self.max_ids < 1:
             raise InvalidArgument(f"serve: --max-ids must be >= 1, got {self.max_ids}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise InvalidArgument(f"serve: --metrics-port must be 'auto', 0 (off) or a port, got {self.metrics_port}")
 
 
 def default_policy(text: str) -> str | float:
@@ -241,10 +252,11 @@ class LogFollower:
 class ServingService:
     """The ``tigana.v1.Serving`` handlers over a ``LogFollower``'s state."""
 
-    def __init__(self, follower: LogFollower, config: ServeConfig) -> None:
-        self.follower, self.config = follower, config
+    def __init__(self, follower: LogFollower, config: ServeConfig, metrics: ServingMetrics) -> None:
+        self.follower, self.config, self.metrics = follower, config, metrics
 
     def Lookup(self, request: pb.ServingLookupRequest, context: grpc.ServicerContext) -> pb.ServingLookupResponse:
+        start = time.perf_counter()
         try:
             rpc.check(request)
             state = self.follower.state
@@ -262,10 +274,13 @@ class ServingService:
             if n > limit:
                 raise InvalidArgument(f"Lookup: field 'ids' holds {n} ids, at most {limit} per request")
             rows, found = state.lookup(np.frombuffer(raw, "<i8"))
+            hits = int(np.count_nonzero(found))
+            self.metrics.observe("OK", time.perf_counter() - start, hits, n - hits)
             return pb.ServingLookupResponse(rows=rows.astype("<f4", copy=False).tobytes(),
                                             found=found.view(np.uint8).tobytes(), dim=state.dim, seq=state.seq)
         except Exception as exc:  # noqa: BLE001 - a request never takes the daemon down
             status, message = to_status(exc)
+            self.metrics.observe(status.name, time.perf_counter() - start)
             if status == grpc.StatusCode.INTERNAL:
                 log.exception("Lookup failed with a bug")
             context.set_trailing_metadata(status_metadata(exc))
@@ -295,16 +310,20 @@ class ServingHandle:
         self._ready = threading.Event()
         self.follower = LogFollower(config.source, default_policy(config.default), verify=config.verify,
                                     on_swap=self._swapped)
-        self.service = ServingService(self.follower, config)
+        self.security = config.security.security()
+        self.metrics = ServingMetrics(self._figures)
+        self.metrics_port: int | None = None
+        self.service = ServingService(self.follower, config, self.metrics)
         options = [("grpc.max_send_message_length", config.max_message_bytes),
                    ("grpc.max_receive_message_length", config.max_message_bytes), ("grpc.so_reuseport", 0)]
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers,
-                                                              thread_name_prefix="tigana-serve"), options=options)
+                                                              thread_name_prefix="tigana-serve"), options=options,
+                                   interceptors=self.security.interceptors(self.metrics.count_auth_rejection))
         rpc.register(self._server, pb.DESCRIPTOR.services_by_name["Serving"], self.service)
         rpc.add_health_and_reflection(self._server, self.health, (SERVICE_NAME,))
         target = f"{config.host}:{config.port}"
         try:
-            port = self._server.add_insecure_port(target)
+            port = self.security.add_port(self._server, target)
         except RuntimeError as exc:
             raise OSError(f"serve: cannot bind {target} (port in use or address not local)") from exc
         if not port:
@@ -326,8 +345,25 @@ class ServingHandle:
             self._set_health(health_pb2.HealthCheckResponse.SERVING)
             self._ready.set()
 
+    def _figures(self) -> dict[str, float]:
+        """The gauges of the metrics endpoint, read at scrape time."""
+        f, state = self.follower, self.follower.state
+        out = {"ready": float(state is not None), "deltas_applied": f.deltas_applied, "rows_applied": f.rows_applied,
+               "apply_seconds": f.apply_seconds}
+        if state is not None:
+            out.update(rows=state.size, dim=state.dim, seq=state.seq, base_seq=state.base_seq,
+                       data_age_seconds=max(0.0, time.time() - state.data_time))
+        return out
+
     def start(self) -> ServingHandle:
         self._server.start()
+        if self.config.metrics_port:
+            try:
+                self.metrics_port = self.metrics.serve_http(self.config.metrics_port, self.config.metrics_host)
+            except OSError as exc:
+                self._server.stop(0).wait()
+                raise OSError(f"serve: cannot bind the metrics port {self.config.metrics_host}:"
+                              f"{self.config.metrics_port} ({exc})") from exc
         self.follower.start(self.config.poll_s)
         return self
 
@@ -348,6 +384,7 @@ class ServingHandle:
         self.health.enter_graceful_shutdown()
         self.follower.stop()
         self._server.stop(self.config.drain_grace_s if grace is None else grace).wait()
+        self.metrics.close()
         log.info("serve %s stopped", self.address)
 
     def __enter__(self) -> ServingHandle:
@@ -366,9 +403,10 @@ def start_serving(config: ServeConfig) -> ServingHandle:
 class ServingClient:
     """A small client of ``tigana.v1.Serving``: ``lookup(ids) -> (rows, found)``, ``info()``."""
 
-    def __init__(self, address: str, *, timeout_s: float = 10.0, max_message_bytes: int = 64 << 20) -> None:
+    def __init__(self, address: str, *, timeout_s: float = 10.0, max_message_bytes: int = 64 << 20,
+                 security: Security = NONE) -> None:
         self.address, self.timeout_s = address, timeout_s
-        self.channel = grpc.insecure_channel(address, options=[
+        self.channel = security.channel(address, options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes)])
         self.stub = serving_pb2_grpc.ServingStub(self.channel)

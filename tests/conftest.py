@@ -18,6 +18,11 @@ Child processes (``tigana server`` daemons through ``ps.LocalCluster``):
                             scheduler and 1 replica unless ``replicas=None``); closed at
                             teardown.
 
+Certificates (made at test time with trustme; the test skips without it):
+
+- ``pki``                   module-scoped {ca, cert, key (a server's, for 127.0.0.1), ccert, ckey (a client's),
+                            trainer, admin (token files holding ``PKI_TOKENS``)}: paths as strings.
+
 Helpers:
 
 - ``shard_stub``            factory ``shard_stub(address) -> tigana.proto.shard_pb2_grpc.ShardStub`` over a channel
@@ -132,3 +137,25 @@ def shard_stub() -> Iterator[Callable[[str], shard_pb2_grpc.ShardStub]]:
     finally:
         for channel in channels:
             channel.close()
+
+
+PKI_TOKENS = ("trainer-token-3f9a", "admin-token-77c1")  # the trainer's and the admin's, in the pki's token files
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    trustme = pytest.importorskip("trustme")
+    d = tmp_path_factory.mktemp("pki")
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    client = ca.issue_cert("trainer@tigana")
+    paths = {"ca": d / "ca.pem", "cert": d / "server.pem", "key": d / "server.key", "ccert": d / "client.pem",
+             "ckey": d / "client.key", "trainer": d / "trainer.token", "admin": d / "admin.token"}
+    ca.cert_pem.write_to_path(str(paths["ca"]))
+    server.cert_chain_pems[0].write_to_path(str(paths["cert"]))
+    server.private_key_pem.write_to_path(str(paths["key"]))
+    client.cert_chain_pems[0].write_to_path(str(paths["ccert"]))
+    client.private_key_pem.write_to_path(str(paths["ckey"]))
+    paths["trainer"].write_text(PKI_TOKENS[0] + "\n")
+    paths["admin"].write_text(PKI_TOKENS[1] + "\n")
+    return {k: str(v) for k, v in paths.items()}

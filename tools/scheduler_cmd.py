@@ -19,6 +19,7 @@ from tigana.ps import settings
 from tigana.ps.errors import PSError
 from tigana.ps.logs import FORMATS, setup_logging
 from tigana.ps.scheduler import SchedulerConfig, load_scheduler_config, start_scheduler
+from tigana.tools.daemon_flags import add_metrics_flags, add_security_flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,19 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--expect-servers", type=int, help="the first placement waits for this many servers (or --bootstrap-wait)")
     a("--bootstrap-wait", dest="bootstrap_wait_s", type=float, help="seconds the first placement waits for more servers")
     a("--auto-rebalance", action="store_const", const=True, help="move slots to servers that join")
-    a("--tls-cert", help="PEM certificate the scheduler presents (TLS)")
-    a("--tls-key", help="PEM private key of --tls-cert")
-    a("--tls-ca", help="PEM CA that verifies peers (and client certificates)")
-    a("--require-client-cert", action="store_const", const=True,
-      help="mutual TLS: refuse callers without a certificate signed by --tls-ca")
-    a("--auth-token-file", help="file with the trainers' token")
-    a("--admin-token-file", help="file with the admin token (servers register with it; admin operations need it)")
-    a("--allow-insecure-loopback", action="store_const", const=True,
-      help="accept tokens without TLS, from this machine only")
+    add_security_flags(parser, "scheduler", "servers register with it; admin operations need it")
     a("--config", help="YAML or TOML file of settings (keys as the flags, with _ or -; a scheduler: section when "
                        "present)")
-    a("--metrics-port", help="Prometheus HTTP port (failovers, slot moves, servers, slots); 0 off, 'auto' a free port")
-    a("--metrics-host", help="address the metrics endpoint binds (0.0.0.0: every interface)")
+    add_metrics_flags(parser, "failovers, slot moves, servers, slots")
     a("--ready-file", default=None, help="write {address, port, metrics_port, pid} as JSON here once serving")
     a("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
     a("--log-format", default="text", choices=FORMATS, help="text lines, or one JSON object per line (default: text)")

@@ -3,8 +3,9 @@
 It follows the export log that ``tigana admin export TABLE --follow --out DIR`` writes (``tigana.ps.exportlog``):
 loads the latest full export, applies deltas as they appear, and answers ``tigana.v1.Serving/Lookup`` (ids as
 packed int64, rows as packed float32) with gRPC health (SERVING once the first full export is loaded). Unknown
-ids get the ``--default`` row. SIGTERM or Ctrl-C: health NOT_SERVING, RPCs in flight finish, exit 0. The
-design is in ``tigana.ps.serving``.
+ids get the ``--default`` row. TLS and tokens take the flags of ``tigana server`` or their ``TIGANA_*`` variables
+(either token file's tokens may look up); ``--metrics-port`` serves Prometheus metrics. SIGTERM or Ctrl-C: health NOT_SERVING, RPCs in
+flight finish, exit 0. The design is in ``tigana.ps.serving``.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.logs import FORMATS, setup_logging
+from tigana.ps.security import SecuritySettings
 from tigana.ps.serving import ServeConfig, start_serving
+from tigana.tools.daemon_flags import add_metrics_flags, add_security_flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,8 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="the row of an id the table does not hold: zeros, mean (the mean row), or a number for every element")
     a("--max-ids", type=int, default=ServeConfig.max_ids, help="ids in one lookup at most")
     a("--no-verify", dest="verify", action="store_false", help="skip the sha256 check of each entry's files (default: checked)")
+    add_security_flags(parser, "serving server", "they may look up too")
+    add_metrics_flags(parser, "lookups, latency, ids found, log position, freshness")
     a("--ready-file", default=None,
-      help="write {address, port, pid} as JSON here once the port is bound (health says when it serves)")
+      help="write {address, port, metrics_port, pid} as JSON here once the port is bound (health says when it "
+           "serves)")
     a("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     a("--log-format", default="text", choices=FORMATS, help="text lines, or one JSON object per line")
 
@@ -50,9 +57,16 @@ def run(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
+    _from_environment(args, os.environ)
     try:
+        security = SecuritySettings(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                                    require_client_cert=bool(args.require_client_cert),
+                                    auth_token_file=args.auth_token_file, admin_token_file=args.admin_token_file,
+                                    allow_insecure_loopback=bool(args.allow_insecure_loopback))
         config = ServeConfig(source=args.source, host=args.host, port=args.port, poll_s=args.poll_s,
-                             default=args.default, max_ids=args.max_ids, verify=args.verify)
+                             default=args.default, max_ids=args.max_ids, verify=args.verify, security=security,
+                             metrics_port=_metrics_port(args.metrics_port),
+                             metrics_host=args.metrics_host or ServeConfig.metrics_host)
         handle = start_serving(config)
     except (OSError, InvalidArgument) as exc:
         print(f"tigana serve: {exc}", file=sys.stderr)
@@ -60,9 +74,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.ready_file:
             _write_ready(Path(args.ready_file), {"address": handle.address, "port": handle.port,
-                                                 "pid": os.getpid()})
-        print(f"tigana serve: listening on {handle.address}, following {args.source} (default row "
-              f"{args.default}); SERVING once a full export is loaded", file=sys.stderr, flush=True)
+                                                 "metrics_port": handle.metrics_port, "pid": os.getpid()})
+        metrics = f", metrics on :{handle.metrics_port}" if handle.metrics_port else ""
+        tls = ", TLS" if handle.security.tls else ""
+        print(f"tigana serve: listening on {handle.address}{tls}, following {args.source} (default row "
+              f"{args.default}{metrics}); SERVING once a full export is loaded", file=sys.stderr, flush=True)
         stop.wait()
         print(f"tigana serve: {signal.Signals(received[0]).name}, stopping", file=sys.stderr, flush=True)
     finally:
@@ -70,6 +86,31 @@ def run(args: argparse.Namespace) -> int:
         if args.ready_file:
             Path(args.ready_file).unlink(missing_ok=True)
     return 0
+
+
+_ENV_FLAGS = ("tls_cert", "tls_key", "tls_ca", "require_client_cert", "auth_token_file", "admin_token_file",
+              "allow_insecure_loopback", "metrics_port", "metrics_host")
+
+
+def _from_environment(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+    """Flags not given take their ``TIGANA_*`` variable, as for the other daemons (flags > variables)."""
+    for name in _ENV_FLAGS:
+        value = environ.get(f"TIGANA_{name.upper()}")
+        if getattr(args, name) is None and value:
+            flag = value.strip().lower() in ("1", "true", "yes", "on")
+            setattr(args, name, flag if name in ("require_client_cert", "allow_insecure_loopback") else value)
+
+
+def _metrics_port(text: str | None) -> int:
+    """--metrics-port: None or 0 off, 'auto' a free port (-1), else the port."""
+    if text is None:
+        return 0
+    if text.strip().lower() in ("auto", "any"):
+        return -1
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidArgument(f"serve: --metrics-port must be 'auto', 0 (off) or a port, got {text!r}") from None
 
 
 def _write_ready(path: Path, info: dict) -> None:

@@ -21,6 +21,7 @@ from tigana.ps.config import ServerConfig, load_server_config_sources
 from tigana.ps.daemon import start_server, tune_allocator
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.logs import FORMATS, setup_logging
+from tigana.tools.daemon_flags import add_metrics_flags, add_security_flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,8 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="resident row bytes of the whole daemon, shared by its tables, before cold rows spill, e.g. 8GiB")
     a("--spill-max-bytes", default=None,
       help="cap on each table's LMDB spill tier, e.g. 64GiB; past it new rows are refused (none: the disk)")
-    a("--metrics-port", default=None, help="Prometheus HTTP port; 0 off, 'auto' a free port")
-    a("--metrics-host", default=None, help="address the metrics endpoint binds (0.0.0.0: every interface)")
+    add_metrics_flags(parser, "requests, latency, rows, tables, replication lag")
     a("--slots", default=None, help="owned virtual slots, e.g. 0-2047 (inclusive ranges); default all")
     a("--num-slots", type=int, default=None, help="number of virtual slots")
     a("--max-workers", type=int, default=None, help="gRPC thread pool size")
@@ -58,16 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "copy at once costs")
     a("--replication-timeout", dest="replication_timeout_s", type=float, default=None,
       help="seconds a copy may fail to apply the stream before it is reported")
-    a("--tls-cert", default=None, help="PEM certificate this server presents (TLS)")
-    a("--tls-key", default=None, help="PEM private key of --tls-cert")
-    a("--tls-ca", default=None, help="PEM CA that verifies peers (and client certificates)")
-    a("--require-client-cert", action="store_const", const=True, default=None,
-      help="mutual TLS: refuse clients without a certificate signed by --tls-ca")
-    a("--auth-token-file", default=None, help="file with the trainers' token (pull, push, create tables)")
-    a("--admin-token-file", default=None,
-      help="file with the admin token (every operation; this server also sends it to the scheduler and peers)")
-    a("--allow-insecure-loopback", action="store_const", const=True, default=None,
-      help="accept tokens without TLS, from this machine only")
+    add_security_flags(parser, "server", "every operation; this server also sends it to the scheduler and peers")
     a("--max-rows-per-request", type=int, default=None, help="ids in one pull or push")
     a("--max-concurrent-requests", type=int, default=None,
       help="RPCs in progress before RESOURCE_EXHAUSTED")

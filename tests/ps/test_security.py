@@ -15,28 +15,10 @@ from tigana.ps.config import ServerConfig
 from tigana.ps.daemon import start_server
 from tigana.ps.security import Security, read_token, read_tokens
 
-trustme = pytest.importorskip("trustme")
+pytest.importorskip("trustme")
 pytestmark = pytest.mark.timeout(240)
 
-TRAINER, ADMIN = "trainer-token-3f9a", "admin-token-77c1"
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pki")
-    ca = trustme.CA()
-    server = ca.issue_cert("127.0.0.1", "localhost")
-    client = ca.issue_cert("trainer@tigana")
-    paths = {"ca": d / "ca.pem", "cert": d / "server.pem", "key": d / "server.key", "ccert": d / "client.pem",
-             "ckey": d / "client.key", "trainer": d / "trainer.token", "admin": d / "admin.token"}
-    ca.cert_pem.write_to_path(str(paths["ca"]))
-    server.cert_chain_pems[0].write_to_path(str(paths["cert"]))
-    server.private_key_pem.write_to_path(str(paths["key"]))
-    client.cert_chain_pems[0].write_to_path(str(paths["ccert"]))
-    client.private_key_pem.write_to_path(str(paths["ckey"]))
-    paths["trainer"].write_text(TRAINER + "\n")
-    paths["admin"].write_text(ADMIN + "\n")
-    return {k: str(v) for k, v in paths.items()}
+TRAINER, ADMIN = "trainer-token-3f9a", "admin-token-77c1"  # what the pki fixture (conftest) writes
 
 
 @pytest.fixture(scope="module")

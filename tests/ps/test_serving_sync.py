@@ -325,3 +325,66 @@ def test_serve_state_is_always_one_whole_log_entry(cluster, tmp_path: Path, monk
         const.poll()
         rows, found = const.state.lookup(np.array([10**15], np.int64))
         assert not found[0] and (rows == 2.5).all()
+
+
+def test_serve_with_tls_tokens_and_metrics(cluster, pki, tmp_path: Path) -> None:
+    """``tigana serve`` with mutual TLS, token files and ``--metrics-port auto``: a trainer's or an admin's token
+    looks up; no token, a wrong one, no client certificate or plaintext are refused and counted; the metrics
+    show the lookups, the ids found and missed, and the table and log position served."""
+    import json
+    import urllib.request
+
+    from tigana.ps.security import NONE, Security
+
+    trainer_token, admin_token = (Path(pki[k]).read_text().strip() for k in ("trainer", "admin"))
+    out = tmp_path / "log"
+    with ps.connect(cluster.target) as client:
+        _ledger_table(client, "secure")
+        client.push("secure", np.arange(50), -np.ones((50, 4), np.float32)).result()
+        ExportFollower(client, "secure", out, interval_s=0.1, overlap_s=0.0).step()
+    flags = ["--tls-cert", pki["cert"], "--tls-key", pki["key"], "--tls-ca", pki["ca"], "--require-client-cert",
+             "--auth-token-file", pki["trainer"], "--admin-token-file", pki["admin"], "--metrics-port", "auto"]
+    log_path = tmp_path / "serve.log"
+    serve, address = spawn_serve(out, log_path, extra=flags)
+
+    def who(token: str | None = trainer_token, cert: bool = True) -> Security:
+        return Security(tls_cert=pki["ccert"] if cert else None, tls_key=pki["ckey"] if cert else None,
+                        tls_ca=pki["ca"], token=token)
+
+    try:
+        metrics_port = json.loads(log_path.with_suffix(".ready.json").read_text())["metrics_port"]
+        assert metrics_port
+        query = np.array([1, 2, 10**9], np.int64)
+        with ServingClient(address, security=who()) as serving:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    rows, found = serving.lookup(query)
+                    break
+                except ps.Unavailable:  # the first full export is still loading
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+            assert found.tolist() == [True, True, False] and (rows[:2] == 1).all() and (rows[2] == 0).all()
+        with ServingClient(address, security=who(admin_token)) as serving:
+            assert serving.lookup(query)[1].sum() == 2
+        for security, error in ((who(None), ps.Unauthenticated), (who("not-a-token"), ps.Unauthenticated),
+                                (who(cert=False), ps.Unavailable), (NONE, ps.Unavailable)):
+            with ServingClient(address, security=security, timeout_s=5) as serving, pytest.raises(error):
+                serving.lookup(query)
+        assert serve.poll() is None
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        metrics = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line and not line.startswith("#")}
+        assert metrics['tigana_serving_lookups_total{code="OK"}'] == 2
+        assert metrics['tigana_serving_ids_total{found="true"}'] == 4
+        assert metrics['tigana_serving_ids_total{found="false"}'] == 2
+        assert metrics['tigana_auth_rejected_total{method="Lookup",reason="missing"}'] == 1
+        assert metrics['tigana_auth_rejected_total{method="Lookup",reason="invalid"}'] == 1
+        assert metrics["tigana_serving_ready"] == 1 and metrics["tigana_serving_rows"] == 50
+        assert metrics["tigana_serving_seq"] >= 1 and metrics["tigana_serving_data_age_seconds"] >= 0
+        assert metrics["tigana_serving_lookup_seconds_count"] == 2
+        for token in (trainer_token, admin_token):
+            assert token not in log_path.read_text()
+    finally:
+        stop_process(serve)
+    assert serve.returncode == 0, log_path.read_text()[-2000:]

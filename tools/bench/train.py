@@ -46,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="steps per timed round (default 30, quick 10)")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds per case (default 9, quick 5)")
     parser.add_argument("--vocab", type=int, default=100_000, help="cap on each feature's vocabulary")
+    parser.add_argument("--shards", type=int, default=2, help="shard daemons of the PS cases (default 2)")
 
 
 class _Trainer:
@@ -123,11 +124,11 @@ def run(args: argparse.Namespace) -> int:
     features = gen.feature_specs()
     cards = {f.name: v for f, v in zip(features, vocab, strict=True)}
     params = dict(model="deepfm", batch_size=bs, steps=steps, repeats=repeats, dim=DIM, sparse_features=26,
-                  shards=2, trainers=1, staleness=1, prefetch=True, threads=torch.get_num_threads(),
+                  shards=args.shards, trainers=1, staleness=1, prefetch=True, threads=torch.get_num_threads(),
                   vocab_cap=args.vocab, statistic=f"best of {repeats} rounds")
 
     env = dict(os.environ, TIGANA_SNAPSHOT_ON_SHUTDOWN="0", **ALLOCATOR_ENV)
-    with ps.LocalCluster(2, replicas=None, env=env) as cluster:
+    with ps.LocalCluster(args.shards, replicas=None, env=env) as cluster:
         client = ps.connect(cluster.addresses)
         try:
             local_coll = LocalEmbeddingCollection(features, DIM, cards, sparse_grad=True, seed=0)
