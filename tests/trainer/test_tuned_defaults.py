@@ -142,14 +142,14 @@ ML_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "movielens-1
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not (ML_DATA / "ml-100k" / "u1.base").is_file(), reason=f"MovieLens-100K not at {ML_DATA}")
 def test_tigana_train_runs_with_the_tuned_values_and_the_epochs_flag() -> None:
-    """``tigana train`` with only --model/--dataset/--data and ``--epochs 2``: the flag's epochs, the tuned batch
-    size (so the step count) and the tuned optimizers; two epochs already rank well above chance (the full
-    default, 10 epochs, reaches 0.797: the README's table)."""
+    """``tigana train`` with only --model/--dataset/--data and ``--epochs 1``: the flag's epochs, the tuned batch
+    size (so the step count) and the tuned optimizers; one epoch already ranks well above chance (0.768; the
+    full default, 10 epochs, reaches 0.797: the README's table)."""
     batch = tuned_settings("movielens-100k", "deepfm")["batch_size"][0]
     out = subprocess.run([sys.executable, "-m", "tigana.tools.cli", "train", "--model", "deepfm", "--dataset",
-                          "movielens-100k", "--data", str(ML_DATA), "--epochs", "2", "--no-progress"],
+                          "movielens-100k", "--data", str(ML_DATA), "--epochs", "1", "--no-progress"],
                          capture_output=True, text=True, timeout=110)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["steps"] == 2 * math.ceil(80_000 / batch) and result["eval_rows"] == 20_000
-    assert result["auc"] >= 0.77, result
+    assert result["steps"] == math.ceil(80_000 / batch) and result["eval_rows"] == 20_000
+    assert result["auc"] >= 0.76, result
