@@ -19,7 +19,7 @@ CASES = {"serving_sync.lag_p50": "s", "serving_sync.lag_p95": "s", "serving_sync
 
 def test_bench_serving_sync_quick(capsys) -> None:
     started = time.monotonic()
-    assert cli.main(["bench", "serving-sync", "--quick"]) == 0
+    assert cli.main(["bench", "serving-sync", "--quick", "--duration", "2"]) == 0  # a 2 s lag phase: ~40 samples
     elapsed = time.monotonic() - started
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
     assert {d["case"]: d["unit"] for d in lines} == CASES and len(lines) == len(CASES)
