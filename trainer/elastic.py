@@ -113,12 +113,30 @@ class ElasticState:
             if old.name != weights:
                 old.unlink(missing_ok=True)
 
+    def peek(self) -> Position | None:
+        """The position of the newest state, without loading it; None when there is none."""
+        meta = self._meta()
+        if meta is None:
+            return None
+        return Position(int(meta["step"]), int(meta["epoch"]), int(meta["samples_in_epoch"]),
+                        int(meta["world_size"]), int(meta["batch_size"]))
+
+    def _meta(self) -> dict[str, Any] | None:
+        path = self.folder / "state.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def finish(self) -> None:
+        """Rank 0 at the end of a job that trained to its end: remove the state, so a later job started in the same
+        folder begins fresh instead of resuming a finished one."""
+        (self.folder / "state.json").unlink(missing_ok=True)
+        for old in self.folder.glob("dense-*.pt"):
+            old.unlink(missing_ok=True)
+
     def load(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Position | None:
         """Load the newest state into ``model``/``optimizer``; None when there is none yet."""
-        path = self.folder / "state.json"
-        if not path.is_file():
+        meta = self._meta()
+        if meta is None:
             return None
-        meta: dict[str, Any] = json.loads(path.read_text())
         state = torch.load(self.folder / meta["weights"], weights_only=True)
         if hasattr(model, "load_dense_state_dict"):
             model.load_dense_state_dict(state["model"])

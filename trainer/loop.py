@@ -40,7 +40,7 @@ from tigana.trainer import preemption
 from tigana.trainer.allreduce import register_hook
 from tigana.trainer.config import TrainConfig
 from tigana.trainer.distributed import DistEnv, Groups
-from tigana.trainer.elastic import Position, elastic_state, restart_count
+from tigana.trainer.elastic import Position, elastic_state, restart_count, under_torch_elastic
 from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
 from tigana.trainer.metrics import TrainerMetrics, require_wandb, start_wandb
 from tigana.trainer.types import Batch, FeatureSpec, SparseFeatures
@@ -334,11 +334,17 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
             resumed_from = str(path)
         elastic = elastic_state(config)
         restarts = restart_count()
-        if elastic is not None and restarts:  # a new generation: the dense state and position, the PS as is
-            saved = elastic.load(model, optimizer)
-            if saved is not None:
-                step, start_epoch, skip = saved.step, saved.epoch, saved.batches_to_skip(world)
-                resumed_from = f"elastic state at step {saved.step}"
+        # A new generation takes the dense state and position, the PS as is. The --nproc launcher counts every
+        # generation; torchrun does not count a membership change (a node joining or leaving a --nnodes MIN:MAX
+        # job), so under torchrun a state left in the folder is this job's (a finished job removes its own). A
+        # --resume checkpoint newer than the state wins (a requeued job that was preempted).
+        if elastic is not None and (restarts or under_torch_elastic()):
+            newest = elastic.peek()
+            if newest is not None and newest.step > step:
+                saved = elastic.load(model, optimizer)
+                if saved is not None:
+                    step, start_epoch, skip = saved.step, saved.epoch, saved.batches_to_skip(world)
+                    resumed_from = f"elastic state at step {saved.step}"
         if rank == 0 and config.logdir:
             from torch.utils.tensorboard import SummaryWriter
             writer = SummaryWriter(config.logdir)
@@ -432,6 +438,9 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
             collection.flush()
             if preempted:  # a checkpoint where the next step starts (nxt was read, not trained), no evaluation
                 position = (epoch, batch_in_epoch)
+                if elastic is not None and rank == 0:  # the next generation (torchrun: a membership change) starts here
+                    elastic.save(Position(step, epoch, batch_in_epoch * world * config.batch_size, world,
+                                          config.batch_size), model, optimizer)
                 if ckpt_root is not None:
                     checkpoint(*position)
                 break
@@ -463,6 +472,8 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
             result["resumed_from"] = resumed_from
         if elastic is not None:
             result["restarts"] = restarts
+            if rank == 0 and not preempted:
+                elastic.finish()
         if preempted:
             where = f"; checkpoint {latest_checkpoint(ckpt_root)}" if ckpt_root is not None else " (no --checkpoint-dir)"
             log.warning("stopped by SIGTERM after step %d%s", step, where)

@@ -50,13 +50,23 @@ def train_args(data: str | os.PathLike, ps_target: str, folder: Path, epochs: in
             "--elastic-every", "10"]
 
 
-def torchrun_command(args: list[str], nnodes: str = "1") -> list[str]:
-    """The same job under torchrun (torch elastic): its agent restarts the workers, ``--max-restarts 2``."""
+# torch 2.13's agents share their rendezvous store with the workers by default; after a membership change (a
+# node joining a running --nnodes MIN:MAX job) the old rank 0 does not publish the master address again and the
+# new node's agent waits for it until the rendezvous times out. Without the shared store each round's rank 0
+# publishes a fresh address and port, so scale-up works (tests/trainer/test_elastic.py).
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def torchrun_command(args: list[str], nnodes: str = "1", nproc_per_node: int = 2,
+                     rdzv_endpoint: str = "127.0.0.1:0") -> list[str]:
+    """The same job under torchrun (torch elastic): its agent restarts the workers, ``--max-restarts 2``; run it
+    with ``TORCHRUN_ENV`` in its environment. ``nnodes`` MIN:MAX lets agents (nodes) join: give them all one
+    ``rdzv_endpoint`` with a real port; the first one there hosts the rendezvous."""
     rest = [a for i, a in enumerate(args) if a not in ("--nproc", "--max-restarts")
             and args[i - 1] not in ("--nproc", "--max-restarts")]
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "2",
-            "--max-restarts", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
-            "--monitor-interval", "0.2", "-m", "tigana.trainer", *rest]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(nproc_per_node),
+            "--max-restarts", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
+            "--rdzv-conf", "last_call_timeout=1", "--monitor-interval", "0.2", "-m", "tigana.trainer", *rest]
 
 
 def trainer_pids(launcher: int) -> list[int]:
@@ -83,7 +93,8 @@ def train(args: list[str], kill_after_state: Path | None = None, timeout_s: floa
     one trainer once that elastic state folder has a state. Returns the result, with ``wall_s``."""
     start = time.monotonic()
     proc = subprocess.Popen(command or [sys.executable, "-m", "tigana.tools.cli", "train", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, **TORCHRUN_ENV} if command else None)
     try:
         if kill_after_state is not None:
             deadline = time.monotonic() + timeout_s
