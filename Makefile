@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint demo proto bench bench-peers clean
+.PHONY: install test lint demo proto bench bench-peers bytecode clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,10 +21,15 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(VENV)/bin/lint-imports
 
-test: lint
+# Our modules' bytecode, written even where PYTHONDONTWRITEBYTECODE is set: every daemon, trainer and CLI
+# process a test starts would otherwise compile them again (about 0.2 s a process, ~10% of the suite).
+bytecode: $(STAMP)
+	$(PY) -m compileall -q -j 0 ps trainer embeddings tools proto > /dev/null
+
+test: lint bytecode
 	$(PY) -m pytest -q
 
-demo: $(STAMP)
+demo: $(STAMP) bytecode
 	$(VENV)/bin/tigana demo
 
 # Regenerate the committed gRPC/protobuf code (tests/proto/test_generated.py fails when it is stale).
