@@ -10,9 +10,7 @@ import argparse
 import dataclasses
 import json
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from tigana.ps import settings
@@ -20,6 +18,7 @@ from tigana.ps.errors import PSError
 from tigana.ps.logs import FORMATS, setup_logging
 from tigana.ps.scheduler import SchedulerConfig, load_scheduler_config, start_scheduler
 from tigana.tools.daemon_flags import add_metrics_flags, add_security_flags
+from tigana.tools.signals import StopSignal
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,9 +62,7 @@ def load(args: argparse.Namespace) -> settings.Loaded[SchedulerConfig]:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = StopSignal()
     try:
         config = load(args).config
         handle = start_scheduler(config)

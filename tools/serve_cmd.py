@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
-import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -24,6 +22,7 @@ from tigana.ps.logs import FORMATS, setup_logging
 from tigana.ps.security import SecuritySettings
 from tigana.ps.serving import ServeConfig, start_serving
 from tigana.tools.daemon_flags import add_metrics_flags, add_security_flags
+from tigana.tools.signals import StopSignal
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,15 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)
-    stop = threading.Event()
-    received: list[int] = []
-
-    def on_signal(signum: int, _frame: object) -> None:
-        received.append(signum)
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+    stop = StopSignal()
     _from_environment(args, os.environ)
     try:
         security = SecuritySettings(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
@@ -80,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tigana serve: listening on {handle.address}{tls}, following {args.source} (default row "
               f"{args.default}{metrics}); SERVING once a full export is loaded", file=sys.stderr, flush=True)
         stop.wait()
-        print(f"tigana serve: {signal.Signals(received[0]).name}, stopping", file=sys.stderr, flush=True)
+        print(f"tigana serve: {stop.name}, stopping", file=sys.stderr, flush=True)
     finally:
         handle.close()
         if args.ready_file:

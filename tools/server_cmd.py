@@ -11,9 +11,7 @@ import argparse
 import dataclasses
 import json
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from tigana.ps import settings
@@ -22,6 +20,7 @@ from tigana.ps.daemon import start_server, tune_allocator
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.logs import FORMATS, setup_logging
 from tigana.tools.daemon_flags import add_metrics_flags, add_security_flags
+from tigana.tools.signals import StopSignal
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,15 +85,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tigana server: {exc}", file=sys.stderr)
         return 2
 
-    stop = threading.Event()
-    received: list[int] = []
-
-    def on_signal(signum: int, _frame: object) -> None:
-        received.append(signum)
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+    stop = StopSignal()
 
     tune_allocator()
     try:
@@ -114,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
               + (f", metrics on :{handle.metrics_port}" if handle.metrics_port else "") + ")",
               file=sys.stderr, flush=True)
         stop.wait()
-        print(f"tigana server: {signal.Signals(received[0]).name}, draining and snapshotting", file=sys.stderr,
+        print(f"tigana server: {stop.name}, draining and snapshotting", file=sys.stderr,
               flush=True)
     except Exception as exc:  # noqa: BLE001 - a failed load is reported, not a traceback
         print(f"tigana server: {type(exc).__name__}: {exc}", file=sys.stderr)
