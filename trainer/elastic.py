@@ -126,11 +126,18 @@ class ElasticState:
         return json.loads(path.read_text()) if path.is_file() else None
 
     def finish(self) -> None:
-        """Rank 0 at the end of a job that trained to its end: remove the state, so a later job started in the same
-        folder begins fresh instead of resuming a finished one."""
-        (self.folder / "state.json").unlink(missing_ok=True)
-        for old in self.folder.glob("dense-*.pt"):
-            old.unlink(missing_ok=True)
+        """Rank 0 at the end of a job that trained to its end: mark the state finished. A restart of this job
+        (a rank failing after the end) still resumes it; a later job started in the same folder begins fresh."""
+        meta = self._meta()
+        if meta is not None:
+            tmp = self.folder / ".state.json.tmp"
+            tmp.write_text(json.dumps({**meta, "finished": True}))
+            os.replace(tmp, self.folder / "state.json")
+
+    def finished(self) -> bool:
+        """Whether the newest state is that of a job that trained to its end."""
+        meta = self._meta()
+        return bool(meta and meta.get("finished"))
 
     def load(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Position | None:
         """Load the newest state into ``model``/``optimizer``; None when there is none yet."""

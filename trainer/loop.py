@@ -336,11 +336,11 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
         restarts = restart_count()
         # A new generation takes the dense state and position, the PS as is. The --nproc launcher counts every
         # generation; torchrun does not count a membership change (a node joining or leaving a --nnodes MIN:MAX
-        # job), so under torchrun a state left in the folder is this job's (a finished job removes its own). A
-        # --resume checkpoint newer than the state wins (a requeued job that was preempted).
+        # job), so under torchrun a state left in the folder is this job's unless it is marked finished (a new
+        # job in the folder). A --resume checkpoint newer than the state wins (a requeued, preempted job).
         if elastic is not None and (restarts or under_torch_elastic()):
             newest = elastic.peek()
-            if newest is not None and newest.step > step:
+            if newest is not None and newest.step > step and (restarts or not elastic.finished()):
                 saved = elastic.load(model, optimizer)
                 if saved is not None:
                     step, start_epoch, skip = saved.step, saved.epoch, saved.batches_to_skip(world)
