@@ -54,6 +54,7 @@ import numpy as np
 
 from tigana.embeddings import config as _config
 from tigana.embeddings.errors import CorruptStore, InvalidArgument, SnapshotNotFound, StorageFull
+from tigana.embeddings.files import fsync_path
 from tigana.embeddings.lmdbstore import RowStore
 from tigana.embeddings.rows import RowBatch
 
@@ -160,14 +161,6 @@ def _alive(pid: int) -> bool:
 
 
 # --- writing ---------------------------------------------------------------------------------------------
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _file_digest(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -275,8 +268,8 @@ def write_snapshot(root: str | Path, *, table: str, config: dict[str, Any],
                     f.flush()
                     os.fsync(f.fileno())
                 files.append(f"{EXTRA_DIR}/{name}")
-            _fsync_path(tmp / EXTRA_DIR)
-        _fsync_path(tmp / ROWS_DIR / "data.mdb")
+            fsync_path(tmp / EXTRA_DIR)
+        fsync_path(tmp / ROWS_DIR / "data.mdb")
         manifest: dict[str, Any] = {
             "format": FORMAT, "version": FORMAT_VERSION, "table": table, "kind": kind, "sequence": seq,
             "parent": parent.name if incremental and parent else None, "created": time.time(),
@@ -290,10 +283,10 @@ def write_snapshot(root: str | Path, *, table: str, config: dict[str, Any],
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_path(tmp / ROWS_DIR)
-        _fsync_path(tmp)
+        fsync_path(tmp / ROWS_DIR)
+        fsync_path(tmp)
         os.rename(tmp, final)
-        _fsync_path(root)
+        fsync_path(root)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:

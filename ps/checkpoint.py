@@ -39,6 +39,7 @@ from google.protobuf import json_format
 
 from tigana.embeddings import RowBatch
 from tigana.embeddings import snapshot as snap
+from tigana.embeddings.files import fsync_path
 from tigana.proto import shard_pb2 as pb
 from tigana.ps import cluster_wire, routing
 from tigana.ps.errors import DataLoss, InvalidArgument, from_rpc_error
@@ -142,11 +143,7 @@ def _publish(tmp: Path, root: Path) -> None:
 
 def _fsync_tree(path: Path) -> None:
     for p in sorted(path.rglob("*"), reverse=True):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(p)
 
 
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:

@@ -16,9 +16,7 @@ Example::
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import logging
-import os
 import threading
 import time
 from concurrent import futures
@@ -28,6 +26,7 @@ from typing import IO
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from tigana.embeddings.files import hold_lock
 from tigana.ps import rpc
 from tigana.ps.config import ServerConfig
 from tigana.ps.membership import Agent
@@ -233,18 +232,9 @@ def _lock_data_dir(data_dir: Path) -> IO[str]:
     """Hold an exclusive lock on ``data_dir`` for this server's life: two servers on one data dir would
     overwrite each other's snapshots. The kernel drops the lock when the process dies."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    f = open(data_dir / "LOCK", "a+")  # noqa: SIM115 - held until close
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        owner = f.read().strip() or "unknown"
-        f.close()
-        raise OSError(f"data dir {str(data_dir)!r} is in use by another server ({owner})") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()}\n")
-    f.flush()
+    f, owner = hold_lock(data_dir / "LOCK")
+    if f is None:
+        raise OSError(f"data dir {str(data_dir)!r} is in use by another server ({owner})")
     return f
 
 

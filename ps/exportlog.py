@@ -54,7 +54,6 @@ Design (what the follow loop guarantees, and why):
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -70,6 +69,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from tigana.embeddings.files import fsync_path, hold_lock
 from tigana.ps.checkpoint import export_table
 from tigana.ps.errors import DataLoss, InvalidArgument, PSError
 
@@ -179,32 +179,14 @@ def _write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path.parent)
 
 
 def _lock_log(root: Path) -> IO[str]:
     """An exclusive lock on ``root/LOCK`` for the follower's life (the kernel drops it when the process dies)."""
-    f = open(root / "LOCK", "a+")  # noqa: SIM115 - held until close
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        owner = f.read().strip() or "unknown"
-        f.close()
-        raise InvalidArgument(f"export --follow: {str(root)!r} is being written by another follower "
-                              f"({owner})") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()}\n")
-    f.flush()
+    f, owner = hold_lock(root / "LOCK")
+    if f is None:
+        raise InvalidArgument(f"export --follow: {str(root)!r} is being written by another follower ({owner})")
     return f
 
 
@@ -276,7 +258,7 @@ class ExportFollower:
         meta = export_table(self.client, self.table, self.root / name, since_time=since)
         entry = {"path": name, "seq": seq, "time": float(meta["time"]), "since": float(meta["since"]),
                  "rows": int(meta["rows"]), "seconds": round(time.monotonic() - started, 6)}
-        _fsync_dir(self.root)  # the entry's rename is durable before a manifest names it
+        fsync_path(self.root)  # the entry's rename is durable before a manifest names it
         if full:
             previous = m["base"]["seq"] if m else None
             new = {"format": FORMAT, "version": VERSION, "log_id": m["log_id"] if m else uuid.uuid4().hex,

@@ -270,16 +270,13 @@ def _export(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
 def _export_follow(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     """``export --follow``: the export log (``tigana.ps.exportlog``) until SIGTERM/SIGINT, then exit 0."""
     import contextlib
-    import signal
-    import threading
 
     from tigana.ps.exportlog import ExportFollower
+    from tigana.tools.signals import StopSignal
 
     if args.since:
         raise ps.InvalidArgument("export --follow: --since does not apply (the log's own cuts are used)")
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = StopSignal()
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(_client(args))
         follower = ExportFollower(client, args.table, args.out, interval_s=args.interval, overlap_s=args.overlap,
