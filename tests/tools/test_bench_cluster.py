@@ -35,3 +35,15 @@ def test_bench_ps_replicas_reports_sync_and_async_against_none(capsys):
     for d in lines:
         assert d["peer"] == "no replication" and d["value"] > 0 and d["peer_value"] > 0 and d["replicas"] == 1
         assert d["durability"] in ("sync", "async") and d["dim"] == 8
+
+
+def test_bench_reshard_moves_drains_and_leaves_every_copy_equal(capsys):
+    assert cli.main(["bench", "reshard", "--rows", "20000", "--batch", "1024"]) == 0
+    lines = {d["case"]: d for d in _lines(capsys)}
+    assert set(lines) == {"reshard.move", "reshard.push_p99", "reshard.balance", "reshard.drain"}
+    for d in lines.values():
+        assert d["value"] > 0 and d["peer_value"] > 0 and d["rows"] == 20000 and d["replicas"] == 1
+        assert d["ratio"] == pytest.approx(d["value"] / d["peer_value"], rel=2e-3)
+    assert 0 < lines["reshard.move"]["rows_moved"] <= 20000  # the 4th server's share was copied to it
+    assert lines["reshard.drain"]["copies_differing"] == 0 and lines["reshard.drain"]["rows_held"] > 0
+    assert lines["reshard.balance"]["servers"] == 4

@@ -6,7 +6,8 @@ row-wise Adagrad). Cases, one JSON line each:
 - ``reshard.move``: a 4th server joins and ``rebalance`` moves its share of the slots to it while a push loop
   runs; rows copied per second (peer: pulling every row of the table once, the read limit of the data path);
 - ``reshard.push_p99``: push latency p99 during that move (peer: p99 of the same push loop before it);
-- ``reshard.drain``: seconds to drain one server (peer: the time to pull the rows it held);
+- ``reshard.drain``: seconds to drain one server (peer: the time to pull the rows it held), with the slots whose
+  copies differ afterwards (``copies_differing``; any makes the exit status 1);
 - ``reshard.balance``: max/mean server load (rows held + request rate led, the planner's cost model) under
   Zipf(1.05) pulls and pushes after ``rebalance``, against the same figure before it.
 """
@@ -136,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
         admin.drain(cluster.scheduler, victim["id"])
         admin.wait_for(lambda: admin.settled(cluster.scheduler), 3600, "the drain")
         drain_s = time.monotonic() - start
+        differing = admin.verify(cluster.scheduler)["differing"]  # the moves and the drain left every copy equal
         emit("reshard.drain", "s", drain_s, "pull of the rows it held", read_s * held / total, rows_held=held,
-             **params)
-        log(f"bench reshard: verify {admin.verify(cluster.scheduler)['differing'][:3] or 'all copies equal'}")
-    return 0
+             copies_differing=len(differing), **params)
+        log(f"bench reshard: verify {differing[:3] or 'all copies equal'}")
+    return 1 if differing else 0

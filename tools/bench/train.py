@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
@@ -144,18 +145,26 @@ def run(args: argparse.Namespace) -> int:
             rates = _interleaved(trainers, repeats)
         finally:
             client.close()
+    best = {name: max(v) for name, v in rates.items()}
+    median = {name: statistics.median(v) for name, v in rates.items()}
+
+    def line(case: str, ours: str, peer: str, peer_name: str, fused: bool) -> None:
+        emit(case, "samples/s", best[ours], peer_name, best[peer], fused_tables=fused, **params,
+             value_median=round(median[ours], 1), peer_value_median=round(median[peer], 1),
+             ratio_median=round(median[ours] / median[peer], 4))
+
     for case, fused in (("train_ps", True), ("train_ps_unfused", False)):
-        emit(case, "samples/s", rates[case], "local nn.EmbeddingBag", rates["local"], fused_tables=fused, **params)
+        line(case, case, "local", "local nn.EmbeddingBag", fused)
     if "torchrec" in rates:
-        emit("train_ps_vs_torchrec", "samples/s", rates["train_ps"], "torchrec EmbeddingBagCollection",
-             rates["torchrec"], fused_tables=True, **params)
+        line("train_ps_vs_torchrec", "train_ps", "torchrec", "torchrec EmbeddingBagCollection", True)
     return 0
 
 
-def _interleaved(trainers: dict[str, _Trainer], repeats: int) -> dict[str, float]:
-    """Best samples/s of each trainer over ``repeats`` rounds, the trainers taking turns in every round (one
-    untimed warm-up round first). Best, not median: on a shared machine other processes only ever slow a round
-    down, and a spike that hits one trainer's turn would skew a median of a few rounds."""
+def _interleaved(trainers: dict[str, _Trainer], repeats: int) -> dict[str, list[float]]:
+    """Samples/s of each trainer in each of ``repeats`` rounds, the trainers taking turns in every round (one
+    untimed warm-up round first). The lines report the best round: on a shared machine other processes only
+    ever slow a round down. The medians come along (``value_median``, ``ratio_median``), since the best of a
+    few noisy rounds favours whichever case spreads more."""
     timings: dict[str, list[float]] = {name: [] for name in trainers}
     for round_ in range(repeats + 1):
         for name, trainer in trainers.items():
@@ -165,7 +174,7 @@ def _interleaved(trainers: dict[str, _Trainer], repeats: int) -> dict[str, float
                 timings[name].append(n / (time.perf_counter() - t0))
         if round_:
             log("  round " + str(round_) + ": " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in timings.items()))
-    return {name: max(v) for name, v in timings.items()}
+    return timings
 
 
 if __name__ == "__main__":
