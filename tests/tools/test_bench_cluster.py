@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tigana.tools import cli
@@ -11,13 +9,9 @@ from tigana.tools import cli
 pytestmark = pytest.mark.timeout(300)
 
 
-def _lines(capsys) -> list[dict]:
-    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
-
-
-def test_bench_failover_one_trial(capsys):
+def test_bench_failover_one_trial(bench_lines):
     assert cli.main(["bench", "failover", "--trials", "1", "--ids", "5000", "--ids-per-push", "200"]) == 0
-    (line,) = _lines(capsys)
+    (line,) = bench_lines()
     assert line["case"] == "failover" and line["unit"] == "s" and line["trials"] == 1
     assert line["lost"] == 0 and line["doubled"] == 0 and line["copies_differing"] == 0
     assert line["value"] == pytest.approx(line["recovery_s_p95"], rel=1e-2) and line["value"] > 0
@@ -26,20 +20,20 @@ def test_bench_failover_one_trial(capsys):
         assert key in line
 
 
-def test_bench_ps_replicas_reports_sync_and_async_against_none(capsys):
+def test_bench_ps_replicas_reports_sync_and_async_against_none(bench_lines):
     argv = ["bench", "ps", "--replicas", "1", "--quick", "--batch", "2048", "--num-ids", "100000", "--dims", "8",
             "--repeats", "1"]
     assert cli.main(argv) == 0
-    lines = _lines(capsys)
+    lines = bench_lines()
     assert {d["case"] for d in lines} == {"push_sync", "push_async", "pull_sync", "pull_async"}
     for d in lines:
         assert d["peer"] == "no replication" and d["value"] > 0 and d["peer_value"] > 0 and d["replicas"] == 1
         assert d["durability"] in ("sync", "async") and d["dim"] == 8
 
 
-def test_bench_reshard_moves_drains_and_leaves_every_copy_equal(capsys):
+def test_bench_reshard_moves_drains_and_leaves_every_copy_equal(bench_lines):
     assert cli.main(["bench", "reshard", "--rows", "20000", "--batch", "1024"]) == 0
-    lines = {d["case"]: d for d in _lines(capsys)}
+    lines = {d["case"]: d for d in bench_lines()}
     assert set(lines) == {"reshard.move", "reshard.push_p99", "reshard.balance", "reshard.drain"}
     for d in lines.values():
         assert d["value"] > 0 and d["peer_value"] > 0 and d["rows"] == 20000 and d["replicas"] == 1

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import socket
 
@@ -11,11 +10,11 @@ import pytest
 from tigana.tools import cli
 
 
-def test_bench_ps_prints_one_json_line_per_case(capsys):
+def test_bench_ps_prints_one_json_line_per_case(bench_lines):
     argv = ["bench", "ps", "--quick", "--batch", "2048", "--num-ids", "100000", "--dims", "8", "--wire", "fp16",
             "--repeats", "1"]
     assert cli.main(argv) == 0
-    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    lines = bench_lines()
     peers = {"in-process", "grpc-echo", "grpc-stream-echo", "ps-unary"} | (
         {"redis"} if shutil.which("redis-server") else set())
     assert {(d["case"], d["peer"]) for d in lines} == {(c, p) for c in ("pull", "push", "step") for p in peers}

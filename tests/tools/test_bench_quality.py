@@ -3,7 +3,6 @@ tiny workload, end to end on real shard daemons: every setting's line with the c
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -14,15 +13,11 @@ DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "movielens-100k
 SETTINGS = ["local", "ps", "fp16", "int8", "adaptive", "staleness=0", "staleness=4", "staleness=16", "cache"]
 
 
-def _lines(capsys) -> list[dict]:
-    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not (DATA / "ml-100k" / "u1.base").is_file(), reason=f"MovieLens-100K not found at {DATA}")
-def test_bench_quality_quick_prints_every_setting(capsys) -> None:
+def test_bench_quality_quick_prints_every_setting(bench_lines) -> None:
     assert cli.main(["bench", "quality", "--data", str(DATA), "--quick"]) == 0
-    lines = _lines(capsys)
+    lines = bench_lines()
     assert [d["setting"] for d in lines] == SETTINGS
     by = {d["setting"]: d for d in lines}
     for d in lines:
@@ -41,11 +36,11 @@ def test_bench_quality_quick_prints_every_setting(capsys) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_bench_cache_reports_every_staleness(capsys) -> None:
+def test_bench_cache_reports_every_staleness(bench_lines) -> None:
     argv = ["bench", "cache", "--quick", "--steps", "6", "--batch-size", "512", "--vocab", "2000",
             "--cache-rows", "4096"]
     assert cli.main(argv) == 0
-    lines = _lines(capsys)
+    lines = bench_lines()
     assert [d["staleness"] for d in lines] == [0, 1, 4, 16]
     for d in lines:
         assert d["case"] == "cache" and d["unit"] == "pulled bytes" and d["peer"] == "no cache (same staleness)"

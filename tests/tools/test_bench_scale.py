@@ -4,7 +4,6 @@ and ``--plot`` without matplotlib fails at once, naming the extra."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -38,10 +37,10 @@ def _children() -> set[int]:
     return out
 
 
-def test_bench_scale_prints_every_curve(capsys, tmp_path):
+def test_bench_scale_prints_every_curve(bench_lines, tmp_path):
     before = _children()
     assert cli.main(TINY) == 0
-    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    lines = bench_lines()
     assert _children() <= before  # every shard daemon and client process stopped
 
     curves = [d for d in lines if d["case"] != "scale.rows.memory"]

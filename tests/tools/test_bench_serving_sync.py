@@ -3,7 +3,6 @@ processes): the five JSON lines with their keys, in well under a minute."""
 
 from __future__ import annotations
 
-import json
 import math
 import time
 
@@ -17,11 +16,11 @@ CASES = {"serving_sync.lag_p50": "s", "serving_sync.lag_p95": "s", "serving_sync
          "serving_sync.lookup_p50": "ms", "serving_sync.lookup_p99": "ms"}
 
 
-def test_bench_serving_sync_quick(capsys) -> None:
+def test_bench_serving_sync_quick(bench_lines) -> None:
     started = time.monotonic()
     assert cli.main(["bench", "serving-sync", "--quick", "--duration", "2"]) == 0  # a 2 s lag phase: ~40 samples
     elapsed = time.monotonic() - started
-    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    lines = bench_lines()
     assert {d["case"]: d["unit"] for d in lines} == CASES and len(lines) == len(CASES)
     for d in lines:
         for key in ("case", "unit", "value", "peer", "peer_value", "ratio", "rows", "dim", "interval_s", "quick"):

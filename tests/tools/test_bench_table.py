@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from tigana.tools.bench import table as bench_table
 
@@ -14,11 +13,11 @@ def _args(module, argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def test_bench_table_prints_one_json_line_per_case(capsys) -> None:
+def test_bench_table_prints_one_json_line_per_case(bench_lines) -> None:
     args = _args(bench_table, ["--quick", "--distinct", "5000", "--rows", "3000", "--batch", "512",
                                "--dims", "8", "--repeats", "2"])
     assert bench_table.run(args) == 0
-    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    lines = bench_lines()
     cases = [line["case"] for line in lines]
     assert cases == ["table.lookup", "table.lookup_or_insert", "table.update_rowwise_adagrad",
                      "hashtable.lookup", "table.capacity"]

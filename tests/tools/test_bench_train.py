@@ -4,7 +4,6 @@ gloo ranks)."""
 from __future__ import annotations
 
 import importlib.util
-import json
 
 import pytest
 
@@ -13,15 +12,11 @@ from tigana.tools import cli
 pytestmark = pytest.mark.timeout(300)
 
 
-def _lines(capsys) -> list[dict]:
-    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
-
-
-def test_bench_train_reports_ps_against_local_and_torchrec_when_installed(capsys):
+def test_bench_train_reports_ps_against_local_and_torchrec_when_installed(bench_lines):
     argv = ["bench", "train", "--steps", "2", "--repeats", "2", "--batch-size", "256", "--vocab", "1000",
             "--shards", "1"]
     assert cli.main(argv) == 0
-    lines = {d["case"]: d for d in _lines(capsys)}
+    lines = {d["case"]: d for d in bench_lines()}
     expected = {"train_ps", "train_ps_unfused"} | (
         {"train_ps_vs_torchrec"} if importlib.util.find_spec("torchrec") else set())
     assert set(lines) == expected
@@ -36,9 +31,9 @@ def test_bench_train_reports_ps_against_local_and_torchrec_when_installed(capsys
     assert lines["train_ps"]["peer"] == "local nn.EmbeddingBag"
 
 
-def test_bench_allreduce_quick(capsys):
+def test_bench_allreduce_quick(bench_lines):
     assert cli.main(["bench", "allreduce", "--quick", "--repeats", "2"]) == 0
-    lines = {d["case"]: d for d in _lines(capsys)}
+    lines = {d["case"]: d for d in bench_lines()}
     assert set(lines) == {"allreduce_time", "allreduce_cross_node_bytes", "allreduce_fp16_time",
                           "allreduce_fp16_cross_node_bytes"}
     for d in lines.values():
