@@ -39,8 +39,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
+from collections.abc import Mapping
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +65,7 @@ from tigana.ps.errors import (
 )
 from tigana.ps.metrics import ServingMetrics
 from tigana.ps.security import NONE, Security, SecuritySettings
+from tigana.ps.settings import load as load_settings
 
 log = logging.getLogger("tigana.ps.serving")
 
@@ -70,12 +73,12 @@ SERVICE_NAME = "tigana.v1.Serving"
 _FOLD_MIN_ROWS = 65536
 
 
-@dataclass(frozen=True)
-class ServeConfig:
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig(SecuritySettings):
     """Settings of ``tigana serve``. ``source``: the export log folder; ``poll_s``: seconds between manifest
     polls; ``default``: the row of an unknown id (``zeros``, ``mean`` or a number); ``max_ids``: ids per
-    lookup; ``verify``: check every entry's sha256 before using it; ``security``: TLS and tokens (none: plain);
-    ``metrics_port``: Prometheus HTTP port (0 off, -1 a free one)."""
+    lookup; ``verify``: check every entry's sha256 before using it; TLS and tokens as on a shard server
+    (``SecuritySettings``; none: plain); ``metrics_port``: Prometheus HTTP port (0 off, -1 a free one)."""
 
     source: str
     host: str = "127.0.0.1"
@@ -87,7 +90,6 @@ class ServeConfig:
     max_workers: int = 8
     verify: bool = True
     drain_grace_s: float = 5.0
-    security: SecuritySettings = dataclasses.field(default_factory=SecuritySettings)
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
 
@@ -99,6 +101,21 @@ class ServeConfig:
             raise InvalidArgument(f"serve: --max-ids must be >= 1, got {self.max_ids}")
         if not -1 <= self.metrics_port <= 65535:
             raise InvalidArgument(f"serve: --metrics-port must be 'auto', 0 (off) or a port, got {self.metrics_port}")
+
+
+# The fields ``tigana serve`` reads from ``TIGANA_<FIELD>`` when no flag gives them: the ones it shares with
+# the shard server (TLS, tokens, metrics), so one environment configures both daemons the same way.
+ENV_FIELDS = tuple(f.name for f in dataclasses.fields(SecuritySettings)) + ("metrics_port", "metrics_host")
+
+
+def load_serve_config(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> ServeConfig:
+    """``ServeConfig`` from ``flags`` (field -> value; None: not given) > ``TIGANA_<FIELD>`` of ``ENV_FIELDS``
+    in ``env`` (``os.environ`` when None) > defaults, through the loader every command uses."""
+    from tigana.ps.config import PARSERS  # the server's parsers: "auto" metrics port
+
+    env = os.environ if env is None else env
+    own = {f"TIGANA_{n.upper()}": env[f"TIGANA_{n.upper()}"] for n in ENV_FIELDS if f"TIGANA_{n.upper()}" in env}
+    return load_settings(ServeConfig, flags=flags, env=own, parsers={"metrics_port": PARSERS["metrics_port"]}).config
 
 
 def default_policy(text: str) -> str | float:
@@ -310,7 +327,7 @@ class ServingHandle:
         self._ready = threading.Event()
         self.follower = LogFollower(config.source, default_policy(config.default), verify=config.verify,
                                     on_swap=self._swapped)
-        self.security = config.security.security()
+        self.security = config.security()
         self.metrics = ServingMetrics(self._figures)
         self.metrics_port: int | None = None
         self.service = ServingService(self.follower, config, self.metrics)

@@ -114,6 +114,11 @@ def _convert(hint: Any, value: Any) -> Any:
     return str(value)
 
 
+def convert(cls: type, name: str, value: Any) -> Any:
+    """``value`` (text of a flag, variable or file) as field ``name`` of the dataclass ``cls``, by its type hint."""
+    return _convert(typing.get_type_hints(cls)[name], value)
+
+
 def load(cls: type[T], *, flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
          file: str | os.PathLike | None = None, section: str | None = None,
          parsers: Mapping[str, Parser] | None = None, env_prefixes: tuple[str, ...] = (ENV_PREFIX,),

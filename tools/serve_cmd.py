@@ -14,13 +14,11 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.logs import FORMATS, setup_logging
-from tigana.ps.security import SecuritySettings
-from tigana.ps.serving import ServeConfig, start_serving
+from tigana.ps.serving import ENV_FIELDS, ServeConfig, load_serve_config, start_serving
 from tigana.tools.daemon_flags import add_metrics_flags, add_security_flags
 from tigana.tools.signals import StopSignal
 
@@ -48,16 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)
     stop = StopSignal()
-    _from_environment(args, os.environ)
     try:
-        security = SecuritySettings(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-                                    require_client_cert=bool(args.require_client_cert),
-                                    auth_token_file=args.auth_token_file, admin_token_file=args.admin_token_file,
-                                    allow_insecure_loopback=bool(args.allow_insecure_loopback))
-        config = ServeConfig(source=args.source, host=args.host, port=args.port, poll_s=args.poll_s,
-                             default=args.default, max_ids=args.max_ids, verify=args.verify, security=security,
-                             metrics_port=_metrics_port(args.metrics_port),
-                             metrics_host=args.metrics_host or ServeConfig.metrics_host)
+        config = load_serve_config({f: getattr(args, f) for f in _FLAGS})
         handle = start_serving(config)
     except (OSError, InvalidArgument) as exc:
         print(f"tigana serve: {exc}", file=sys.stderr)
@@ -79,29 +69,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-_ENV_FLAGS = ("tls_cert", "tls_key", "tls_ca", "require_client_cert", "auth_token_file", "admin_token_file",
-              "allow_insecure_loopback", "metrics_port", "metrics_host")
-
-
-def _from_environment(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
-    """Flags not given take their ``TIGANA_*`` variable, as for the other daemons (flags > variables)."""
-    for name in _ENV_FLAGS:
-        value = environ.get(f"TIGANA_{name.upper()}")
-        if getattr(args, name) is None and value:
-            flag = value.strip().lower() in ("1", "true", "yes", "on")
-            setattr(args, name, flag if name in ("require_client_cert", "allow_insecure_loopback") else value)
-
-
-def _metrics_port(text: str | None) -> int:
-    """--metrics-port: None or 0 off, 'auto' a free port (-1), else the port."""
-    if text is None:
-        return 0
-    if text.strip().lower() in ("auto", "any"):
-        return -1
-    try:
-        return int(text)
-    except ValueError:
-        raise InvalidArgument(f"serve: --metrics-port must be 'auto', 0 (off) or a port, got {text!r}") from None
+_FLAGS = ("source", "host", "port", "poll_s", "default", "max_ids", "verify", *ENV_FIELDS)
 
 
 def _write_ready(path: Path, info: dict) -> None:

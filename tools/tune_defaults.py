@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tigana.ps import settings
 from tigana.trainer.config import TrainConfig
 
 _TUNABLE = ("batch_size", "lr", "weight_decay", "embedding_optimizer", "embedding_lr", "dim", "init_std",
@@ -38,14 +39,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
 def _value(name: str, text: str) -> Any:
-    default = _FIELDS[name].default
-    if isinstance(default, bool):
-        return text.lower() in ("1", "true", "yes", "on")
-    if isinstance(default, int):
-        return int(text)
-    if isinstance(default, float):
-        return float(text)
-    return text
+    return settings.convert(TrainConfig, name, text)
 
 
 def _pairs(items: list[str], many: bool) -> dict[str, Any]:

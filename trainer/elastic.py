@@ -105,10 +105,7 @@ class ElasticState:
         tmp = self.folder / f".{weights}.tmp"
         torch.save({"model": state, "optimizer": optimizer.state_dict()}, tmp)
         os.replace(tmp, self.folder / weights)
-        meta = {**position.__dict__, "weights": weights, "time": time.time()}
-        tmp_meta = self.folder / ".state.json.tmp"
-        tmp_meta.write_text(json.dumps(meta))
-        os.replace(tmp_meta, self.folder / "state.json")  # the switch: the new weights are now the state
+        self._write_meta({**position.__dict__, "weights": weights, "time": time.time()})  # the switch
         for old in self.folder.glob("dense-*.pt"):
             if old.name != weights:
                 old.unlink(missing_ok=True)
@@ -125,14 +122,18 @@ class ElasticState:
         path = self.folder / "state.json"
         return json.loads(path.read_text()) if path.is_file() else None
 
+    def _write_meta(self, meta: dict[str, Any]) -> None:
+        """Replace ``state.json`` atomically: a reader sees the old state or the new one, never a mix."""
+        tmp = self.folder / ".state.json.tmp"
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, self.folder / "state.json")
+
     def finish(self) -> None:
         """Rank 0 at the end of a job that trained to its end: mark the state finished. A restart of this job
         (a rank failing after the end) still resumes it; a later job started in the same folder begins fresh."""
         meta = self._meta()
         if meta is not None:
-            tmp = self.folder / ".state.json.tmp"
-            tmp.write_text(json.dumps({**meta, "finished": True}))
-            os.replace(tmp, self.folder / "state.json")
+            self._write_meta({**meta, "finished": True})
 
     def finished(self) -> bool:
         """Whether the newest state is that of a job that trained to its end."""

@@ -371,6 +371,11 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
             if world > 1:
                 dist.barrier()
 
+        def save_elastic(epoch: int, batch_in_epoch: int) -> None:
+            """Rank 0: the elastic state where the next step starts (data position in global samples)."""
+            elastic.save(Position(step, epoch, batch_in_epoch * world * config.batch_size, world, config.batch_size),
+                         model, optimizer)
+
         samples = 0
         result: dict[str, Any] | None = None
         position: tuple[int, int] | None = None  # (epoch, batch in epoch) the next step starts at
@@ -425,8 +430,7 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
                         wandb_run.log(scalars, step=step)
                     loss_sum, loss_n = 0.0, 0
                 if elastic is not None and rank == 0 and elastic.due(step):
-                    elastic.save(Position(step, epoch, batch_in_epoch * world * config.batch_size, world,
-                                          config.batch_size), model, optimizer)
+                    save_elastic(epoch, batch_in_epoch)
                 if config.checkpoint_every and step % config.checkpoint_every == 0:
                     train_time += time.perf_counter() - t0
                     checkpoint(epoch, batch_in_epoch)
@@ -439,8 +443,7 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
             if preempted:  # a checkpoint where the next step starts (nxt was read, not trained), no evaluation
                 position = (epoch, batch_in_epoch)
                 if elastic is not None and rank == 0:  # the next generation (torchrun: a membership change) starts here
-                    elastic.save(Position(step, epoch, batch_in_epoch * world * config.batch_size, world,
-                                          config.batch_size), model, optimizer)
+                    save_elastic(epoch, batch_in_epoch)
                 if ckpt_root is not None:
                     checkpoint(*position)
                 break

@@ -19,9 +19,10 @@ from grpc_health.v1 import health_pb2
 
 from tigana import ps
 from tigana.proto import serving_pb2 as spb
+from tigana.ps.errors import InvalidArgument
 from tigana.ps.exportlog import ExportFollower, read_log, read_manifest
 from tigana.ps.local import stop_process
-from tigana.ps.serving import ServingClient
+from tigana.ps.serving import ServingClient, load_serve_config
 from tigana.tools.bench.serving_sync import health_status, spawn_follow, spawn_serve, wait_serving
 
 pytestmark = pytest.mark.timeout(180)
@@ -388,3 +389,13 @@ def test_serve_with_tls_tokens_and_metrics(cluster, pki, tmp_path: Path) -> None
     finally:
         stop_process(serve)
     assert serve.returncode == 0, log_path.read_text()[-2000:]
+
+
+def test_serve_settings_flags_over_tigana_variables_over_defaults() -> None:
+    env = {"TIGANA_METRICS_PORT": "auto", "TIGANA_ALLOW_INSECURE_LOOPBACK": "yes", "TIGANA_AUTH_TOKEN_FILE": "/t",
+           "TIGANA_PORT": "7000", "TIGANA_MAX_IDS": "5"}  # a shard server's own settings: not serve's
+    config = load_serve_config({"source": "log", "auth_token_file": "/flag", "metrics_host": None}, env)
+    assert (config.metrics_port, config.allow_insecure_loopback, config.auth_token_file) == (-1, True, "/flag")
+    assert (config.port, config.max_ids, config.metrics_host) == (0, 1_000_000, "127.0.0.1")
+    with pytest.raises(InvalidArgument, match="metrics_port"):
+        load_serve_config({"source": "log", "metrics_port": "eighty"}, {})
