@@ -2,8 +2,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build of torch; an unpinned torch pulls a multi-GB CUDA build.
+# The CPU build of torch; an unpinned torch pulls a multi-GB CUDA build. tools/torch_wheel.py takes it from
+# TORCH_INDEX when that index is reachable and from the package registry otherwise. GPU machines:
+#   make install TORCH_INDEX=https://download.pytorch.org/whl/cu128   (or TORCH_INDEX=registry)
 TORCH_PIN ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.installed
 
 .PHONY: install test lint demo proto bench bench-peers bytecode clean
@@ -11,8 +14,8 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[dev]" "$(TORCH_PIN)"
+	$(PY) tools/torch_wheel.py --pin "$(TORCH_PIN)" --index "$(TORCH_INDEX)"
+	$(PY) -m pip install -q -e ".[dev,train]" "$(TORCH_PIN)"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -46,6 +46,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                                             "requests, a soak; a ledger counts what was lost"),
 }
 
+# The modules of the `train` extra: a command that imports one of them needs `pip install "tigana[train]"`.
+TRAIN_EXTRA = frozenset({"torch", "torchmetrics", "tensorboard", "tqdm"})
+
 
 def _available(table: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
     return {name: spec for name, spec in table.items() if importlib.util.find_spec(spec[0]) is not None}
@@ -86,7 +89,16 @@ def main(argv: list[str] | None = None) -> int:
             parser.parse_args(argv)  # --help prints and exits 0; a bad command exits 2
         parser.print_help()
         return 0 if not argv else 2
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name not in TRAIN_EXTRA:
+            raise
+        command = " ".join(a for a in (known.command, getattr(known, "bench", None)) if a)
+        print(f"tigana {command}: needs {exc.name!r}, which this install lacks: it comes with the train extra, "
+              f"pip install 'tigana[train]' (a shard server, the scheduler, serve, local and admin need only "
+              f"'tigana')", file=sys.stderr)
+        return 2
     parser = build_parser()
     _attach(parser, argv, module)
     args = parser.parse_args(argv)
