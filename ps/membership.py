@@ -2,8 +2,10 @@
 
 The ``Agent`` runs one thread: register (with the log positions of what the server loaded, for an unclean
 election), then heartbeat every ``heartbeat_interval_s`` and install any newer map that comes back. It also
-carries the service's reports (a copy failed, a copy caught up) and map refreshes. While the scheduler is
-down the server keeps serving on the map it holds.
+carries the service's reports (a copy failed, a copy caught up) and map refreshes. Refreshes asked for by
+requests (``refresh_soon``, one per ``WrongShard`` routed at a newer epoch) are coalesced: one refresher
+thread, started on first use, fetches the map while the highest epoch wanted is above ours, however many
+requests asked. While the scheduler is down the server keeps serving on the map it holds.
 
 The primary lease (async tables): ``lease_ok()`` is true while the last successful heartbeat is younger
 than ``lease_s``. A server whose heartbeats fail stops acknowledging async pushes before the scheduler can
@@ -48,6 +50,9 @@ class Agent:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._refresh_lock = threading.Lock()
+        self._wanted_cond = threading.Condition()
+        self._wanted = 0  # the highest epoch a request asked for (refresh_soon); guarded by _wanted_cond
+        self._refresher: threading.Thread | None = None
         self.registered = False
         self.last_ok = 0.0
         self._thread = threading.Thread(target=self._run, name="tigana-agent", daemon=True)
@@ -136,8 +141,34 @@ class Agent:
                 s.install(cluster_wire.map_from_pb(reply.map))
 
     def refresh_soon(self, epoch: int) -> None:
-        """Non-blocking: fetch the map on the agent's thread soon."""
-        threading.Thread(target=self.refresh, args=(epoch,), daemon=True).start()
+        """Non-blocking: have the refresher fetch a map at least as new as ``epoch`` soon. Thread-safe; calls
+        coalesce (one refresher thread for the agent's life, asking for the highest epoch wanted)."""
+        with self._wanted_cond:
+            if self._stop.is_set() or epoch <= self._wanted:
+                return
+            self._wanted = epoch
+            if self._refresher is None:
+                self._refresher = threading.Thread(target=self._refresh_loop, name="tigana-agent-refresh",
+                                                   daemon=True)
+                self._refresher.start()
+            self._wanted_cond.notify()
+
+    def _refresh_loop(self) -> None:
+        """The refresher: while the highest epoch wanted is above ours, fetch the map (every heartbeat
+        interval while the scheduler does not have it or cannot be reached)."""
+        while True:
+            with self._wanted_cond:
+                while not self._stop.is_set() and self._wanted <= self.service.epoch:
+                    self._wanted_cond.wait()
+                if self._stop.is_set():
+                    return
+                wanted = self._wanted
+            try:
+                self.refresh(wanted)
+            except Exception:  # noqa: BLE001 - the refresher outlives a bad reply
+                log.exception("map refresh")
+            if self.service.epoch < wanted:
+                self._stop.wait(self.interval)
 
     def report_copy_failure(self, target: str, slots: np.ndarray, reason: str) -> None:
         self._report("ReportCopyFailure", spb.ReportCopyFailureRequest(
@@ -166,7 +197,11 @@ class Agent:
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
+        with self._wanted_cond:
+            self._wanted_cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout=5.0)
+        if self._refresher is not None and self._refresher.is_alive():
+            self._refresher.join(timeout=5.0)
         for c in self._channels:
             c.close()
