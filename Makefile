@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(VENV)/bin/tigana bench failover --quick
 	$(VENV)/bin/tigana bench reshard --quick
 	$(VENV)/bin/tigana bench serving-sync --quick
+	$(VENV)/bin/tigana bench nemesis --quick
 
 # Optional benchmark peers, never dependencies: TorchRec beside the CPU torch, with the CPU fbgemm-gpu
 # (torchrec's own requirements would pull the 0.5 GB CUDA build).

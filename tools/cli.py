@@ -42,6 +42,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                                               "as well as undisturbed runs (AUC), the PS untouched"),
     "scale": ("tigana.tools.bench.scale", "scale curves: pull/push/step rows/s and CPU-s per M rows against shards, "
                                           "client processes, resident rows and batch size"),
+    "nemesis": ("tigana.tools.bench.nemesis", "a cluster started as the README says, under planned operations and "
+                                              "faults: sync/async updates lost and doubled, demotions, stalls"),
     "faults": ("tigana.tools.bench.faults", "the fault suite: kills, pauses, partitions, disks, corruption, hostile "
                                             "requests, a soak; a ledger counts what was lost"),
 }

@@ -1,0 +1,179 @@
+"""``tigana bench nemesis``: the run, its targets and its JSON line (see the package's docstring)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from tigana import ps
+from tigana.tools.bench.nemesis.daemons import Daemons
+from tigana.tools.bench.nemesis.faults import Faults
+from tigana.tools.bench.nemesis.monitor import Monitor, demotion_reasons
+from tigana.tools.bench.nemesis.operations import Operations, OpResult, admin_cli
+from tigana.tools.bench.nemesis.schedule import FAULTS, pause_between, plan_round
+from tigana.tools.bench.nemesis.workload import DURABILITIES, Ledgers
+from tigana.tools.bench.report import emit, log
+
+KEYS = ("lost_sync", "doubled_sync", "lost_async", "doubled_async", "async_loss_bound", "primaries_killed",
+        "copies_demoted_without_failure", "max_push_stall_s", "verify", "rss_growth_mib")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help="one round of every planned operation, then one of the faults (about a minute)")
+    parser.add_argument("--seed", type=int, default=0, help="orders the operations and picks their slots (default 0)")
+    parser.add_argument("--duration", type=float, default=None,
+                        help="seconds of rounds, at least one clean and one with faults (default 240, quick 0)")
+    parser.add_argument("--servers", type=int, default=3, help="servers started as the README does (default 3)")
+    parser.add_argument("--replicas", type=int, default=1, help="the scheduler's --replicas (default 1)")
+    parser.add_argument("--heartbeat-timeout", type=float, default=3.0, help="the scheduler's (default 3 s)")
+    parser.add_argument("--clients", type=int, default=2, help="ledger clients per table (default 2)")
+    parser.add_argument("--ids", type=int, default=20_000, help="ids of each ledger table (default 20,000)")
+    parser.add_argument("--ids-per-push", type=int, default=500, help="ids per ledger push (default 500)")
+    parser.add_argument("--faults", action=argparse.BooleanOptionalAction, default=True,
+                        help="kill -9, SIGSTOP and restarts after the clean round (default on)")
+    parser.add_argument("--op-timeout", type=float, default=None,
+                        help="seconds an admin command may wait for its moves (default 60, quick 20)")
+    parser.add_argument("--dir", default=None, help="keep the daemons' data dirs and logs here (default: a "
+                                                    "temporary folder, its path printed)")
+
+
+def run(args: argparse.Namespace) -> int:
+    duration = args.duration if args.duration is not None else (0.0 if args.quick else 240.0)
+    op_timeout = args.op_timeout or (20.0 if args.quick else 60.0)
+    run_dir = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="tigana-nemesis-"))
+    params = {"seed": args.seed, "duration_s": duration, "servers": args.servers, "replicas": args.replicas,
+              "heartbeat_timeout_s": args.heartbeat_timeout, "clients_per_table": args.clients, "ids": args.ids,
+              "ids_per_push": args.ids_per_push, "faults": bool(args.faults), "quick": bool(args.quick),
+              "dir": str(run_dir)}
+    log(f"bench nemesis: daemons, data and logs in {run_dir}")
+    try:
+        figures = _run(args, run_dir, duration, op_timeout)
+    except Exception as exc:  # noqa: BLE001 - the harness failed: say so on the JSON line
+        traceback.print_exc()
+        emit("nemesis", "s", float("nan"), "3x heartbeat timeout", 3 * args.heartbeat_timeout, **params,
+             error=f"{type(exc).__name__}: {exc}"[:500], ok=False, targets_missed=["harness"])
+        return 1
+    missed = targets_missed(figures, args.heartbeat_timeout)
+    emit("nemesis", "s", figures["max_push_stall_s"], "3x heartbeat timeout", 3 * args.heartbeat_timeout,
+         **{k: figures[k] for k in KEYS}, ok=not missed, targets_missed=missed,
+         **{k: v for k, v in figures.items() if k not in KEYS}, **params)
+    return 1 if missed else 0
+
+
+def targets_missed(f: dict[str, Any], heartbeat_timeout_s: float) -> list[str]:
+    """The names of the targets the run missed (empty: every target held)."""
+    missed = []
+    if f["lost_sync"] != 0 or f["doubled_sync"] != 0:
+        missed.append("sync: 0 lost, 0 doubled")
+    async_limit = f["async_loss_bound"] if f["primaries_killed"] else 0
+    if f["doubled_async"] != 0 or f["lost_async"] > async_limit:
+        missed.append("async: 0 doubled, 0 lost unless a primary was killed, then within the bound")
+    if f["copies_demoted_without_failure"] != 0:
+        missed.append("0 copies demoted without a failure")
+    if not f["max_push_stall_s"] < 3 * heartbeat_timeout_s:
+        missed.append("max push stall under 3x the heartbeat timeout")
+    if f["verify"] != "ok":
+        missed.append("admin verify: every copy equal")
+    if f["ops_failed"]:
+        missed.append("every planned operation succeeds")
+    if f["torn_rows"]:
+        missed.append("no torn ledger row")
+    return missed
+
+
+def _run(args: argparse.Namespace, run_dir: Path, duration: float, op_timeout: float) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    hb = args.heartbeat_timeout
+    t0 = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        d = stack.enter_context(Daemons(run_dir, heartbeat_timeout_s=hb))
+        # The README's order: the scheduler, then the servers, then the clients: no wait for the cluster to
+        # settle, only for each process to serve (its ready file).
+        d.start_scheduler(replicas=args.replicas)
+        d.scheduler.wait_ready(60)
+        for _ in range(args.servers):
+            d.start_server()
+        d.wait_ready(120)
+        log(f"bench nemesis: scheduler {d.scheduler_address} and {args.servers} servers up after "
+            f"{time.monotonic() - t0:.1f}s")
+        ctl = stack.enter_context(ps.connect(scheduler=d.scheduler_address))
+        ledgers = Ledgers(d.scheduler_address, clients_per_table=args.clients, num_ids=args.ids,
+                          ids_per_push=args.ids_per_push, seed=args.seed)
+        ledgers.create_tables(ctl)
+        stack.callback(ledgers.stop)
+        ledgers.start()
+        assert d.metrics_port is not None
+        monitor = Monitor(d.scheduler_address, d.metrics_port).start()
+        stack.callback(monitor.finish)
+        rss_start = d.rss()
+        operations = Operations(d, ledgers, ctl, rng, run_dir, timeout_s=op_timeout,
+                                max_joins=1 if args.quick else 2)
+        stack.callback(operations.close_scratch)
+        faults = Faults(d, ledgers, monitor, ctl, hb)
+        results = _rounds(args, rng, operations, faults, duration)
+        time.sleep(1.0)  # a last second of traffic after the last operation
+        operations.close_scratch()
+        ledgers.stop()
+        stall = ledgers.max_stall_s()
+        audits = {dur: ledgers.audit(ctl, dur) for dur in DURABILITIES}
+        verify = _verify(d.scheduler_address, op_timeout)
+        rss_end = d.rss()
+        watched = monitor.finish()
+        scheduler_log = d.scheduler.log_path if d.scheduler else run_dir / "scheduler.log"
+    failed = [r.as_dict() for r in results if not r.ok]
+    grown = [rss_end[pid] - mib for pid, mib in rss_start.items() if pid in rss_end]
+    return {
+        **{f"{k}_{dur}": audits[dur][k] for dur in DURABILITIES for k in ("lost", "doubled")},
+        "async_loss_bound": faults.async_loss_bound(), "primaries_killed": faults.primaries_killed,
+        "copies_demoted_without_failure": watched.pop("copies_demoted_without_failure"),
+        "max_push_stall_s": round(stall, 3), "verify": verify,
+        "rss_growth_mib": round(sum(grown), 1), "rss_growth_mib_max": round(max(grown, default=0.0), 1),
+        **watched, "demotion_reasons": demotion_reasons(scheduler_log),
+        **{f"{k}_{dur}": audits[dur][k] for dur in DURABILITIES
+           for k in ("acked_updates", "acked_pushes", "failed_pushes", "lost_ids", "errors")},
+        "torn_rows": sum(a["torn_rows"] for a in audits.values()),
+        "ops": len(results), "ops_failed": len(failed), "failed": failed[:8],
+        "ops_run": [r.op for r in results if not r.skipped], "faults_injected": sum(r.op in FAULTS for r in results),
+        "lag_samples_failed": faults.lag_samples_failed, "elapsed_s": round(time.monotonic() - t0, 1),
+    }
+
+
+def _rounds(args: argparse.Namespace, rng: random.Random, operations: Operations, faults: Faults,
+            duration: float) -> list[OpResult]:
+    """The clean round, then rounds with faults (when on) until ``duration`` has passed."""
+    results: list[OpResult] = []
+    start = time.monotonic()
+    round_no = 0
+    while round_no == 0 or (args.faults and round_no == 1) or time.monotonic() - start < duration:
+        plan = plan_round(rng, faults=args.faults and round_no > 0, join=operations.joins_left > 0)
+        if args.quick and round_no > 0:  # the quick form's fault round: the faults and two moves
+            plan = [op for op in plan if op in FAULTS or op in ("move_primary", "handover")]
+        log(f"bench nemesis: round {round_no + 1}: {' '.join(plan)}")
+        for op in plan:
+            time.sleep(pause_between(rng, args.quick))
+            r = faults.run(op) if op in FAULTS else operations.run(op)
+            results.append(r)
+            log(f"  {op}: {'ok' if r.ok else 'FAILED'}{' (skipped)' if r.skipped else ''} in {r.seconds:.1f}s: "
+                f"{r.detail[:200]}")
+        round_no += 1
+        if not args.faults and args.quick:
+            break
+    return results
+
+
+def _verify(scheduler: str, timeout_s: float) -> str:
+    """``tigana admin verify``: "ok", or what it found."""
+    rc, report, err = admin_cli(scheduler, ["verify"], timeout_s)
+    if rc == 0:
+        return "ok"
+    if report is None:
+        return f"exit {rc}: {err.splitlines()[-1] if err else ''}"[:200]
+    return (f"{report.get('slots_differing', '?')} slot copies differ, unreachable "
+            f"{report.get('unreachable', [])}" if "error" not in report else str(report["error"])[:200])
