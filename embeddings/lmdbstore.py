@@ -264,14 +264,20 @@ class RowStore:
         values = np.ascontiguousarray(raw[:, _KEY_BYTES:]).view(f"V{self._value_bytes}").ravel().tolist()
         return keys, values
 
-    def _decode(self, keys: list[bytes], values: list[bytes]) -> RowBatch:
-        """Records (LMDB keys and values, aligned) -> RowBatch, after checking every length and CRC."""
+    def _decode(self, keys: list[bytes], values: list[bytes], corrupt: list[int] | None = None) -> RowBatch:
+        """Records (LMDB keys and values, aligned) -> RowBatch, after checking every length and CRC. A bad
+        record raises ``CorruptStore``; with a ``corrupt`` list it is left out and its id appended there."""
         n = len(keys)
         if n == 0:
             return RowBatch.empty(self.dim, self.state_width)
         key_lens = np.fromiter(map(len, keys), np.int64, count=n)
         value_lens = np.fromiter(map(len, values), np.int64, count=n)
         bad = np.flatnonzero((key_lens != _KEY_BYTES) | (value_lens != self._value_bytes))
+        if bad.size and corrupt is not None:
+            skip = set(bad.tolist())
+            corrupt.extend(self._key_id(bytes(keys[i])) for i in bad.tolist() if len(keys[i]) == _KEY_BYTES)
+            good = [i for i in range(n) if i not in skip]
+            return self._decode([keys[i] for i in good], [values[i] for i in good], corrupt)
         if bad.size:
             i = int(bad[0])
             key = bytes(keys[i])
@@ -284,7 +290,12 @@ class RowStore:
         raw[:, _KEY_BYTES:] = np.frombuffer(b"".join(values), np.uint8).reshape(n, self._value_bytes)
         rec = raw.view(self._dtype).ravel()
         bad = np.flatnonzero(crc32_rows(raw[:, :-4]) != rec["crc"])
-        if bad.size:
+        if bad.size and corrupt is not None:
+            corrupt.extend(self._key_id(bytes(keys[i])) for i in bad.tolist())
+            keep = np.ones(n, bool)
+            keep[bad] = False
+            rec, n = rec[keep], int(keep.sum())
+        elif bad.size:
             i = int(bad[0])
             raise CorruptStore(
                 f"table {self.table!r}: corrupt record in {self.file}: id {self._key_id(bytes(keys[i]))} "
@@ -348,19 +359,22 @@ class RowStore:
             self._write(lambda txn: txn.cursor(db=self._rows_db).putmulti(zip(keys, values, strict=True)),
                         need=len(keys) * 2 * self.record_bytes)
 
-    def get(self, ids: np.ndarray) -> tuple[np.ndarray, RowBatch]:
-        """-> (found (n,) bool aligned with ids, RowBatch of the rows of ids[found] in that order)."""
+    def get(self, ids: np.ndarray, *, corrupt: list[int] | None = None) -> tuple[np.ndarray, RowBatch]:
+        """-> (found (n,) bool aligned with ids, RowBatch of the rows of ids[found] in that order). A record
+        failing its checks raises ``CorruptStore``; with a ``corrupt`` list it is left out of the batch (still
+        ``found``) and its id appended there."""
         with self._lock:
             self._check_open()
             ids = self._ids(ids)
             keys = _key_list(ids)
             values = self._read(lambda txn: list(map(txn.get, keys)))
-            return self._found(keys, values)
+            return self._found(keys, values, corrupt)
 
-    def _found(self, keys: list[bytes], values: list[bytes | None]) -> tuple[np.ndarray, RowBatch]:
+    def _found(self, keys: list[bytes], values: list[bytes | None], corrupt: list[int] | None = None
+               ) -> tuple[np.ndarray, RowBatch]:
         found = np.fromiter((v is not None for v in values), bool, count=len(values))
         hit = np.flatnonzero(found).tolist()
-        return found, self._decode([keys[i] for i in hit], [values[i] for i in hit])
+        return found, self._decode([keys[i] for i in hit], [values[i] for i in hit], corrupt)
 
     def pop(self, ids: np.ndarray) -> tuple[np.ndarray, RowBatch]:
         """As ``get``, and deletes the found rows in the same transaction (nothing is deleted on error)."""

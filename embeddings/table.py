@@ -30,7 +30,13 @@ from tigana.embeddings import snapshot as _snapshot
 from tigana.embeddings._checksum import crc32_rows
 from tigana.embeddings.changes import Changes, unique
 from tigana.embeddings.config import Adam, TableConfig
-from tigana.embeddings.errors import CorruptStore, InvalidArgument, SnapshotNotFound, StorageFull
+from tigana.embeddings.errors import (
+    CorruptStore,
+    InvalidArgument,
+    SnapshotNotFound,
+    StorageError,
+    StorageFull,
+)
 from tigana.embeddings.hashtable import HashIndex, resolve_backend
 from tigana.embeddings.initializers import initial_rows
 from tigana.embeddings.lmdbstore import RowStore
@@ -85,7 +91,8 @@ class EmbeddingTable:
         self._counters = dict.fromkeys(("pulls", "pushes", "lookups", "hits", "inserts", "admissions",
                                         "rejected_admissions", "evictions", "spills", "unspills",
                                         "rows_updated", "nonfinite_rows_skipped", "spill_failures",
-                                        "refused_inserts"), 0)
+                                        "refused_inserts", "corrupt_rows", "upkeep_failures"), 0)
+        self._corrupt = np.empty(0, np.int64)  # spilled ids whose record failed its checks (sorted)
         if config.memory_budget is not None:
             self._open_spill()
 
@@ -191,8 +198,8 @@ class EmbeddingTable:
                     out[none] = self._initial(ids[none])
             cap = self.config.eviction.max_rows
             if misses and cap is not None and len(self) - self._protected > cap:  # inserts may pass the cap
-                self._evict(ttl=False)
-            self._maybe_spill()
+                self._upkeep(lambda: self._evict(ttl=False))
+            self._upkeep(self._maybe_spill)
             return out
 
     def push(self, ids: np.ndarray, grads: np.ndarray, *, step: int | None = None,
@@ -262,9 +269,22 @@ class EmbeddingTable:
                 slab.dirty[rows] = 1
             self._apply(rows, summed)
             self._counters["rows_updated"] += int(rows.shape[0])
-            self._maybe_evict()
-            self._maybe_spill()
+            self._upkeep(self._maybe_evict)
+            self._upkeep(self._maybe_spill)
             return int(rows.shape[0])
+
+    def _upkeep(self, work: Callable[[], object]) -> None:
+        """Run eviction or spilling at the end of a call that already changed the table. The call was applied
+        (a server records and replicates it once it returns), so a failure here must not turn it into an
+        error: the table counts it (``upkeep_failures``), logs it, and the next call tries again."""
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001 - the apply stands whatever upkeep meets
+            self._counters["upkeep_failures"] += 1
+            if isinstance(exc, StorageError):
+                _log.warning("table %r: upkeep after an applied call failed: %s", self.name, exc)
+            else:
+                _log.exception("table %r: upkeep after an applied call failed", self.name)
 
     def _apply(self, rows: np.ndarray, summed: np.ndarray) -> None:
         slab, opt = self._slab, self.config.optimizer
@@ -412,7 +432,7 @@ class EmbeddingTable:
                 "last_access": self._slab.last_access[positions],
                 "update_count": self._slab.update_count[positions].astype(np.int64)}
         if len(self._spilled):  # spilled rows are candidates too; their metadata lives in the store
-            sp = self._spill_rows(self._spilled.items()[0])
+            sp = self._spill_rows(self._spilled.items()[0], skip_corrupt=True)  # a bad record stays put
             ids = np.concatenate([ids, sp.ids])
             meta["last_step"] = np.concatenate([meta["last_step"], sp.last_step])
             meta["last_time"] = np.concatenate([meta["last_time"], sp.last_time])
@@ -664,9 +684,24 @@ class EmbeddingTable:
         self._index.insert(batch.ids, positions)
         self._counters["unspills"] += len(batch)
 
-    def _spill_rows(self, ids: np.ndarray) -> RowBatch:
-        """Rows of spilled ids read from the store without bringing them back (ids[found] order)."""
-        _, batch = self._spill.get(ids)
+    def _spill_rows(self, ids: np.ndarray, *, skip_corrupt: bool = False) -> RowBatch:
+        """Rows of spilled ids read from the store without bringing them back (ids[found] order). A record
+        failing its checks raises ``CorruptStore``; with ``skip_corrupt`` it is left out, counted once in
+        ``corrupt_rows`` and logged (it stays in the store: reading that id raises, and other copies of the
+        row may be good)."""
+        if not skip_corrupt:
+            return self._spill.get(ids)[1]
+        corrupt: list[int] = []
+        _, batch = self._spill.get(ids, corrupt=corrupt)
+        if corrupt:
+            bad = np.unique(np.array(corrupt, np.int64))
+            new = bad[~np.isin(bad, self._corrupt)]
+            if new.size:
+                self._corrupt = np.union1d(self._corrupt, new)
+                self._counters["corrupt_rows"] = int(self._corrupt.size)
+                _log.error("table %r: %d spilled row(s) failed their checks in %s and are left out of eviction "
+                           "(reading them raises CorruptStore): ids %s", self.name, new.size, self._spill.file,
+                           new[:5].tolist())
         return batch
 
     # --- snapshots -----------------------------------------------------------------------------------------
