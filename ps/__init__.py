@@ -40,6 +40,7 @@ from tigana.ps.errors import (
     TableNotFound,
     Unauthenticated,
     Unavailable,
+    UnknownClient,
     WrongShard,
 )
 from tigana.ps.local import LocalCluster, LocalEtcd
@@ -50,7 +51,7 @@ from tigana.ps.security import Security
 __all__ = [
     "FTRL", "SGD", "Adagrad", "Adam", "Admission", "DataLoss", "DeadlineExceeded", "Eviction", "Internal",
     "InvalidArgument", "Normal", "NotEnoughReplicas", "PSError", "PermissionDenied", "PushExpired",
-    "ResourceExhausted", "Unauthenticated",
+    "ResourceExhausted", "Unauthenticated", "UnknownClient",
     "RowWiseAdagrad", "TableExists",
     "TableNotFound", "Unavailable", "Uniform", "WrongShard", "Zeros",
     "Client", "ClientConfig", "Compression", "TableInfo", "connect",

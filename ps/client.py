@@ -20,7 +20,6 @@ import itertools
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent import futures as cf
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from tigana.ps.datapath import Attempt, PullOp, PushOp, Route, Server, new_futur
 from tigana.ps.errors import InvalidArgument, PSError, TableNotFound, Unavailable, from_rpc_error
 from tigana.ps.mapfollower import MapFollower
 from tigana.ps.security import Security
+from tigana.ps.session import client_stamp, new_client_id
 
 log = logging.getLogger("tigana.ps.client")
 
@@ -257,7 +257,7 @@ class Client:
         self.config = config or ClientConfig()
         if self.config.tune_allocator:
             tune_allocator()
-        self.client_id = uuid.uuid4().hex
+        self.client_id = new_client_id()  # a session: pushes are keyed (client_id, seq), see tigana.ps.session
         self.security = self.config.security()
         self._options = channel_options(self.config.max_message_bytes, self.config.keepalive_time_s,
                                         self.config.keepalive_timeout_s, self.config.reconnect_backoff_s)
@@ -733,6 +733,15 @@ class Client:
     def _next_seq(self) -> int:
         with self._seq_lock:
             return next(self._seq)
+
+    def _new_session(self, refused_id: str, horizon: int) -> str:
+        """The client id to send under after ``refused_id`` was refused as unknown (``UnknownClient``) at a
+        window whose horizon is ``horizon``: a new session stamped above it, made once however many parts
+        were refused (pushes already in flight keep their own ids)."""
+        with self._seq_lock:
+            if self.client_id == refused_id or client_stamp(self.client_id) <= horizon:
+                self.client_id = new_client_id(above=max(horizon, client_stamp(self.client_id)))
+            return self.client_id
 
     def _after_own_pushes(self, st: _Table, fn: Callable[[], None]) -> None:
         """Run ``fn`` once this client's pushes to ``st`` from more than ``staleness`` steps back are done."""

@@ -36,9 +36,11 @@ from tigana.ps.errors import (
     DeadlineExceeded,
     Internal,
     InvalidArgument,
+    NotEnoughReplicas,
     PSError,
     TableNotFound,
     Unavailable,
+    UnknownClient,
     WrongShard,
 )
 
@@ -169,13 +171,19 @@ class Fanout:
             return self.left == 0
 
 
+# Answers that prove the server applied nothing of the request (refused before applying).
+_NOTHING_APPLIED = (WrongShard, NotEnoughReplicas, UnknownClient)
+
+
 class Attempt:
-    """What a child operation inherits: the attempt number, the deadline, the last error."""
+    """What a child operation inherits: the attempt number, the deadline, the last error, and ``refused``:
+    whether every earlier attempt was answered with an error proving nothing was applied (so a push may
+    be sent again under a new client session, see ``UnknownClient``)."""
 
-    __slots__ = ("number", "deadline", "last")
+    __slots__ = ("number", "deadline", "last", "refused")
 
-    def __init__(self, number: int, deadline: float, last: PSError | None = None) -> None:
-        self.number, self.deadline, self.last = number, deadline, last
+    def __init__(self, number: int, deadline: float, last: PSError | None = None, refused: bool = True) -> None:
+        self.number, self.deadline, self.last, self.refused = number, deadline, last, refused
 
 
 def new_future() -> cf.Future:
@@ -207,7 +215,7 @@ class _Op:
             return
         c._note_retry()
         delay = min(c.config.max_backoff_s, c.config.initial_backoff_s * (2 ** (a.number - 1)))
-        child = Attempt(a.number + 1, a.deadline, error)
+        child = Attempt(a.number + 1, a.deadline, error, a.refused and isinstance(error, _NOTHING_APPLIED))
         once = threading.Lock()
 
         def fire() -> None:
@@ -346,14 +354,20 @@ class PullOp(_Op):
 
 class PushOp(_Op):
     """One push in flight: its step in the table's pending set (top level only), one message per (owner,
-    chunk) under the owner's permits, all carrying this push's (client_id, seq). The future settles only
-    when every part has (so ``flush`` and the staleness waits never return early)."""
+    chunk) under the owner's permits, all carrying this push's (client_id, seq), fixed when the push starts
+    (a retry keeps its key even if the client starts a new session meanwhile). The future settles only
+    when every part has (so ``flush`` and the staleness waits never return early).
+
+    A part refused with ``UnknownClient`` (the server's exactly-once window may have forgotten this client
+    session) is sent again under a new session and seq when every attempt of it was refused before applying
+    anything; otherwise it may have been applied, and the push fails with that error."""
 
     def __init__(self, client: Any, st: Any, fut: cf.Future, uniq: np.ndarray, summed: np.ndarray,
                  starts: np.ndarray | None, route: Route | None, seq: int, attempt: Attempt,
-                 *, top: bool = True) -> None:
+                 *, top: bool = True, client_id: str | None = None) -> None:
         super().__init__(client, st, fut, attempt)
         self.uniq, self.summed, self.starts, self.route, self.seq = uniq, summed, starts, route, seq
+        self.client_id: str = client_id if client_id is not None else client.client_id
         self.top = top
         self.rows = int(uniq.size)
         self.applied = 0
@@ -387,7 +401,7 @@ class PushOp(_Op):
             try:
                 data, scales = wire.encode_block(self.summed[lo:hi], codec)
                 request = wire.push_request_parts(st.name, self.uniq[lo:hi], codec, dim, data, scales,
-                                                  c.client_id, self.seq, part, route.epoch)
+                                                  self.client_id, self.seq, part, route.epoch)
             except Exception as exc:  # noqa: BLE001 - settle the part, so flush cannot hang
                 error = exc if isinstance(exc, PSError) else Internal(f"table {st.name!r}: push encoding: {exc}")
                 self._done_for(None, lo, hi)(None, error)
@@ -398,13 +412,35 @@ class PushOp(_Op):
             s.permits.acquire()  # back-pressure: at most max_pushes_in_flight messages per server
             s.send(frames.PUSH, request, c.config.timeout_s, self._done_for(s, lo, hi), c._note_retry)
 
-    def _again(self, lo: int, hi: int) -> Callable[[Attempt], cf.Future]:
+    def _again(self, lo: int, hi: int, client_id: str | None = None) -> Callable[[Attempt], cf.Future]:
+        """A child op for the part [lo, hi): the same key, or (``client_id``) a new session and seq."""
         def again(attempt: Attempt) -> cf.Future:  # this part is unsettled, so the op's arrays are alive
             uniq, summed = np.ascontiguousarray(self.uniq[lo:hi]), np.ascontiguousarray(self.summed[lo:hi])
             fut = new_future()
-            PushOp(self.client, self.st, fut, uniq, summed, None, None, self.seq, attempt, top=False).start()
+            if client_id is None:
+                cid, seq = self.client_id, self.seq
+            else:
+                cid, seq = client_id, self.client._next_seq()
+            PushOp(self.client, self.st, fut, uniq, summed, None, None, seq, attempt, top=False,
+                   client_id=cid).start()
             return fut
         return again
+
+    def _new_session(self, error: UnknownClient, lo: int, hi: int,
+                     settle: Callable[[Any, PSError | None], None]) -> bool:
+        """Send the part again under a new client session, if no attempt of it can have been applied."""
+        a = self.attempt
+        if not a.refused or time.monotonic() >= a.deadline:
+            return False
+        cid = self.client._new_session(self.client_id, error.horizon)
+        self.client._note_retry()
+        try:
+            fut = self._again(lo, hi, cid)(Attempt(a.number + 1, a.deadline, error, True))
+        except Exception as exc:  # noqa: BLE001 - settle the part, so flush cannot hang
+            settle(None, exc if isinstance(exc, PSError) else Internal(f"push: new session: {exc}"))
+            return True
+        fut.add_done_callback(lambda f: settle(f.result() if f.exception() is None else None, f.exception()))
+        return True
 
     def _done_for(self, server: Server | None, lo: int, hi: int) -> Callable[[Any, PSError | None], None]:
         def settle(applied: int | None, error: PSError | None) -> None:
@@ -434,6 +470,8 @@ class PushOp(_Op):
                 with self.st.lock:
                     self.st.bytes["received"]["push"] += response.ByteSize()
                 settle(int(response.applied_rows), None)
+                return
+            if isinstance(error, UnknownClient) and self._new_session(error, lo, hi, settle):
                 return
             self._retry_or_fail(error, server, self._again(lo, hi), settle)
         return done

@@ -13,6 +13,18 @@ below it, and not in the window, cannot be told apart from a replay of a dropped
 ``PushExpired`` rather than guess (a first arrival is never reported as a duplicate, nor a replay applied
 twice). Clients bound their pushes in flight, so this needs a push delayed by ``size`` later ones.
 
+Forgotten clients. A client dropped past ``max_clients`` takes its records and floor with it, so the window
+keeps a ``horizon``: the highest session stamp (``tigana.ps.session``) of a client it dropped. A client it
+does not know is new only if its stamp is above the horizon; at or below it, it may be a dropped one, and
+``applied`` raises ``UnknownClient`` (nothing applied; the client starts a new session above the horizon
+when none of its attempts can have been applied). A client entry that may lack records it once had is
+*blind*: made while its stamp was at or below the horizon (by a merge or a replicated record), or reached by
+a higher horizon merged from a slot copy. A blind client's records still say "applied"; it is never told
+"not applied" (``UnknownClient`` instead). The horizon and the blind marks travel like the floors: in
+``records_for`` (a record of the reserved client id ``HORIZON_ID``, and ``(client_id, BLIND_SEQ, no slots)``)
+and in ``to_bytes``. So a (client_id, seq) applied for a slot is never reported "not applied" for it, through
+any mix of evictions, merges, slot copies and restarts.
+
 Not thread-safe: the server checks, applies and records under the table's write lock.
 """
 
@@ -25,23 +37,29 @@ from collections import OrderedDict
 
 import numpy as np
 
-from tigana.ps.errors import PushExpired
+from tigana.ps.errors import InvalidArgument, PushExpired, UnknownClient
+from tigana.ps.session import client_stamp
 
-__all__ = ["DedupWindow"]
+__all__ = ["BLIND_SEQ", "HORIZON_ID", "DedupWindow"]
+
+HORIZON_ID = "\x00horizon"  # records_for: (HORIZON_ID, horizon, slots) carries the window's horizon
+BLIND_SEQ = (1 << 63) - 1     # records_for: (client_id, BLIND_SEQ, no slots) marks a blind client
 
 
 class _Client:
     """One client's window: a row of slot bits per seq, the lowest seq evicted first (``heap``)."""
 
-    __slots__ = ("row_of_seq", "seq_of_row", "bits", "free", "heap", "floor")
+    __slots__ = ("row_of_seq", "seq_of_row", "bits", "free", "heap", "floor", "stamp", "blind")
 
-    def __init__(self, nbytes: int, rows: int = 16) -> None:
+    def __init__(self, nbytes: int, rows: int = 16, stamp: int = 0, blind: bool = False) -> None:
         self.row_of_seq: dict[int, int] = {}
         self.seq_of_row = np.full(rows, -1, np.int64)
         self.bits = np.zeros((rows, nbytes), np.uint8)
         self.free = list(range(rows - 1, -1, -1))
         self.heap: list[int] = []
         self.floor = -1
+        self.stamp = stamp    # the client id's session stamp
+        self.blind = blind    # may lack records it once had: never answer "not applied"
 
     def row_for(self, seq: int, size: int) -> int:
         """A row for a new ``seq`` (above the floor): a free one, a new one (the window grows up to ``size``
@@ -91,6 +109,7 @@ class DedupWindow:
         self.num_slots, self.size, self.max_clients = num_slots, size, max_clients
         self._nbytes = (num_slots + 7) // 8
         self._clients: OrderedDict[str, _Client] = OrderedDict()
+        self.horizon = -1  # the highest session stamp of a client dropped (or merged from a slot copy)
 
     def __len__(self) -> int:
         """(client, seq) keys held."""
@@ -98,12 +117,17 @@ class DedupWindow:
 
     def applied(self, client_id: str, seq: int, slots: np.ndarray) -> np.ndarray:
         """(k,) bool: which of the (k,) routing ``slots`` already applied ``seq`` of ``client_id``.
-        Raises ``PushExpired`` when seq is too old to tell."""
+        Raises ``PushExpired`` when seq is too old to tell, ``UnknownClient`` when the client may have been
+        forgotten (it never answers "not applied" for a key it cannot vouch for)."""
         slots = np.asarray(slots, np.int64)
         if not client_id:
             return np.zeros(slots.shape[0], bool)
+        if client_id[0] == "\x00":
+            raise InvalidArgument(f"client id {client_id!r} is reserved")
         c = self._clients.get(client_id)
         if c is None:
+            if client_stamp(client_id) <= self.horizon:
+                raise self._unknown(client_id, seq)
             return np.zeros(slots.shape[0], bool)
         row = c.row_of_seq.get(seq)
         if row is None:
@@ -111,22 +135,40 @@ class DedupWindow:
                 raise PushExpired(f"push (client {client_id}, seq {seq}) is older than the exactly-once window "
                                   f"({self.size} pushes per client, last dropped seq {c.floor}): it may have been "
                                   "applied already, so it is not applied again")
+            if c.blind:
+                raise self._unknown(client_id, seq)
             return np.zeros(slots.shape[0], bool)
         bits = c.bits[row]
-        return ((bits[slots >> 3] >> (slots & 7).astype(np.uint8)) & 1).astype(bool)
+        done = ((bits[slots >> 3] >> (slots & 7).astype(np.uint8)) & 1).astype(bool)
+        if c.blind and not done.all():
+            raise self._unknown(client_id, seq)
+        return done
+
+    def _unknown(self, client_id: str, seq: int) -> UnknownClient:
+        return UnknownClient(f"push (client {client_id}, seq {seq}): the exactly-once window does not know this "
+                             f"client session and may have forgotten it (more than {self.max_clients} clients; "
+                             f"horizon={self.horizon}); nothing applied: start a new client session")
+
+    def _entry(self, client_id: str) -> _Client:
+        """The client's entry, made (blind if its stamp is not above the horizon) if missing; the least
+        recently seen client is dropped past ``max_clients``, raising the horizon to its stamp."""
+        c = self._clients.get(client_id)
+        if c is not None:
+            self._clients.move_to_end(client_id)
+            return c
+        stamp = client_stamp(client_id)
+        c = self._clients[client_id] = _Client(self._nbytes, min(16, self.size), stamp, stamp <= self.horizon)
+        while len(self._clients) > self.max_clients:
+            _, dropped = self._clients.popitem(last=False)
+            self.horizon = max(self.horizon, dropped.stamp)
+        return c
 
     def record(self, client_id: str, seq: int, slots: np.ndarray) -> None:
         """Remember that ``seq`` of ``client_id`` was applied for ``slots``."""
         if not client_id:
             return
         slots = np.asarray(slots, np.int64)
-        c = self._clients.get(client_id)
-        if c is None:
-            c = self._clients[client_id] = _Client(self._nbytes, min(16, self.size))
-            while len(self._clients) > self.max_clients:
-                self._clients.popitem(last=False)
-        else:
-            self._clients.move_to_end(client_id)
+        c = self._entry(client_id)
         row = c.row_of_seq.get(seq)
         if row is None:
             if seq <= c.floor:  # older than the window (a merged record): nothing to keep
@@ -141,10 +183,16 @@ class DedupWindow:
     def records_for(self, slots: np.ndarray) -> list[tuple[str, int, np.ndarray]]:
         """The window restricted to ``slots`` ((k,) int): [(client_id, seq, slots applied)], oldest first per
         client, for a copy of those slots to ``merge``; a client's floor travels as (client_id, floor, no
-        slots), so the copy refuses what this window could no longer tell (it would otherwise apply it)."""
-        mask = _bitmask(np.asarray(slots, np.int64), self._nbytes)
-        out = []
+        slots), so the copy refuses what this window could no longer tell (it would otherwise apply it); the
+        horizon as (HORIZON_ID, horizon, ``slots``) first, a blind client as (client_id, BLIND_SEQ, no slots)."""
+        slots = np.asarray(slots, np.int64)
+        mask = _bitmask(slots, self._nbytes)
+        out: list[tuple[str, int, np.ndarray]] = []
+        if self.horizon >= 0:
+            out.append((HORIZON_ID, int(self.horizon), slots.astype(np.int32)))
         for cid, c in self._clients.items():
+            if c.blind:
+                out.append((cid, BLIND_SEQ, np.empty(0, np.int32)))
             if c.floor >= 0:
                 out.append((cid, int(c.floor), np.empty(0, np.int32)))
             used = np.flatnonzero(c.seq_of_row >= 0)
@@ -160,19 +208,31 @@ class DedupWindow:
 
     def merge(self, records: list[tuple[str, int, np.ndarray]]) -> None:
         """Record every (client_id, seq, slots) of ``records`` (a slot copy's or a replicated push's); a record
-        with no slots raises the client's floor to its seq."""
+        with no slots raises the client's floor to its seq; the horizon and blind records as ``records_for``
+        writes them."""
         for cid, seq, slots in records:
-            if slots.size:
+            if cid == HORIZON_ID:
+                self._raise_horizon(int(seq))
+            elif not cid:
+                continue
+            elif seq == BLIND_SEQ:
+                self._entry(cid).blind = True
+            elif slots.size:
                 self.record(cid, seq, slots)
-            elif cid:
+            else:
                 self._raise_floor(cid, int(seq))
 
+    def _raise_horizon(self, horizon: int) -> None:
+        """A slot copy's horizon: clients at or below it may lack records the copy's source dropped."""
+        if horizon <= self.horizon:
+            return
+        self.horizon = horizon
+        for c in self._clients.values():
+            if c.stamp <= horizon:
+                c.blind = True
+
     def _raise_floor(self, client_id: str, floor: int) -> None:
-        c = self._clients.get(client_id)
-        if c is None:
-            c = self._clients[client_id] = _Client(self._nbytes, min(16, self.size))
-            while len(self._clients) > self.max_clients:
-                self._clients.popitem(last=False)
+        c = self._entry(client_id)
         if floor <= c.floor:
             return
         c.floor = floor
@@ -192,7 +252,8 @@ class DedupWindow:
     def to_bytes(self) -> bytes:
         ids = list(self._clients)
         meta = {"num_slots": self.num_slots, "size": self.size, "max_clients": self.max_clients,
-                "clients": [[cid, 0, c.floor] for cid, c in self._clients.items()]}
+                "horizon": self.horizon,
+                "clients": [[cid, int(c.blind), c.floor] for cid, c in self._clients.items()]}
         arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), np.uint8)}
         for i, cid in enumerate(ids):
             c = self._clients[cid]
@@ -209,8 +270,9 @@ class DedupWindow:
             if int(meta["num_slots"]) != num_slots:
                 raise ValueError(f"dedup window of {meta['num_slots']} slots, the server has {num_slots}")
             window = cls(num_slots, size or int(meta["size"]), int(meta["max_clients"]))
-            for i, (cid, _, floor) in enumerate(meta["clients"]):
-                c = _Client(window._nbytes, 1)
+            window.horizon = int(meta.get("horizon", -1))
+            for i, (cid, blind, floor) in enumerate(meta["clients"]):
+                c = _Client(window._nbytes, 1, client_stamp(str(cid)), bool(blind))
                 c.seq_of_row = z[f"s{i}"].astype(np.int64)
                 c.bits = z[f"b{i}"].astype(np.uint8)
                 c.floor = int(floor)

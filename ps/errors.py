@@ -9,6 +9,7 @@
     ├── InvalidArgument    INVALID_ARGUMENT    bad ids/grads/dims/config; nothing was applied
     ├── WrongShard         FAILED_PRECONDITION ids for slots this server does not lead at the caller's epoch
     ├── PushExpired        ABORTED             a retried push older than the exactly-once window
+    │   └── UnknownClient                      a push from a client the window may have forgotten: a new session
     ├── Unauthenticated    UNAUTHENTICATED     no credential, or one the server does not accept
     ├── PermissionDenied   PERMISSION_DENIED   a trainer's credential on an admin operation
     ├── ResourceExhausted  RESOURCE_EXHAUSTED  memory/LMDB/disk full, message too large, too many requests
@@ -76,6 +77,24 @@ class PushExpired(PSError):
     code = grpc.StatusCode.ABORTED
 
 
+class UnknownClient(PushExpired):
+    """A push from a client id the table's exactly-once window does not know and may have forgotten (its
+    session stamp is at or below the window's horizon, see ``tigana.ps.session``): refused, nothing applied
+    for the request. Like Kafka's UNKNOWN_PRODUCER_ID: a client whose earlier attempts of the push were all
+    refused (so none applied it) starts a new session above ``horizon`` and sends it again; otherwise the push
+    may have been applied, and it fails like ``PushExpired``."""
+
+    @property
+    def horizon(self) -> int:
+        """The window's horizon, read from the message (``horizon=N``); 0 when absent."""
+        text = str(self)
+        at = text.find("horizon=")
+        if at < 0:
+            return 0
+        digits = text[at + 8:].split(maxsplit=1)[0].rstrip(").,;:")
+        return int(digits) if digits.isdigit() else 0
+
+
 class Unauthenticated(PSError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
@@ -101,7 +120,8 @@ _BY_CODE: dict[grpc.StatusCode, type[PSError]] = {
     for cls in (Unavailable, DeadlineExceeded, TableNotFound, TableExists, InvalidArgument, WrongShard,
                 PushExpired, Unauthenticated, PermissionDenied, ResourceExhausted, DataLoss, Internal)
 }
-_BY_NAME: dict[str, type[PSError]] = {cls.__name__: cls for cls in (*_BY_CODE.values(), NotEnoughReplicas)}
+_BY_NAME: dict[str, type[PSError]] = {cls.__name__: cls for cls in (*_BY_CODE.values(), NotEnoughReplicas,
+                                                                      UnknownClient)}
 ERROR_KEY, EPOCH_KEY = "tigana-error", "tigana-epoch"
 
 # Storage-engine errors as the server reports them.

@@ -1,0 +1,44 @@
+"""Exactly-once for a client the server's window forgot (issue 16): a late retry is refused, never applied
+twice; a new push from the forgotten client goes on under a new session (Kafka's UNKNOWN_PRODUCER_ID)."""
+
+import grpc
+import numpy as np
+import pytest
+
+from tigana import ps
+from tigana.proto import shard_pb2 as pb
+from tigana.ps import wire
+from tigana.ps.errors import UnknownClient, from_rpc_error
+from tigana.ps.session import client_stamp, new_client_id
+
+
+def _raw_push(table: str, ids: np.ndarray, client_id: str, seq: int) -> bytes:
+    data, scales = wire.encode_block(np.ones((ids.size, 4), np.float32), pb.CODEC_FP32)
+    return wire.encode_push_request(table, ids, pb.CODEC_FP32, 4, data, scales, client_id, seq, 0)
+
+
+def test_a_forgotten_clients_retry_is_refused_and_its_next_push_starts_a_new_session(shard_server) -> None:
+    ids = np.array([1, 2, 3], np.int64)
+    with ps.connect([shard_server.address]) as client:
+        client.create_table("s", dim=4, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
+        server = client._servers[0]
+        first_id = client.client_id
+        raw = _raw_push("s", ids, first_id, 10**6)
+        assert server.push(raw, timeout=10).applied_rows == 3
+        window = shard_server.service._tables["s"].dedup
+        window.max_clients = 1
+        other = new_client_id()
+        assert server.push(_raw_push("s", np.array([9], np.int64), other, 1), timeout=10).applied_rows == 1
+        assert window.horizon == client_stamp(first_id)  # the client was dropped from the window
+        with pytest.raises(grpc.RpcError) as caught:  # its late retry: refused, not applied a second time
+            server.push(raw, timeout=10)
+        refused = from_rpc_error(caught.value)
+        assert isinstance(refused, UnknownClient) and refused.horizon == window.horizon
+        np.testing.assert_array_equal(client.pull("s", ids), -np.ones((3, 4), np.float32))
+        # a new push (never sent before, so nothing of it can have been applied): refused as unknown, then
+        # sent again by the client under a new session stamped above the horizon; applied once
+        client.push("s", ids, np.ones((3, 4), np.float32))
+        client.flush()
+        assert client.client_id != first_id and client_stamp(client.client_id) > window.horizon
+        np.testing.assert_array_equal(client.pull("s", ids), -2 * np.ones((3, 4), np.float32))
+        assert client.stats()["push_errors"] == 0
