@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tigana.proto import shard_pb2 as tigana_dot_proto_dot_shard__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctigana/proto/scheduler.proto\x12\ttigana.v1\x1a\x18tigana/proto/shard.proto\"p\n\x0fRegisterRequest\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04\x62oot\x18\x03 \x01(\t\x12+\n\tpositions\x18\x04 \x03(\x0b\x32\x18.tigana.v1.SlotTableInfo\"4\n\x10RegisterResponse\x12 \n\x03map\x18\x01 \x01(\x0b\x32\x13.tigana.v1.ShardMap\"\xa7\x01\n\x10HeartbeatRequest\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0c\n\x04\x62oot\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x35\n\x05stats\x18\x04 \x03(\x0b\x32&.tigana.v1.HeartbeatRequest.StatsEntry\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"I\n\x11HeartbeatResponse\x12 \n\x03map\x18\x01 \x01(\x0b\x32\x13.tigana.v1.ShardMap\x12\x12\n\nreregister\x18\x02 \x01(\x08\"4\n\rGetMapRequest\x12\x13\n\x0bknown_epoch\x18\x01 \x01(\x04\x12\x0e\n\x06wait_s\x18\x02 \x01(\x01\"A\n\x0eGetMapResponse\x12 \n\x03map\x18\x01 \x01(\x0b\x32\x13.tigana.v1.ShardMap\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"j\n\x18ReportCopyFailureRequest\x12\x10\n\x08reporter\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06target\x18\x03 \x01(\t\x12\r\n\x05slots\x18\x04 \x01(\x0c\x12\x0e\n\x06reason\x18\x05 \x01(\t\"U\n\x13\x43opyCaughtUpRequest\x12\x10\n\x08reporter\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06target\x18\x03 \x01(\t\x12\r\n\x05slots\x18\x04 \x01(\x0c\"=\n\x18ReportUnreachableRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x10\n\x08reporter\x18\x02 \x01(\t\"B\n\x0eReportResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x0f\n\rStatusRequest\"\xe8\x01\n\x0cServerStatus\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.tigana.v1.ServerInfo\x12\x18\n\x10last_heartbeat_s\x18\x02 \x01(\x01\x12\x11\n\tprimaries\x18\x03 \x01(\r\x12\x10\n\x08replicas\x18\x04 \x01(\r\x12\x13\n\x0b\x63\x61tching_up\x18\x05 \x01(\r\x12\x31\n\x05stats\x18\x06 \x03(\x0b\x32\".tigana.v1.ServerStatus.StatsEntry\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb7\x01\n\x0eStatusResponse\x12 \n\x03map\x18\x01 \x01(\x0b\x32\x13.tigana.v1.ShardMap\x12(\n\x07servers\x18\x02 \x03(\x0b\x32\x17.tigana.v1.ServerStatus\x12\x16\n\x0e\x64\x65graded_slots\x18\x03 \x01(\r\x12\x19\n\x11unavailable_slots\x18\x04 \x01(\r\x12\x14\n\x0cmoving_slots\x18\x05 \x01(\r\x12\x10\n\x08\x64raining\x18\x06 \x03(\t\"J\n\x0fMoveSlotRequest\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\n\n\x02to\x18\x02 \x01(\t\x12\x0f\n\x07primary\x18\x03 \x01(\x08\x12\x0c\n\x04\x66rom\x18\x04 \x01(\t\"/\n\x0c\x44rainRequest\x12\x0e\n\x06server\x18\x01 \x01(\t\x12\x0f\n\x07undrain\x18\x02 \x01(\x08\"N\n\tCostModel\x12\x12\n\nrow_weight\x18\x01 \x01(\x01\x12\x13\n\x0brate_weight\x18\x02 \x01(\x01\x12\x18\n\x10link_bytes_per_s\x18\x03 \x01(\x01\"6\n\x08SlotLoad\x12\x0c\n\x04rows\x18\x01 \x01(\x0c\x12\r\n\x05\x62ytes\x18\x02 \x01(\x0c\x12\r\n\x05rates\x18\x03 \x01(\x0c\"l\n\x10RebalanceRequest\x12\x11\n\tplan_only\x18\x01 \x01(\x08\x12\"\n\x04\x63ost\x18\x02 \x01(\x0b\x32\x14.tigana.v1.CostModel\x12!\n\x04load\x18\x03 \x01(\x0b\x32\x13.tigana.v1.SlotLoad\"j\n\x04Move\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0b\n\x03\x61\x64\x64\x18\x02 \x03(\t\x12\x0e\n\x06remove\x18\x03 \x03(\t\x12\x14\n\x0cprimary_from\x18\x04 \x01(\t\x12\x12\n\nprimary_to\x18\x05 \x01(\t\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\"\x95\x01\n\x0bLoadFigures\x12\x0b\n\x03max\x18\x01 \x01(\x01\x12\x0c\n\x04mean\x18\x02 \x01(\x01\x12\x39\n\nper_server\x18\x03 \x03(\x0b\x32%.tigana.v1.LoadFigures.PerServerEntry\x1a\x30\n\x0ePerServerEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xcd\x01\n\x0cPlanResponse\x12\x1e\n\x05moves\x18\x01 \x03(\x0b\x32\x0f.tigana.v1.Move\x12&\n\x06\x62\x65\x66ore\x18\x02 \x01(\x0b\x32\x16.tigana.v1.LoadFigures\x12%\n\x05\x61\x66ter\x18\x03 \x01(\x0b\x32\x16.tigana.v1.LoadFigures\x12\x13\n\x0b\x62ytes_moved\x18\x04 \x01(\x04\x12\x19\n\x11predicted_seconds\x18\x05 \x01(\x01\x12\x0f\n\x07\x61pplied\x18\x06 \x01(\x08\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\"\x7f\n\x0eSchedulerState\x12 \n\x03map\x18\x01 \x01(\x0b\x32\x13.tigana.v1.ShardMap\x12\x0e\n\x06target\x18\x02 \x01(\x0c\x12\x14\n\x0ctarget_width\x18\x03 \x01(\r\x12\x10\n\x08\x64raining\x18\x04 \x03(\t\x12\x13\n\x0btarget_kind\x18\x05 \x01(\t2\xab\x07\n\tScheduler\x12\x43\n\x08Register\x12\x1a.tigana.v1.RegisterRequest\x1a\x1b.tigana.v1.RegisterResponse\x12\x46\n\tHeartbeat\x12\x1b.tigana.v1.HeartbeatRequest\x1a\x1c.tigana.v1.HeartbeatResponse\x12=\n\x06GetMap\x12\x18.tigana.v1.GetMapRequest\x1a\x19.tigana.v1.GetMapResponse\x12S\n\x11ReportCopyFailure\x12#.tigana.v1.ReportCopyFailureRequest\x1a\x19.tigana.v1.ReportResponse\x12I\n\x0c\x43opyCaughtUp\x12\x1e.tigana.v1.CopyCaughtUpRequest\x1a\x19.tigana.v1.ReportResponse\x12S\n\x11ReportUnreachable\x12#.tigana.v1.ReportUnreachableRequest\x1a\x19.tigana.v1.ReportResponse\x12L\n\x0b\x43reateTable\x12\x1d.tigana.v1.CreateTableRequest\x1a\x1e.tigana.v1.CreateTableResponse\x12\x46\n\tDropTable\x12\x1b.tigana.v1.DropTableRequest\x1a\x1c.tigana.v1.DropTableResponse\x12I\n\nListTables\x12\x1c.tigana.v1.ListTablesRequest\x1a\x1d.tigana.v1.ListTablesResponse\x12=\n\x06Status\x12\x18.tigana.v1.StatusRequest\x1a\x19.tigana.v1.StatusResponse\x12?\n\x08MoveSlot\x12\x1a.tigana.v1.MoveSlotRequest\x1a\x17.tigana.v1.PlanResponse\x12\x39\n\x05\x44rain\x12\x17.tigana.v1.DrainRequest\x1a\x17.tigana.v1.PlanResponse\x12\x41\n\tRebalance\x12\x1b.tigana.v1.RebalanceRequest\x1a\x17.tigana.v1.PlanResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctigana/proto/scheduler.proto\x12\ttigana.v1\x1a\x18tigana/proto/shard.proto\"p\n\x0fRegisterRequest\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04\x62oot\x18\x03 \x01(\t\x12+\n\tpositions\x18\x04 \x03(\x0b\x32\x18.tigana.v1.SlotTableInfo\"4\n\x10RegisterResponse\x12 \n\x03map\x18\x01 \x01(\x0b\x32\x13.tigana.v1.ShardMap\"\xa7\x01\n\x10HeartbeatRequest\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0c\n\x04\x62oot\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x35\n\x05stats\x18\x04 \x03(\x0b\x32&.tigana.v1.HeartbeatRequest.StatsEntry\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"I\n\x11HeartbeatResponse\x12 \n\x03map\x18\x01 \x01(\x0b\x32\x13.tigana.v1.ShardMap\x12\x12\n\nreregister\x18\x02 \x01(\x08\"4\n\rGetMapRequest\x12\x13\n\x0bknown_epoch\x18\x01 \x01(\x04\x12\x0e\n\x06wait_s\x18\x02 \x01(\x01\"A\n\x0eGetMapResponse\x12 \n\x03map\x18\x01 \x01(\x0b\x32\x13.tigana.v1.ShardMap\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"j\n\x18ReportCopyFailureRequest\x12\x10\n\x08reporter\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06target\x18\x03 \x01(\t\x12\r\n\x05slots\x18\x04 \x01(\x0c\x12\x0e\n\x06reason\x18\x05 \x01(\t\"j\n\x13\x43opyCaughtUpRequest\x12\x10\n\x08reporter\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06target\x18\x03 \x01(\t\x12\r\n\x05slots\x18\x04 \x01(\x0c\x12\x13\n\x0bsince_epoch\x18\x05 \x01(\x04\"F\n\x14HandoverReadyRequest\x12\x10\n\x08reporter\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05slots\x18\x03 \x01(\x0c\"=\n\x18ReportUnreachableRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x10\n\x08reporter\x18\x02 \x01(\t\"B\n\x0eReportResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x0f\n\rStatusRequest\"\xe8\x01\n\x0cServerStatus\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.tigana.v1.ServerInfo\x12\x18\n\x10last_heartbeat_s\x18\x02 \x01(\x01\x12\x11\n\tprimaries\x18\x03 \x01(\r\x12\x10\n\x08replicas\x18\x04 \x01(\r\x12\x13\n\x0b\x63\x61tching_up\x18\x05 \x01(\r\x12\x31\n\x05stats\x18\x06 \x03(\x0b\x32\".tigana.v1.ServerStatus.StatsEntry\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb7\x01\n\x0eStatusResponse\x12 \n\x03map\x18\x01 \x01(\x0b\x32\x13.tigana.v1.ShardMap\x12(\n\x07servers\x18\x02 \x03(\x0b\x32\x17.tigana.v1.ServerStatus\x12\x16\n\x0e\x64\x65graded_slots\x18\x03 \x01(\r\x12\x19\n\x11unavailable_slots\x18\x04 \x01(\r\x12\x14\n\x0cmoving_slots\x18\x05 \x01(\r\x12\x10\n\x08\x64raining\x18\x06 \x03(\t\"J\n\x0fMoveSlotRequest\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\n\n\x02to\x18\x02 \x01(\t\x12\x0f\n\x07primary\x18\x03 \x01(\x08\x12\x0c\n\x04\x66rom\x18\x04 \x01(\t\"/\n\x0c\x44rainRequest\x12\x0e\n\x06server\x18\x01 \x01(\t\x12\x0f\n\x07undrain\x18\x02 \x01(\x08\"N\n\tCostModel\x12\x12\n\nrow_weight\x18\x01 \x01(\x01\x12\x13\n\x0brate_weight\x18\x02 \x01(\x01\x12\x18\n\x10link_bytes_per_s\x18\x03 \x01(\x01\"6\n\x08SlotLoad\x12\x0c\n\x04rows\x18\x01 \x01(\x0c\x12\r\n\x05\x62ytes\x18\x02 \x01(\x0c\x12\r\n\x05rates\x18\x03 \x01(\x0c\"l\n\x10RebalanceRequest\x12\x11\n\tplan_only\x18\x01 \x01(\x08\x12\"\n\x04\x63ost\x18\x02 \x01(\x0b\x32\x14.tigana.v1.CostModel\x12!\n\x04load\x18\x03 \x01(\x0b\x32\x13.tigana.v1.SlotLoad\"j\n\x04Move\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0b\n\x03\x61\x64\x64\x18\x02 \x03(\t\x12\x0e\n\x06remove\x18\x03 \x03(\t\x12\x14\n\x0cprimary_from\x18\x04 \x01(\t\x12\x12\n\nprimary_to\x18\x05 \x01(\t\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\"\x95\x01\n\x0bLoadFigures\x12\x0b\n\x03max\x18\x01 \x01(\x01\x12\x0c\n\x04mean\x18\x02 \x01(\x01\x12\x39\n\nper_server\x18\x03 \x03(\x0b\x32%.tigana.v1.LoadFigures.PerServerEntry\x1a\x30\n\x0ePerServerEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xcd\x01\n\x0cPlanResponse\x12\x1e\n\x05moves\x18\x01 \x03(\x0b\x32\x0f.tigana.v1.Move\x12&\n\x06\x62\x65\x66ore\x18\x02 \x01(\x0b\x32\x16.tigana.v1.LoadFigures\x12%\n\x05\x61\x66ter\x18\x03 \x01(\x0b\x32\x16.tigana.v1.LoadFigures\x12\x13\n\x0b\x62ytes_moved\x18\x04 \x01(\x04\x12\x19\n\x11predicted_seconds\x18\x05 \x01(\x01\x12\x0f\n\x07\x61pplied\x18\x06 \x01(\x08\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\"\x7f\n\x0eSchedulerState\x12 \n\x03map\x18\x01 \x01(\x0b\x32\x13.tigana.v1.ShardMap\x12\x0e\n\x06target\x18\x02 \x01(\x0c\x12\x14\n\x0ctarget_width\x18\x03 \x01(\r\x12\x10\n\x08\x64raining\x18\x04 \x03(\t\x12\x13\n\x0btarget_kind\x18\x05 \x01(\t2\xf8\x07\n\tScheduler\x12\x43\n\x08Register\x12\x1a.tigana.v1.RegisterRequest\x1a\x1b.tigana.v1.RegisterResponse\x12\x46\n\tHeartbeat\x12\x1b.tigana.v1.HeartbeatRequest\x1a\x1c.tigana.v1.HeartbeatResponse\x12=\n\x06GetMap\x12\x18.tigana.v1.GetMapRequest\x1a\x19.tigana.v1.GetMapResponse\x12S\n\x11ReportCopyFailure\x12#.tigana.v1.ReportCopyFailureRequest\x1a\x19.tigana.v1.ReportResponse\x12I\n\x0c\x43opyCaughtUp\x12\x1e.tigana.v1.CopyCaughtUpRequest\x1a\x19.tigana.v1.ReportResponse\x12K\n\rHandoverReady\x12\x1f.tigana.v1.HandoverReadyRequest\x1a\x19.tigana.v1.ReportResponse\x12S\n\x11ReportUnreachable\x12#.tigana.v1.ReportUnreachableRequest\x1a\x19.tigana.v1.ReportResponse\x12L\n\x0b\x43reateTable\x12\x1d.tigana.v1.CreateTableRequest\x1a\x1e.tigana.v1.CreateTableResponse\x12\x46\n\tDropTable\x12\x1b.tigana.v1.DropTableRequest\x1a\x1c.tigana.v1.DropTableResponse\x12I\n\nListTables\x12\x1c.tigana.v1.ListTablesRequest\x1a\x1d.tigana.v1.ListTablesResponse\x12=\n\x06Status\x12\x18.tigana.v1.StatusRequest\x1a\x19.tigana.v1.StatusResponse\x12?\n\x08MoveSlot\x12\x1a.tigana.v1.MoveSlotRequest\x1a\x17.tigana.v1.PlanResponse\x12\x39\n\x05\x44rain\x12\x17.tigana.v1.DrainRequest\x1a\x17.tigana.v1.PlanResponse\x12\x41\n\tRebalance\x12\x1b.tigana.v1.RebalanceRequest\x1a\x17.tigana.v1.PlanResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -55,39 +55,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPORTCOPYFAILUREREQUEST']._serialized_start=603
   _globals['_REPORTCOPYFAILUREREQUEST']._serialized_end=709
   _globals['_COPYCAUGHTUPREQUEST']._serialized_start=711
-  _globals['_COPYCAUGHTUPREQUEST']._serialized_end=796
-  _globals['_REPORTUNREACHABLEREQUEST']._serialized_start=798
-  _globals['_REPORTUNREACHABLEREQUEST']._serialized_end=859
-  _globals['_REPORTRESPONSE']._serialized_start=861
-  _globals['_REPORTRESPONSE']._serialized_end=927
-  _globals['_STATUSREQUEST']._serialized_start=929
-  _globals['_STATUSREQUEST']._serialized_end=944
-  _globals['_SERVERSTATUS']._serialized_start=947
-  _globals['_SERVERSTATUS']._serialized_end=1179
+  _globals['_COPYCAUGHTUPREQUEST']._serialized_end=817
+  _globals['_HANDOVERREADYREQUEST']._serialized_start=819
+  _globals['_HANDOVERREADYREQUEST']._serialized_end=889
+  _globals['_REPORTUNREACHABLEREQUEST']._serialized_start=891
+  _globals['_REPORTUNREACHABLEREQUEST']._serialized_end=952
+  _globals['_REPORTRESPONSE']._serialized_start=954
+  _globals['_REPORTRESPONSE']._serialized_end=1020
+  _globals['_STATUSREQUEST']._serialized_start=1022
+  _globals['_STATUSREQUEST']._serialized_end=1037
+  _globals['_SERVERSTATUS']._serialized_start=1040
+  _globals['_SERVERSTATUS']._serialized_end=1272
   _globals['_SERVERSTATUS_STATSENTRY']._serialized_start=361
   _globals['_SERVERSTATUS_STATSENTRY']._serialized_end=405
-  _globals['_STATUSRESPONSE']._serialized_start=1182
-  _globals['_STATUSRESPONSE']._serialized_end=1365
-  _globals['_MOVESLOTREQUEST']._serialized_start=1367
-  _globals['_MOVESLOTREQUEST']._serialized_end=1441
-  _globals['_DRAINREQUEST']._serialized_start=1443
-  _globals['_DRAINREQUEST']._serialized_end=1490
-  _globals['_COSTMODEL']._serialized_start=1492
-  _globals['_COSTMODEL']._serialized_end=1570
-  _globals['_SLOTLOAD']._serialized_start=1572
-  _globals['_SLOTLOAD']._serialized_end=1626
-  _globals['_REBALANCEREQUEST']._serialized_start=1628
-  _globals['_REBALANCEREQUEST']._serialized_end=1736
-  _globals['_MOVE']._serialized_start=1738
-  _globals['_MOVE']._serialized_end=1844
-  _globals['_LOADFIGURES']._serialized_start=1847
-  _globals['_LOADFIGURES']._serialized_end=1996
-  _globals['_LOADFIGURES_PERSERVERENTRY']._serialized_start=1948
-  _globals['_LOADFIGURES_PERSERVERENTRY']._serialized_end=1996
-  _globals['_PLANRESPONSE']._serialized_start=1999
-  _globals['_PLANRESPONSE']._serialized_end=2204
-  _globals['_SCHEDULERSTATE']._serialized_start=2206
-  _globals['_SCHEDULERSTATE']._serialized_end=2333
-  _globals['_SCHEDULER']._serialized_start=2336
-  _globals['_SCHEDULER']._serialized_end=3275
+  _globals['_STATUSRESPONSE']._serialized_start=1275
+  _globals['_STATUSRESPONSE']._serialized_end=1458
+  _globals['_MOVESLOTREQUEST']._serialized_start=1460
+  _globals['_MOVESLOTREQUEST']._serialized_end=1534
+  _globals['_DRAINREQUEST']._serialized_start=1536
+  _globals['_DRAINREQUEST']._serialized_end=1583
+  _globals['_COSTMODEL']._serialized_start=1585
+  _globals['_COSTMODEL']._serialized_end=1663
+  _globals['_SLOTLOAD']._serialized_start=1665
+  _globals['_SLOTLOAD']._serialized_end=1719
+  _globals['_REBALANCEREQUEST']._serialized_start=1721
+  _globals['_REBALANCEREQUEST']._serialized_end=1829
+  _globals['_MOVE']._serialized_start=1831
+  _globals['_MOVE']._serialized_end=1937
+  _globals['_LOADFIGURES']._serialized_start=1940
+  _globals['_LOADFIGURES']._serialized_end=2089
+  _globals['_LOADFIGURES_PERSERVERENTRY']._serialized_start=2041
+  _globals['_LOADFIGURES_PERSERVERENTRY']._serialized_end=2089
+  _globals['_PLANRESPONSE']._serialized_start=2092
+  _globals['_PLANRESPONSE']._serialized_end=2297
+  _globals['_SCHEDULERSTATE']._serialized_start=2299
+  _globals['_SCHEDULERSTATE']._serialized_end=2426
+  _globals['_SCHEDULER']._serialized_start=2429
+  _globals['_SCHEDULER']._serialized_end=3445
 # @@protoc_insertion_point(module_scope)

@@ -83,16 +83,28 @@ class ReportCopyFailureRequest(_message.Message):
     def __init__(self, reporter: _Optional[str] = ..., epoch: _Optional[int] = ..., target: _Optional[str] = ..., slots: _Optional[bytes] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CopyCaughtUpRequest(_message.Message):
-    __slots__ = ("reporter", "epoch", "target", "slots")
+    __slots__ = ("reporter", "epoch", "target", "slots", "since_epoch")
     REPORTER_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SINCE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     reporter: str
     epoch: int
     target: str
     slots: bytes
-    def __init__(self, reporter: _Optional[str] = ..., epoch: _Optional[int] = ..., target: _Optional[str] = ..., slots: _Optional[bytes] = ...) -> None: ...
+    since_epoch: int
+    def __init__(self, reporter: _Optional[str] = ..., epoch: _Optional[int] = ..., target: _Optional[str] = ..., slots: _Optional[bytes] = ..., since_epoch: _Optional[int] = ...) -> None: ...
+
+class HandoverReadyRequest(_message.Message):
+    __slots__ = ("reporter", "epoch", "slots")
+    REPORTER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    reporter: str
+    epoch: int
+    slots: bytes
+    def __init__(self, reporter: _Optional[str] = ..., epoch: _Optional[int] = ..., slots: _Optional[bytes] = ...) -> None: ...
 
 class ReportUnreachableRequest(_message.Message):
     __slots__ = ("address", "reporter")

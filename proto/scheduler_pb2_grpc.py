@@ -60,6 +60,11 @@ class SchedulerStub:
                 request_serializer=tigana_dot_proto_dot_scheduler__pb2.CopyCaughtUpRequest.SerializeToString,
                 response_deserializer=tigana_dot_proto_dot_scheduler__pb2.ReportResponse.FromString,
                 _registered_method=True)
+        self.HandoverReady = channel.unary_unary(
+                '/tigana.v1.Scheduler/HandoverReady',
+                request_serializer=tigana_dot_proto_dot_scheduler__pb2.HandoverReadyRequest.SerializeToString,
+                response_deserializer=tigana_dot_proto_dot_scheduler__pb2.ReportResponse.FromString,
+                _registered_method=True)
         self.ReportUnreachable = channel.unary_unary(
                 '/tigana.v1.Scheduler/ReportUnreachable',
                 request_serializer=tigana_dot_proto_dot_scheduler__pb2.ReportUnreachableRequest.SerializeToString,
@@ -130,6 +135,12 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CopyCaughtUp(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HandoverReady(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -209,6 +220,11 @@ def add_SchedulerServicer_to_server(servicer, server):
             'CopyCaughtUp': grpc.unary_unary_rpc_method_handler(
                     servicer.CopyCaughtUp,
                     request_deserializer=tigana_dot_proto_dot_scheduler__pb2.CopyCaughtUpRequest.FromString,
+                    response_serializer=tigana_dot_proto_dot_scheduler__pb2.ReportResponse.SerializeToString,
+            ),
+            'HandoverReady': grpc.unary_unary_rpc_method_handler(
+                    servicer.HandoverReady,
+                    request_deserializer=tigana_dot_proto_dot_scheduler__pb2.HandoverReadyRequest.FromString,
                     response_serializer=tigana_dot_proto_dot_scheduler__pb2.ReportResponse.SerializeToString,
             ),
             'ReportUnreachable': grpc.unary_unary_rpc_method_handler(
@@ -386,6 +402,33 @@ class Scheduler:
             target,
             '/tigana.v1.Scheduler/CopyCaughtUp',
             tigana_dot_proto_dot_scheduler__pb2.CopyCaughtUpRequest.SerializeToString,
+            tigana_dot_proto_dot_scheduler__pb2.ReportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HandoverReady(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tigana.v1.Scheduler/HandoverReady',
+            tigana_dot_proto_dot_scheduler__pb2.HandoverReadyRequest.SerializeToString,
             tigana_dot_proto_dot_scheduler__pb2.ReportResponse.FromString,
             options,
             channel_credentials,

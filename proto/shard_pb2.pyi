@@ -29,6 +29,7 @@ class CopyState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     COPY_IN_SYNC: _ClassVar[CopyState]
     COPY_CATCHING_UP: _ClassVar[CopyState]
+    COPY_HANDING_OVER: _ClassVar[CopyState]
 
 class ItemKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -56,6 +57,7 @@ SERVER_UP: ServerState
 SERVER_DEAD: ServerState
 COPY_IN_SYNC: CopyState
 COPY_CATCHING_UP: CopyState
+COPY_HANDING_OVER: CopyState
 ITEM_CHANGES: ItemKind
 ITEM_SNAPSHOT_BEGIN: ItemKind
 ITEM_SNAPSHOT_ROWS: ItemKind
@@ -117,7 +119,7 @@ class Eviction(_message.Message):
     def __init__(self, ttl_steps: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., max_rows: _Optional[int] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "dim", "optimizer", "initializer", "seed", "dtype", "admission", "eviction", "memory_budget_bytes", "durability", "min_copies")
+    __slots__ = ("name", "dim", "optimizer", "initializer", "seed", "dtype", "admission", "eviction", "memory_budget_bytes", "durability", "min_copies", "created_epoch")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +131,7 @@ class TableSpec(_message.Message):
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     DURABILITY_FIELD_NUMBER: _ClassVar[int]
     MIN_COPIES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     name: str
     dim: int
     optimizer: Component
@@ -140,7 +143,8 @@ class TableSpec(_message.Message):
     memory_budget_bytes: int
     durability: Durability
     min_copies: int
-    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., optimizer: _Optional[_Union[Component, _Mapping]] = ..., initializer: _Optional[_Union[Component, _Mapping]] = ..., seed: _Optional[int] = ..., dtype: _Optional[str] = ..., admission: _Optional[_Union[Admission, _Mapping]] = ..., eviction: _Optional[_Union[Eviction, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., durability: _Optional[_Union[Durability, str]] = ..., min_copies: _Optional[int] = ...) -> None: ...
+    created_epoch: int
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., optimizer: _Optional[_Union[Component, _Mapping]] = ..., initializer: _Optional[_Union[Component, _Mapping]] = ..., seed: _Optional[int] = ..., dtype: _Optional[str] = ..., admission: _Optional[_Union[Admission, _Mapping]] = ..., eviction: _Optional[_Union[Eviction, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., durability: _Optional[_Union[Durability, str]] = ..., min_copies: _Optional[int] = ..., created_epoch: _Optional[int] = ...) -> None: ...
 
 class CreateTableRequest(_message.Message):
     __slots__ = ("spec", "exist_ok")
@@ -233,14 +237,16 @@ class PushRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., grads: _Optional[_Union[Rows, _Mapping]] = ..., client_id: _Optional[str] = ..., seq: _Optional[int] = ..., part: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("applied_rows", "duplicate", "epoch")
+    __slots__ = ("applied_rows", "duplicate", "epoch", "under_replicated")
     APPLIED_ROWS_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    UNDER_REPLICATED_FIELD_NUMBER: _ClassVar[int]
     applied_rows: int
     duplicate: bool
     epoch: int
-    def __init__(self, applied_rows: _Optional[int] = ..., duplicate: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+    under_replicated: bool
+    def __init__(self, applied_rows: _Optional[int] = ..., duplicate: _Optional[bool] = ..., epoch: _Optional[int] = ..., under_replicated: _Optional[bool] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
     __slots__ = ("incremental",)
@@ -374,7 +380,7 @@ class DedupRecord(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., seq: _Optional[int] = ..., slots: _Optional[bytes] = ...) -> None: ...
 
 class ReplicationItem(_message.Message):
-    __slots__ = ("kind", "table", "lsn_epoch", "lsn_index", "slots", "prev_epochs", "prev_indexes", "rows", "deletes", "sighting_ids", "sighting_counts", "step", "dedup")
+    __slots__ = ("kind", "table", "lsn_epoch", "lsn_index", "slots", "prev_epochs", "prev_indexes", "rows", "deletes", "sighting_ids", "sighting_counts", "step", "dedup", "table_epoch")
     KIND_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     LSN_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -388,6 +394,7 @@ class ReplicationItem(_message.Message):
     SIGHTING_COUNTS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DEDUP_FIELD_NUMBER: _ClassVar[int]
+    TABLE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     kind: ItemKind
     table: str
     lsn_epoch: int
@@ -401,7 +408,8 @@ class ReplicationItem(_message.Message):
     sighting_counts: bytes
     step: int
     dedup: _containers.RepeatedCompositeFieldContainer[DedupRecord]
-    def __init__(self, kind: _Optional[_Union[ItemKind, str]] = ..., table: _Optional[str] = ..., lsn_epoch: _Optional[int] = ..., lsn_index: _Optional[int] = ..., slots: _Optional[bytes] = ..., prev_epochs: _Optional[bytes] = ..., prev_indexes: _Optional[bytes] = ..., rows: _Optional[_Union[RowBlock, _Mapping]] = ..., deletes: _Optional[bytes] = ..., sighting_ids: _Optional[bytes] = ..., sighting_counts: _Optional[bytes] = ..., step: _Optional[int] = ..., dedup: _Optional[_Iterable[_Union[DedupRecord, _Mapping]]] = ...) -> None: ...
+    table_epoch: int
+    def __init__(self, kind: _Optional[_Union[ItemKind, str]] = ..., table: _Optional[str] = ..., lsn_epoch: _Optional[int] = ..., lsn_index: _Optional[int] = ..., slots: _Optional[bytes] = ..., prev_epochs: _Optional[bytes] = ..., prev_indexes: _Optional[bytes] = ..., rows: _Optional[_Union[RowBlock, _Mapping]] = ..., deletes: _Optional[bytes] = ..., sighting_ids: _Optional[bytes] = ..., sighting_counts: _Optional[bytes] = ..., step: _Optional[int] = ..., dedup: _Optional[_Iterable[_Union[DedupRecord, _Mapping]]] = ..., table_epoch: _Optional[int] = ...) -> None: ...
 
 class ReplicateRequest(_message.Message):
     __slots__ = ("source", "source_boot", "generation", "epoch", "first_seq", "items")

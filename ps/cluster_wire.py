@@ -41,6 +41,7 @@ def table_def_to_pb(t: TableDef) -> pb.TableSpec:
     spec = wire.spec_to_pb(t.config)
     spec.durability = _DURABILITY[t.durability]
     spec.min_copies = t.min_copies
+    spec.created_epoch = t.created_epoch
     return spec
 
 
@@ -48,7 +49,8 @@ def table_def_from_pb(spec: pb.TableSpec) -> TableDef:
     if spec.durability not in _DURABILITY_NAME:
         raise InvalidArgument(f"table {spec.name!r}: field 'durability' has unknown value {spec.durability}")
     try:
-        return TableDef(wire.spec_from_pb(spec), _DURABILITY_NAME[spec.durability], max(1, spec.min_copies))
+        return TableDef(wire.spec_from_pb(spec), _DURABILITY_NAME[spec.durability], max(1, spec.min_copies),
+                        int(spec.created_epoch))
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
 
@@ -126,6 +128,7 @@ class Item:
     step: int = 0
     dedup: list[tuple[str, int, np.ndarray]] = field(default_factory=list)
     nbytes: int = 0  # payload size, for batching
+    table_epoch: int = 0  # the table incarnation's created_epoch (set when the item is queued)
 
     def to_pb(self) -> pb.ReplicationItem:
         msg = pb.ReplicationItem(kind=self.kind, table=self.table, lsn_epoch=self.lsn[0], lsn_index=self.lsn[1],
@@ -142,6 +145,7 @@ class Item:
             msg.sighting_counts = packed(self.sightings[1], "<i8")
         for cid, seq, slots in self.dedup:
             msg.dedup.add(client_id=cid, seq=seq, slots=packed(slots, "<i4"))
+        msg.table_epoch = self.table_epoch
         return msg
 
 
@@ -163,7 +167,8 @@ def item_from_pb(msg: pb.ReplicationItem, *, dim: int, state_width: int) -> Item
     dedup = [(d.client_id, int(d.seq), array(d.slots, "<i4", field=f"table {t!r}: item.dedup.slots"))
              for d in msg.dedup]
     return Item(msg.kind, t, slots, (int(msg.lsn_epoch), int(msg.lsn_index)), prev, rows,
-                array(msg.deletes, "<i8", field=f"table {t!r}: item.deletes"), sightings, int(msg.step), dedup)
+                array(msg.deletes, "<i8", field=f"table {t!r}: item.deletes"), sightings, int(msg.step), dedup,
+                table_epoch=int(msg.table_epoch))
 
 
 # --- the replication stream, encoded and decoded without protobuf objects -----------------------------------
@@ -201,6 +206,8 @@ def _item_parts(item: Item) -> list:
     parts.append(v(12, item.step))
     for cid, seq, slots in item.dedup:
         parts += _msg_field(13, [*wire._len_field(1, cid.encode()), v(2, seq), *_bytes_field(3, slots, "<i4")])
+    if item.table_epoch:
+        parts.append(v(14, item.table_epoch))
     return parts
 
 
@@ -259,7 +266,7 @@ def decode_item(view: memoryview | pb.ReplicationItem, *, dim: int, state_width:
     read-only views of the message where aligned."""
     if not isinstance(view, memoryview):
         return item_from_pb(view, dim=dim, state_width=state_width)
-    kind, table, lsn_e, lsn_i, step = 0, "", 0, 0, 0
+    kind, table, lsn_e, lsn_i, step, table_epoch = 0, "", 0, 0, 0, 0
     f: dict[int, memoryview] = {}
     rows_view = None
     dedup = []
@@ -276,6 +283,8 @@ def decode_item(view: memoryview | pb.ReplicationItem, *, dim: int, state_width:
             rows_view = wire._len_value(value, 8)
         elif field_no == 12:
             step = wire._int_value(value, 12)
+        elif field_no == 14:
+            table_epoch = wire._int_value(value, 14)
         elif field_no == 13:
             cid, seq, slots = "", 0, memoryview(b"")
             for g, w in wire.message_fields(wire._len_value(value, 13), "DedupRecord"):
@@ -323,14 +332,19 @@ def decode_item(view: memoryview | pb.ReplicationItem, *, dim: int, state_width:
         sid = array(f[10], "<i8", field=f"{where}.sighting_ids")
         sightings = (sid, array(f.get(11, empty), "<i8", field=f"{where}.sighting_counts", count=sid.shape[0]))
     return Item(kind, table, slots, (int(lsn_e), int(lsn_i)), prev, rows,
-                array(f.get(9, empty), "<i8", field=f"{where}.deletes"), sightings, int(step), dedup)
+                array(f.get(9, empty), "<i8", field=f"{where}.deletes"), sightings, int(step), dedup,
+                table_epoch=int(table_epoch))
 
 
-def item_table(view: memoryview | pb.ReplicationItem) -> str:
-    """The table an item is about (read before the table's dims are known)."""
+def item_header(view: memoryview | pb.ReplicationItem) -> tuple[str, int]:
+    """The table an item is about and its incarnation (``table_epoch``), read before the table's dims are
+    known."""
     if not isinstance(view, memoryview):
-        return view.table
+        return view.table, int(view.table_epoch)
+    table, table_epoch = "", 0
     for field_no, value in wire.message_fields(view, "ReplicationItem"):
         if field_no == 2:
-            return str(wire._len_value(value, 2), "utf-8")
-    return ""
+            table = str(wire._len_value(value, 2), "utf-8")
+        elif field_no == 14:
+            table_epoch = wire._int_value(value, 14)
+    return table, table_epoch

@@ -175,24 +175,35 @@ class Agent:
             reporter=self.service.server_id, epoch=self.service.epoch, target=target,
             slots=np.asarray(slots, "<i4").tobytes(), reason=reason[:500]))
 
-    def copy_caught_up(self, target: str, slots: np.ndarray) -> None:
-        self._report("CopyCaughtUp", spb.CopyCaughtUpRequest(
+    def copy_caught_up(self, target: str, slots: np.ndarray, since_epoch: int) -> bool | None:
+        """Report a slot copy (started at map epoch ``since_epoch``) caught up. False: the scheduler refused
+        it as stale (the copy was removed or demoted after the slot copy started); None: not answered."""
+        reply = self._report("CopyCaughtUp", spb.CopyCaughtUpRequest(
             reporter=self.service.server_id, epoch=self.service.epoch, target=target,
-            slots=np.asarray(slots, "<i4").tobytes()))
+            slots=np.asarray(slots, "<i4").tobytes(), since_epoch=since_epoch))
+        if reply is None:
+            return None
+        return reply.accepted or not reply.message.startswith("stale")
+
+    def handover_ready(self, slots: np.ndarray, epoch: int) -> None:
+        """Report that this primary refuses writes to ``slots`` and its in-sync copies hold all it wrote."""
+        self._report("HandoverReady", spb.HandoverReadyRequest(
+            reporter=self.service.server_id, epoch=epoch, slots=np.asarray(slots, "<i4").tobytes()))
 
     def report_unreachable(self, address: str) -> None:
         self._report("ReportUnreachable", spb.ReportUnreachableRequest(address=address,
                                                                         reporter=self.service.server_id))
 
-    def _report(self, method: str, request) -> None:
+    def _report(self, method: str, request) -> spb.ReportResponse | None:
         try:
             reply = getattr(self.stub, method)(request, timeout=5.0)
         except grpc.RpcError as err:
             log.warning("%s to the scheduler failed (%s); it is retried", method, err.code().name)
             self._next()
-            return
+            return None
         if reply.epoch > self.service.epoch:
             self.refresh(reply.epoch)
+        return reply
 
     def close(self) -> None:
         self._stop.set()

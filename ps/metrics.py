@@ -131,6 +131,9 @@ class ServerMetrics(MetricsEndpoint):
                                    registry=r)
         self.duplicate_pushes = Counter("tigana_duplicate_pushes", "Replayed pushes answered as duplicates",
                                         ["table"], registry=r)
+        self.under_replicated_pushes = Counter(
+            "tigana_under_replicated_pushes", "Sync pushes acknowledged while a slot of theirs had fewer in-sync "
+            "copies than the cluster keeps (a loss of this server may lose them), by table", ["table"], registry=r)
         self.bytes_in = Counter("tigana_request_bytes", "Id and row payload bytes received, by method", ["method"],
                                 registry=r)
         self.bytes_out = Counter("tigana_response_bytes", "Row payload bytes sent, by method", ["method"],

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tigana.ps.routing import CATCHING_UP, IN_SYNC, NO_SERVER
+from tigana.ps.routing import CATCHING_UP, HANDING_OVER, IN_SYNC, NO_SERVER
 
-__all__ = ["CostModel", "Plan", "balance", "copy_counts", "initial", "moves", "plan", "repair", "server_loads",
-           "step_toward", "trim"]
+__all__ = ["CostModel", "Plan", "balance", "cancel_hand_overs", "copy_counts", "hand_over", "initial", "moves",
+           "plan", "repair", "server_loads", "step_toward", "trim"]
 
 
 def initial(num_servers: int, num_slots: int, replicas: int) -> np.ndarray:
@@ -177,7 +177,9 @@ def _weighted(c: np.ndarray, n: int, w: np.ndarray, primaries: bool) -> np.ndarr
 
 
 def _even_primaries(c: np.ndarray, alive: np.ndarray, w: np.ndarray) -> None:
-    """Move primary roles from the most to the least loaded alive servers until no move helps."""
+    """Move primary roles from the most to the least loaded alive servers until no move helps. Each round
+    moves a batch from the busiest to the idlest server: the slots whose copy on the idlest exists first (a
+    role swap, no data moves), heaviest first, as many as narrow the gap (at most half of it)."""
     n = alive.shape[0]
     for _ in range(c.shape[0]):
         load = _weighted(c, n, w, primaries=True)
@@ -191,16 +193,27 @@ def _even_primaries(c: np.ndarray, alive: np.ndarray, w: np.ndarray) -> None:
         if led.size == 0:
             return
         holds_lo = (c[led] == lo).any(axis=1)
-        # prefer a slot whose copy on ``lo`` exists (a role swap, no data moves), then the heaviest
-        pick = led[np.lexsort((-w[led], ~holds_lo))][0]
-        j = np.flatnonzero(c[pick] == lo)
-        if j.size:
-            c[pick, int(j[0])] = hi  # swap roles: hi keeps a copy as replica
-        c[pick, 0] = lo
+        picks = led[np.lexsort((-w[led], ~holds_lo))]
+        k = _batch(w[picks], load, alive, hi, lo)
+        for pick in picks[:k]:
+            j = np.flatnonzero(c[pick] == lo)
+            if j.size:
+                c[pick, int(j[0])] = hi  # swap roles: hi keeps a copy as replica
+            c[pick, 0] = lo
+
+
+def _batch(weights: np.ndarray, load: np.ndarray, alive: np.ndarray, hi: int, lo: int) -> int:
+    """How many of the candidate moves (``weights`` in order) to make at once from ``hi`` to ``lo``: as many
+    as keep ``hi`` at or above the mean load and ``lo`` at or below it (at least one): the same end state as
+    moving one at a time from the busiest to the idlest, in far fewer rounds."""
+    mean = float(load[alive].mean())
+    room = min(load[hi] - mean, mean - load[lo])
+    return max(1, int(np.searchsorted(np.cumsum(weights), room + 1e-9, side="right")))
 
 
 def _even_copies(c: np.ndarray, alive: np.ndarray, w: np.ndarray) -> None:
-    """Move replica copies from the most to the least loaded alive servers until no move helps."""
+    """Move replica copies from the most to the least loaded alive servers until no move helps (in batches,
+    heaviest first, as many as narrow the gap between the two)."""
     n = alive.shape[0]
     if c.shape[1] < 2:
         return
@@ -217,8 +230,10 @@ def _even_copies(c: np.ndarray, alive: np.ndarray, w: np.ndarray) -> None:
         rows, cols = rows[ok], cols[ok]
         if rows.size == 0:
             return
-        k = int(np.argmax(w[rows]))
-        c[rows[k], cols[k]] = lo
+        order = np.argsort(-w[rows], kind="stable")
+        rows, cols = rows[order], cols[order]
+        k = _batch(w[rows], load, alive, hi, lo)
+        c[rows[:k], cols[:k]] = lo
 
 
 @dataclass(frozen=True)
@@ -327,8 +342,9 @@ def step_toward(copies: np.ndarray, states: np.ndarray, target: np.ndarray, *, m
     """One safe step from (copies, states) toward ``target``, for every slot at once:
 
     1. add each target copy the slot lacks, catching up (at most ``max_new_copies`` slots start copying);
-    2. where every target copy is in sync and the primary differs, hand the primary role to the target's
-       primary (an in-sync copy; the old primary stays as a replica);
+    2. where every target copy is in sync and the primary differs, start handing the primary role to the
+       target's primary (an in-sync copy): the primary is marked ``HANDING_OVER`` (it refuses writes and
+       drains its stream); ``hand_over`` completes the step when it reports (the old primary stays a replica);
     3. where the primary is the target's and every target copy is in sync, drop the copies not in target.
 
     Slots without a primary are left alone (nothing can copy from them)."""
@@ -349,14 +365,52 @@ def step_toward(copies: np.ndarray, states: np.ndarray, target: np.ndarray, *, m
                 col = int(np.flatnonzero(row[1:] < 0)[0]) + 1
                 c[slot, col], s[slot, col] = x, CATCHING_UP
             continue
-        in_sync = all(s[slot, int(np.flatnonzero(row == x)[0])] == IN_SYNC for x in tgt)
+        in_sync = all(s[slot, int(np.flatnonzero(row == x)[0])] == IN_SYNC for x in tgt)  # not while handing over
         if not in_sync:
             continue
         if row[0] != tgt[0]:
-            j = int(np.flatnonzero(row == tgt[0])[0])
-            c[slot, 0], c[slot, j] = tgt[0], row[0]
+            # A planned hand-over takes two maps: here the primary is told to refuse writes and drain its
+            # stream (HANDING_OVER); ``hand_over`` names the new primary once it reported that it did.
+            s[slot, 0] = HANDING_OVER
             continue
         for j in range(1, c.shape[1]):
             if c[slot, j] >= 0 and int(c[slot, j]) not in tgt:
                 c[slot, j], s[slot, j] = NO_SERVER, 0
     return c, s
+
+
+def hand_over(copies: np.ndarray, states: np.ndarray, slots: np.ndarray, target: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Complete the hand-over of ``slots`` (their primary reported that it refuses writes and that its in-sync
+    copies hold everything it wrote): where the primary is ``HANDING_OVER`` and the target's primary holds an
+    in-sync copy, the roles swap (both in sync). Returns (copies, states, the slots handed over)."""
+    c, s = copies.copy(), states.copy()
+    done = []
+    for slot in np.asarray(slots, np.int64):
+        if not 0 <= slot < c.shape[0] or c[slot, 0] < 0 or s[slot, 0] != HANDING_OVER:
+            continue
+        new = int(target[slot, 0]) if slot < target.shape[0] else NO_SERVER
+        j = np.flatnonzero(c[slot] == new) if new >= 0 else np.empty(0, np.int64)
+        if not j.size or j[0] == 0 or s[slot, j[0]] != IN_SYNC:
+            continue
+        k = int(j[0])
+        c[slot, 0], c[slot, k] = new, c[slot, 0]
+        s[slot, 0], s[slot, k] = IN_SYNC, IN_SYNC
+        done.append(int(slot))
+    return c, s, np.asarray(done, np.int64)
+
+
+def cancel_hand_overs(copies: np.ndarray, states: np.ndarray, target: np.ndarray | None,
+                      expired: np.ndarray | None = None) -> np.ndarray:
+    """States with the hand-overs that can no longer complete cancelled (the primary serves writes again):
+    no target, a target whose primary is the current one, or whose primary holds no in-sync copy of the slot,
+    or ``expired`` ((num_slots,) bool: the primary never reported)."""
+    s = states.copy()
+    slots = np.flatnonzero((copies[:, 0] >= 0) & (s[:, 0] == HANDING_OVER))
+    for slot in slots:
+        new = int(target[slot, 0]) if target is not None and slot < target.shape[0] else NO_SERVER
+        j = np.flatnonzero(copies[slot, 1:] == new) + 1 if new >= 0 else np.empty(0, np.int64)
+        ok = j.size and s[slot, j[0]] == IN_SYNC and not (expired is not None and expired[slot])
+        if not ok:
+            s[slot, 0] = IN_SYNC
+    return s

@@ -22,11 +22,12 @@ import numpy as np
 from tigana.embeddings.config import TableConfig
 from tigana.embeddings.mixing import mix64
 
-__all__ = ["DEFAULT_NUM_SLOTS", "IN_SYNC", "CATCHING_UP", "NO_SERVER", "ServerEntry", "ShardMap", "TableDef",
+__all__ = ["DEFAULT_NUM_SLOTS", "IN_SYNC", "CATCHING_UP", "HANDING_OVER", "NO_SERVER", "ServerEntry", "ShardMap", "TableDef",
            "group_keys", "mix64", "parse_slots", "slot_of", "slot_range", "split_by_owner", "static_assignment"]
 
 DEFAULT_NUM_SLOTS = 4096
 IN_SYNC, CATCHING_UP = 0, 1  # a copy's state (wire: CopyState)
+HANDING_OVER = 2  # column 0 only: an in-sync primary refusing writes while it hands its role over
 NO_SERVER = -1
 DURABILITIES = ("sync", "async")
 
@@ -121,6 +122,10 @@ class TableDef:
     config: TableConfig
     durability: str = "sync"
     min_copies: int = 1
+    # The map epoch that created this incarnation of the table (set by the scheduler; 0 for a static list).
+    # Not part of the spec's equality: a client's spec never carries it. A table dropped and created again
+    # under the same name is a new incarnation, and replication items of the old one are moot.
+    created_epoch: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         if self.durability not in DURABILITIES:
@@ -227,8 +232,12 @@ class ShardMap:
         return out
 
     def in_sync_count(self) -> np.ndarray:
-        """(num_slots,) int: copies in sync (the primary included) of each slot."""
-        return ((self.copies >= 0) & (self.states == IN_SYNC)).sum(axis=1)
+        """(num_slots,) int: copies in sync (the primary included, handing over or not) of each slot."""
+        return ((self.copies >= 0) & (self.states != CATCHING_UP)).sum(axis=1)
+
+    def handing_over(self) -> np.ndarray:
+        """(num_slots,) bool: slots whose primary is handing its role over (it refuses writes meanwhile)."""
+        return (self.copies[:, 0] >= 0) & (self.states[:, 0] == HANDING_OVER)
 
     def slots_of(self, mask: np.ndarray) -> np.ndarray:
         return np.flatnonzero(mask).astype(np.int32)
@@ -264,7 +273,7 @@ def _pad(a: np.ndarray, width: int) -> np.ndarray:
 def _compact(copies: np.ndarray, states: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Keep column 0 (the primary, possibly none); move each row's other copies left; trim empty columns."""
     if copies.shape[1] <= 1:  # only primaries: in sync by definition, as below
-        return copies.copy(), np.zeros(copies.shape, np.uint8)
+        return copies.copy(), np.where((copies >= 0) & (states == HANDING_OVER), HANDING_OVER, 0).astype(np.uint8)
     rest, rest_states = copies[:, 1:], states[:, 1:]
     order = np.argsort(rest < 0, axis=1, kind="stable")  # present copies first, in their order
     rest = np.take_along_axis(rest, order, axis=1)
@@ -274,5 +283,6 @@ def _compact(copies: np.ndarray, states: np.ndarray) -> tuple[np.ndarray, np.nda
     c = np.concatenate([copies[:, :1], rest[:, :width]], axis=1)
     s = np.concatenate([states[:, :1], rest_states[:, :width]], axis=1)
     s = np.where(c >= 0, s, 0).astype(np.uint8)
-    s[:, 0] = np.where(c[:, 0] >= 0, IN_SYNC, 0)  # a primary is in sync by definition
+    # a primary is in sync by definition (handing over or not)
+    s[:, 0] = np.where(c[:, 0] >= 0, np.where(s[:, 0] == HANDING_OVER, HANDING_OVER, IN_SYNC), 0)
     return c.astype(np.int32), s

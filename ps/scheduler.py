@@ -55,6 +55,7 @@ from tigana.ps.metrics import SchedulerMetrics
 from tigana.ps.routing import (
     CATCHING_UP,
     DEFAULT_NUM_SLOTS,
+    HANDING_OVER,
     IN_SYNC,
     NO_SERVER,
     ServerEntry,
@@ -77,8 +78,9 @@ class SchedulerConfig(SecuritySettings):
 
     replicas: copies per slot besides the primary. heartbeat_timeout_s: a server silent that long is dead
     (a probe that finds its port closed declares it dead sooner). expect_servers: the first placement waits
-    for this many servers (or ``bootstrap_wait_s`` after the first one registered). auto_rebalance: move
-    slots to servers that join. max_copies_per_step: slots that may start a copy in one placement step."""
+    for this many servers (or ``bootstrap_wait_s`` after the first one registered). auto_rebalance (the
+    default): a server that holds nothing (it joined, or came back empty) gets its share of the slots, with
+    no admin command. max_copies_per_step: slots that may start a copy in one placement step."""
 
     host: str = "127.0.0.1"
     port: int = 0
@@ -88,7 +90,7 @@ class SchedulerConfig(SecuritySettings):
     heartbeat_timeout_s: float = 3.0
     expect_servers: int = 1
     bootstrap_wait_s: float = 2.0
-    auto_rebalance: bool = False
+    auto_rebalance: bool = True
     max_workers: int = 256  # a connected client holds one in its long poll of the map
     max_copies_per_step: int | None = None
     probe_timeout_s: float = 0.5
@@ -175,6 +177,14 @@ class SchedulerCore:
         self.first_register: float | None = None
         self.registered_at: dict[str, float] = {}
         self._probing: set[str] = set()
+        # When each copy last became catching up ((slot, server index) -> epoch): a caught-up report of a
+        # slot copy started before that is stale. Not persisted: after a restart every catching-up copy
+        # counts from the loaded epoch (older reports are refused; the primary starts the copy again).
+        self.catching_since: dict[tuple[int, int], int] = {
+            (int(r), int(self.map.copies[r, c])): self.map.epoch
+            for r, c in zip(*np.nonzero((self.map.copies >= 0) & (self.map.states == CATCHING_UP)), strict=True)}
+        self.handover_since: dict[int, float] = {}  # slot -> when its primary was told to hand over
+        self._warned_unprotected = -1e9
         self.closing = False  # set when the service stops: long polls (``wait_map``) return at once
 
     # --- helpers -------------------------------------------------------------------------------------
@@ -185,6 +195,7 @@ class SchedulerCore:
         Saved first: a store that refuses the write (``etcdstore.Deposed``) leaves this core's map as it was,
         so nobody is ever shown a map that was not saved."""
         self._save(new)
+        self._note_catching(self.map, new)
         self.map = new
         self.cond.notify_all()
         self.metrics.map_changes.inc()
@@ -192,6 +203,20 @@ class SchedulerCore:
                  extra={**(extra or event("map_change")), "epoch": new.epoch})
         self._pending_announce = new
         return new
+
+    def _note_catching(self, old: ShardMap, new: ShardMap) -> None:
+        """Record the epoch at which each copy became catching up (added, or demoted)."""
+        was = set()
+        for r, c in zip(*np.nonzero((old.copies >= 0) & (old.states == CATCHING_UP)), strict=True):
+            was.add((int(r), int(old.copies[r, c])))
+        now = set()
+        for r, c in zip(*np.nonzero((new.copies >= 0) & (new.states == CATCHING_UP)), strict=True):
+            key = (int(r), int(new.copies[r, c]))
+            now.add(key)
+            if key not in was:
+                self.catching_since[key] = new.epoch
+        for key in [k for k in self.catching_since if k not in now]:
+            del self.catching_since[key]
 
     def _save(self, m: ShardMap | None = None) -> None:
         m = m if m is not None else self.map
@@ -237,10 +262,6 @@ class SchedulerCore:
                 servers = (*m.servers, ServerEntry(server_id, address, boot, True))
                 self._commit(m.evolve(servers=servers), f"server {server_id} ({address}) joined",
                              event("server_joined", server=server_id, address=address))
-                if self.config.auto_rebalance and (m.copies >= 0).any() and self.target is None:
-                    self.target = placement.balance(self.map.copies, self._placeable(), self.config.replicas)
-                    self.target_kind = "balance"
-                    self._save()
             else:
                 s = m.servers[i]
                 if s.boot == boot:
@@ -320,11 +341,19 @@ class SchedulerCore:
                 self._reconcile()
             return (self.map if self.map.epoch > epoch else None), False
 
-    def tick(self) -> None:
-        """Failure detection, elections, placement: called a few times a second."""
+    def tick(self, stalled: bool = False) -> None:
+        """Failure detection, elections, placement: called a few times a second. ``stalled``: the caller was
+        not ticking for a while (this process was paused or starved); like a lock held long by a step, that
+        time is the scheduler's silence, not the servers': every server gets a full timeout again."""
+        asked = self.clock()
         with self._mutating():
             now = self.clock()
             timeout = self.config.heartbeat_timeout_s
+            if stalled or now - asked > timeout / 3:  # heartbeats were waiting on us, not missing
+                for sid in self.last_seen:
+                    self.last_seen[sid] = max(self.last_seen[sid], now)
+                log.warning("scheduler stalled (%s); every server gets a full heartbeat timeout again",
+                            "paused or starved" if stalled else f"waited {now - asked:.1f}s for its lock")
             for i, s in enumerate(self.map.servers):
                 if not s.up:
                     continue
@@ -424,8 +453,11 @@ class SchedulerCore:
             self.metrics.copies_demoted.labels("replication_failed").inc(hit[0].size)
             return True, ""
 
-    def copy_caught_up(self, reporter: str, target: str, slots: np.ndarray) -> tuple[bool, str]:
-        """``reporter`` (the primary) says ``target`` caught up on ``slots``: they join the in-sync set."""
+    def copy_caught_up(self, reporter: str, target: str, slots: np.ndarray, since_epoch: int = 0
+                       ) -> tuple[bool, str]:
+        """``reporter`` (the primary) says ``target`` caught up on ``slots`` with a slot copy it started at map
+        epoch ``since_epoch``: they join the in-sync set, unless the copy became catching up after that (the
+        report is stale: a retried report of an earlier copy must not mark a half-built one in sync)."""
         with self._mutating():
             t = self.map.index_of(target)
             hit = self._primary_copies(reporter, target, slots, CATCHING_UP)
@@ -433,12 +465,45 @@ class SchedulerCore:
                 return False, "unknown or dead server"
             if hit[0].size == 0:
                 return False, "no such catching-up copy (the map changed)"
+            stale = np.array([self.catching_since.get((int(r), t), 0) > since_epoch for r in hit[0]], bool)
+            if stale.any():
+                log.info("stale caught-up report from %s about %s (slot copy of epoch %d; slots %s became catching "
+                         "up later): refused", reporter, target, since_epoch, slots_text(hit[0][stale]),
+                         extra=event("copy_report_stale", slots=hit[0][stale], server=target, reporter=reporter))
+                return False, f"stale: the copies became catching up after epoch {since_epoch}"
             states = self.map.states.copy()
             states[hit] = IN_SYNC
             self._commit(self.map.evolve(states=states),
                          f"{hit[0].size} cop(ies) on {target} caught up (slots {slots_text(hit[0])}; reported by "
                          f"{reporter})", event("copy_caught_up", slots=hit[0], server=target, reporter=reporter))
             self.metrics.copies_caught_up.inc(hit[0].size)
+            self._reconcile()
+            return True, ""
+
+    def handover_ready(self, reporter: str, slots: np.ndarray, epoch: int) -> tuple[bool, str]:
+        """``reporter``, the primary of ``slots`` marked handing over, refuses writes to them since map
+        ``epoch`` and its in-sync copies hold everything it wrote: name the target's primary (an in-sync
+        copy) as the new primary. A planned hand-over thus loses no write, sync or async."""
+        with self._mutating():
+            m = self.map
+            p = m.index_of(reporter)
+            if p < 0 or self.target is None:
+                return False, "no hand-over in progress"
+            slots = np.asarray(slots, np.int64)
+            slots = slots[(slots >= 0) & (slots < m.num_slots)]
+            # the report must come from a map that already had the hand-over of the slot (the fence)
+            slots = slots[(m.copies[slots, 0] == p) & m.handing_over()[slots] & (m.slot_epochs[slots] <= epoch)]
+            copies, states, done = placement.hand_over(m.copies, m.states, slots, self.target)
+            if not done.size:
+                return False, "no such hand-over (the map changed)"
+            for slot in done:
+                self.handover_since.pop(int(slot), None)
+            self._moved.update(int(x) for x in done)
+            self.metrics.slot_moves.labels("primary_handover").inc(done.size)
+            leaders = self._ids(copies[done, 0])
+            self._commit(m.evolve(copies=copies, states=states),
+                         f"{done.size} primar(ies) handed over by {reporter} to {','.join(leaders)} (slots "
+                         f"{slots_text(done)})", event("primary_handover", slots=done, server=leaders, source=reporter))
             self._reconcile()
             return True, ""
 
@@ -458,6 +523,7 @@ class SchedulerCore:
                     raise TableExists(f"table {spec.config.name!r} already exists (pass exist_ok to accept it)")
                 return existing, False
             tables = dict(m.tables)
+            spec = dataclasses.replace(spec, created_epoch=m.epoch + 1)  # this incarnation (see TableDef)
             tables[spec.config.name] = spec
             self._commit(m.evolve(tables=tables), f"table {spec.config.name!r} created ({spec.durability})",
                          event("table_created", table=spec.config.name))
@@ -628,10 +694,17 @@ class SchedulerCore:
         repaired, repair_servers = _placement_changes(m.copies, copies)
         stepped: dict[str, list[int]] = {"added": [], "primary": [], "dropped": []}
         step_servers: set[int] = set()
+        self._auto_rebalance(copies, placeable)
         had_target = self.target is not None
         reached = False
         if self.target is not None:
             self.target = self._fixed_target(self.target, alive, placeable, copies)
+        now = self.clock()
+        expired = np.zeros(m.num_slots, bool)
+        for slot, since in self.handover_since.items():
+            expired[slot] = now - since > self._handover_timeout()
+        states = placement.cancel_hand_overs(copies, states, self.target, expired)
+        if self.target is not None:
             before = copies
             copies, states = placement.step_toward(copies, states, self.target,
                                                    max_new_copies=self.config.max_copies_per_step)
@@ -644,6 +717,10 @@ class SchedulerCore:
                 reached = True
         if self.target is None:
             copies, states = placement.trim(copies, states, self.config.replicas)
+        if expired.any():  # cancelled for one map at least: the primary serves writes again, then retries
+            states[expired & (states[:, 0] == HANDING_OVER), 0] = IN_SYNC
+        handing = np.flatnonzero((copies[:, 0] >= 0) & (states[:, 0] == HANDING_OVER))
+        self.handover_since = {int(x): self.handover_since.get(int(x), now) for x in handing}
         if not (np.array_equal(_pad(copies, m.width), _pad(m.copies, copies.shape[1]))
                 and np.array_equal(_pad(states, m.width), _pad(m.states, states.shape[1]))):
             why, extra = self._describe_step(repaired["added"], repair_servers, stepped, step_servers,
@@ -663,6 +740,32 @@ class SchedulerCore:
             log.info("placement reached its target at epoch %d: %d slot(s) moved (slots %s; servers %s)",
                      self.map.epoch, len(moved), slots_text(moved), ",".join(on) or "none",
                      extra=event("moves_done", slots=moved, epoch=self.map.epoch, server=on))
+
+    def _handover_timeout(self) -> float:
+        """How long a primary may take to report a hand-over before it is cancelled (it serves writes again
+        and the step is retried): its drain needs only its in-sync copies' acknowledgement of the stream."""
+        return max(5.0, 2 * self.config.heartbeat_timeout_s)
+
+    def _auto_rebalance(self, copies: np.ndarray, placeable: np.ndarray) -> None:
+        """With ``auto_rebalance``: when a server that may hold slots holds none (and is planned none) while
+        another holds several, aim for a balanced placement over every server (lock held). Only an empty
+        server triggers it, so a placement an operator chose (``rebalance`` by load, ``move-slot``) stays."""
+        if not self.config.auto_rebalance or placeable.sum() < 2 or (copies < 0).all():
+            return
+        if self.target is not None and self.target_kind != "balance":
+            return  # an operator's moves first
+        planned = copies if self.target is None else self.target
+        _, total = placement.copy_counts(planned, placeable.shape[0])
+        empty = placeable & (total == 0)
+        if not empty.any() or total[placeable].max() < 2:
+            return
+        self.target = placement.balance(copies, placeable, self.config.replicas)
+        self.target_kind = "balance"
+        self._save()
+        ids = self._ids(np.flatnonzero(empty))
+        log.info("auto-rebalance at epoch %d: server(s) %s hold no slot; %d slot(s) to move", self.map.epoch,
+                 ",".join(ids), len(placement.moves(copies, self.target)),
+                 extra=event("auto_rebalance", epoch=self.map.epoch, server=ids))
 
     def _describe_step(self, rebuilt: list[int], rebuilt_on: set[int], stepped: dict[str, list[int]],
                        step_servers: set[int], overall: tuple[dict[str, list[int]], set[int]]
@@ -908,7 +1011,13 @@ class SchedulerService(spb_grpc.SchedulerServicer):
     @_handler("CopyCaughtUp")
     def CopyCaughtUp(self, request, context):
         slots = cluster_wire.array(request.slots, "<i4", field="slots")
-        ok, msg = self.core.copy_caught_up(request.reporter, request.target, slots)
+        ok, msg = self.core.copy_caught_up(request.reporter, request.target, slots, int(request.since_epoch))
+        return spb.ReportResponse(epoch=self.core.map.epoch, accepted=ok, message=msg)
+
+    @_handler("HandoverReady")
+    def HandoverReady(self, request, context):
+        slots = cluster_wire.array(request.slots, "<i4", field="slots")
+        ok, msg = self.core.handover_ready(request.reporter, slots, int(request.epoch))
         return spb.ReportResponse(epoch=self.core.map.epoch, accepted=ok, message=msg)
 
     @_handler("ReportUnreachable")
@@ -1205,12 +1314,15 @@ class SchedulerHandle:
 
     def _tick(self) -> None:
         interval = min(0.2, self.config.heartbeat_timeout_s / 10)
+        last = time.monotonic()
         while not self._stop.wait(interval):
+            now = time.monotonic()
+            stalled, last = now - last > max(1.0, self.config.heartbeat_timeout_s / 3), now
             core = self.core
             if core is None:
                 continue
             try:
-                core.tick()
+                core.tick(stalled)
             except Unavailable as exc:  # the store: deposed (the election thread steps down) or unreachable
                 log.warning("scheduler tick: %s", exc)
             except Exception:  # noqa: BLE001 - keep detecting failures whatever happened

@@ -62,14 +62,13 @@ from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc
 from tigana.ps import _kernels, cluster_wire, frames, rpc, streams, wire
 from tigana.ps.catalog import Catalog
-from tigana.ps.cluster_wire import BARRIER, CHANGES, SNAPSHOT_BEGIN, SNAPSHOT_ROWS, Item
+from tigana.ps.cluster_wire import CHANGES, SNAPSHOT_ROWS, Item
 from tigana.ps.config import ServerConfig
 from tigana.ps.dedup import DedupWindow
 from tigana.ps.errors import (
     DeadlineExceeded,
     InvalidArgument,
     NotEnoughReplicas,
-    PSError,
     ResourceExhausted,
     TableExists,
     TableNotFound,
@@ -80,7 +79,7 @@ from tigana.ps.errors import (
 )
 from tigana.ps.logs import event, slots_text
 from tigana.ps.metrics import ServerMetrics
-from tigana.ps.replication import NO_POSITION, Replicator, SlotLog, Stream
+from tigana.ps.replication import NO_POSITION, Inbound, Replicator, SlotLog, Stream, apply_item
 from tigana.ps.routing import ShardMap, TableDef, format_slots, parse_slots, slot_of
 from tigana.ps.security import NONE, Security
 
@@ -126,7 +125,8 @@ class _Hosted:
 @dataclasses.dataclass(frozen=True, eq=False)
 class _View:
     """What this server holds under one map: epoch, the slots it leads and holds, whether the map names this
-    process (``valid``), and per slot the number of in-sync copies."""
+    process (``valid``), per slot the number of in-sync copies, the slots it leads but refuses writes to
+    while it hands them over (``fenced``), and the copies the cluster keeps of a slot (``want``)."""
 
     epoch: int
     map: ShardMap | None
@@ -135,22 +135,26 @@ class _View:
     holds: np.ndarray
     valid: bool
     in_sync: np.ndarray
+    fenced: np.ndarray
+    want: int = 1
 
     @classmethod
     def static(cls, owned: np.ndarray) -> _View:
-        return cls(0, None, -1, owned, owned, True, np.ones(owned.shape[0], np.int64))
+        return cls(0, None, -1, owned, owned, True, np.ones(owned.shape[0], np.int64), np.zeros_like(owned))
 
     @classmethod
     def waiting(cls, num_slots: int) -> _View:
         none = np.zeros(num_slots, bool)
-        return cls(0, None, -1, none, none, False, np.zeros(num_slots, np.int64))
+        return cls(0, None, -1, none, none, False, np.zeros(num_slots, np.int64), none)
 
     @classmethod
     def of(cls, m: ShardMap, me: int, valid: bool) -> _View:
         if me < 0 or not valid:
             none = np.zeros(m.num_slots, bool)
-            return cls(m.epoch, m, me, none, none, False, m.in_sync_count())
-        return cls(m.epoch, m, me, m.leads(me), m.holds(me), True, m.in_sync_count())
+            return cls(m.epoch, m, me, none, none, False, m.in_sync_count(), none, 1 + m.replicas)
+        leads = m.leads(me)
+        return cls(m.epoch, m, me, leads, m.holds(me), True, m.in_sync_count(), leads & m.handing_over(),
+                   1 + m.replicas)
 
 
 def _rpc(method: str) -> Callable:
@@ -206,8 +210,10 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         self._tables: dict[str, _Hosted] = {}
         self._registry_lock = threading.RLock()
         self._install_lock = threading.Lock()
-        self._inbound: dict[str, _Inbound] = {}
+        self._inbound: dict[str, Inbound] = {}
         self._inbound_lock = threading.Lock()
+        self._handover_wake = threading.Event()
+        self._handover_thread: threading.Thread | None = None
         self._last_decay = time.monotonic()
         self._streams = 0  # Exchange streams open
         self._streams_lock = threading.Lock()
@@ -219,7 +225,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                 self.server_id, self.boot, self.num_slots, max_message_bytes=config.max_message_bytes,
                 refresh_map=self._refresh, report_failure=self._report_failure, caught_up=self._caught_up,
                 copy_rows=self._copy_rows, failure_timeout_s=config.replication_timeout_s,
-                channel=security.channel)
+                max_queue_bytes=config.replication_queue_bytes, channel=security.channel)
         else:
             self._view = _View.static(config.owned_slots())
             self.replicator = None
@@ -248,6 +254,12 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             raise Unavailable(f"table {table!r}: server {self.server_id} is not in the cluster yet "
                               "(registering with the scheduler)", epoch=view.epoch)
         slots, count, first = _kernels.slots_foreign(ids, view.leads)
+        if not count and view.fenced.any():
+            fenced = view.fenced[slots]
+            if fenced.any():
+                s = int(slots[np.argmax(fenced)])
+                raise WrongShard(f"table {table!r}: slot {s} is being handed over to a new primary at epoch "
+                                 f"{view.epoch}; retry by the next map (nothing applied)", epoch=view.epoch)
         if count:
             if epoch > view.epoch and self.agent is not None:
                 self.agent.refresh_soon(epoch)
@@ -569,6 +581,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         self.metrics.row_bytes_raw.labels("Push").inc(len(ids) * dim * 4)
         self.metrics.row_bytes_wire.labels("Push").inc(nbytes + memoryview(scales).nbytes)
         cid, seq = request.client_id, request.seq
+        self._wait_for_room(name)
         with hosted.lock:
             view, slots = self._check_leads(name, ids, epoch)  # under the lock: the map the apply sees
             uslots = unique(slots)
@@ -605,17 +618,29 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                 raise Unavailable(f"table {name!r}: push applied here but not yet by the in-sync copies on {late} "
                                   f"within {self.config.ack_timeout_s}s; retry it (it is applied once)",
                                   epoch=self._view.epoch)
-            now = self._view
-            if now.epoch != view.epoch and (now.map is None or (now.map.slot_epochs[uslots] > view.epoch).any()
-                                            or not now.leads[uslots].all()):
-                raise Unavailable(f"table {name!r}: the copies of the push's slots changed while it replicated "
-                                  f"(epoch {view.epoch} -> {now.epoch}); retry it (it is applied once)",
-                                  epoch=now.epoch)
+            self._check_unmoved(name, view, uslots)
         if duplicate:
             self.metrics.duplicate_pushes.labels(name).inc()
         else:
             self.metrics.rows_pushed.labels(name).inc(len(ids))
-        return pb.PushResponse(applied_rows=int(applied), duplicate=duplicate, epoch=self._view.epoch)
+        now = self._view
+        # Not silent: a sync push acknowledged while a slot of it has fewer in-sync copies than the cluster
+        # keeps says so (the client counts and logs it; ``min_copies`` refuses it instead).
+        under = bool(sync and self.clustered and (now.in_sync[uslots] < now.want).any())
+        if under:
+            self.metrics.under_replicated_pushes.labels(name).inc()
+        return pb.PushResponse(applied_rows=int(applied), duplicate=duplicate, epoch=now.epoch,
+                               under_replicated=under)
+
+    def _wait_for_room(self, table: str) -> None:
+        """Back-pressure on writers: wait while a replication stream holds more than ``max_queue_bytes``
+        unacknowledged (``Unavailable``, retryable, when it stays so), before anything is applied."""
+        if self.replicator is None or not self.replicator.streams:
+            return
+        full = self.replicator.room(None, self.config.ack_timeout_s)
+        if full is not None:
+            raise Unavailable(f"table {table!r}: replication to {full.target_id} is {full.queued_bytes} bytes "
+                              f"behind (more than max_queue_bytes); nothing applied, retry", epoch=self._view.epoch)
 
     def _check_rows(self, table: str, n: int) -> None:
         if n > self.config.max_rows_per_request:
@@ -649,7 +674,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         dedup = [(key[0], key[1], key[2].astype(np.int32))] if key is not None and key[0] else []
         item = Item(CHANGES, hosted.spec.config.name, islots, lsn, prev, rows, deleted,
                     sightings if sightings[0].size else None, table.step, dedup)
-        return self.replicator.enqueue(item, lambda ids: slot_of(ids, self.num_slots))
+        return self.replicator.enqueue(item)
 
     @_rpc("Snapshot")
     def Snapshot(self, request: pb.SnapshotRequest, context: grpc.ServicerContext) -> pb.SnapshotResponse:
@@ -851,116 +876,29 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         if marks and self.replicator is not None and not self.replicator.wait(marks, self.config.ack_timeout_s):
             raise Unavailable(f"table {name!r}: rows written here but not yet by the in-sync copies; retry",
                               epoch=self._view.epoch)
+        self._check_unmoved(name, view, uslots)
         return pb.ImportRowsResponse(rows=len(rows))
+
+    def _check_unmoved(self, table: str, view: _View, slots: np.ndarray) -> None:
+        """After a write waited for its copies: ``Unavailable`` (retry; the write is idempotent or applied
+        once) when the copies of its slots changed meanwhile, e.g. a hand-over or a copy removed, since the
+        acknowledgements it got may not be those of the copies the current map names."""
+        now = self._view
+        if now.epoch != view.epoch and (now.map is None or (now.map.slot_epochs[slots] > view.epoch).any()
+                                        or not now.leads[slots].all()):
+            raise Unavailable(f"table {table!r}: the copies of the write's slots changed while it replicated "
+                              f"(epoch {view.epoch} -> {now.epoch}); retry it (it is applied once)",
+                              epoch=now.epoch)
 
     @_rpc("Replicate")
     def Replicate(self, request: pb.ReplicateRequest | cluster_wire.RawReplicate, context: grpc.ServicerContext
                   ) -> pb.ReplicateResponse:
-        """Apply a primary's stream in order (invariant I3 of ``replication``)."""
+        """Apply a primary's stream in order (``replication.apply``: invariant I3)."""
         with self._inbound_lock:
-            st = self._inbound.setdefault(request.source, _Inbound(request.source))
-        with st.lock:
-            if request.source_boot != st.boot or request.generation != st.generation:
-                if request.source_boot == st.boot and request.generation < st.generation:
-                    return self._reject(st, pb.REJECT_GAP, f"stream generation {request.generation} is older than "
-                                                           f"{st.generation}")
-                if request.first_seq != 1:
-                    return self._reject(st, pb.REJECT_GAP, f"a new stream must start at seq 1, got "
-                                                           f"{request.first_seq}")
-                st.boot, st.generation, st.applied = request.source_boot, request.generation, 0
-            if request.epoch > self._view.epoch:
-                self._refresh(request.epoch, wait_s=2.0)
-                if request.epoch > self._view.epoch:
-                    return self._reject(st, pb.REJECT_BEHIND, f"this server's map (epoch {self._view.epoch}) is "
-                                                              f"older than the source's ({request.epoch})")
-            if not self._view.valid:
-                return self._reject(st, pb.REJECT_BEHIND, "this server is not in the cluster's map yet")
-            for i, msg in enumerate(request.items):
-                seq = request.first_seq + i
-                if seq <= st.applied:
-                    continue  # a retried request: applied already
-                if seq != st.applied + 1:
-                    return self._reject(st, pb.REJECT_GAP, f"expected seq {st.applied + 1}, got {seq}")
-                try:
-                    reject = self._apply_item(request.source, msg)
-                except Exception as exc:  # noqa: BLE001 - a malformed item breaks the stream, never the server
-                    reject = (pb.REJECT_DIVERGED, f"malformed replication item: {type(exc).__name__}: {exc}", None)
-                if reject is not None:
-                    code, text, slots = reject
-                    return self._reject(st, code, text, slots)
-                st.applied = seq
-            return pb.ReplicateResponse(applied_through=st.applied, epoch=self._view.epoch)
-
-    def _reject(self, st: _Inbound, code: int, message: str, slots: np.ndarray | None = None
-                ) -> pb.ReplicateResponse:
-        if code != pb.REJECT_BEHIND:
-            epoch, name = self._view.epoch, pb.ReplicateReject.Name(code)
-            listed = np.empty(0, np.int64) if slots is None else np.asarray(slots)
-            log.warning("replication stream from %s to %s rejected at epoch %d (slots %s): %s: %s", st.source,
-                        self.server_id, epoch, slots_text(listed), name, message,
-                        extra=event("replication_rejected", slots=listed, epoch=epoch, server=self.server_id,
-                                    source=st.source, reject=name))
-        out = pb.ReplicateResponse(applied_through=st.applied, reject=code, message=message, epoch=self._view.epoch)
-        if slots is not None:
-            out.slots = np.asarray(slots, "<i4").tobytes()
-        return out
-
-    def _apply_item(self, source: str, msg: Any) -> tuple[int, str, np.ndarray | None] | None:
-        """Apply one item (a view of the request or a protobuf message); a reject (code, text, slots) or None."""
-        name = cluster_wire.item_table(msg)
-        hosted = self._tables.get(name)
-        if hosted is None:
-            return pb.REJECT_BEHIND, f"table {name!r} is not in this server's map yet", None
-        item = cluster_wire.decode_item(msg, dim=hosted.table.dim, state_width=hosted.table.state_width)
-        slots = item.slots.astype(np.int64)
-        with hosted.lock:
-            view = self._view
-            src = view.map.index_of(source) if view.map is not None else -1
-            if slots.size and (slots.min() < 0 or slots.max() >= self.num_slots):
-                return pb.REJECT_DIVERGED, f"table {item.table!r}: item slots out of range", None
-            ok = (view.map.copies[slots, 0] == src) & view.holds[slots] if view.map is not None else \
-                np.zeros(slots.shape[0], bool)
-            if not ok.all():
-                return (pb.REJECT_STALE, f"table {item.table!r}: server {source} does not lead slot(s) "
-                        f"{format_slots(slots[~ok][:20])} held here at epoch {view.epoch}", slots[~ok])
-            if item.kind in (CHANGES, BARRIER):
-                match = hosted.log.matches(slots, item.prev)
-                if not match.all():
-                    return (pb.REJECT_DIVERGED, f"table {item.table!r}: slot(s) {format_slots(slots[~match][:20])} "
-                            "here are not at the position the item follows", slots[~match])
-            try:
-                if item.kind == CHANGES:
-                    hosted.table.apply_changes(item.rows, item.deletes, item.sightings, item.step,
-                                               check_values=False)
-                    hosted.dedup.merge(item.dedup)
-                    hosted.log.advance(slots, item.lsn)
-                elif item.kind == SNAPSHOT_BEGIN:
-                    self._drop_rows(hosted, slots)
-                    hosted.dedup.forget_slots(slots)
-                    hosted.dedup.merge(item.dedup)
-                    hosted.log.reset(slots, item.prev)
-                elif item.kind == SNAPSHOT_ROWS and item.rows is not None and len(item.rows):
-                    hosted.table.import_rows(item.rows)
-            except PSError as exc:
-                return pb.REJECT_DIVERGED, f"table {item.table!r}: cannot apply item: {exc}", slots
-            except Exception as exc:  # noqa: BLE001 - engine validation errors and bugs alike break the stream
-                if not isinstance(exc, ValueError):
-                    log.exception("applying a replication item from %s on %s at epoch %d failed (table %r, slots %s)",
-                                  source, self.server_id, view.epoch, item.table, slots_text(slots),
-                                  extra=event("replication_apply_failed", slots=slots, epoch=view.epoch,
-                                              server=self.server_id, source=source, table=item.table))
-                return pb.REJECT_DIVERGED, f"table {item.table!r}: cannot apply item: {exc}", slots
-        return None
-
-    def _drop_rows(self, hosted: _Hosted, slots: np.ndarray) -> int:
-        """Delete every row of ``slots`` from the table (the caller holds its write lock)."""
-        ids = hosted.table.stored_ids()
-        if ids.size == 0:
-            return 0
-        mask = np.zeros(self.num_slots, bool)
-        mask[slots] = True
-        gone = ids[mask[slot_of(ids, self.num_slots)]]
-        return hosted.table.delete(gone) if gone.size else 0
+            st = self._inbound.setdefault(request.source, Inbound(request.source))
+        return st.receive(request, self.server_id, lambda: self._view, self._refresh,
+                          lambda msg, epoch: apply_item(msg, request.source, epoch, self._tables.get,
+                                                        lambda: self._view, self.num_slots))
 
     # --- the map -----------------------------------------------------------------------------------------------
     def install(self, m: ShardMap) -> bool:
@@ -1002,6 +940,8 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                         log.warning("saving the table registry failed: %s", exc)
         if new.valid and (not old.valid or dropped.size):
             threading.Thread(target=self._drop_unheld, name="tigana-drop-slots", daemon=True).start()
+        if new.fenced.any():
+            self._start_hand_over()
         if self.on_install is not None:
             self.on_install()
         was_leading = old.leads if old.valid else np.zeros(self.num_slots, bool)
@@ -1022,6 +962,9 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         """Create the map's tables this server lacks, drop those it no longer has (registry lock held)."""
         for name, spec in m.tables.items():
             hosted = self._tables.get(name)
+            if hosted is not None and hosted.spec.created_epoch != spec.created_epoch:
+                self._drop_local(name)  # dropped and created again (between two maps this server saw)
+                hosted = None
             if hosted is not None and hosted.spec != spec:
                 if hosted.spec.config == spec.config:  # durability or min_copies changed: keep the rows
                     hosted.spec = spec
@@ -1133,9 +1076,36 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         if self.agent is not None:
             self.agent.report_copy_failure(target, slots, reason)
 
-    def _caught_up(self, target: str, slots: np.ndarray) -> None:
+    def _start_hand_over(self) -> None:
+        with self._install_lock:
+            if self._handover_thread is None:
+                self._handover_thread = threading.Thread(target=self._hand_over_loop, name="tigana-hand-over",
+                                                         daemon=True)
+                self._handover_thread.start()
+        self._handover_wake.set()
+
+    def _caught_up(self, target: str, slots: np.ndarray, since_epoch: int) -> bool | None:
         if self.agent is not None:
-            self.agent.copy_caught_up(target, slots)
+            return self.agent.copy_caught_up(target, slots, since_epoch)
+        return None
+
+    # --- handing the primary role over (a planned move) ----------------------------------------------------
+    def _hand_over_loop(self) -> None:
+        """While the map names slots this server leads as handing over (it refuses writes to them since it
+        installed that map), wait until every in-sync copy acknowledged the stream's tail, then report them
+        ready: the scheduler makes the next map name the new primary, which then holds every write made here.
+        Runs on one thread; woken by each map and about once a second (the report is repeated until the map
+        changes, so a scheduler restart loses nothing)."""
+        while self.state != "closed":
+            self._handover_wake.wait(1.0)
+            self._handover_wake.clear()
+            view = self._view
+            if self.replicator is None or self.agent is None or not view.valid or not view.fenced.any():
+                continue
+            fenced = np.flatnonzero(view.fenced)
+            if self.replicator.wait(self.replicator.tail_marks(fenced), self.config.ack_timeout_s) \
+                    and self._view is view:
+                self.agent.handover_ready(fenced.astype(np.int32), view.epoch)
 
     def positions(self) -> list[pb.SlotTableInfo]:
         """Per table, the log positions of every slot with data (for registering after a restart)."""
@@ -1312,17 +1282,6 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                     except Exception:  # noqa: BLE001 - close the others regardless
                         log.exception("closing table %r failed", hosted.spec.config.name)
             self._tables.clear()
-
-
-class _Inbound:
-    """The state of one incoming stream (per source server): its boot, generation and last applied seq."""
-
-    def __init__(self, source: str = "") -> None:
-        self.source = source  # the sending server's id
-        self.lock = threading.Lock()
-        self.boot = ""
-        self.generation = 0
-        self.applied = 0
 
 
 def add_to_server(service: ShardService, server: grpc.Server) -> None:

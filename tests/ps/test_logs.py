@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from primaries import report_all
 
 from tigana import ps
 from tigana.embeddings import TableConfig
@@ -19,7 +20,7 @@ from tigana.ps.config import ServerConfig
 from tigana.ps.daemon import start_server
 from tigana.ps.logs import JsonFormatter, event, setup_logging, slots_text
 from tigana.ps.mapstore import FileMapStore
-from tigana.ps.routing import CATCHING_UP, TableDef
+from tigana.ps.routing import TableDef
 from tigana.ps.scheduler import SchedulerConfig, SchedulerCore, start_scheduler
 
 
@@ -192,16 +193,7 @@ class _Core:
                                   FileMapStore(tmp_path / "sched"), clock=lambda: self.t[0])
 
     def catch_up_all(self) -> None:
-        while True:
-            m = self.core.map
-            pending = [(p, t, np.flatnonzero(m.leads(p) & (m.copy_state(t) == CATCHING_UP)))
-                       for p in range(len(m.servers)) for t in range(len(m.servers)) if t != p]
-            pending = [x for x in pending if x[2].size]
-            if not pending:
-                return
-            p, t, slots = pending[0]
-            ok, msg = self.core.copy_caught_up(m.servers[p].id, m.servers[t].id, slots)
-            assert ok, msg
+        report_all(self.core)
 
 
 def test_slot_move_messages_and_counters(tmp_path, captured) -> None:

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tigana.ps import placement
-from tigana.ps.routing import CATCHING_UP, IN_SYNC, NO_SERVER, ServerEntry, ShardMap
+from tigana.ps.routing import CATCHING_UP, HANDING_OVER, IN_SYNC, NO_SERVER, ServerEntry, ShardMap
 
 SETTINGS = settings(max_examples=50, deadline=None)
 
@@ -315,8 +315,10 @@ def assert_safe(c: np.ndarray, s: np.ndarray, had_primary: np.ndarray) -> None:
     assert_distinct(c)
     for slot in np.flatnonzero(had_primary):
         row = c[slot]
-        assert row[0] >= 0 and s[slot, 0] == IN_SYNC, f"slot {slot}: primary {row.tolist()} {s[slot].tolist()}"
-        assert ((row >= 0) & (s[slot] == IN_SYNC)).sum() >= 1
+        assert row[0] >= 0 and s[slot, 0] in (IN_SYNC, HANDING_OVER), \
+            f"slot {slot}: primary {row.tolist()} {s[slot].tolist()}"
+        assert ((row >= 0) & (s[slot] != CATCHING_UP)).sum() >= 1
+        assert (s[slot, 1:] != HANDING_OVER).all()  # only a primary hands over
 
 
 @settings(max_examples=40, deadline=None)
@@ -338,7 +340,7 @@ def test_step_toward_reaches_target_safely(n, add, num_slots, replicas, seed, ma
     had_primary = c[:, 0] >= 0
     assert had_primary.all()
     target = placement.balance(c, alive, replicas)
-    per_slot = 4  # add, (catch up), hand over the primary, drop
+    per_slot = 5  # add, (catch up), start handing over the primary, (it reports), drop
     bound = per_slot * (1 if max_new is None else -(-num_slots // max_new) + 1) + 4
     if partial:
         bound *= 8  # catching up happens to about half the copies per step
@@ -357,6 +359,13 @@ def test_step_toward_reaches_target_safely(n, add, num_slots, replicas, seed, ma
             catching &= rng.random(catching.shape) < 0.5
         ns[catching] = IN_SYNC
         m = m.evolve(states=ns)
+        # primaries handing over report (all of them, or about half): the roles swap
+        handing = np.flatnonzero(np.array(m.states)[:, 0] == HANDING_OVER)
+        if partial:
+            handing = handing[rng.random(handing.shape) < 0.5]
+        hc, hs, done = placement.hand_over(np.array(m.copies), np.array(m.states), handing, target)
+        assert done.size == handing.size  # the target's primary is an in-sync copy of each
+        m = m.evolve(copies=hc, states=hs)
         c, s = np.array(m.copies), np.array(m.states)
         assert_safe(c, s, had_primary)
         if not placement.moves(c, target) and (s[c >= 0] == IN_SYNC).all():
@@ -376,7 +385,13 @@ def test_step_toward_example():
     np.testing.assert_array_equal(again[:, :3], c[:, :3])
     s[0, 2] = IN_SYNC
     c, s = placement.step_toward(c, s, target)
-    assert c[0, 0] == 2 and sorted(present(c[0])) == [0, 1, 2]  # role handed over, nothing dropped yet
+    assert c[0, 0] == 0 and s[0, 0] == HANDING_OVER  # the primary is told to refuse writes and drain first
+    again, s2 = placement.step_toward(c, s, target)  # nothing more until it reports
+    np.testing.assert_array_equal(again[:, :3], c[:, :3])
+    np.testing.assert_array_equal(s2[:, :3], s[:, :3])
+    c, s, done = placement.hand_over(c, s, np.array([0]), target)
+    assert done.tolist() == [0] and c[0, 0] == 2 and (s[0, :3] == IN_SYNC).all()
+    assert sorted(present(c[0])) == [0, 1, 2]  # role handed over, nothing dropped yet
     c, s = placement.step_toward(c, s, target)
     assert c[0, 0] == 2 and sorted(present(c[0])) == [1, 2]
     assert placement.moves(c, target) == []
@@ -396,3 +411,18 @@ def test_moves_and_copy_counts():
     assert placement.moves(cur, tgt) == [(0, [], []), (1, [2], [0])]
     prim, total = placement.copy_counts(cur, 4)
     assert prim.tolist() == [1, 1, 1, 0] and total.tolist() == [2, 2, 1, 0]
+
+
+def test_hand_overs_that_cannot_complete_are_cancelled():
+    copies = np.array([[0, 1], [0, 1], [0, 1], [0, 1]], np.int32)
+    states = np.array([[HANDING_OVER, IN_SYNC], [HANDING_OVER, CATCHING_UP], [HANDING_OVER, IN_SYNC],
+                       [HANDING_OVER, IN_SYNC]], np.uint8)
+    target = np.array([[1, 0], [1, 0], [0, 1], [1, 0]], np.int32)
+    expired = np.array([False, False, False, True])
+    s = placement.cancel_hand_overs(copies, states, target, expired)
+    # slot 0 goes on; 1: the new primary is not in sync; 2: the target keeps the primary; 3: expired
+    assert s[:, 0].tolist() == [HANDING_OVER, IN_SYNC, IN_SYNC, IN_SYNC]
+    assert (placement.cancel_hand_overs(copies, states, None)[:, 0] == IN_SYNC).all()
+    # a report only completes where the new primary is an in-sync copy
+    c, s2, done = placement.hand_over(copies, states, np.arange(4), target)
+    assert done.tolist() == [0, 3] and c[0].tolist() == [1, 0] and c[1].tolist() == [0, 1]

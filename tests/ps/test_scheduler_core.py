@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from primaries import report_all
 
 from tigana.embeddings import TableConfig
 from tigana.ps import placement
@@ -58,18 +59,7 @@ class Cluster:
     def catch_up_all(self) -> int:
         """Every primary reports every catching-up copy of its slots caught up (a report can change the map:
         each is made from the current one). Returns the reports made."""
-        reports = 0
-        while True:
-            m = self.map
-            pending = [(p, t, np.flatnonzero(m.leads(p) & (m.copy_state(t) == CATCHING_UP)))
-                       for p in range(len(m.servers)) for t in range(len(m.servers)) if t != p]
-            pending = [x for x in pending if x[2].size]
-            if not pending:
-                return reports
-            p, t, slots = pending[0]
-            ok, msg = self.core.copy_caught_up(m.servers[p].id, m.servers[t].id, slots)
-            assert ok, msg
-            reports += 1
+        return report_all(self.core)
 
 
 def assert_valid(m: ShardMap) -> None:

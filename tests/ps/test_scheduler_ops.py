@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from primaries import report_all
 
 from tigana.ps import placement
 from tigana.ps.errors import InvalidArgument
@@ -83,18 +84,7 @@ class Cluster:
     def catch_up_all(self) -> int:
         """Every primary reports each of its slots' catching-up copies caught up (one report per
         (primary, copy) pair, made from the map current at the time). Returns the reports made."""
-        reports = 0
-        while True:
-            m = self.map
-            pending = [(p, t, np.flatnonzero(m.leads(p) & (m.copy_state(t) == CATCHING_UP)))
-                       for p in range(len(m.servers)) for t in range(len(m.servers)) if t != p]
-            pending = [x for x in pending if x[2].size]
-            if not pending:
-                return reports
-            p, t, slots = pending[0]
-            ok, msg = self.core.copy_caught_up(m.servers[p].id, m.servers[t].id, slots)
-            assert ok, msg
-            reports += 1
+        return report_all(self.core)
 
     def run_to_target(self, limit: int = 40) -> int:
         """Catch up and tick until the target is reached, checking every saved map on the way."""

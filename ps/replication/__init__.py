@@ -1,0 +1,24 @@
+"""Replication: a primary streams every state change of its slots, in order, to the other copies.
+
+One ordered stream runs from a primary to each server holding copies of slots it leads (``stream``). Items
+(see ``ReplicationItem`` in proto/shard.proto) carry rows and optimizer state as written, removals, admission
+sightings and the exactly-once keys, never gradients; the target applies them in stream order (``apply``).
+The slot copy is the same stream: ``SNAPSHOT_BEGIN`` (the slots' starting log positions and exactly-once
+keys), then ``SNAPSHOT_ROWS`` chunks, each exported under the table's write lock and so ordered with the
+writes around it, then ``SNAPSHOT_END``. Replica creation after a failure and slot moves both use it.
+
+Log positions (``log``): per table and slot every server keeps the position (epoch, index) of the last
+write it holds; a target applies an item only when its positions equal the item's ``prev``.
+
+The invariants that make "no acknowledged update is lost" true are written out, with where each is kept
+and which test checks it, in docs/replication.md (I1-I7 there).
+"""
+
+from tigana.ps.cluster_wire import BARRIER, CHANGES, SNAPSHOT_BEGIN, SNAPSHOT_END, SNAPSHOT_ROWS
+from tigana.ps.replication.apply import Inbound, apply_item
+from tigana.ps.replication.log import NO_POSITION, SlotLog
+from tigana.ps.replication.primary import Replicator
+from tigana.ps.replication.stream import Mark, Session, Stream
+
+__all__ = ["BARRIER", "CHANGES", "Inbound", "Mark", "NO_POSITION", "Replicator", "SNAPSHOT_BEGIN", "SNAPSHOT_END",
+           "SNAPSHOT_ROWS", "Session", "SlotLog", "Stream", "apply_item"]

@@ -1,0 +1,175 @@
+"""The copy's side of replication: a target applies a primary's stream in order (invariant I3).
+
+``Inbound`` is the state of one incoming stream (per source server): its boot, generation and the last seq
+applied, so a retried request is applied once and a gap is refused. ``apply_item`` applies one item:
+
+- an item of a table this server no longer has, in an incarnation its map dropped, is moot: skipped;
+- slots this server no longer holds (the map removed the copy) are moot: skipped;
+- slots it holds whose primary, in its map, is not the source are refused (``REJECT_STALE``, nothing
+  applied): the source was deposed, and its late writes must not land;
+- CHANGES and BARRIER apply only where the slot's log position equals the item's ``prev`` (``REJECT_DIVERGED``
+  naming the slots otherwise, nothing applied).
+
+A refusal names its slots; the primary stops sending those slots and reports only the ones it still leads
+with an in-sync copy here (``stream``), so a map change with items in flight demotes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from tigana.proto import shard_pb2 as pb
+from tigana.ps import cluster_wire
+from tigana.ps.cluster_wire import BARRIER, CHANGES, SNAPSHOT_BEGIN, SNAPSHOT_ROWS
+from tigana.ps.errors import PSError
+from tigana.ps.logs import event, slots_text
+from tigana.ps.replication.stream import restrict
+from tigana.ps.routing import format_slots, slot_of
+
+log = logging.getLogger("tigana.ps.replication")
+
+Reject = tuple[int, str, "np.ndarray | None"]
+
+
+class Inbound:
+    """The state of one incoming stream (per source server): its boot, generation and last applied seq."""
+
+    def __init__(self, source: str = "") -> None:
+        self.source = source  # the sending server's id
+        self.lock = threading.Lock()
+        self.boot = ""
+        self.generation = 0
+        self.applied = 0
+
+    def receive(self, request: Any, server_id: str, view_of: Callable[[], Any], refresh: Callable[[int, float], None],
+                apply_one: Callable[[Any, int], Reject | None]) -> pb.ReplicateResponse:
+        """Apply a ``ReplicateRequest`` (or its raw view) in order; the response (applied seq, or a refusal)."""
+        with self.lock:
+            if request.source_boot != self.boot or request.generation != self.generation:
+                if request.source_boot == self.boot and request.generation < self.generation:
+                    return self._reject(server_id, view_of(), pb.REJECT_GAP,
+                                        f"stream generation {request.generation} is older than {self.generation}")
+                if request.first_seq != 1:
+                    return self._reject(server_id, view_of(), pb.REJECT_GAP,
+                                        f"a new stream must start at seq 1, got {request.first_seq}")
+                self.boot, self.generation, self.applied = request.source_boot, request.generation, 0
+            if request.epoch > view_of().epoch:
+                refresh(request.epoch, 2.0)
+                if request.epoch > view_of().epoch:
+                    return self._reject(server_id, view_of(), pb.REJECT_BEHIND,
+                                        f"this server's map (epoch {view_of().epoch}) is older than the "
+                                        f"source's ({request.epoch})")
+            if not view_of().valid:
+                return self._reject(server_id, view_of(), pb.REJECT_BEHIND, "this server is not in the cluster's "
+                                                                            "map yet")
+            for i, msg in enumerate(request.items):
+                seq = request.first_seq + i
+                if seq <= self.applied:
+                    continue  # a retried request: applied already
+                if seq != self.applied + 1:
+                    return self._reject(server_id, view_of(), pb.REJECT_GAP,
+                                        f"expected seq {self.applied + 1}, got {seq}")
+                try:
+                    reject = apply_one(msg, int(request.epoch))
+                except Exception as exc:  # noqa: BLE001 - a malformed item breaks the stream, never the server
+                    reject = (pb.REJECT_DIVERGED, f"malformed replication item: {type(exc).__name__}: {exc}", None)
+                if reject is not None:
+                    code, text, slots = reject
+                    return self._reject(server_id, view_of(), code, text, slots)
+                self.applied = seq
+            return pb.ReplicateResponse(applied_through=self.applied, epoch=view_of().epoch)
+
+    def _reject(self, server_id: str, view: Any, code: int, message: str, slots: np.ndarray | None = None
+                ) -> pb.ReplicateResponse:
+        epoch, name = view.epoch, pb.ReplicateReject.Name(code)
+        listed = np.empty(0, np.int64) if slots is None else np.asarray(slots)
+        level = logging.INFO if code in (pb.REJECT_BEHIND, pb.REJECT_STALE) else logging.WARNING
+        log.log(level, "replication stream from %s to %s refused at epoch %d (slots %s): %s: %s", self.source,
+                server_id, epoch, slots_text(listed), name, message,
+                extra=event("replication_rejected", slots=listed, epoch=epoch, server=server_id, source=self.source,
+                            reject=name))
+        out = pb.ReplicateResponse(applied_through=self.applied, reject=code, message=message, epoch=epoch)
+        if slots is not None:
+            out.slots = np.asarray(slots, "<i4").tobytes()
+        return out
+
+
+def apply_item(msg: Any, source: str, request_epoch: int, hosted_of: Callable[[str], Any], view_of: Callable[[], Any],
+               num_slots: int) -> Reject | None:
+    """Apply one item (a view of the request or a protobuf message); a refusal (code, text, slots) or None.
+
+    ``hosted_of(name)``: the table as served (``table``, ``dedup``, ``log``, ``lock``, ``spec``) or None;
+    ``view_of()``: the server's current view of the map (``epoch``, ``map``, ``holds``, ``valid``)."""
+    name, table_epoch = cluster_wire.item_header(msg)
+    hosted = hosted_of(name)
+    if hosted is None or hosted.spec.created_epoch != table_epoch:
+        view = view_of()
+        spec = view.map.tables.get(name) if view.map is not None else None
+        if view.epoch >= request_epoch and (spec is None or spec.created_epoch > table_epoch):
+            return None  # the incarnation it belongs to was dropped (at an epoch this map has seen): moot
+        return pb.REJECT_BEHIND, f"table {name!r} (created at epoch {table_epoch}) is not in this server's map yet", \
+            None
+    item = cluster_wire.decode_item(msg, dim=hosted.table.dim, state_width=hosted.table.state_width)
+    slots = item.slots.astype(np.int64)
+    if slots.size and (slots.min() < 0 or slots.max() >= num_slots):
+        return pb.REJECT_DIVERGED, f"table {name!r}: item slots out of range", None
+    with hosted.lock:
+        view = view_of()
+        m = view.map
+        src = m.index_of(source) if m is not None else -1
+        held = view.holds[slots]
+        leads = (m.copies[slots, 0] == src) if m is not None else np.zeros(slots.shape[0], bool)
+        stale = held & ~leads
+        if stale.any():
+            return (pb.REJECT_STALE, f"table {name!r}: server {source} does not lead slot(s) "
+                    f"{format_slots(slots[stale][:20])} held here at epoch {view.epoch}", slots[stale])
+        if not held.all():  # copies the map removed from this server: moot, skipped
+            keep = np.zeros(num_slots, bool)
+            keep[slots[held]] = True
+            item = restrict(item, keep, lambda ids: slot_of(ids, num_slots))
+            slots = item.slots.astype(np.int64)
+            if not slots.size:
+                return None
+        if item.kind in (CHANGES, BARRIER):
+            match = hosted.log.matches(slots, item.prev)
+            if not match.all():
+                return (pb.REJECT_DIVERGED, f"table {name!r}: slot(s) {format_slots(slots[~match][:20])} here are "
+                        "not at the position the item follows", slots[~match])
+        try:
+            if item.kind == CHANGES:
+                hosted.table.apply_changes(item.rows, item.deletes, item.sightings, item.step, check_values=False)
+                hosted.dedup.merge(item.dedup)
+                hosted.log.advance(slots, item.lsn)
+            elif item.kind == SNAPSHOT_BEGIN:
+                drop_rows(hosted, slots, num_slots)
+                hosted.dedup.forget_slots(slots)
+                hosted.dedup.merge(item.dedup)
+                hosted.log.reset(slots, item.prev)
+            elif item.kind == SNAPSHOT_ROWS and item.rows is not None and len(item.rows):
+                hosted.table.import_rows(item.rows)
+        except PSError as exc:
+            return pb.REJECT_DIVERGED, f"table {name!r}: cannot apply item: {exc}", slots
+        except Exception as exc:  # noqa: BLE001 - engine validation errors and bugs alike break the stream
+            if not isinstance(exc, ValueError):
+                log.exception("applying a replication item from %s at epoch %d failed (table %r, slots %s)",
+                              source, view.epoch, name, slots_text(slots),
+                              extra=event("replication_apply_failed", slots=slots, epoch=view.epoch, source=source,
+                                          table=name))
+            return pb.REJECT_DIVERGED, f"table {name!r}: cannot apply item: {exc}", slots
+    return None
+
+
+def drop_rows(hosted: Any, slots: np.ndarray, num_slots: int) -> int:
+    """Delete every row of ``slots`` from the table (the caller holds its write lock)."""
+    ids = hosted.table.stored_ids()
+    if ids.size == 0:
+        return 0
+    mask = np.zeros(num_slots, bool)
+    mask[slots] = True
+    gone = ids[mask[slot_of(ids, num_slots)]]
+    return hosted.table.delete(gone) if gone.size else 0
