@@ -504,8 +504,7 @@ class SchedulerCore:
             self._commit(m.evolve(copies=copies, states=states),
                          f"{done.size} primar(ies) handed over by {reporter} to {','.join(leaders)} (slots "
                          f"{slots_text(done)})", event("primary_handover", slots=done, server=leaders, source=reporter))
-            self._reconcile()
-            return True, ""
+            return True, ""  # the next tick drops the copies the target does not keep (one step per map)
 
     # --- tables ------------------------------------------------------------------------------------------
     def create_table(self, spec: TableDef, exist_ok: bool) -> tuple[TableDef, bool]:

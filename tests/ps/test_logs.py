@@ -198,7 +198,7 @@ class _Core:
 
 def test_slot_move_messages_and_counters(tmp_path, captured) -> None:
     records, _ = captured
-    c = _Core(tmp_path, expect_servers=2)
+    c = _Core(tmp_path, expect_servers=2, auto_rebalance=False)
     for s in ("a", "b", "c"):
         c.core.register(s, f"host-{s}:1", f"{s}-boot")
     c.core.create_table(TableDef(TableConfig("t", dim=4)), exist_ok=True)

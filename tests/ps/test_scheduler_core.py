@@ -209,8 +209,13 @@ def test_copy_caught_up_is_checked(tmp_path):
     ok, _ = c.core.copy_caught_up("a", "c", catching)  # c is dead
     assert not ok
     assert c.map.epoch == epoch
+    # a stale report: of a slot copy started before these copies became catching up (a retried report
+    # of an earlier copy, arriving after a demotion) must not mark a half-built copy in sync
+    since = c.core.catching_since[(int(catching[0]), 1)]
+    ok, msg = c.core.copy_caught_up(m.servers[primary].id, "b", catching[:1], since - 1)
+    assert not ok and msg.startswith("stale")
     # the right report
-    ok, msg = c.core.copy_caught_up(m.servers[primary].id, "b", catching[:1])
+    ok, msg = c.core.copy_caught_up(m.servers[primary].id, "b", catching[:1], m.epoch)
     assert ok, msg
     assert c.map.copy_state(1)[catching[0]] == IN_SYNC and c.map.epoch > epoch
 
@@ -403,7 +408,7 @@ def test_restarted_scheduler_loses_nothing(tmp_path):
 
 
 def test_restarted_scheduler_keeps_its_target(tmp_path):
-    c = started(tmp_path, ("a", "b"))
+    c = started(tmp_path, ("a", "b"), auto_rebalance=False)
     c.register("c")  # joins empty
     assert not c.map.holds(2).any()
     target = c.core.rebalance().target
@@ -426,7 +431,7 @@ def run_to_target(c: Cluster, alive: tuple[str, ...], limit: int = 40) -> int:
 
 
 def test_rebalance_to_a_new_server(tmp_path):
-    c = started(tmp_path, ("a", "b", "c"))
+    c = started(tmp_path, ("a", "b", "c"), auto_rebalance=False)
     c.register("d")
     before = c.map.copies.copy()
     c.core.rebalance()
@@ -451,7 +456,7 @@ def test_auto_rebalance_moves_slots_to_a_joining_server(tmp_path):
 
 
 def test_without_auto_rebalance_a_joining_server_stays_empty(tmp_path):
-    c = started(tmp_path, ("a", "b", "c"))
+    c = started(tmp_path, ("a", "b", "c"), auto_rebalance=False)
     c.register("d")
     c.advance(2.0, alive=("a", "b", "c", "d"))
     assert c.core.target is None and not c.map.holds(3).any()

@@ -12,7 +12,7 @@ from primaries import report_all
 from tigana.ps import placement
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.mapstore import FileMapStore, SchedulerState
-from tigana.ps.routing import CATCHING_UP, IN_SYNC, ShardMap
+from tigana.ps.routing import CATCHING_UP, HANDING_OVER, IN_SYNC, ShardMap
 from tigana.ps.scheduler import SchedulerConfig, SchedulerCore
 
 TIMEOUT = 3.0
@@ -109,7 +109,8 @@ def assert_valid(m: ShardMap) -> None:
         assert len(row) == len(set(row)), f"epoch {m.epoch} slot {slot}: {m.copies[slot]}"
         assert all(up[x] for x in row), f"epoch {m.epoch} slot {slot}: a copy on a server that is down"
         if row:
-            assert m.copies[slot, 0] >= 0 and m.states[slot, 0] == IN_SYNC, f"epoch {m.epoch} slot {slot}"
+            assert m.copies[slot, 0] >= 0 and m.states[slot, 0] in (IN_SYNC, HANDING_OVER), \
+                f"epoch {m.epoch} slot {slot}"
 
 
 def started(tmp_path, servers=("a", "b", "c"), **config) -> Cluster:
@@ -157,9 +158,18 @@ def test_move_primary_in_safe_steps(tmp_path):
     c.advance(10.0)
     assert row_of(c.map, SLOT) == [(p, IN_SYNC), (r, IN_SYNC), (x, CATCHING_UP)]
     # only the slot's primary may say the copy caught up
-    ok, _ = c.core.copy_caught_up(m0.servers[r].id, m0.servers[x].id, np.array([SLOT]))
+    ok, _ = c.core.copy_caught_up(m0.servers[r].id, m0.servers[x].id, np.array([SLOT]), c.map.epoch)
     assert not ok and row_of(c.map, SLOT)[2] == (x, CATCHING_UP)
-    ok, msg = c.core.copy_caught_up(m0.servers[p].id, m0.servers[x].id, np.array([SLOT]))
+    ok, msg = c.core.copy_caught_up(m0.servers[p].id, m0.servers[x].id, np.array([SLOT]), c.map.epoch)
+    assert ok, msg
+    c.advance(1.0)
+    # the primary is told to refuse writes and drain; nothing more happens until it reports that it did
+    assert row_of(c.map, SLOT)[0] == (p, HANDING_OVER)
+    c.advance(1.0)
+    assert row_of(c.map, SLOT)[0] == (p, HANDING_OVER)
+    ok, _ = c.core.handover_ready(m0.servers[r].id, np.array([SLOT]), c.map.epoch)  # only its primary
+    assert not ok
+    ok, msg = c.core.handover_ready(m0.servers[p].id, np.array([SLOT]), c.map.epoch)
     assert ok, msg
     c.advance(1.0)
     assert c.core.target is None
@@ -167,7 +177,8 @@ def test_move_primary_in_safe_steps(tmp_path):
         [(p, IN_SYNC), (r, IN_SYNC)],
         [(p, IN_SYNC), (r, IN_SYNC), (x, CATCHING_UP)],  # 1. a catching-up copy on the new server
         [(p, IN_SYNC), (r, IN_SYNC), (x, IN_SYNC)],      # 2. in sync once its primary says so
-        [(x, IN_SYNC), (r, IN_SYNC), (p, IN_SYNC)],      # 3. the primary role moves (the old one stays)
+        [(p, HANDING_OVER), (r, IN_SYNC), (x, IN_SYNC)],  # 3a. the primary refuses writes and drains
+        [(x, IN_SYNC), (r, IN_SYNC), (p, IN_SYNC)],      # 3b. the primary role moves (the old one stays)
         [(x, IN_SYNC), (r, IN_SYNC)],                    # 4. the old copy is dropped
     ]
     for state in c.store.saved[mark:]:
@@ -207,6 +218,8 @@ def test_move_primary_to_an_existing_replica_swaps_roles(tmp_path):
     p, r = int(m0.copies[SLOT, 0]), int(m0.copies[SLOT, 1])
     plan = c.core.move_slot(SLOT, m0.servers[r].id, primary=True)
     assert plan.moves == [(SLOT, [], [], p, r, 0)]  # no data moves
+    assert row_of(c.map, SLOT) == [(p, HANDING_OVER), (r, IN_SYNC)]  # drains first
+    c.catch_up_all()  # the primary reports the hand-over
     assert row_of(c.map, SLOT) == [(r, IN_SYNC), (p, IN_SYNC)]
     c.advance(1.0)
     assert c.core.target is None and row_of(c.map, SLOT) == [(r, IN_SYNC), (p, IN_SYNC)]
