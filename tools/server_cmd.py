@@ -53,8 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--heartbeat-interval", dest="heartbeat_interval_s", type=float, default=None,
       help="seconds between heartbeats to the scheduler")
     a("--snapshot-every", dest="snapshot_every_s", type=float, default=None,
-      help="seconds between periodic snapshots of every table; bounds what losing every "
-           "copy at once costs")
+      help="seconds between periodic snapshots of every table (incremental, a full one every 10th; needs "
+           "--data-dir); bounds what a kill -9 of a standalone server, or losing every copy of a slot, "
+           "costs (docs/durability.md); 0 turns them off")
     a("--replication-timeout", dest="replication_timeout_s", type=float, default=None,
       help="seconds a copy may fail to apply the stream before it is reported")
     add_security_flags(parser, "server", "every operation; this server also sends it to the scheduler and peers")
