@@ -17,15 +17,19 @@ sparse gradient aggregation so its collectives never interleave with the dense a
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from tigana.trainer.elastic import restart_count
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -164,11 +168,18 @@ def init_distributed(env: DistEnv, backend: str | None = None, timeout_s: float 
         # torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE) and keeps it across restarts: every
         # generation of workers gets its own key prefix, or a new one reads its predecessors' addresses.
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
-                              is_master=env.rank == 0 and not agent_store, timeout=timeout)
-        store = dist.PrefixStore(f"tigana/generation-{restart_count()}", store)
-        dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size,
-                                timeout=timeout)
+
+        def rendezvous() -> None:
+            store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                                  is_master=env.rank == 0 and not agent_store, timeout=timeout)
+            store = dist.PrefixStore(f"tigana/generation-{restart_count()}", store)
+            dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size,
+                                    timeout=timeout)
+
+        if env.world_size > 1:
+            log.info("rank %d waiting for the job's %d ranks at %s:%d (at most %.0f s; Ctrl-C stops)", env.rank,
+                     env.world_size, env.master_addr, env.master_port, timeout_s)
+        _interruptible(rendezvous, "tigana-rendezvous")
     node = leaders = sparse = None
     # new_group must be called by every rank for every group, in the same order.
     for node_index in range(env.num_nodes):
@@ -185,6 +196,26 @@ def init_distributed(env: DistEnv, backend: str | None = None, timeout_s: float 
     if env.is_leader:
         leaders = group
     return Groups(env=env, node=node, leaders=leaders, sparse_node=sparse)
+
+
+def _interruptible(fn: Callable[[], None], name: str) -> None:
+    """Run ``fn`` in a helper thread while this one waits, so that Ctrl-C (KeyboardInterrupt, raised here)
+    ends a wait on peers that torch's C++ rendezvous would otherwise hold for its whole timeout (it releases the
+    GIL but never returns to Python to see the signal). ``fn``'s exception is raised here."""
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # handed to the waiting thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+    if errors:
+        raise errors[0]
 
 
 def shutdown() -> None:

@@ -1,7 +1,9 @@
 """Starting a training job: under a launcher (torchrun, srun, Kubeflow), or as N local processes.
 
-- Under a launcher (``WORLD_SIZE`` or ``SLURM_PROCID`` set) this process is one rank; without ``--ps``,
-  rank 0 starts an embedded local cluster and tells the others its addresses.
+- Under a launcher (``WORLD_SIZE`` set, or ``SLURM_PROCID``/``SLURM_NTASKS`` inside an srun step) this process
+  is one rank; without ``--ps``, rank 0 starts an embedded local cluster and tells the others its addresses.
+  SLURM's variables inherited by a shell (``salloc``, the batch script itself: no ``SLURM_STEP_ID``) do not
+  make a launcher, and an explicit ``--nproc N`` > 1 outranks them.
 - Otherwise ``--nproc N`` spawns N trainer processes (torch.multiprocessing, spawn) that rendezvous on a
   free loopback port; without ``--ps`` this process starts the embedded cluster first and stops it after,
   so every process the job started is gone when ``run`` returns, also on failure.
@@ -34,10 +36,32 @@ from tigana.trainer.loop import check_inputs, nan_to_none, train
 __all__ = ["run", "start_cluster", "under_launcher"]
 
 
-def under_launcher(environ: Mapping[str, str] | None = None) -> bool:
-    """True when a launcher started this process as one rank of a job."""
+def under_launcher(environ: Mapping[str, str] | None = None, nproc: int = 1) -> bool:
+    """True when a launcher started this process as one rank of a job.
+
+    torch's ``WORLD_SIZE`` always counts. SLURM's ``SLURM_PROCID``/``SLURM_NTASKS`` count only in a task of an
+    srun step (``SLURM_STEP_ID`` set) and only when ``nproc`` is 1: an ``salloc`` shell exports them too, and a
+    job that asks for ``--nproc 2`` there means two local processes, not 2 of the allocation's tasks.
+    """
     env = os.environ if environ is None else environ
-    return "WORLD_SIZE" in env or ("SLURM_PROCID" in env and "SLURM_NTASKS" in env)
+    if "WORLD_SIZE" in env:
+        return True
+    return nproc <= 1 and "SLURM_STEP_ID" in env and "SLURM_PROCID" in env and "SLURM_NTASKS" in env
+
+
+def _ignored_slurm(environ: Mapping[str, str] | None, nproc: int) -> str | None:
+    """A note when SLURM rank variables are present but do not make this process a rank, else None."""
+    env = os.environ if environ is None else environ
+    if "WORLD_SIZE" in env or not ("SLURM_PROCID" in env and "SLURM_NTASKS" in env):
+        return None
+    if nproc > 1:
+        why = f"--nproc {nproc} starts local processes"
+    elif "SLURM_STEP_ID" not in env:
+        why = "not inside an srun step (an salloc or batch shell exports them); run under srun for one rank a task"
+    else:
+        return None
+    return (f"tigana train: ignoring SLURM_PROCID={env['SLURM_PROCID']} SLURM_NTASKS={env['SLURM_NTASKS']}: "
+            f"{why}")
 
 
 def start_cluster(shards: int = 2, data_dir: str | os.PathLike | None = None, replicas: int | None = 1
@@ -99,8 +123,11 @@ def _spawned(index: int, nproc: int, port: int, config: TrainConfig, addresses: 
 def run(config: TrainConfig, environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
     """Run the job this process is part of. Returns the result on rank 0 (None on other launcher ranks)."""
     check_inputs(config)
-    if under_launcher(environ):
-        env = read_env(config.ranks_per_node, environ)
+    note = _ignored_slurm(environ, config.nproc)
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    if under_launcher(environ, config.nproc):
+        env = read_env(config.ranks_per_node, _without_ignored_slurm(environ))
         if not config.ps and env.num_nodes > 1 and config.ranks_per_node is None:
             raise ValueError("ps: a job on several nodes needs --ps (an embedded cluster listens on loopback "
                              "of one node only)")
@@ -126,7 +153,11 @@ def run(config: TrainConfig, environ: Mapping[str, str] | None = None) -> dict[s
                 context = mp.start_processes(_spawned, args=(config.nproc, free_port(), config, addresses, out,
                                                              elastic),
                                              nprocs=config.nproc, join=False, start_method="spawn")
-                failed = _supervise(context.processes)
+                try:
+                    failed = _supervise(context.processes)
+                except BaseException:  # Ctrl-C (KeyboardInterrupt) or a bug: no trainer outlives this process
+                    _stop(context.processes)
+                    raise
                 if failed is None:
                     return json.loads(Path(out).read_text())
                 if preemption.requested() or restarts == config.max_restarts:
@@ -141,6 +172,26 @@ def run(config: TrainConfig, environ: Mapping[str, str] | None = None) -> dict[s
             cluster.close()
 
 
+def _without_ignored_slurm(environ: Mapping[str, str] | None) -> Mapping[str, str] | None:
+    """``environ`` as ``read_env`` should see it: SLURM's rank variables only inside an srun step."""
+    env = os.environ if environ is None else environ
+    if "SLURM_STEP_ID" in env or "WORLD_SIZE" not in env:
+        return environ
+    return {k: v for k, v in env.items() if k not in _SLURM_RANK_VARS}
+
+
+def _stop(processes: list[Any]) -> None:
+    """SIGKILL the trainer processes still running and reap them all."""
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+    for p in processes:
+        p.join()
+
+
+_SLURM_RANK_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS_PER_NODE")
+
+
 def _supervise(processes: list[Any]) -> tuple[int, int] | None:
     """Wait for one generation of trainer processes: None when all exit 0; else (rank, exit code) of the first
     that failed, after killing the others (they would wait on a dead peer). Forwards a SIGTERM this process
@@ -150,11 +201,7 @@ def _supervise(processes: list[Any]) -> tuple[int, int] | None:
         codes = [p.exitcode for p in processes]
         bad = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
         if bad:
-            for p in processes:
-                if p.is_alive():
-                    p.kill()  # a survivor's pushes in flight: applied once or not at all (client id, seq)
-            for p in processes:
-                p.join()
+            _stop(processes)  # a survivor's pushes in flight: applied once or not at all (client id, seq)
             return bad[0]
         if all(code == 0 for code in codes):
             return None
