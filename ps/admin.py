@@ -69,6 +69,7 @@ def cluster_status(address: str | None, timeout_s: float = 10.0, security: Secur
     return {
         "epoch": m.epoch, "cluster_id": m.cluster_id, "replicas": m.replicas, "num_slots": m.num_slots,
         "degraded_slots": int(reply.degraded_slots), "unavailable_slots": int(reply.unavailable_slots),
+        "unprotected_slots": m.summary()["unprotected_slots"],
         "tables": sorted(m.tables),
         "servers": [{"id": s.info.id, "address": s.info.address, "up": s.info.state == pb.SERVER_UP,
                      "primaries": s.primaries, "replicas": s.replicas, "catching_up": s.catching_up,

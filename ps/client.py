@@ -269,7 +269,8 @@ class Client:
         self._tables_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._counters = {"pulls": 0, "pushes": 0, "rows_pulled": 0, "rows_pushed": 0, "retries": 0,
-                          "push_errors": 0, "pull_errors": 0}
+                          "push_errors": 0, "pull_errors": 0, "pushes_under_replicated": 0}
+        self._warned_under_replicated = -1e9
         self._push_errors: list[PSError] = []
         self._unraised: list[PSError] = []
         self._closed = False
@@ -758,6 +759,20 @@ class Client:
             _Countdown(waits, fn)
         else:
             fn()
+
+    def _under_replicated(self, table: str) -> None:
+        """A sync push was acknowledged with fewer in-sync copies than the cluster keeps: counted in
+        ``stats()["pushes_under_replicated"]`` and logged at most once a minute (never silent)."""
+        now = time.monotonic()
+        with self._stats_lock:
+            self._counters["pushes_under_replicated"] += 1
+            warn = now - self._warned_under_replicated > 60.0
+            if warn:
+                self._warned_under_replicated = now
+        if warn:
+            log.warning("table %r: a sync push was acknowledged while a slot of it had fewer in-sync copies than the "
+                        "cluster keeps (a copy is being built, or too few servers are up): losing its primary now "
+                        "may lose it. create_table(min_copies=2) refuses such pushes instead.", table)
 
     def _note_retry(self) -> None:
         with self._stats_lock:

@@ -32,6 +32,7 @@ from tigana.ps.config import ServerConfig
 from tigana.ps.membership import Agent
 from tigana.ps.metrics import ServerMetrics
 from tigana.ps.server import SERVICE_NAME, ShardService, add_to_server
+from tigana.ps.warmup import warm_kernels
 
 log = logging.getLogger("tigana.ps.daemon")
 
@@ -82,7 +83,7 @@ class ServerHandle:
         self.port: int = port
         self.host: str = config.host
         self.address: str = f"{_host_for_address(config.host)}:{port}"
-        self.advertise: str = config.advertise or self.address
+        self.advertise: str = advertised(config.advertise, port) or self.address
         self.agent: Agent | None = None
         if config.scheduler:
             self.agent = Agent(self.service, config.scheduler, self.advertise,
@@ -138,6 +139,10 @@ class ServerHandle:
             self.error = exc
             self.service.state = "failed"
         else:
+            if self.agent is not None:
+                # Compile the kernels before the heartbeats start: numba holds the GIL while it compiles, and
+                # a first pull compiling for seconds would starve the heartbeat thread (``ps.warmup``).
+                warm_kernels(self.config.num_slots)
             self.service.state = "serving"
             if self.agent is not None:  # serve data only once the scheduler's map names this process
                 self.agent.start()
@@ -257,6 +262,14 @@ def tune_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int = 256 << 
         return ok and (top_pad is None or libc.mallopt(m_top_pad, int(top_pad)) == 1)
     except (OSError, AttributeError):
         return False
+
+
+def advertised(advertise: str | None, port: int) -> str | None:
+    """``advertise`` with a port of 0 (``HOST:0``) replaced by the bound ``port``: a daemon started with
+    ``--port 0`` can name its host without knowing its port yet (SLURM jobs sharing a node)."""
+    if advertise and advertise.endswith(":0"):
+        return f"{advertise[:-2]}:{port}"
+    return advertise
 
 
 def _host_for_address(host: str) -> str:

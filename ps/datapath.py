@@ -469,6 +469,8 @@ class PushOp(_Op):
             if error is None:
                 with self.st.lock:
                     self.st.bytes["received"]["push"] += response.ByteSize()
+                if response.under_replicated:
+                    self.client._under_replicated(self.st.name)
                 settle(int(response.applied_rows), None)
                 return
             if isinstance(error, UnknownClient) and self._new_session(error, lo, hi, settle):

@@ -229,6 +229,7 @@ class _SchedulerCollector(_ClusterCollector):
         "servers_down": "Servers the map lists as dead",
         "slots_unavailable": "Slots without a primary",
         "slots_degraded": "Slots with fewer in-sync copies than 1 + replicas",
+        "slots_unprotected": "Slots whose primary is their only in-sync copy although the cluster keeps replicas",
         "copies_catching_up": "Copies being built by a slot copy",
         "slots_moving": "Slots whose placement differs from the target being moved toward",
     }

@@ -248,9 +248,13 @@ class ShardMap:
     def summary(self) -> dict[str, int]:
         """Counts for logs: servers up, slots without a primary, slots with fewer in-sync copies than wanted."""
         in_sync = self.in_sync_count()
+        placed = self.copies[:, 0] >= 0
         return {"epoch": self.epoch, "servers_up": sum(s.up for s in self.servers),
-                "unavailable_slots": int((self.copies[:, 0] < 0).sum()),
+                "unavailable_slots": int((~placed).sum()),
                 "degraded_slots": int((in_sync < 1 + self.replicas).sum()),
+                # led, yet held in sync by the primary alone although the cluster keeps replicas: losing
+                # that one server loses what was acknowledged there
+                "unprotected_slots": int((placed & (in_sync <= 1)).sum()) if self.replicas else 0,
                 "catching_up": int(((self.copies >= 0) & (self.states == CATCHING_UP)).sum())}
 
     def with_servers(self, servers: Sequence[ServerEntry]) -> ShardMap:

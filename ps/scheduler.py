@@ -68,6 +68,8 @@ from tigana.ps.security import NONE, Security, SecuritySettings
 log = logging.getLogger("tigana.ps.scheduler")
 
 SERVICE_NAME = spb.DESCRIPTOR.services_by_name["Scheduler"].full_name
+# Health of the data's protection: NOT_SERVING while some slot has fewer than 1 + replicas in-sync copies.
+REPLICATION_HEALTH_NAME = "tigana.v1.Scheduler.replication"
 
 
 @dataclass(frozen=True)
@@ -185,6 +187,7 @@ class SchedulerCore:
             for r, c in zip(*np.nonzero((self.map.copies >= 0) & (self.map.states == CATCHING_UP)), strict=True)}
         self.handover_since: dict[int, float] = {}  # slot -> when its primary was told to hand over
         self._warned_unprotected = -1e9
+        self._degraded_since: float | None = None
         self.closing = False  # set when the service stops: long polls (``wait_map``) return at once
 
     # --- helpers -------------------------------------------------------------------------------------
@@ -363,6 +366,29 @@ class SchedulerCore:
                 elif silent > timeout / 3 and s.id in self.heard and s.id not in self._probing:
                     self._probe_async(s.id, s.address, s.boot)
             self._reconcile()
+            self._warn_under_replicated(now)
+
+    def _warn_under_replicated(self, now: float) -> None:
+        """Say loudly, every 10 s while it lasts past one heartbeat timeout, that slots lack copies: a server
+        lost then may lose acknowledged updates (lock held)."""
+        s = self.map.summary()
+        if not s["degraded_slots"]:
+            self._degraded_since = None
+            return
+        since = self._degraded_since
+        if since is None:
+            self._degraded_since = since = now
+        if now - since < self.config.heartbeat_timeout_s or now - self._warned_unprotected < 10.0:
+            return
+        self._warned_unprotected = now
+        want = 1 + self.config.replicas
+        why = (f"only {s['servers_up']} server(s) up, {want} needed" if s["servers_up"] < want
+               else f"{s['catching_up']} cop(ies) still being built")
+        log.warning("UNDER-REPLICATED for %.0fs: %d slot(s) have fewer than %d in-sync copies, %d of them only "
+                    "their primary (%s): losing a server now may lose acknowledged updates", now - since,
+                    s["degraded_slots"], want, s["unprotected_slots"], why,
+                    extra=event("under_replicated", epoch=self.map.epoch, degraded=s["degraded_slots"],
+                                unprotected=s["unprotected_slots"]))
 
     def _probe_async(self, server_id: str, address: str, boot: str) -> None:
         self._probing.add(server_id)
@@ -375,8 +401,19 @@ class SchedulerCore:
                     self._probing.discard(server_id)
             if closed:
                 self.dead_if(server_id, boot, f"port {address} closed")
+            elif closed is False:  # its health service answered: running and reachable, only slow to beat
+                self.seen(server_id, boot)
 
         threading.Thread(target=run, name="tigana-probe", daemon=True).start()
+
+    def seen(self, server_id: str, boot: str) -> None:
+        """``server_id`` (incarnation ``boot``) answered a probe: it counts as heard from now. Safe for the
+        fencing argument: a server that cannot renew its own lease stops acknowledging async pushes whatever
+        the scheduler thinks, and one that is not declared dead is not replaced."""
+        with self.lock:
+            i = self.map.index_of(server_id)
+            if i >= 0 and self.map.servers[i].up and self.map.servers[i].boot == boot:
+                self.last_seen[server_id] = max(self.last_seen.get(server_id, 0.0), self.clock())
 
     def unreachable(self, address: str) -> None:
         """A client or peer could not reach ``address``: probe it now."""
@@ -866,6 +903,7 @@ class SchedulerCore:
                     "servers_down": float(len(m.servers) - summary["servers_up"]),
                     "slots_unavailable": float(summary["unavailable_slots"]),
                     "slots_degraded": float(summary["degraded_slots"]),
+                    "slots_unprotected": float(summary["unprotected_slots"]),
                     "copies_catching_up": float(summary["catching_up"]), "slots_moving": float(moving)}
 
     def wait_map(self, known_epoch: int, wait_s: float) -> ShardMap | None:
@@ -1322,6 +1360,10 @@ class SchedulerHandle:
                 continue
             try:
                 core.tick(stalled)
+                # tigana.v1.Scheduler.replication: SERVING only while every slot has its 1 + replicas copies
+                degraded = core.figures()["slots_degraded"]
+                self.health.set(REPLICATION_HEALTH_NAME, health_pb2.HealthCheckResponse.NOT_SERVING if degraded
+                                else health_pb2.HealthCheckResponse.SERVING)
             except Unavailable as exc:  # the store: deposed (the election thread steps down) or unreachable
                 log.warning("scheduler tick: %s", exc)
             except Exception:  # noqa: BLE001 - keep detecting failures whatever happened
