@@ -54,12 +54,12 @@ def demotion_reasons(log_path: Path, top: int = 6) -> dict[str, int]:
 class Monitor:
     """Polls the scheduler every ``interval_s``: demotion counters, settledness, degraded slots."""
 
-    def __init__(self, scheduler: str, metrics_port: int, interval_s: float = 0.5) -> None:
+    def __init__(self, scheduler: str, metrics_port: int, interval_s: float = 0.5, t0: float | None = None) -> None:
         self.scheduler, self.metrics_port, self.interval_s = scheduler, metrics_port, interval_s
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="nemesis-monitor", daemon=True)
-        self.t0 = time.monotonic()
+        self.t0 = time.monotonic() if t0 is None else t0  # first_settled_s counts from here
         self.clean = True  # no fault in effect
         self._healing = False
         self._window_base = 0.0  # the demotion count when the current clean window opened

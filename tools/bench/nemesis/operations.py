@@ -181,7 +181,8 @@ class Operations:
         durability = self.rng.choice(DURABILITIES)
         name = f"scratch-{self.count}-{durability}"
         create_ledger_table(self.ctl, name, durability=durability)
-        client = ps.connect(scheduler=self.scheduler)
+        # its pushes fail once the table is dropped: a short failover timeout stops its client quickly
+        client = ps.connect(scheduler=self.scheduler, failover_timeout_s=3.0)
         loop = PushLoop(client, table=name, num_ids=5000, ids_per_push=200, in_flight=2, pause_s=0.01,
                         seed=self.count).start()
         self.scratch = (name, client, loop)
@@ -194,11 +195,13 @@ class Operations:
         name, client, loop = self.scratch
         self.scratch = None
         acked = loop.acked_count()
+        t = time.monotonic()
         try:
             dropped = self.ctl.drop_table(name)  # while its client still pushes
         finally:
+            drop_s = time.monotonic() - t
             self.close_scratch(loop, client)
-        return dropped and acked > 0, f"dropped {name} after {acked} pushes", False
+        return dropped and acked > 0, f"dropped {name} after {acked} pushes (the drop took {drop_s:.1f}s)", False
 
     def close_scratch(self, loop: PushLoop | None = None, client: ps.Client | None = None) -> None:
         """Stop the scratch table's client (the one given, or the live one); never raises."""
@@ -207,7 +210,7 @@ class Operations:
             self.scratch = None
         if loop is not None:
             with contextlib.suppress(Exception):
-                loop.stop(30)
+                loop.stop(15)
         if client is not None:
             with contextlib.suppress(Exception):
                 client.close()
@@ -217,19 +220,25 @@ class Operations:
         ids = np.arange(1000, dtype=np.int64)
         grads = -np.ones((ids.size, TABLE_DIM), np.float32)
         create_ledger_table(self.ctl, name, durability="sync")
-        for _ in range(3):
-            self.ctl.push(name, ids, grads).result()
-        path = self.run_dir / f"restore-{self.count}"
-        ok, detail = self._admin("checkpoint", "--dir", str(path), "--table", name)
-        if ok:
-            self.ctl.push(name, ids, grads).result()  # after the cut: the restore must undo it
-            ok, detail2 = self._admin("restore", str(path), "--table", name)
-            detail = f"{detail}; {detail2}"
-        wrong = -1
-        if ok:
-            rows = self.ctl.pull(name, ids, insert=False)
-            wrong = int((rows != 3.0).any(axis=1).sum())
-            detail += f"; {wrong} of {ids.size} rows differ from the checkpoint"
-        with contextlib.suppress(Exception):
-            self.ctl.drop_table(name)
+        # a client of its own: a push error is stored by the client that pushed, and must not reach the audit
+        client = ps.connect(scheduler=self.scheduler)
+        try:
+            for _ in range(3):
+                client.push(name, ids, grads).result()
+            path = self.run_dir / f"restore-{self.count}"
+            ok, detail = self._admin("checkpoint", "--dir", str(path), "--table", name)
+            if ok:
+                client.push(name, ids, grads).result()  # after the cut: the restore must undo it
+                ok, detail2 = self._admin("restore", str(path), "--table", name)
+                detail = f"{detail}; {detail2}"
+            wrong = -1
+            if ok:
+                rows = client.pull(name, ids, insert=False)
+                wrong = int((rows != 3.0).any(axis=1).sum())
+                detail += f"; {wrong} of {ids.size} rows differ from the checkpoint"
+        finally:
+            with contextlib.suppress(Exception):
+                client.close()
+            with contextlib.suppress(Exception):
+                self.ctl.drop_table(name)
         return ok and wrong == 0, detail, False
