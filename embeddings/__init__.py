@@ -3,7 +3,9 @@
 A table maps ids to rows (float32, or float16/bfloat16 storage) through a growable hash index, initializes
 missing rows deterministically from (seed, id), applies sparse optimizers to deduplicated gradient batches,
 admits and evicts rows, spills cold rows to an LMDB tier past a memory budget, and writes crash-safe full and
-incremental snapshots. No networking: ``tigana.ps`` serves these tables.
+incremental snapshots. Whole-table reads (snapshots, full exports, checksums) go through a ``Cut``
+(``table.cut()``): the rows at one point in the write order, read in chunks while writes go on. No networking:
+``tigana.ps`` serves these tables.
 
 Example::
 
@@ -29,6 +31,7 @@ from tigana.embeddings.config import (
     Uniform,
     Zeros,
 )
+from tigana.embeddings.cut import Cut
 from tigana.embeddings.errors import (
     CorruptStore,
     EmbeddingError,
@@ -42,7 +45,8 @@ from tigana.embeddings.rows import RowBatch
 from tigana.embeddings.table import EmbeddingTable
 
 __all__ = [
-    "FTRL", "SGD", "Adagrad", "Adam", "Admission", "Changes", "CorruptStore", "EmbeddingError", "EmbeddingTable",
+    "FTRL", "SGD", "Adagrad", "Adam", "Admission", "Changes", "CorruptStore", "Cut", "EmbeddingError",
+    "EmbeddingTable",
     "Eviction", "HashIndex", "Initializer", "InvalidArgument", "Normal", "Optimizer", "RowBatch",
     "RowWiseAdagrad", "SnapshotNotFound", "StorageError", "StorageFull", "TableConfig", "Uniform", "Zeros",
 ]

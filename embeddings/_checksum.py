@@ -14,6 +14,9 @@ from typing import Literal
 
 import numpy as np
 
+from tigana.embeddings.mixing import mix64
+from tigana.embeddings.rows import RowBatch
+
 _POLY = 0xEDB88320
 
 
@@ -77,3 +80,19 @@ def crc32_rows(buf: np.ndarray, *, backend: Literal["auto", "numba", "numpy"] = 
     if not HAVE_NUMBA:
         raise RuntimeError("crc32_rows: numba is not installed")
     return _crc_rows_numba(buf, _T8)
+
+
+def row_digests(batch: RowBatch) -> np.ndarray:
+    """(n,) uint64 digest of each row's id, float32 weights and optimizer state (summed, wrapping, into the
+    order-independent checksums of a table or of its slots)."""
+    n = len(batch)
+    if n == 0:
+        return np.zeros(0, np.uint64)
+    w = crc32_rows(np.ascontiguousarray(batch.weights, np.float32).view(np.uint8).reshape(n, -1))
+    if batch.state.shape[1]:
+        st = crc32_rows(np.ascontiguousarray(batch.state, np.float32).view(np.uint8).reshape(n, -1))
+    else:
+        st = np.zeros(n, np.uint32)
+    with np.errstate(over="ignore"):
+        payload = (w.astype(np.uint64) << np.uint64(32)) | st.astype(np.uint64)
+        return mix64(mix64(batch.ids) + payload)

@@ -261,15 +261,15 @@ if AVAILABLE:
         return -1, top
 
     @njit(nogil=True, cache=True)
-    def touch(rows, update_count, last_step, last_time, last_access, dirty, step, now, clock):
-        """Stamp an update on unique ``rows``: count +1, step, time, access clock, dirty."""
+    def touch(rows, update_count, last_step, last_time, last_access, dirty, step, now, clock, mark):
+        """Stamp an update on unique ``rows``: count +1, step, time, access clock, snapshot mark."""
         for i in range(rows.shape[0]):
             r = rows[i]
             update_count[r] += np.uint32(1)
             last_step[r] = step
             last_time[r] = now
             last_access[r] = clock
-            dirty[r] = 1
+            dirty[r] = mark
 
     # Reassociation lets the row reductions (row-wise Adagrad's mean of g²) vectorize: about 5x faster.
     # No finite-math assumptions: NaN/Inf stay well defined. error_model="numpy" drops numba's per-divide

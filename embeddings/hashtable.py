@@ -60,8 +60,23 @@ class HashIndex:
         self._size = 0  # live keys
         self._used = 0  # live keys + tombstones
 
+    @classmethod
+    def over(cls, keys: np.ndarray, vals: np.ndarray, backend: Backend = "auto") -> HashIndex:
+        """A read-only view for probing bucket arrays taken earlier with ``buckets`` (no copy)."""
+        view = cls.__new__(cls)
+        view.backend = resolve_backend(backend)
+        view._keys, view._vals = keys, vals
+        view._size = view._used = -1  # a view is for ``lookup``/``positions`` only
+        return view
+
     def __len__(self) -> int:
         return self._size
+
+    def buckets(self) -> tuple[np.ndarray, np.ndarray]:
+        """The bucket arrays themselves (keys uint64, values int32), not copies: a bucket changes in place only
+        from live to tombstone (delete) or from empty/tombstone to live (insert); growth or a rehash replaces
+        both arrays and leaves these as they were. (``Cut`` holds them to read the table as of one moment.)"""
+        return self._keys, self._vals
 
     @property
     def capacity(self) -> int:

@@ -3,8 +3,10 @@
 A row's position is its index in these arrays (an int >= 0, what the table's HashIndex maps its id to); it is
 unrelated to the routing slots of ``tigana.ps.routing``. Per row: weights (dim, storage dtype: float32, float16,
 or bfloat16 kept as uint16 bits), optimizer state (width, float32), update_count uint32, last_step int64,
-last_time float64, last_access int64 (the table's access clock, for LRU and spilling), dirty uint8 (changed
-since the last snapshot). That is 29 bytes of metadata, 97 bytes per row at dim 16 with row-wise Adagrad.
+last_time float64, last_access int64 (the table's access clock, for LRU and spilling), dirty uint8 (the
+snapshot mark current when the row last changed: ``mark`` at a write, 0 for never; a row belongs to the next
+incremental snapshot when its mark is the current one). That is 29 bytes of metadata, 97 bytes per row at dim
+16 with row-wise Adagrad.
 Positions of deleted rows go to a free list and are reused first.
 
 Arrays grow by 2x up to 65,536 rows, then by 1.125x, through ``ndarray.resize``: glibc's realloc moves
@@ -88,6 +90,7 @@ class Slab:
         self._free = np.empty(0, np.int64)
         self._n_free = 0
         self.high_water = 0  # positions [0, high_water) were handed out at least once
+        self.mark = 1  # the snapshot mark written into ``dirty`` by a write (1..255)
 
     @property
     def capacity(self) -> int:
@@ -160,14 +163,14 @@ class Slab:
         )
 
     def write(self, positions: np.ndarray, batch: RowBatch, *, access: int) -> None:
-        """Store complete rows at ``positions``; they are marked dirty and accessed at ``access``."""
+        """Store complete rows at ``positions``; they get the current ``mark`` and are accessed at ``access``."""
         self.write_weights(positions, batch.weights)
         _scatter(self.state, positions, np.asarray(batch.state, np.float32))
         self.update_count[positions] = np.minimum(batch.update_count, np.iinfo(np.uint32).max)
         self.last_step[positions] = batch.last_step
         self.last_time[positions] = batch.last_time
         self.last_access[positions] = access
-        self.dirty[positions] = 1
+        self.dirty[positions] = self.mark
 
 
 _WORDS = {2: np.uint16, 4: np.uint32, 8: np.uint64}

@@ -1,0 +1,150 @@
+"""Reading whole rows out of a table and writing them in: export (all, by ids, by predicate, since a time), the
+rows a write touched, import (insert or overwrite complete rows), and the checksums that compare copies.
+
+A read of every row goes through a ``Cut`` (``cut``), so it holds the table's lock only per chunk, not for the
+whole table; reads by ids take the lock once (their cost follows the ids).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from tigana.embeddings._fields import TableFields
+from tigana.embeddings.rows import RowBatch
+
+_CHUNK = 1 << 16  # rows per chunk when reading rows by id
+
+
+class Exporting(TableFields):
+    """Export, import and checksums; see the module docstring."""
+
+    def export_rows(self, predicate: Callable[[np.ndarray], np.ndarray] | None = None,
+                    ids: np.ndarray | None = None, *, since: float | None = None) -> RowBatch:
+        """Complete rows (resident and spilled), sorted by id: all of them, those whose id is in ``ids``
+        (absent ids are skipped), or those for which ``predicate(ids) -> bool mask`` is true. ``since``: only
+        rows updated (or inserted) at or after this unix time (a serving delta: the cost follows the rows
+        selected, plus one pass over the resident rows' update times and a read of the spilled ones).
+        All of them (no ``ids``, no ``since``) are read through a cut: the lock is held per chunk only."""
+        if ids is not None:
+            ids = self._check_ids(ids)
+        if ids is None and since is None:
+            chunks = []
+            with self.cut() as cut:
+                for batch in cut.batches():
+                    if predicate is not None:
+                        batch = batch.take(self._selected(predicate, batch.ids))
+                    chunks.append(batch)
+            rows = RowBatch.concat(chunks) if chunks else RowBatch.empty(self.dim, self._width)
+            return rows.take(np.argsort(rows.ids, kind="stable"))
+        with self._lock:
+            self._check_open()
+            if since is not None:
+                recent = self._updated_since(float(since))
+                ids = recent if ids is None else np.intersect1d(ids, recent)
+            chunks = list(self._iter_sorted(ids, predicate))
+            return RowBatch.concat(chunks) if chunks else RowBatch.empty(self.dim, self._width)
+
+    def _selected(self, predicate: Callable[[np.ndarray], np.ndarray], ids: np.ndarray) -> np.ndarray:
+        mask = np.asarray(predicate(ids))
+        if mask.dtype != bool or mask.shape != ids.shape:
+            raise self._bad("predicate", f"must return a bool mask of shape {ids.shape}, got {mask.dtype} "
+                                         f"{mask.shape}")
+        return mask
+
+    def _updated_since(self, since: float) -> np.ndarray:
+        """Ids of the stored rows whose last update is at or after ``since`` (under the lock)."""
+        ids, positions = self._index.items()
+        out = ids[self._slab.last_time[positions] >= since]
+        if len(self._spilled):  # their update times live in the store
+            sp = self._spill_rows(self._spilled.items()[0])
+            out = np.concatenate([out, sp.ids[sp.last_time >= since]])
+        return out
+
+    def rows_of(self, ids: np.ndarray) -> RowBatch:
+        """Complete rows of the stored ids among the unique ``ids``, in their order (absent ids skipped): the
+        cheap export of what a write touched (no sort), e.g. to replicate it."""
+        ids = self._check_ids(ids)
+        with self._lock:
+            self._check_open()
+            positions = self._index.lookup(ids)
+            have = positions >= 0
+            batch = self._slab.read(ids[have], positions[have]) if not have.all() else self._slab.read(ids, positions)
+            if len(self._spilled) and not have.all():
+                rest = ids[~have]
+                rest = rest[self._spilled.lookup(rest) >= 0]
+                if rest.size:
+                    batch = RowBatch.concat([batch, self._spill_rows(rest)])
+            return batch
+
+    def stored_ids(self) -> np.ndarray:
+        """Every stored id (resident and spilled), (k,) int64 in no set order."""
+        with self._lock:
+            self._check_open()
+            ids = self._index.items()[0]
+            if len(self._spilled):
+                ids = np.concatenate([ids, self._spilled.items()[0]])
+            return ids
+
+    def _iter_sorted(self, ids: np.ndarray, predicate: Callable[[np.ndarray], np.ndarray] | None = None,
+                     chunk: int = _CHUNK) -> Iterator[RowBatch]:
+        """Stored rows among ``ids`` in id order, ``chunk`` at a time; restricted to ``predicate``."""
+        sel = np.unique(ids)
+        if predicate is not None and sel.size:
+            sel = sel[self._selected(predicate, sel)]
+        for start in range(0, sel.shape[0], chunk):
+            part = sel[start:start + chunk]
+            positions = self._index.lookup(part)
+            res = positions >= 0
+            batch = self._slab.read(part[res], positions[res])
+            if len(self._spilled) and not res.all():
+                rest = part[~res]
+                rest = rest[self._spilled.lookup(rest) >= 0]
+                if rest.size:
+                    batch = RowBatch.concat([batch, self._spill_rows(rest)])
+                    batch = batch.take(np.argsort(batch.ids, kind="stable"))
+            if len(batch):
+                yield batch
+
+    def import_rows(self, batch: RowBatch) -> None:
+        """Insert or overwrite complete rows (weights, state, metadata), bypassing admission."""
+        b = self._check_batch(batch)
+        with self._lock:
+            self._check_open()
+            self._import(b)
+
+    def _import(self, b: RowBatch) -> None:
+        """Write checked rows; the caller holds the lock."""
+        self._clock += 1
+        if len(self._spilled):
+            sp_ids = b.ids[self._spilled.lookup(b.ids) >= 0]
+            if sp_ids.size:
+                assert self._spill is not None
+                self._cow_unspill(sp_ids)
+                self._spilled.delete(sp_ids)
+                self._spill.delete(sp_ids)
+        positions = self._index.lookup(b.ids)
+        new = positions < 0
+        self._cow_update(positions[~new])
+        if new.any():
+            positions[new] = self._slab.allocate(int(new.sum()))
+            self._cow_fresh(positions[new])
+            self._index.insert(b.ids[new], positions[new])
+            self._admission.forget(b.ids[new])
+        self._slab.write(positions, b, access=self._clock)
+        self._maybe_spill()
+
+    def checksum(self) -> str:
+        """Order-independent digest (hex) of every row's id, weights and optimizer state, read through a cut
+        (the lock is held per chunk only)."""
+        return self.cut().checksum()
+
+    def checksums_by(self, bucket_of: Callable[[np.ndarray], np.ndarray], num_buckets: int) -> tuple[
+            np.ndarray, np.ndarray]:
+        """Order-independent digests of the rows grouped by ``bucket_of(ids) -> (n,) int in [0, num_buckets)``:
+        ((num_buckets,) uint64 digest sums of id, weights and optimizer state; (num_buckets,) int64 row
+        counts). Two tables with the same rows in a bucket have the same digest there. Read through a cut."""
+        if not isinstance(num_buckets, (int, np.integer)) or isinstance(num_buckets, bool) or num_buckets < 1:
+            raise self._bad("num_buckets", f"must be a positive int, got {num_buckets!r}")
+        return self.cut().checksums_by(bucket_of, int(num_buckets))

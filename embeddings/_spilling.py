@@ -1,0 +1,134 @@
+"""The spill tier of a table: resident rows past the memory budget move to an LMDB ``RowStore``, coldest (least
+recently accessed) first, down to 90% of the budget, and come back on access.
+
+``_spilled`` indexes the spilled ids; its value is the row's dirty mark (``Slab.dirty``) when it spilled, so a
+row changed since the last snapshot stays in the next increment. Every move tells the open cuts (``cut``)
+first. Not thread-safe on its own: the table holds its lock around every call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from tigana.embeddings._fields import TableFields
+from tigana.embeddings.errors import CorruptStore, StorageFull
+from tigana.embeddings.lmdbstore import RowStore
+from tigana.embeddings.rows import RowBatch
+
+_log = logging.getLogger("tigana.embeddings.table")
+_INDEX_BYTES_PER_ROW = 18  # a row's share of the hash index
+
+
+class SpillTier(TableFields):
+    """Spilling and unspilling rows; see the module docstring."""
+
+    def _open_spill(self) -> None:
+        base = self.config.spill_dir
+        if base is not None:
+            Path(base).mkdir(parents=True, exist_ok=True)
+        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in self.name)[:40]
+        self._spill_path = Path(tempfile.mkdtemp(prefix=f"tigana-spill-{safe}-", dir=base))
+        cap = self.config.spill_max_bytes
+        self._spill = RowStore(self._spill_path, table=self.name, dim=self.dim, state_width=self._width,
+                               map_size=min(1 << 26, cap or 1 << 26), max_map_size=cap)
+        self._finalizer = weakref.finalize(self, _close_spill, self._spill, self._spill_path)
+        per_row = self._slab.row_nbytes + _INDEX_BYTES_PER_ROW
+        self._budget_rows = max(1, int(self.config.memory_budget // per_row))
+
+    def set_memory_budget(self, nbytes: int) -> None:
+        """Change the resident-row budget (bytes) while serving: a daemon shares one budget among its tables and
+        re-splits it as tables come and go. Rows past it spill to the LMDB tier (opened on first use)."""
+        if nbytes < 1:
+            raise self._bad("memory_budget", f"must be >= 1 byte, got {nbytes}")
+        with self._lock:
+            self._check_open()
+            if self._spill is None:
+                self.config = dataclasses.replace(self.config, memory_budget=int(nbytes))
+                self._open_spill()
+            per_row = self._slab.row_nbytes + _INDEX_BYTES_PER_ROW
+            self._budget_rows = max(1, int(nbytes // per_row))
+            self._maybe_spill()
+
+    def _maybe_spill(self) -> None:
+        """Spill at the end of a call that already changed the table: a full disk must not turn that call
+        into an error (it was applied), so the table stays over budget, counts it, and retries next call."""
+        if self._spill is None or len(self._index) <= self._budget_rows:
+            return
+        try:
+            self._spill_coldest()
+        except StorageFull as exc:
+            self._counters["spill_failures"] += 1
+            _log.warning("%s", exc)
+
+    def _spill_coldest(self, hold: np.ndarray | None = None) -> None:
+        """Spill the least recently used rows down to 90% of the budget, never the positions in ``hold``."""
+        assert self._spill is not None
+        k = len(self._index) - max(1, int(0.9 * self._budget_rows))
+        ids, positions = self._index.items()
+        if hold is not None and hold.size:
+            free = ~np.isin(positions, hold[hold >= 0])
+            ids, positions = ids[free], positions[free]
+        if k <= 0 or not ids.size:
+            return
+        cold = np.argpartition(self._slab.last_access[positions], k - 1)[:k] if k < ids.shape[0] else \
+            np.arange(ids.shape[0])
+        ids, positions = ids[cold], positions[cold]
+        batch = self._slab.read(ids, positions)
+        dirty = self._slab.dirty[positions].astype(np.int64)
+        self._spill.put(batch)  # may raise StorageFull: nothing has changed yet
+        self._cow_remove(ids, positions)
+        self._index.delete(ids)
+        self._slab.release(positions)
+        self._spilled.insert(ids, dirty)
+        self._cow_spilled(ids)
+        self._counters["spills"] += int(ids.shape[0])
+
+    def _unspill(self, ids: np.ndarray) -> None:
+        """Bring unique spilled ids back into memory (they keep their dirty mark)."""
+        assert self._spill is not None
+        found, batch = self._spill.pop(ids)
+        if not found.all():
+            raise CorruptStore(f"table {self.name!r}: spilled ids missing from the spill store "
+                               f"{self._spill.file}: {ids[~found][:5].tolist()}")
+        self._cow_unspill(batch.ids, batch)
+        flags = self._spilled.lookup(batch.ids)
+        self._spilled.delete(batch.ids)
+        positions = self._slab.allocate(len(batch))
+        self._cow_fresh(positions)
+        self._slab.write(positions, batch, access=self._clock)
+        self._slab.dirty[positions] = np.maximum(flags, 0).astype(np.uint8)
+        self._index.insert(batch.ids, positions)
+        self._counters["unspills"] += len(batch)
+
+    def _spill_rows(self, ids: np.ndarray, *, skip_corrupt: bool = False) -> RowBatch:
+        """Rows of spilled ids read from the store without bringing them back (ids[found] order). A record
+        failing its checks raises ``CorruptStore``; with ``skip_corrupt`` it is left out, counted once in
+        ``corrupt_rows`` and logged (it stays in the store: reading that id raises, and other copies of the
+        row may be good)."""
+        assert self._spill is not None
+        if not skip_corrupt:
+            return self._spill.get(ids)[1]
+        corrupt: list[int] = []
+        _, batch = self._spill.get(ids, corrupt=corrupt)
+        if corrupt:
+            bad = np.unique(np.array(corrupt, np.int64))
+            new = bad[~np.isin(bad, self._corrupt)]
+            if new.size:
+                self._corrupt = np.union1d(self._corrupt, new)
+                self._counters["corrupt_rows"] = int(self._corrupt.size)
+                _log.error("table %r: %d spilled row(s) failed their checks in %s and are left out of eviction "
+                           "(reading them raises CorruptStore): ids %s", self.name, new.size, self._spill.file,
+                           new[:5].tolist())
+        return batch
+
+
+def _close_spill(store: RowStore, path: Path) -> None:
+    store.close()
+    shutil.rmtree(path, ignore_errors=True)
