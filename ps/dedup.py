@@ -17,13 +17,14 @@ Forgotten clients. A client dropped past ``max_clients`` takes its records and f
 keeps a ``horizon``: the highest session stamp (``tigana.ps.session``) of a client it dropped. A client it
 does not know is new only if its stamp is above the horizon; at or below it, it may be a dropped one, and
 ``applied`` raises ``UnknownClient`` (nothing applied; the client starts a new session above the horizon
-when none of its attempts can have been applied). A client entry that may lack records it once had is
-*blind*: made while its stamp was at or below the horizon (by a merge or a replicated record), or reached by
-a higher horizon merged from a slot copy. A blind client's records still say "applied"; it is never told
-"not applied" (``UnknownClient`` instead). The horizon and the blind marks travel like the floors: in
-``records_for`` (a record of the reserved client id ``HORIZON_ID``, and ``(client_id, BLIND_SEQ, no slots)``)
-and in ``to_bytes``. So a (client_id, seq) applied for a slot is never reported "not applied" for it, through
-any mix of evictions, merges, slot copies and restarts.
+when none of its attempts can have been applied). A client entry may lack records it once had for some
+slots: it is *blind* for them (a bitmap of slots) when it was made while its stamp was at or below the
+horizon (by a merge or a replicated record: every slot), or when a slot copy brought slots from a window
+whose horizon is at or above its stamp (those slots). For a blind slot, a record still says "applied", but
+"not applied" becomes ``UnknownClient``. The horizon and the blind slots travel like the floors: in
+``records_for`` (``(HORIZON_ID, horizon, slots)`` and ``(client_id, BLIND_SEQ, blind slots)``) and in
+``to_bytes``. So a (client_id, seq) applied for a slot is never reported "not applied" for it, through any
+mix of evictions, merges, slot copies and restarts (``tests/ps/test_dedup.py`` holds it against a model).
 
 Not thread-safe: the server checks, applies and records under the table's write lock.
 """
@@ -43,7 +44,7 @@ from tigana.ps.session import client_stamp
 __all__ = ["BLIND_SEQ", "HORIZON_ID", "DedupWindow"]
 
 HORIZON_ID = "\x00horizon"  # records_for: (HORIZON_ID, horizon, slots) carries the window's horizon
-BLIND_SEQ = (1 << 63) - 1     # records_for: (client_id, BLIND_SEQ, no slots) marks a blind client
+BLIND_SEQ = (1 << 63) - 1     # records_for: (client_id, BLIND_SEQ, slots) marks a client blind for slots
 
 
 class _Client:
@@ -51,7 +52,7 @@ class _Client:
 
     __slots__ = ("row_of_seq", "seq_of_row", "bits", "free", "heap", "floor", "stamp", "blind")
 
-    def __init__(self, nbytes: int, rows: int = 16, stamp: int = 0, blind: bool = False) -> None:
+    def __init__(self, nbytes: int, rows: int = 16, stamp: int = 0, blind: np.ndarray | None = None) -> None:
         self.row_of_seq: dict[int, int] = {}
         self.seq_of_row = np.full(rows, -1, np.int64)
         self.bits = np.zeros((rows, nbytes), np.uint8)
@@ -59,7 +60,7 @@ class _Client:
         self.heap: list[int] = []
         self.floor = -1
         self.stamp = stamp    # the client id's session stamp
-        self.blind = blind    # may lack records it once had: never answer "not applied"
+        self.blind = blind    # (nbytes,) uint8 bitmap of the slots it may lack records for, or None
 
     def row_for(self, seq: int, size: int) -> int:
         """A row for a new ``seq`` (above the floor): a free one, a new one (the window grows up to ``size``
@@ -92,6 +93,11 @@ def _lowest(c: _Client) -> int:
     while c.heap[0] not in c.row_of_seq:
         heapq.heappop(c.heap)
     return c.heap[0]
+
+
+def _test(bits: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """(k,) bool: the bits of ``slots`` ((k,) int64) in the (nbytes,) uint8 bitmap ``bits``."""
+    return ((bits[slots >> 3] >> (slots & 7).astype(np.uint8)) & 1).astype(bool)
 
 
 def _bitmask(slots: np.ndarray, nbytes: int) -> np.ndarray:
@@ -135,12 +141,10 @@ class DedupWindow:
                 raise PushExpired(f"push (client {client_id}, seq {seq}) is older than the exactly-once window "
                                   f"({self.size} pushes per client, last dropped seq {c.floor}): it may have been "
                                   "applied already, so it is not applied again")
-            if c.blind:
-                raise self._unknown(client_id, seq)
-            return np.zeros(slots.shape[0], bool)
-        bits = c.bits[row]
-        done = ((bits[slots >> 3] >> (slots & 7).astype(np.uint8)) & 1).astype(bool)
-        if c.blind and not done.all():
+            done = np.zeros(slots.shape[0], bool)
+        else:
+            done = _test(c.bits[row], slots)
+        if c.blind is not None and (_test(c.blind, slots) & ~done).any():
             raise self._unknown(client_id, seq)
         return done
 
@@ -157,7 +161,8 @@ class DedupWindow:
             self._clients.move_to_end(client_id)
             return c
         stamp = client_stamp(client_id)
-        c = self._clients[client_id] = _Client(self._nbytes, min(16, self.size), stamp, stamp <= self.horizon)
+        blind = np.full(self._nbytes, 0xFF, np.uint8) if stamp <= self.horizon else None
+        c = self._clients[client_id] = _Client(self._nbytes, min(16, self.size), stamp, blind)
         while len(self._clients) > self.max_clients:
             _, dropped = self._clients.popitem(last=False)
             self.horizon = max(self.horizon, dropped.stamp)
@@ -184,15 +189,18 @@ class DedupWindow:
         """The window restricted to ``slots`` ((k,) int): [(client_id, seq, slots applied)], oldest first per
         client, for a copy of those slots to ``merge``; a client's floor travels as (client_id, floor, no
         slots), so the copy refuses what this window could no longer tell (it would otherwise apply it); the
-        horizon as (HORIZON_ID, horizon, ``slots``) first, a blind client as (client_id, BLIND_SEQ, no slots)."""
+        horizon as (HORIZON_ID, horizon, ``slots``) first, a client's blind slots among ``slots`` as
+        (client_id, BLIND_SEQ, those slots)."""
         slots = np.asarray(slots, np.int64)
         mask = _bitmask(slots, self._nbytes)
         out: list[tuple[str, int, np.ndarray]] = []
         if self.horizon >= 0:
             out.append((HORIZON_ID, int(self.horizon), slots.astype(np.int32)))
         for cid, c in self._clients.items():
-            if c.blind:
-                out.append((cid, BLIND_SEQ, np.empty(0, np.int32)))
+            if c.blind is not None:
+                blind = c.blind & mask
+                if blind.any():
+                    out.append((cid, BLIND_SEQ, self._unpack(blind)))
             if c.floor >= 0:
                 out.append((cid, int(c.floor), np.empty(0, np.int32)))
             used = np.flatnonzero(c.seq_of_row >= 0)
@@ -202,9 +210,12 @@ class DedupWindow:
             rows = used[hit.any(axis=1)]
             order = np.argsort(c.seq_of_row[rows], kind="stable")
             for r in rows[order]:
-                bits = np.unpackbits(c.bits[r] & mask, bitorder="little")[:self.num_slots]
-                out.append((cid, int(c.seq_of_row[r]), np.flatnonzero(bits).astype(np.int32)))
+                out.append((cid, int(c.seq_of_row[r]), self._unpack(c.bits[r] & mask)))
         return out
+
+    def _unpack(self, bits: np.ndarray) -> np.ndarray:
+        """(nbytes,) uint8 bitmap -> (k,) int32 slots."""
+        return np.flatnonzero(np.unpackbits(bits, bitorder="little")[:self.num_slots]).astype(np.int32)
 
     def merge(self, records: list[tuple[str, int, np.ndarray]]) -> None:
         """Record every (client_id, seq, slots) of ``records`` (a slot copy's or a replicated push's); a record
@@ -212,24 +223,25 @@ class DedupWindow:
         writes them."""
         for cid, seq, slots in records:
             if cid == HORIZON_ID:
-                self._raise_horizon(int(seq))
+                self._merge_horizon(int(seq), slots)
             elif not cid:
                 continue
             elif seq == BLIND_SEQ:
-                self._entry(cid).blind = True
+                c = self._entry(cid)
+                c.blind = _bitmask(slots, self._nbytes) | (0 if c.blind is None else c.blind)
             elif slots.size:
                 self.record(cid, seq, slots)
             else:
                 self._raise_floor(cid, int(seq))
 
-    def _raise_horizon(self, horizon: int) -> None:
-        """A slot copy's horizon: clients at or below it may lack records the copy's source dropped."""
-        if horizon <= self.horizon:
-            return
-        self.horizon = horizon
+    def _merge_horizon(self, horizon: int, slots: np.ndarray) -> None:
+        """The horizon of the window ``slots`` were copied from: a client at or below it may lack records of
+        those slots that the source dropped (blind for them), and an unknown one may be one it dropped."""
+        self.horizon = max(self.horizon, horizon)
+        mask = _bitmask(slots, self._nbytes)
         for c in self._clients.values():
             if c.stamp <= horizon:
-                c.blind = True
+                c.blind = mask.copy() if c.blind is None else c.blind | mask
 
     def _raise_floor(self, client_id: str, floor: int) -> None:
         c = self._entry(client_id)
@@ -247,18 +259,22 @@ class DedupWindow:
         keep = ~_bitmask(np.asarray(slots, np.int64), self._nbytes)
         for c in self._clients.values():
             c.bits &= keep
+            if c.blind is not None:  # what a copy of these slots brings decides again
+                c.blind &= keep
 
     # --- persistence inside a snapshot -------------------------------------------------------------------
     def to_bytes(self) -> bytes:
         ids = list(self._clients)
         meta = {"num_slots": self.num_slots, "size": self.size, "max_clients": self.max_clients,
                 "horizon": self.horizon,
-                "clients": [[cid, int(c.blind), c.floor] for cid, c in self._clients.items()]}
+                "clients": [[cid, int(c.blind is not None), c.floor] for cid, c in self._clients.items()]}
         arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), np.uint8)}
         for i, cid in enumerate(ids):
             c = self._clients[cid]
             arrays[f"s{i}"] = c.seq_of_row
             arrays[f"b{i}"] = c.bits
+            if c.blind is not None:
+                arrays[f"k{i}"] = c.blind
         buf = io.BytesIO()
         np.savez(buf, **arrays)
         return buf.getvalue()
@@ -272,7 +288,8 @@ class DedupWindow:
             window = cls(num_slots, size or int(meta["size"]), int(meta["max_clients"]))
             window.horizon = int(meta.get("horizon", -1))
             for i, (cid, blind, floor) in enumerate(meta["clients"]):
-                c = _Client(window._nbytes, 1, client_stamp(str(cid)), bool(blind))
+                c = _Client(window._nbytes, 1, client_stamp(str(cid)),
+                            z[f"k{i}"].astype(np.uint8) if blind else None)
                 c.seq_of_row = z[f"s{i}"].astype(np.int64)
                 c.bits = z[f"b{i}"].astype(np.uint8)
                 c.floor = int(floor)

@@ -177,6 +177,24 @@ def test_a_slot_copy_from_a_window_that_dropped_a_client_blinds_it_on_the_target
         again.applied(a, 99, _slots(9))
 
 
+def test_a_copy_from_a_window_that_dropped_a_client_blinds_its_slots_even_under_an_equal_horizon() -> None:
+    """Found by the property test below: a slot copy's horizon blinded the target's clients only when it
+    raised the target's own horizon. Here both windows' horizons are 2; the source dropped client c (stamp 2)
+    with a record for slot 2, the target knew c from before: after the copy, slot 2's record is gone on the
+    target and c's retry must be refused, not applied."""
+    c, d, e = _cid(1, 0), _cid(2, 1), _cid(2, 2)
+    a, b = DedupWindow(SLOTS, size=1, max_clients=1), DedupWindow(SLOTS, size=1, max_clients=1)
+    a.record(c, 1, _slots(0))
+    a.record(d, 1, _slots(0))   # drops c: a's horizon 1
+    a.record(e, 1, _slots(2))   # drops d: a's horizon 2; a keeps e (made when its horizon was 1)
+    b.merge(a.records_for(_slots(0, 2)))
+    b.record(_cid(3, 3), 1, _slots(0))  # drops e on b
+    a.forget_slots(_slots(2))
+    a.merge(b.records_for(_slots(2)))  # slot 2 comes back from b, which dropped e's record of it
+    with pytest.raises(UnknownClient):
+        a.applied(e, 1, _slots(2))
+
+
 def test_reserved_client_ids_are_refused() -> None:
     from tigana.ps.dedup import HORIZON_ID
     with pytest.raises(InvalidArgument):
