@@ -10,6 +10,7 @@ import pytest
 from tigana import ps
 from tigana.ps import admin
 from tigana.tools.bench.ledger import PushLoop, audit, create_ledger_table
+from tigana.tools.bench.nemesis.monitor import demotions
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -101,3 +102,42 @@ def test_kill_9_of_the_target_mid_move_then_retry(make_shard_cluster) -> None:
         admin.wait_for(lambda: _held(cluster.scheduler, cluster.server_id(i)) > 0, what="the target to get slots again")
 
     _ledger_run(cluster, fill_and_kill)
+
+
+def test_planned_hand_overs_and_moves_lose_no_async_update_and_demote_nothing(make_shard_cluster) -> None:
+    """No failure, no demotion: primaries handed over (to a server that already holds a copy, and to one that
+    does not), a rebalance and a drain, under sync and async push loops. A hand-over used to switch the
+    primary while the old one's items were in flight: the new primary refused them, every copy of the old
+    primary's slots was demoted, and the acknowledged async updates it had not yet streamed were lost."""
+    cluster = make_shard_cluster(3, replicas=1, metrics=True)
+    with ps.connect(scheduler=cluster.scheduler, failover_timeout_s=90) as client:
+        create_ledger_table(client, "ledger_sync", durability="sync")
+        create_ledger_table(client, "ledger_async", durability="async")
+        loops = [PushLoop(client, table=t, num_ids=10_000, ids_per_push=250, seed=k).start()
+                 for k, t in enumerate(("ledger_sync", "ledger_async"))]
+        admin.wait_for(lambda: min(lp.acked_count() for lp in loops) > 20, what="pushes before the moves")
+        m = admin.shard_map(cluster.scheduler)
+        for slot in (1, 700, 1500):
+            holder = int(m.copies[slot, 1])  # an in-sync replica: the cheapest hand-over, no data moves
+            admin.move_slot(cluster.scheduler, slot, m.servers[holder].id, primary=True)
+        other = next(i for i in range(3) if not m.holds(i)[2000])
+        admin.move_slot(cluster.scheduler, 2000, m.servers[other].id, primary=True)  # a copy first, then the role
+        admin.wait_for(lambda: admin.settled(cluster.scheduler), what="the hand-overs")
+        for slot in (1, 700, 1500):
+            assert admin.shard_map(cluster.scheduler).copies[slot, 0] == m.copies[slot, 1]
+        admin.drain(cluster.scheduler, cluster.server_id(2))
+        admin.wait_for(lambda: _held(cluster.scheduler, cluster.server_id(2)) == 0, what="the drain")
+        admin.drain(cluster.scheduler, cluster.server_id(2), undrain=True)
+        admin.rebalance(cluster.scheduler)
+        admin.wait_for(lambda: admin.settled(cluster.scheduler), what="the rebalance")
+        n = [lp.acked_count() for lp in loops]
+        admin.wait_for(lambda: all(lp.acked_count() > k + 20 for lp, k in zip(loops, n, strict=True)),
+                       what="pushes after the moves")
+        for loop in loops:
+            loop.stop()
+        for loop in loops:
+            result = audit(client, loop, table=loop.table)
+            assert (result.lost, result.doubled, result.failed_pushes) == (0, 0, 0), (loop.table, result)
+    assert sum(demotions(cluster.scheduler_metrics_ports[0]).values()) == 0
+    check = admin.verify(cluster.scheduler)
+    assert check["differing"] == [], check

@@ -126,14 +126,16 @@ def test_replication_items_from_a_server_that_does_not_lead_are_refused(cluster)
                     np.ones(3, np.int64), np.zeros(3))
     prev = np.zeros((1, 2), np.uint64)
     before = s0.service.slot_info("fence", s0.service._tables["fence"], checksums=True).checksums
+    incarnation = m.tables["fence"].created_epoch
     stale = cluster_wire.encode_replicate_request(s0.service.server_id, "x", 1, m.epoch, 1, [
-        Item(CHANGES, "fence", np.array([slot], np.int32), (m.epoch, 99), prev, rows)])
+        Item(CHANGES, "fence", np.array([slot], np.int32), (m.epoch, 99), prev, rows, table_epoch=incarnation)])
     with grpc.insecure_channel(s0.address) as channel:
         call = channel.unary_unary("/tigana.v1.Shard/Replicate", response_deserializer=pb.ReplicateResponse.FromString)
         reply = call(stale, timeout=10)  # the source claims to be server 0 itself, which does not lead the slot
         assert reply.reject == pb.REJECT_STALE and reply.applied_through == 0
         diverged = cluster_wire.encode_replicate_request(s1.service.server_id, "y", 1, m.epoch, 1, [
-            Item(BARRIER, "fence", np.array([slot], np.int32), (m.epoch, 1), np.array([[123, 456]], np.uint64))])
+            Item(BARRIER, "fence", np.array([slot], np.int32), (m.epoch, 1), np.array([[123, 456]], np.uint64),
+                 table_epoch=incarnation)])
         reply = call(diverged, timeout=10)
         assert reply.reject == pb.REJECT_DIVERGED
     after = s0.service.slot_info("fence", s0.service._tables["fence"], checksums=True).checksums
@@ -167,3 +169,44 @@ def test_replication_codec_matches_protobuf() -> None:
     with pytest.raises(ps.InvalidArgument, match="dim"):
         cluster_wire.decode_item(fast.items[0], dim=8, state_width=4)
     assert IN_SYNC == 0
+
+
+def test_items_of_a_dropped_table_are_moot_and_never_wedge_the_stream(cluster) -> None:
+    """A table dropped (or dropped and created again) while its items are in flight: the target skips the
+    items of the incarnation its map dropped and goes on with the stream. It used to answer BEHIND for ever,
+    wedging every later item of that primary-to-copy stream."""
+    sched, servers = cluster
+    with ps.connect(scheduler=sched.address) as client:
+        client.create_table("gone", dim=4, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
+        old = sched.core.map.tables["gone"].created_epoch
+        client.drop_table("gone")
+        client.create_table("gone", dim=4, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
+        client.create_table("dropped", dim=4, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
+        dropped = sched.core.map.tables["dropped"].created_epoch
+        client.drop_table("dropped")
+    m = sched.core.map
+    _wait_installed(servers, m.epoch)
+    s0, s1 = servers
+    i0, i1 = m.index_of(s0.service.server_id), m.index_of(s1.service.server_id)
+    slot = int(np.flatnonzero(m.leads(i1) & m.holds(i0))[0])
+    ids = np.arange(100_000, dtype=np.int64)
+    ids = ids[ps.routing.slot_of(ids) == slot][:3]
+    rows = RowBatch(ids, np.full((3, 4), 7.0, np.float32), np.zeros((3, 0), np.float32), np.ones(3, np.int64),
+                    np.ones(3, np.int64), np.zeros(3))
+    hosted = s0.service._tables["gone"]
+    prev = hosted.log.positions[[slot]].copy()
+    items = [Item(CHANGES, "gone", np.array([slot], np.int32), (m.epoch, 10**6), prev, rows, table_epoch=old),
+             Item(CHANGES, "dropped", np.array([slot], np.int32), (m.epoch, 10**6), prev, rows,
+                  table_epoch=dropped)]
+    request = cluster_wire.encode_replicate_request(s1.service.server_id, "boot-z", 7, m.epoch, 1, items)
+    with grpc.insecure_channel(s0.address) as channel:
+        call = channel.unary_unary("/tigana.v1.Shard/Replicate", response_deserializer=pb.ReplicateResponse.FromString)
+        reply = call(request, timeout=10)
+        assert reply.reject == pb.REJECT_NONE and reply.applied_through == 2  # skipped, the stream goes on
+        np.testing.assert_array_equal(hosted.table.pull(ids, insert=False), np.zeros((3, 4)))  # nothing applied
+        # an incarnation newer than the target's map: the target is behind, and says so
+        newer = cluster_wire.encode_replicate_request(s1.service.server_id, "boot-z", 7, m.epoch, 3, [
+            Item(CHANGES, "gone", np.array([slot], np.int32), (m.epoch, 10**6), prev, rows,
+                 table_epoch=m.epoch + 50)])
+        reply = call(newer, timeout=10)
+        assert reply.reject == pb.REJECT_BEHIND and reply.applied_through == 2
