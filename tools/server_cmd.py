@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--server-id", default=None,
       help="stable identity (none: the one stored in the data dir, else the StatefulSet hostname NAME-ORDINAL "
            "under Kubernetes, else a new one)")
-    a("--advertise", default=None, help="HOST:PORT the scheduler, clients and peers reach this server at")
+    a("--advertise", default=None, help="HOST:PORT the scheduler, clients and peers reach this server at (HOST:0: the port it binds)")
     a("--heartbeat-interval", dest="heartbeat_interval_s", type=float, default=None,
       help="seconds between heartbeats to the scheduler")
     a("--snapshot-every", dest="snapshot_every_s", type=float, default=None,

@@ -83,7 +83,8 @@ for task in range(ntasks):
                SLURMD_NODENAME=hosts[task // per_node], SLURM_STEP_NUM_TASKS=str(ntasks))
     procs.append(subprocess.Popen(args, env=env))
 with open(os.environ["FAKE_SLURM_STEPS"], "a") as f:
-    f.write(json.dumps({"options": opts, "command": args, "pids": [p.pid for p in procs]}) + "\n")
+    f.write(json.dumps({"options": opts, "command": args, "pids": [p.pid for p in procs],
+                        "cpus_per_task": os.environ.get("SRUN_CPUS_PER_TASK")}) + "\n")
 
 def forward(signum, _frame):
     for p in procs:
@@ -214,7 +215,7 @@ def test_sbatch_preempt_requeue_resume(tmp_path: Path) -> None:
     for path in tools.iterdir():
         path.chmod(0o755)
 
-    base = _ports(4)  # scheduler, server 0, server 1, the trainers' rendezvous
+    base = _ports(1)  # the trainers' rendezvous (the scheduler and the servers take free ports)
     submit = tmp_path / "submit"
     submit.mkdir()
     work = submit / f"tigana-{JOB_ID}"
@@ -225,10 +226,9 @@ def test_sbatch_preempt_requeue_resume(tmp_path: Path) -> None:
         PATH=f"{tools}{os.pathsep}{venv_bin}{os.pathsep}{env.get('PATH', '/usr/bin:/bin')}",
         SLURM_JOB_ID=JOB_ID, SLURM_JOB_NODELIST="127.0.0.[1-2]", SLURM_NNODES="2", SLURM_NTASKS="4",
         SLURM_NTASKS_PER_NODE="2", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0",
-        SLURM_SUBMIT_DIR=str(submit), SLURM_RESTART_COUNT="0",
+        SLURM_SUBMIT_DIR=str(submit), SLURM_RESTART_COUNT="0", SLURM_CPUS_PER_TASK="2",
         TIGANA_SRUN=str(tools / "srun-local"), TIGANA_SLURM_TRAIN_CMD=str(tools / "trainer"),
-        TIGANA_SLURM_SCHEDULER_PORT=str(base), TIGANA_SLURM_SERVER_PORT=str(base + 1),
-        TIGANA_SLURM_MASTER_PORT=str(base + 3), TIGANA_SLURM_TRAIN_GRACE="20", TIGANA_SLURM_STOP_GRACE="20",
+        TIGANA_SLURM_MASTER_PORT=str(base), TIGANA_SLURM_TRAIN_GRACE="20", TIGANA_SLURM_STOP_GRACE="20",
         TIGANA_SLURM_READY_TIMEOUT="60", FAKE_SLURM_REQUEUES=str(requeues), FAKE_SLURM_STEPS=str(steps),
         OMP_NUM_THREADS="1",
     )
@@ -245,22 +245,28 @@ def test_sbatch_preempt_requeue_resume(tmp_path: Path) -> None:
         for rank, dump in enumerate(ranks):
             assert (dump["RANK"], dump["LOCAL_RANK"], dump["WORLD_SIZE"], dump["LOCAL_WORLD_SIZE"],
                     dump["GROUP_RANK"]) == (str(rank), str(rank % 2), "4", "2", str(rank // 2))
-            assert (dump["MASTER_ADDR"], dump["MASTER_PORT"]) == (HOSTS[0], str(base + 3))
+            assert (dump["MASTER_ADDR"], dump["MASTER_PORT"]) == (HOSTS[0], str(base))
             assert dump["SLURMD_NODENAME"] == HOSTS[rank // 2]
         started = _steps(steps)
         services = {s["options"]["--job-name"]: s for s in started}
+        # every step gets the job's --cpus-per-task (srun does not inherit it since Slurm 22.05)
+        assert {s["cpus_per_task"] for s in started} == {"2"}
         assert services["tigana-scheduler"]["options"]["--nodelist"] == HOSTS[0]
+        # free ports, read back from the ready files: two jobs on one node never collide
         assert services["tigana-scheduler"]["command"][:6] == ["tigana", "scheduler", "--host", "0.0.0.0",
-                                                               "--port", str(base)]
+                                                               "--port", "0"]
+        scheduler = (work / "scheduler.address").read_text().strip()
+        host, port = scheduler.rsplit(":", 1)
+        assert host == HOSTS[0] and int(port) > 0
         for i in range(2):
             server = services[f"tigana-server-{i}"]
             assert server["options"]["--nodelist"] == HOSTS[i] and "--overlap" in server["options"]
             command = server["command"]
-            assert command[command.index("--scheduler") + 1] == f"{HOSTS[0]}:{base}"
-            assert command[command.index("--advertise") + 1] == f"{HOSTS[i]}:{base + 1 + i}"
+            assert command[command.index("--port") + 1] == "0"
+            assert command[command.index("--scheduler") + 1] == scheduler
+            assert command[command.index("--advertise") + 1] == f"{HOSTS[i]}:0"  # the bound port fills in
         train = services["tigana-train"]["command"]
-        assert train[train.index("--ps") + 1] == f"{HOSTS[0]}:{base}" and "--resume" not in train
-        assert (work / "scheduler.address").read_text().strip() == f"{HOSTS[0]}:{base}"
+        assert train[train.index("--ps") + 1] == scheduler and "--resume" not in train
 
         first.proc.send_signal(signal.SIGTERM)  # what --signal=B:SIGTERM@120 sends: the batch shell only
         assert first.wait(90) == 0, first.log()
