@@ -15,6 +15,7 @@ Example::
     table.push(ids, grads)            # grads (n, 16) float32; duplicates are summed
 """
 
+from tigana.embeddings._persisting import PendingSnapshot
 from tigana.embeddings.changes import Changes
 from tigana.embeddings.config import (
     FTRL,
@@ -47,6 +48,6 @@ from tigana.embeddings.table import EmbeddingTable
 __all__ = [
     "FTRL", "SGD", "Adagrad", "Adam", "Admission", "Changes", "CorruptStore", "Cut", "EmbeddingError",
     "EmbeddingTable",
-    "Eviction", "HashIndex", "Initializer", "InvalidArgument", "Normal", "Optimizer", "RowBatch",
+    "Eviction", "HashIndex", "Initializer", "InvalidArgument", "Normal", "Optimizer", "PendingSnapshot", "RowBatch",
     "RowWiseAdagrad", "SnapshotNotFound", "StorageError", "StorageFull", "TableConfig", "Uniform", "Zeros",
 ]

@@ -36,7 +36,14 @@ from urllib.parse import quote
 import numpy as np
 from google.protobuf import json_format
 
-from tigana.embeddings import CorruptStore, EmbeddingTable, StorageError, StorageFull, TableConfig
+from tigana.embeddings import (
+    CorruptStore,
+    EmbeddingTable,
+    PendingSnapshot,
+    StorageError,
+    StorageFull,
+    TableConfig,
+)
 from tigana.embeddings import snapshot as snap
 from tigana.proto import shard_pb2 as pb
 from tigana.ps import cluster_wire
@@ -162,9 +169,15 @@ class Catalog:
         """Snapshot ``table`` with its exactly-once window and log positions (the caller holds its write
         lock, so the three agree). Positions are kept only for ``complete`` slots (a copy still catching up
         has rows missing: it must never win an election by its position)."""
-        return Path(table.snapshot(self.dir("snapshots", table.name), incremental=incremental,
-                                   extra_files={DEDUP_FILE: dedup.to_bytes(),
-                                                POSITIONS_FILE: log.to_bytes(complete)}))
+        return self.begin_snapshot(table, dedup, log, incremental=incremental, complete=complete).write()
+
+    def begin_snapshot(self, table: EmbeddingTable, dedup: DedupWindow, log: SlotLog, *, incremental: bool,
+                       complete: np.ndarray | None = None) -> PendingSnapshot:
+        """Open the cut of ``snapshot`` now (O(1); the caller holds the table's write lock, so the rows, the
+        window and the positions are of one moment) and return it, to be written after that lock is released
+        (``PendingSnapshot.write``, on this thread). Wait for ``table.snapshot_turn()`` before taking the lock."""
+        return table.begin_snapshot(self.dir("snapshots", table.name), incremental=incremental,
+                                    extra_files={DEDUP_FILE: dedup.to_bytes(), POSITIONS_FILE: log.to_bytes(complete)})
 
     def prune(self, name: str, keep: int) -> None:
         """Delete the snapshots older than the newest ``keep`` full ones (0 keeps all)."""

@@ -355,16 +355,20 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         values["rows"] = float(len(hosted.table))
         values["dim"] = float(hosted.table.config.dim)
         values["state_width"] = float(hosted.table.state_width)
-        if self.clustered:  # rows counted once cluster-wide: at their primary
+        leads = self._view.leads
+        if checksum:  # one pass over a cut (the table's lock is held per chunk only): digest and rows per slot
+            cut = hosted.table.cut()
+            _, counts = cut.checksums_by(lambda ids: slot_of(ids, self.num_slots), self.num_slots)
+            values["checksum"] = checksum_value(cut.checksum())
+            if self.clustered:  # rows counted once cluster-wide: at their primary
+                values["rows_led"] = float(counts[leads].sum())
+        elif self.clustered:
             ids = hosted.table.stored_ids()
-            values["rows_led"] = float(np.count_nonzero(self._view.leads[slot_of(ids, self.num_slots)])) \
-                if ids.size else 0.0
+            values["rows_led"] = float(np.count_nonzero(leads[slot_of(ids, self.num_slots)])) if ids.size else 0.0
         values["dedup_keys"] = float(len(hosted.dedup))
         values["epoch"] = float(self._view.epoch)
         if self.replicator is not None:
             values.update(self.replicator.stats())
-        if checksum:
-            values["checksum"] = checksum_value(hosted.table.checksum())
         return values
 
     def _create_local(self, spec: TableDef) -> _Hosted:
@@ -722,13 +726,13 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         """Per held slot (or ``slots``): rows, checksums, log positions and request rates of one table."""
         view = self._view
         held = np.flatnonzero(view.holds).astype(np.int32) if slots is None else np.asarray(slots, np.int32)
-        with hosted.lock:
+        with hosted.lock:  # the checksums' cut and the positions of one moment; the cut is read after the lock
             positions = hosted.log.positions[held].copy()
-            if checksums:
-                sums, counts = hosted.table.checksums_by(lambda ids: slot_of(ids, self.num_slots), self.num_slots)
-            else:
-                sums, counts = None, None
+            cut = hosted.table.cut() if checksums else None
             per_row = hosted.table.stats().get("slot_bytes", 0.0)
+        sums, counts = None, None
+        if cut is not None:
+            sums, counts = cut.checksums_by(lambda ids: slot_of(ids, self.num_slots), self.num_slots)
         if counts is None:
             counts = np.bincount(slot_of(hosted.table.stored_ids(), self.num_slots), minlength=self.num_slots)
         msg = pb.SlotTableInfo(table=name, slots=held.astype("<i4").tobytes(),
@@ -744,9 +748,9 @@ class ShardService(shard_pb2_grpc.ShardServicer):
 
     # --- whole-table reads and writes (checkpoint, restore, export) ----------------------------------------
     def ExportRows(self, request: pb.ExportRowsRequest, context: grpc.ServicerContext):
-        """Stream the rows of the slots this server leads, as one consistent cut of the table: the table is
-        snapshotted under its write lock (with every slot's log position), then streamed from that snapshot,
-        so the lock is held only as long as a snapshot takes, whatever the table's size."""
+        """Stream the rows of the slots this server leads, as one consistent cut of the table: the cut is opened
+        under its write lock (with every slot's log position; O(1)), written to a temporary snapshot while
+        writes go on (copy-on-write, ``tigana.embeddings.Cut``), then streamed from that snapshot."""
         start = time.perf_counter()
         status: grpc.StatusCode | None = None
         try:
@@ -792,12 +796,13 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             return
         tmp = Path(tempfile.mkdtemp(prefix="cut-", dir=base))
         try:
-            with hosted.lock:  # the cut: rows, positions and step at one moment
+            with hosted.lock:  # the cut: rows, positions and step at one moment (O(1): copy-on-write)
                 cut_time = time.time()
                 table = hosted.table
-                path = Path(table.snapshot(tmp, incremental=False, track=False))
+                pending = table.begin_snapshot(tmp, incremental=False, track=False)
                 positions = hosted.log.positions[slots].copy()
                 step = table.step
+            path = pending.write()  # the rows as of the cut, read while pushes go on
             first = True
             buffered: list = []
             count = 0
@@ -1150,12 +1155,21 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             hosted_tables = sorted(self._tables.items())
             self._save_registry()
         for name, hosted in hosted_tables:
-            with hosted.lock:
-                if self._tables.get(name) is not hosted:  # dropped or replaced meanwhile
-                    continue
-                path = catalog.snapshot(hosted.table, hosted.dedup, hosted.log, incremental=incremental,
-                                        complete=self._complete_slots())
-                rows += len(hosted.table)
+            # The cut is opened under the write lock with the window and positions (one moment), and written
+            # after it is released: pushes go on while the rows are read (copy-on-write, ``Cut``).
+            with hosted.table.snapshot_turn():  # a snapshot of this table in progress: waited for without the lock
+                with hosted.lock:
+                    if self._tables.get(name) is not hosted:  # dropped or replaced meanwhile
+                        continue
+                    pending = catalog.begin_snapshot(hosted.table, hosted.dedup, hosted.log, incremental=incremental,
+                                                     complete=self._complete_slots())
+                    rows += len(hosted.table)
+                try:
+                    path = pending.write()
+                except Exception:
+                    if self._tables.get(name) is not hosted:  # dropped while it was written
+                        continue
+                    raise
             paths.append(path)
             if not incremental:
                 catalog.prune(name, self.config.keep_snapshots)
