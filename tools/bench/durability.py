@@ -1,0 +1,195 @@
+"""``python -m tigana.tools.bench.durability``: what each durability mode loses, measured with a ledger.
+
+Every case runs real daemons started through the CLI, pushes a ledger (``tigana.tools.bench.ledger``: every
+acknowledged push adds exactly 1 to its ids' rows), applies its fault and audits the ledger after a restart.
+One JSON line per case: ``value`` the acknowledged updates lost, ``peer_value`` those acknowledged, so
+``ratio`` is the fraction lost; ``lost_s``: the push loop's lost updates in seconds of its pushing (the
+loop ran ``pushing_s``); ``doubled``; the push
+latency (``push_p99_s``, ``push_max_s``: a snapshot holds a table's write lock while it cuts).
+
+- ``standalone``: one ``tigana server --data-dir D`` with no snapshot flag (the default interval), a ledger of
+  ``--rows`` rows (every row written once, then random pushes); after the first periodic snapshot it pushes
+  for 0.9 of an interval (the worst case is a kill just before the next snapshot), then ``kill -9``, restart
+  on D, audit.
+- ``standalone-off``: the same with ``--snapshot-every 0``, killed after ``--push-s`` seconds.
+- ``cluster-sync`` / ``cluster-async``: a scheduler and 2 servers (1 replica), ``kill -9`` of the primary of
+  most slots under the push loop (``tigana bench faults`` kill_sync / kill_async, one trial each); async
+  reports the bound from the replication lag sampled before the kill (``lag_bound_updates``).
+- ``cluster-all-copies``: the same cluster, no snapshot flag; after the first periodic snapshot of both
+  servers, 0.9 of an interval of pushes, then ``kill -9`` of both servers (every copy of every slot) and a
+  restart of both on their data dirs.
+
+Usage: ``python -m tigana.tools.bench.durability [--only standalone,cluster-sync] [--rows N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tigana import ps
+from tigana.embeddings import snapshot as snap
+from tigana.ps import admin
+from tigana.tools.bench.ledger import TABLE_DIM, PushLoop, create_ledger_table
+from tigana.tools.bench.report import emit, log
+
+CLI = [sys.executable, "-m", "tigana.tools.cli"]
+DEFAULT_EVERY = ps.ServerConfig().snapshot_every_s
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--only", default="", help="comma-separated cases (default: all)")
+    parser.add_argument("--rows", type=int, default=1_000_000, help="ledger rows of the standalone cases")
+    parser.add_argument("--push-s", type=float, default=20.0, help="seconds of pushes in standalone-off")
+
+
+@contextlib.contextmanager
+def _standalone(data_dir: Path, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    ready = data_dir.parent / f"ready-{time.monotonic_ns()}.json"
+    with open(data_dir.parent / "server.log", "ab") as out:
+        proc = subprocess.Popen([*CLI, "server", "--port", "0", "--data-dir", str(data_dir), "--ready-file",
+                                 str(ready), *flags], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        admin.wait_for(lambda: proc.poll() is not None or _json(ready) is not None, 120, "tigana server to serve")
+        if proc.poll() is not None:
+            raise RuntimeError(f"tigana server exited with {proc.returncode}")
+        yield proc, str(_json(ready)["address"])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+
+
+def _json(path: Path) -> dict | None:
+    with contextlib.suppress(ValueError, OSError):
+        return json.loads(path.read_text())
+    return None
+
+
+def _prefill(client: ps.Client, rows: int) -> np.ndarray:
+    """Write every row of the ledger once (acknowledged): (rows,) int64 of ones."""
+    grads = -np.ones((50_000, TABLE_DIM), np.float32)
+    for lo in range(0, rows, 50_000):
+        ids = np.arange(lo, min(rows, lo + 50_000), dtype=np.int64)
+        client.push("ledger", ids, grads[:ids.size])
+    client.flush()
+    return np.ones(rows, np.int64)
+
+
+def _figures(loop: PushLoop, acked: np.ndarray, actual: np.ndarray, pushing_s: float) -> dict[str, Any]:
+    lost = int(np.maximum(acked - actual, 0).sum())
+    doubled = int(np.maximum(actual - acked - loop.unknown, 0).sum())
+    latency = np.array([done - sent for sent, done in loop.events]) if loop.events else np.zeros(1)
+    pushed = int(loop.acked.sum())
+    rate = pushed / pushing_s if pushing_s > 0 else 0.0  # the push loop's updates per second
+    return {"lost": lost, "doubled": doubled, "acked_updates": int(acked.sum()),
+            "lost_s": round(min(lost, pushed) / rate, 2) if rate else None, "pushing_s": round(pushing_s, 1),
+            "failed_pushes": len(loop.errors),
+            "push_p50_s": round(float(np.percentile(latency, 50)), 4),
+            "push_p99_s": round(float(np.percentile(latency, 99)), 4), "push_max_s": round(float(latency.max()), 4)}
+
+
+def _snapshots(root: Path) -> int:
+    return sum(len(snap.list_snapshots(d)) for d in root.glob("**/snapshots/ledger"))
+
+
+def standalone(args: argparse.Namespace, off: bool = False) -> dict:
+    with tempfile.TemporaryDirectory(prefix="tigana-durability-") as tmp:
+        data = Path(tmp) / "s0"
+        flags = ("--snapshot-every", "0") if off else ()
+        with _standalone(data, *flags) as (proc, address), ps.connect([address]) as client:
+            create_ledger_table(client)
+            base = _prefill(client, args.rows)
+            loop = PushLoop(client, num_ids=args.rows, ids_per_push=500, pause_s=0.005).start()
+            started = time.monotonic()
+            if off:
+                time.sleep(args.push_s)
+            else:
+                admin.wait_for(lambda: _snapshots(data) > 0, DEFAULT_EVERY + 120, "the first periodic snapshot")
+                log(f"  standalone: first periodic snapshot after {time.monotonic() - started:.1f} s of pushes")
+                time.sleep(0.9 * DEFAULT_EVERY)
+            loop.stop()
+            pushing_s = time.monotonic() - started
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        with _standalone(data, *flags) as (_, address), ps.connect([address]) as client:
+            actual = np.rint(client.pull("ledger", np.arange(args.rows), insert=False)[:, 0]).astype(np.int64)
+    f = _figures(loop, base + loop.acked, actual, pushing_s)
+    return emit("durability.standalone" + ("-off" if off else ""), "updates", f["lost"], "acked updates",
+                f["acked_updates"], **f, snapshot_every_s=0 if off else DEFAULT_EVERY, rows=args.rows,
+                fault="kill -9 of a standalone server, restart on its data dir")
+
+
+def cluster_all_copies(args: argparse.Namespace) -> dict:
+    num_ids = 50_000
+    with ps.LocalCluster(2, replicas=1) as c, ps.connect(scheduler=c.scheduler, failover_timeout_s=180) as client:
+        create_ledger_table(client)
+        loop = PushLoop(client, num_ids=num_ids, ids_per_push=500, pause_s=0.005).start()
+        started = time.monotonic()
+        admin.wait_for(lambda: _snapshots(c.data_dir) >= 2, DEFAULT_EVERY + 120, "a periodic snapshot of both")
+        time.sleep(0.9 * DEFAULT_EVERY)
+        loop.stop()
+        pushing_s = time.monotonic() - started
+        for i in range(2):
+            c.kill(i)
+        for i in range(2):
+            c.restart(i)
+        admin.wait_for(lambda: admin.settled(c.scheduler), 180, "every copy in sync after the restart")
+        actual = np.rint(client.pull("ledger", np.arange(num_ids), insert=False)[:, 0]).astype(np.int64)
+    f = _figures(loop, loop.acked, actual, pushing_s)
+    return emit("durability.cluster-all-copies", "updates", f["lost"], "acked updates", f["acked_updates"], **f,
+                snapshot_every_s=DEFAULT_EVERY, shards=2, replicas=1,
+                fault="kill -9 of every server (every copy of every slot), restart on their data dirs")
+
+
+def cluster_sync(args: argparse.Namespace) -> dict:
+    from tigana.tools.bench.faults.kills import kill_primaries
+    f = kill_primaries(1)
+    return emit("durability.cluster-sync", "updates", f["lost"], "acked updates", f["acked_updates"], **f,
+                fault="kill -9 of the primary of most slots under a push loop")
+
+
+def cluster_async(args: argparse.Namespace) -> dict:
+    from tigana.tools.bench.faults.kills import kill_async
+    r = kill_async(1, quick=True)
+    return emit("durability.cluster-async", "updates", r.value, "lag bound (updates)", r.peer_value, **r.figures,
+                fault="kill -9 of the primary of most slots under a push loop")
+
+
+CASES: dict[str, Callable[[argparse.Namespace], dict]] = {
+    "standalone": standalone,
+    "standalone-off": lambda a: standalone(a, off=True),
+    "cluster-sync": cluster_sync,
+    "cluster-async": cluster_async,
+    "cluster-all-copies": cluster_all_copies,
+}
+
+
+def run(args: argparse.Namespace) -> int:
+    only = [c for c in args.only.split(",") if c] or list(CASES)
+    for name in only:
+        log(f"durability: {name}")
+        CASES[name](args)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
