@@ -39,6 +39,7 @@ def test_targets_name_every_miss():
     assert targets_missed({**good, "copies_demoted_without_failure": 1}, 3.0)
     assert targets_missed({**good, "max_push_stall_s": 9.0}, 3.0)
     assert targets_missed({**good, "doubled_sync": 1}, 3.0)
+    assert targets_missed({**good, "lost_async_before_faults": 1}, 3.0)  # lost to planned operations alone
 
 
 def test_bench_nemesis_quick_meets_its_targets(bench_lines):
@@ -50,6 +51,7 @@ def test_bench_nemesis_quick_meets_its_targets(bench_lines):
         assert key in line, key
     assert line["targets_missed"] == [], line
     assert line["lost_sync"] == 0 and line["doubled_sync"] == 0
+    assert line["lost_sync_before_faults"] == 0 and line["lost_async_before_faults"] == 0
     assert line["doubled_async"] == 0
     assert line["lost_async"] <= (line["async_loss_bound"] if line["primaries_killed"] else 0)
     assert line["copies_demoted_without_failure"] == 0, line["demotion_reasons"]

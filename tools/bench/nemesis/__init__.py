@@ -14,13 +14,15 @@ until ``--duration`` has passed. The quick form runs the clean round and one rou
 One JSON line (``case`` ``nemesis``; value: the longest push stall against 3x the heartbeat timeout) with
 ``lost_sync``, ``doubled_sync``, ``lost_async``, ``doubled_async``, ``async_loss_bound`` (the replication lag
 each killed or paused primary reported just before, plus what it acknowledged after that sample),
-``primaries_killed``, ``copies_demoted_without_failure`` (the scheduler's ``copies_demoted`` counters outside
+``primaries_killed``, ``lost_sync_before_faults`` and ``lost_async_before_faults`` (what a pull at the end of
+the clean round misses of what was acknowledged before it), ``copies_demoted_without_failure`` (the scheduler's ``copies_demoted`` counters outside
 the windows that run from a fault until the map is settled again), ``max_push_stall_s``, ``verify`` (``tigana
 admin verify`` at the end: "ok" or what differs), ``rss_growth_mib`` (the daemons' resident memory growth), the
 failed operations, the scheduler log's demotion reasons, ``ok`` and ``targets_missed``. The exit code is 1 when
 a target is missed:
 
-- sync: 0 lost and 0 doubled; async: 0 doubled, and 0 lost unless a primary was killed, then within the bound;
+- sync: 0 lost and 0 doubled; async: 0 doubled, 0 lost by the clean round, and 0 lost at the end unless a
+  primary was killed, then within the bound;
 - 0 copies demoted without a failure;
 - the longest push stall under 3x the heartbeat timeout;
 - ``admin verify`` finds every copy equal, every planned operation succeeds, no ledger row is torn.

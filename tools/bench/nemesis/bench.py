@@ -8,6 +8,7 @@ import random
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +71,10 @@ def run(args: argparse.Namespace) -> int:
 def targets_missed(f: dict[str, Any], heartbeat_timeout_s: float) -> list[str]:
     """The names of the targets the run missed (empty: every target held)."""
     missed = []
-    if f["lost_sync"] != 0 or f["doubled_sync"] != 0:
+    if f["lost_sync"] != 0 or f["doubled_sync"] != 0 or f.get("lost_sync_before_faults", 0) != 0:
         missed.append("sync: 0 lost, 0 doubled")
     async_limit = f["async_loss_bound"] if f["primaries_killed"] else 0
-    if f["doubled_async"] != 0 or f["lost_async"] > async_limit:
+    if f["doubled_async"] != 0 or f["lost_async"] > async_limit or f.get("lost_async_before_faults", 0) != 0:
         missed.append("async: 0 doubled, 0 lost unless a primary was killed, then within the bound")
     if f["copies_demoted_without_failure"] != 0:
         missed.append("0 copies demoted without a failure")
@@ -117,7 +118,18 @@ def _run(args: argparse.Namespace, run_dir: Path, duration: float, op_timeout: f
                                 max_joins=1 if args.quick else 2)
         stack.callback(operations.close_scratch)
         faults = Faults(d, ledgers, monitor, ctl, hb)
-        results = _rounds(args, rng, operations, faults, duration)
+        clean: dict[str, Any] = {}
+
+        def audit_clean_round() -> None:  # what the planned operations lost, before any fault
+            with ps.connect(scheduler=d.scheduler_address) as reader:
+                for dur in DURABILITIES:
+                    try:
+                        clean[f"lost_{dur}_before_faults"] = ledgers.lost_so_far(reader, dur)
+                    except ps.PSError as exc:
+                        clean[f"lost_{dur}_before_faults"] = f"{type(exc).__name__}: {exc}"[:200]
+            log(f"bench nemesis: after the clean round: {clean}")
+
+        results = _rounds(args, rng, operations, faults, duration, audit_clean_round)
         time.sleep(1.0)  # a last second of traffic after the last operation
         operations.close_scratch()
         ledgers.stop()
@@ -132,7 +144,7 @@ def _run(args: argparse.Namespace, run_dir: Path, duration: float, op_timeout: f
     grown = [rss_end[pid] - mib for pid, mib in rss_start.items() if pid in rss_end]
     return {
         **{f"{k}_{dur}": audits[dur][k] for dur in DURABILITIES for k in ("lost", "doubled")},
-        "async_loss_bound": faults.async_loss_bound(), "primaries_killed": faults.primaries_killed,
+        **clean, "async_loss_bound": faults.async_loss_bound(), "primaries_killed": faults.primaries_killed,
         "copies_demoted_without_failure": watched.pop("copies_demoted_without_failure"),
         "max_push_stall_s": round(stall, 3), "verify": verify,
         "rss_growth_mib": round(sum(grown), 1), "rss_growth_mib_max": round(max(grown, default=0.0), 1),
@@ -147,8 +159,9 @@ def _run(args: argparse.Namespace, run_dir: Path, duration: float, op_timeout: f
 
 
 def _rounds(args: argparse.Namespace, rng: random.Random, operations: Operations, faults: Faults,
-            duration: float) -> list[OpResult]:
-    """The clean round, then rounds with faults (when on) until ``duration`` has passed."""
+            duration: float, after_clean_round: Callable[[], None]) -> list[OpResult]:
+    """The clean round (then ``after_clean_round()``), then rounds with faults (when on) until ``duration``
+    has passed."""
     results: list[OpResult] = []
     start = time.monotonic()
     round_no = 0
@@ -163,6 +176,8 @@ def _rounds(args: argparse.Namespace, rng: random.Random, operations: Operations
             results.append(r)
             log(f"  {op}: {'ok' if r.ok else 'FAILED'}{' (skipped)' if r.skipped else ''} in {r.seconds:.1f}s: "
                 f"{r.detail[:200]}")
+        if round_no == 0:
+            after_clean_round()
         round_no += 1
         if not args.faults and args.quick:
             break

@@ -29,7 +29,7 @@ from tigana.ps import admin
 
 _DEMOTED = re.compile(r'^tigana_scheduler_copies_demoted_total\{reason="([^"]+)"\}\s+(\S+)$', re.M)
 _DEMOTION_LINE = re.compile(r"(\d+) cop\(ies\) on (\S+) out of the in-sync set \(slots .*?; reported by (\S+): "
-                            r"(.*)\)\s*$")
+                            r"(.*?)\)(?: \(\{.*\}\))?\s*$")
 
 
 def demotions(metrics_port: int, timeout_s: float = 5.0) -> dict[str, float]:
@@ -46,7 +46,8 @@ def demotion_reasons(log_path: Path, top: int = 6) -> dict[str, int]:
         for line in log_path.read_text(errors="replace").splitlines():
             m = _DEMOTION_LINE.search(line)
             if m:
-                reason = re.sub(r"\d+", "N", m.group(4))[:120]
+                reason = re.sub(r"\b[0-9a-f]{12}\b", "SERVER", m.group(4))  # server ids
+                reason = re.sub(r"N(?:[-,]N)+", "N...", re.sub(r"\d+", "N", reason))[:120]
                 tally[reason] = tally.get(reason, 0) + int(m.group(1))
     return dict(sorted(tally.items(), key=lambda kv: -kv[1])[:top])
 
