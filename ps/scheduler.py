@@ -783,23 +783,27 @@ class SchedulerCore:
         return max(5.0, 2 * self.config.heartbeat_timeout_s)
 
     def _auto_rebalance(self, copies: np.ndarray, placeable: np.ndarray) -> None:
-        """With ``auto_rebalance``: when a server that may hold slots holds none (and is planned none) while
-        another holds several, aim for a balanced placement over every server (lock held). Only an empty
+        """With ``auto_rebalance``: when a server that may hold slots holds or leads none (and is planned none)
+        while another holds several, aim for a balanced placement over every server (lock held). Only such a
         server triggers it, so a placement an operator chose (``rebalance`` by load, ``move-slot``) stays."""
         if not self.config.auto_rebalance or placeable.sum() < 2 or (copies < 0).all():
             return
         if self.target is not None and self.target_kind != "balance":
             return  # an operator's moves first
         planned = copies if self.target is None else self.target
-        _, total = placement.copy_counts(planned, placeable.shape[0])
-        empty = placeable & (total == 0)
-        if not empty.any() or total[placeable].max() < 2:
+        prim, total = placement.copy_counts(planned, placeable.shape[0])
+        # a server with no copy, or none to lead (a server joining after the first placement gets the
+        # missing replicas first, and would lead nothing), while another has several
+        empty = placeable & ((total == 0) | (prim == 0))
+        if not empty.any() or max(total[placeable].max(), 2 * prim[placeable].max()) < 2:
             return
-        self.target = placement.balance(copies, placeable, self.config.replicas)
-        self.target_kind = "balance"
+        target = placement.balance(copies, placeable, self.config.replicas)
+        if not placement.moves(copies, target):
+            return  # as balanced as it gets (fewer slots than servers)
+        self.target, self.target_kind = target, "balance"
         self._save()
         ids = self._ids(np.flatnonzero(empty))
-        log.info("auto-rebalance at epoch %d: server(s) %s hold no slot; %d slot(s) to move", self.map.epoch,
+        log.info("auto-rebalance at epoch %d: server(s) %s hold or lead no slot; %d slot(s) to move", self.map.epoch,
                  ",".join(ids), len(placement.moves(copies, self.target)),
                  extra=event("auto_rebalance", epoch=self.map.epoch, server=ids))
 

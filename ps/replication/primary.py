@@ -57,6 +57,7 @@ class Replicator:
         self.cond = threading.Condition()
         self.streams: dict[str, Stream] = {}
         self.table_epochs: dict[str, int] = {}  # table -> created_epoch of the incarnation served
+        self.switch_after_s = 1.0  # a slot copy's rows applied this long ago: it switches whatever the lag
         self.epoch = 0
         self._generation = int(time.time() * 1000) << 8
         self._closed = False
@@ -218,8 +219,15 @@ class Replicator:
         with self.cond:
             if s.reported or s.closed:
                 return
+            now = time.monotonic()
             for sess in s.sessions:
-                if sess.state == ROWS_SENT and s.acked >= sess.end_seq and s.lag <= 8:
+                if sess.state == ROWS_SENT and s.acked >= sess.end_seq and sess.rows_acked_at is None:
+                    sess.rows_acked_at = now
+                # Switch once the rows are applied and the stream is nearly drained, or after a second at
+                # most: writes faster than the target applies them would otherwise keep the copy catching up
+                # for ever. Once switched, sync writes wait for the target, which slows them to its pace.
+                if sess.state == ROWS_SENT and sess.rows_acked_at is not None and \
+                        (s.lag <= 8 or now - sess.rows_acked_at >= self.switch_after_s):
                     # From here on sync writes to these slots wait for the target; everything enqueued
                     # before this point must be applied by it before it may join the in-sync set.
                     s.required[sess.slots] = True

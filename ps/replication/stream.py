@@ -63,6 +63,7 @@ class Session:
     switch_seq: int = 0
     rows_sent: int = 0
     rows_total: int = 0
+    rows_acked_at: float | None = None  # when the target had applied every row (SNAPSHOT_END acknowledged)
     started: float = field(default_factory=time.monotonic)
 
 
