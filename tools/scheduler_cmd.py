@@ -41,7 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--num-slots", type=int, help="virtual slots (fixed for the cluster's life)")
     a("--expect-servers", type=int, help="the first placement waits for this many servers (or --bootstrap-wait)")
     a("--bootstrap-wait", dest="bootstrap_wait_s", type=float, help="seconds the first placement waits for more servers")
-    a("--auto-rebalance", action="store_const", const=True, help="move slots to servers that join")
+    a("--auto-rebalance", action="store_const", const=True,
+      help="give a server that holds or leads no slot its share (the default)")
+    a("--no-auto-rebalance", dest="auto_rebalance", action="store_const", const=False,
+      help="leave servers that join empty until `tigana admin rebalance`")
     add_security_flags(parser, "scheduler", "servers register with it; admin operations need it")
     a("--config", help="YAML or TOML file of settings (keys as the flags, with _ or -; a scheduler: section when "
                        "present)")
