@@ -76,7 +76,7 @@ class Cut:
         self.dim, self.state_width = table.dim, table.state_width
         self._keys, self._vals = table._index.buckets()
         self._high_water = table._slab.high_water
-        self._where = np.zeros(self._high_water, np.int64)  # per slab position: 0, -1 or saved index + 1
+        self._where = np.zeros(self._high_water, np.int32)  # per slab position: 0, -1 or saved index + 1
         self._saved = Slab(table.dim, table.state_width, table.config.dtype)
         self._sp_keys, self._sp_vals = table._spilled.buckets()
         self._sp_done = np.zeros(self._sp_keys.shape[0], bool)
@@ -85,12 +85,13 @@ class Cut:
         self._open = True
 
     # --- the reader ------------------------------------------------------------------------------------------
-    def batches(self, chunk: int = CUT_BUCKETS, *, dirty_only: bool = False) -> Iterator[RowBatch]:
+    def batches(self, chunk: int | None = None, *, dirty_only: bool = False) -> Iterator[RowBatch]:
         """The cut's rows as non-empty RowBatches in no set order, ``chunk`` hash buckets per short hold of the
         table's lock; ``dirty_only``: only rows changed since the tracked snapshot before the cut. Consumes the
         cut and closes it (also when the generator is closed early). Raises ``InvalidArgument`` when the table
         is closed meanwhile and ``CorruptStore`` for a spilled record that fails its checks."""
         table = self._table
+        chunk = chunk or CUT_BUCKETS
         try:
             for buckets, read in ((self._keys.shape[0], self._resident), (self._sp_keys.shape[0], self._spilled)):
                 for lo in range(0, buckets, chunk):
@@ -206,7 +207,7 @@ class Cut:
         live = state == 0
         if live.all():
             return slab.read(ids, positions), slab.dirty[positions]
-        k = state[~live] - 1
+        k = state[~live].astype(np.int64) - 1
         saved, saved_marks = self._saved.read(ids[~live], k), self._saved.dirty[k].copy()
         self._saved.release(k)
         if not live.any():

@@ -20,8 +20,9 @@ def test_bench_table_prints_one_json_line_per_case(bench_lines) -> None:
     lines = bench_lines()
     cases = [line["case"] for line in lines]
     assert cases == ["table.lookup", "table.lookup_or_insert", "table.update_rowwise_adagrad",
-                     "hashtable.lookup", "table.capacity"]
+                     "hashtable.lookup", "table.capacity", "table.push_during_snapshot"]
     for line in lines:
         assert {"case", "unit", "value", "peer", "peer_value", "ratio"} <= set(line)
         assert line["value"] > 0 and line["peer_value"] > 0
-    assert lines[-1]["rows_resident"] == 3000 and lines[0]["dim"] == 8
+    assert lines[-2]["rows_resident"] == 3000 and lines[0]["dim"] == 8
+    assert lines[-1]["rows"] == 3000 and lines[-1]["pushes_during"] >= 5

@@ -9,6 +9,9 @@ Cases (one JSON line each, for dim 16 and 64):
   hashtable.lookup  the numba hash lookup vs the numpy fallback on the same index (why numba is used).
   capacity rows resident and bytes per resident row after inserting ``--rows`` ids (dim 16, row-wise
            Adagrad) against the 160 bytes/row target (100 M rows in 16 GiB).
+  push_during_snapshot  p99 latency of pushes (4,096 Zipf ids, dim 16) while a full snapshot of the table is
+           written (through a copy-on-write cut) against the same pushes with none running; ``snapshot_s`` is
+           how long every push would have waited when the snapshot held the table's lock.
 
 Ids: batches of 65,536 drawn Zipf(1.05) over ``--distinct`` ids (10 M; fewer with --quick), each rank
 hashed to an arbitrary int64 id. Rates are medians over batches; the ratio (ours / limit) is what to read on
@@ -19,7 +22,10 @@ limits run with one thread unless --torch-threads says otherwise.
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
+import tempfile
+import threading
 import time
 
 import numpy as np
@@ -40,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="timed batches per case (median)")
     parser.add_argument("--backend", choices=("auto", "numba", "numpy"), default="auto")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--snapshot-rows", type=int, default=None,
+                        help="rows of the push_during_snapshot table (default 2M; quick 200k; else --rows if given)")
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="threads for the torch limits (default 1, as our kernels use one core)")
 
@@ -197,6 +205,51 @@ def _bench_capacity(args, rows: int) -> None:
     table.close()
 
 
+def _bench_snapshot_stall(args, rows: int) -> None:
+    """Push latency while a full snapshot is written, against the same pushes with no snapshot running."""
+    dim, batch = 16, min(args.batch, 4096)
+    table = emb.EmbeddingTable(emb.TableConfig("stall", dim=dim, optimizer=emb.RowWiseAdagrad(),
+                                               initializer=emb.Uniform(), backend=args.backend))
+    for start in range(0, rows, 1 << 20):
+        table.pull(mix64(np.arange(start, min(rows, start + (1 << 20)), dtype=np.uint64)).view(np.int64))
+    batches = zipf_batches(rows, batch, 64, seed=0)  # seed 0: the ranks hash to the stored ids
+    grads = np.random.default_rng(args.seed).normal(size=(batch, dim)).astype(np.float32)
+
+    def pushes(more) -> list[float]:
+        took: list[float] = []
+        while more(len(took)):
+            t0 = time.perf_counter()
+            table.push(batches[len(took) % len(batches)], grads)
+            took.append(time.perf_counter() - t0)
+        return took
+
+    quiet = pushes(lambda n: n < 200)
+    root = tempfile.mkdtemp(prefix="tigana-bench-snap-")
+    try:
+        timing: list[float] = []
+
+        def snapshot() -> None:
+            t0 = time.perf_counter()
+            table.snapshot(root)
+            timing.append(time.perf_counter() - t0)
+
+        writer = threading.Thread(target=snapshot)
+        writer.start()
+        during = pushes(lambda n: writer.is_alive() or n < 5)
+        writer.join()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        table.close()
+
+    def ms(xs: list[float], q: float) -> float:
+        return float(np.quantile(np.array(xs), q) * 1e3)
+
+    emit("table.push_during_snapshot", "ms (p99 push)", ms(during, 0.99), "no snapshot running", ms(quiet, 0.99),
+         rows=rows, dim=dim, batch=batch, optimizer="rowwise_adagrad", pushes_during=len(during),
+         median_ms=round(ms(during, 0.5), 3), peer_median_ms=round(ms(quiet, 0.5), 3),
+         max_ms=round(max(during) * 1e3, 3), snapshot_s=round(timing[0], 3), quick=bool(args.quick))
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -212,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
         if args.dims.strip():
             _bench_hash(args, distinct, repeats)
         _bench_capacity(args, rows)
+        _bench_snapshot_stall(args, args.snapshot_rows or args.rows or (200_000 if quick else 2_000_000))
     finally:
         torch.set_num_threads(saved_threads)
     return 0
