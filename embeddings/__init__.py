@@ -15,6 +15,7 @@ Example::
     table.push(ids, grads)            # grads (n, 16) float32; duplicates are summed
 """
 
+from tigana.embeddings._checksum import row_digests
 from tigana.embeddings._persisting import PendingSnapshot
 from tigana.embeddings.changes import Changes
 from tigana.embeddings.config import (
@@ -50,4 +51,5 @@ __all__ = [
     "EmbeddingTable",
     "Eviction", "HashIndex", "Initializer", "InvalidArgument", "Normal", "Optimizer", "PendingSnapshot", "RowBatch",
     "RowWiseAdagrad", "SnapshotNotFound", "StorageError", "StorageFull", "TableConfig", "Uniform", "Zeros",
+    "row_digests",
 ]

@@ -113,6 +113,7 @@ class ServerConfig(SecuritySettings):
     full_snapshot_every: int = 10
     replication_timeout_s: float = 2.0
     ack_timeout_s: float = 10.0
+    replication_queue_bytes: int = 512 * MiB  # per outgoing stream; writers wait past it (back-pressure)
     lease_s: float = 2.0
     max_rows_per_request: int = 4_000_000
     max_concurrent_requests: int = 256
