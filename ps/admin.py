@@ -25,6 +25,9 @@ from tigana.ps.security import NONE, Security
 _OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
+_STANDBY = "is a standby"  # in the UNAVAILABLE a standby scheduler answers (``NotLeader``)
+
+
 def _scheduler_call(address: str, method: str, request: Any, timeout_s: float, security: Security = NONE) -> Any:
     """One call to the scheduler at ``address`` ("host:port[,host:port]": a leader and its standbys; a standby
     or a dead one answers UNAVAILABLE, and the next is tried until one answers or ``timeout_s`` passes)."""
@@ -40,7 +43,10 @@ def _scheduler_call(address: str, method: str, request: Any, timeout_s: float, s
                 request, timeout=max(0.5, left / 2 if len(addresses) > 1 else left))
         except grpc.RpcError as err:
             error = from_rpc_error(err, one)
-            if not isinstance(error, (Unavailable, DeadlineExceeded)) or len(addresses) == 1 \
+            # One address answered by a standby: a Service in front of a leader and its standbys, where a new
+            # connection (the channel is made again) may reach the leader; a dead one fails at once.
+            behind_service = len(addresses) == 1 and _STANDBY in str(error)
+            if not isinstance(error, (Unavailable, DeadlineExceeded)) or (len(addresses) == 1 and not behind_service) \
                     or time.monotonic() >= deadline:
                 raise error from None
         finally:

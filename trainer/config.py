@@ -63,7 +63,8 @@ class TrainConfig:
     backend: str | None = None              # gloo | nccl (default: nccl with CUDA, else gloo)
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0               # steps between checkpoints; 0: at the end of every epoch
-    resume: str | None = None               # "latest" (newest in checkpoint_dir) or a checkpoint folder
+    resume: str | None = None               # "latest" (newest in checkpoint_dir), "auto" (the same, or a fresh
+    #                                         start when there is none: a restarted pod) or a checkpoint folder
     max_restarts: int = 0                   # --nproc: start the trainers again this many times when one dies
     elastic_every: int = 20                 # steps between elastic states (dense weights + data position)
     logdir: str | None = None               # TensorBoard logs (rank 0)
@@ -122,8 +123,9 @@ def _check(c: TrainConfig) -> None:
          "must be >= 0")
     need(c.max_steps is None or c.max_steps >= 1, "max_steps", "must be >= 1")
     need(c.ranks_per_node is None or c.ranks_per_node >= 1, "ranks_per_node", "must be >= 1")
-    need(c.resume is None or c.resume == "latest" or bool(c.resume), "resume", "must be 'latest' or a path")
-    need(c.resume != "latest" or c.checkpoint_dir is not None, "resume", "'latest' needs checkpoint_dir")
+    need(c.resume is None or bool(c.resume), "resume", "must be 'latest', 'auto' or a path")
+    need(c.resume not in ("latest", "auto") or c.checkpoint_dir is not None, "resume",
+         f"{c.resume!r} needs checkpoint_dir")
     for address in c.ps:
         need(":" in address and address.rsplit(":", 1)[1].isdigit(), "ps", "must list HOST:PORT addresses")
 
@@ -300,7 +302,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-dir", metavar="DIR")
     parser.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (0: every epoch)")
     parser.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
-                        help="resume from a checkpoint folder (default: the newest in --checkpoint-dir)")
+                        help="resume from a checkpoint folder (default: the newest in --checkpoint-dir); 'auto': the "
+                             "newest if there is one, else start fresh (a restarted pod)")
     parser.add_argument("--max-restarts", type=int,
                         help="with --nproc: when a trainer dies, start the trainers again (from the last elastic "
                              "state, the PS cluster untouched) up to this many times")

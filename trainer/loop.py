@@ -102,9 +102,9 @@ def check_inputs(config: TrainConfig) -> None:
         require_wandb(config.wandb_project)
     if config.resume is not None:
         root = config.checkpoint_dir
-        path = (latest_checkpoint(root) if root is not None else None) if config.resume == "latest" \
+        path = (latest_checkpoint(root) if root is not None else None) if config.resume in ("latest", "auto") \
             else Path(config.resume)
-        if path is None or not (path / "meta.json").is_file():
+        if (path is None and config.resume != "auto") or (path is not None and not (path / "meta.json").is_file()):
             raise FileNotFoundError(f"resume: no checkpoint at {path if path is not None else root}")
 
 
@@ -321,10 +321,12 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
         start_epoch, skip, step = 0, 0, 0
         ckpt_root = Path(config.checkpoint_dir) if config.checkpoint_dir else None
         resumed_from = None
-        if config.resume is not None:
-            path = latest_checkpoint(ckpt_root) if config.resume == "latest" else Path(config.resume)
-            if path is None:
+        path = None
+        if config.resume is not None:  # "auto": the newest checkpoint when there is one, else a fresh start
+            path = latest_checkpoint(ckpt_root) if config.resume in ("latest", "auto") else Path(config.resume)
+            if path is None and config.resume != "auto":
                 raise FileNotFoundError(f"resume: no checkpoint in {ckpt_root}")
+        if path is not None:
             if world > 1:
                 dist.barrier()
             meta = load_checkpoint(path, model, optimizer, client if rank == 0 else None)

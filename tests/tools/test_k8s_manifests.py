@@ -42,7 +42,9 @@ K8S = ROOT / "tools" / "k8s"
 NAMESPACE = "tigana-test"  # any namespace: nothing in the manifests names one
 MIN_K8S = "1.29"  # the manifests are validated against this Kubernetes and the newest the package knows
 KUSTOMIZE_KINDS = {"Kustomization", "Component"}
-CRDS = {("kubeflow.org/v1", "PyTorchJob")}
+CRDS = {("kubeflow.org/v1", "PyTorchJob"), ("trainer.kubeflow.org/v1alpha1", "TrainJob"),
+        ("monitoring.coreos.com/v1", "PodMonitor")}
+IMAGES = {"tigana", "tigana-server"}  # tools/k8s/Dockerfile's two flavours
 SNAPSHOT_MARGIN_S = 30  # at least this much of terminationGracePeriodSeconds is left for the final snapshot
 JOB_INDEX = "batch.kubernetes.io/job-completion-index"
 # what training-operator v1.7+ puts in a PyTorchJob's pods for torchrun (pkg/controller.v1/pytorch)
@@ -87,15 +89,16 @@ def _kustomize(directory: Path) -> list[Doc]:
     return [d for d in yaml.safe_load_all(out.stdout) if d is not None]
 
 
-def _with_components(tmp_path: Path) -> Path:
+def _with_components(tmp_path: Path, skip: tuple[str, ...] = ()) -> Path:
     """A copy of tools/k8s with the commented-out ``components:`` block of its kustomization enabled, as the
-    README tells users to."""
+    README tells users to (but the components in ``skip``: the two Kubeflow ones exclude each other)."""
     copy_dir = tmp_path / "k8s"
     shutil.copytree(K8S, copy_dir)
     path = copy_dir / "kustomization.yaml"
     text = path.read_text()
     enabled = re.sub(r"^# components:$", "components:", text, flags=re.M)
-    enabled = re.sub(r"^#   - (components/\S+)", r"  - \1", enabled, flags=re.M)
+    enabled = re.sub(r"^#   - (components/\S+)", lambda m: m.group(0) if m.group(1) in skip else f"  - {m.group(1)}",
+                     enabled, flags=re.M)
     assert enabled != text, "kustomization.yaml lost its commented-out components: block"
     path.write_text(enabled)
     return copy_dir
@@ -296,7 +299,8 @@ def test_resource_validates_against_the_kubernetes_schemas(doc: Doc) -> None:
         with pytest.raises(kv.SchemaNotFoundError):
             kv.validate(doc, kv.latest_version(), strict=True)
         pytest.skip(f"{doc['kind']} ({doc['apiVersion']}) is a CRD without a schema in kubernetes-validate: "
-                    "checked by test_pytorchjob_structure (its pod templates are validated there)")
+                    "checked structurally (test_pytorchjob_structure, test_trainers_as_a_trainjob, "
+                    "test_podmonitors_scrape_every_metrics_port)")
     for version in (MIN_K8S, kv.latest_version()):
         try:
             kv.validate(doc, version, strict=True)
@@ -392,7 +396,7 @@ def test_pods_run_as_the_image_user() -> None:
     for resource, spec in _pod_specs(_raw()):
         sc = spec["securityContext"]
         assert sc["runAsNonRoot"] is True, resource["metadata"]["name"]
-        if any(c["image"] == "tigana" for c in spec["containers"]):
+        if any(c["image"].split(":")[0] in IMAGES for c in spec["containers"]):
             assert (sc["runAsUser"], sc["runAsGroup"]) == (uid, gid), resource["metadata"]["name"]
             assert sc.get("fsGroup", gid) == gid, resource["metadata"]["name"]
         for c in spec["containers"]:
@@ -523,18 +527,25 @@ def _check_scheduler(docs: list[Doc]) -> None:
     config = _scheduler_config(docs)
     assert config.host == "0.0.0.0"
     assert deploy["spec"]["replicas"] >= 2, "a highly available scheduler"
-    # a standby is never Ready: an update that waited for Ready pods would never replace the leader
-    assert deploy["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == "100%"
-    assert not [d for d in docs if d["kind"] == "PodDisruptionBudget"
-                and _selects(d["spec"]["selector"]["matchLabels"], deploy["spec"]["template"]["metadata"]["labels"])]
-    assert [p["containerPort"] for p in container["ports"]] == [config.port]
+    # every replica is Ready (a standby too), so a rollout completes: a new pod, then an old one goes
+    assert deploy["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    assert deploy["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 1
+    [pdb] = [d for d in docs if d["kind"] == "PodDisruptionBudget"
+             and _selects(d["spec"]["selector"]["matchLabels"], deploy["spec"]["template"]["metadata"]["labels"])]
+    assert pdb["spec"]["maxUnavailable"] == 1
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": config.port, "metrics": config.metrics_port}
+    assert config.metrics_host == "0.0.0.0", "the metrics endpoint would bind 127.0.0.1 only"
     assert _grpc_probe(container, "startupProbe") == (config.port, "")
     assert _grpc_probe(container, "livenessProbe") == (config.port, "")
-    assert _grpc_probe(container, "readinessProbe") == (config.port, SCHEDULER_HEALTH_NAME)  # the leader only
+    # "" is SERVING on leader and standbys alike (SCHEDULER_HEALTH_NAME would keep the standbys unready forever)
+    assert _grpc_probe(container, "readinessProbe") == (config.port, "")
+    assert container["image"].split(":")[0] == "tigana-server"  # no torch in a scheduler
     services = _services_of(docs, deploy["spec"]["template"]["metadata"]["labels"])
     assert {s["metadata"]["name"] for s in services} == {"tigana-scheduler", "tigana-scheduler-pods"}
     for svc in services:
         assert [_target_port(p, container) for p in svc["spec"]["ports"]] == [config.port]
+    assert SCHEDULER_HEALTH_NAME  # still served (on the leader): tests/tools/test_k8s_scheduler_service.py
     assert _one(docs, "Service", "tigana-scheduler")["spec"].get("clusterIP") != "None"
     pods = _one(docs, "Service", "tigana-scheduler-pods")["spec"]
     assert pods["clusterIP"] == "None" and pods["publishNotReadyAddresses"] is True
@@ -600,28 +611,48 @@ def _wait_for_cluster(docs: list[Doc], pod_spec: Doc) -> tuple[list[str], str]:
 
 
 def _check_trainer_job(docs: list[Doc]) -> None:
+    from tigana.trainer.distributed import read_env
+    from tigana.trainer.launch import under_launcher
+    from tigana.trainer.preemption import EXIT_PREEMPTED
+
     job = _one(docs, "Job", "tigana-train")
     spec, pod = job["spec"], job["spec"]["template"]["spec"]
-    assert spec["completionMode"] == "Indexed" and pod["restartPolicy"] == "Never"
+    assert spec["completionMode"] == "Indexed" and pod["restartPolicy"] == "Never"  # podFailurePolicy needs Never
     container = _container(pod, "trainer")
     _wait_for_cluster(docs, pod)
+    # a preempted rank (SIGTERM: checkpoint, exit 75) and a pod the cluster disrupted restart; other failures
+    # count against backoffLimit
+    rules = spec["podFailurePolicy"]["rules"]
+    assert {"action": "Ignore", "onExitCodes": {"containerName": "trainer", "operator": "In",
+                                                "values": [EXIT_PREEMPTED]}} in rules
+    assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} in rules
+    assert spec["backoffLimit"] >= 1
     for index in range(spec["completions"]):
         env = _pod_env(docs, pod, container, f"tigana-train-{index}-abcde", index=str(index))
         argv = _argv(container, env)
-        assert argv[0] == "torchrun"
-        with _environ(env):
-            run = _torchrun(argv[1:])
-        # one torchrun per pod: as many nodes as pods, this pod's index as its rank
-        assert int(run.nnodes) == spec["completions"] == spec["parallelism"]
-        assert run.node_rank == index
+        # tigana train itself (under tini), so that its exit status 75 is the pod's (torchrun would make it 1)
+        assert argv[:2] == ["tigana", "train"], argv
+        assert under_launcher(env)
+        dist_env = read_env(None, env)
+        assert (dist_env.rank, dist_env.world_size) == (index, spec["completions"]) == (index, spec["parallelism"])
         # the rendezvous: rank 0's pod by its hostname (JOB-0) under the Job's subdomain, a headless Service
-        assert run.master_addr == f"{job['metadata']['name']}-0.{pod['subdomain']}"
+        assert dist_env.master_addr == f"{job['metadata']['name']}-0.{pod['subdomain']}"
         svc = _one(docs, "Service", pod["subdomain"])
         assert svc["spec"]["clusterIP"] == "None"
         assert _selects(svc["spec"]["selector"], job["spec"]["template"]["metadata"]["labels"])
-        assert [_target_port(p, container) for p in svc["spec"]["ports"]] == [run.master_port]
-        assert run.no_python and run.training_script == "tigana"
-        _check_trainer_args(docs, run.training_script_args, env)
+        assert [_target_port(p, container) for p in svc["spec"]["ports"]] == [dist_env.master_port]
+        _check_trainer_args(docs, argv[1:], env)
+        with _environ(env):
+            config = train_cmd.load(_tigana(argv[1:])).config
+        # checkpoints on a volume every pod mounts; a restarted pod resumes from the newest, a first one starts
+        assert config.resume == "auto" and config.checkpoint_every > 0
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volume = next(v for v in pod["volumes"] if v["name"] == mounts[config.checkpoint_dir])
+        claim = _one(docs, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+        assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+        # metrics on a named port, on every interface
+        assert {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"] == config.metrics_port
+        assert config.metrics_host == "0.0.0.0"
 
 
 def test_trainers_as_an_indexed_job() -> None:
@@ -656,6 +687,62 @@ def _check_pytorchjob(docs: list[Doc]) -> None:
 
 def test_trainers_as_a_pytorchjob() -> None:
     _check_pytorchjob(_raw())
+
+
+def _check_trainjob(docs: list[Doc]) -> None:
+    """Kubeflow Trainer v2: torchrun on numNodes pods of the torch-distributed runtime, which sets PET_*."""
+    job = _one(docs, "TrainJob", "tigana-train")
+    assert job["apiVersion"] == "trainer.kubeflow.org/v1alpha1"
+    assert set(job["spec"]) <= {"runtimeRef", "trainer", "initializer", "labels", "annotations", "suspend",
+                                "managedBy", "podTemplateOverrides", "runtimePatches"}
+    assert job["spec"]["runtimeRef"]["name"] == "torch-distributed"
+    trainer = job["spec"]["trainer"]
+    assert set(trainer) <= {"image", "command", "args", "env", "numNodes", "resourcesPerNode", "numProcPerNode"}
+    assert trainer["image"].split(":")[0] in IMAGES - {"tigana-server"}  # torch is in the train image only
+    nodes = trainer["numNodes"]
+    for rank in range(nodes):
+        env = {"PET_NNODES": str(nodes), "PET_NODE_RANK": str(rank), "PET_NPROC_PER_NODE": "1",
+               "PET_MASTER_ADDR": "tigana-train-node-0-0.tigana-train", "PET_MASTER_PORT": "29400"}
+        argv = [*trainer["command"], *trainer.get("args", [])]
+        assert argv[0] == "torchrun"
+        with _environ(env):
+            run = _torchrun(argv[1:])
+        assert (run.nnodes, run.node_rank) == (str(nodes), rank)
+        assert run.no_python and run.training_script == "tigana"
+        _check_trainer_args(docs, run.training_script_args, env)
+
+
+def test_trainers_as_a_trainjob() -> None:
+    _check_trainjob(_raw())
+
+
+def test_podmonitors_scrape_every_metrics_port() -> None:
+    """Prometheus Operator ignores the prometheus.io annotations: a PodMonitor per component selects its pods
+    and names a port every container of them declares."""
+    docs = _raw()
+    monitors = [d for d in docs if d["kind"] == "PodMonitor"]
+    assert {m["metadata"]["name"] for m in monitors} == {"tigana-scheduler", "tigana-shard", "tigana-train"}
+    for monitor in monitors:
+        [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+        assert endpoint["path"] == "/metrics"
+        templates = [t for d in docs if d["kind"] in ("Deployment", "StatefulSet", "Job") for t in [d["spec"]["template"]]]
+        templates += [r["template"] for d in docs if d["kind"] == "PyTorchJob"
+                      for r in d["spec"]["pytorchReplicaSpecs"].values()]
+        selected = [t for t in templates if _selects(monitor["spec"]["selector"]["matchLabels"], t["metadata"]["labels"])]
+        assert selected, monitor["metadata"]["name"]
+        for template in selected:
+            for c in template["spec"]["containers"]:
+                assert endpoint["port"] in {p.get("name") for p in c.get("ports", [])}, c["name"]
+
+
+@needs_kubectl
+def test_kustomize_renders_the_trainjob_and_podmonitors(tmp_path: Path) -> None:
+    docs = _kustomize(_with_components(tmp_path, skip=("components/kubeflow",)))
+    assert _maybe(docs, "Job", "tigana-train") is None and _maybe(docs, "PyTorchJob", "tigana-train") is None
+    _check_trainjob(docs)
+    assert {d["metadata"]["name"] for d in docs if d["kind"] == "PodMonitor"} == {
+        "tigana-scheduler", "tigana-shard", "tigana-train"}
+    _check_rendered(docs)
 
 
 def test_the_trainers_wait_until_a_real_cluster_is_placed(tmp_path: Path, make_shard_server) -> None:
@@ -731,12 +818,12 @@ def test_kustomize_renders_the_cluster_with_the_counts_it_sets() -> None:
     counts = {r["name"]: r["count"] for r in top["replicas"]}
     assert _one(docs, "Deployment", "tigana-scheduler")["spec"]["replicas"] == counts["tigana-scheduler"]
     assert _one(docs, "StatefulSet", "tigana-shard")["spec"]["replicas"] == counts["tigana-shard"]
-    image = top["images"][0]
+    images = {f"{i['newName']}:{i['newTag']}" for i in top["images"]}
     for _, spec in _pod_specs(docs):
         for c in spec["containers"]:
-            assert c["image"] != "tigana", "the images: entry did not apply"
+            assert c["image"] not in IMAGES, "the images: entry did not apply"
             if c["name"] != "etcd":
-                assert c["image"] == f"{image['newName']}:{image['newTag']}"
+                assert c["image"] in images
     assert _maybe(docs, "PyTorchJob", "tigana-train") is None
     _check_rendered(docs)
     _check_trainer_job(docs)
@@ -744,7 +831,7 @@ def test_kustomize_renders_the_cluster_with_the_counts_it_sets() -> None:
 
 @needs_kubectl
 def test_kustomize_renders_the_components(tmp_path: Path) -> None:
-    docs = _kustomize(_with_components(tmp_path))
+    docs = _kustomize(_with_components(tmp_path, skip=("components/kubeflow-trainer",)))
     # external-etcd: no etcd of ours, --store names the external endpoints
     assert not [d for d in docs if "etcd" in d["metadata"]["name"]]
     endpoints, _prefix = parse_store_url(_scheduler_config(docs).store)

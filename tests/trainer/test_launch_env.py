@@ -84,3 +84,21 @@ def test_ctrl_c_while_waiting_for_peers_prints_one_line(tmp_path: Path) -> None:
     assert proc.returncode in (1, 130), err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert "tigana train: interrupted" in err or "could not reach the other ranks" in err, err[-3000:]
+
+
+def test_resume_auto_starts_fresh_then_resumes(tmp_path: Path) -> None:
+    """``--resume=auto`` (the Kubernetes trainer Job's): the newest checkpoint when there is one, else a fresh
+    start, so a first pod and a restarted one run the same command line."""
+    ckpt = tmp_path / "ckpt"
+    common = [*TRAIN, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--resume=auto"]
+    first = subprocess.run([*CLI, *common], env=_clean_env(), capture_output=True, text=True, timeout=240,
+                           cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert json.loads(first.stdout.strip().splitlines()[-1]).get("resumed_from") is None
+    assert list(ckpt.glob("step-*/meta.json"))
+    args = [a if a != "3" else "5" for a in common]  # --max-steps 5
+    second = subprocess.run([*CLI, *args], env=_clean_env(), capture_output=True, text=True, timeout=240,
+                            cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    result = json.loads(second.stdout.strip().splitlines()[-1])
+    assert result["resumed_from"] is not None and result["steps"] == 5
