@@ -1108,9 +1108,12 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             if self.replicator is None or self.agent is None or not view.valid or not view.fenced.any():
                 continue
             fenced = np.flatnonzero(view.fenced)
-            if self.replicator.wait(self.replicator.tail_marks(fenced), self.config.ack_timeout_s) \
-                    and self._view is view:
-                self.agent.handover_ready(fenced.astype(np.int32), view.epoch)
+            try:
+                if self.replicator.wait(self.replicator.tail_marks(fenced), self.config.ack_timeout_s) \
+                        and self._view is view and self.state != "closed":
+                    self.agent.handover_ready(fenced.astype(np.int32), view.epoch)
+            except ValueError:  # the agent's channel closed under the call: the server is stopping
+                return
 
     def positions(self) -> list[pb.SlotTableInfo]:
         """Per table, the log positions of every slot with data (for registering after a restart)."""

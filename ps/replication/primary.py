@@ -152,6 +152,8 @@ class Replicator:
         try:
             self.copy_rows(s, sess)
         except Exception:  # noqa: BLE001 - retried: the server's upkeep restarts failed copies
+            if self._closed or s.closed:
+                return  # the server is stopping (its tables are closing): nothing to retry, nothing to report
             log.exception("slot copy from %s to %s at epoch %d failed (slots %s); it will be started again",
                           self.server_id, s.target_id, self.epoch, slots_text(sess.slots),
                           extra=event("slot_copy_failed", slots=sess.slots, epoch=self.epoch, server=s.target_id,
