@@ -133,7 +133,7 @@ def _run(args: argparse.Namespace, run_dir: Path, duration: float, op_timeout: f
         time.sleep(1.0)  # a last second of traffic after the last operation
         operations.close_scratch()
         ledgers.stop()
-        stall = ledgers.max_stall_s()
+        stall, stall_at, stall_table = ledgers.max_stall()
         with ps.connect(scheduler=d.scheduler_address) as reader:  # a client with no push history
             audits = {dur: ledgers.audit(reader, dur) for dur in DURABILITIES}
         verify = _verify(d.scheduler_address, op_timeout)
@@ -147,6 +147,7 @@ def _run(args: argparse.Namespace, run_dir: Path, duration: float, op_timeout: f
         **clean, "async_loss_bound": faults.async_loss_bound(), "primaries_killed": faults.primaries_killed,
         "copies_demoted_without_failure": watched.pop("copies_demoted_without_failure"),
         "max_push_stall_s": round(stall, 3), "verify": verify,
+        "max_push_stall_during": _during(results, stall_at, stall_table, t0),
         "rss_growth_mib": round(sum(grown), 1), "rss_growth_mib_max": round(max(grown, default=0.0), 1),
         **watched, "demotion_reasons": demotion_reasons(scheduler_log),
         **{f"{k}_{dur}": audits[dur][k] for dur in DURABILITIES
@@ -182,6 +183,16 @@ def _rounds(args: argparse.Namespace, rng: random.Random, operations: Operations
         if not args.faults and args.quick:
             break
     return results
+
+
+def _during(results: list[OpResult], at: float, table: str, t0: float) -> str:
+    """Where a stall that began at ``at`` falls: the operation then in progress (or the last one before)."""
+    before = [r for r in results if r.started_at <= at]
+    where = "start-up, before any operation"
+    if before:
+        r = before[-1]
+        where = f"{r.op} ({'in progress' if at <= r.started_at + r.seconds else 'the last one before'})"
+    return f"{table} client, {at - t0:.1f}s after start: {where}"
 
 
 def _verify(scheduler: str, timeout_s: float) -> str:

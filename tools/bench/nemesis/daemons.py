@@ -143,12 +143,16 @@ class Daemon:
         self._signal(signal.SIGCONT)
         self.paused = False
 
-    def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGCONT (a paused daemon cannot exit), SIGTERM, wait, then SIGKILL of the group; reaped."""
-        if self.proc is None or self.proc.poll() is not None:
-            return  # never started, or already reaped (its group id may belong to someone else by now)
+    def terminate(self) -> None:
+        """SIGCONT (a paused daemon cannot exit), then SIGTERM: it drains, snapshots and exits."""
         self._signal(signal.SIGCONT)
         self._signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """``terminate``, wait, then SIGKILL of the group; reaped."""
+        if self.proc is None or self.proc.poll() is not None:
+            return  # never started, or already reaped (its group id may belong to someone else by now)
+        self.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout_s)
         # whatever is left of the group (the daemon, or a child it started) goes too
@@ -241,7 +245,12 @@ class Daemons:
         return out
 
     def close(self) -> None:
-        """Stop the servers, then the scheduler, each by its own handle; errors of one never skip the rest."""
+        """Stop the servers (all told at once), then the scheduler, each by its own handle; errors of one never
+        skip the rest."""
+        for d in self.servers:
+            with contextlib.suppress(Exception):
+                if d.alive:
+                    d.terminate()
         for d in [*reversed(self.servers), *([self.scheduler] if self.scheduler else [])]:
             with contextlib.suppress(Exception):
                 d.stop()

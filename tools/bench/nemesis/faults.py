@@ -49,7 +49,7 @@ class Faults:
             ok, detail = getattr(self, f"_{fault}")()
         except Exception as exc:  # noqa: BLE001 - a fault that could not be applied; the run goes on
             ok, detail = False, f"{type(exc).__name__}: {exc}"
-        return OpResult(fault, ok, time.monotonic() - t, detail)
+        return OpResult(fault, ok, time.monotonic() - t, detail, started_at=t)
 
     def _victim(self) -> tuple[Daemon, int]:
         """(the running server leading the most slots, how many it leads)."""

@@ -46,6 +46,7 @@ class OpResult:
     seconds: float
     detail: str = ""
     skipped: bool = False
+    started_at: float = 0.0  # monotonic
 
     def as_dict(self) -> dict[str, Any]:
         return {"op": self.op, "ok": self.ok, "s": round(self.seconds, 2), "detail": self.detail[:300],
@@ -98,7 +99,7 @@ class Operations:
             ok, detail, skipped = getattr(self, f"_{op}")()
         except Exception as exc:  # noqa: BLE001 - an operation that raised failed; the run goes on
             ok, detail, skipped = False, f"{type(exc).__name__}: {exc}", False
-        return OpResult(op, ok, time.monotonic() - t, detail, skipped)
+        return OpResult(op, ok, time.monotonic() - t, detail, skipped, t)
 
     # --- helpers ----------------------------------------------------------------------------------------
     def _admin(self, *args: str) -> tuple[bool, str]:

@@ -92,17 +92,23 @@ class Ledgers:
         ``acked_from`` (see ``PushLoop.count_acked``)."""
         return sum(loop.count_acked(sent_before, acked_from) for loop in self.loops(durability))
 
-    def max_stall_s(self, until: float | None = None) -> float:
-        """The longest time a client went without an acknowledgement while pushing."""
-        worst = 0.0
+    def max_stall(self, until: float | None = None) -> tuple[float, float, str]:
+        """(seconds, when it began, the client's durability) of the longest time a client went without an
+        acknowledgement while pushing (from its start, between acknowledgements, up to its stop; or a single
+        push's latency)."""
+        worst = (0.0, 0.0, "")
         for c in self.clients:
             end = c.stopped_at or until or time.monotonic()
             with c.loop._lock:
-                acks = sorted(done for _, done in c.loop.events)
-                latencies = [done - sent for sent, done in c.loop.events]
-            marks = [c.started_at, *acks, end]
-            gaps = np.diff(marks) if len(marks) > 1 else np.zeros(1)
-            worst = max(worst, float(gaps.max()), max(latencies, default=0.0))
+                events = list(c.loop.events)
+            marks = np.array([c.started_at, *sorted(done for _, done in events), end])
+            gaps = np.diff(marks)
+            k = int(gaps.argmax())
+            if gaps[k] > worst[0]:
+                worst = (float(gaps[k]), float(marks[k]), c.durability)
+            for sent, done in events:
+                if done - sent > worst[0]:
+                    worst = (done - sent, sent, c.durability)
         return worst
 
     def lost_so_far(self, client: ps.Client, durability: str) -> int:
