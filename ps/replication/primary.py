@@ -44,7 +44,9 @@ class Replicator:
                  copy_rows: Callable[[Stream, Session], None],
                  failure_timeout_s: float = 2.0, send_timeout_s: float = 10.0, batch_bytes: int = 24 << 20,
                  max_queue_bytes: int = 512 << 20, copy_window_bytes: int = 16 << 20,
-                 channel: Callable[[str, list], grpc.Channel] | None = None) -> None:
+                 channel: Callable[[str, list], grpc.Channel] | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 spawn: Callable[[str, Callable[[], None]], None] | None = None) -> None:
         self.server_id, self.boot, self.num_slots = server_id, boot, num_slots
         self.max_message_bytes = max_message_bytes
         self.refresh_map, self.report_failure, self.caught_up = refresh_map, report_failure, caught_up
@@ -54,6 +56,11 @@ class Replicator:
         self.max_queue_bytes = max_queue_bytes
         self.copy_window_bytes = copy_window_bytes
         self.channel = channel or (lambda address, options: grpc.insecure_channel(address, options=options))
+        # The adapter's seams: ``clock`` and ``spawn(name, fn)`` (run ``fn`` on a thread of its own). A
+        # simulator passes its own clock and collects what is spawned to run it when it chooses.
+        self.clock = clock
+        self.threaded = spawn is None
+        self.spawn = spawn or _thread
         self.cond = threading.Condition()
         self.streams: dict[str, Stream] = {}
         self.table_epochs: dict[str, int] = {}  # table -> created_epoch of the incarnation served
@@ -107,7 +114,7 @@ class Replicator:
                         pending[:] = False
                 if s is None:
                     s = self.streams[key] = Stream(self, server.id, server.address, self.num_slots)
-                    s.thread.start()
+                    self.spawn(f"tigana-repl-{server.id[:8]}", s.run)
                 was_in_sync = s.in_sync & s.held
                 s.held, s.in_sync = held, in_sync
                 s.required = in_sync | pending
@@ -121,7 +128,7 @@ class Replicator:
                 if new_copy.any():
                     slots = np.flatnonzero(new_copy).astype(np.int32)
                     s.excluded[slots] = False  # SNAPSHOT_BEGIN starts the target's copy again from ours
-                    sess = Session(slots, list(tables), epoch=m.epoch)
+                    sess = Session(slots, list(tables), epoch=m.epoch, started=self.clock())
                     for name in tables:
                         s.push(Item(SNAPSHOT_BEGIN, name, slots, prev=positions(name, slots),
                                     dedup=dedup_records(name, slots)))
@@ -140,12 +147,12 @@ class Replicator:
             log.info("slot copy from %s to %s at epoch %d started (slots %s)", self.server_id, s.target_id, m.epoch,
                      slots_text(sess.slots), extra=event("slot_copy_started", slots=sess.slots, epoch=m.epoch,
                                                          server=s.target_id, source=self.server_id))
-            threading.Thread(target=self._copy, args=(s, sess), name="tigana-slot-copy", daemon=True).start()
+            self.spawn("tigana-slot-copy", lambda s=s, sess=sess: self._copy(s, sess))
 
     def _close(self, key: str) -> None:
         s = self.streams.pop(key)
         s.closed = True
-        threading.Thread(target=s.channel.close, daemon=True).start()
+        self.spawn("tigana-repl-close", s.channel.close)
 
     def _copy(self, s: Stream, sess: Session) -> None:
         """A slot copy's rows (by the server's ``copy_rows``), then SNAPSHOT_END."""
@@ -221,7 +228,7 @@ class Replicator:
         with self.cond:
             if s.reported or s.closed:
                 return
-            now = time.monotonic()
+            now = self.clock()
             for sess in s.sessions:
                 if sess.state == ROWS_SENT and s.acked >= sess.end_seq and sess.rows_acked_at is None:
                     sess.rows_acked_at = now
@@ -329,7 +336,7 @@ class Replicator:
     def stats(self) -> dict[str, float]:
         """Lag of the outgoing streams: items and bytes queued, seconds since the oldest unacknowledged item
         was acknowledged... (max over streams), copies in progress."""
-        now = time.monotonic()
+        now = self.clock()
         with self.cond:
             lag_items = max((s.lag for s in self.streams.values()), default=0)
             lag_bytes = max((s.queued_bytes for s in self.streams.values()), default=0)
@@ -356,3 +363,7 @@ class Replicator:
             if s is not None:
                 s.close()
 
+
+
+def _thread(name: str, fn: Callable[[], None]) -> None:
+    threading.Thread(target=fn, name=name, daemon=True).start()

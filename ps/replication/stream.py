@@ -16,11 +16,9 @@ acknowledgement of the cut item never stands in for it.
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
@@ -64,7 +62,7 @@ class Session:
     rows_sent: int = 0
     rows_total: int = 0
     rows_acked_at: float | None = None  # when the target had applied every row (SNAPSHOT_END acknowledged)
-    started: float = field(default_factory=time.monotonic)
+    started: float = 0.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,12 +100,11 @@ class Stream:
         self.reported = False
         self.closed = False
         self.last_error = ""
-        self.acked_time = time.monotonic()
+        self.acked_time = replicator.clock()
         self.channel = replicator.channel(address, channel_options(replicator.max_message_bytes, 30.0, 10.0, 0.1))
         self.replicate = self.channel.unary_unary(
             "/tigana.v1.Shard/Replicate", request_serializer=_identity,
             response_deserializer=pb.ReplicateResponse.FromString)
-        self.thread = threading.Thread(target=self._run, name=f"tigana-repl-{target_id[:8]}", daemon=True)
 
     # --- queue (under the replicator lock) ---
     def push(self, item: Item) -> int:
@@ -157,45 +154,55 @@ class Stream:
                 m[sess.slots] = True
         return m
 
-    # --- sender thread ---
-    def _run(self) -> None:
+    # --- sending (the thread adapter ``run``, or a simulator, drives these) ---
+    def request(self) -> bytes | None:
+        """The next batch, from the head of the queue, as a serialized ``ReplicateRequest`` (None: nothing
+        queued or closed). The caller holds the replicator's lock."""
+        if self.closed or not self.queue:
+            return None
+        batch, size = [], 0
+        for q in self.queue:
+            if batch and (size + q.nbytes > self.r.batch_bytes or len(batch) >= 256):
+                break
+            batch.append(q)
+            size += q.nbytes
+        return cluster_wire.encode_replicate_request(self.r.server_id, self.r.boot, self.generation, self.r.epoch,
+                                                     batch[0].seq, [q.item for q in batch])
+
+    def run(self) -> None:
+        """The sender thread: send the queue's head, hand the answer (or the failure) to the stream."""
         backoff = 0.05
         try:
             while True:
                 with self.r.cond:
                     while not self.closed and not self.queue:
                         self.r.cond.wait()
-                    if self.closed:
-                        return
-                    batch, size = [], 0
-                    for q in self.queue:
-                        if batch and (size + q.nbytes > self.r.batch_bytes or len(batch) >= 256):
-                            break
-                        batch.append(q)
-                        size += q.nbytes
-                    generation, epoch = self.generation, self.r.epoch
-                request = cluster_wire.encode_replicate_request(self.r.server_id, self.r.boot, generation, epoch,
-                                                                batch[0].seq, [q.item for q in batch])
+                    request = self.request()
+                if request is None:
+                    return
                 try:
                     reply = self.replicate(request, timeout=self.r.send_timeout_s)
                 except grpc.RpcError as err:
                     if self.closed:
                         return
-                    self._failed(f"{err.code().name}: {err.details()}")
+                    self.failed(f"{err.code().name}: {err.details()}")
                     self._pause(backoff)
                     backoff = min(1.0, backoff * 2)
                     continue
                 backoff = 0.05
-                self._answered(reply)
+                self.answered(reply)
         except ValueError:  # the channel was closed under a call: the stream is closing
             return
 
     def _pause(self, seconds: float) -> None:
+        if not self.r.threaded:
+            return  # driven by a simulator: its clock, not a sleep, spaces the retries
         with self.r.cond:
             if not self.closed:
                 self.r.cond.wait(seconds)
 
-    def _answered(self, reply: pb.ReplicateResponse) -> None:
+    def answered(self, reply: pb.ReplicateResponse) -> None:
+        """The target's answer to a request: acknowledgements, then a refusal's consequences."""
         reject = reply.reject
         if reject != pb.REJECT_NONE and reply.epoch > self.r.epoch:
             # Our map may be the stale one: learn the newer map before anything else, so that an
@@ -204,7 +211,7 @@ class Stream:
         with self.r.cond:
             if reply.applied_through > self.acked:
                 self.acked = int(reply.applied_through)
-                self.acked_time = time.monotonic()
+                self.acked_time = self.r.clock()
                 while self.queue and self.queue[0].seq <= self.acked:
                     self.queued_bytes -= self.queue.popleft().nbytes
                 self.broken_since = None
@@ -216,7 +223,7 @@ class Stream:
         reason = f"{pb.ReplicateReject.Name(reject)}: {reply.message}"
         self.last_error = reason
         if reject == pb.REJECT_BEHIND:
-            self._failed(reason)  # the target cannot get our map: reported only past the failure timeout
+            self.failed(reason)  # the target cannot get our map: reported only past the failure timeout
             self._pause(0.05)
             return
         if reject in (pb.REJECT_STALE, pb.REJECT_DIVERGED) and slots.size:
@@ -233,13 +240,13 @@ class Stream:
                                         source=self.r.server_id, reason=reason))
                 self.r.report_failure(self.target_id, report.astype(np.int32), reason)
             return
-        self._failed(reason, report_now=True)
+        self.failed(reason, report_now=True)
         self._pause(0.2)
 
-    def _failed(self, reason: str, *, report_now: bool = False) -> None:
+    def failed(self, reason: str, *, report_now: bool = False) -> None:
         """Record a failed send; after ``failure_timeout_s`` (or at once for a rejection) report the target's
         in-sync copies to the scheduler, which takes them out of the in-sync set (I1: only the scheduler may)."""
-        now = time.monotonic()
+        now = self.r.clock()
         with self.r.cond:
             self.last_error = reason
             if self.broken_since is None:
