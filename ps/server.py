@@ -157,6 +157,21 @@ class _View:
                    1 + m.replicas)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Pushed:
+    """A push applied (or found a duplicate) under its table's lock, not yet acknowledged: the map it was
+    applied under, its slots, and the replication marks a sync push waits for."""
+
+    name: str
+    view: _View
+    uslots: np.ndarray
+    marks: list
+    sync: bool
+    applied: int
+    duplicate: bool
+    rows: int
+
+
 def _rpc(method: str) -> Callable:
     """Wrap a handler: refuse while not serving, time it, count it, turn any exception into a status (with
     the class name and this server's epoch as trailing metadata)."""
@@ -192,7 +207,8 @@ class ShardService(shard_pb2_grpc.ShardServicer):
     ``report_copy_failure(target, slots, reason)``, ``copy_caught_up(target, slots)``."""
 
     def __init__(self, config: ServerConfig, metrics: ServerMetrics | None = None, *,
-                 security: Security = NONE) -> None:
+                 security: Security = NONE, clock: Callable[[], float] = time.monotonic,
+                 spawn: Callable[[str, Callable[[], None]], None] | None = None) -> None:
         self.config = config
         self.security = security
         self.metrics = metrics or ServerMetrics(self.table_sizes, self.cluster_figures)
@@ -225,7 +241,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                 self.server_id, self.boot, self.num_slots, max_message_bytes=config.max_message_bytes,
                 refresh_map=self._refresh, report_failure=self._report_failure, caught_up=self._caught_up,
                 copy_rows=self._copy_rows, failure_timeout_s=config.replication_timeout_s,
-                max_queue_bytes=config.replication_queue_bytes, channel=security.channel)
+                max_queue_bytes=config.replication_queue_bytes, channel=security.channel, clock=clock, spawn=spawn)
         else:
             self._view = _View.static(config.owned_slots())
             self.replicator = None
@@ -564,6 +580,11 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             self.metrics.observe(method, status.name if status else "OK", time.perf_counter() - start)
 
     def _push(self, request: pb.PushRequest | wire.RawPush) -> pb.PushResponse:
+        """A push: applied (or found a duplicate) under the table's lock, then, for a sync table, acknowledged
+        once its in-sync copies have it (``_push_apply`` then ``_push_ack``; a simulator drives the two)."""
+        return self._push_ack(self._push_apply(request), self.config.ack_timeout_s)
+
+    def _push_apply(self, request: pb.PushRequest | wire.RawPush) -> _Pushed:
         name = request.table
         hosted = self._get(name)
         raw_ids = request.ids  # protobuf copies a bytes field on every access: read each once
@@ -615,18 +636,24 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                 marks = self._replicate(hosted, view, changes, uslots, (cid, seq, uslots))
                 duplicate = False
             hosted.pushed += np.bincount(slots, minlength=self.num_slots)
-        if marks and sync:
+        return _Pushed(name, view, uslots, marks if sync else [], sync, int(applied), duplicate, len(ids))
+
+    def _push_ack(self, p: _Pushed, timeout_s: float) -> pb.PushResponse:
+        """Wait (up to ``timeout_s``) until the copies the push waits for have it (I1), then answer."""
+        name, view, uslots, marks, sync = p.name, p.view, p.uslots, p.marks, p.sync
+        if marks:
             assert self.replicator is not None
-            if not self.replicator.wait(marks, self.config.ack_timeout_s):
+            if not self.replicator.wait(marks, timeout_s):
                 late = sorted({m.stream.target_id for m in marks})
                 raise Unavailable(f"table {name!r}: push applied here but not yet by the in-sync copies on {late} "
                                   f"within {self.config.ack_timeout_s}s; retry it (it is applied once)",
                                   epoch=self._view.epoch)
             self._check_unmoved(name, view, uslots)
-        if duplicate:
+        if p.duplicate:
             self.metrics.duplicate_pushes.labels(name).inc()
         else:
-            self.metrics.rows_pushed.labels(name).inc(len(ids))
+            self.metrics.rows_pushed.labels(name).inc(p.rows)
+        applied, duplicate = p.applied, p.duplicate
         now = self._view
         # Not silent: a sync push acknowledged while a slot of it has fewer in-sync copies than the cluster
         # keeps says so (the client counts and logs it; ``min_copies`` refuses it instead).
@@ -1104,16 +1131,23 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         while self.state != "closed":
             self._handover_wake.wait(1.0)
             self._handover_wake.clear()
-            view = self._view
-            if self.replicator is None or self.agent is None or not view.valid or not view.fenced.any():
-                continue
-            fenced = np.flatnonzero(view.fenced)
             try:
-                if self.replicator.wait(self.replicator.tail_marks(fenced), self.config.ack_timeout_s) \
-                        and self._view is view and self.state != "closed":
-                    self.agent.handover_ready(fenced.astype(np.int32), view.epoch)
+                self.hand_over(self.config.ack_timeout_s)
             except ValueError:  # the agent's channel closed under the call: the server is stopping
                 return
+
+    def hand_over(self, timeout_s: float) -> bool:
+        """One try of the hand-over report: when the map names slots this server leads as handing over and
+        their in-sync copies acknowledge the stream's tail within ``timeout_s``, report them. True: reported."""
+        view = self._view
+        if self.replicator is None or self.agent is None or not view.valid or not view.fenced.any():
+            return False
+        fenced = np.flatnonzero(view.fenced)
+        if self.replicator.wait(self.replicator.tail_marks(fenced), timeout_s) and self._view is view \
+                and self.state != "closed":
+            self.agent.handover_ready(fenced.astype(np.int32), view.epoch)
+            return True
+        return False
 
     def positions(self) -> list[pb.SlotTableInfo]:
         """Per table, the log positions of every slot with data (for registering after a restart)."""
