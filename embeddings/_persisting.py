@@ -30,13 +30,11 @@ from tigana.embeddings._fields import TableFields
 from tigana.embeddings.config import TableConfig
 from tigana.embeddings.cut import Cut
 from tigana.embeddings.errors import InvalidArgument, SnapshotNotFound
-from tigana.embeddings.rows import RowBatch
 
 if TYPE_CHECKING:
     from tigana.embeddings.table import EmbeddingTable
 
 _LOCAL_SETTINGS = ("memory_budget", "spill_dir", "spill_max_bytes", "backend")
-_WRITE_ROWS = 1 << 16  # rows sorted together before they go to the snapshot's LMDB store
 
 
 def next_mark(mark: int) -> int:
@@ -62,7 +60,7 @@ class PendingSnapshot:
         path: Path | None = None
         try:
             deleted = np.unique(np.concatenate(self._deleted)) if self._deleted else np.empty(0, np.int64)
-            rows = _sorted_runs(self._cut.batches(dirty_only=self.incremental))
+            rows = self._cut.batches(dirty_only=self.incremental, in_order=True)  # LMDB writes sorted keys fastest
             path = _snapshot.write_snapshot(self._root, rows=rows, deleted_ids=deleted if self.incremental else None,
                                             incremental=self.incremental, **self._common)
             return path
@@ -93,23 +91,6 @@ class PendingSnapshot:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _sorted_runs(batches: Iterator[RowBatch]) -> Iterator[RowBatch]:
-    """The cut's chunks regrouped into runs of about ``_WRITE_ROWS`` rows sorted by id (LMDB writes sorted keys
-    faster and packs their pages fuller)."""
-    run: list[RowBatch] = []
-    rows = 0
-    for batch in batches:
-        run.append(batch)
-        rows += len(batch)
-        if rows >= _WRITE_ROWS:
-            joined = RowBatch.concat(run)
-            yield joined.take(np.argsort(joined.ids))
-            run, rows = [], 0
-    if run:
-        joined = RowBatch.concat(run)
-        yield joined.take(np.argsort(joined.ids))
 
 
 class Persisting(TableFields):

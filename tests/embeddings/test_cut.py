@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tigana import embeddings as emb
-from tigana.embeddings import _persisting, cut
+from tigana.embeddings import cut
 from tigana.embeddings import snapshot as snapshot_module
 
 DIM = 4
@@ -85,9 +85,9 @@ def apply(table: emb.EmbeddingTable, op: str, ids: list[int] | None, arg: int | 
 
 
 @given(kind=kind_st, before=st.lists(op_st, max_size=15), during=st.lists(op_st, max_size=30),
-       chunk=st.integers(1, 8))
+       chunk=st.integers(1, 8), in_order=st.booleans())
 @settings(max_examples=150, deadline=None)
-def test_a_cut_read_between_writes_holds_the_table_at_its_opening(kind, before, during, chunk) -> None:
+def test_a_cut_read_between_writes_holds_the_table_at_its_opening(kind, before, during, chunk, in_order) -> None:
     with tempfile.TemporaryDirectory() as d:
         table = make_table(kind, d)
         try:
@@ -96,15 +96,19 @@ def test_a_cut_read_between_writes_holds_the_table_at_its_opening(kind, before, 
                     apply(table, op, ids, arg)
             want = state_of(table)
             c = table.cut()
-            reader = c.batches(chunk)
+            reader = c.batches(chunk, in_order=in_order)
             got: list[emb.RowBatch] = []
-            for op, ids, arg in during:
-                if op == "read":
-                    for _ in range(arg):
-                        got.extend(b for b in [next(reader, None)] if b is not None)
-                else:
-                    apply(table, op, ids, arg)
-            got.extend(reader)
+            with mock.patch.object(cut, "ORDERED_ROWS", chunk):
+                for op, ids, arg in during:
+                    if op == "read":
+                        for _ in range(arg):
+                            got.extend(b for b in [next(reader, None)] if b is not None)
+                    else:
+                        apply(table, op, ids, arg)
+                got.extend(reader)
+            if in_order and got:  # ascending, but for the rows removed before they were read (last)
+                head = np.concatenate([b.ids for b in got[:-1]] or [np.empty(0, np.int64)])
+                assert (np.diff(head) > 0).all() and (np.diff(got[-1].ids) > 0).all()
             assert_same(sorted_rows(got, DIM, table.state_width), want)
             assert table._cuts == []  # read to the end: writes no longer pay for it
         finally:
@@ -134,7 +138,7 @@ def test_snapshots_written_while_writes_go_on_restore_the_table_at_their_cut(kin
         expected: list[tuple[Path, emb.RowBatch, int]] = []
         writes: list[Callable[[], None]] = []
         try:
-            with mock.patch.object(cut, "CUT_BUCKETS", 2), mock.patch.object(_persisting, "_WRITE_ROWS", 1), \
+            with mock.patch.object(cut, "CUT_BUCKETS", 2), mock.patch.object(cut, "ORDERED_ROWS", 2), \
                     mock.patch.object(snapshot_module, "write_snapshot", _interleaving_writer(writes)):
                 for before, during, incremental in rounds:
                     for op, ids, arg in before:
@@ -200,7 +204,7 @@ def test_a_snapshot_of_the_table_is_written_while_a_push_completes(tmp_path: Pat
 
     out: list[Path] = []
     with mock.patch.object(snapshot_module, "write_snapshot", paused), \
-            mock.patch.object(_persisting, "_WRITE_ROWS", 1):
+            mock.patch.object(cut, "ORDERED_ROWS", 1000):
         snapper = threading.Thread(target=lambda: out.append(table.snapshot(tmp_path)))
         snapper.start()
         assert reading.wait(120)

@@ -10,7 +10,7 @@ from unittest import mock
 
 import numpy as np
 
-from tigana.embeddings import SGD, EmbeddingTable, TableConfig, Zeros, _persisting
+from tigana.embeddings import SGD, EmbeddingTable, TableConfig, Zeros, cut
 from tigana.embeddings import snapshot as snapshot_module
 from tigana.proto import shard_pb2 as pb
 from tigana.ps import wire
@@ -48,7 +48,7 @@ def test_a_push_is_acknowledged_while_its_table_is_snapshotted(make_shard_server
 
     out: list[tuple[list[Path], int]] = []
     with mock.patch.object(snapshot_module, "write_snapshot", paused), \
-            mock.patch.object(_persisting, "_WRITE_ROWS", 1):
+            mock.patch.object(cut, "ORDERED_ROWS", 1000):
         snapper = threading.Thread(target=lambda: out.append(handle.service.snapshot_all()))
         snapper.start()
         assert reading.wait(120)
