@@ -44,6 +44,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                                           "client processes, resident rows and batch size"),
     "nemesis": ("tigana.tools.bench.nemesis", "a cluster started as the README says, under planned operations and "
                                               "faults: sync/async updates lost and doubled, demotions, stalls"),
+    "sim": ("tigana.tools.bench.sim", "the deterministic simulator over many seeds: invariant violations and "
+                                      "the slowest convergence"),
     "faults": ("tigana.tools.bench.faults", "the fault suite: kills, pauses, partitions, disks, corruption, hostile "
                                             "requests, a soak; a ledger counts what was lost"),
 }
@@ -91,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.parse_args(argv)  # --help prints and exits 0; a bad command exits 2
         parser.print_help()
         return 0 if not argv else 2
+    if any(k.startswith("TIGANA_") for k in os.environ):
+        from tigana.tools.env_names import unknown
+
+        for var in unknown(os.environ):
+            print(f"tigana: warning: {var} is not a setting of any tigana command (a typo?); it is ignored",
+                  file=sys.stderr)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -102,17 +110,33 @@ def main(argv: list[str] | None = None) -> int:
               f"'tigana')", file=sys.stderr)
         return 2
     parser = build_parser()
-    _attach(parser, argv, module)
-    args = parser.parse_args(argv)
+    selected = _attach(parser, argv, module)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # with the usage of the (sub)command the user typed, not the top-level one
+        _deepest(selected or parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(module.run(args) or 0)
     except BrokenPipeError:  # the reader went away (``tigana ... | head``): not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except Exception as exc:
+        if not _settings_error(exc):
+            raise
+        print(f"tigana {known.command}: {exc}", file=sys.stderr)  # a bad flag, variable or file value
+        return 2
 
 
-def _attach(parser: argparse.ArgumentParser, argv: list[str], module) -> None:
-    """Find the subparser that selected ``module`` and let the module add its arguments to it."""
+def _settings_error(exc: BaseException) -> bool:
+    """A bad setting (flag, TIGANA_* variable, config file) that a command let through: one line, exit 2."""
+    errors = sys.modules.get("tigana.ps.errors")  # loaded by every command that reads settings
+    trainer = sys.modules.get("tigana.trainer.config")
+    kinds = tuple(k for k in (getattr(errors, "InvalidArgument", None), getattr(trainer, "ConfigError", None)) if k)
+    return bool(kinds) and isinstance(exc, kinds)
+
+
+def _attach(parser: argparse.ArgumentParser, argv: list[str], module) -> argparse.ArgumentParser | None:
+    """Find the subparser that selected ``module``, let the module add its arguments to it, and check the
+    values every command shares at the edge (ports in range, known log levels); returns that subparser."""
     stack = [parser]
     while stack:
         p = stack.pop()
@@ -121,9 +145,62 @@ def _attach(parser: argparse.ArgumentParser, argv: list[str], module) -> None:
                 for child in action.choices.values():
                     if child.get_default("_module") == module.__name__:
                         module.add_arguments(child)
+                        _check_values(child)
                         _show_defaults(child)
-                        return
+                        return child
                     stack.append(child)
+    return None
+
+
+def _deepest(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost subparser ``args`` went through (``tigana admin status``'s, not ``admin``'s)."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = getattr(args, subs[0].dest, None) if subs and subs[0].dest != argparse.SUPPRESS else None
+        if chosen is None or chosen not in subs[0].choices:
+            return parser
+        parser = subs[0].choices[chosen]
+
+
+PORT_DESTS = frozenset({"port", "base_port"})
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port: 0 (a free one) to 65535")
+    return value
+
+
+def log_level(text: str) -> str:
+    """An argparse type: a logging level name, any case."""
+    if text.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(LOG_LEVELS)}")
+    return text.upper()
+
+
+def _check_values(parser: argparse.ArgumentParser) -> None:
+    """Give every command's ports and log levels the same checked types (a bad one is an argparse error: the
+    subcommand's usage and exit 2, not a traceback or a port that wraps around), and readable metavars."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _check_values(child)
+            continue
+        if action.dest in PORT_DESTS and action.type is int:
+            action.type = port_number
+        elif action.dest == "log_level":
+            action.type = log_level
+        # a flag whose destination differs from its name (--drain-grace -> drain_grace_s, --from -> from_)
+        # would show the destination as its metavar: show the flag's name instead
+        if action.option_strings and action.metavar is None and action.nargs != 0 and action.choices is None:
+            longest = max(action.option_strings, key=len)
+            action.metavar = longest.lstrip("-").replace("-", "_").upper()
 
 
 def _show_defaults(parser: argparse.ArgumentParser) -> None:

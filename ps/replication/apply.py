@@ -29,7 +29,7 @@ from tigana.ps.cluster_wire import BARRIER, CHANGES, SNAPSHOT_BEGIN, SNAPSHOT_RO
 from tigana.ps.errors import PSError
 from tigana.ps.logs import event, slots_text
 from tigana.ps.replication.stream import restrict
-from tigana.ps.routing import format_slots, slot_of
+from tigana.ps.routing import IN_SYNC, format_slots, slot_of
 
 log = logging.getLogger("tigana.ps.replication")
 
@@ -135,6 +135,14 @@ def apply_item(msg: Any, source: str, request_epoch: int, hosted_of: Callable[[s
             slots = item.slots.astype(np.int64)
             if not slots.size:
                 return None
+        if item.kind == SNAPSHOT_BEGIN:
+            # A slot copy starts only over a copy this server's map has catching up: one its map has in sync
+            # (a newer map accepted an earlier copy's report) is never emptied by a stale new start.
+            in_sync = m.copy_state(view.me)
+            fresh = in_sync[slots] == IN_SYNC
+            if fresh.any():
+                return (pb.REJECT_STALE, f"table {name!r}: slot(s) {format_slots(slots[fresh][:20])} are in sync "
+                        f"here at epoch {view.epoch}; a new slot copy would empty them", slots[fresh])
         if item.kind in (CHANGES, BARRIER):
             match = hosted.log.matches(slots, item.prev)
             if not match.all():

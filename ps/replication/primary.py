@@ -119,8 +119,13 @@ class Replicator:
                 s.held, s.in_sync = held, in_sync
                 s.required = in_sync | pending
                 s.excluded &= held  # a copy no longer held is no longer refused
-                # Sessions: keep the live ones whose slots are all still catching up; start new copies.
-                s.sessions = [x for x in s.sessions if x.state != FAILED and catching[x.slots].all()]
+                # Sessions: keep the live ones, cut to their slots still catching up (a copy the map removed is
+                # no reason to copy the others again: a new SNAPSHOT_BEGIN would empty copies that a report of
+                # this session may already have put in the in-sync set of a newer map); start new copies.
+                for x in s.sessions:
+                    if x.state != FAILED and not catching[x.slots].all():
+                        x.slots = x.slots[catching[x.slots]]
+                s.sessions = [x for x in s.sessions if x.state != FAILED and x.slots.size]
                 covered = np.zeros(self.num_slots, bool)
                 for x in s.sessions:
                     covered[x.slots] = True

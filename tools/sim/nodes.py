@@ -1,0 +1,244 @@
+"""The simulated nodes: the real ``SchedulerCore`` and the real ``ShardService``, driven on the world's clock.
+
+Nothing of the protocol is re-implemented here: a server's pushes, map installs, replication (its
+``Replicator`` and streams, the copies' ``apply_item``), slot copies and hand-overs are the daemon's own code.
+These adapters replace only the I/O: threads (the replicator's ``spawn`` is collected and run by the world),
+gRPC (the ``Net``), the scheduler's store (a real ``FileMapStore`` in a scratch folder) and the membership
+agent (``SimAgent``: heartbeats, registration and reports over the ``Net``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tigana.proto import shard_pb2 as pb
+from tigana.ps import cluster_wire
+from tigana.ps.config import ServerConfig
+from tigana.ps.routing import ShardMap
+from tigana.ps.scheduler import SchedulerConfig, SchedulerCore
+from tigana.ps.scheduler.mapstore import FileMapStore
+from tigana.ps.server import ShardService
+from tigana.tools.sim.world import Deferred, Lost, Net, World
+
+__all__ = ["SchedulerNode", "SimServer"]
+
+SCHEDULER = "scheduler"
+
+
+class _Channel:
+    """What a replication stream holds as its channel: the world sends for it."""
+
+    def unary_unary(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class _Security:
+    def channel(self, address: str, options: list) -> _Channel:
+        return _Channel()
+
+
+class SchedulerNode:
+    """The scheduler: a ``SchedulerCore`` on the world's clock and a store in ``folder``; ``restart``
+    loads a new core from the store (a crash: nothing but the store survives)."""
+
+    def __init__(self, world: World, net: Net, folder: Path, config: SchedulerConfig,
+                 announce: Callable[[ShardMap], None]) -> None:
+        self.world, self.net, self.folder, self.config = world, net, folder, config
+        self._announce = announce
+        self.up = True
+        self.core = self._core()
+
+    def _core(self) -> SchedulerCore:
+        return SchedulerCore(self.config, FileMapStore(self.folder), announce=self._announce,
+                             probe=lambda address: None, clock=self.world.clock)
+
+    def restart(self) -> None:
+        self.core = self._core()
+
+
+class SimAgent:
+    """A server's link to the scheduler (the ``membership.Agent`` surface the service calls)."""
+
+    def __init__(self, server: SimServer) -> None:
+        self.server = server
+        self.registered = False
+        self.last_ok = -1e9
+
+    def _call(self, fn: Callable[[SchedulerCore], Any]) -> Any:
+        s = self.server
+        return s.net.now_call(s.name, SCHEDULER, lambda: fn(s.scheduler.core))
+
+    def lease_ok(self) -> bool:
+        return self.server.world.now - self.last_ok < self.server.config.lease_s
+
+    def refresh(self, epoch: int = 0, wait_s: float = 0.0) -> None:
+        try:
+            m = self._call(lambda core: core.map)
+        except Lost:
+            return
+        self.server.install(m)
+
+    def refresh_soon(self, epoch: int) -> None:
+        self.server.world.at(0.01, lambda: self.refresh(epoch))
+
+    def report_copy_failure(self, target: str, slots: np.ndarray, reason: str) -> None:
+        me = self.server.name
+        with contextlib.suppress(Lost):
+            self._call(lambda core: core.copy_failed(me, target, np.asarray(slots), reason))
+
+    def copy_caught_up(self, target: str, slots: np.ndarray, since_epoch: int) -> bool | None:
+        me = self.server.name
+        try:
+            ok, message = self._call(lambda core: core.copy_caught_up(me, target, np.asarray(slots), since_epoch))
+        except Lost:
+            return None
+        return ok or not message.startswith("stale")
+
+    def handover_ready(self, slots: np.ndarray, epoch: int) -> None:
+        me = self.server.name
+        with contextlib.suppress(Lost):
+            self._call(lambda core: core.handover_ready(me, np.asarray(slots), epoch))
+
+    def report_unreachable(self, address: str) -> None:
+        return None
+
+    def beat(self) -> None:
+        """Register, or heartbeat; install the map that comes back (the daemon's agent loop, once)."""
+        s = self.server
+        sent = s.world.now
+        try:
+            if not self.registered:
+                m = self._call(lambda core: core.register(s.name, s.name, s.svc.boot, {}))
+                s.install(m)
+                self.registered = True
+            else:
+                m, again = self._call(lambda core: core.heartbeat(s.name, s.svc.boot, s.svc.epoch, {}))
+                if again:
+                    self.registered = False
+                    return
+                if m is not None:
+                    s.install(m)
+            self.last_ok = sent
+        except Lost:
+            return
+
+
+class SimServer:
+    """One shard server process (``start`` makes a new one: a new boot, empty memory)."""
+
+    def __init__(self, world: World, net: Net, name: str, scheduler: SchedulerNode, servers: dict[str, SimServer],
+                 num_slots: int) -> None:
+        self.world, self.net, self.name, self.scheduler, self.servers = world, net, name, scheduler, servers
+        self.config = ServerConfig(num_slots=num_slots, scheduler=SCHEDULER, server_id=name, ack_timeout_s=5.0,
+                                   replication_timeout_s=2.0, lease_s=2.0, snapshot_every_s=0.0,
+                                   snapshot_on_shutdown=False)
+        self.alive = False
+        self.paused = False
+        self.svc: ShardService | None = None
+        self.start()
+
+    @property
+    def up(self) -> bool:
+        return self.alive and not self.paused
+
+    def start(self) -> None:
+        if self.svc is not None:
+            self.svc.close_tables()
+        self.tasks: list[Callable[[], None]] = []
+        self.in_flight: set[int] = set()
+        self.acks: list[tuple[Any, Deferred, float]] = []
+        self.svc = ShardService(self.config, security=_Security(), clock=self.world.clock, spawn=self._spawn)
+        self.svc.state = "serving"
+        self.agent = SimAgent(self)
+        self.svc.agent = self.agent
+        self.alive, self.paused = True, False
+
+    def crash(self) -> None:
+        self.alive = False
+        self.acks = []  # a process that is gone answers nothing
+        if self.svc is not None:
+            self.svc.state = "closed"
+
+    def close(self) -> None:
+        if self.svc is not None:
+            self.svc.close_tables()
+
+    def _spawn(self, name: str, fn: Callable[[], None]) -> None:
+        if name == "tigana-slot-copy":
+            self.tasks.append(fn)  # run by ``step``, as its thread would
+        # a stream's sender (``Stream.run``) is driven by ``step``; closing a stream's channel is nothing here
+
+    def install(self, m: ShardMap) -> None:
+        if self.up:
+            self.svc.install(m)
+
+    # --- one step of the daemon's threads ---
+    def step(self) -> None:
+        if not self.up:
+            return
+        tasks, self.tasks = self.tasks, []
+        for task in tasks:
+            task()
+        rep = self.svc.replicator
+        for _key, s in list(rep.streams.items()):
+            if id(s) in self.in_flight:
+                continue
+            with rep.cond:
+                request = s.request()
+            if request is None:
+                continue
+            target = self.servers.get(s.target_id)
+            if target is None:
+                continue
+            self.in_flight.add(id(s))
+            self.net.call(self.name, s.target_id, lambda t=target, r=request: t.receive(self.name, r),
+                          lambda reply, error, s=s, svc=self.svc: self._answered(svc, s, reply, error))
+        self.svc.hand_over(0.0)
+        self._settle_acks()
+
+    def push(self, request: pb.PushRequest) -> Deferred:
+        """The ``Push`` handler: applied now (or refused, raising), answered once its copies have it."""
+        pushed = self.svc._push_apply(request)
+        answer = Deferred()
+        self.acks.append((pushed, answer, self.world.now + self.config.ack_timeout_s))
+        return answer
+
+    def _settle_acks(self) -> None:
+        keep = []
+        for pushed, answer, deadline in self.acks:
+            if not pushed.marks or self.svc.replicator.wait(pushed.marks, 0.0) or self.world.now >= deadline:
+                try:
+                    answer.resolve(self.svc._push_ack(pushed, 0.0))
+                except Exception as exc:  # noqa: BLE001 - the error answer the client gets
+                    answer.resolve(None, exc)
+            else:
+                keep.append((pushed, answer, deadline))
+        self.acks = keep
+
+    def _answered(self, svc: ShardService, s: Any, reply: pb.ReplicateResponse | None, error: BaseException | None
+                  ) -> None:
+        self.in_flight.discard(id(s))
+        if svc is not self.svc or not self.up or s.closed:
+            return  # an answer to a process that is gone, or to a stream replaced meanwhile
+        if error is not None:
+            s.failed(f"{type(error).__name__}: {error}")
+        else:
+            s.answered(reply)
+
+    def receive(self, source: str, request: bytes) -> pb.ReplicateResponse:
+        """The ``Replicate`` handler (the gRPC wrapper's body, without its context)."""
+        decoded = cluster_wire.decode_replicate_request(request)
+        return ShardService.Replicate.__wrapped__(self.svc, decoded, None)
+
+    def maintain(self) -> None:
+        if self.up:
+            self.svc.maintain()
+            self.agent.beat()

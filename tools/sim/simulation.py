@@ -1,0 +1,260 @@
+"""One seeded run: a cluster, a workload of pushes and admin operations, faults, and the invariants checked
+after every step (docs/replication.md names them).
+
+A run has three phases: ``busy`` (pushes, planned operations, and faults when enabled), ``heal`` (faults
+lifted, crashed servers restarted, pushes finishing) and the liveness check: within ``converge_s`` simulated
+seconds every slot must reach 1 + replicas in-sync copies and every push must be settled. Checked after every
+step: S1 (every sync update acknowledged is on every in-sync copy the scheduler's map names) and no double
+apply (no copy above the pushes sent). The ``Outcome`` carries the first violation and the trace to replay it.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tigana.embeddings import SGD, TableConfig, Zeros
+from tigana.ps.errors import PSError
+from tigana.ps.routing import CATCHING_UP, IN_SYNC, TableDef, slot_of
+from tigana.ps.scheduler import SchedulerConfig
+from tigana.tools.sim.client import DIM, Ledger, SimClient
+from tigana.tools.sim.nodes import SchedulerNode, SimServer
+from tigana.tools.sim.world import Net, World
+
+__all__ = ["Outcome", "Settings", "run_seed"]
+
+STEP_S = 0.01
+LEDGERS = {"ledger_sync": "sync", "ledger_async": "async"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    servers: int = 3
+    replicas: int = 1
+    num_slots: int = 16
+    ids: int = 256
+    clients: int = 2
+    busy_s: float = 20.0
+    converge_s: float = 60.0
+    faults: bool = True
+    ops_per_s: float = 0.6
+
+
+@dataclass
+class Outcome:
+    seed: int
+    steps: int = 0
+    violations: list[str] = field(default_factory=list)
+    convergence_s: float | None = None
+    acked: int = 0
+    failed_pushes: int = 0
+    ops: list[str] = field(default_factory=list)
+    trace: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+class _Run:
+    def __init__(self, seed: int, settings: Settings, folder: Path) -> None:
+        self.s = settings
+        self.world = World(seed)
+        self.servers: dict[str, SimServer] = {}
+        self.net = Net(self.world, self._up)
+        config = SchedulerConfig(replicas=settings.replicas, num_slots=settings.num_slots, heartbeat_timeout_s=3.0)
+        self.scheduler = SchedulerNode(self.world, self.net, folder / "scheduler", config, self._announce)
+        self.ledger = Ledger(settings.ids)
+        for name in LEDGERS:
+            self.ledger.table(name)
+        self.clients = [SimClient(self.world, self.net, f"c{k}", k + 1, self.scheduler, self.servers, self.ledger,
+                                  settings.num_slots) for k in range(settings.clients)]
+        self.out = Outcome(seed)
+        self.ids = np.arange(settings.ids, dtype=np.int64)
+        self.slots = slot_of(self.ids, settings.num_slots)
+        self.faulty = False
+        self.cut_off: set[str] = set()  # servers a partition cuts off now
+        self.scratch = 0
+        for _ in range(settings.servers):
+            self._add_server()
+
+    # --- plumbing ---
+    def _up(self, name: str) -> bool:
+        if name == "scheduler":
+            return self.scheduler.up
+        server = self.servers.get(name)
+        return server.up if server is not None else name.startswith("c")  # clients never crash here
+
+    def _announce(self, m) -> None:
+        for server in list(self.servers.values()):
+            self.net.call("scheduler", server.name, lambda s=server: s.install(m), lambda r, e: None)
+
+    def _add_server(self) -> None:
+        name = f"s{len(self.servers)}"
+        self.servers[name] = SimServer(self.world, self.net, name, self.scheduler, self.servers, self.s.num_slots)
+
+    def log(self, text: str) -> None:
+        self.world.log(text)
+        self.out.ops.append(f"{self.world.now:.2f} {text}")
+
+    # --- the run ---
+    def run(self) -> Outcome:
+        w, s = self.world, self.s
+        next_beat = next_op = next_push = 0.0
+        tables_made = False
+        end_busy = s.busy_s
+        heal_by = end_busy + s.converge_s
+        converged_at = None
+        while w.now < heal_by:
+            w.run_until(w.now + STEP_S)
+            self.out.steps += 1
+            if w.now >= next_beat:
+                next_beat = w.now + 0.5
+                for server in list(self.servers.values()):
+                    server.maintain()
+                if self.scheduler.up:
+                    self.scheduler.core.tick()
+            for server in list(self.servers.values()):
+                server.step()
+            if not tables_made and self.scheduler.core.map.servers:
+                self._create_ledgers()
+                tables_made = True
+            busy = w.now < end_busy
+            if tables_made and busy and w.now >= next_push:
+                next_push = w.now + 0.02
+                for c in self.clients:
+                    if c.in_flight < 4:
+                        c.push(w.rng.choice(list(LEDGERS)), np.array(
+                            w.rng.sample(range(s.ids), 16), np.int64))
+            if tables_made and busy and w.now >= next_op:
+                next_op = w.now + w.rng.expovariate(s.ops_per_s)
+                self._operation()
+            if not busy and self.faulty:
+                self._heal()
+            self._check()
+            if self.out.violations:
+                break
+            if not busy and converged_at is None and self._converged():
+                converged_at = w.now
+                break
+        if converged_at is None and not self.out.violations:
+            self.out.violations.append(f"liveness: not converged {s.converge_s:.0f}s after the busy phase "
+                                       f"({self._why_not()})")
+        self.out.convergence_s = None if converged_at is None else converged_at - end_busy
+        self.out.acked = sum(c.acked for c in self.clients)
+        self.out.failed_pushes = sum(c.failed for c in self.clients)
+        self.out.trace = w.trace
+        return self.out
+
+    def _create_ledgers(self) -> None:
+        core = self.scheduler.core
+        for name, durability in LEDGERS.items():
+            spec = TableDef(TableConfig(name, dim=DIM, optimizer=SGD(lr=1.0), initializer=Zeros()), durability)
+            core.create_table(spec, exist_ok=True)
+        self.log("ledger tables created")
+
+    # --- operations and faults ---
+    def _operation(self) -> None:
+        from tigana.tools.sim.operations import operate
+
+        operate(self)
+
+    def _heal(self) -> None:
+        self.net.cut.clear()
+        self.cut_off.clear()
+        self.net.drop = 0.0
+        for server in self.servers.values():
+            if server.paused:
+                server.paused = False
+            if not server.alive:
+                server.start()
+        if not self.scheduler.up:
+            self.scheduler.up = True
+            self.scheduler.restart()
+        self.faulty = False
+        self.log("healed: partitions lifted, every node up")
+
+    # --- invariants ---
+    def _check(self) -> None:
+        core = self.scheduler.core
+        m = core.map
+        if not m.servers or "ledger_sync" not in m.tables:
+            return
+        for name in LEDGERS:
+            acked, sent = self.ledger.acked[name], self.ledger.sent[name]
+            ids, slots = self.ids, self.slots
+            for i, entry in enumerate(m.servers):
+                server = self.servers.get(entry.id)
+                if server is None or not server.alive or server.svc.boot != entry.boot:
+                    continue
+                hosted = server.svc._tables.get(name)
+                held = (m.copies[slots] == i) & (m.states[slots] != CATCHING_UP)
+                mine = ids[held.any(axis=1)]
+                if hosted is None or hosted.spec.created_epoch != m.tables[name].created_epoch:
+                    if mine.size and name == "ledger_sync" and acked[mine].any():
+                        self.out.violations.append(f"S1: {entry.id} is an in-sync copy of {name} without the table")
+                    continue
+                values = np.rint(hosted.table.pull(ids, insert=False)[:, 0]).astype(np.int64)
+                over = np.flatnonzero(values > sent)
+                if over.size:
+                    self.out.violations.append(f"S6: {entry.id} {name} id {int(over[0])} at {values[over[0]]}, only "
+                                               f"{sent[over[0]]} push(es) of it were sent (applied twice)")
+                if name == "ledger_sync" and mine.size:
+                    short = mine[values[mine] < acked[mine]]
+                    if short.size:
+                        self.out.violations.append(
+                            f"S1: {entry.id} (in sync for slot {int(slots[short[0]])} at epoch {m.epoch}) has "
+                            f"{name} id {int(short[0])} at {values[short[0]]}, {acked[short[0]]} acknowledged")
+        if self.out.violations:
+            self.world.log(f"VIOLATION {self.out.violations[0]}")
+
+    def _converged(self) -> bool:
+        m = self.scheduler.core.map
+        up = sum(1 for e in m.servers if e.up)
+        want = min(1 + self.s.replicas, up)
+        return (self.scheduler.core.target is None and all(c.in_flight == 0 for c in self.clients)
+                and bool(((m.copies >= 0) & (m.states == IN_SYNC)).sum(axis=1).min() >= want)
+                and not ((m.copies >= 0) & (m.states != IN_SYNC)).any())
+
+    def _why_not(self) -> str:
+        m = self.scheduler.core.map
+        s = m.summary()
+        return (f"epoch {m.epoch}: {s}, target {'set' if self.scheduler.core.target is not None else 'none'}, "
+                f"pushes in flight {sum(c.in_flight for c in self.clients)}")
+
+
+class _ToTrace(logging.Handler):
+    """The cluster's own log lines, stamped with simulated time, into the run's trace (not the console)."""
+
+    def __init__(self, world: World) -> None:
+        super().__init__(logging.INFO)
+        self.world = world
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.world.log(f"{record.name.rsplit('.', 1)[-1]}: {record.getMessage()[:300]}")
+
+
+def run_seed(seed: int, settings: Settings | None = None) -> Outcome:
+    """Run one seed; the same seed and settings replay exactly (``Outcome.trace``: what happened, with the
+    cluster's log lines, up to the first violation)."""
+    root = logging.getLogger("tigana")
+    saved = (root.level, root.propagate, list(root.handlers))
+    with tempfile.TemporaryDirectory(prefix="tigana-sim-") as tmp:
+        run = _Run(seed, settings or Settings(), Path(tmp))
+        root.handlers, root.propagate = [_ToTrace(run.world)], False
+        root.setLevel(logging.INFO)
+        try:
+            return run.run()
+        except PSError as exc:  # an error no caller expects is a finding too
+            run.out.violations.append(f"error: {type(exc).__name__}: {exc}")
+            run.out.trace = run.world.trace
+            return run.out
+        finally:
+            root.setLevel(saved[0])
+            root.propagate, root.handlers = saved[1], saved[2]
+            for server in run.servers.values():
+                server.close()
