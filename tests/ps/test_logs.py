@@ -19,9 +19,9 @@ from tigana.embeddings import TableConfig
 from tigana.ps.config import ServerConfig
 from tigana.ps.daemon import start_server
 from tigana.ps.logs import JsonFormatter, event, setup_logging, slots_text
-from tigana.ps.mapstore import FileMapStore
 from tigana.ps.routing import TableDef
 from tigana.ps.scheduler import SchedulerConfig, SchedulerCore, start_scheduler
+from tigana.ps.scheduler.mapstore import FileMapStore
 
 
 @pytest.fixture

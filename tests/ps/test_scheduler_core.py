@@ -15,9 +15,9 @@ from primaries import report_all
 from tigana.embeddings import TableConfig
 from tigana.ps import placement
 from tigana.ps.errors import InvalidArgument, TableExists
-from tigana.ps.mapstore import FileMapStore
 from tigana.ps.routing import CATCHING_UP, IN_SYNC, NO_SERVER, ShardMap, TableDef
 from tigana.ps.scheduler import SchedulerConfig, SchedulerCore
+from tigana.ps.scheduler.mapstore import FileMapStore
 
 TIMEOUT = 3.0
 SLOTS = 24

@@ -11,9 +11,9 @@ from primaries import report_all
 
 from tigana.ps import placement
 from tigana.ps.errors import InvalidArgument
-from tigana.ps.mapstore import FileMapStore, SchedulerState
 from tigana.ps.routing import CATCHING_UP, HANDING_OVER, IN_SYNC, ShardMap
 from tigana.ps.scheduler import SchedulerConfig, SchedulerCore
+from tigana.ps.scheduler.mapstore import FileMapStore, SchedulerState
 
 TIMEOUT = 3.0
 SLOTS = 24

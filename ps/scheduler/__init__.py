@@ -1,0 +1,56 @@
+"""tigana.ps.scheduler — the scheduler: owns the shard map of a cluster, detects failed servers and recovers
+their slots.
+
+``SchedulerCore`` is the state machine; ``SchedulerService`` its gRPC face; ``start_scheduler`` the one
+function the CLI, tests and benchmarks start it with.
+
+Every change is a new map (epoch + 1) saved in the ``MapStore`` before anyone sees it; servers get it pushed
+(``InstallMap``) and with their heartbeats, clients long-poll ``GetMap``. What changes a map:
+
+- a server registers: a new one is added (and, once ``expect_servers`` are up, the first placement made);
+  a known one with a new boot (it restarted and lost its memory since its last snapshot) has its copies
+  demoted to catching up, so it never leads with stale rows while a valid copy exists elsewhere;
+- a server is declared dead (no heartbeat for ``heartbeat_timeout_s``, or a probe finds its port closed):
+  its copies leave the map; for every slot it led the first in-sync copy is promoted (only an in-sync copy
+  has every acknowledged update); then missing copies are added as catching-up copies on the least loaded
+  servers, which their primaries build with the slot copy;
+- a primary reports a copy failed (it could not stream to it): the copy is demoted to catching up, out of
+  the in-sync set, before the primary acknowledges anything without it (invariant I1 of ``replication``);
+- a primary reports a copy caught up: it joins the in-sync set;
+- tables are created or dropped;
+- the placement moves toward a target (``placement.step_toward``), one safe step per map.
+
+A slot left with no in-sync copy at all (every copy lost its memory, e.g. all servers restarted) gets a
+primary again by an unclean election among the servers that registered with rows of it, by their log
+positions (newest wins): what their snapshots held, so at most the updates since the last snapshot
+interval are lost. Thread-safety: every mutation runs under one lock.
+
+One room per concept:
+
+- ``config``: ``SchedulerConfig`` and ``load_scheduler_config``;
+- ``core``: ``SchedulerCore`` (state, commits, servers, copy reports, tables, reads), assembled from
+  ``liveness`` (failure detection, probes, elections) and ``moves`` (placement and its steps, hand-overs),
+  over the fields declared in ``_fields``;
+- ``service``: the gRPC ``SchedulerService``;
+- ``announcer`` and ``daemon``: ``SchedulerHandle``, ``start_scheduler``, the tick and election threads, health;
+- the stores: ``mapstore`` (the ``MapStore`` interface, ``FileMapStore``) and ``etcdstore`` (etcd, with the
+  leader election that fences every write; imported only when a config names it).
+"""
+
+from tigana.ps.errors import PSError
+from tigana.ps.scheduler.config import SchedulerConfig, load_scheduler_config
+from tigana.ps.scheduler.core import SchedulerCore
+from tigana.ps.scheduler.daemon import (
+    REPLICATION_HEALTH_NAME,
+    NotLeader,
+    SchedulerHandle,
+    probe_closed,
+    start_scheduler,
+)
+from tigana.ps.scheduler.mapstore import FileMapStore, MapStore, SchedulerState
+from tigana.ps.scheduler.moves import _placement_changes as _placement_changes  # used by tests
+from tigana.ps.scheduler.service import SERVICE_NAME, SchedulerService
+
+__all__ = ["REPLICATION_HEALTH_NAME", "SERVICE_NAME", "FileMapStore", "MapStore", "NotLeader", "PSError",
+           "SchedulerConfig", "SchedulerCore", "SchedulerHandle", "SchedulerService", "SchedulerState",
+           "load_scheduler_config", "probe_closed", "start_scheduler"]
