@@ -7,12 +7,14 @@ it asserts the targets themselves, not only that the line is well formed."""
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
 from tigana.tools import cli
 from tigana.tools.bench.nemesis import KEYS, targets_missed
 from tigana.tools.bench.nemesis.schedule import FAULTS, PLANNED, plan_round
+from tigana.tools.bench.nemesis.workload import LedgerClient, Ledgers
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -40,6 +42,20 @@ def test_targets_name_every_miss():
     assert targets_missed({**good, "max_push_stall_s": 9.0}, 3.0)
     assert targets_missed({**good, "doubled_sync": 1}, 3.0)
     assert targets_missed({**good, "lost_async_before_faults": 1}, 3.0)  # lost to planned operations alone
+
+
+def test_the_stall_counts_from_the_first_acknowledgement_and_start_up_apart():
+    class Loop:  # the two fields of a PushLoop that the stall reads
+        def __init__(self, events):
+            self._lock, self.events = threading.Lock(), events
+
+    ledgers = Ledgers("unused:0")
+    ledgers.clients = [LedgerClient("sync", None, Loop([(10.0, 14.0), (14.0, 15.0), (21.0, 22.0)]), 0.0, 25.0),
+                       LedgerClient("async", None, Loop([(2.0, 3.0), (3.0, 4.0)]), 0.0, 5.0)]
+    assert ledgers.first_ack_s() == 14.0  # the sync client's wait for its first acknowledgement
+    assert ledgers.max_stall() == (7.0, 15.0, "sync")  # 15 s -> 22 s without one
+    ledgers.clients.append(LedgerClient("async", None, Loop([]), 1.0, 4.0))
+    assert ledgers.first_ack_s() is None  # a client that never got one
 
 
 def test_bench_nemesis_quick_meets_its_targets(bench_lines):

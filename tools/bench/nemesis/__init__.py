@@ -15,9 +15,11 @@ One JSON line (``case`` ``nemesis``; value: the longest push stall against 3x th
 ``lost_sync``, ``doubled_sync``, ``lost_async``, ``doubled_async``, ``async_loss_bound`` (the replication lag
 each killed or paused primary reported just before, plus what it acknowledged after that sample),
 ``primaries_killed``, ``lost_sync_before_faults`` and ``lost_async_before_faults`` (what a pull at the end of
-the clean round misses of what was acknowledged before it), ``copies_demoted_without_failure`` (the scheduler's ``copies_demoted`` counters outside
-the windows that run from a fault until the map is settled again), ``max_push_stall_s``, ``verify`` (``tigana
-admin verify`` at the end: "ok" or what differs), ``rss_growth_mib`` (the daemons' resident memory growth), the
+the clean round misses of what was acknowledged before it), ``copies_demoted_without_failure`` (the
+scheduler's ``copies_demoted`` counters outside the windows that run from a fault until the map is settled
+again), ``max_push_stall_s`` (the longest a ledger client went without an acknowledgement, from its first one
+on; the start-up wait for that first one is ``first_ack_s``) and where it fell, ``verify`` (``tigana admin
+verify`` at the end: "ok" or what differs), ``rss_growth_mib`` (the daemons' resident memory growth), the
 failed operations, the scheduler log's demotion reasons, ``ok`` and ``targets_missed``. The exit code is 1 when
 a target is missed:
 

@@ -134,6 +134,8 @@ def _run(args: argparse.Namespace, run_dir: Path, duration: float, op_timeout: f
         operations.close_scratch()
         ledgers.stop()
         stall, stall_at, stall_table = ledgers.max_stall()
+        first_ack = ledgers.first_ack_s()
+        first_ack = None if first_ack is None else round(first_ack, 3)
         with ps.connect(scheduler=d.scheduler_address) as reader:  # a client with no push history
             audits = {dur: ledgers.audit(reader, dur) for dur in DURABILITIES}
         verify = _verify(d.scheduler_address, op_timeout)
@@ -147,7 +149,7 @@ def _run(args: argparse.Namespace, run_dir: Path, duration: float, op_timeout: f
         **clean, "async_loss_bound": faults.async_loss_bound(), "primaries_killed": faults.primaries_killed,
         "copies_demoted_without_failure": watched.pop("copies_demoted_without_failure"),
         "max_push_stall_s": round(stall, 3), "verify": verify,
-        "max_push_stall_during": _during(results, stall_at, stall_table, t0),
+        "max_push_stall_during": _during(results, stall_at, stall_table, t0), "first_ack_s": first_ack,
         "rss_growth_mib": round(sum(grown), 1), "rss_growth_mib_max": round(max(grown, default=0.0), 1),
         **watched, "demotion_reasons": demotion_reasons(scheduler_log),
         **{f"{k}_{dur}": audits[dur][k] for dur in DURABILITIES

@@ -5,7 +5,8 @@ Every client is its own ``ps.Client`` (its own client id and exactly-once sequen
 ``tigana.tools.bench.ledger.PushLoop`` on a background thread: an acknowledged push adds exactly 1 to every
 element of its ids' rows. The clients of one table push overlapping ids; the audit sums their counts per id.
 The longest stall is measured from the clients' side: the longest time any client went without an
-acknowledgement while it was pushing (from its start, between acknowledgements, and up to its stop).
+acknowledgement while it was pushing, from its first acknowledgement to its stop. The wait for that first
+acknowledgement (start-up) is reported apart, as ``first_ack_s``.
 """
 
 from __future__ import annotations
@@ -92,22 +93,35 @@ class Ledgers:
         ``acked_from`` (see ``PushLoop.count_acked``)."""
         return sum(loop.count_acked(sent_before, acked_from) for loop in self.loops(durability))
 
+    def first_ack_s(self) -> float | None:
+        """The longest any client waited from its start for its first acknowledgement (start-up: the first
+        placement, table creation, a cold JIT cache), None when one never got any."""
+        waits = []
+        for c in self.clients:
+            with c.loop._lock:
+                first = min((done for _, done in c.loop.events), default=None)
+            if first is None:
+                return None
+            waits.append(first - c.started_at)
+        return max(waits, default=None)
+
     def max_stall(self, until: float | None = None) -> tuple[float, float, str]:
         """(seconds, when it began, the client's durability) of the longest time a client went without an
-        acknowledgement while pushing (from its start, between acknowledgements, up to its stop; or a single
-        push's latency)."""
+        acknowledgement while pushing, from its first acknowledgement (start-up is ``first_ack_s``) to its
+        stop, or a single push's latency; a client never acknowledged stalled from its start."""
         worst = (0.0, 0.0, "")
         for c in self.clients:
             end = c.stopped_at or until or time.monotonic()
             with c.loop._lock:
                 events = list(c.loop.events)
-            marks = np.array([c.started_at, *sorted(done for _, done in events), end])
+            acks = sorted(done for _, done in events)
+            marks = np.array([*(acks or [c.started_at]), end])
             gaps = np.diff(marks)
             k = int(gaps.argmax())
             if gaps[k] > worst[0]:
                 worst = (float(gaps[k]), float(marks[k]), c.durability)
             for sent, done in events:
-                if done - sent > worst[0]:
+                if done - sent > worst[0] and sent >= acks[0]:
                     worst = (done - sent, sent, c.durability)
         return worst
 
