@@ -3,10 +3,11 @@ without a fault, and the map's health over time.
 
 Demotions are read from the scheduler's Prometheus endpoint: ``tigana_scheduler_copies_demoted_total`` with
 the label ``reason`` (``replication_failed``: a primary reported it could not stream to a copy; ``restart``:
-a server came back with a new boot id). A window *with a fault* opens just before a fault is injected and
-closes at the first observation, after the fault is healed (the daemon restarted or resumed), of a settled
-map (every slot with its primary and every copy in sync, nothing moving). Every demotion counted outside
-those windows is a demotion without a failure; the target is 0.
+a server came back with a new boot id); beside them, ``tigana_scheduler_servers_declared_dead_total``. A
+window *with a fault* opens just before a fault is injected and closes at the first observation, after the
+fault is healed (the daemon restarted or resumed), of a settled map (every slot with its primary and every
+copy in sync, nothing moving). Every demotion counted outside those windows is a demotion without a failure
+(target: 0); a server declared dead outside them is a false failure.
 
 The scheduler's log names each demotion's reporter and reason (``N cop(ies) on S out of the in-sync set
 (slots ...; reported by P: REASON)``): ``demotion_reasons`` tallies them as evidence.
@@ -25,6 +26,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tigana.ps import admin
 
 _DEMOTED = re.compile(r'^tigana_scheduler_copies_demoted_total\{reason="([^"]+)"\}\s+(\S+)$', re.M)
@@ -32,11 +35,15 @@ _DEMOTION_LINE = re.compile(r"(\d+) cop\(ies\) on (\S+) out of the in-sync set \
                             r"(.*?)\)(?: \(\{.*\}\))?\s*$")
 
 
-def demotions(metrics_port: int, timeout_s: float = 5.0) -> dict[str, float]:
-    """reason -> copies demoted so far, from the scheduler's metrics."""
+_DEAD = re.compile(r"^tigana_scheduler_servers_declared_dead_total\s+(\S+)$", re.M)
+
+
+def scrape(metrics_port: int, timeout_s: float = 5.0) -> tuple[dict[str, float], float]:
+    """(reason -> copies demoted so far, servers declared dead so far), from the scheduler's metrics."""
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=timeout_s) as r:
         text = r.read().decode()
-    return {reason: float(v) for reason, v in _DEMOTED.findall(text)}
+    dead = _DEAD.search(text)
+    return {reason: float(v) for reason, v in _DEMOTED.findall(text)}, float(dead.group(1)) if dead else 0.0
 
 
 def demotion_reasons(log_path: Path, top: int = 6) -> dict[str, int]:
@@ -63,9 +70,11 @@ class Monitor:
         self.t0 = time.monotonic() if t0 is None else t0  # first_settled_s counts from here
         self.clean = True  # no fault in effect
         self._healing = False
-        self._window_base = 0.0  # the demotion count when the current clean window opened
-        self.without_failure = 0.0  # demotions counted in closed clean windows
-        self.with_failure = 0.0
+        # (copies demoted, servers declared dead): the counts when the current window opened, and the sums
+        # of the closed windows without and with a failure
+        self._window_base = np.zeros(2)
+        self.without_failure = np.zeros(2)
+        self.with_failure = np.zeros(2)
         self.faults = 0
         self.first_settled_s: float | None = None
         self.settled_last = False
@@ -78,11 +87,16 @@ class Monitor:
         self._thread.start()
         return self
 
-    def _total(self) -> float:
-        try:
-            return sum(demotions(self.metrics_port).values())
-        except OSError:
-            return float("nan")
+    def _total(self) -> np.ndarray:
+        """(copies demoted, servers declared dead) so far; NaN (which fails the target) when the scheduler's
+        metrics do not answer three times."""
+        for attempt in range(3):
+            try:
+                demoted, dead = scrape(self.metrics_port)
+                return np.array([sum(demoted.values()), dead])
+            except OSError:
+                time.sleep(0.5 * (attempt + 1))
+        return np.full(2, np.nan)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -127,19 +141,24 @@ class Monitor:
         """Stop polling and close the last window; the figures."""
         self._stop.set()
         self._thread.join(10)
-        total_by_reason = {}
+        total_by_reason: dict[str, float] = {}
         with contextlib.suppress(OSError):
-            total_by_reason = demotions(self.metrics_port)
-        total = sum(total_by_reason.values()) if total_by_reason else self._total()
+            total_by_reason = scrape(self.metrics_port)[0]
+        total = self._total()
         with self._lock:
             if self.clean:
                 self.without_failure += total - self._window_base
             else:
                 self.with_failure += total - self._window_base
             self._window_base = total
-            return {"copies_demoted_without_failure": int(self.without_failure),
-                    "copies_demoted_with_failure": int(self.with_failure),
+            return {"copies_demoted_without_failure": _int(self.without_failure[0]),
+                    "copies_demoted_with_failure": _int(self.with_failure[0]),
+                    "servers_declared_dead_without_failure": _int(self.without_failure[1]),
                     "copies_demoted_by_reason": {k: int(v) for k, v in total_by_reason.items()},
                     "first_settled_s": None if self.first_settled_s is None else round(self.first_settled_s, 2),
                     "settled_at_end": self.settled_last, "degraded_slots_end": self.degraded_last,
                     "degraded_slots_max": self.max_degraded}
+
+
+def _int(x: float) -> int | None:
+    return None if np.isnan(x) else int(x)
