@@ -69,7 +69,8 @@ class LocalCluster:
                  wait_placement: bool = True, security_flags: Sequence[str] = (),
                  client_security: Security = NONE, shard_args: Callable[[int], Sequence[str]] | None = None,
                  shard_prefix: Callable[[int], Sequence[str]] | None = None,
-                 scheduler_prefix: Sequence[str] = (), schedulers: int = 1, store: str | None = None) -> None:
+                 scheduler_prefix: Sequence[str] = (), schedulers: int = 1, store: str | None = None,
+                 log_dir: str | os.PathLike | None = None) -> None:
         if shards < 1:
             raise ValueError(f"shards must be >= 1, got {shards}")
         if replicas is not None and replicas < 0:
@@ -78,6 +79,9 @@ class LocalCluster:
         self._tmp = tempfile.TemporaryDirectory(prefix="tigana-local-") if data_dir is None else None
         self.data_dir = Path(self._tmp.name if self._tmp else data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        # the daemons' logs: with the data (a temp dir is removed by close()) unless log_dir keeps them
+        self.log_dir = Path(log_dir) if log_dir is not None else self.data_dir
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: list[subprocess.Popen] = []
         self.addresses: list[str] = []
         self.metrics_ports: list[int | None] = []
@@ -153,7 +157,7 @@ class LocalCluster:
             log.close()
 
     def scheduler_log(self, k: int = 0) -> Path:
-        return self.data_dir / ("scheduler.log" if k == 0 else f"scheduler-{k}.log")
+        return self.log_dir / ("scheduler.log" if k == 0 else f"scheduler-{k}.log")
 
     def _start_scheduler(self, args: list[str], port: int = 0, k: int = 0) -> None:
         sdir = self.data_dir / ("scheduler" if k == 0 else f"scheduler-{k}")
@@ -257,7 +261,7 @@ class LocalCluster:
             time.sleep(0.1)
 
     def log_path(self, i: int) -> Path:
-        return self.data_dir / f"shard-{i}.log"
+        return self.log_dir / f"shard-{i}.log"
 
     def log_tail(self, i: int, lines: int = 30) -> str:
         return self._tail(self.log_path(i), lines)

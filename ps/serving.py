@@ -111,11 +111,16 @@ ENV_FIELDS = tuple(f.name for f in dataclasses.fields(SecuritySettings)) + ("met
 def load_serve_config(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> ServeConfig:
     """``ServeConfig`` from ``flags`` (field -> value; None: not given) > ``TIGANA_<FIELD>`` of ``ENV_FIELDS``
     in ``env`` (``os.environ`` when None) > defaults, through the loader every command uses."""
+    return load_serve_config_sources(flags, env).config
+
+
+def load_serve_config_sources(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Any:
+    """``load_serve_config`` with where each value came from (a ``settings.Loaded``: ``tigana config show``)."""
     from tigana.ps.config import PARSERS  # the server's parsers: "auto" metrics port
 
     env = os.environ if env is None else env
     own = {f"TIGANA_{n.upper()}": env[f"TIGANA_{n.upper()}"] for n in ENV_FIELDS if f"TIGANA_{n.upper()}" in env}
-    return load_settings(ServeConfig, flags=flags, env=own, parsers={"metrics_port": PARSERS["metrics_port"]}).config
+    return load_settings(ServeConfig, flags=flags, env=own, parsers={"metrics_port": PARSERS["metrics_port"]})
 
 
 def default_policy(text: str) -> str | float:

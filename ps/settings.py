@@ -22,11 +22,18 @@ from typing import Any, Generic, TypeVar
 
 from tigana.ps.errors import InvalidArgument
 
-__all__ = ["ENV_PREFIX", "Loaded", "describe_defaults", "load", "read_file"]
+__all__ = ["ENV_PREFIX", "Loaded", "describe_defaults", "load", "public_name", "read_file"]
 
 ENV_PREFIX = "TIGANA_"
 T = TypeVar("T")
 Parser = Callable[[Any, str], Any]  # (raw value, "where it came from") -> the field's value
+
+
+def public_name(field: str) -> str:
+    """The one name a setting goes by in flags, file keys and ``TIGANA_*`` variables: the field without its
+    unit suffix (``snapshot_every_s`` -> ``snapshot_every``: ``--snapshot-every``, ``snapshot-every:``,
+    ``TIGANA_SNAPSHOT_EVERY``), as the flags have always been spelled. The field name itself is accepted too."""
+    return field[:-2] if field.endswith("_s") else field
 
 
 @dataclass(frozen=True)
@@ -69,12 +76,14 @@ def read_file(path: str | os.PathLike, fields: set[str], section: str | None = N
         raise error(f"config file {str(p)!r}: expected a mapping of settings")
     if section and isinstance(data.get(section), dict):
         data = data[section]
+    accepted = {public_name(f): f for f in fields} | {f: f for f in fields}
     out = {}
     for key, value in data.items():
         name = str(key).strip().replace("-", "_").lower()
-        if name not in fields:
-            raise error(f"config file {str(p)!r}: unknown field {key!r}; expected one of {sorted(fields)}")
-        out[name] = value
+        if name not in accepted:
+            raise error(f"config file {str(p)!r}: unknown field {key!r}; expected one of "
+                        f"{sorted(public_name(f).replace('_', '-') for f in fields)}")
+        out[accepted[name]] = value
     return out
 
 
@@ -148,8 +157,8 @@ def load(cls: type[T], *, flags: Mapping[str, Any] | None = None, env: Mapping[s
         for name, value in read_file(file, set(names), section, error).items():
             values[name], sources[name] = convert(name, value, f"config file {str(file)!r}"), f"file {file}"
     for name in names:
-        for prefix in env_prefixes:
-            var = prefix + name.upper()
+        spellings = dict.fromkeys((public_name(name).upper(), name.upper()))  # TIGANA_SNAPSHOT_EVERY first
+        for var in (prefix + spelled for prefix in env_prefixes for spelled in spellings):
             raw = env.get(var)
             if raw is not None and raw != "":
                 values[name], sources[name] = convert(name, raw, f"environment variable {var}"), f"env {var}"
@@ -159,7 +168,7 @@ def load(cls: type[T], *, flags: Mapping[str, Any] | None = None, env: Mapping[s
             continue
         if name not in hints:
             raise error(f"flags: unknown field {name!r}")
-        flag = f"--{name.replace('_', '-')}"
+        flag = f"--{public_name(name).replace('_', '-')}"
         values[name], sources[name] = convert(name, value, f"flag {flag}"), f"flag {flag}"
     if derive is not None:
         derive(values, sources)

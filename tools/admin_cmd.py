@@ -33,20 +33,35 @@ from tigana.ps.errors import PSError
 from tigana.ps.security import Security
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--scheduler", default=os.environ.get("TIGANA_SCHEDULER"),
-                        help="HOST:PORT of the scheduler (default: $TIGANA_SCHEDULER)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for moves (default 600)")
+def _group_flags(parser: argparse.ArgumentParser, *, suppress: bool = False) -> None:
+    """The flags every action shares. ``suppress``: the copy on each action's parser, so that they work after
+    the action too (``tigana admin status --json``); given there, they override the ones before it."""
     env = os.environ.get
-    parser.add_argument("--tls-ca", default=env("TIGANA_TLS_CA"), help="PEM CA that verifies the cluster (TLS)")
-    parser.add_argument("--tls-cert", default=env("TIGANA_TLS_CERT"), help="PEM client certificate (mutual TLS)")
-    parser.add_argument("--tls-key", default=env("TIGANA_TLS_KEY"), help="PEM key of --tls-cert")
-    parser.add_argument("--auth-token-file", default=env("TIGANA_ADMIN_TOKEN_FILE") or env("TIGANA_AUTH_TOKEN_FILE"),
-                        help="file with the admin token (default: $TIGANA_ADMIN_TOKEN_FILE)")
-    parser.add_argument("--allow-insecure-loopback", action="store_true",
-                        default=env("TIGANA_ALLOW_INSECURE_LOOPBACK", "") in ("1", "true"),
-                        help="send the token without TLS (loopback only)")
+
+    def default(value: object) -> object:
+        return argparse.SUPPRESS if suppress else value
+
+    add = parser.add_argument
+    if suppress:  # the copy after the action: its default is whatever was given before it
+        def add(*names: str, help: str, **kwargs: object) -> None:  # noqa: A002 - argparse's keyword
+            parser.add_argument(*names, help=f"{help} (default: as given before the action)", **kwargs)
+
+    add("--scheduler", default=default(env("TIGANA_SCHEDULER")),
+        help="HOST:PORT of the scheduler (default: $TIGANA_SCHEDULER)")
+    add("--json", action="store_true", default=default(False), help="print one JSON object as the last line")
+    add("--timeout", type=float, default=default(600.0), help="seconds to wait for moves (default 600)")
+    add("--tls-ca", default=default(env("TIGANA_TLS_CA")), help="PEM CA that verifies the cluster (TLS)")
+    add("--tls-cert", default=default(env("TIGANA_TLS_CERT")), help="PEM client certificate (mutual TLS)")
+    add("--tls-key", default=default(env("TIGANA_TLS_KEY")), help="PEM key of --tls-cert")
+    add("--auth-token-file", default=default(env("TIGANA_ADMIN_TOKEN_FILE") or env("TIGANA_AUTH_TOKEN_FILE")),
+        help="file with the admin token (default: $TIGANA_ADMIN_TOKEN_FILE)")
+    add("--allow-insecure-loopback", action="store_true",
+        default=default(env("TIGANA_ALLOW_INSECURE_LOOPBACK", "") in ("1", "true")),
+        help="send the token without TLS (loopback only)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _group_flags(parser)
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     sub.add_parser("status", help="servers, slots, epoch, tables, degraded slots")
     p = sub.add_parser("top", help="a live view: rows, load and replication lag per server (Ctrl-C to quit)")
@@ -64,20 +79,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--link-bandwidth", type=float, default=100e6, help="bytes/s, to predict move time")
     p.add_argument("--no-wait", action="store_true", help="return once the moves are planned")
     p = sub.add_parser("move-slot", help="move a slot's copy to another server")
-    p.add_argument("slot", type=int)
+    p.add_argument("slot", type=int, help="the slot (0 to the number of slots - 1)")
     p.add_argument("--to", required=True, help="server id or address")
     p.add_argument("--from", dest="from_", default="", help="the copy to move (default: the primary)")
     p.add_argument("--primary", action="store_true", help="the slot's primary ends on --to")
-    p.add_argument("--no-wait", action="store_true")
+    p.add_argument("--no-wait", action="store_true", help="return once the move is planned")
     p = sub.add_parser("checkpoint", help="write a consistent checkpoint of every table")
-    p.add_argument("--dir", required=True)
+    p.add_argument("--dir", required=True, help="the checkpoint folder to write (shared storage)")
     p.add_argument("--table", action="append", help="only these tables (repeatable)")
     p = sub.add_parser("restore", help="load a checkpoint onto the servers the cluster has now")
-    p.add_argument("dir")
+    p.add_argument("dir", help="a checkpoint folder written by admin checkpoint")
     p.add_argument("--table", action="append", help="only these tables (repeatable)")
     p = sub.add_parser("export", help="a table's ids and float32 rows for serving (.npy pairs)")
-    p.add_argument("table")
-    p.add_argument("--out", required=True)
+    p.add_argument("table", help="the table to export")
+    p.add_argument("--out", required=True, help="the export folder (with --follow: the export log)")
     p.add_argument("--since", default=None, help="an earlier export: only rows updated after it")
     p.add_argument("--follow", action="store_true",
                    help="keep going: write the export log into --out (a full export, then the rows changed since "
@@ -90,7 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="--follow: a new full export (compaction: drops deleted rows, prunes old deltas) every N "
                         "deltas; 0 never (default 100)")
     p = sub.add_parser("verify", help="compare the copies' checksums slot by slot")
-    p.add_argument("--table", default="")
+    p.add_argument("--table", default="", help="only this table (default: every table)")
+    for action in sub.choices.values():
+        _group_flags(action, suppress=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,6 +4,10 @@ tokens, and the Prometheus endpoint. Defaults are None, so a config file or ``TI
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
+
+from tigana.ps.logs import JsonFormatter
 
 
 def add_security_flags(parser: argparse.ArgumentParser, who: str, admin_token: str) -> None:
@@ -26,3 +30,14 @@ def add_metrics_flags(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--metrics-port", default=None, help=f"Prometheus HTTP port ({what}); 0 off, 'auto' a free port")
     parser.add_argument("--metrics-host", default=None, help="address the metrics endpoint binds (0.0.0.0: every "
                         "interface)")
+
+
+def say(args: argparse.Namespace, text: str, level: int = logging.INFO) -> None:
+    """A daemon's lifecycle line (serving on, stopping, a start-up error) on stderr: with ``--log-format json``
+    a JSON object like every log record, so that every line of the log parses; else the text."""
+    if getattr(args, "log_format", "text") == "json":
+        record = logging.makeLogRecord({"name": "tigana.cli", "levelno": level,
+                                        "levelname": logging.getLevelName(level), "msg": text})
+        print(JsonFormatter().format(record), file=sys.stderr, flush=True)
+    else:
+        print(text, file=sys.stderr, flush=True)

@@ -21,7 +21,7 @@ from tigana.ps.routing import DEFAULT_NUM_SLOTS
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--shards", type=int, default=2, help="number of shard daemons (default 2)")
-    a("--replicas", default="1",
+    a("--replicas", default="1", type=_replicas,
       help="copies of every slot besides its primary (default 1); 'none': no scheduler, a static shard list")
     a("--base-port", type=int, default=None, help="shard i listens on BASE_PORT + i (default: free ports)")
     a("--host", default="127.0.0.1", help="address the shards bind (default 127.0.0.1)")
@@ -31,11 +31,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--metrics", action="store_true", help="serve Prometheus metrics from every shard on a free port")
     a("--startup-timeout", type=float, default=120.0, help="seconds to wait for every shard to serve")
     a("--log-format", default="text", choices=("text", "json"), help="the daemons' logs: text, or JSON lines")
+    a("--log-dir", default=None,
+      help="keep the daemons' logs here (scheduler.log, shard-<i>.log), also after exit (default: the data dir, "
+           "a temp dir removed on exit unless --data-dir is given)")
     a("--schedulers", type=int, default=1,
       help="schedulers (default 1); more than one keeps the map in etcd (--store, or an etcd started here) and "
            "elects a leader")
     a("--store", default=None, help="etcd://HOST:PORT of an etcd for the schedulers (default: the data dir, or a "
                                     "local etcd with --schedulers > 1)")
+
+
+def _replicas(text: str) -> str:
+    """An argparse type: ``none`` or a count >= 0 (kept as text; run() reads it)."""
+    if text.strip().lower() == "none":
+        return "none"
+    try:
+        if int(text) >= 0:
+            return str(int(text))
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r} is not a number of replicas (0, 1, ...) or none")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         cluster = LocalCluster(args.shards, replicas=replicas, base_port=args.base_port, data_dir=args.data_dir,
                                num_slots=args.num_slots, host=args.host, memory_budget=args.memory_budget,
                                metrics=args.metrics, startup_timeout=args.startup_timeout,
-                               schedulers=args.schedulers, store=store,
+                               schedulers=args.schedulers, store=store, log_dir=args.log_dir,
                                server_args=["--log-format", args.log_format],
                                scheduler_args=["--log-format", args.log_format])
     except (RuntimeError, TimeoutError, OSError, ValueError, PSError) as exc:  # noqa: B014
@@ -69,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         if store:
             sched += f"map in {store}, "
         print(f"tigana local: {sched}{args.shards} shard(s) serving on {','.join(cluster.addresses)}, data in "
-              f"{cluster.data_dir}{extra}; Ctrl-C stops them", flush=True)
+              f"{cluster.data_dir}, logs in {cluster.log_dir}{extra}; Ctrl-C stops them", flush=True)
         while not stop.wait(0.5):
             dead = [i for i, alive in enumerate(cluster.alive()) if not alive]
             if dead:

@@ -9,15 +9,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
-import sys
 from pathlib import Path
 
 from tigana.ps import settings
 from tigana.ps.errors import PSError
 from tigana.ps.logs import FORMATS, setup_logging
 from tigana.ps.scheduler import SchedulerConfig, load_scheduler_config, start_scheduler
-from tigana.tools.daemon_flags import add_metrics_flags, add_security_flags
+from tigana.tools.daemon_flags import add_metrics_flags, add_security_flags, say
 from tigana.tools.signals import StopSignal
 
 
@@ -68,9 +68,13 @@ def run(args: argparse.Namespace) -> int:
     stop = StopSignal()
     try:
         config = load(args).config
+    except PSError as exc:  # a bad setting
+        say(args, f"tigana scheduler: {exc}", logging.ERROR)
+        return 2
+    try:
         handle = start_scheduler(config)
     except (OSError, PSError) as exc:
-        print(f"tigana scheduler: {exc}", file=sys.stderr)
+        say(args, f"tigana scheduler: {exc}", logging.ERROR)
         return 1
     try:
         if args.ready_file:
@@ -82,12 +86,12 @@ def run(args: argparse.Namespace) -> int:
             os.replace(tmp, path)
         metrics = f", metrics on :{handle.metrics_port}" if handle.metrics_port else ""
         if handle.core is not None:
-            print(f"tigana scheduler: serving on {handle.address} (cluster {handle.core.map.cluster_id}, epoch "
+            say(args, f"tigana scheduler: serving on {handle.address} (cluster {handle.core.map.cluster_id}, epoch "
                   f"{handle.core.map.epoch}, {config.replicas} replica(s), state in {handle.store.describe()}"
-                  f"{metrics})", file=sys.stderr, flush=True)
+                  f"{metrics})")
         else:
-            print(f"tigana scheduler: serving on {handle.address}, standing by for election (state in "
-                  f"{handle.store.describe()}{metrics})", file=sys.stderr, flush=True)
+            say(args, f"tigana scheduler: serving on {handle.address}, standing by for election (state in "
+                  f"{handle.store.describe()}{metrics})")
         stop.wait()
     finally:
         handle.close()

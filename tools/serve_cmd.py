@@ -13,13 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.logs import FORMATS, setup_logging
-from tigana.ps.serving import ENV_FIELDS, ServeConfig, load_serve_config, start_serving
-from tigana.tools.daemon_flags import add_metrics_flags, add_security_flags
+from tigana.ps.serving import (
+    ENV_FIELDS,
+    ServeConfig,
+    load_serve_config,
+    load_serve_config_sources,
+    start_serving,
+)
+from tigana.tools.daemon_flags import add_metrics_flags, add_security_flags, say
 from tigana.tools.signals import StopSignal
 
 
@@ -43,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--log-format", default="text", choices=FORMATS, help="text lines, or one JSON object per line")
 
 
+def load(args: argparse.Namespace):
+    """The effective settings of parsed flags and where each came from (``tigana config show serve``)."""
+    return load_serve_config_sources({f: getattr(args, f) for f in _FLAGS})
+
+
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)
     stop = StopSignal()
@@ -50,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         config = load_serve_config({f: getattr(args, f) for f in _FLAGS})
         handle = start_serving(config)
     except (OSError, InvalidArgument) as exc:
-        print(f"tigana serve: {exc}", file=sys.stderr)
+        say(args, f"tigana serve: {exc}")
         return 2 if isinstance(exc, InvalidArgument) else 1
     try:
         if args.ready_file:
@@ -58,10 +68,10 @@ def run(args: argparse.Namespace) -> int:
                                                  "metrics_port": handle.metrics_port, "pid": os.getpid()})
         metrics = f", metrics on :{handle.metrics_port}" if handle.metrics_port else ""
         tls = ", TLS" if handle.security.tls else ""
-        print(f"tigana serve: listening on {handle.address}{tls}, following {args.source} (default row "
-              f"{args.default}{metrics}); SERVING once a full export is loaded", file=sys.stderr, flush=True)
+        say(args, f"tigana serve: listening on {handle.address}{tls}, following {args.source} (default row "
+              f"{args.default}{metrics}); SERVING once a full export is loaded")
         stop.wait()
-        print(f"tigana serve: {stop.name}, stopping", file=sys.stderr, flush=True)
+        say(args, f"tigana serve: {stop.name}, stopping")
     finally:
         handle.close()
         if args.ready_file:

@@ -11,7 +11,6 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 from pathlib import Path
 
 from tigana.ps import settings
@@ -19,7 +18,7 @@ from tigana.ps.config import ServerConfig, load_server_config_sources
 from tigana.ps.daemon import start_server, tune_allocator
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.logs import FORMATS, setup_logging
-from tigana.tools.daemon_flags import add_metrics_flags, add_security_flags
+from tigana.tools.daemon_flags import add_metrics_flags, add_security_flags, say
 from tigana.tools.signals import StopSignal
 
 
@@ -83,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load(args).config
     except InvalidArgument as exc:
-        print(f"tigana server: {exc}", file=sys.stderr)
+        say(args, f"tigana server: {exc}")
         return 2
 
     stop = StopSignal()
@@ -92,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         handle = start_server(config)
     except (OSError, InvalidArgument) as exc:
-        print(f"tigana server: {exc}", file=sys.stderr)
+        say(args, f"tigana server: {exc}")
         return 1
     try:
         while not handle.wait_ready(0.2):
@@ -101,15 +100,13 @@ def run(args: argparse.Namespace) -> int:
         if args.ready_file:
             _write_ready(Path(args.ready_file), handle)
         where = f"scheduler {config.scheduler}" if config.scheduler else f"slots {config.slots}"
-        print(f"tigana server: serving on {handle.address} as {handle.service.server_id} ({where}, "
+        say(args, f"tigana server: serving on {handle.address} as {handle.service.server_id} ({where}, "
               f"{config.num_slots} slots, data dir {config.data_dir or 'none'}"
-              + (f", metrics on :{handle.metrics_port}" if handle.metrics_port else "") + ")",
-              file=sys.stderr, flush=True)
+              + (f", metrics on :{handle.metrics_port}" if handle.metrics_port else "") + ")")
         stop.wait()
-        print(f"tigana server: {stop.name}, draining and snapshotting", file=sys.stderr,
-              flush=True)
+        say(args, f"tigana server: {stop.name}, draining and snapshotting")
     except Exception as exc:  # noqa: BLE001 - a failed load is reported, not a traceback
-        print(f"tigana server: {type(exc).__name__}: {exc}", file=sys.stderr)
+        say(args, f"tigana server: {type(exc).__name__}: {exc}")
         return 1
     finally:
         handle.close()  # idempotent; snapshots only when the tables were loaded

@@ -260,8 +260,8 @@ def _tuned_help(name: str, text: str = "") -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The training flags (every default is None so only flags given override the file and environment)."""
     parser.add_argument("--config", metavar="FILE", help="YAML file of TrainConfig fields")
-    parser.add_argument("--model", choices=MODELS)
-    parser.add_argument("--dataset", choices=DATASETS)
+    parser.add_argument("--model", choices=MODELS, help="the CTR model")
+    parser.add_argument("--dataset", choices=DATASETS, help="where the samples come from")
     parser.add_argument("--data", metavar="PATH", help="data folder or file (criteo, movielens-100k)")
     parser.add_argument("--ps", metavar="ADDRESS[,ADDRESS]",
                         help="a scheduler's address, or a static shard list; without it an embedded local cluster "
@@ -269,8 +269,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shards", type=int, help="shards of the embedded local cluster (default 2)")
     parser.add_argument("--epochs", type=int, help=_tuned_help("epochs", "passes over the training data"))
     parser.add_argument("--batch-size", type=int, help=_tuned_help("batch_size", "per trainer process"))
-    parser.add_argument("--eval-batch-size", type=int)
-    parser.add_argument("--max-steps", type=int)
+    parser.add_argument("--eval-batch-size", type=int, help="samples per evaluation batch")
+    parser.add_argument("--max-steps", type=int, help="stop after this many steps (none: the epochs decide)")
     parser.add_argument("--dim", type=int, help=_tuned_help("dim", "embedding width"))
     parser.add_argument("--lr", type=float, help=_tuned_help("lr", "dense (Adam) learning rate"))
     parser.add_argument("--weight-decay", type=float, help=_tuned_help("weight_decay", "of the dense Adam"))
@@ -278,14 +278,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=_tuned_help("embedding_optimizer", "server-side optimizer of the tables"))
     parser.add_argument("--embedding-lr", type=float, help=_tuned_help("embedding_lr"))
     parser.add_argument("--init-std", type=float, help=_tuned_help("init_std", "std of new embedding rows"))
-    parser.add_argument("--staleness", type=int)
-    parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--staleness", type=int,
+                        help="steps a pull may run ahead of acknowledged pushes (0: read-your-writes)")
+    parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
+                        help="pull the next batch's rows while this step runs (within --staleness)")
     parser.add_argument("--sparse-aggregation", action=argparse.BooleanOptionalAction, default=None,
                         help="merge the pushes of a node's ranks at the node leader")
-    parser.add_argument("--table-prefix")
+    parser.add_argument("--table-prefix", help="prefix of the PS tables' names (jobs sharing a cluster)")
     parser.add_argument("--fuse-tables", action=argparse.BooleanOptionalAction, default=None,
                         help="store every table in one PS table, ids salted per table (default: on)")
-    parser.add_argument("--allreduce", choices=("hierarchical", "flat"))
+    parser.add_argument("--allreduce", choices=("hierarchical", "flat"), help="how dense gradients are summed")
     parser.add_argument("--compression", choices=("none", "fp16", "bf16"),
                         help="codec of the dense all-reduce (the PS tables' wire: --ps-compression)")
     parser.add_argument("--ps-compression", choices=PS_COMPRESSIONS,
@@ -298,8 +300,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-policy", choices=("lfu", "lru"), help="which rows a full cache evicts")
     parser.add_argument("--nproc", type=int, help="trainer processes to spawn (not under torchrun/srun)")
     parser.add_argument("--ranks-per-node", type=int, help="simulate nodes of this many ranks")
-    parser.add_argument("--backend", choices=("gloo", "nccl"))
-    parser.add_argument("--checkpoint-dir", metavar="DIR")
+    parser.add_argument("--backend", choices=("gloo", "nccl"),
+                        help="torch.distributed backend (none: nccl with CUDA, else gloo)")
+    parser.add_argument("--checkpoint-dir", metavar="DIR", help="where checkpoints are written (shared storage)")
     parser.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (0: every epoch)")
     parser.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
                         help="resume from a checkpoint folder (default: the newest in --checkpoint-dir); 'auto': the "
@@ -310,11 +313,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--elastic-every", type=int,
                         help="steps between elastic states (dense weights and data position, saved by rank 0)")
     parser.add_argument("--logdir", metavar="DIR", help="TensorBoard log folder")
-    parser.add_argument("--log-every", type=int)
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--synthetic-rows", type=int)
-    parser.add_argument("--synthetic-vocab", type=int)
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--log-every", type=int, help="steps between log lines")
+    parser.add_argument("--seed", type=int, help="seed of the model, the tables and the synthetic data")
+    parser.add_argument("--synthetic-rows", type=int, help="samples of the synthetic dataset")
+    parser.add_argument("--synthetic-vocab", type=int, help="distinct ids per feature of the synthetic dataset")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="a progress bar on rank 0 (stderr)")
     parser.add_argument("--metrics-port", type=int,
                         help="Prometheus /metrics of every rank on this port + its local rank (0 off, -1 any free)")
     parser.add_argument("--metrics-host", help="address the metrics endpoint binds (0.0.0.0: every interface)")
