@@ -24,14 +24,14 @@ def test_a_forgotten_clients_retry_is_refused_and_its_next_push_starts_a_new_ses
         server = client._servers[0]
         first_id = client.client_id
         raw = _raw_push("s", ids, first_id, 10**6)
-        assert server.push(raw, timeout=10).applied_rows == 3
+        assert server.push(raw, timeout=60).applied_rows == 3
         window = shard_server.service._tables["s"].dedup
         window.max_clients = 1
         other = new_client_id()
-        assert server.push(_raw_push("s", np.array([9], np.int64), other, 1), timeout=10).applied_rows == 1
+        assert server.push(_raw_push("s", np.array([9], np.int64), other, 1), timeout=60).applied_rows == 1
         assert window.horizon == client_stamp(first_id)  # the client was dropped from the window
         with pytest.raises(grpc.RpcError) as caught:  # its late retry: refused, not applied a second time
-            server.push(raw, timeout=10)
+            server.push(raw, timeout=60)
         refused = from_rpc_error(caught.value)
         assert isinstance(refused, UnknownClient) and refused.horizon == window.horizon
         np.testing.assert_array_equal(client.pull("s", ids), -np.ones((3, 4), np.float32))
