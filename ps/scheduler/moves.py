@@ -150,9 +150,15 @@ class Moves(CoreFields):
                 self._save()
                 return placement.Plan(self.map.copies, [], np.zeros(0), np.zeros(0), 0, 0.0)
             self.draining.add(sid)
-            if not self._placeable().any():
+            left = int(self._placeable().sum())
+            if not left:
                 self.draining.discard(sid)
                 raise InvalidArgument(f"drain: {server!r} is the last server that can hold slots")
+            if left < 1 + self.config.replicas and self.map.holds(i).any():
+                self.draining.discard(sid)
+                raise InvalidArgument(f"drain: {server!r}: {left} server(s) would be left to hold {1 + self.config.replicas} "
+                                      "copies of every slot; add a server first (a drain never makes the cluster "
+                                      "under-replicated)")
             target = placement.balance(self.map.copies, self._placeable(), self.config.replicas)
             todo = placement.moves(self.map.copies, target)
             self.target, self.target_kind = target, "balance"
