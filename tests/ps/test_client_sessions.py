@@ -42,3 +42,20 @@ def test_a_forgotten_clients_retry_is_refused_and_its_next_push_starts_a_new_ses
         assert client.client_id != first_id and client_stamp(client.client_id) > window.horizon
         np.testing.assert_array_equal(client.pull("s", ids), -2 * np.ones((3, 4), np.float32))
         assert client.stats()["push_errors"] == 0
+
+
+
+def test_a_part_that_may_have_been_applied_is_not_resent_under_a_new_session() -> None:
+    """UnknownClient after an attempt whose outcome is unknown (a deadline, an Unavailable after the apply):
+    the push may have been applied under the old session, so the part fails instead of going again."""
+    from tigana.ps.datapath import _NOTHING_APPLIED, Attempt, PushOp
+    from tigana.ps.errors import DeadlineExceeded, Unavailable, WrongShard
+
+    # the answers that prove nothing was applied keep a retried part eligible; the others do not
+    assert isinstance(UnknownClient("x"), _NOTHING_APPLIED) and isinstance(WrongShard("x"), _NOTHING_APPLIED)
+    assert not isinstance(DeadlineExceeded("x"), _NOTHING_APPLIED) and not isinstance(Unavailable("x"),
+                                                                                        _NOTHING_APPLIED)
+    op = PushOp.__new__(PushOp)  # only the attempt is read before the decision
+    op.attempt = Attempt(2, float("inf"), None, refused=False)
+    assert not op._new_session(UnknownClient("horizon=5"), 0, 1, lambda *_: None)
+    assert Attempt(1, float("inf")).refused  # a first attempt was never sent: nothing of it can be applied
