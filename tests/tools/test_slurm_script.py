@@ -120,3 +120,11 @@ def test_no_requeue_when_turned_off(tmp_path: Path) -> None:
     assert out.returncode == 143
     assert "not requeued (TIGANA_SLURM_REQUEUE=0)" in out.stderr
     assert not (tmp_path / "requeues").exists()
+
+
+def test_a_server_advertising_port_0_advertises_the_port_it_bound() -> None:
+    from tigana.ps.daemon import advertised
+
+    assert advertised("node7:0", 41234) == "node7:41234"  # the script's --advertise NODE:0
+    assert advertised("node7:7101", 41234) == "node7:7101"
+    assert advertised(None, 41234) is None  # the bound address is used
