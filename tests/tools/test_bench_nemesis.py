@@ -42,6 +42,8 @@ def test_targets_name_every_miss():
     assert targets_missed({**good, "max_push_stall_s": 9.0}, 3.0)
     assert targets_missed({**good, "doubled_sync": 1}, 3.0)
     assert targets_missed({**good, "lost_async_before_faults": 1}, 3.0)  # lost to planned operations alone
+    assert targets_missed({**good, "lost_async": None, "lost_sync": None}, 3.0) == [  # the tables unreadable
+        "sync: 0 lost, 0 doubled", "async: 0 doubled, 0 lost unless a primary was killed, then within the bound"]
 
 
 def test_the_stall_counts_from_the_first_acknowledgement_and_start_up_apart():
