@@ -14,7 +14,7 @@ import numpy as np
 
 from tigana.proto import shard_pb2 as pb
 from tigana.ps import wire
-from tigana.ps.errors import PSError
+from tigana.ps.errors import PSError, TableNotFound
 from tigana.ps.routing import ShardMap, slot_of
 from tigana.tools.sim.world import Lost, Net, World
 
@@ -55,6 +55,7 @@ class SimClient:
         self.seq = 0
         self.pushes: dict[int, _Push] = {}
         self.failed = 0  # pushes given up on (neither acknowledged nor known lost)
+        self.to_dropped_tables = 0  # pushes whose (scratch) table was dropped under them
         self.acked = 0
 
     def refresh(self) -> None:
@@ -100,6 +101,8 @@ class SimClient:
                 waiting["open"] = False
                 if error is None:
                     self._part_done(p, key)
+                elif isinstance(error, TableNotFound) and p.table.startswith("scratch"):
+                    self._dropped(p)  # its table was dropped meanwhile: the push ends there
                 elif isinstance(error, (PSError, Lost)):
                     self.world.at(0.02 + self.world.rng.random() * 0.05, lambda: self._again(p, sub, key))
                 else:  # a bug in the server: a test failure, not a retry
@@ -121,6 +124,10 @@ class SimClient:
             del self.pushes[p.seq]
             self.ledger.acked[p.table][p.ids] += 1
             self.acked += 1
+
+    def _dropped(self, p: _Push) -> None:
+        if self.pushes.pop(p.seq, None) is not None:
+            self.to_dropped_tables += 1
 
     def _give_up(self, p: _Push) -> None:
         if self.pushes.pop(p.seq, None) is not None:

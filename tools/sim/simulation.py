@@ -126,10 +126,13 @@ class _Run:
             busy = w.now < end_busy
             if tables_made and busy and w.now >= next_push:
                 next_push = w.now + 0.02
+                scratch = [t for t in self.scheduler.core.map.tables if t.startswith("scratch")]
                 for c in self.clients:
                     if c.in_flight < 4:
-                        c.push(w.rng.choice(list(LEDGERS)), np.array(
-                            w.rng.sample(range(s.ids), 16), np.int64))
+                        # mostly the ledgers; some pushes to a scratch table, which a drop may cut short
+                        table = w.rng.choice(list(LEDGERS) + scratch[:1])
+                        self.ledger.table(table)
+                        c.push(table, np.array(w.rng.sample(range(s.ids), 16), np.int64))
             if tables_made and busy and w.now >= next_op:
                 next_op = w.now + w.rng.expovariate(s.ops_per_s)
                 self._operation()
