@@ -31,7 +31,7 @@ from tigana.ps import rpc
 from tigana.ps.config import ServerConfig
 from tigana.ps.membership import Agent
 from tigana.ps.metrics import ServerMetrics
-from tigana.ps.server import SERVICE_NAME, ShardService, add_to_server
+from tigana.ps.shard import SERVICE_NAME, ShardService, add_to_server
 from tigana.ps.warmup import warm_kernels
 
 log = logging.getLogger("tigana.ps.daemon")

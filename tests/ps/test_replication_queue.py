@@ -17,7 +17,7 @@ from tigana.ps import wire
 from tigana.ps.config import ServerConfig
 from tigana.ps.errors import Unavailable
 from tigana.ps.routing import IN_SYNC, ServerEntry, ShardMap, TableDef
-from tigana.ps.server import ShardService
+from tigana.ps.shard import ShardService
 
 SLOTS = 64
 

@@ -22,7 +22,7 @@ from tigana.ps.config import ServerConfig
 from tigana.ps.daemon import start_server
 from tigana.ps.dedup import DedupWindow
 from tigana.ps.routing import DEFAULT_NUM_SLOTS, slot_of
-from tigana.ps.server import checksum_value
+from tigana.ps.shard import checksum_value
 
 DIM = 4
 

@@ -201,7 +201,7 @@ def test_generated_registration_serves_the_same_rows() -> None:
 
     from tigana.proto import shard_pb2_grpc
     from tigana.ps.config import ServerConfig
-    from tigana.ps.server import ShardService
+    from tigana.ps.shard import ShardService
 
     service = ShardService(ServerConfig())
     service.state = "serving"

@@ -22,7 +22,7 @@ from tigana.ps.config import ServerConfig
 from tigana.ps.routing import ShardMap
 from tigana.ps.scheduler import SchedulerConfig, SchedulerCore
 from tigana.ps.scheduler.mapstore import FileMapStore
-from tigana.ps.server import ShardService
+from tigana.ps.shard import ShardService
 from tigana.tools.sim.world import Deferred, Lost, Net, World
 
 __all__ = ["SchedulerNode", "SimServer"]

@@ -62,8 +62,10 @@ class Target:
 
 # The request path: decoding, validation, the handlers. Not the storage engine: numba compiles its kernels
 # from their Python code, which must stay uninstrumented.
-_MODULES = ("tigana.ps.rpc", "tigana.ps.wire", "tigana.ps.server", "tigana.ps.errors", "tigana.ps.cluster_wire",
-            "tigana.ps.routing", "tigana.embeddings.config")
+_MODULES = ("tigana.ps.rpc", "tigana.ps.wire", "tigana.ps.shard._guard", "tigana.ps.shard.service",
+            "tigana.ps.shard.hosted", "tigana.ps.shard.ownership", "tigana.ps.shard.writes", "tigana.ps.shard.export",
+            "tigana.ps.shard.persistence", "tigana.ps.errors", "tigana.ps.cluster_wire", "tigana.ps.routing",
+            "tigana.embeddings.config")
 
 
 def _instrument(atheris) -> None:

@@ -1,0 +1,243 @@
+"""Whole-table reads and writes of ``ShardService``: ``ExportRows`` (a consistent cut of the slots this
+server leads, streamed; or the rows changed since a time), ``ImportRows`` (a restore, written through the
+primary and replicated like a push), ``SlotInfo`` (per slot rows, checksums, log positions and request
+rates) and ``Stats``.
+
+None of them holds a table's write lock for O(table) time: the cut is opened under the lock and read after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from tigana.embeddings import Changes
+from tigana.embeddings.changes import unique
+from tigana.proto import shard_pb2 as pb
+from tigana.ps import cluster_wire, rpc
+from tigana.ps.errors import InvalidArgument, Unavailable, WrongShard, status_metadata, to_status
+from tigana.ps.routing import slot_of
+from tigana.ps.shard._fields import ShardFields
+from tigana.ps.shard._guard import _STATES, _rpc
+from tigana.ps.shard.hosted import _Hosted, checksum_value
+
+log = logging.getLogger("tigana.ps.server")  # one logger for the whole shard server
+
+
+class Exports(ShardFields):
+    """Exports, imports, slot information and table statistics (a room of ``ShardService``)."""
+
+    @_rpc("Stats")
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        names = [request.table] if request.table else self.table_names()
+        out = []
+        for name in names:
+            hosted = self._get(name) if request.table else self._tables.get(name)
+            if hosted is not None:
+                out.append(pb.TableStats(table=name, values=self._values(name, hosted, checksum=True)))
+        return pb.StatsResponse(tables=out)
+
+    @_rpc("SlotInfo")
+    def SlotInfo(self, request: pb.SlotInfoRequest, context: grpc.ServicerContext) -> pb.SlotInfoResponse:
+        names = [request.table] if request.table else self.table_names()
+        out = []
+        for name in names:
+            hosted = self._get(name) if request.table else self._tables.get(name)
+            if hosted is not None:
+                out.append(self.slot_info(name, hosted, checksums=request.checksums))
+        stats = self.replicator.stats() if self.replicator is not None else {}
+        return pb.SlotInfoResponse(epoch=self._view.epoch, tables=out, server_id=self.server_id, replication=stats)
+
+    def slot_info(self, name: str, hosted: _Hosted, *, checksums: bool, slots: np.ndarray | None = None
+                  ) -> pb.SlotTableInfo:
+        """Per held slot (or ``slots``): rows, checksums, log positions and request rates of one table."""
+        view = self._view
+        held = np.flatnonzero(view.holds).astype(np.int32) if slots is None else np.asarray(slots, np.int32)
+        with hosted.lock:  # the checksums' cut and the positions of one moment; the cut is read after the lock
+            positions = hosted.log.positions[held].copy()
+            cut = hosted.table.cut() if checksums else None
+            per_row = hosted.table.stats().get("slot_bytes", 0.0)
+        sums, counts = None, None
+        if cut is not None:
+            sums, counts = cut.checksums_by(lambda ids: slot_of(ids, self.num_slots), self.num_slots)
+        if counts is None:
+            counts = np.bincount(slot_of(hosted.table.stored_ids(), self.num_slots), minlength=self.num_slots)
+        msg = pb.SlotTableInfo(table=name, slots=held.astype("<i4").tobytes(),
+                               rows=counts[held].astype("<i8").tobytes(),
+                               lsn_epochs=positions[:, 0].astype("<u8").tobytes(),
+                               lsn_indexes=positions[:, 1].astype("<u8").tobytes(),
+                               pull_rates=hosted.pull_rate[held].astype("<f8").tobytes(),
+                               push_rates=hosted.push_rate[held].astype("<f8").tobytes(),
+                               bytes=(counts[held] * per_row).astype("<i8").tobytes())
+        if sums is not None:
+            msg.checksums = sums[held].astype("<u8").tobytes()
+        return msg
+
+    def ExportRows(self, request: pb.ExportRowsRequest, context: grpc.ServicerContext):
+        """Stream the rows of the slots this server leads, as one consistent cut of the table: the cut is opened
+        under its write lock (with every slot's log position; O(1)), written to a temporary snapshot while
+        writes go on (copy-on-write, ``tigana.embeddings.Cut``), then streamed from that snapshot."""
+        start = time.perf_counter()
+        status: grpc.StatusCode | None = None
+        try:
+            rpc.check(request)
+            if self.state != "serving":
+                raise Unavailable(f"ExportRows: server {_STATES.get(self.state, self.state)}")
+            yield from self._export_rows(request)
+        except Exception as exc:  # noqa: BLE001 - a request never takes the daemon down
+            status, message = to_status(exc)
+            if status == grpc.StatusCode.INTERNAL:
+                log.exception("ExportRows failed with a bug")
+            context.set_trailing_metadata(status_metadata(exc, self._view.epoch))
+            context.abort(status, message)
+        finally:
+            self.metrics.observe("ExportRows", status.name if status else "OK", time.perf_counter() - start)
+
+    def _export_rows(self, request: pb.ExportRowsRequest):
+        from tigana.embeddings import snapshot as snap
+
+        name = request.table
+        hosted = self._get(name)
+        view = self._view
+        if not view.valid:
+            raise Unavailable(f"table {name!r}: server {self.server_id} is not in the cluster yet")
+        if request.slots:
+            slots = cluster_wire.array(request.slots, "<i4", field="slots").astype(np.int64)
+            if slots.size and (slots.min() < 0 or slots.max() >= self.num_slots):
+                raise InvalidArgument(f"table {name!r}: field 'slots' is out of range [0, {self.num_slots})")
+            if not view.leads[slots].all():
+                raise WrongShard(f"table {name!r}: field 'slots' names slots this server does not lead at epoch "
+                                 f"{view.epoch}", epoch=view.epoch)
+        else:
+            slots = np.flatnonzero(view.leads)
+        want = np.zeros(self.num_slots, bool)
+        want[slots] = True
+        chunk = int(request.chunk_rows) or 65536
+        since = float(request.since_time)
+        base = self.data_dir / "export-tmp" if self.data_dir is not None else None
+        if base is not None:
+            base.mkdir(parents=True, exist_ok=True)
+        if since:
+            yield from self._export_since(hosted, slots, want, since, chunk, request.weights_only)
+            return
+        tmp = Path(tempfile.mkdtemp(prefix="cut-", dir=base))
+        try:
+            with hosted.lock:  # the cut: rows, positions and step at one moment (O(1): copy-on-write)
+                cut_time = time.time()
+                table = hosted.table
+                pending = table.begin_snapshot(tmp, incremental=False, track=False)
+                positions = hosted.log.positions[slots].copy()
+                step = table.step
+            path = pending.write()  # the rows as of the cut, read while pushes go on
+            first = True
+            buffered: list = []
+            count = 0
+            for batch in snap.iter_snapshot_rows(path, batch_size=chunk):
+                keep = want[slot_of(batch.ids, self.num_slots)]
+                if since:
+                    keep &= batch.last_time >= since
+                if not keep.all():
+                    batch = batch.take(keep)
+                if not len(batch):
+                    continue
+                buffered.append(batch)
+                count += len(batch)
+                if count >= chunk:
+                    yield self._chunk(buffered, request.weights_only, step, cut_time if first else 0.0)
+                    first, buffered, count = False, [], 0
+            out = self._chunk(buffered, request.weights_only, step, cut_time if first else 0.0)
+            out.slots = slots.astype("<i4").tobytes()
+            out.positions_epochs = positions[:, 0].astype("<u8").tobytes()
+            out.positions_indexes = positions[:, 1].astype("<u8").tobytes()
+            yield out
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _export_since(self, hosted: _Hosted, slots: np.ndarray, want: np.ndarray, since: float, chunk: int,
+                      weights_only: bool):
+        """ExportRows with ``since_time`` (serving deltas, ``tigana admin export --since/--follow``): the rows
+        updated at or after ``since`` are copied in memory under the lock (the same cut as a snapshot: rows,
+        positions, step and time at one moment), then streamed; its cost follows the rows changed, not the
+        table's size, and no snapshot is written."""
+        with hosted.lock:
+            cut_time = time.time()
+            rows = hosted.table.export_rows(lambda ids: want[slot_of(ids, self.num_slots)], since=since)
+            positions = hosted.log.positions[slots].copy()
+            step = hosted.table.step
+        starts = range(0, len(rows), chunk) if len(rows) else range(1)
+        for k, lo in enumerate(starts):
+            part = [rows.take(slice(lo, lo + chunk))] if len(rows) else []
+            out = self._chunk(part, weights_only, step, cut_time if k == 0 else 0.0)
+            if lo + chunk >= len(rows):
+                out.slots = slots.astype("<i4").tobytes()
+                out.positions_epochs = positions[:, 0].astype("<u8").tobytes()
+                out.positions_indexes = positions[:, 1].astype("<u8").tobytes()
+            yield out
+
+    def _chunk(self, batches: list, weights_only: bool, step: int, server_time: float) -> pb.ExportRowsChunk:
+        from tigana.embeddings import RowBatch
+
+        out = pb.ExportRowsChunk(step=step, server_time=server_time)
+        if batches:
+            rows = RowBatch.concat(batches) if len(batches) > 1 else batches[0]
+            if weights_only:
+                rows = RowBatch(rows.ids, rows.weights, np.zeros((len(rows), 0), np.float32), rows.update_count,
+                                rows.last_step, rows.last_time)
+            out.rows.CopyFrom(cluster_wire.rows_to_pb(rows))
+        return out
+
+    @_rpc("ImportRows")
+    def ImportRows(self, request: pb.ImportRowsRequest, context: grpc.ServicerContext) -> pb.ImportRowsResponse:
+        """Write complete rows (a restore) through this primary: replicated to the slots' copies like a push."""
+        name = request.table
+        hosted = self._get(name)
+        rows = cluster_wire.rows_from_pb(request.rows, dim=hosted.table.dim, state_width=hosted.table.state_width,
+                                         table=name)
+        self._check_rows(name, len(rows))
+        with hosted.lock:
+            view, slots = self._check_leads(name, rows.ids, request.epoch)
+            uslots = unique(slots)
+            changes = Changes() if self.replicator is not None and self.replicator.streams else None
+            hosted.table.import_rows(rows)
+            if request.step:
+                hosted.table.apply_changes(step=int(request.step))
+            if changes is not None:
+                changes.written.append(rows.ids)
+            marks = self._replicate(hosted, view, changes, uslots, None)
+        if marks and self.replicator is not None and not self.replicator.wait(marks, self.config.ack_timeout_s):
+            raise Unavailable(f"table {name!r}: rows written here but not yet by the in-sync copies; retry",
+                              epoch=self._view.epoch)
+        self._check_unmoved(name, view, uslots)
+        return pb.ImportRowsResponse(rows=len(rows))
+
+    def _values(self, name: str, hosted: _Hosted, *, checksum: bool) -> dict[str, float]:
+        values: dict[str, float] = {}
+        for key, value in hosted.table.stats().items():
+            try:
+                values[str(key)] = float(value)
+            except (TypeError, ValueError):
+                continue
+        values["rows"] = float(len(hosted.table))
+        values["dim"] = float(hosted.table.config.dim)
+        values["state_width"] = float(hosted.table.state_width)
+        leads = self._view.leads
+        if checksum:  # one pass over a cut (the table's lock is held per chunk only): digest and rows per slot
+            cut = hosted.table.cut()
+            _, counts = cut.checksums_by(lambda ids: slot_of(ids, self.num_slots), self.num_slots)
+            values["checksum"] = checksum_value(cut.checksum())
+            if self.clustered:  # rows counted once cluster-wide: at their primary
+                values["rows_led"] = float(counts[leads].sum())
+        elif self.clustered:
+            ids = hosted.table.stored_ids()
+            values["rows_led"] = float(np.count_nonzero(leads[slot_of(ids, self.num_slots)])) if ids.size else 0.0
+        values["dedup_keys"] = float(len(hosted.dedup))
+        values["epoch"] = float(self._view.epoch)
+        if self.replicator is not None:
+            values.update(self.replicator.stats())
+        return values

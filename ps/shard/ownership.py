@@ -1,0 +1,330 @@
+"""What this server holds, and changes to it: ``_View`` (the slots it leads and holds under one map), the
+ownership check every write and pull makes (``_check_leads``), the install of a new map (tables created or
+dropped, slots no longer held forgotten, replication streams started or stopped), the hand-over of the
+primary role in a planned move, the links to the scheduler (the daemon's agent) and periodic upkeep.
+
+``install`` applies a map under the install lock, the registry lock and every table's write lock (in name
+order), so a request is checked and applied against one map.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+
+import numpy as np
+
+from tigana.embeddings import StorageError
+from tigana.embeddings.changes import unique
+from tigana.proto import shard_pb2 as pb
+from tigana.ps import _kernels
+from tigana.ps.errors import InvalidArgument, Unavailable, WrongShard
+from tigana.ps.logs import event, slots_text
+from tigana.ps.replication import NO_POSITION
+from tigana.ps.routing import ShardMap, format_slots, slot_of
+from tigana.ps.shard._fields import ShardFields
+
+log = logging.getLogger("tigana.ps.server")  # one logger for the whole shard server
+_COPY_CHUNK = 16384  # rows per SNAPSHOT_ROWS item of a slot copy
+_RATE_HALF_LIFE_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _View:
+    """What this server holds under one map: epoch, the slots it leads and holds, whether the map names this
+    process (``valid``), per slot the number of in-sync copies, the slots it leads but refuses writes to
+    while it hands them over (``fenced``), and the copies the cluster keeps of a slot (``want``)."""
+
+    epoch: int
+    map: ShardMap | None
+    me: int
+    leads: np.ndarray
+    holds: np.ndarray
+    valid: bool
+    in_sync: np.ndarray
+    fenced: np.ndarray
+    want: int = 1
+
+    @classmethod
+    def static(cls, owned: np.ndarray) -> _View:
+        return cls(0, None, -1, owned, owned, True, np.ones(owned.shape[0], np.int64), np.zeros_like(owned))
+
+    @classmethod
+    def waiting(cls, num_slots: int) -> _View:
+        none = np.zeros(num_slots, bool)
+        return cls(0, None, -1, none, none, False, np.zeros(num_slots, np.int64), none)
+
+    @classmethod
+    def of(cls, m: ShardMap, me: int, valid: bool) -> _View:
+        if me < 0 or not valid:
+            none = np.zeros(m.num_slots, bool)
+            return cls(m.epoch, m, me, none, none, False, m.in_sync_count(), none, 1 + m.replicas)
+        leads = m.leads(me)
+        return cls(m.epoch, m, me, leads, m.holds(me), True, m.in_sync_count(), leads & m.handing_over(),
+                   1 + m.replicas)
+
+
+class Ownership(ShardFields):
+    """The slots this server leads and holds, and the map that says so (a room of ``ShardService``)."""
+
+    def set_owned_slots(self, mask: np.ndarray) -> None:
+        """Static mode: replace the owned slot set ((num_slots,) bool)."""
+        mask = np.asarray(mask, dtype=bool)
+        if self.clustered:
+            raise InvalidArgument("owned slots: this server takes its slots from the scheduler's map")
+        if mask.shape != (self.num_slots,):
+            raise InvalidArgument(f"owned slots: expected a mask of {self.num_slots} slots, got {mask.shape}")
+        self._view = _View.static(mask.copy())
+
+    def owned_slots(self) -> np.ndarray:
+        return self._view.leads.copy()
+
+    @property
+    def epoch(self) -> int:
+        return self._view.epoch
+
+    def _check_leads(self, table: str, ids: np.ndarray, epoch: int) -> tuple[_View, np.ndarray]:
+        """(view, slot of each id) after checking this server leads every id's slot in its current map."""
+        view = self._view
+        if not view.valid:
+            raise Unavailable(f"table {table!r}: server {self.server_id} is not in the cluster yet "
+                              "(registering with the scheduler)", epoch=view.epoch)
+        slots, count, first = _kernels.slots_foreign(ids, view.leads)
+        if not count and view.fenced.any():
+            fenced = view.fenced[slots]
+            if fenced.any():
+                s = int(slots[np.argmax(fenced)])
+                raise WrongShard(f"table {table!r}: slot {s} is being handed over to a new primary at epoch "
+                                 f"{view.epoch}; retry by the next map (nothing applied)", epoch=view.epoch)
+        if count:
+            if epoch > view.epoch and self.agent is not None:
+                self.agent.refresh_soon(epoch)
+            example = int(ids[first])
+            raise WrongShard(f"table {table!r}: field 'ids' has {count} id(s) in slots this server does not lead "
+                             f"at epoch {view.epoch} (e.g. id {example}, slot {int(slots[first])}; the request "
+                             f"was routed at epoch {epoch})", epoch=view.epoch)
+        return view, slots
+
+    def cluster_figures(self) -> dict[str, float]:
+        """Epoch, slots led/held/catching up and replication lag (the metrics endpoint and heartbeats)."""
+        view = self._view
+        out = {"epoch": float(view.epoch), "slots_led": float(view.leads.sum()),
+               "slots_held": float(view.holds.sum()), "slots_catching_up": float(self.catching_up()),
+               "corrupt_stores": float(self.corrupt_stores)}
+        if self.replicator is not None:
+            out.update(self.replicator.stats())
+        return out
+
+    def catching_up(self) -> int:
+        """Copies on this server that are still being built (not yet in the in-sync set)."""
+        view = self._view
+        if view.map is None or not view.valid:
+            return 0
+        return int((view.map.copy_state(view.me) == 1).sum())
+
+    def install(self, m: ShardMap) -> bool:
+        """Make ``m`` this server's map if it is newer: tables created or dropped as it says, slots no longer
+        held forgotten, replication streams and slot copies started or stopped. False when not newer."""
+        if m.num_slots != self.num_slots:
+            raise InvalidArgument(f"shard map: {m.num_slots} slots, this server runs with {self.num_slots}")
+        with self._install_lock:
+            old = self._view
+            if m.epoch <= old.epoch:
+                return False
+            me = m.index_of(self.server_id)
+            valid = me >= 0 and m.servers[me].boot == self.boot
+            with self._registry_lock:
+                self._sync_tables(m)
+                hosted_all = sorted(self._tables.items())
+                for _, h in hosted_all:
+                    h.lock.acquire()
+                try:
+                    new = _View.of(m, me, valid)
+                    dropped = np.flatnonzero(old.holds & ~new.holds) if old.valid else np.empty(0, np.int64)
+                    self._view = new
+                    for _, h in hosted_all:
+                        if dropped.size:
+                            h.log.reset(dropped)
+                            h.dedup.forget_slots(dropped)
+                        h.table.set_evictable(self._leads_ids)  # the led slots changed: recount
+                    if self.replicator is not None:
+                        self.replicator.on_map(m, me if valid else -1, [n for n, _ in hosted_all],
+                                               lambda name, slots: self._tables[name].log.positions[slots].copy(),
+                                               lambda name, slots: self._tables[name].dedup.records_for(slots))
+                finally:
+                    for _, h in reversed(hosted_all):
+                        h.lock.release()
+                if self.catalog is not None:
+                    try:
+                        self._save_registry()
+                    except StorageError as exc:  # a cache of the map's tables: written again at the next change
+                        log.warning("saving the table registry failed: %s", exc)
+        if new.valid and (not old.valid or dropped.size):
+            threading.Thread(target=self._drop_unheld, name="tigana-drop-slots", daemon=True).start()
+        if new.fenced.any():
+            self._start_hand_over()
+        if self.on_install is not None:
+            self.on_install()
+        was_leading = old.leads if old.valid else np.zeros(self.num_slots, bool)
+        was_holding = old.holds if old.valid else np.zeros(self.num_slots, bool)
+        gained, lost = np.flatnonzero(new.leads & ~was_leading), np.flatnonzero(was_leading & ~new.leads)
+        added = np.flatnonzero(new.holds & ~was_holding & ~new.leads)
+        log.info("server %s installed map epoch %d: leads %d slot(s) (new: %s; no longer: %s), holds %d (new copies: "
+                 "%s; dropped: %s)%s", self.server_id, m.epoch, int(new.leads.sum()), slots_text(gained),
+                 slots_text(lost), int(new.holds.sum()), slots_text(added), slots_text(dropped),
+                 "" if valid else " (this process is not in it yet)",
+                 extra=event("map_installed", slots=np.union1d(np.union1d(gained, lost), np.union1d(added, dropped)),
+                             epoch=m.epoch, server=self.server_id, leads_gained=format_slots(gained),
+                             leads_lost=format_slots(lost), copies_added=format_slots(added),
+                             copies_dropped=format_slots(dropped)))
+        return True
+
+    def _sync_tables(self, m: ShardMap) -> None:
+        """Create the map's tables this server lacks, drop those it no longer has (registry lock held)."""
+        for name, spec in m.tables.items():
+            hosted = self._tables.get(name)
+            if hosted is not None and hosted.spec.created_epoch != spec.created_epoch:
+                self._drop_local(name)  # dropped and created again (between two maps this server saw)
+                hosted = None
+            if hosted is not None and hosted.spec != spec:
+                if hosted.spec.config == spec.config:  # durability or min_copies changed: keep the rows
+                    hosted.spec = spec
+                    continue
+                self._drop_local(name)
+                hosted = None
+            if hosted is None:
+                self._create_local(spec)
+                log.info("created table %r from the shard map", name)
+        for name in [n for n in self._tables if n not in m.tables]:
+            self._drop_local(name)
+            log.info("dropped table %r (not in the shard map)", name)
+
+    def _drop_unheld(self) -> None:
+        """Delete the rows of slots this server no longer holds, checked against the map current at each step:
+        the ids are found outside the table's write lock and deleted a chunk per lock hold, so pushes to the
+        slots it still leads are not held up by a large delete."""
+        for name in self.table_names():
+            hosted = self._tables.get(name)
+            if hosted is None or not self._view.valid:
+                continue
+            ids = hosted.table.stored_ids()
+            if not ids.size:
+                continue
+            gone = ids[~self._view.holds[slot_of(ids, self.num_slots)]]
+            deleted = 0
+            for lo in range(0, gone.size, _COPY_CHUNK * 4):
+                chunk = gone[lo:lo + _COPY_CHUNK * 4]
+                with hosted.lock:
+                    view = self._view
+                    if not view.valid or self._tables.get(name) is not hosted:
+                        break
+                    chunk = chunk[~view.holds[slot_of(chunk, self.num_slots)]]  # not taken back meanwhile
+                    if chunk.size:
+                        deleted += hosted.table.delete(chunk)
+            if deleted:
+                view = self._view
+                slots = unique(slot_of(gone, self.num_slots))
+                log.info("server %s at epoch %d: table %r: deleted %d row(s) of slots no longer held (slots %s)",
+                         self.server_id, view.epoch, name, deleted, slots_text(slots),
+                         extra=event("rows_dropped", slots=slots, epoch=view.epoch, server=self.server_id, table=name,
+                                     rows=deleted))
+
+    def maintain(self) -> None:
+        """Periodic work (the daemon calls it about once a second): decay request rates, restart broken
+        streams nothing depends on, report again what the scheduler missed."""
+        now = time.monotonic()
+        dt = max(1e-3, now - self._last_decay)
+        self._last_decay = now
+        keep = 0.5 ** (dt / _RATE_HALF_LIFE_S)
+        for hosted in list(self._tables.values()):
+            with hosted.lock:
+                hosted.pull_rate = hosted.pull_rate * keep + hosted.pulled / dt * (1 - keep)
+                hosted.push_rate = hosted.push_rate * keep + hosted.pushed / dt * (1 - keep)
+                hosted.pulled[:] = 0
+                hosted.pushed[:] = 0
+        if self.replicator is not None and self._view.map is not None:
+            if self.replicator.needs_restart():
+                self._reapply_map()
+            self.replicator.retry_reports()
+
+    def _reapply_map(self) -> None:
+        with self._install_lock, self._registry_lock:
+            view = self._view
+            if view.map is None or self.replicator is None:
+                return
+            hosted_all = sorted(self._tables.items())
+            for _, h in hosted_all:
+                h.lock.acquire()
+            try:
+                self.replicator.on_map(view.map, view.me if view.valid else -1, [n for n, _ in hosted_all],
+                                       lambda name, slots: self._tables[name].log.positions[slots].copy(),
+                                       lambda name, slots: self._tables[name].dedup.records_for(slots))
+            finally:
+                for _, h in reversed(hosted_all):
+                    h.lock.release()
+
+    # --- links to the scheduler (the daemon's agent) ------------------------------------------------------
+    def _refresh(self, epoch: int, wait_s: float = 0.0) -> None:
+        if self.agent is not None:
+            self.agent.refresh(epoch, wait_s)
+
+    def _report_failure(self, target: str, slots: np.ndarray, reason: str) -> None:
+        if self.agent is not None:
+            self.agent.report_copy_failure(target, slots, reason)
+
+    def _start_hand_over(self) -> None:
+        with self._install_lock:
+            if self._handover_thread is None:
+                self._handover_thread = threading.Thread(target=self._hand_over_loop, name="tigana-hand-over",
+                                                         daemon=True)
+                self._handover_thread.start()
+        self._handover_wake.set()
+
+    def _caught_up(self, target: str, slots: np.ndarray, since_epoch: int) -> bool | None:
+        if self.agent is not None:
+            return self.agent.copy_caught_up(target, slots, since_epoch)
+        return None
+
+    # --- handing the primary role over (a planned move) ----------------------------------------------------
+    def _hand_over_loop(self) -> None:
+        """While the map names slots this server leads as handing over (it refuses writes to them since it
+        installed that map), wait until every in-sync copy acknowledged the stream's tail, then report them
+        ready: the scheduler makes the next map name the new primary, which then holds every write made here.
+        Runs on one thread; woken by each map and about once a second (the report is repeated until the map
+        changes, so a scheduler restart loses nothing)."""
+        while self.state != "closed":
+            self._handover_wake.wait(1.0)
+            self._handover_wake.clear()
+            try:
+                self.hand_over(self.config.ack_timeout_s)
+            except ValueError:  # the agent's channel closed under the call: the server is stopping
+                return
+
+    def hand_over(self, timeout_s: float) -> bool:
+        """One try of the hand-over report: when the map names slots this server leads as handing over and
+        their in-sync copies acknowledge the stream's tail within ``timeout_s``, report them. True: reported."""
+        view = self._view
+        if self.replicator is None or self.agent is None or not view.valid or not view.fenced.any():
+            return False
+        fenced = np.flatnonzero(view.fenced)
+        if self.replicator.wait(self.replicator.tail_marks(fenced), timeout_s) and self._view is view \
+                and self.state != "closed":
+            self.agent.handover_ready(fenced.astype(np.int32), view.epoch)
+            return True
+        return False
+
+    def positions(self) -> list[pb.SlotTableInfo]:
+        """Per table, the log positions of every slot with data (for registering after a restart)."""
+        out = []
+        for name in self.table_names():
+            hosted = self._tables[name]
+            with hosted.lock:
+                pos = hosted.log.positions.copy()
+            have = np.flatnonzero((pos[:, 1] > 0) & (pos[:, 1] != NO_POSITION)).astype(np.int32)
+            out.append(pb.SlotTableInfo(table=name, slots=have.astype("<i4").tobytes(),
+                                        lsn_epochs=pos[have, 0].astype("<u8").tobytes(),
+                                        lsn_indexes=pos[have, 1].astype("<u8").tobytes()))
+        return out
+

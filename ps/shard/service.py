@@ -1,0 +1,267 @@
+"""``ShardService``: the gRPC face of one shard server, assembled from its rooms (``hosted``, ``ownership``,
+``writes``, ``export``, ``persistence``), with the table RPCs, the data path's handlers (``Pull``, ``Push``,
+the ``Exchange`` stream), ``Snapshot``, ``Restore``, ``InstallMap`` and ``Replicate``; and ``add_to_server``.
+
+Each handler decodes the request with ``tigana.ps.wire``, checks it against the table and the shard map, calls
+the table, and encodes the answer; every exception becomes a status in one place (``_guard._rpc``).
+Thread-safety: handlers run on gRPC's thread pool (see the ``tigana.ps.shard`` docstring for the locks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from tigana.proto import shard_pb2 as pb
+from tigana.proto import shard_pb2_grpc
+from tigana.ps import cluster_wire, frames, rpc, streams, wire
+from tigana.ps.catalog import Catalog
+from tigana.ps.config import ServerConfig
+from tigana.ps.errors import DeadlineExceeded, InvalidArgument, TableExists, Unavailable, to_status
+from tigana.ps.metrics import ServerMetrics
+from tigana.ps.replication import Inbound, Replicator, apply_item
+from tigana.ps.security import NONE, Security
+from tigana.ps.shard._guard import _STATES, _rpc
+from tigana.ps.shard.export import Exports
+from tigana.ps.shard.hosted import Hosting, _Hosted
+from tigana.ps.shard.ownership import Ownership, _View
+from tigana.ps.shard.persistence import Persistence
+from tigana.ps.shard.writes import Writes
+
+log = logging.getLogger("tigana.ps.server")  # one logger for the whole shard server
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Shard"].full_name  # "tigana.v1.Shard"
+_BAD_NAME = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class ShardService(Ownership, Writes, Exports, Persistence, Hosting, shard_pb2_grpc.ShardServicer):
+    """The tables and slot copies of one shard server. ``state`` is loading -> serving -> closed.
+
+    ``agent`` (set by the daemon in cluster mode) is the link to the scheduler: ``refresh(epoch)``,
+    ``report_copy_failure(target, slots, reason)``, ``copy_caught_up(target, slots)``.
+
+    Assembled from one room per concept (see the ``tigana.ps.shard`` docstring); this module holds the
+    remaining handlers."""
+
+    def __init__(self, config: ServerConfig, metrics: ServerMetrics | None = None, *,
+                 security: Security = NONE, clock: Callable[[], float] = time.monotonic,
+                 spawn: Callable[[str, Callable[[], None]], None] | None = None) -> None:
+        self.config = config
+        self.security = security
+        self.metrics = metrics or ServerMetrics(self.table_sizes, self.cluster_figures)
+        self.state = "loading"
+        self.num_slots = config.num_slots
+        self.data_dir = Path(config.data_dir) if config.data_dir else None
+        self.catalog = Catalog(self.data_dir) if self.data_dir is not None else None
+        self.server_id = (self.catalog.server_id(config.server_id) if self.catalog is not None
+                          else config.server_id or uuid.uuid4().hex[:12])
+        self.boot = uuid.uuid4().hex[:12]
+        self.clustered = config.scheduler is not None
+        self.corrupt_stores = 0  # stores found corrupt at start and quarantined (clustered servers)
+        self.agent: Any = None
+        self.on_install: Callable[[], None] | None = None  # the daemon's health update
+        self._tables: dict[str, _Hosted] = {}
+        self._registry_lock = threading.RLock()
+        self._install_lock = threading.Lock()
+        self._inbound: dict[str, Inbound] = {}
+        self._inbound_lock = threading.Lock()
+        self._handover_wake = threading.Event()
+        self._handover_thread: threading.Thread | None = None
+        self._last_decay = time.monotonic()
+        self._streams = 0  # Exchange streams open
+        self._streams_lock = threading.Lock()
+        self._frame_pool = futures.ThreadPoolExecutor(max_workers=config.max_workers,
+                                                      thread_name_prefix="tigana-frame")
+        if self.clustered:
+            self._view = _View.waiting(self.num_slots)
+            self.replicator: Replicator | None = Replicator(
+                self.server_id, self.boot, self.num_slots, max_message_bytes=config.max_message_bytes,
+                refresh_map=self._refresh, report_failure=self._report_failure, caught_up=self._caught_up,
+                copy_rows=self._copy_rows, failure_timeout_s=config.replication_timeout_s,
+                max_queue_bytes=config.replication_queue_bytes, channel=security.channel, clock=clock, spawn=spawn)
+        else:
+            self._view = _View.static(config.owned_slots())
+            self.replicator = None
+
+    @_rpc("CreateTable")
+    def CreateTable(self, request: pb.CreateTableRequest, context: grpc.ServicerContext) -> pb.CreateTableResponse:
+        spec = cluster_wire.table_def_from_pb(request.spec)
+        name = spec.config.name
+        if len(name) > 200 or _BAD_NAME.search(name):
+            raise InvalidArgument(f"table {name!r}: field 'name' must be at most 200 characters without "
+                                  "control characters")
+        with self._registry_lock:
+            existing = self._tables.get(name)
+            if existing is not None:
+                if existing.spec != spec:
+                    diff = [f.name for f in dataclasses.fields(spec.config)
+                            if getattr(spec.config, f.name) != getattr(existing.spec.config, f.name)]
+                    diff += [f for f in ("durability", "min_copies") if getattr(spec, f) != getattr(existing.spec, f)]
+                    raise TableExists(f"table {name!r} already exists with a different spec "
+                                      f"(field(s) {', '.join(diff)} differ)")
+                if not request.exist_ok:
+                    raise TableExists(f"table {name!r} already exists (pass exist_ok to accept it)")
+                return pb.CreateTableResponse(spec=cluster_wire.table_def_to_pb(existing.spec), created=False)
+            if self.clustered:
+                raise InvalidArgument(f"table {name!r}: this server is part of a cluster; create tables through "
+                                      f"its scheduler ({self.config.scheduler})")
+            self._create_local(spec)
+            try:
+                self._save_registry()
+            except BaseException:  # a full disk: the table was not created
+                self._drop_local(name)
+                raise
+        log.info("created table %r (dim %d, %s)", name, spec.config.dim, spec.config.optimizer.kind)
+        return pb.CreateTableResponse(spec=cluster_wire.table_def_to_pb(spec), created=True)
+
+    @_rpc("DescribeTable")
+    def DescribeTable(self, request: pb.DescribeTableRequest, context: grpc.ServicerContext
+                      ) -> pb.DescribeTableResponse:
+        hosted = self._get(request.table)
+        stats = pb.TableStats(table=request.table, values=self._values(request.table, hosted, checksum=False))
+        return pb.DescribeTableResponse(spec=cluster_wire.table_def_to_pb(hosted.spec), stats=stats)
+
+    @_rpc("DropTable")
+    def DropTable(self, request: pb.DropTableRequest, context: grpc.ServicerContext) -> pb.DropTableResponse:
+        if self.clustered:
+            raise InvalidArgument(f"table {request.table!r}: this server is part of a cluster; drop tables "
+                                  f"through its scheduler ({self.config.scheduler})")
+        with self._registry_lock:
+            if request.table in self._tables:
+                self._save_registry(without=request.table)  # first: a full disk leaves the table as it was
+            dropped = self._drop_local(request.table)
+        if dropped:
+            log.info("dropped table %r", request.table)
+        return pb.DropTableResponse(dropped=dropped)
+
+    @_rpc("ListTables")
+    def ListTables(self, request: pb.ListTablesRequest, context: grpc.ServicerContext) -> pb.ListTablesResponse:
+        hosted = [self._tables.get(n) for n in self.table_names()]
+        return pb.ListTablesResponse(tables=[cluster_wire.table_def_to_pb(h.spec) for h in hosted if h is not None])
+
+    @_rpc("Pull")
+    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullResponse:
+        _, rows, codec = self._pull(request)
+        return pb.PullResponse(rows=wire.encode_rows(rows, codec))
+
+    @_rpc("Pull")
+    def pull_serialized(self, request: pb.PullRequest, context: grpc.ServicerContext) -> bytes:
+        """``Pull`` answering the serialized ``PullResponse`` (written in one copy by ``wire``), for the
+        bytes response serializer ``add_to_server`` registers."""
+        _, rows, codec = self._pull(request)
+        return wire.encode_pull_response(rows, codec)
+
+    @_rpc("Push")
+    def Push(self, request: pb.PushRequest | wire.RawPush, context: grpc.ServicerContext) -> pb.PushResponse:
+        """Apply a gradient block; ``request`` is the protobuf message or ``wire.decode_push_request``'s views."""
+        return self._push(request)
+
+    def Exchange(self, requests: Any, context: grpc.ServicerContext) -> Any:
+        """The streaming data path: this client's pulls and pushes as frames of one stream (``streams``)."""
+        with self._streams_lock:
+            if self._streams >= self.config.max_streams:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"Exchange: server has {self._streams} streams open, the limit (max_streams); "
+                              "use the unary Pull and Push")
+            self._streams += 1
+
+        def malformed(item: Any) -> None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item.error()))
+
+        try:
+            yield from streams.serve(requests, self._answer_frame, self._frame_pool, self.config.stream_window,
+                                     malformed)
+        finally:
+            with self._streams_lock:
+                self._streams -= 1
+
+    def _answer_frame(self, frame: frames.Frame, received: float) -> bytes:
+        """One frame of an ``Exchange`` stream, answered as the unary call would be (never raises)."""
+        method = frames.KINDS[frame.kind]
+        start = time.perf_counter()
+        status: grpc.StatusCode | None = None
+        try:
+            try:
+                rpc.check(frame.request)
+                if self.state != "serving":
+                    raise Unavailable(f"{method}: server {_STATES.get(self.state, self.state)}")
+                if frame.timeout_ms and time.monotonic() - received > frame.timeout_ms / 1000:
+                    raise DeadlineExceeded(f"table {frame.request.table!r}: {method} frame waited past its "
+                                           f"deadline ({frame.timeout_ms} ms) before it was handled; not applied")
+                if frame.kind == frames.PULL:
+                    _, rows, codec = self._pull(frame.request)
+                    return frames.pull_answer(frame.id, rows, codec)
+                return frames.push_answer(frame.id, self._push(frame.request))
+            except Exception as exc:  # noqa: BLE001 - a frame never takes the stream or the daemon down
+                status = to_status(exc)[0]
+                if status == grpc.StatusCode.INTERNAL:
+                    log.exception("%s frame failed with a bug", method)
+                return frames.error_answer(frame.id, exc, self._view.epoch)
+        finally:
+            self.metrics.observe(method, status.name if status else "OK", time.perf_counter() - start)
+
+    @_rpc("Snapshot")
+    def Snapshot(self, request: pb.SnapshotRequest, context: grpc.ServicerContext) -> pb.SnapshotResponse:
+        paths, rows = self.snapshot_all(incremental=request.incremental)
+        return pb.SnapshotResponse(paths=[str(p) for p in paths], rows=rows)
+
+    @_rpc("Restore")
+    def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> pb.RestoreResponse:
+        if self.clustered:
+            raise InvalidArgument("Restore: this server is part of a cluster; its copies are kept by replication "
+                                  "(restore a cluster checkpoint through the scheduler)")
+        return pb.RestoreResponse(rows=self.restore(request.path or None))
+
+    @_rpc("InstallMap")
+    def InstallMap(self, request: pb.InstallMapRequest, context: grpc.ServicerContext) -> pb.InstallMapResponse:
+        if not self.clustered:
+            raise InvalidArgument("InstallMap: this server was started without --scheduler")
+        self.install(cluster_wire.map_from_pb(request.map))
+        return pb.InstallMapResponse(epoch=self._view.epoch)
+
+    @_rpc("Replicate")
+    def Replicate(self, request: pb.ReplicateRequest | cluster_wire.RawReplicate, context: grpc.ServicerContext
+                  ) -> pb.ReplicateResponse:
+        """Apply a primary's stream in order (``replication.apply``: invariant I3)."""
+        with self._inbound_lock:
+            st = self._inbound.setdefault(request.source, Inbound(request.source))
+        return st.receive(request, self.server_id, lambda: self._view, self._refresh,
+                          lambda msg, epoch: apply_item(msg, request.source, epoch, self._tables.get,
+                                                        lambda: self._view, self.num_slots))
+
+    def close_tables(self) -> None:
+        self._frame_pool.shutdown(wait=False, cancel_futures=True)
+        if self.replicator is not None:
+            self.replicator.close()
+        with self._registry_lock:
+            for hosted in self._tables.values():
+                with hosted.lock:
+                    try:
+                        hosted.table.close()
+                    except Exception:  # noqa: BLE001 - close the others regardless
+                        log.exception("closing table %r failed", hosted.spec.config.name)
+            self._tables.clear()
+
+
+def add_to_server(service: ShardService, server: grpc.Server) -> None:
+    """Register ``service`` on ``server`` (every method of proto/shard.proto), with the data path's own
+    (de)serializers: Push requests parsed into zero-copy views (``wire.decode_push_request``), Pull replies
+    written as bytes in one copy (``ShardService.pull_serialized``), replication streams decoded as views.
+    A request that does not parse answers INVALID_ARGUMENT (``rpc.register``)."""
+    rpc.register(server, pb.DESCRIPTOR.services_by_name["Shard"], service, {
+        "Pull": (service.pull_serialized, pb.PullRequest.FromString, wire.identity),
+        "Push": (service.Push, wire.decode_push_request, pb.PushResponse.SerializeToString),
+        "Exchange": (service.Exchange, frames.read_request, wire.identity),
+        "Replicate": (service.Replicate, cluster_wire.decode_replicate_request,
+                      pb.ReplicateResponse.SerializeToString),
+    })

@@ -1,0 +1,251 @@
+"""The write path of ``ShardService``: pulls (which may insert), pushes (applied under the table's lock,
+then acknowledged once the in-sync copies have them) and their replication to the slots' copies, with the
+rows of a slot copy enqueued in the same order.
+
+The write path of a cluster table (``Push``; pulls that insert take the same path without waiting): under
+the table's write lock, check that this server leads every slot of the request in its current map
+(``WrongShard`` otherwise, with the epoch; the ownership check and the apply see the same map), check
+``min_copies``, skip slots that already applied this (client id, seq), apply, record the key, stamp the
+slots' log positions and enqueue the changed rows to every copy (``replication``). Then, for a sync table,
+wait until every in-sync copy applied it (invariant I1 of ``replication``), and acknowledge only if the
+slots' copies did not change meanwhile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from tigana.embeddings import Changes
+from tigana.embeddings.changes import unique
+from tigana.proto import shard_pb2 as pb
+from tigana.ps import wire
+from tigana.ps.cluster_wire import CHANGES, SNAPSHOT_ROWS, Item
+from tigana.ps.errors import InvalidArgument, NotEnoughReplicas, ResourceExhausted, Unavailable
+from tigana.ps.replication import Stream
+from tigana.ps.routing import slot_of
+from tigana.ps.shard._fields import ShardFields
+from tigana.ps.shard.hosted import _Hosted
+from tigana.ps.shard.ownership import _COPY_CHUNK, _View
+
+_CODECS = frozenset(pb.Codec.values())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Pushed:
+    """A push applied (or found a duplicate) under its table's lock, not yet acknowledged: the map it was
+    applied under, its slots, and the replication marks a sync push waits for."""
+
+    name: str
+    view: _View
+    uslots: np.ndarray
+    marks: list
+    sync: bool
+    applied: int
+    duplicate: bool
+    rows: int
+
+
+
+class Writes(ShardFields):
+    """Pulls, pushes and their replication (a room of ``ShardService``)."""
+
+    def _pull(self, request: pb.PullRequest) -> tuple[str, np.ndarray, int]:
+        """Validate a pull and read its rows: (table, (n, dim) float32 rows, reply codec)."""
+        name = request.table
+        hosted = self._get(name)
+        raw_ids = request.ids  # protobuf copies a bytes field on every access: read it once
+        ids = wire.decode_ids(raw_ids, table=name)
+        self._check_rows(name, ids.size)
+        codec = request.codec
+        if codec not in _CODECS:
+            raise InvalidArgument(f"table {name!r}: field 'codec' has unknown value {codec}")
+        reply_bytes = wire.rows_nbytes(len(ids), hosted.table.config.dim, codec)
+        if reply_bytes > self.config.max_message_bytes - 1024:  # refuse before pull inserts anything
+            raise ResourceExhausted(f"table {name!r}: field 'ids' asks for {len(ids)} rows, {reply_bytes} bytes "
+                                    f"as a reply, above the message limit of {self.config.max_message_bytes}; "
+                                    "split the pull")
+        with hosted.lock:
+            view, slots = self._check_leads(name, ids, request.epoch)
+            if request.read_only:
+                rows = hosted.table.pull(ids, insert=False)
+            elif self.replicator is not None and self.replicator.streams:
+                changes = Changes()
+                rows = hosted.table.pull(ids, changes=changes)
+                if changes:
+                    self._replicate(hosted, view, changes, None, None)
+            else:
+                rows = hosted.table.pull(ids)
+            hosted.pulled += np.bincount(slots, minlength=self.num_slots)
+        self.metrics.rows_pulled.labels(name).inc(len(ids))
+        self.metrics.bytes_in.labels("Pull").inc(len(raw_ids))
+        self.metrics.bytes_out.labels("Pull").inc(reply_bytes)
+        self.metrics.row_bytes_raw.labels("Pull").inc(len(ids) * hosted.table.config.dim * 4)
+        self.metrics.row_bytes_wire.labels("Pull").inc(reply_bytes)
+        return name, rows, codec
+
+    def _push(self, request: pb.PushRequest | wire.RawPush) -> pb.PushResponse:
+        """A push: applied (or found a duplicate) under the table's lock, then, for a sync table, acknowledged
+        once its in-sync copies have it (``_push_apply`` then ``_push_ack``; a simulator drives the two)."""
+        return self._push_ack(self._push_apply(request), self.config.ack_timeout_s)
+
+    def _push_apply(self, request: pb.PushRequest | wire.RawPush) -> _Pushed:
+        name = request.table
+        hosted = self._get(name)
+        raw_ids = request.ids  # protobuf copies a bytes field on every access: read each once
+        ids = wire.decode_ids(raw_ids, table=name)
+        self._check_rows(name, ids.size)
+        dim = hosted.table.config.dim
+        g = request.grads
+        codec, data, scales = g.codec, g.data, g.scales
+        grads_rows = wire.RawRows(codec, g.dim, data, scales, 0)
+        nbytes = memoryview(data).nbytes
+        if codec in _CODECS and g.dim == dim:
+            row_bytes = wire.rows_nbytes(1, dim, codec) - (4 if codec == pb.CODEC_INT8 else 0)
+            if nbytes % row_bytes == 0 and nbytes // row_bytes != len(ids):
+                raise InvalidArgument(f"table {name!r}: field 'grads' has {nbytes // row_bytes} rows, "
+                                      f"field 'ids' has {len(ids)} ids")
+        grads = wire.decode_rows(grads_rows, len(ids), dim, table=name, field="grads")
+        epoch = getattr(request, "epoch", 0)
+        self.metrics.bytes_in.labels("Push").inc(memoryview(raw_ids).nbytes + nbytes + memoryview(scales).nbytes)
+        self.metrics.row_bytes_raw.labels("Push").inc(len(ids) * dim * 4)
+        self.metrics.row_bytes_wire.labels("Push").inc(nbytes + memoryview(scales).nbytes)
+        cid, seq = request.client_id, request.seq
+        self._wait_for_room(name)
+        with hosted.lock:
+            view, slots = self._check_leads(name, ids, epoch)  # under the lock: the map the apply sees
+            uslots = unique(slots)
+            sync = hosted.spec.durability == "sync"
+            if not sync and self.agent is not None and not self.agent.lease_ok():
+                raise Unavailable(f"table {name!r}: server {self.server_id} has not reached the scheduler for "
+                                  f"{self.config.lease_s}s; async pushes wait until it has (primary lease)",
+                                  epoch=view.epoch)
+            if sync and self.clustered:
+                short = view.in_sync[uslots] < hosted.spec.min_copies
+                if short.any():
+                    s = int(uslots[short][0])
+                    raise NotEnoughReplicas(
+                        f"table {name!r}: slot {s} has {int(view.in_sync[s])} in-sync cop(ies), the table's "
+                        f"min_copies is {hosted.spec.min_copies}; push rejected, nothing applied", epoch=view.epoch)
+            done = hosted.dedup.applied(cid, seq, uslots)
+            if done.all():
+                applied, duplicate = 0, True
+                marks = self.replicator.tail_marks(uslots) if self.replicator is not None and sync else []
+            else:
+                if done.any():  # a retried push split differently: apply only the slots not applied yet
+                    keep = ~np.isin(slots, uslots[done])
+                    ids, grads, slots, uslots = ids[keep], grads[keep], slots[keep], uslots[~done]
+                changes = Changes() if self.replicator is not None and self.replicator.streams else None
+                applied = hosted.table.push(ids, grads, changes=changes)
+                hosted.dedup.record(cid, seq, uslots)
+                marks = self._replicate(hosted, view, changes, uslots, (cid, seq, uslots))
+                duplicate = False
+            hosted.pushed += np.bincount(slots, minlength=self.num_slots)
+        return _Pushed(name, view, uslots, marks if sync else [], sync, int(applied), duplicate, len(ids))
+
+    def _push_ack(self, p: _Pushed, timeout_s: float) -> pb.PushResponse:
+        """Wait (up to ``timeout_s``) until the copies the push waits for have it (I1), then answer."""
+        name, view, uslots, marks, sync = p.name, p.view, p.uslots, p.marks, p.sync
+        if marks:
+            assert self.replicator is not None
+            if not self.replicator.wait(marks, timeout_s):
+                late = sorted({m.stream.target_id for m in marks})
+                raise Unavailable(f"table {name!r}: push applied here but not yet by the in-sync copies on {late} "
+                                  f"within {self.config.ack_timeout_s}s; retry it (it is applied once)",
+                                  epoch=self._view.epoch)
+            self._check_unmoved(name, view, uslots)
+        if p.duplicate:
+            self.metrics.duplicate_pushes.labels(name).inc()
+        else:
+            self.metrics.rows_pushed.labels(name).inc(p.rows)
+        applied, duplicate = p.applied, p.duplicate
+        now = self._view
+        # Not silent: a sync push acknowledged while a slot of it has fewer in-sync copies than the cluster
+        # keeps says so (the client counts and logs it; ``min_copies`` refuses it instead).
+        under = bool(sync and self.clustered and (now.in_sync[uslots] < now.want).any())
+        if under:
+            self.metrics.under_replicated_pushes.labels(name).inc()
+        return pb.PushResponse(applied_rows=int(applied), duplicate=duplicate, epoch=now.epoch,
+                               under_replicated=under)
+
+    def _wait_for_room(self, table: str) -> None:
+        """Back-pressure on writers: wait while a replication stream holds more than ``max_queue_bytes``
+        unacknowledged (``Unavailable``, retryable, when it stays so), before anything is applied."""
+        if self.replicator is None or not self.replicator.streams:
+            return
+        full = self.replicator.room(None, self.config.ack_timeout_s)
+        if full is not None:
+            raise Unavailable(f"table {table!r}: replication to {full.target_id} is {full.queued_bytes} bytes "
+                              f"behind (more than max_queue_bytes); nothing applied, retry", epoch=self._view.epoch)
+
+    def _check_rows(self, table: str, n: int) -> None:
+        if n > self.config.max_rows_per_request:
+            raise ResourceExhausted(f"table {table!r}: field 'ids' has {n} ids, above the server's limit of "
+                                    f"{self.config.max_rows_per_request} per request; split it")
+
+    def _replicate(self, hosted: _Hosted, view: _View, changes: Changes | None, slots: np.ndarray | None,
+                   key: tuple[str, int, np.ndarray] | None) -> list:
+        """Stamp the write's slots and enqueue its changes to the copies (caller holds the write lock)."""
+        if changes is None or self.replicator is None:
+            if slots is not None:
+                hosted.log.stamp(slots, view.epoch)
+            return []
+        table = hosted.table
+        written = changes.written_ids()
+        rows = table.rows_of(written) if written.size else None  # absent ids (evicted) are skipped
+        deleted = changes.deleted_ids()
+        if deleted.size:
+            deleted = deleted[~table.contains(deleted)]
+        sightings = changes.sighting_arrays()
+        # A push's written rows lie in its own slots; a pull's inserts, removals and sightings name theirs.
+        touched = [deleted, sightings[0]] + ([rows.ids] if rows is not None and slots is None else [])
+        extra = np.concatenate(touched)
+        islots = slots if slots is not None else np.empty(0, np.int64)
+        if extra.size:
+            islots = unique(np.concatenate([islots, slot_of(extra, self.num_slots)]))
+        if islots.size == 0:
+            return []
+        islots = islots.astype(np.int32)
+        lsn, prev = hosted.log.stamp(islots, view.epoch)
+        dedup = [(key[0], key[1], key[2].astype(np.int32))] if key is not None and key[0] else []
+        item = Item(CHANGES, hosted.spec.config.name, islots, lsn, prev, rows, deleted,
+                    sightings if sightings[0].size else None, table.step, dedup)
+        return self.replicator.enqueue(item)
+
+    def _check_unmoved(self, table: str, view: _View, slots: np.ndarray) -> None:
+        """After a write waited for its copies: ``Unavailable`` (retry; the write is idempotent or applied
+        once) when the copies of its slots changed meanwhile, e.g. a hand-over or a copy removed, since the
+        acknowledgements it got may not be those of the copies the current map names."""
+        now = self._view
+        if now.epoch != view.epoch and (now.map is None or (now.map.slot_epochs[slots] > view.epoch).any()
+                                        or not now.leads[slots].all()):
+            raise Unavailable(f"table {table!r}: the copies of the write's slots changed while it replicated "
+                              f"(epoch {view.epoch} -> {now.epoch}); retry it (it is applied once)",
+                              epoch=now.epoch)
+
+    def _copy_rows(self, stream: Stream, sess: Any) -> None:
+        """The rows of a slot copy: each chunk exported and enqueued under the table's write lock, so it sits
+        in the stream after every write it reflects and before every later one."""
+        assert self.replicator is not None
+        want = np.zeros(self.num_slots, bool)
+        want[sess.slots] = True
+        for name in sess.tables:
+            hosted = self._tables.get(name)
+            if hosted is None:
+                continue
+            ids = hosted.table.stored_ids()
+            ids = np.sort(ids[want[slot_of(ids, self.num_slots)]]) if ids.size else ids
+            sess.rows_total += int(ids.size)  # progress of the copy (heartbeats carry it to the scheduler)
+            for start in range(0, ids.shape[0], _COPY_CHUNK):
+                self.replicator.wait_for_room(stream)
+                chunk = ids[start:start + _COPY_CHUNK]
+                with hosted.lock:
+                    rows = hosted.table.export_rows(ids=chunk)
+                    if not len(rows):
+                        continue
+                    item = Item(SNAPSHOT_ROWS, name, np.unique(slot_of(rows.ids, self.num_slots)).astype(np.int32),
+                                rows=rows)
+                    if not self.replicator.enqueue_rows(stream, sess, item):
+                        return
