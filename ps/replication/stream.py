@@ -214,7 +214,11 @@ class Stream:
                 self.acked_time = self.r.clock()
                 while self.queue and self.queue[0].seq <= self.acked:
                     self.queued_bytes -= self.queue.popleft().nbytes
+                # Applying again: the stream is whole (in order, no gap), so a failure reported earlier no
+                # longer stands in the way of its slot copies (a report the scheduler never acted on, lost
+                # or about slots led elsewhere by then, used to freeze every copy toward this target).
                 self.broken_since = None
+                self.reported = False
                 self.r.cond.notify_all()
         if reject == pb.REJECT_NONE:
             self.r.progress(self)
