@@ -53,7 +53,7 @@ class ShardFields:
     _inbound: dict[str, Inbound]
     _inbound_lock: threading.Lock
     _handover_wake: threading.Event
-    _handover_thread: threading.Thread | None
+    _handover_started: bool
     _last_decay: float
     _streams: int
     _streams_lock: threading.Lock

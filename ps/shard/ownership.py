@@ -162,7 +162,10 @@ class Ownership(ShardFields):
                     except StorageError as exc:  # a cache of the map's tables: written again at the next change
                         log.warning("saving the table registry failed: %s", exc)
         if new.valid and (not old.valid or dropped.size):
-            threading.Thread(target=self._drop_unheld, name="tigana-drop-slots", daemon=True).start()
+            if self.replicator is not None:
+                self.replicator.spawn("tigana-drop-slots", self._drop_unheld)
+            else:
+                threading.Thread(target=self._drop_unheld, name="tigana-drop-slots", daemon=True).start()
         if new.fenced.any():
             self._start_hand_over()
         if self.on_install is not None:
@@ -276,10 +279,9 @@ class Ownership(ShardFields):
 
     def _start_hand_over(self) -> None:
         with self._install_lock:
-            if self._handover_thread is None:
-                self._handover_thread = threading.Thread(target=self._hand_over_loop, name="tigana-hand-over",
-                                                         daemon=True)
-                self._handover_thread.start()
+            if not self._handover_started and self.replicator is not None:
+                self._handover_started = True  # one thread (the replicator's spawn: a simulator drives it)
+                self.replicator.spawn("tigana-hand-over", self._hand_over_loop)
         self._handover_wake.set()
 
     def _caught_up(self, target: str, slots: np.ndarray, since_epoch: int) -> bool | None:

@@ -76,7 +76,7 @@ class ShardService(Ownership, Writes, Exports, Persistence, Hosting, shard_pb2_g
         self._inbound: dict[str, Inbound] = {}
         self._inbound_lock = threading.Lock()
         self._handover_wake = threading.Event()
-        self._handover_thread: threading.Thread | None = None
+        self._handover_started = False
         self._last_decay = time.monotonic()
         self._streams = 0  # Exchange streams open
         self._streams_lock = threading.Lock()

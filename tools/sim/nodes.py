@@ -172,7 +172,7 @@ class SimServer:
             self.svc.close_tables()
 
     def _spawn(self, name: str, fn: Callable[[], None]) -> None:
-        if name == "tigana-slot-copy":
+        if name in ("tigana-slot-copy", "tigana-drop-slots"):
             self.tasks.append(fn)  # run by ``step``, as its thread would
         # a stream's sender (``Stream.run``) is driven by ``step``; closing a stream's channel is nothing here
 
