@@ -276,7 +276,7 @@ def _import(client: Any, name: str, batch: RowBatch, step: int) -> int:
 
 
 def _retryable(error: Exception, client: Any) -> bool:
-    from tigana.ps.datapath import retryable
+    from tigana.ps.client.inflight import retryable
 
     return retryable(error, client._maps is not None)
 

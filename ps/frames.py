@@ -18,6 +18,7 @@ from tigana.ps import wire
 from tigana.ps.errors import PSError, from_status, status_metadata, to_status
 from tigana.ps.rpc import Malformed
 
+EXCHANGE = "/tigana.v1.Shard/Exchange"  # the stream's method
 PULL, PUSH = 2, 3  # the oneof field numbers of both frames
 KINDS = {PULL: "Pull", PUSH: "Push"}
 _STATUS = {c.value[0]: c for c in grpc.StatusCode}

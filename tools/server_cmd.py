@@ -14,8 +14,9 @@ import os
 from pathlib import Path
 
 from tigana.ps import settings
+from tigana.ps.allocator import tune_allocator
 from tigana.ps.config import ServerConfig, load_server_config_sources
-from tigana.ps.daemon import start_server, tune_allocator
+from tigana.ps.daemon import start_server
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.logs import FORMATS, setup_logging
 from tigana.tools.daemon_flags import add_metrics_flags, add_security_flags, say

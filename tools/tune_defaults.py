@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     """Train every configuration of the grid for every model and seed not yet in the log."""
     import torch
 
-    from tigana.ps.daemon import tune_allocator
+    from tigana.ps.allocator import tune_allocator
     from tigana.trainer.distributed import DistEnv
     from tigana.trainer.launch import start_cluster
     from tigana.trainer.loop import train

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tigana import ps
-from tigana.ps.daemon import ALLOCATOR_ENV, tune_allocator
+from tigana.ps.allocator import ALLOCATOR_ENV, tune_allocator
 from tigana.trainer import preemption
 from tigana.trainer.config import TrainConfig
 from tigana.trainer.distributed import DistEnv, free_port, init_distributed, read_env, shutdown

@@ -48,7 +48,7 @@ def test_a_forgotten_clients_retry_is_refused_and_its_next_push_starts_a_new_ses
 def test_a_part_that_may_have_been_applied_is_not_resent_under_a_new_session() -> None:
     """UnknownClient after an attempt whose outcome is unknown (a deadline, an Unavailable after the apply):
     the push may have been applied under the old session, so the part fails instead of going again."""
-    from tigana.ps.datapath import _NOTHING_APPLIED, Attempt, PushOp
+    from tigana.ps.client.inflight import _NOTHING_APPLIED, Attempt, PushOp
     from tigana.ps.errors import DeadlineExceeded, Unavailable, WrongShard
 
     # the answers that prove nothing was applied keep a retried part eligible; the others do not

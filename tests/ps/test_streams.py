@@ -18,8 +18,9 @@ from tigana.embeddings import EmbeddingTable, TableConfig
 from tigana.proto import shard_pb2 as pb
 from tigana.ps import frames, routing, wire
 from tigana.ps.errors import NotEnoughReplicas, TableNotFound
+from tigana.ps.frames import EXCHANGE
 from tigana.ps.rpc import Malformed
-from tigana.ps.streams import EXCHANGE, serve
+from tigana.ps.streams import serve
 
 
 def test_frames_round_trip() -> None:

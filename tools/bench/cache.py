@@ -26,7 +26,7 @@ import torch
 from torch.nn import functional as F
 
 from tigana import ps
-from tigana.ps.daemon import ALLOCATOR_ENV, tune_allocator
+from tigana.ps.allocator import ALLOCATOR_ENV, tune_allocator
 from tigana.tools.bench.report import emit, log
 from tigana.trainer.data import SyntheticCriteo
 from tigana.trainer.data.synthetic import CRITEO_KAGGLE_CARDINALITIES

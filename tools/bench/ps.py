@@ -19,7 +19,7 @@ Each case is reported against three references measured in the same run, one JSO
                   packed bytes (skipped with a message on stderr when the binary is absent).
 
 The timed runs of a case and its three references are interleaved round-robin (medians reported), so all see the
-same load on a shared machine. Every process involved (client, daemons, echo servers) runs with ``tigana.ps.daemon.tune_allocator``'s large-buffer
+same load on a shared machine. Every process involved (client, daemons, echo servers) runs with ``tigana.ps.allocator.tune_allocator``'s large-buffer
 malloc thresholds (glibc otherwise maps and unmaps every multi-MiB gRPC buffer, which costs ~3x on loopback).
 """
 
@@ -52,8 +52,8 @@ import numpy as np
 from tigana import ps
 from tigana.embeddings import EmbeddingTable, TableConfig
 from tigana.ps import routing, wire
+from tigana.ps.allocator import tune_allocator
 from tigana.ps.channels import channel_options
-from tigana.ps.daemon import tune_allocator
 from tigana.ps.local import stop_process
 from tigana.tools.bench.report import emit, log
 

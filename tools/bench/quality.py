@@ -38,7 +38,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tigana import ps
-from tigana.ps.daemon import ALLOCATOR_ENV, tune_allocator
+from tigana.ps.allocator import ALLOCATOR_ENV, tune_allocator
 from tigana.tools.bench.report import emit, log
 from tigana.trainer.data import MovieLens100K
 from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions

@@ -23,7 +23,7 @@ import numpy as np
 
 from tigana import ps
 from tigana.ps import admin, placement
-from tigana.ps.daemon import ALLOCATOR_ENV
+from tigana.ps.allocator import ALLOCATOR_ENV
 from tigana.tools.bench.ps import zipf_batches
 from tigana.tools.bench.report import emit, log
 

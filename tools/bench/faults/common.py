@@ -19,7 +19,7 @@ import numpy as np
 from tigana import ps
 from tigana.proto import shard_pb2 as pb
 from tigana.ps import admin, routing, wire
-from tigana.ps.daemon import ALLOCATOR_ENV
+from tigana.ps.allocator import ALLOCATOR_ENV
 from tigana.tools.bench.ledger import TABLE_DIM, PushLoop, create_ledger_table
 from tigana.tools.bench.report import emit
 

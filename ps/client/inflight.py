@@ -1,16 +1,10 @@
-"""The client's asynchronous data path: routes, and pulls and pushes in flight.
+"""Pulls and pushes in flight: one operation per call, one part per message, re-routed until they settle.
 
-A ``Route`` is one routing snapshot: the map epoch, the servers, and for every slot its primary. A batch is
-deduplicated and bucketed by slot in one pass (slots ordered by primary, so each server's ids are one
-contiguous range, and within it each slot's), then cut into messages at slot boundaries under
-``chunk_bytes``, one message per server unless a batch is larger. A message is a frame of the server's
-``Exchange`` stream (``streams``), or a unary call (``ClientConfig.transport``, or a server without streams).
-Replies are reassembled in the order of the ids.
-
-A message that fails with an error a new route can fix (``WrongShard``: the map moved; ``Unavailable``: the
+An operation sends its parts along a ``Route`` (``routes``) and reassembles the replies in the order of the
+ids. A part that fails with an error a new route can fix (``WrongShard``: the map moved; ``Unavailable``: the
 server is down or failing over; ``NotEnoughReplicas``; a deadline) is not failed: its ids are routed again
 by the newest map, after a short backoff and a map refresh, as a child operation whose result stands in for
-the message's. Pushes keep their (client id, seq) through any number of re-routes, and the servers apply
+the part's. Pushes keep their (client id, seq) through any number of re-routes, and the servers apply
 exactly once per slot, so a retried push never doubles. An operation fails only with an error that no
 route fixes, or when ``ClientConfig.failover_timeout_s`` (static lists: ``max_attempts``) runs out.
 
@@ -21,17 +15,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent import futures as cf
 from typing import Any
 
-import grpc
 import numpy as np
 
 from tigana.proto import shard_pb2 as pb
-from tigana.proto import shard_pb2_grpc as pb_grpc
-from tigana.ps import _kernels, frames, routing, streams, wire
-from tigana.ps.channels import Call
+from tigana.ps import _kernels, frames, wire
+from tigana.ps.client.routes import Route, Server
 from tigana.ps.errors import (
     DeadlineExceeded,
     Internal,
@@ -43,108 +35,6 @@ from tigana.ps.errors import (
     UnknownClient,
     WrongShard,
 )
-
-_PULL = "/tigana.v1.Shard/Pull"
-_PUSH = "/tigana.v1.Shard/Push"
-
-
-class Server:
-    """One shard server as the client sees it: its channel, the data path (an ``Exchange`` stream, or the
-    unary callables) and its push permits (at most ``max_pushes_in_flight`` push messages outstanding)."""
-
-    __slots__ = ("address", "channel", "stub", "pull", "push", "exchange", "permits", "calls", "lock")
-
-    def __init__(self, address: str, options: list, max_pushes_in_flight: int, security: Any = None, *,
-                 stream: bool = True) -> None:
-        self.address = address
-        self.channel = security.channel(address, options) if security is not None else \
-            grpc.insecure_channel(address, options=options)
-        self.stub = pb_grpc.ShardStub(self.channel)
-        self.pull = self.channel.unary_unary(_PULL, request_serializer=wire.identity,
-                                             response_deserializer=wire.decode_pull_response)
-        self.push = self.channel.unary_unary(_PUSH, request_serializer=wire.identity,
-                                             response_deserializer=pb.PushResponse.FromString)
-        self.exchange = streams.Exchange(self.channel, address) if stream else None
-        self.permits = threading.BoundedSemaphore(max_pushes_in_flight)
-        self.calls: set[Call] = set()
-        self.lock = threading.Lock()
-
-    def send(self, kind: int, parts: list, timeout_s: float, done: Callable[[Any, PSError | None], None],
-             on_retry: Callable[[], None]) -> None:
-        """One data-path request (``frames.PULL``/``PUSH``, a single attempt) in pieces: a frame of the stream,
-        or a unary call tracked so ``cancel_all`` can give up on it."""
-        if self.exchange is not None and self.exchange.supported:
-            self.exchange.send(kind, parts, timeout_s, done)
-            return
-        holder: list[Call] = []
-
-        def finished(response: Any, error: PSError | None) -> None:
-            with self.lock:
-                self.calls.discard(holder[0])
-            done(response, error)
-
-        method = self.pull if kind == frames.PULL else self.push
-        call = Call(method, b"".join(parts), self.address, timeout_s, None, finished, on_retry)
-        holder.append(call)
-        with self.lock:
-            self.calls.add(call)
-        call.start()
-
-    def cancel_all(self) -> int:
-        """Cancel the calls and frames in flight (the map declared this server dead: a paused one would hold
-        them until their deadline); they are routed again by the new map."""
-        with self.lock:
-            calls = list(self.calls)
-        for call in calls:
-            call.cancel()
-        return len(calls) + (self.exchange.cancel_all() if self.exchange is not None else 0)
-
-    def close(self) -> None:
-        if self.exchange is not None:
-            self.exchange.close()
-        self.channel.close()
-
-
-class Route:
-    """Where every slot's primary is, at one map epoch. ``servers[i]`` is owner i; owner -1: no primary now."""
-
-    def __init__(self, epoch: int, servers: Sequence[Server | None], owner_of_slot: np.ndarray) -> None:
-        self.epoch = epoch
-        self.servers = list(servers)
-        self.owner_of_slot = np.asarray(owner_of_slot, np.int64)
-        self.num_slots = int(self.owner_of_slot.shape[0])
-        self.key_of_slot, self.owner_starts = routing.group_keys(self.owner_of_slot, len(self.servers))
-
-    def group(self, ids: np.ndarray, grads: np.ndarray | None = None) -> tuple:
-        """One pass over a batch: unique ids bucketed by slot key (owner, then slot). Pull: (uniq, starts,
-        src) with ids == uniq[src]; push: (uniq, sums, starts, finite). ``starts`` bounds each key's range."""
-        if grads is None:
-            return _kernels.dedup_grouped(ids, self.key_of_slot, self.num_slots)
-        return _kernels.dedup_sum_grouped(ids, grads, self.key_of_slot, self.num_slots)
-
-    def parts(self, starts: np.ndarray, row_bytes: int, chunk_bytes: int) -> list[tuple[int, int, int]]:
-        """(owner, lo, hi) of every message: each owner's range of the grouped batch, cut at slot boundaries
-        into chunks of at most ``chunk_bytes`` (a single slot larger than that is one message). Owner -1
-        covers the ids whose slot has no primary."""
-        per = max(1, chunk_bytes // (8 + row_bytes))
-        out = []
-        for o in range(len(self.servers) + 1):
-            k0, k1 = int(self.owner_starts[o]), int(self.owner_starts[o + 1])
-            lo, hi = int(starts[k0]), int(starts[k1])
-            if lo == hi:
-                continue
-            owner = o if o < len(self.servers) else -1
-            if hi - lo <= per:
-                out.append((owner, lo, hi))
-                continue
-            bounds = starts[k0:k1 + 1]
-            while lo < hi:
-                cut = int(bounds[np.searchsorted(bounds, lo + per, side="right") - 1])
-                if cut <= lo:  # one slot above the chunk size: send it whole
-                    cut = int(bounds[np.searchsorted(bounds, lo, side="right")])
-                out.append((owner, lo, cut))
-                lo = cut
-        return out
 
 
 def retryable(error: PSError, clustered: bool) -> bool:

@@ -1,0 +1,181 @@
+"""The data path of ``Client``: ``pull`` and ``push`` (asynchronous, bounded per server), ``flush``, and the
+client's session (client id and seq) and counters.
+
+Inputs are numpy arrays or torch tensors (converted without importing torch), checked (dtype, shape,
+NaN/Inf) before anything is sent, so a bad batch changes nothing. A pull waits for this client's own pushes
+per the table's staleness bound (``tablestate``); the operations themselves (routing, parts, re-routing)
+are ``inflight``'s. A failed push is raised by the next call (once) and by ``flush``.
+
+Thread-safety: every method may be called from any thread; futures complete on gRPC callback threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent import futures as cf
+from typing import Any
+
+import numpy as np
+
+from tigana.ps.client._fields import ClientFields
+from tigana.ps.client.inflight import Attempt, PullOp, PushOp, new_future
+from tigana.ps.client.tablestate import after_own_pushes
+from tigana.ps.errors import InvalidArgument, PSError
+from tigana.ps.session import client_stamp, new_client_id
+
+log = logging.getLogger("tigana.ps.client")
+
+
+class DataPath(ClientFields):
+    """``pull``, ``push`` and ``flush`` (see the module docstring)."""
+
+    def pull(self, table: str, ids: Any, *, insert: bool = True) -> np.ndarray:
+        """Rows of ``ids`` (int64 numpy array or torch tensor; any values, duplicates allowed) as float32
+        ``ids.shape + (dim,)``, in the order of ids. Waits for this client's pushes per the staleness bound.
+        ``insert=False`` (evaluation, serving): missing ids read as their initial row and nothing is
+        inserted or counted toward admission."""
+        return self.pull_async(table, ids, insert=insert).result()
+
+    def pull_async(self, table: str, ids: Any, *, insert: bool = True) -> cf.Future:
+        """Like ``pull`` but returns at once a future of the rows (to prefetch the next batch)."""
+        self._raise_stored()
+        st = self._state(table)
+        ids = _as_ids(ids, table)
+        fut = new_future()
+        if ids.size == 0:
+            fut.set_result(np.empty(ids.shape + (st.dim,), np.float32))
+            return fut
+        op = PullOp(self, st, fut, np.ascontiguousarray(ids.reshape(-1)), ids.shape, self._attempt(),
+                    read_only=not insert)
+        after_own_pushes(st, op.start)
+        return fut
+
+    def push(self, table: str, ids: Any, grads: Any) -> cf.Future:
+        """Send gradients of ``ids`` ((n,) ints) as ``grads`` ((n, dim) float, numpy or torch; duplicates are
+        summed). Returns at once a future of the rows applied; blocks only while ``max_pushes_in_flight``
+        messages to a server are outstanding. Inputs are checked (dtype, shape, NaN/Inf) before anything is
+        sent, so a bad batch changes nothing. A failed earlier push raises here (and at ``flush``)."""
+        self._raise_stored()
+        st = self._state(table)
+        ids = _as_ids(ids, table).reshape(-1)
+        grads = _as_grads(grads, ids, st.dim, table)
+        fut = new_future()
+        if ids.size == 0:
+            fut.set_result(0)
+            return fut
+        route = self._route
+        uniq, summed, starts, finite = route.group(np.ascontiguousarray(ids), grads)
+        if not finite:
+            _check_finite(grads, table)
+        PushOp(self, st, fut, uniq, summed, starts, route, self._next_seq(), self._attempt()).start()
+        return fut
+
+    def flush(self) -> None:
+        """Wait for every push in flight; raise the first push error not raised yet."""
+        with self._tables_lock:
+            tables = list(self._tables.values())
+        pending: list[cf.Future] = []
+        for st in tables:
+            with st.lock:
+                pending.extend(st.pending.values())
+        cf.wait(pending)
+        with self._stats_lock:
+            errors, self._push_errors = self._push_errors, []
+            self._unraised = []
+        if errors:
+            raise errors[0]
+
+    def _raise_stored(self) -> None:
+        """Raise (once) a push error that arrived since the last call, instead of only at ``flush``."""
+        if not self._unraised:
+            return
+        with self._stats_lock:
+            errors, self._unraised = self._unraised, []
+            self._push_errors = [e for e in self._push_errors if e not in errors]
+        if errors:
+            raise errors[0]
+
+    def _push_failed(self, error: PSError) -> None:
+        with self._stats_lock:
+            self._counters["push_errors"] += 1
+            self._push_errors.append(error)
+            self._unraised.append(error)
+
+    def _attempt(self) -> Attempt:
+        limit = self.config.failover_timeout_s if self._maps is not None else self.config.timeout_s * \
+            self.config.max_attempts
+        return Attempt(1, time.monotonic() + limit)
+
+    def _next_seq(self) -> int:
+        with self._seq_lock:
+            return next(self._seq)
+
+    def _new_session(self, refused_id: str, horizon: int) -> str:
+        """The client id to send under after ``refused_id`` was refused as unknown (``UnknownClient``) at a
+        window whose horizon is ``horizon``: a new session stamped above it, made once however many parts
+        were refused (pushes already in flight keep their own ids)."""
+        with self._seq_lock:
+            if self.client_id == refused_id or client_stamp(self.client_id) <= horizon:
+                self.client_id = new_client_id(above=max(horizon, client_stamp(self.client_id)))
+            return self.client_id
+
+    def _under_replicated(self, table: str) -> None:
+        """A sync push was acknowledged with fewer in-sync copies than the cluster keeps: counted in
+        ``stats()["pushes_under_replicated"]`` and logged at most once a minute (never silent)."""
+        now = time.monotonic()
+        with self._stats_lock:
+            self._counters["pushes_under_replicated"] += 1
+            warn = now - self._warned_under_replicated > 60.0
+            if warn:
+                self._warned_under_replicated = now
+        if warn:
+            log.warning("table %r: a sync push was acknowledged while a slot of it had fewer in-sync copies than the "
+                        "cluster keeps (a copy is being built, or too few servers are up): losing its primary now "
+                        "may lose it. create_table(min_copies=2) refuses such pushes instead.", table)
+
+    def _note_retry(self) -> None:
+        with self._stats_lock:
+            self._counters["retries"] += 1
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for k, v in deltas.items():
+                self._counters[k] += v
+
+
+def _to_numpy(x: Any) -> np.ndarray:
+    if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor, without importing torch
+        t = x.detach()
+        if t.is_floating_point() and str(t.dtype) not in ("torch.float32", "torch.float64", "torch.float16"):
+            t = t.float()
+        return t.cpu().numpy()
+    return np.asarray(x)
+
+
+def _as_ids(ids: Any, table: str) -> np.ndarray:
+    a = _to_numpy(ids)
+    if a.dtype.kind not in "iu" and not (a.size == 0 and a.dtype.kind == "f"):
+        raise InvalidArgument(f"table {table!r}: field 'ids' must be an integer array, got dtype {a.dtype}")
+    if a.dtype == np.uint64:
+        return a.view(np.int64)  # the same 64 bits
+    return a.astype(np.int64, copy=False)
+
+
+def _as_grads(grads: Any, ids: np.ndarray, dim: int, table: str) -> np.ndarray:
+    g = _to_numpy(grads)
+    if g.dtype.kind != "f":
+        raise InvalidArgument(f"table {table!r}: field 'grads' must be a float array, got dtype {g.dtype}")
+    if g.shape not in (ids.shape + (dim,), (ids.size, dim)):
+        raise InvalidArgument(f"table {table!r}: field 'grads' has shape {tuple(g.shape)}, expected "
+                              f"{ids.shape + (dim,)} (ids shape + dim {dim})")
+    return np.ascontiguousarray(g.reshape(ids.size, dim), dtype=np.float32)
+
+
+def _check_finite(grads: np.ndarray, table: str) -> None:
+    """Element-wise NaN/Inf check, run when the summed rows are not all finite (a NaN or Inf in the input, or
+    finite values whose sum overflows: those are sent, and the server rejects the Inf sum)."""
+    bad = ~np.isfinite(grads).all(axis=1)
+    if bad.any():
+        raise InvalidArgument(f"table {table!r}: field 'grads' has NaN or Inf in {int(bad.sum())} row(s), "
+                              f"first at position {int(np.flatnonzero(bad)[0])}; nothing was pushed")

@@ -1,0 +1,204 @@
+"""The client's side of the streaming data path: one bidirectional ``Shard/Exchange`` stream per server.
+
+Frames are sent as they are made, each under a client-chosen id, and answered in completion order; a reader
+thread settles each frame's callback exactly once: with its answer, its error, ``DeadlineExceeded`` when its
+deadline passes first, or ``Unavailable`` (unanswered) when the stream breaks or is cancelled. The frames
+carry the same requests as the unary calls, so everything that keeps a pull or push correct stays where it
+was: (client id, seq) for exactly-once, the routed epoch for fencing, the client's re-routing of failed
+parts, its push permits. A broken stream is opened again by the next frame. (The server's side is
+``tigana.ps.streams``.)
+
+Invariant (the same as the unary path's): a frame whose callback got an error may still have been applied by
+the server (an answer lost with the connection, or later than the deadline). Only pushes have effects, and a
+push re-sent under its (client id, seq) is applied once, so "unanswered" is always safe to retry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import heapq
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from tigana.ps import frames, wire
+from tigana.ps.errors import DeadlineExceeded, Internal, PSError, Unavailable, from_rpc_error
+from tigana.ps.frames import EXCHANGE
+
+Done = Callable[[Any, "PSError | None"], None]
+_END = object()
+
+class _Pending:
+    __slots__ = ("done", "generation")
+
+    def __init__(self, done: Done, generation: int) -> None:
+        self.done, self.generation = done, generation
+
+
+class _Deadlines:
+    """One thread for the deadlines of every frame of this process (a timer thread per frame costs more than
+    a small frame): ``add(when, fn)`` calls ``fn()`` at ``when`` (monotonic) unless the frame settled first,
+    which ``fn`` finds out itself."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._cond = threading.Condition()
+        self._count = 0
+        self._thread: threading.Thread | None = None
+
+    def add(self, when: float, fn: Callable[[], None]) -> None:
+        with self._cond:
+            self._count += 1
+            heapq.heappush(self._heap, (when, self._count, fn))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tigana-frame-deadlines", daemon=True)
+                self._thread.start()
+            if self._heap[0][1] == self._count:  # the new earliest deadline: wake the thread to sleep less
+                self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    self._cond.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
+                _, _, fn = heapq.heappop(self._heap)
+            with contextlib.suppress(Exception):  # a deadline callback must not stop the others
+                fn()
+
+
+_DEADLINES = _Deadlines()
+
+
+class Exchange:
+    """This client's stream to one server. ``send`` returns at once; ``done(reply, error)`` runs once per
+    frame on the reader or a timer thread. ``supported`` turns False when the server has no ``Exchange``
+    (an older server): the caller then uses the unary calls.
+
+    Thread-safety: every method may be called from any thread."""
+
+    def __init__(self, channel: grpc.Channel, address: str) -> None:
+        self.address = address
+        self._method = channel.stream_stream(EXCHANGE, request_serializer=wire.identity,
+                                             response_deserializer=wire.identity)
+        self._lock = threading.Lock()
+        self._pending: dict[int, _Pending] = {}
+        self._next_id = 0
+        self._generation = 0
+        self._queue: queue.SimpleQueue | None = None  # the open stream's outgoing frames
+        self._call: Any = None
+        self._closed = False
+        self._answered = False  # some frame of some stream was answered: the server has Exchange
+        self.supported = True
+
+    def send(self, kind: int, parts: list, timeout_s: float, done: Done) -> None:
+        """Send one frame (a pull or push request in pieces, ``wire.*_request_parts``)."""
+        with self._lock:
+            if self._closed:
+                err: PSError | None = Unavailable(f"{self.address}: client closed")
+            else:
+                err = None
+                if self._queue is None:
+                    self._open()
+                self._next_id += 1
+                frame_id = self._next_id
+                self._pending[frame_id] = _Pending(done, self._generation)
+                q = self._queue
+        if err is not None:
+            done(None, err)
+            return
+        try:
+            raw = frames.request(frame_id, max(1, int(timeout_s * 1000)), kind, parts)
+        except Exception as exc:  # noqa: BLE001 - settle the frame, never leave it pending
+            self._settle(frame_id, None, Internal(f"{self.address}: frame encoding: {exc}"))
+            return
+        _DEADLINES.add(time.monotonic() + timeout_s, functools.partial(self._expire, frame_id, timeout_s))
+        assert q is not None
+        q.put(raw)
+
+    def cancel_all(self) -> int:
+        """Give up on every frame in flight (the server was declared dead): they get ``Unavailable``."""
+        with self._lock:
+            call, n = self._call, len(self._pending)
+        if call is not None:
+            call.cancel()  # the reader then fails every frame of this stream
+        return n
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            call, q = self._call, self._queue
+            self._queue = self._call = None
+        if q is not None:
+            q.put(_END)
+        if call is not None:
+            call.cancel()
+
+    # --- internals ---
+    def _open(self) -> None:
+        """Start a new stream (under the lock)."""
+        self._generation += 1
+        q: queue.SimpleQueue = queue.SimpleQueue()
+
+        def outgoing() -> Iterator[bytes]:
+            while True:
+                item = q.get()
+                if item is _END:
+                    return
+                yield item
+
+        call = self._method(outgoing())
+        self._queue, self._call = q, call
+        thread = threading.Thread(target=self._read, args=(call, q, self._generation),
+                                  name=f"tigana-exchange-{self.address}", daemon=True)
+        thread.start()
+
+    def _read(self, call: Any, q: queue.SimpleQueue, generation: int) -> None:
+        error: PSError | None = None
+        try:
+            for raw in call:
+                try:
+                    answer = frames.read_answer(raw, self.address)
+                except PSError as exc:  # a reply we cannot read: fail the stream's frames
+                    error = Internal(f"{self.address}: unreadable stream answer: {exc}")
+                    call.cancel()
+                    break
+                self._answered = True
+                self._settle(answer.id, answer.reply, answer.error)
+        except grpc.RpcError as err:
+            code = err.code() if hasattr(err, "code") else None
+            if code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED) and not self._answered:
+                # A server without Exchange, or with no stream to spare: its frames go as unary calls from now.
+                self.supported = False
+            if code == grpc.StatusCode.CANCELLED:
+                error = Unavailable(f"{self.address}: stream cancelled (the server was declared dead or the "
+                                    "client closed)")
+            else:
+                error = from_rpc_error(err, self.address)
+                if not isinstance(error, Unavailable):  # a failed stream: no frame of it was answered
+                    error = Unavailable(f"{self.address}: stream failed: {error}")
+        except Exception as exc:  # noqa: BLE001 - a reader thread must never die silently
+            error = Unavailable(f"{self.address}: stream failed: {type(exc).__name__}: {exc}")
+        finally:
+            with self._lock:
+                if self._generation == generation:
+                    self._queue = self._call = None
+                lost = [k for k, p in self._pending.items() if p.generation == generation]
+            q.put(_END)
+            for k in lost:
+                self._settle(k, None, error or Unavailable(f"{self.address}: stream ended"))
+
+    def _expire(self, frame_id: int, timeout_s: float) -> None:
+        self._settle(frame_id, None, DeadlineExceeded(
+            f"{self.address}: no answer within {timeout_s:g}s (deadline exceeded)"))
+
+    def _settle(self, frame_id: int, reply: Any, error: PSError | None) -> None:
+        with self._lock:
+            pending = self._pending.pop(frame_id, None)
+        if pending is None:  # answered already (a late answer after the deadline, or the reverse)
+            return
+        pending.done(reply, error)

@@ -1,0 +1,241 @@
+"""The ``Client`` facade and ``connect``: a connection to a cluster, how it routes, and its lifecycle.
+
+``connect`` picks how to route: by a scheduler's shard map (``scheduler=``, or a single address that answers
+as a scheduler), followed by a ``MapFollower``, or by a static shard list (contiguous slot ranges). Each map
+becomes a ``Route`` (``routes``) that new operations take; operations in flight keep theirs, and calls to
+servers a new map declares dead are cancelled so they are routed again at once.
+
+Thread-safety: a ``Client`` may be shared by threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tigana.ps import routing
+from tigana.ps.allocator import tune_allocator
+from tigana.ps.channels import channel_options
+from tigana.ps.client.config import ClientConfig
+from tigana.ps.client.datapath import DataPath
+from tigana.ps.client.mapfollower import MapFollower
+from tigana.ps.client.operations import Operations
+from tigana.ps.client.routes import Route, Server
+from tigana.ps.client.tables import Tables
+from tigana.ps.client.tablestate import TableState
+from tigana.ps.errors import InvalidArgument, PSError, Unavailable
+from tigana.ps.security import Security
+from tigana.ps.session import new_client_id
+
+log = logging.getLogger("tigana.ps.client")
+
+
+class Client(DataPath, Tables, Operations):
+    """A connection to a cluster: a scheduler (``scheduler=``: its shard map routes every id, and follows
+    failovers and moves) or a static list of shard servers (contiguous slot ranges, ``routing.static_assignment``).
+
+    Use ``connect``. Also a context manager: leaving it flushes pushes and closes the channels. One class,
+    assembled from one room per concept: this module (connection, routing, lifecycle), ``datapath`` (pull,
+    push, flush), ``tables`` (create, describe, drop, list, per-table settings, checkpoints) and
+    ``operations`` (snapshots, restores, counters), over the fields declared in ``_fields``.
+    """
+
+    def __init__(self, addresses: Sequence[str] | None = None, config: ClientConfig | None = None, *,
+                 scheduler: str | None = None) -> None:
+        self.config = config or ClientConfig()
+        if self.config.tune_allocator:
+            tune_allocator()
+        self.client_id = new_client_id()  # a session: pushes are keyed (client_id, seq), see tigana.ps.session
+        self.security = self.config.security()
+        self._options = channel_options(self.config.max_message_bytes, self.config.keepalive_time_s,
+                                        self.config.keepalive_timeout_s, self.config.reconnect_backoff_s)
+        self._server_cache: dict[str, Server] = {}
+        self._retry = self.config.retry
+        self._seq = itertools.count(1)
+        self._seq_lock = threading.Lock()
+        self._tables: dict[str, TableState] = {}
+        self._tables_lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._counters = {"pulls": 0, "pushes": 0, "rows_pulled": 0, "rows_pushed": 0, "retries": 0,
+                          "push_errors": 0, "pull_errors": 0, "pushes_under_replicated": 0}
+        self._warned_under_replicated = -1e9
+        self._push_errors: list[PSError] = []
+        self._unraised: list[PSError] = []
+        self._closed = False
+        self._map: routing.ShardMap | None = None
+        self._maps: MapFollower | None = None
+        self._waiters: list[tuple[int, Callable[[], None]]] = []
+        self._waiters_lock = threading.Lock()
+        if scheduler is not None:
+            self._maps = MapFollower(scheduler, self._on_map, self._options, self.config.map_poll_s,
+                                     channel=self.security.channel)
+            try:
+                self._maps.fetch(self.config.timeout_s)
+            except BaseException:
+                self._maps.close()
+                raise
+            self._maps.start()
+        else:
+            if isinstance(addresses, str):
+                addresses = [a for a in addresses.split(",") if a.strip()]
+            addresses = [a.strip() for a in addresses or []]
+            if not addresses:
+                raise InvalidArgument("connect: field 'addresses' is empty; expected host:port of every shard "
+                                      "or scheduler=host:port")
+            servers = [self._server(a) for a in addresses]
+            self._route = Route(0, servers, routing.static_assignment(len(addresses), self.config.num_slots))
+            self._servers = servers
+
+    # --- routing ------------------------------------------------------------------------------------------
+    def _server(self, address: str) -> Server:
+        s = self._server_cache.get(address)
+        if s is None:
+            s = self._server_cache[address] = Server(address, self._options, self.config.max_pushes_in_flight,
+                                                     self.security, stream=self.config.transport == "stream")
+        return s
+
+    def _on_map(self, m: routing.ShardMap) -> None:
+        """A newer map: route by its primaries from now on (operations in flight keep their route)."""
+        if m.num_slots != self.config.num_slots:
+            log.warning("shard map has %d slots, the client expects %d", m.num_slots, self.config.num_slots)
+        servers = [self._server(s.address) for s in m.servers]
+        old = self._map
+        self._map = m
+        self._route = Route(m.epoch, servers, m.primary_of_slot())
+        self._servers = [servers[i] for i, s in enumerate(m.servers) if s.up]
+        if old is not None:  # calls to servers this map declared dead are routed again now
+            for i, s in enumerate(m.servers):
+                if not s.up and (old.index_of(s.id) < 0 or old.servers[old.index_of(s.id)].up):
+                    servers[i].cancel_all()
+        with self._waiters_lock:
+            due = [fn for epoch, fn in self._waiters if epoch <= m.epoch]
+            self._waiters = [(epoch, fn) for epoch, fn in self._waiters if epoch > m.epoch]
+        for fn in due:
+            _start_soon(fn)
+
+    def _when_epoch(self, epoch: int, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (on another thread) once the map's epoch reaches ``epoch`` (at once if it has)."""
+        with self._waiters_lock:
+            if self._route.epoch < epoch:
+                self._waiters.append((epoch, fn))
+                if len(self._waiters) > 4096:  # each also has a backoff timer: the oldest may go
+                    del self._waiters[:1024]
+                return
+        _start_soon(fn)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the map this client routes by (0: a static shard list)."""
+        return self._route.epoch
+
+    @property
+    def shard_map(self) -> routing.ShardMap | None:
+        """The scheduler's map as this client last saw it (None for a static shard list)."""
+        return self._map
+
+    @property
+    def scheduler(self) -> str | None:
+        return ",".join(self._maps.addresses) if self._maps is not None else None
+
+    # --- lifecycle ----------------------------------------------------------------------------------------
+    @property
+    def addresses(self) -> list[str]:
+        """The shard servers: the static list, or the servers up in the current map."""
+        return [s.address for s in self._servers]
+
+    def wait_ready(self, timeout_s: float = 10.0) -> None:
+        """Block until every slot has a primary (with a scheduler) and every server's channel is connected;
+        ``Unavailable`` naming the first that is not."""
+        deadline = time.monotonic() + timeout_s
+        if self._maps is not None:
+            while self._map is None or (self._map.primary_of_slot() < 0).any():
+                if time.monotonic() >= deadline:
+                    raise Unavailable(f"scheduler {self.scheduler}: slots without a primary after {timeout_s}s")
+                self._maps.refresh()
+                time.sleep(0.05)
+        for s in self._servers:
+            try:
+                grpc.channel_ready_future(s.channel).result(timeout=max(0.01, deadline - time.monotonic()))
+            except grpc.FutureTimeoutError:
+                raise Unavailable(f"{s.address}: not reachable within {timeout_s}s") from None
+
+    def close(self) -> None:
+        """Wait for pushes in flight (raising the first push error), then close every channel. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            if self._maps is not None:
+                self._maps.close()
+            for s in self._server_cache.values():
+                s.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            with contextlib.suppress(PSError):  # the exception already propagating matters more
+                self.close()
+
+
+def _start_soon(fn: Callable[[], None]) -> None:
+    t = threading.Timer(0.0, fn)
+    t.daemon = True
+    t.start()
+
+
+def connect(addresses: str | Iterable[str] | None = None, config: ClientConfig | None = None, *,
+            scheduler: str | None = None, **overrides: Any) -> Client:
+    """A ``Client`` for a cluster.
+
+    ``scheduler="host:port"`` (or a comma-separated list of schedulers) routes by the scheduler's shard map.
+    ``addresses`` is a static shard list (``["host:port", ...]`` or ``"host:port,host:port"``); a single
+    address is asked whether it is a scheduler, and used as one if it is.
+    ``overrides`` replace ``ClientConfig`` fields, e.g. ``connect(addrs, timeout_s=5, max_attempts=2)``."""
+    base = config or ClientConfig()
+    if overrides:
+        unknown = sorted(set(overrides) - set(ClientConfig.__dataclass_fields__))
+        if unknown:
+            raise InvalidArgument(f"connect: unknown config field(s) {unknown}")
+        base = dataclasses.replace(base, **overrides)
+    if scheduler is not None:
+        if addresses is not None:
+            raise InvalidArgument("connect: give either shard 'addresses' or a 'scheduler', not both")
+        return Client(config=base, scheduler=scheduler)
+    if addresses is None:
+        raise InvalidArgument("connect: expected shard addresses or scheduler=host:port")
+    addrs = [addresses] if isinstance(addresses, str) else list(addresses)
+    if len(addrs) == 1 and "," in addrs[0]:
+        addrs = addrs[0].split(",")
+    addrs = [a.strip() for a in addrs if a.strip()]
+    if addrs and any(_is_scheduler(a, min(base.timeout_s, 5.0), base.security()) for a in addrs[:3]):
+        return Client(config=base, scheduler=",".join(addrs))  # schedulers: a leader and its standbys
+    return Client(addrs, base)
+
+
+def _is_scheduler(address: str, timeout_s: float, security: Security) -> bool:
+    """Whether ``address`` serves the scheduler: its health service knows the Scheduler service (SERVING on
+    the leader, NOT_SERVING on a standby; a shard server answers NOT_FOUND)."""
+    channel = security.channel(address)
+    try:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="tigana.v1.Scheduler"),
+                                                  timeout=timeout_s)
+        return True
+    except grpc.RpcError:
+        return False
+    finally:
+        channel.close()

@@ -1,0 +1,82 @@
+"""What the client keeps per table, and the staleness bound it enforces.
+
+``TableState`` holds a table's dim and wire codecs for this client, its staleness bound, the pushes this
+client issued and has not had acknowledged (step -> future, in step order) and the byte and staleness
+counters ``Client.stats`` reports. A pull of a table with bound k waits (``after_own_pushes``) until this
+client's pushes older than its last k are applied; nothing waits for other clients' pushes.
+
+Thread-safety: a ``TableState``'s counters and ``pending`` are guarded by its ``lock``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent import futures as cf
+from typing import Any
+
+import numpy as np
+
+from tigana.ps import wire
+from tigana.ps.client.config import Compression
+from tigana.ps.errors import InvalidArgument
+
+
+class TableState:
+    """Client-side state of one table: dim, codecs, staleness bound, this client's unacknowledged pushes."""
+
+    def __init__(self, name: str, dim: int, compression: Compression, staleness: int | None) -> None:
+        self.name, self.dim = name, dim
+        self.pull_codec = wire.codec_of(compression.pull)
+        self.push_codec = wire.codec_of(compression.push)
+        self.staleness = staleness
+        self.lock = threading.Lock()
+        self.step = 0  # pushes issued (each push call is one step)
+        self.pending: dict[int, cf.Future] = {}  # step -> future, unacknowledged, in step order
+        self.stale_last = 0
+        self.stale_max = 0
+        self.stale_waits = 0
+        self.bytes = {"sent": {"pull": 0, "push": 0}, "received": {"pull": 0, "push": 0}}
+
+
+class Countdown:
+    """Calls ``fn`` once after ``n`` futures are done (in the thread that completes the last)."""
+
+    def __init__(self, futs: Sequence[cf.Future], fn: Callable[[], None]) -> None:
+        self._left = len(futs)
+        self._lock = threading.Lock()
+        self._fn = fn
+        for f in futs:
+            f.add_done_callback(self._one)
+
+    def _one(self, _: cf.Future) -> None:
+        with self._lock:
+            self._left -= 1
+            fire = self._left == 0
+        if fire:
+            self._fn()
+
+
+def after_own_pushes(st: TableState, fn: Callable[[], None]) -> None:
+    """Run ``fn`` once this client's pushes to ``st`` from more than ``staleness`` steps back are done (at
+    once, in this thread, when none is outstanding; else in the thread that completes the last)."""
+    k = st.staleness
+    if k is None:
+        fn()
+        return
+    with st.lock:
+        threshold = st.step - k
+        waits = [f for s, f in st.pending.items() if s <= threshold]
+        if waits:
+            st.stale_waits += 1
+    if waits:
+        Countdown(waits, fn)
+    else:
+        fn()
+
+
+def check_staleness(table: str, staleness: Any) -> None:
+    if staleness is not None and (isinstance(staleness, bool) or not isinstance(staleness, (int, np.integer))
+                                  or staleness < 0):
+        raise InvalidArgument(f"table {table!r}: field 'staleness' must be None or an integer >= 0, "
+                              f"got {staleness!r}")
