@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
-import sys
 
 # torch's C++ store logs every failed connection to a peer not up yet with a C++ stack trace: keep its warnings
 # out of the job's log unless asked for (our own messages say what is being waited for)
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 from tigana.ps.logs import FORMATS, setup_logging
+from tigana.tools.daemon_flags import say
 from tigana.trainer import config as train_config
 from tigana.trainer import launch, preemption
 from tigana.trainer.loop import check_inputs
@@ -44,20 +45,20 @@ def run(args: argparse.Namespace) -> int:
         config = train_config.config_from_args(args)
         check_inputs(config)
     except (train_config.ConfigError, FileNotFoundError, ValueError) as exc:
-        print(f"tigana train: {exc}", file=sys.stderr)
+        say(args, f"tigana train: {exc}", logging.ERROR)
         return 2
     setup_logging(args.log_level, args.log_format)
     try:
         result = launch.run(config)
     except KeyboardInterrupt:
-        print("tigana train: interrupted (Ctrl-C); the trainers and any cluster they started are stopped",
-              file=sys.stderr, flush=True)
+        say(args, "tigana train: interrupted (Ctrl-C); the trainers and any cluster they started are stopped",
+            logging.WARNING)
         return 130
     except _DistError as exc:  # the rendezvous with the other ranks failed (a peer never came, or went away)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"tigana train: could not reach the other ranks of the job ({type(exc).__name__}: {first}). Under "
-              "srun or torchrun, check that every rank started and MASTER_ADDR/MASTER_PORT are reachable; for "
-              "local processes use --nproc N outside a launcher", file=sys.stderr, flush=True)
+        say(args, f"tigana train: could not reach the other ranks of the job ({type(exc).__name__}: {first}). Under "
+            "srun or torchrun, check that every rank started and MASTER_ADDR/MASTER_PORT are reachable; for "
+            "local processes use --nproc N outside a launcher", logging.ERROR)
         return 1
     if result is not None:
         print(json.dumps(result), flush=True)
