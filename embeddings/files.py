@@ -1,10 +1,15 @@
-"""Durable-file helpers shared by the snapshot writer, checkpoints, the export log and the shard daemon:
-fsync of a path (a directory's entries too) and a process-lifetime lock file."""
+"""Durable-file helpers shared by the snapshot writer, checkpoints, the export log, the catalog, the scheduler's
+state file, the daemons' ready files and the trainer's elastic state: fsync of a path (a directory's entries
+too), the one atomic file replacement (``atomic_replace``/``atomic_write``) and a process-lifetime lock file."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
 from typing import IO
 
 
@@ -15,6 +20,45 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def temp_beside(path: str | os.PathLike) -> Path:
+    """The temp file ``atomic_replace`` writes before renaming it over ``path``: hidden, in the same folder (so
+    the rename is atomic), unique per process and thread (``.NAME.tmp-PID.TID``)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}.{threading.get_ident()}")
+
+
+@contextlib.contextmanager
+def atomic_replace(path: str | os.PathLike) -> Iterator[Path]:
+    """Replace the file ``path`` with what the body writes to the yielded temp path: on a clean exit the temp
+    file is fsynced, renamed over ``path`` and the folder fsynced, so a reader (or a crash at any point) sees the
+    old file or the new one, never a part. On an error the temp file is removed, ``path`` stays as it was and
+    the error propagates. The folder must exist. Blocking (fsyncs); thread-safe for distinct paths.
+
+    Example::
+
+        with atomic_replace(folder / "dense.pt") as tmp:
+            torch.save(state, tmp)
+    """
+    path = Path(path)
+    tmp = temp_beside(path)
+    try:
+        yield tmp
+        fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_path(path.parent)
+
+
+def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:
+    """Replace the file ``path`` with ``data`` (a str is written as UTF-8) through ``atomic_replace``: the old
+    content or the new one survives a crash, never a part. Raises ``OSError`` (the old file intact)."""
+    with atomic_replace(path) as tmp, open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
 
 
 def hold_lock(path: str | os.PathLike) -> tuple[IO[str] | None, str]:

@@ -18,13 +18,11 @@ Layout under ``data_dir``::
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
 import os
 import shutil
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -45,6 +43,7 @@ from tigana.embeddings import (
     TableConfig,
 )
 from tigana.embeddings import snapshot as snap
+from tigana.embeddings.files import atomic_write
 from tigana.proto import shard_pb2 as pb
 from tigana.ps import cluster_wire
 from tigana.ps.dedup import DedupWindow
@@ -74,18 +73,12 @@ def _digest(doc: dict[str, Any]) -> str:
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write ``data`` to ``path`` through a fsynced temp file and a rename."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.{threading.get_ident()}")
+    """Write ``data`` to ``path`` atomically (``files.atomic_write``), creating its folder; a full disk is
+    ``StorageFull``, any other failure ``StorageError`` (the old file stays as it was)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:  # the old file stays as it was
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+        atomic_write(path, data)
+    except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise StorageFull(f"disk full writing {str(path)!r}: {exc.strerror}") from None
         raise StorageError(f"cannot write {str(path)!r}: {exc.strerror}") from None

@@ -37,7 +37,7 @@ Design (what the follow loop guarantees, and why):
 - **A failed entry loses nothing.** A failed export (a map move, a server down) is retried at the next tick
   with the same ``since``; the manifest is not touched.
 - **Atomic.** An entry is written by ``export_table`` into ``DIR/.NAME.tmp-PID``, fsynced and renamed; the
-  manifest is written last, to a temp file, fsynced and ``os.replace``d (then ``DIR`` fsynced). A reader that
+  manifest is written last, atomically (``files.atomic_write``: a temp file, fsynced, renamed, ``DIR`` fsynced). A reader that
   follows the manifest never sees a half-written entry, and an entry exists before any manifest names it.
 - **Empty deltas** are not kept: the folder is removed and only the manifest's ``time`` advances.
 - **Deletions.** ``ExportRows`` lists the rows a table stores, so a delta cannot tell a deleted or evicted row
@@ -69,7 +69,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from tigana.embeddings.files import fsync_path, hold_lock
+from tigana.embeddings.files import atomic_write, fsync_path, hold_lock
 from tigana.ps.checkpoint import export_table
 from tigana.ps.errors import DataLoss, InvalidArgument, PSError
 
@@ -171,17 +171,6 @@ def merge(ids: np.ndarray, rows: np.ndarray, new_ids: np.ndarray, new_rows: np.n
     return out_ids, out_rows
 
 
-def _write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
-    """Write ``obj`` to ``path`` so that a reader sees the old file or the new one, never a part."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(obj, indent=1))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
-
-
 def _lock_log(root: Path) -> IO[str]:
     """An exclusive lock on ``root/LOCK`` for the follower's life (the kernel drops it when the process dies)."""
     f, owner = hold_lock(root / "LOCK")
@@ -272,7 +261,7 @@ class ExportFollower:
                 entry = {k: v for k, v in entry.items() if k != "path"}
         new.update(seq=seq if (full or entry["rows"]) else int(m["seq"]), time=entry["time"], written=time.time(),
                    interval_s=self.interval_s, overlap_s=self.overlap_s, full_every=self.full_every)
-        _write_json_atomic(self.root / MANIFEST, new)
+        atomic_write(self.root / MANIFEST, json.dumps(new, indent=1))
         self.manifest = new
         self.entries_written += 1 if (full or entry["rows"]) else 0
         self.rows_written += entry["rows"]

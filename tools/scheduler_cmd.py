@@ -13,6 +13,7 @@ import logging
 import os
 from pathlib import Path
 
+from tigana.embeddings.files import atomic_write
 from tigana.ps import settings
 from tigana.ps.errors import PSError
 from tigana.ps.logs import FORMATS, setup_logging
@@ -80,10 +81,8 @@ def run(args: argparse.Namespace) -> int:
         if args.ready_file:
             path = Path(args.ready_file)
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps({"address": handle.address, "port": handle.port,
-                                       "metrics_port": handle.metrics_port, "pid": os.getpid()}))
-            os.replace(tmp, path)
+            atomic_write(path, json.dumps({"address": handle.address, "port": handle.port,
+                                           "metrics_port": handle.metrics_port, "pid": os.getpid()}))
         metrics = f", metrics on :{handle.metrics_port}" if handle.metrics_port else ""
         if handle.core is not None:
             say(args, f"tigana scheduler: serving on {handle.address} (cluster {handle.core.map.cluster_id}, epoch "

@@ -15,6 +15,7 @@ import json
 import os
 from pathlib import Path
 
+from tigana.embeddings.files import atomic_write
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.logs import FORMATS, setup_logging
 from tigana.ps.serving import (
@@ -84,6 +85,4 @@ _FLAGS = ("source", "host", "port", "poll_s", "default", "max_ids", "verify", *E
 
 def _write_ready(path: Path, info: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(info))
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(info))

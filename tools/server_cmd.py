@@ -13,6 +13,7 @@ import json
 import os
 from pathlib import Path
 
+from tigana.embeddings.files import atomic_write
 from tigana.ps import settings
 from tigana.ps.allocator import tune_allocator
 from tigana.ps.config import ServerConfig, load_server_config_sources
@@ -119,6 +120,4 @@ def run(args: argparse.Namespace) -> int:
 def _write_ready(path: Path, handle) -> None:
     info = {"address": handle.address, "port": handle.port, "metrics_port": handle.metrics_port, "pid": os.getpid()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(info))
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(info))

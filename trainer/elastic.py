@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tigana.embeddings.files import atomic_replace, atomic_write
+
 __all__ = ["ElasticState", "Position", "elastic_state", "restart_count"]
 
 RESTART_ENV = "TIGANA_RESTART_COUNT"       # set by ``tigana train --nproc`` for each new generation
@@ -102,9 +104,8 @@ class ElasticState:
         """Rank 0: the dense state at ``position`` (ranks agree on the dense weights after every step)."""
         weights = f"dense-{position.step:09d}.pt"
         state = model.dense_state_dict() if hasattr(model, "dense_state_dict") else model.state_dict()
-        tmp = self.folder / f".{weights}.tmp"
-        torch.save({"model": state, "optimizer": optimizer.state_dict()}, tmp)
-        os.replace(tmp, self.folder / weights)
+        with atomic_replace(self.folder / weights) as tmp:
+            torch.save({"model": state, "optimizer": optimizer.state_dict()}, tmp)
         self._write_meta({**position.__dict__, "weights": weights, "time": time.time()})  # the switch
         for old in self.folder.glob("dense-*.pt"):
             if old.name != weights:
@@ -124,9 +125,7 @@ class ElasticState:
 
     def _write_meta(self, meta: dict[str, Any]) -> None:
         """Replace ``state.json`` atomically: a reader sees the old state or the new one, never a mix."""
-        tmp = self.folder / ".state.json.tmp"
-        tmp.write_text(json.dumps(meta))
-        os.replace(tmp, self.folder / "state.json")
+        atomic_write(self.folder / "state.json", json.dumps(meta))
 
     def finish(self) -> None:
         """Rank 0 at the end of a job that trained to its end: mark the state finished. A restart of this job

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
+from tigana.embeddings.files import atomic_write
 from tigana.proto import scheduler_pb2 as spb
 from tigana.ps import cluster_wire
 from tigana.ps.errors import DataLoss
@@ -88,14 +89,4 @@ class FileMapStore:
 
     def save(self, state: SchedulerState) -> None:
         data = encode_state(state)
-        tmp = self.path.with_name(f".{self.FILE}.tmp{os.getpid()}")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        fd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        atomic_write(self.path, data)

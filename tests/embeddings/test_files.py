@@ -1,11 +1,14 @@
 """``tigana.embeddings.files``: the lock file excludes a second holder (another open of it, as another process
-would), names the holder, and is free again once closed; fsync takes files and directories."""
+would), names the holder, and is free again once closed; fsync takes files and directories; an atomic write
+replaces a file whole or leaves it as it was, with no temp file left behind."""
 
 from __future__ import annotations
 
 import os
 
-from tigana.embeddings.files import fsync_path, hold_lock
+import pytest
+
+from tigana.embeddings.files import atomic_replace, atomic_write, fsync_path, hold_lock, temp_beside
 
 
 def test_the_lock_has_one_holder_and_is_free_after_close(tmp_path) -> None:
@@ -24,3 +27,27 @@ def test_fsync_takes_files_and_directories(tmp_path) -> None:
     (tmp_path / "f").write_text("x")
     fsync_path(tmp_path / "f")
     fsync_path(tmp_path)
+
+
+def test_an_atomic_write_replaces_the_file_and_leaves_no_temp(tmp_path) -> None:
+    path = tmp_path / "state.json"
+    atomic_write(path, "old")
+    atomic_write(path, b"new")
+    assert path.read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
+
+
+def test_a_failed_atomic_replace_keeps_the_old_file_and_removes_the_temp(tmp_path) -> None:
+    path = tmp_path / "state.json"
+    atomic_write(path, "old")
+    with pytest.raises(RuntimeError, match="mid-write"), atomic_replace(path) as tmp:
+        assert tmp == temp_beside(path) and tmp.parent == path.parent and tmp.name.startswith(".")
+        tmp.write_text("half")
+        raise RuntimeError("mid-write")
+    assert path.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
+
+
+def test_an_atomic_write_into_a_missing_folder_raises_oserror(tmp_path) -> None:
+    with pytest.raises(OSError):
+        atomic_write(tmp_path / "missing" / "f", "x")

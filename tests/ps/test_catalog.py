@@ -4,11 +4,11 @@ not trusted), and a full disk while rewriting them is ``StorageFull`` that leave
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 
 from tigana import embeddings as emb
+from tigana.embeddings.files import temp_beside
 from tigana.ps.catalog import Catalog, write_atomic
 from tigana.ps.routing import TableDef
 
@@ -47,7 +47,7 @@ def test_a_full_disk_while_rewriting_a_file_is_storage_full_and_keeps_the_old_on
     target = tmp_path / "tables.json"
     write_atomic(target, "old")
     # the temp file write_atomic uses, made a link to /dev/full: every write to it fails with ENOSPC
-    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}.{threading.get_ident()}")
+    tmp = temp_beside(target)
     tmp.symlink_to("/dev/full")
     with pytest.raises(emb.StorageFull, match="disk full"):
         write_atomic(target, "new" * 100_000)
