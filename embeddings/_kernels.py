@@ -17,6 +17,8 @@ import math
 
 import numpy as np
 
+from tigana.embeddings.mixing import mix64_scalar
+
 EMPTY = -1
 TOMBSTONE = -2
 
@@ -73,22 +75,11 @@ if AVAILABLE:
         for c in range(0, arr.shape[1], 16):
             _prefetch2(arr, r, c)
 
-    _M1 = np.uint64(0xBF58476D1CE4E5B9)
-    _M2 = np.uint64(0x94D049BB133111EB)
-    _S30 = np.uint64(30)
-    _S27 = np.uint64(27)
-    _S31 = np.uint64(31)
     _S32 = np.uint64(32)
 
     @njit(nogil=True, cache=True, inline="always")
-    def _mix(z):
-        z = (z ^ (z >> _S30)) * _M1
-        z = (z ^ (z >> _S27)) * _M2
-        return z ^ (z >> _S31)
-
-    @njit(nogil=True, cache=True, inline="always")
     def _home(key, cap):
-        return np.int64(((_mix(key) >> _S32) * cap) >> _S32)
+        return np.int64(((mix64_scalar(key) >> _S32) * cap) >> _S32)
 
     _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
     _S11 = np.uint64(11)
@@ -101,15 +92,15 @@ if AVAILABLE:
         dim = out.shape[1]
         span = b - a
         for i in range(ids.shape[0]):
-            base = _mix(ids[i] ^ seed_key)
+            base = mix64_scalar(ids[i] ^ seed_key)
             for j in range(dim):
-                x = _mix(base + np.uint64(j + 1) * _GOLDEN)
+                x = mix64_scalar(base + np.uint64(j + 1) * _GOLDEN)
                 u = np.float64(x >> _S11) * _TWO_POW_M53
                 if kind == 1:
                     out[i, j] = np.float32(a + span * u)
                 else:
                     u1 = 1.0 - u
-                    u2 = np.float64(_mix(x ^ second_salt) >> _S11) * _TWO_POW_M53
+                    u2 = np.float64(mix64_scalar(x ^ second_salt) >> _S11) * _TWO_POW_M53
                     z = math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
                     out[i, j] = np.float32(a + b * z)
 

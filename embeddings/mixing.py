@@ -1,15 +1,24 @@
-"""splitmix64's finalizer over whole numpy arrays: the one 64-bit mix of the project.
+"""splitmix64's finalizer: the one 64-bit mix of the project, over whole numpy arrays (``mix64``) and, for the
+numba kernels, over one key (``mix64_scalar``, inlined into the kernel that calls it).
 
 A bijection on 64-bit integers with good avalanche, identical on every machine and run. It keys initial rows
-and admission draws, places ids in hash buckets, routes ids to slots (``tigana.ps.routing``) and hashes
-categorical features (``tigana.trainer.data``). The numba kernels inline the same three steps per key.
+and admission draws, places ids in hash buckets, routes ids to slots (``tigana.ps.routing``), groups a batch's
+ids (``tigana.ps._kernels``, ``tigana.trainer._kernels``) and hashes categorical features
+(``tigana.trainer.data``). Both forms compute the same three steps; ``tests/embeddings/test_mixing.py`` holds
+them against each other and against a scalar reference.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["mix64"]
+__all__ = ["mix64", "mix64_scalar"]
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_S30 = np.uint64(30)
+_S27 = np.uint64(27)
+_S31 = np.uint64(31)
 
 
 def mix64(x: np.ndarray) -> np.ndarray:
@@ -18,9 +27,25 @@ def mix64(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         x = np.asarray(x)
         z = x.view(np.uint64).copy() if x.dtype == np.int64 else np.array(x, dtype=np.uint64, copy=True)
-        z ^= z >> np.uint64(30)
-        z *= np.uint64(0xBF58476D1CE4E5B9)
-        z ^= z >> np.uint64(27)
-        z *= np.uint64(0x94D049BB133111EB)
-        z ^= z >> np.uint64(31)
+        z ^= z >> _S30
+        z *= _M1
+        z ^= z >> _S27
+        z *= _M2
+        z ^= z >> _S31
         return z
+
+
+def _mix64_scalar(key):  # compiled below for any integer type
+    """``mix64`` of one key (int64 reinterpreted bit for bit, or uint64) as a uint64, for numba kernels."""
+    z = np.uint64(key)
+    z = (z ^ (z >> _S30)) * _M1
+    z = (z ^ (z >> _S27)) * _M2
+    return z ^ (z >> _S31)
+
+
+try:  # pragma: no cover - exercised by whichever path the machine has
+    from numba import njit
+except ImportError:  # pragma: no cover - the kernels' numpy fallbacks use ``mix64``
+    mix64_scalar = _mix64_scalar
+else:
+    mix64_scalar = njit(nogil=True, cache=True, inline="always")(_mix64_scalar)

@@ -13,22 +13,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _mix(key):
-    """splitmix64's finalizer of an int64 key as uint64: ``routing.mix64`` for one id."""
-    z = np.uint64(key)
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
+from tigana.embeddings.mixing import mix64_scalar
 
 
 @njit(nogil=True, cache=True, inline="always")
 def _bucket(key, mask):
-    return np.int64(_mix(key) & np.uint64(mask))
+    return np.int64(mix64_scalar(key) & np.uint64(mask))
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -84,7 +74,7 @@ def f16_to_f32(bits: np.ndarray) -> np.ndarray:
 
 @njit(nogil=True, cache=True, inline="always")
 def _owner(key, owner_of_slot, num_slots):
-    return owner_of_slot[np.int64(_mix(key) % num_slots)]
+    return owner_of_slot[np.int64(mix64_scalar(key) % num_slots)]
 
 
 @njit(nogil=True, cache=True)
@@ -182,7 +172,7 @@ def first_foreign(ids, owned):
     count = 0
     first = -1
     for i in range(ids.shape[0]):
-        if not owned[np.int64(_mix(ids[i]) % num_slots)]:
+        if not owned[np.int64(mix64_scalar(ids[i]) % num_slots)]:
             if first < 0:
                 first = i
             count += 1
@@ -235,7 +225,7 @@ def slots_foreign(ids, owned):
     count = 0
     first = -1
     for i in range(n):
-        s = np.int64(_mix(ids[i]) % num_slots)
+        s = np.int64(mix64_scalar(ids[i]) % num_slots)
         slots[i] = s
         if not owned[s]:
             if first < 0:

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tigana.embeddings.config import TableConfig
-from tigana.embeddings.mixing import mix64
+from tigana.embeddings.mixing import mix64, mix64_scalar  # both re-exported for the trainer
 
 __all__ = ["DEFAULT_NUM_SLOTS", "IN_SYNC", "CATCHING_UP", "HANDING_OVER", "NO_SERVER", "ServerEntry", "ShardMap", "TableDef",
-           "group_keys", "mix64", "parse_slots", "slot_of", "slot_range", "split_by_owner", "static_assignment"]
+           "group_keys", "mix64", "mix64_scalar", "parse_slots", "slot_of", "slot_range", "split_by_owner", "static_assignment"]
 
 DEFAULT_NUM_SLOTS = 4096
 IN_SYNC, CATCHING_UP = 0, 1  # a copy's state (wire: CopyState)

@@ -9,8 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
+from tigana.ps.routing import mix64_scalar  # the one splitmix64 of the project
 
 
 @njit(nogil=True, cache=True)
@@ -25,10 +24,7 @@ def _group(ids, uniq, inverse, order, starts):
     u = 0
     for i in range(n):
         key = ids[i]
-        z = np.uint64(key)
-        z = (z ^ (z >> np.uint64(30))) * _M1
-        z = (z ^ (z >> np.uint64(27))) * _M2
-        h = np.int64((z ^ (z >> np.uint64(31))) & mask)
+        h = np.int64(mix64_scalar(key) & mask)
         while True:
             r = slot_row[h]
             if r < 0:
