@@ -10,7 +10,7 @@ import pytest
 from tigana import ps
 from tigana.ps import admin
 from tigana.tools.bench.ledger import PushLoop, audit, create_ledger_table
-from tigana.tools.bench.nemesis.monitor import demotions
+from tigana.tools.bench.nemesis.monitor import scrape
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -138,6 +138,7 @@ def test_planned_hand_overs_and_moves_lose_no_async_update_and_demote_nothing(ma
         for loop in loops:
             result = audit(client, loop, table=loop.table)
             assert (result.lost, result.doubled, result.failed_pushes) == (0, 0, 0), (loop.table, result)
-    assert sum(demotions(cluster.scheduler_metrics_ports[0]).values()) == 0
+    demoted, declared_dead = scrape(cluster.scheduler_metrics_ports[0])
+    assert sum(demoted.values()) == 0 and declared_dead == 0
     check = admin.verify(cluster.scheduler)
     assert check["differing"] == [], check
