@@ -28,8 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import grpc
-
+from tigana.ps.health import check_health
 from tigana.ps.routing import DEFAULT_NUM_SLOTS, slot_range
 from tigana.ps.security import NONE, Security
 
@@ -200,23 +199,13 @@ class LocalCluster:
         """The index of the scheduler that leads now (waits for an election; 0 without a store)."""
         if len(self.scheduler_procs) <= 1:
             return 0
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
         deadline = time.monotonic() + timeout
         while True:
             for k, address in enumerate(self.scheduler_addresses):
                 if self.scheduler_procs[k].poll() is not None:
                     continue
-                channel = self.client_security.channel(address)
-                try:
-                    reply = health_pb2_grpc.HealthStub(channel).Check(
-                        health_pb2.HealthCheckRequest(service="tigana.v1.Scheduler"), timeout=1.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return k
-                except grpc.RpcError:
-                    pass
-                finally:
-                    channel.close()
+                if check_health(address, "tigana.v1.Scheduler", timeout_s=1.0, security=self.client_security).serving:
+                    return k
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no scheduler of {self.scheduler} leads after {timeout:.0f}s")
             time.sleep(0.1)

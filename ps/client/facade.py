@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tigana.ps import routing
 from tigana.ps.allocator import tune_allocator
@@ -33,6 +32,7 @@ from tigana.ps.client.routes import Route, Server
 from tigana.ps.client.tables import Tables
 from tigana.ps.client.tablestate import TableState
 from tigana.ps.errors import InvalidArgument, PSError, Unavailable
+from tigana.ps.health import check_health
 from tigana.ps.security import Security
 from tigana.ps.session import new_client_id
 
@@ -230,12 +230,4 @@ def connect(addresses: str | Iterable[str] | None = None, config: ClientConfig |
 def _is_scheduler(address: str, timeout_s: float, security: Security) -> bool:
     """Whether ``address`` serves the scheduler: its health service knows the Scheduler service (SERVING on
     the leader, NOT_SERVING on a standby; a shard server answers NOT_FOUND)."""
-    channel = security.channel(address)
-    try:
-        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="tigana.v1.Scheduler"),
-                                                  timeout=timeout_s)
-        return True
-    except grpc.RpcError:
-        return False
-    finally:
-        channel.close()
+    return check_health(address, "tigana.v1.Scheduler", timeout_s=timeout_s, security=security).answered

@@ -15,11 +15,12 @@ import time
 from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 
 from tigana.proto import scheduler_pb2 as spb
 from tigana.ps import rpc
 from tigana.ps.errors import PSError, Unavailable
+from tigana.ps.health import check_health
 from tigana.ps.metrics import SchedulerMetrics
 from tigana.ps.scheduler.announcer import Announcer
 from tigana.ps.scheduler.config import SchedulerConfig
@@ -37,17 +38,11 @@ REPLICATION_HEALTH_NAME = "tigana.v1.Scheduler.replication"
 def probe_closed(address: str, timeout_s: float = 0.5, security: Security = NONE) -> bool | None:
     """True when nothing listens at ``address`` (connection refused), False when a health check answered,
     None when it timed out (a paused or partitioned server: the heartbeat timeout decides)."""
-    channel = security.channel(address, [("grpc.initial_reconnect_backoff_ms", 50)])
-    try:
-        stub = health_pb2_grpc.HealthStub(channel)
-        stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+    found = check_health(address, timeout_s=timeout_s, security=security,
+                         options=[("grpc.initial_reconnect_backoff_ms", 50)])
+    if found.answered:
         return False
-    except grpc.RpcError as err:
-        if err.code() == grpc.StatusCode.UNAVAILABLE:
-            return True
-        return None
-    finally:
-        channel.close()
+    return True if found.code == grpc.StatusCode.UNAVAILABLE else None
 
 
 class NotLeader(Unavailable):

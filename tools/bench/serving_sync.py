@@ -32,12 +32,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from tigana import ps
 from tigana.ps.exportlog import read_manifest
+from tigana.ps.health import check_health
 from tigana.ps.local import stop_process
 from tigana.ps.serving import SERVICE_NAME, ServingClient
 from tigana.tools.bench.report import emit, log
@@ -99,13 +99,7 @@ def spawn_serve(source: str | Path, log_path: str | Path, *, poll: float = 0.05,
 
 def health_status(address: str, service: str = SERVICE_NAME) -> int:
     """The health service's status of ``service`` at ``address`` (UNKNOWN when unreachable)."""
-    with grpc.insecure_channel(address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                              timeout=2.0)
-        except grpc.RpcError:
-            return health_pb2.HealthCheckResponse.UNKNOWN
-    return reply.status
+    return check_health(address, service, timeout_s=2.0).status
 
 
 def wait_serving(address: str, timeout: float = 60.0) -> None:
