@@ -1,20 +1,28 @@
-"""Server-side gRPC plumbing shared by the shard service and the scheduler: registration with request
-deserializers that never fail.
+"""Server-side gRPC plumbing shared by the shard service, the scheduler and ``tigana serve``: registration with
+request deserializers that never fail, and the one error guard of their handlers (``guard``).
 
 A request that does not parse (random bytes, a truncated message, a wrong wire type) is handed to the
 handler as a ``Malformed`` value instead of making gRPC answer INTERNAL ("exception deserializing
 request"), so the handler's one error path answers INVALID_ARGUMENT with a message naming the method.
+
+``guard`` is that error path: every exception a handler raises becomes a gRPC status (``errors.to_status``)
+with the class name and the map epoch as trailing metadata (``errors.status_metadata``); a bug answers
+INTERNAL, is logged with its traceback, and the daemon keeps serving.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
 from google.protobuf import descriptor, message_factory
 
-from tigana.ps.errors import InvalidArgument
+from tigana.ps.errors import InvalidArgument, status_metadata, to_status
 
 
 class Malformed:
@@ -33,6 +41,75 @@ def check(request: Any) -> None:
     """Raise ``InvalidArgument`` for a request that could not be decoded."""
     if isinstance(request, Malformed):
         raise request.error()
+
+
+def answer_status(exc: BaseException, method: str, log: logging.Logger) -> tuple[grpc.StatusCode, str]:
+    """The status a server answers for ``exc`` (``errors.to_status``); a bug (INTERNAL) is logged on ``log``
+    with its traceback as "``method`` failed with a bug"."""
+    code, message = to_status(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("%s failed with a bug", method)
+    return code, message
+
+
+def guard(method: str, log: logging.Logger, *, epoch: Callable[[Any], int] = lambda servicer: 0,
+          ready: Callable[[Any, str], None] | None = None,
+          observe: Callable[[Any, str, str, float], None] | None = None) -> Callable[[Callable], Callable]:
+    """Decorate a servicer's unary or server-streaming handler ``(self, request, context)``: raise for a
+    ``Malformed`` request, call ``ready(self, method)`` (which raises while the servicer cannot serve), run
+    the handler, and turn any exception into an aborted call with ``answer_status``'s status and the class
+    name and ``epoch(self)`` as trailing metadata. ``observe(self, method, code name, seconds)`` is called
+    once per call, "OK" included. A request never takes the daemon down.
+
+    Example::
+
+        @rpc.guard("Status", log, epoch=lambda service: service.epoch())
+        def Status(self, request, context): ...
+    """
+
+    def start(servicer: Any, request: Any) -> None:
+        check(request)
+        if ready is not None:
+            ready(servicer, method)
+
+    def failed(servicer: Any, exc: Exception, context: grpc.ServicerContext) -> tuple[grpc.StatusCode, str]:
+        code, message = answer_status(exc, method, log)
+        context.set_trailing_metadata(status_metadata(exc, epoch(servicer)))
+        return code, message
+
+    def finish(servicer: Any, code: grpc.StatusCode | None, began: float) -> None:
+        if observe is not None:
+            observe(servicer, method, code.name if code else "OK", time.perf_counter() - began)
+
+    def wrap(handler: Callable) -> Callable:
+        if inspect.isgeneratorfunction(handler):
+            @functools.wraps(handler)
+            def streaming(servicer: Any, request: Any, context: grpc.ServicerContext) -> Any:
+                began, code = time.perf_counter(), None
+                try:
+                    start(servicer, request)
+                    yield from handler(servicer, request, context)
+                except Exception as exc:  # noqa: BLE001 - a request never takes the daemon down
+                    code, message = failed(servicer, exc, context)
+                    context.abort(code, message)
+                finally:
+                    finish(servicer, code, began)
+            return streaming
+
+        @functools.wraps(handler)
+        def unary(servicer: Any, request: Any, context: grpc.ServicerContext) -> Any:
+            began, code = time.perf_counter(), None
+            try:
+                start(servicer, request)
+                return handler(servicer, request, context)
+            except Exception as exc:  # noqa: BLE001 - a request never takes the daemon down
+                code, message = failed(servicer, exc, context)
+            finally:
+                finish(servicer, code, began)
+            context.abort(code, message)
+        return unary
+
+    return wrap
 
 
 def safe(deserializer: Callable[[bytes], Any], method: str) -> Callable[[bytes], Any]:

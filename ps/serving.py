@@ -60,8 +60,6 @@ from tigana.ps.errors import (
     InvalidArgument,
     Unavailable,
     from_rpc_error,
-    status_metadata,
-    to_status,
 )
 from tigana.ps.metrics import ServingMetrics
 from tigana.ps.security import NONE, Security, SecuritySettings
@@ -277,36 +275,32 @@ class ServingService:
     def __init__(self, follower: LogFollower, config: ServeConfig, metrics: ServingMetrics) -> None:
         self.follower, self.config, self.metrics = follower, config, metrics
 
+    def _count_failure(self, method: str, code: str, seconds: float) -> None:
+        if code != "OK":  # an answered lookup is counted with its ids by ``Lookup``
+            self.metrics.observe(code, seconds)
+
+    @rpc.guard("Lookup", log, observe=_count_failure)
     def Lookup(self, request: pb.ServingLookupRequest, context: grpc.ServicerContext) -> pb.ServingLookupResponse:
         start = time.perf_counter()
-        try:
-            rpc.check(request)
-            state = self.follower.state
-            if state is None:
-                raise Unavailable(f"Lookup: no full export loaded yet from {str(self.config.source)!r}")
-            if request.table and request.table != state.table:
-                raise InvalidArgument(f"Lookup: field 'table' is {request.table!r}, this server serves "
-                                      f"{state.table!r}")
-            raw = request.ids
-            if len(raw) % 8:
-                raise InvalidArgument(f"Lookup: field 'ids' holds {len(raw)} bytes, not packed int64 (a multiple "
-                                      "of 8)")
-            n = len(raw) // 8
-            limit = min(self.config.max_ids, (self.config.max_message_bytes - 4096) // (4 * state.dim + 1))
-            if n > limit:
-                raise InvalidArgument(f"Lookup: field 'ids' holds {n} ids, at most {limit} per request")
-            rows, found = state.lookup(np.frombuffer(raw, "<i8"))
-            hits = int(np.count_nonzero(found))
-            self.metrics.observe("OK", time.perf_counter() - start, hits, n - hits)
-            return pb.ServingLookupResponse(rows=rows.astype("<f4", copy=False).tobytes(),
-                                            found=found.view(np.uint8).tobytes(), dim=state.dim, seq=state.seq)
-        except Exception as exc:  # noqa: BLE001 - a request never takes the daemon down
-            status, message = to_status(exc)
-            self.metrics.observe(status.name, time.perf_counter() - start)
-            if status == grpc.StatusCode.INTERNAL:
-                log.exception("Lookup failed with a bug")
-            context.set_trailing_metadata(status_metadata(exc))
-            context.abort(status, message)
+        state = self.follower.state
+        if state is None:
+            raise Unavailable(f"Lookup: no full export loaded yet from {str(self.config.source)!r}")
+        if request.table and request.table != state.table:
+            raise InvalidArgument(f"Lookup: field 'table' is {request.table!r}, this server serves "
+                                  f"{state.table!r}")
+        raw = request.ids
+        if len(raw) % 8:
+            raise InvalidArgument(f"Lookup: field 'ids' holds {len(raw)} bytes, not packed int64 (a multiple "
+                                  "of 8)")
+        n = len(raw) // 8
+        limit = min(self.config.max_ids, (self.config.max_message_bytes - 4096) // (4 * state.dim + 1))
+        if n > limit:
+            raise InvalidArgument(f"Lookup: field 'ids' holds {n} ids, at most {limit} per request")
+        rows, found = state.lookup(np.frombuffer(raw, "<i8"))
+        hits = int(np.count_nonzero(found))
+        self.metrics.observe("OK", time.perf_counter() - start, hits, n - hits)
+        return pb.ServingLookupResponse(rows=rows.astype("<f4", copy=False).tobytes(),
+                                        found=found.view(np.uint8).tobytes(), dim=state.dim, seq=state.seq)
 
     def Info(self, request: pb.ServingInfoRequest, context: grpc.ServicerContext) -> pb.ServingInfoResponse:
         if isinstance(request, rpc.Malformed):

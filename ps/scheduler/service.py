@@ -1,7 +1,7 @@
 """The scheduler's gRPC face: ``SchedulerService``, a thin adapter that converts each request at this one
 boundary (``cluster_wire``) and calls the leading ``SchedulerCore``. Every domain error is answered with its
-gRPC status (``errors.to_status``) and the current epoch in the trailing metadata; a bug is logged and answered
-INTERNAL, never taking the scheduler down. Thread-safety: called on gRPC's worker threads; the core locks.
+gRPC status (``errors.to_status``, through ``rpc.guard``) and the current epoch in the trailing metadata; a bug
+is logged and answered INTERNAL, never taking the scheduler down. Thread-safety: called on gRPC's worker threads; the core locks.
 """
 
 from __future__ import annotations
@@ -10,14 +10,13 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
-import grpc
 import numpy as np
 
 from tigana.proto import scheduler_pb2 as spb
 from tigana.proto import scheduler_pb2_grpc as spb_grpc
 from tigana.proto import shard_pb2 as pb
 from tigana.ps import cluster_wire, placement, rpc
-from tigana.ps.errors import InvalidArgument, PSError, status_metadata, to_status
+from tigana.ps.errors import InvalidArgument, PSError
 from tigana.ps.scheduler.core import SchedulerCore
 
 log = logging.getLogger("tigana.ps.scheduler")  # one logger for the whole scheduler
@@ -25,21 +24,9 @@ log = logging.getLogger("tigana.ps.scheduler")  # one logger for the whole sched
 SERVICE_NAME = spb.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
 
-def _handler(method: str) -> Callable:
-    def wrap(fn: Callable) -> Callable:
-        def wrapper(self: SchedulerService, request, context: grpc.ServicerContext):
-            try:
-                rpc.check(request)
-                return fn(self, request, context)
-            except Exception as exc:  # noqa: BLE001 - a request never takes the scheduler down
-                code, message = to_status(exc)
-                if code == grpc.StatusCode.INTERNAL:
-                    log.exception("%s failed with a bug", method)
-                context.set_trailing_metadata(status_metadata(exc, self.epoch()))
-            context.abort(code, message)
-        wrapper.__name__ = fn.__name__
-        return wrapper
-    return wrap
+def _handler(method: str) -> Callable[[Callable], Callable]:
+    """The scheduler's settings of ``rpc.guard``: the current epoch in the trailing metadata."""
+    return rpc.guard(method, log, epoch=lambda service: service.epoch())
 
 
 def _positions(infos) -> dict[str, dict[int, tuple[int, int]]]:

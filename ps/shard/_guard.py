@@ -1,21 +1,17 @@
-"""The error guard of the shard server's unary handlers: ``_rpc``.
+"""The error guard of the shard server's handlers: ``_rpc``, the shard server's settings of ``rpc.guard``.
 
-Every exception a handler raises becomes a gRPC status here (through ``errors.to_status``), with the class
-name and this server's epoch as trailing metadata; a bug answers INTERNAL and the server keeps serving.
+Every exception a handler raises becomes a gRPC status (through ``errors.to_status``), with the class name and
+this server's epoch as trailing metadata; a bug answers INTERNAL and the server keeps serving. Every call is
+refused while the server is not serving (``check_serving``), timed and counted.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import time
 from collections.abc import Callable
-from typing import Any
-
-import grpc
 
 from tigana.ps import rpc
-from tigana.ps.errors import Unavailable, status_metadata, to_status
+from tigana.ps.errors import Unavailable
 from tigana.ps.shard._fields import ShardFields
 
 log = logging.getLogger("tigana.ps.server")  # one logger for the whole shard server
@@ -24,29 +20,17 @@ _STATES = {"loading": "is loading its tables", "failed": "failed to load its tab
            "closed": "is shut down"}
 
 
-def _rpc(method: str) -> Callable:
-    """Wrap a handler: refuse while not serving, time it, count it, turn any exception into a status (with
-    the class name and this server's epoch as trailing metadata)."""
+def check_serving(server: ShardFields, method: str) -> None:
+    """Raise ``Unavailable`` naming ``method`` while the server is loading, failed or shut down."""
+    if server.state != "serving":
+        raise Unavailable(f"{method}: server {_STATES.get(server.state, server.state)}")
 
-    def wrap(handler: Callable) -> Callable:
-        @functools.wraps(handler)
-        def wrapper(self: ShardFields, request: Any, context: grpc.ServicerContext) -> Any:
-            start = time.perf_counter()
-            status: grpc.StatusCode | None = None
-            try:
-                rpc.check(request)
-                if self.state != "serving":
-                    raise Unavailable(f"{method}: server {_STATES.get(self.state, self.state)}")
-                return handler(self, request, context)
-            except Exception as exc:  # noqa: BLE001 - a request never takes the daemon down
-                status, message = to_status(exc)
-                if status == grpc.StatusCode.INTERNAL:
-                    log.exception("%s failed with a bug", method)
-                context.set_trailing_metadata(status_metadata(exc, self._view.epoch))
-            finally:
-                self.metrics.observe(method, status.name if status else "OK", time.perf_counter() - start)
-            context.abort(status, message)
 
-        return wrapper
+def _observe(server: ShardFields, method: str, code: str, seconds: float) -> None:
+    server.metrics.observe(method, code, seconds)
 
-    return wrap
+
+def _rpc(method: str) -> Callable[[Callable], Callable]:
+    """Wrap a unary or server-streaming handler (``rpc.guard``): refuse while not serving, time it, count it,
+    turn any exception into a status (with the class name and this server's epoch as trailing metadata)."""
+    return rpc.guard(method, log, epoch=lambda server: server._view.epoch, ready=check_serving, observe=_observe)

@@ -20,11 +20,11 @@ import numpy as np
 from tigana.embeddings import Changes
 from tigana.embeddings.changes import unique
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import cluster_wire, rpc
-from tigana.ps.errors import InvalidArgument, Unavailable, WrongShard, status_metadata, to_status
+from tigana.ps import cluster_wire
+from tigana.ps.errors import InvalidArgument, Unavailable, WrongShard
 from tigana.ps.routing import slot_of
 from tigana.ps.shard._fields import ShardFields
-from tigana.ps.shard._guard import _STATES, _rpc
+from tigana.ps.shard._guard import _rpc
 from tigana.ps.shard.hosted import _Hosted, checksum_value
 
 log = logging.getLogger("tigana.ps.server")  # one logger for the whole shard server
@@ -79,25 +79,12 @@ class Exports(ShardFields):
             msg.checksums = sums[held].astype("<u8").tobytes()
         return msg
 
+    @_rpc("ExportRows")
     def ExportRows(self, request: pb.ExportRowsRequest, context: grpc.ServicerContext):
         """Stream the rows of the slots this server leads, as one consistent cut of the table: the cut is opened
         under its write lock (with every slot's log position; O(1)), written to a temporary snapshot while
         writes go on (copy-on-write, ``tigana.embeddings.Cut``), then streamed from that snapshot."""
-        start = time.perf_counter()
-        status: grpc.StatusCode | None = None
-        try:
-            rpc.check(request)
-            if self.state != "serving":
-                raise Unavailable(f"ExportRows: server {_STATES.get(self.state, self.state)}")
-            yield from self._export_rows(request)
-        except Exception as exc:  # noqa: BLE001 - a request never takes the daemon down
-            status, message = to_status(exc)
-            if status == grpc.StatusCode.INTERNAL:
-                log.exception("ExportRows failed with a bug")
-            context.set_trailing_metadata(status_metadata(exc, self._view.epoch))
-            context.abort(status, message)
-        finally:
-            self.metrics.observe("ExportRows", status.name if status else "OK", time.perf_counter() - start)
+        yield from self._export_rows(request)
 
     def _export_rows(self, request: pb.ExportRowsRequest):
         from tigana.embeddings import snapshot as snap

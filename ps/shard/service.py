@@ -3,7 +3,7 @@
 the ``Exchange`` stream), ``Snapshot``, ``Restore``, ``InstallMap`` and ``Replicate``; and ``add_to_server``.
 
 Each handler decodes the request with ``tigana.ps.wire``, checks it against the table and the shard map, calls
-the table, and encodes the answer; every exception becomes a status in one place (``_guard._rpc``).
+the table, and encodes the answer; every exception becomes a status in one place (``_guard._rpc``, over ``rpc.guard``).
 Thread-safety: handlers run on gRPC's thread pool (see the ``tigana.ps.shard`` docstring for the locks).
 """
 
@@ -27,11 +27,11 @@ from tigana.proto import shard_pb2_grpc
 from tigana.ps import cluster_wire, frames, rpc, streams, wire
 from tigana.ps.catalog import Catalog
 from tigana.ps.config import ServerConfig
-from tigana.ps.errors import DeadlineExceeded, InvalidArgument, TableExists, Unavailable, to_status
+from tigana.ps.errors import DeadlineExceeded, InvalidArgument, TableExists
 from tigana.ps.metrics import ServerMetrics
 from tigana.ps.replication import Inbound, Replicator, apply_item
 from tigana.ps.security import NONE, Security
-from tigana.ps.shard._guard import _STATES, _rpc
+from tigana.ps.shard._guard import _rpc, check_serving
 from tigana.ps.shard.export import Exports
 from tigana.ps.shard.hosted import Hosting, _Hosted
 from tigana.ps.shard.ownership import Ownership, _View
@@ -193,8 +193,7 @@ class ShardService(Ownership, Writes, Exports, Persistence, Hosting, shard_pb2_g
         try:
             try:
                 rpc.check(frame.request)
-                if self.state != "serving":
-                    raise Unavailable(f"{method}: server {_STATES.get(self.state, self.state)}")
+                check_serving(self, method)
                 if frame.timeout_ms and time.monotonic() - received > frame.timeout_ms / 1000:
                     raise DeadlineExceeded(f"table {frame.request.table!r}: {method} frame waited past its "
                                            f"deadline ({frame.timeout_ms} ms) before it was handled; not applied")
@@ -203,9 +202,7 @@ class ShardService(Ownership, Writes, Exports, Persistence, Hosting, shard_pb2_g
                     return frames.pull_answer(frame.id, rows, codec)
                 return frames.push_answer(frame.id, self._push(frame.request))
             except Exception as exc:  # noqa: BLE001 - a frame never takes the stream or the daemon down
-                status = to_status(exc)[0]
-                if status == grpc.StatusCode.INTERNAL:
-                    log.exception("%s frame failed with a bug", method)
+                status = rpc.answer_status(exc, f"{method} frame", log)[0]
                 return frames.error_answer(frame.id, exc, self._view.epoch)
         finally:
             self.metrics.observe(method, status.name if status else "OK", time.perf_counter() - start)
