@@ -10,6 +10,7 @@ Example::
     assert outcome.ok, (outcome.violations, outcome.trace[-40:])
 """
 
+from tigana.tools.sim.operations import Op
 from tigana.tools.sim.simulation import Outcome, Settings, run_seed
 
-__all__ = ["Outcome", "Settings", "run_seed"]
+__all__ = ["Op", "Outcome", "Settings", "run_seed"]

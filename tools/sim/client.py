@@ -57,6 +57,8 @@ class SimClient:
         self.failed = 0  # pushes given up on (neither acknowledged nor known lost)
         self.to_dropped_tables = 0  # pushes whose (scratch) table was dropped under them
         self.acked = 0
+        self.pulls = 0  # pulls answered
+        self.doubled: list[str] = []  # pulls that read a row above the pushes ever sent to it (S6)
 
     def refresh(self) -> None:
         try:
@@ -112,6 +114,38 @@ class SimClient:
                           timeout_s=1.0)
             # a deferred answer from a server that died never comes: the deadline of the call
             self.world.at(8.0, lambda answered=answered: answered(None, Lost("deadline")))
+
+    def pull(self, table: str, ids: np.ndarray, read_only: bool) -> None:
+        """One pull, sent once to the primaries of ``ids`` by the current map (a failure is not retried): an
+        inserting pull creates rows the pushes never touched, so its sightings replicate too; every answer
+        is checked against the ledger (no row above the pushes sent)."""
+        if self.map is None:
+            self.refresh()
+        m = self.map
+        if m is None or table not in m.tables:
+            return
+        owner = m.copies[slot_of(ids, self.num_slots), 0]
+        sent = self.ledger.sent[table]
+        for o in np.unique(owner[owner >= 0]):
+            sub = ids[owner == o]
+            server = self.servers[m.servers[int(o)].id]
+            request = pb.PullRequest(table=table, ids=wire.encode_ids(sub), epoch=m.epoch, read_only=read_only)
+
+            def answered(result: Any, error: BaseException | None, sub=sub, server=server) -> None:
+                if error is not None:
+                    if not isinstance(error, (PSError, Lost)):
+                        raise error
+                    return
+                self.pulls += 1
+                values = np.rint(result[:, 0]).astype(np.int64)
+                inside = sub < sent.size
+                over = values[inside] > sent[sub[inside]]
+                if over.any() or (values[~inside] != 0).any():
+                    self.doubled.append(f"S6: a pull of {table} from {server.name} read id "
+                                        f"{int(sub[inside][over][0]) if over.any() else int(sub[~inside][0])} "
+                                        "above the pushes sent")
+
+            self.net.call(self.name, server.name, lambda s=server, r=request: s.pull(r), answered, timeout_s=1.0)
 
     def _again(self, p: _Push, sub: np.ndarray, key: int) -> None:
         p.left.discard(key)

@@ -54,13 +54,23 @@ class SchedulerNode:
         self.world, self.net, self.folder, self.config = world, net, folder, config
         self._announce = announce
         self.up = True
+        self.skew = 0.0  # how far this machine's clock is ahead of the world's (a clock jump)
+        self.demoted_before = 0.0  # copies the cores replaced by restarts demoted
         self.core = self._core()
+
+    def clock(self) -> float:
+        return self.world.now + self.skew
 
     def _core(self) -> SchedulerCore:
         return SchedulerCore(self.config, FileMapStore(self.folder), announce=self._announce,
-                             probe=lambda address: None, clock=self.world.clock)
+                             probe=lambda address: None, clock=self.clock)
+
+    def demotions(self, reason: str = "replication_failed") -> int:
+        """Copies taken out of the in-sync set for ``reason`` (the scheduler's counter, over its restarts)."""
+        return int(self.demoted_before + self.core.metrics.copies_demoted.labels(reason)._value.get())
 
     def restart(self) -> None:
+        self.demoted_before = self.demotions()
         self.core = self._core()
 
 
@@ -77,7 +87,7 @@ class SimAgent:
         return s.net.now_call(s.name, SCHEDULER, lambda: fn(s.scheduler.core))
 
     def lease_ok(self) -> bool:
-        return self.server.world.now - self.last_ok < self.server.config.lease_s
+        return self.server.clock() - self.last_ok < self.server.config.lease_s
 
     def refresh(self, epoch: int = 0, wait_s: float = 0.0) -> None:
         try:
@@ -95,11 +105,20 @@ class SimAgent:
             self._call(lambda core: core.copy_failed(me, target, np.asarray(slots), reason))
 
     def copy_caught_up(self, target: str, slots: np.ndarray, since_epoch: int) -> bool | None:
-        me = self.server.name
+        me, w = self.server.name, self.server.world
+        slots = np.array(slots)
         try:
-            ok, message = self._call(lambda core: core.copy_caught_up(me, target, np.asarray(slots), since_epoch))
+            ok, message = self._call(lambda core: core.copy_caught_up(me, target, slots, since_epoch))
         except Lost:
             return None
+        late = self.server.late_reports_s()
+        if late > 0:  # a retried report whose first answer was lost: it arrives again, later, unchanged
+            def again() -> None:
+                with contextlib.suppress(Lost):
+                    done = self._call(lambda core: core.copy_caught_up(me, target, slots, since_epoch))
+                    w.log(f"late caught-up report {me} -> {target} (slot copy of epoch {since_epoch}, slots "
+                          f"{slots.tolist()[:8]}): {done}")
+            w.at(late, again)
         return ok or not message.startswith("stale")
 
     def handover_ready(self, slots: np.ndarray, epoch: int) -> None:
@@ -113,7 +132,7 @@ class SimAgent:
     def beat(self) -> None:
         """Register, or heartbeat; install the map that comes back (the daemon's agent loop, once)."""
         s = self.server
-        sent = s.world.now
+        sent = s.clock()
         try:
             if not self.registered:
                 m = self._call(lambda core: core.register(s.name, s.name, s.svc.boot, {}))
@@ -135,8 +154,10 @@ class SimServer:
     """One shard server process (``start`` makes a new one: a new boot, empty memory)."""
 
     def __init__(self, world: World, net: Net, name: str, scheduler: SchedulerNode, servers: dict[str, SimServer],
-                 num_slots: int) -> None:
+                 num_slots: int, late_reports_s: Callable[[], float] = lambda: 0.0) -> None:
         self.world, self.net, self.name, self.scheduler, self.servers = world, net, name, scheduler, servers
+        self.late_reports_s = late_reports_s
+        self.skew = 0.0  # how far this machine's clock is ahead of the world's (a clock jump)
         self.config = ServerConfig(num_slots=num_slots, scheduler=SCHEDULER, server_id=name, ack_timeout_s=5.0,
                                    replication_timeout_s=2.0, lease_s=2.0, snapshot_every_s=0.0,
                                    snapshot_on_shutdown=False)
@@ -149,13 +170,16 @@ class SimServer:
     def up(self) -> bool:
         return self.alive and not self.paused
 
+    def clock(self) -> float:
+        return self.world.now + self.skew
+
     def start(self) -> None:
         if self.svc is not None:
             self.svc.close_tables()
         self.tasks: list[Callable[[], None]] = []
         self.in_flight: set[int] = set()
         self.acks: list[tuple[Any, Deferred, float]] = []
-        self.svc = ShardService(self.config, security=_Security(), clock=self.world.clock, spawn=self._spawn)
+        self.svc = ShardService(self.config, security=_Security(), clock=self.clock, spawn=self._spawn)
         self.svc.state = "serving"
         self.agent = SimAgent(self)
         self.svc.agent = self.agent
@@ -208,13 +232,17 @@ class SimServer:
         """The ``Push`` handler: applied now (or refused, raising), answered once its copies have it."""
         pushed = self.svc._push_apply(request)
         answer = Deferred()
-        self.acks.append((pushed, answer, self.world.now + self.config.ack_timeout_s))
+        self.acks.append((pushed, answer, self.clock() + self.config.ack_timeout_s))
         return answer
+
+    def pull(self, request: pb.PullRequest) -> np.ndarray:
+        """The ``Pull`` handler: the rows read (and, when inserting, the new rows replicated)."""
+        return self.svc._pull(request)[1]
 
     def _settle_acks(self) -> None:
         keep = []
         for pushed, answer, deadline in self.acks:
-            if not pushed.marks or self.svc.replicator.wait(pushed.marks, 0.0) or self.world.now >= deadline:
+            if not pushed.marks or self.svc.replicator.wait(pushed.marks, 0.0) or self.clock() >= deadline:
                 try:
                     answer.resolve(self.svc._push_ack(pushed, 0.0))
                 except Exception as exc:  # noqa: BLE001 - the error answer the client gets

@@ -11,6 +11,7 @@ apply (no copy above the pushes sent). The ``Outcome`` carries the first violati
 from __future__ import annotations
 
 import logging
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,10 @@ class Settings:
     converge_s: float = 60.0
     faults: bool = True
     ops_per_s: float = 0.6
+    script: tuple = ()  # scripted operations (``operations.Op``): when given, no random operation runs
+    auto_rebalance: bool = True
+    pulls: bool = True  # clients also pull (inserting, and read-only) beside their pushes
+    tables_at_s: float = 0.0  # the ledger tables are created then (a trainer that starts after the servers)
 
 
 @dataclass
@@ -54,10 +59,29 @@ class Outcome:
     failed_pushes: int = 0
     ops: list[str] = field(default_factory=list)
     trace: list[str] = field(default_factory=list)
+    demotions: int = 0  # copies out of the in-sync set on a primary's report (the scheduler's counter)
+    demotions_without_fault: int = 0  # ... of them while no fault was in force
+    pulls: int = 0
+    copies_per_server: dict[str, int] = field(default_factory=dict)  # in the final map, up servers only
 
     @property
     def ok(self) -> bool:
         return not self.violations
+
+    def minimal_trace(self, limit: int = 200) -> list[str]:
+        """The trace cut to what the first violation is about: every operation and fault, and the lines that
+        name its servers or tables (the cluster's own lines about them included), then the violation."""
+        return shrink(self.trace, self.violations[0] if self.violations else "", limit)
+
+
+def shrink(trace: list[str], violation: str, limit: int = 200) -> list[str]:
+    names = set(re.findall(r"\b(s\d+|scheduler|ledger_\w+|scratch\d)\b", violation))
+    slots = set(re.findall(r"slot (\d+)", violation))
+    words = [re.compile(rf"\b{re.escape(n)}\b") for n in names]
+    words += [re.compile(rf"slots? [^:;)]*\b{n}\b") for n in slots]
+    kept = [line for line in trace if " op " in line[:12] or "VIOLATION" in line or
+            any(w.search(line) for w in words)]
+    return kept[-limit:]
 
 
 class _Run:
@@ -66,7 +90,8 @@ class _Run:
         self.world = World(seed)
         self.servers: dict[str, SimServer] = {}
         self.net = Net(self.world, self._up)
-        config = SchedulerConfig(replicas=settings.replicas, num_slots=settings.num_slots, heartbeat_timeout_s=3.0)
+        config = SchedulerConfig(replicas=settings.replicas, num_slots=settings.num_slots, heartbeat_timeout_s=3.0,
+                                 auto_rebalance=settings.auto_rebalance)
         self.scheduler = SchedulerNode(self.world, self.net, folder / "scheduler", config, self._announce)
         self.ledger = Ledger(settings.ids)
         for name in LEDGERS:
@@ -79,6 +104,9 @@ class _Run:
         self.faulty = False
         self.cut_off: set[str] = set()  # servers a partition cuts off now
         self.scratch = 0
+        self._demoted_seen = 0
+        self.late_reports_s = 0.0  # a fault: caught-up reports delivered again this much later
+        self.script = sorted(settings.script, key=lambda op: op.at)
         for _ in range(settings.servers):
             self._add_server()
 
@@ -95,10 +123,11 @@ class _Run:
 
     def _add_server(self) -> None:
         name = f"s{len(self.servers)}"
-        self.servers[name] = SimServer(self.world, self.net, name, self.scheduler, self.servers, self.s.num_slots)
+        self.servers[name] = SimServer(self.world, self.net, name, self.scheduler, self.servers, self.s.num_slots,
+                                       late_reports_s=lambda: self.late_reports_s)
 
     def log(self, text: str) -> None:
-        self.world.log(text)
+        self.world.log(f"op {text}")
         self.out.ops.append(f"{self.world.now:.2f} {text}")
 
     # --- the run ---
@@ -120,7 +149,7 @@ class _Run:
                     self.scheduler.core.tick()
             for server in list(self.servers.values()):
                 server.step()
-            if not tables_made and self.scheduler.core.map.servers:
+            if not tables_made and self.scheduler.core.map.servers and w.now >= s.tables_at_s:
                 self._create_ledgers()
                 tables_made = True
             busy = w.now < end_busy
@@ -133,7 +162,12 @@ class _Run:
                         table = w.rng.choice(list(LEDGERS) + scratch[:1])
                         self.ledger.table(table)
                         c.push(table, np.array(w.rng.sample(range(s.ids), 16), np.int64))
-            if tables_made and busy and w.now >= next_op:
+                    if s.pulls and w.rng.random() < 0.25:  # inserting pulls create rows pushes never touched
+                        c.pull(w.rng.choice(list(LEDGERS)), np.array(w.rng.sample(range(s.ids + 64), 8), np.int64),
+                               read_only=w.rng.random() < 0.5)
+            while self.script and self.script[0].at <= w.now:
+                self._perform(self.script.pop(0))
+            if tables_made and busy and not s.script and w.now >= next_op:
                 next_op = w.now + w.rng.expovariate(s.ops_per_s)
                 self._operation()
             if not busy and self.faulty:
@@ -150,6 +184,10 @@ class _Run:
         self.out.convergence_s = None if converged_at is None else converged_at - end_busy
         self.out.acked = sum(c.acked for c in self.clients)
         self.out.failed_pushes = sum(c.failed for c in self.clients)
+        self.out.pulls = sum(c.pulls for c in self.clients)
+        self.out.demotions = self.scheduler.demotions()
+        m = self.scheduler.core.map
+        self.out.copies_per_server = {e.id: int((m.copies == i).sum()) for i, e in enumerate(m.servers) if e.up}
         self.out.trace = w.trace
         return self.out
 
@@ -166,10 +204,16 @@ class _Run:
 
         operate(self)
 
+    def _perform(self, op) -> None:
+        from tigana.tools.sim.operations import perform
+
+        perform(self, op)
+
     def _heal(self) -> None:
         self.net.cut.clear()
         self.cut_off.clear()
         self.net.drop = 0.0
+        self.late_reports_s = 0.0
         for server in self.servers.values():
             if server.paused:
                 server.paused = False
@@ -183,6 +227,13 @@ class _Run:
 
     # --- invariants ---
     def _check(self) -> None:
+        for c in self.clients:
+            if c.doubled:
+                self.out.violations.append(c.doubled[0])
+        demoted = self.scheduler.demotions()
+        if not self.faulty and demoted > self._demoted_seen:
+            self.out.demotions_without_fault += demoted - self._demoted_seen
+        self._demoted_seen = demoted
         core = self.scheduler.core
         m = core.map
         if not m.servers or "ledger_sync" not in m.tables:

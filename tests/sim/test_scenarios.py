@@ -1,0 +1,83 @@
+"""Scripted scenarios of the simulator: each defect of issue 16's list (the ones a simulated cluster can
+express) as a timed list of operations over the seeded workload, with the invariant that caught it.
+
+| scenario | defect (issue 16, "What happens today") | checked by |
+| --- | --- | --- |
+| ``test_a_table_dropped_with_items_in_flight_wedges_nothing`` | a dropped table's items answered REJECT_BEHIND for ever | liveness, no demotion |
+| ``test_hand_overs_and_removed_copies_demote_nothing`` | a map change with items in flight demoted every copy | demotions without a fault |
+| ``test_a_late_caught_up_report_marks_no_demoted_copy_in_sync`` | a stale CopyCaughtUp marked a half-built copy in sync | S1 |
+| ``test_the_readme_start_up_ends_replicated_and_balanced`` | servers joining one by one: never replicated | liveness, balance |
+| ``test_a_restarted_primary_never_leads_with_its_empty_copy`` | a restarted primary's empty copy kept leading | S1 |
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tigana.tools.sim import Op, Outcome, Settings, run_seed
+
+QUIET = dict(faults=False)
+
+
+def _ok(out: Outcome) -> None:
+    assert out.ok, (out.violations, "\n".join(out.minimal_trace(120)))
+    assert out.acked > 0 and out.convergence_s is not None
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_table_dropped_with_items_in_flight_wedges_nothing(seed: int) -> None:
+    script = tuple(op for k in range(3) for op in (
+        Op(1.0 + 2.0 * k, "create", f"scratch{k % 2}"), Op(2.2 + 2.0 * k, "drop", f"scratch{k % 2}")))
+    out = run_seed(seed, Settings(busy_s=8.0, script=script, **QUIET))
+    _ok(out)
+    assert out.demotions == 0
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_hand_overs_and_removed_copies_demote_nothing(seed: int) -> None:
+    script = [Op(1.5, "create_async", "scratch0")]
+    for k in range(8):
+        at = 2.0 + 0.5 * k
+        script.append(Op(at, "move_primary", f"replica:{k}", slot=k))  # the cheapest hand-over
+        script.append(Op(at + 0.1, "move", f"s{(k + 2) % 3}", slot=8 + k))  # a copy added, one removed
+    script += [Op(6.5, "drop", "scratch0"), Op(7.0, "rebalance"), Op(7.5, "join"), Op(8.0, "rebalance")]
+    out = run_seed(seed, Settings(busy_s=10.0, script=tuple(script), **QUIET))
+    _ok(out)
+    assert out.demotions == 0 and out.demotions_without_fault == 0 and out.failed_pushes == 0
+
+
+@pytest.mark.parametrize("seed", [5])
+def test_a_late_caught_up_report_marks_no_demoted_copy_in_sync(seed: int) -> None:
+    # Every caught-up report of the start-up arrives a second time 6 s later; meanwhile the replica of slot 0
+    # is cut off from the other servers (not the scheduler) long enough to be demoted and miss acked pushes.
+    script = (Op(0.0, "late_reports", seconds=6.0), Op(2.5, "partition", "replica:0", seconds=6.0))
+    out = run_seed(seed, Settings(busy_s=12.0, script=script, **QUIET))
+    _ok(out)
+    assert any("late caught-up report" in line for line in out.trace)
+
+
+@pytest.mark.parametrize("seed", [6, 7])
+def test_the_readme_start_up_ends_replicated_and_balanced(seed: int) -> None:
+    # The README's order: the scheduler, then servers one by one, then a trainer that creates its tables.
+    script = (Op(1.0, "join"), Op(2.0, "join"))
+    out = run_seed(seed, Settings(servers=1, busy_s=6.0, script=script, tables_at_s=3.0, **QUIET))
+    _ok(out)
+    assert out.demotions == 0
+    assert out.convergence_s < 10.0
+    assert all(n > 0 for n in out.copies_per_server.values()), out.copies_per_server
+
+
+def test_the_readme_start_up_replicates_before_any_table_exists() -> None:
+    # No trainer yet: slot copies with no rows and no tables must still finish (nothing acknowledges them).
+    out = run_seed(12, Settings(servers=1, busy_s=4.0, script=(Op(1.0, "join"), Op(2.0, "join")),
+                                tables_at_s=1e9, **QUIET))
+    assert out.ok, (out.violations, "\n".join(out.minimal_trace(60)))
+    assert out.convergence_s is not None and out.convergence_s < 10.0
+
+
+@pytest.mark.parametrize("seed", [8, 9])
+def test_a_restarted_primary_never_leads_with_its_empty_copy(seed: int) -> None:
+    # The primary of slot 0 is killed and back (a new process, empty) before the scheduler's timeout.
+    script = (Op(3.0, "crash_restart", "primary:0", seconds=0.6), Op(6.0, "crash_restart", "primary:5", seconds=1.0))
+    out = run_seed(seed, Settings(busy_s=9.0, script=script, **QUIET))
+    _ok(out)
