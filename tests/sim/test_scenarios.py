@@ -81,3 +81,13 @@ def test_a_restarted_primary_never_leads_with_its_empty_copy(seed: int) -> None:
     script = (Op(3.0, "crash_restart", "primary:0", seconds=0.6), Op(6.0, "crash_restart", "primary:5", seconds=1.0))
     out = run_seed(seed, Settings(busy_s=9.0, script=script, **QUIET))
     _ok(out)
+
+
+@pytest.mark.parametrize("seed", [13, 14])
+def test_every_copy_of_a_slot_lost_costs_only_what_followed_its_last_snapshot(seed: int) -> None:
+    # Data dirs with a snapshot every 1.5 s; every copy of slot 3 is lost at once, back from disk 1.5 s later
+    # (the unclean election: the newest snapshot wins, and it is not a restarted server's empty copy).
+    script = (Op(4.2, "lose_slot", slot=3, seconds=1.5), Op(8.0, "lose_slot", slot=9, seconds=0.5))
+    out = run_seed(seed, Settings(busy_s=11.0, script=script, snapshot_every_s=1.5, **QUIET))
+    _ok(out)
+    assert any("unclean election" in line for line in out.trace)

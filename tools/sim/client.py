@@ -28,6 +28,10 @@ class Ledger:
     ids: int
     acked: dict[str, np.ndarray] = field(default_factory=dict)
     sent: dict[str, np.ndarray] = field(default_factory=dict)
+    lost_at: np.ndarray | None = None  # per id: when every copy of its slot was last lost (-inf: never)
+
+    def __post_init__(self) -> None:
+        self.lost_at = np.full(self.ids, -np.inf)
 
     def table(self, name: str) -> None:
         self.acked.setdefault(name, np.zeros(self.ids, np.int64))
@@ -95,14 +99,14 @@ class SimClient:
             request = pb.PushRequest(table=p.table, ids=wire.encode_ids(sub),
                                      grads=wire.encode_rows(-np.ones((sub.size, DIM), np.float32)),
                                      client_id=self.client_id, seq=p.seq, epoch=m.epoch)
-            waiting = {"open": True}
+            waiting = {"open": True, "sent": self.world.now}
 
             def answered(result: Any, error: BaseException | None, sub=sub, key=key, waiting=waiting) -> None:
                 if not waiting["open"]:
                     return
                 waiting["open"] = False
                 if error is None:
-                    self._part_done(p, key)
+                    self._part_done(p, key, sub[self.ledger.lost_at[sub] < waiting["sent"]])
                 elif isinstance(error, TableNotFound) and p.table.startswith("scratch"):
                     self._dropped(p)  # its table was dropped meanwhile: the push ends there
                 elif isinstance(error, (PSError, Lost)):
@@ -152,11 +156,14 @@ class SimClient:
         self.refresh()
         self._send(p, sub, part=key)
 
-    def _part_done(self, p: _Push, key: int) -> None:
+    def _part_done(self, p: _Push, key: int, sub: np.ndarray) -> None:
+        # A part's acknowledgement is the server's promise for its ids (a later part may fail or be lost); an
+        # answer that crossed the loss of every copy of its slot promises nothing (``disk.lose_slots``).
+        if key in p.left and p.seq in self.pushes:
+            self.ledger.acked[p.table][sub] += 1
         p.left.discard(key)
         if not p.left and p.seq in self.pushes:
             del self.pushes[p.seq]
-            self.ledger.acked[p.table][p.ids] += 1
             self.acked += 1
 
     def _dropped(self, p: _Push) -> None:

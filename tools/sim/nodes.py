@@ -22,6 +22,7 @@ from tigana.ps.config import ServerConfig
 from tigana.ps.routing import ShardMap
 from tigana.ps.scheduler import SchedulerConfig, SchedulerCore
 from tigana.ps.scheduler.mapstore import FileMapStore
+from tigana.ps.scheduler.service import _positions
 from tigana.ps.shard import ShardService
 from tigana.tools.sim.world import Deferred, Lost, Net, World
 
@@ -135,7 +136,8 @@ class SimAgent:
         sent = s.clock()
         try:
             if not self.registered:
-                m = self._call(lambda core: core.register(s.name, s.name, s.svc.boot, {}))
+                positions = _positions(s.svc.positions())  # what it loaded, for an unclean election
+                m = self._call(lambda core: core.register(s.name, s.name, s.svc.boot, positions))
                 s.install(m)
                 self.registered = True
             else:
@@ -154,13 +156,16 @@ class SimServer:
     """One shard server process (``start`` makes a new one: a new boot, empty memory)."""
 
     def __init__(self, world: World, net: Net, name: str, scheduler: SchedulerNode, servers: dict[str, SimServer],
-                 num_slots: int, late_reports_s: Callable[[], float] = lambda: 0.0) -> None:
+                 num_slots: int, late_reports_s: Callable[[], float] = lambda: 0.0,
+                 data_dir: Path | None = None) -> None:
         self.world, self.net, self.name, self.scheduler, self.servers = world, net, name, scheduler, servers
         self.late_reports_s = late_reports_s
         self.skew = 0.0  # how far this machine's clock is ahead of the world's (a clock jump)
         self.config = ServerConfig(num_slots=num_slots, scheduler=SCHEDULER, server_id=name, ack_timeout_s=5.0,
                                    replication_timeout_s=2.0, lease_s=2.0, snapshot_every_s=0.0,
-                                   snapshot_on_shutdown=False)
+                                   snapshot_on_shutdown=False, keep_snapshots=2,
+                                   data_dir=None if data_dir is None else str(data_dir))
+        self.snapshots: list[tuple[float, dict[str, np.ndarray], np.ndarray]] = []  # (time, acked, complete)
         self.alive = False
         self.paused = False
         self.svc: ShardService | None = None
@@ -180,6 +185,7 @@ class SimServer:
         self.in_flight: set[int] = set()
         self.acks: list[tuple[Any, Deferred, float]] = []
         self.svc = ShardService(self.config, security=_Security(), clock=self.clock, spawn=self._spawn)
+        self.svc.load()  # what its data dir holds: its snapshots, as the daemon does at start (none: nothing)
         self.svc.state = "serving"
         self.agent = SimAgent(self)
         self.svc.agent = self.agent

@@ -21,6 +21,7 @@ __all__ = ["Op", "operate", "perform"]
 
 PLANNED = ("move", "move_primary", "rebalance", "drain", "undrain", "create_drop", "join")
 FAULTS = ("crash", "crash_restart", "pause", "partition", "drops", "scheduler_restart", "clock_jump")
+DISK_FAULTS = ("lose_slot",)  # with data dirs: every copy of a slot lost at once, back from its snapshots
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,9 @@ def perform(run: Any, op: Op) -> None:
         elif op.kind in ("scheduler_restart", "late_reports"):
             _fault(run, op.kind, seconds=op.seconds)
             return
+        elif op.kind == "lose_slot":
+            _lose_slot(run, op.slot, op.seconds)
+            return
         elif op.kind == "heal":
             run._heal()
             return
@@ -96,7 +100,8 @@ def perform(run: Any, op: Op) -> None:
 def operate(run: Any) -> None:
     """One operation of ``run`` (a ``simulation._Run``), chosen by its random source."""
     rng = run.world.rng
-    kinds = PLANNED + (FAULTS if run.s.faults else ())
+    kinds = PLANNED + (FAULTS if run.s.faults else ()) + (DISK_FAULTS if run.s.faults and
+                                                          run.s.snapshot_every_s > 0 else ())
     kind = rng.choice(kinds)
     core = run.scheduler.core
     m = core.map
@@ -147,9 +152,12 @@ def _fault(run: Any, kind: str, victim: Any = None, seconds: float = 0.0) -> Non
     scripted = victim is not None or seconds > 0
     impaired = {s.name for s in run.servers.values() if not s.up} | run.cut_off
     degraded = run.scheduler.core.map.summary()["degraded_slots"]
-    if not scripted and kind in ("crash", "crash_restart", "pause", "partition") and \
+    if not scripted and kind in ("crash", "crash_restart", "pause", "partition", "lose_slot") and \
             (len(impaired) >= run.s.replicas or degraded):
         kind = rng.choice(("drops", "scheduler_restart"))
+    if kind == "lose_slot":
+        _lose_slot(run, rng.randrange(run.s.num_slots), rng.uniform(0.5, 4.0))
+        return
 
     def lasting(lo: float, hi: float) -> float:
         return seconds if scripted else rng.uniform(lo, hi)
@@ -209,3 +217,30 @@ def _fault(run: Any, kind: str, victim: Any = None, seconds: float = 0.0) -> Non
             run.log("scheduler restarted from its store")
 
         run.world.at(lasting(0.2, 3.0), back)
+
+
+def _lose_slot(run: Any, slot: int, seconds: float) -> None:
+    """Every server holding an in-sync copy of ``slot`` crashes at once (beyond what replication survives)
+    and restarts from its data dir ``seconds`` later: the unclean election runs, and the ledger may miss,
+    for the slots lost, what was acknowledged after their newest snapshot (``disk.lose_slots``)."""
+    from tigana.tools.sim.disk import lose_slots
+
+    m = run.scheduler.core.map
+    holders = {m.servers[int(c)].id for c, st in zip(m.copies[slot], m.states[slot], strict=True)
+               if c >= 0 and st == IN_SYNC}
+    victims = [run.servers[h] for h in sorted(holders) if h in run.servers and run.servers[h].alive]
+    if not victims:
+        return
+    run.faulty = True
+    for victim in victims:
+        victim.crash()
+    lost = lose_slots(run, {s.name for s in run.servers.values() if not s.alive})
+    run.log(f"lose every copy of slot {slot}: crash {','.join(v.name for v in victims)} (slots lost: {lost})")
+
+    def back() -> None:
+        for victim in victims:
+            if not victim.alive:
+                victim.start()
+        run.log(f"restart {','.join(v.name for v in victims)} from their data dirs")
+
+    run.world.at(seconds, back)

@@ -23,6 +23,7 @@ from tigana.ps.errors import PSError
 from tigana.ps.routing import CATCHING_UP, IN_SYNC, TableDef, slot_of
 from tigana.ps.scheduler import SchedulerConfig
 from tigana.tools.sim.client import DIM, Ledger, SimClient
+from tigana.tools.sim.disk import snapshot
 from tigana.tools.sim.nodes import SchedulerNode, SimServer
 from tigana.tools.sim.world import Net, World
 
@@ -46,6 +47,7 @@ class Settings:
     script: tuple = ()  # scripted operations (``operations.Op``): when given, no random operation runs
     auto_rebalance: bool = True
     pulls: bool = True  # clients also pull (inserting, and read-only) beside their pushes
+    snapshot_every_s: float = 0.0  # > 0: servers have a data dir, snapshots this often (every 4th full)
     tables_at_s: float = 0.0  # the ledger tables are created then (a trainer that starts after the servers)
 
 
@@ -87,6 +89,7 @@ def shrink(trace: list[str], violation: str, limit: int = 200) -> list[str]:
 class _Run:
     def __init__(self, seed: int, settings: Settings, folder: Path) -> None:
         self.s = settings
+        self.folder = folder
         self.world = World(seed)
         self.servers: dict[str, SimServer] = {}
         self.net = Net(self.world, self._up)
@@ -124,7 +127,8 @@ class _Run:
     def _add_server(self) -> None:
         name = f"s{len(self.servers)}"
         self.servers[name] = SimServer(self.world, self.net, name, self.scheduler, self.servers, self.s.num_slots,
-                                       late_reports_s=lambda: self.late_reports_s)
+                                       late_reports_s=lambda: self.late_reports_s,
+                                       data_dir=self.folder / name if self.s.snapshot_every_s > 0 else None)
 
     def log(self, text: str) -> None:
         self.world.log(f"op {text}")
@@ -134,6 +138,7 @@ class _Run:
     def run(self) -> Outcome:
         w, s = self.world, self.s
         next_beat = next_op = next_push = 0.0
+        next_snapshot, snapshots = s.snapshot_every_s, 0
         tables_made = False
         end_busy = s.busy_s
         heal_by = end_busy + s.converge_s
@@ -149,6 +154,9 @@ class _Run:
                     self.scheduler.core.tick()
             for server in list(self.servers.values()):
                 server.step()
+            if s.snapshot_every_s > 0 and w.now >= next_snapshot:
+                next_snapshot, snapshots = w.now + s.snapshot_every_s, snapshots + 1
+                snapshot(self, incremental=snapshots % 4 != 0)
             if not tables_made and self.scheduler.core.map.servers and w.now >= s.tables_at_s:
                 self._create_ledgers()
                 tables_made = True
