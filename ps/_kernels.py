@@ -1,8 +1,8 @@
-"""Compiled (numba) kernels of the data path: batch deduplication and owner grouping, fp16 conversion, the
-server's slot ownership check.
+"""Compiled (numba) kernels of the data path: batch deduplication and grouping (by primary, then slot), fp16
+conversion, the server's check that it leads every id's slot.
 
 ``dedup_grouped`` and ``dedup_sum_grouped`` use an open-addressing hash over the batch (O(n), no sort), keep
-ids in first-seen order within each owner, and add duplicate rows in batch order in float32, the order the
+ids in first-seen order within each group, and add duplicate rows in batch order in float32, the order the
 storage engine uses, so a pre-summed push lands bit for bit as the engine would apply the raw batch. The fp16 kernels convert
 with round-to-nearest-even and saturate finite values at ±65504 (numpy's converter is a scalar loop, ~10x
 slower). All release the GIL and compile once per machine (``cache=True``).
@@ -73,23 +73,23 @@ def f16_to_f32(bits: np.ndarray) -> np.ndarray:
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _owner(key, owner_of_slot, num_slots):
-    return owner_of_slot[np.int64(mix64_scalar(key) % num_slots)]
+def _group_of_key(key, group_of_slot, num_slots):
+    return group_of_slot[np.int64(mix64_scalar(key) % num_slots)]
 
 
 @njit(nogil=True, cache=True)
-def _dedup_grouped(ids, owner_of_slot, num_owners):
-    """Shared first pass: (position of each id's unique in the owner-grouped order, grouped unique ids,
-    starts). Groups are in owner order; within a group, first-seen order."""
+def _dedup_grouped(ids, group_of_slot, num_groups):
+    """Shared first pass: (position of each id's unique in the grouped order, grouped unique ids,
+    starts). Groups are in group order; within a group, first-seen order."""
     n = ids.shape[0]
-    num_slots = np.uint64(owner_of_slot.shape[0])
+    num_slots = np.uint64(group_of_slot.shape[0])
     cap = _capacity(n)
     mask = cap - 1
     index = np.full(cap, -1, np.int64)
     first = np.empty(n, np.int64)  # unique k -> its key
-    owner = np.empty(n, np.int64)  # unique k -> its owner
+    group = np.empty(n, np.int64)  # unique k -> its group
     inverse = np.empty(n, np.int64)
-    starts = np.zeros(num_owners + 1, np.int64)
+    starts = np.zeros(num_groups + 1, np.int64)
     k = 0
     for i in range(n):
         key = ids[i]
@@ -99,8 +99,8 @@ def _dedup_grouped(ids, owner_of_slot, num_owners):
             if j == -1:
                 index[p] = k
                 first[k] = key
-                o = _owner(key, owner_of_slot, num_slots)
-                owner[k] = o
+                o = _group_of_key(key, group_of_slot, num_slots)
+                group[k] = o
                 starts[o + 1] += 1
                 inverse[i] = k
                 k += 1
@@ -109,13 +109,13 @@ def _dedup_grouped(ids, owner_of_slot, num_owners):
                 inverse[i] = j
                 break
             p = (p + 1) & mask
-    for o in range(num_owners):
+    for o in range(num_groups):
         starts[o + 1] += starts[o]
     fill = starts[:-1].copy()
     pos = np.empty(k, np.int64)  # unique k -> its place in the grouped order
     uniq = np.empty(k, np.int64)
     for j in range(k):
-        o = owner[j]
+        o = group[j]
         pos[j] = fill[o]
         uniq[fill[o]] = first[j]
         fill[o] += 1
@@ -125,21 +125,22 @@ def _dedup_grouped(ids, owner_of_slot, num_owners):
 
 
 @njit(nogil=True, cache=True)
-def dedup_grouped(ids, owner_of_slot, num_owners):
-    """(n,) int64 ids -> (uniq, starts, src): the unique ids grouped by owning server (owner i's at
+def dedup_grouped(ids, group_of_slot, num_groups):
+    """(n,) int64 ids -> (uniq, starts, src): the unique ids grouped (group i's at
     ``uniq[starts[i]:starts[i + 1]]``, first-seen order within a group) and (n,) int64 ``src`` with
-    ``ids == uniq[src]``. Owner = ``owner_of_slot[routing.slot_of(id)]``. The pull's one pass over the batch."""
-    src, uniq, starts = _dedup_grouped(ids, owner_of_slot, num_owners)
+    ``ids == uniq[src]``. An id's group is ``group_of_slot[routing.slot_of(id)]`` (the client's slot keys:
+    by primary, then slot). The pull's one pass over the batch."""
+    src, uniq, starts = _dedup_grouped(ids, group_of_slot, num_groups)
     return uniq, starts, src
 
 
 @njit(nogil=True, cache=True)
-def dedup_sum_grouped(ids, grads, owner_of_slot, num_owners):
-    """(n,) int64 ids, (n, dim) float32 grads -> (uniq, sums, starts, finite) grouped by owner as
+def dedup_sum_grouped(ids, grads, group_of_slot, num_groups):
+    """(n,) int64 ids, (n, dim) float32 grads -> (uniq, sums, starts, finite) grouped as
     ``dedup_grouped``, duplicate rows added in batch order in float32; ``finite`` is False
     when some sum is NaN or Inf (always so when grads has one). Each server's rows are one contiguous slice,
     so a push message is built from views without a gather copy."""
-    src, uniq, starts = _dedup_grouped(ids, owner_of_slot, num_owners)
+    src, uniq, starts = _dedup_grouped(ids, group_of_slot, num_groups)
     n = ids.shape[0]
     dim = grads.shape[1]
     k = uniq.shape[0]
@@ -165,14 +166,15 @@ def dedup_sum_grouped(ids, grads, owner_of_slot, num_owners):
 
 
 @njit(nogil=True, cache=True)
-def first_foreign(ids, owned):
-    """(count, first position) of the ids whose slot (``routing.slot_of`` over ``len(owned)`` slots) is not
-    owned; position -1 when all are owned. One pass, no temporaries (the server's ownership check)."""
-    num_slots = np.uint64(owned.shape[0])
+def first_foreign(ids, leads):
+    """(count, first position) of the ids whose slot (``routing.slot_of`` over ``len(leads)`` slots) this
+    server does not lead (``leads[slot]`` False); position -1 when it leads them all. One pass, no temporaries
+    (the server's check before a write or pull)."""
+    num_slots = np.uint64(leads.shape[0])
     count = 0
     first = -1
     for i in range(ids.shape[0]):
-        if not owned[np.int64(mix64_scalar(ids[i]) % num_slots)]:
+        if not leads[np.int64(mix64_scalar(ids[i]) % num_slots)]:
             if first < 0:
                 first = i
             count += 1
@@ -216,10 +218,10 @@ def row_words(rows: np.ndarray) -> np.ndarray:
 
 
 @njit(nogil=True, cache=True)
-def slots_foreign(ids, owned):
-    """(slots, count, first): every id's routing slot (``routing.slot_of`` over ``len(owned)`` slots) and the
-    count and first position of ids whose slot is not ``owned`` (-1: all owned). One pass."""
-    num_slots = np.uint64(owned.shape[0])
+def slots_foreign(ids, leads):
+    """(slots, count, first): every id's routing slot (``routing.slot_of`` over ``len(leads)`` slots) and the
+    count and first position of ids whose slot this server does not lead (-1: it leads them all). One pass."""
+    num_slots = np.uint64(leads.shape[0])
     n = ids.shape[0]
     slots = np.empty(n, np.int64)
     count = 0
@@ -227,7 +229,7 @@ def slots_foreign(ids, owned):
     for i in range(n):
         s = np.int64(mix64_scalar(ids[i]) % num_slots)
         slots[i] = s
-        if not owned[s]:
+        if not leads[s]:
             if first < 0:
                 first = i
             count += 1

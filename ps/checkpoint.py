@@ -53,7 +53,7 @@ def _table_dir(name: str) -> str:
     return "tables/" + quote(name, safe="").replace(".", "%2E")
 
 
-def _leaders(client: Any) -> list[tuple[Any, np.ndarray]]:
+def _primaries(client: Any) -> list[tuple[Any, np.ndarray]]:
     """(server, slots it leads) for every primary of the client's current route."""
     route = client._route
     out = []
@@ -96,7 +96,7 @@ def write_checkpoint(client: Any, directory: str | os.PathLike, tables: list[str
             info = client.describe_table(name)
             spec = client._spec_pb(name)
             parts, rows, step = [], 0, 0
-            for k, (server, slots) in enumerate(_leaders(client)):
+            for k, (server, slots) in enumerate(_primaries(client)):
                 part = f"{_table_dir(name)}/part-{k:04d}"
                 tail: dict[str, Any] = {}
 
@@ -246,12 +246,12 @@ def _import(client: Any, name: str, batch: RowBatch, step: int) -> int:
     pending = batch
     while True:
         route = client._route
-        owner = route.owner_of_slot[routing.slot_of(pending.ids, route.num_slots)]
+        primary = route.owner_of_slot[routing.slot_of(pending.ids, route.num_slots)]
         failed = []
         row_bytes = 8 + 4 * (pending.weights.shape[1] + pending.state.shape[1]) + 24
         per = max(1, client.config.chunk_bytes // row_bytes)
-        for o in np.unique(owner):
-            idx = np.flatnonzero(owner == o)
+        for o in np.unique(primary):
+            idx = np.flatnonzero(primary == o)
             if o < 0:
                 failed.append(idx)
                 continue
@@ -301,7 +301,7 @@ def export_table(client: Any, table: str, out: str | os.PathLike, since: str | o
     client.flush()
     info = client.describe_table(table)
     ids_parts, rows_parts, cut_times = [], [], []
-    for server, slots in _leaders(client):
+    for server, slots in _primaries(client):
         for chunk in _export_stream(client, server, table, slots, weights_only=True, since=since_time):
             if chunk.server_time:
                 cut_times.append(chunk.server_time)

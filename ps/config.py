@@ -54,8 +54,8 @@ class ServerConfig(SecuritySettings):
     """Everything a shard server needs. Immutable; ``dataclasses.replace`` makes variants.
 
     port / metrics_port: 0 for ``port`` picks a free port; ``metrics_port`` 0 turns the metrics HTTP endpoint
-    off and -1 picks a free port. ``slots`` is the owned set as text (``"all"`` or ``"0-2047,4000"``, inclusive
-    ranges over ``num_slots`` virtual slots). ``memory_budget`` (bytes) caps the resident rows of the whole
+    off and -1 picks a free port. ``slots``: the slots this server leads, as text (``"all"`` or
+    ``"0-2047,4000"``, inclusive ranges over ``num_slots`` virtual slots). ``memory_budget`` (bytes) caps the resident rows of the whole
     daemon: tables with no budget of their own share what tables with one leave (at least 1 MiB each); past
     its share a table spills cold rows to LMDB under ``data_dir``, each table's spill tier capped at
     ``spill_max_bytes`` (None: until the disk is full); when spilling fails, new rows past 1.25x a table's
@@ -167,7 +167,7 @@ class ServerConfig(SecuritySettings):
             raise bad("slots", str(exc)) from None
 
     def owned_slots(self) -> np.ndarray:
-        """(num_slots,) bool mask of the slots this server owns."""
+        """(num_slots,) bool mask of the slots this server leads (a static shard list: their only copy)."""
         return parse_slots(self.slots, self.num_slots)
 
 

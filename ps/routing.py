@@ -38,21 +38,23 @@ def slot_of(ids: np.ndarray, num_slots: int = DEFAULT_NUM_SLOTS) -> np.ndarray:
 
 
 def static_assignment(num_servers: int, num_slots: int = DEFAULT_NUM_SLOTS) -> np.ndarray:
-    """Owner index of each slot for a static list of ``num_servers``: contiguous, near-equal ranges."""
+    """The server index of each slot's primary for a static list of ``num_servers`` (its only copy):
+    contiguous, near-equal ranges."""
     if num_servers < 1:
         raise ValueError("num_servers must be >= 1")
     return (np.arange(num_slots, dtype=np.int64) * num_servers) // num_slots
 
 
 def slot_range(index: int, num_servers: int, num_slots: int = DEFAULT_NUM_SLOTS) -> tuple[int, int]:
-    """[start, stop) of the slots server ``index`` of ``num_servers`` owns under ``static_assignment``."""
-    owners = static_assignment(num_servers, num_slots)
-    hits = np.flatnonzero(owners == index)
+    """[start, stop) of the slots server ``index`` of ``num_servers`` leads under ``static_assignment``."""
+    primaries = static_assignment(num_servers, num_slots)
+    hits = np.flatnonzero(primaries == index)
     return int(hits[0]), int(hits[-1]) + 1
 
 
 def parse_slots(text: str, num_slots: int = DEFAULT_NUM_SLOTS) -> np.ndarray:
-    """Parse ``"0-2047,4000"`` (inclusive ranges) into a bool mask of owned slots; ``"all"`` or ``""`` owns all."""
+    """Parse ``"0-2047,4000"`` (inclusive ranges) into a bool mask of the slots named; ``"all"`` or ``""`` names
+    all."""
     mask = np.zeros(num_slots, dtype=bool)
     if text.strip() in ("", "all"):
         mask[:] = True
@@ -87,18 +89,18 @@ def split_by_owner(owners_of_ids: np.ndarray, num_owners: int) -> list[np.ndarra
     return [order[bounds[i]:bounds[i + 1]] for i in range(num_owners)]
 
 
-def group_keys(owner_of_slot: np.ndarray, num_owners: int) -> tuple[np.ndarray, np.ndarray]:
-    """Order the slots by owner, then by slot: ``(key_of_slot, owner_starts)``.
+def group_keys(primary_of_slot: np.ndarray, num_servers: int) -> tuple[np.ndarray, np.ndarray]:
+    """Order the slots by primary, then by slot: ``(key_of_slot, primary_starts)``.
 
-    ``key_of_slot[s]`` is slot s's rank in that order, so bucketing ids by it groups them by owner and,
-    within an owner, by slot; owner o's slots hold keys ``[owner_starts[o], owner_starts[o + 1])``. Slots
-    without an owner (``NO_SERVER``) come last, as owner ``num_owners``."""
-    owners = np.where(owner_of_slot < 0, num_owners, owner_of_slot).astype(np.int64)
-    order = np.argsort(owners, kind="stable")
-    key_of_slot = np.empty(owner_of_slot.shape[0], np.int64)
-    key_of_slot[order] = np.arange(owner_of_slot.shape[0], dtype=np.int64)
-    owner_starts = np.searchsorted(owners[order], np.arange(num_owners + 2)).astype(np.int64)
-    return key_of_slot, owner_starts
+    ``key_of_slot[s]`` is slot s's rank in that order, so bucketing ids by it groups them by primary and,
+    within a primary, by slot; the slots of server o's primaries hold keys ``[primary_starts[o],
+    primary_starts[o + 1])``. Slots without a primary (``NO_SERVER``) come last, as server ``num_servers``."""
+    primaries = np.where(primary_of_slot < 0, num_servers, primary_of_slot).astype(np.int64)
+    order = np.argsort(primaries, kind="stable")
+    key_of_slot = np.empty(primary_of_slot.shape[0], np.int64)
+    key_of_slot[order] = np.arange(primary_of_slot.shape[0], dtype=np.int64)
+    primary_starts = np.searchsorted(primaries[order], np.arange(num_servers + 2)).astype(np.int64)
+    return key_of_slot, primary_starts
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ def serve(requests: Iterator[Any], handle: Callable[[frames.Frame, float], bytes
     (which answers, never raises), at most ``window`` frames at a time. ``on_malformed`` ends the stream for
     a frame with no id to answer under (it aborts the RPC)."""
     answers: queue.SimpleQueue = queue.SimpleQueue()
-    slots = threading.BoundedSemaphore(window)
+    permits = threading.BoundedSemaphore(window)  # one per frame in hand
     lock = threading.Lock()
     open_count = [1]  # the reader, plus one per frame being handled
 
@@ -45,7 +45,7 @@ def serve(requests: Iterator[Any], handle: Callable[[frames.Frame, float], bytes
         try:
             answers.put(handle(frame, received))
         finally:
-            slots.release()
+            permits.release()
             release()
 
     def read() -> None:
@@ -54,7 +54,7 @@ def serve(requests: Iterator[Any], handle: Callable[[frames.Frame, float], bytes
                 if not isinstance(frame, frames.Frame):
                     answers.put(frame)  # Malformed: ends the stream below
                     return
-                slots.acquire()
+                permits.acquire()
                 with lock:
                     open_count[0] += 1
                 pool.submit(work, frame, time.monotonic())

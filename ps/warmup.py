@@ -55,10 +55,10 @@ def warm_kernels(num_slots: int = 4096) -> float:
     for codec in (pb.CODEC_FP32, pb.CODEC_FP16, pb.CODEC_BF16, pb.CODEC_INT8):
         raw = wire.encode_rows(grads, codec)
         wire.decode_rows(raw, ids.size, 8, table="warm", field="grads")
-    owner = (np.arange(num_slots) % 2).astype(np.int32)
+    group_of_slot = (np.arange(num_slots) % 2).astype(np.int32)
     _kernels.slots_foreign(ids, np.ones(num_slots, bool))
-    _kernels.dedup_grouped(ids, owner, 2)
-    _kernels.dedup_sum_grouped(ids, grads, owner, 2)
+    _kernels.dedup_grouped(ids, group_of_slot, 2)
+    _kernels.dedup_sum_grouped(ids, grads, group_of_slot, 2)
     slot_of(ids, num_slots)
     seconds = time.perf_counter() - started
     log.info("kernels ready in %.2fs", seconds)

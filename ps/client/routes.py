@@ -88,7 +88,8 @@ class Server:
 
 
 class Route:
-    """Where every slot's primary is, at one map epoch. ``servers[i]`` is owner i; owner -1: no primary now."""
+    """Where every slot's primary is, at one map epoch: ``owner_of_slot[s]`` is the index in ``servers`` of slot
+    s's primary (-1: no primary now)."""
 
     def __init__(self, epoch: int, servers: Sequence[Server | None], owner_of_slot: np.ndarray) -> None:
         self.epoch = epoch
@@ -98,16 +99,16 @@ class Route:
         self.key_of_slot, self.owner_starts = routing.group_keys(self.owner_of_slot, len(self.servers))
 
     def group(self, ids: np.ndarray, grads: np.ndarray | None = None) -> tuple:
-        """One pass over a batch: unique ids bucketed by slot key (owner, then slot). Pull: (uniq, starts,
+        """One pass over a batch: unique ids bucketed by slot key (primary, then slot). Pull: (uniq, starts,
         src) with ids == uniq[src]; push: (uniq, sums, starts, finite). ``starts`` bounds each key's range."""
         if grads is None:
             return _kernels.dedup_grouped(ids, self.key_of_slot, self.num_slots)
         return _kernels.dedup_sum_grouped(ids, grads, self.key_of_slot, self.num_slots)
 
     def parts(self, starts: np.ndarray, row_bytes: int, chunk_bytes: int) -> list[tuple[int, int, int]]:
-        """(owner, lo, hi) of every message: each owner's range of the grouped batch, cut at slot boundaries
-        into chunks of at most ``chunk_bytes`` (a single slot larger than that is one message). Owner -1
-        covers the ids whose slot has no primary."""
+        """(primary, lo, hi) of every message: each primary's range of the grouped batch, cut at slot
+        boundaries into chunks of at most ``chunk_bytes`` (a single slot larger than that is one message).
+        Primary -1 covers the ids whose slot has no primary."""
         per = max(1, chunk_bytes // (8 + row_bytes))
         out = []
         for o in range(len(self.servers) + 1):

@@ -131,13 +131,13 @@ class Liveness(CoreFields):
         moved = np.flatnonzero((before[:, 0] == i) & (copies[:, 0] >= 0))
         promoted = int(moved.size)
         sid = m.servers[i].id
-        leaders = sorted({m.servers[int(p)].id for p in copies[moved, 0]})
+        primaries = sorted({m.servers[int(p)].id for p in copies[moved, 0]})
         self._commit(m.evolve(copies=copies, states=states, servers=servers),
                      f"server {sid} ({m.servers[i].address}) declared dead: {why}; {promoted} slot(s) failed over "
-                     f"(slots {slots_text(moved)}) to {','.join(leaders) or 'none'}"
+                     f"(slots {slots_text(moved)}) to {','.join(primaries) or 'none'}"
                      + (f", {lost.size} left with no in-sync copy (slots {slots_text(lost)})" if lost.size else ""),
                      event("failover", slots=np.union1d(moved, lost), server=sid, reason=why,
-                           failed_over=format_slots(moved), new_primaries=",".join(leaders),
+                           failed_over=format_slots(moved), new_primaries=",".join(primaries),
                            no_copy=format_slots(lost)))
         self.metrics.servers_dead.inc()
         self.metrics.failovers.labels("dead").inc(promoted)
@@ -189,9 +189,9 @@ class Liveness(CoreFields):
                         "epoch %d: slots %s on %s", len(empty), m.epoch, slots_text(empty), ",".join(on),
                         extra=event("slots_empty", slots=empty, epoch=m.epoch, server=on))
         if chosen:
-            leaders = self._ids(copies[elected, 0])
+            primaries = self._ids(copies[elected, 0])
             self._commit(m.evolve(copies=copies, states=states),
                          f"unclean election of {chosen} slot(s) with no in-sync copy (slots {slots_text(elected)}; "
-                         f"new primaries {','.join(leaders)}; newest snapshot wins)",
-                         event("unclean_election", slots=elected, server=leaders))
+                         f"new primaries {','.join(primaries)}; newest snapshot wins)",
+                         event("unclean_election", slots=elected, server=primaries))
             self.metrics.elections.inc(chosen)

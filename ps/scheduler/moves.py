@@ -50,10 +50,10 @@ class Moves(CoreFields):
                 self.handover_since.pop(int(slot), None)
             self._moved.update(int(x) for x in done)
             self.metrics.slot_moves.labels("primary_handover").inc(done.size)
-            leaders = self._ids(copies[done, 0])
+            primaries = self._ids(copies[done, 0])
             self._commit(m.evolve(copies=copies, states=states),
-                         f"{done.size} primar(ies) handed over by {reporter} to {','.join(leaders)} (slots "
-                         f"{slots_text(done)})", event("primary_handover", slots=done, server=leaders, source=reporter))
+                         f"{done.size} primar(ies) handed over by {reporter} to {','.join(primaries)} (slots "
+                         f"{slots_text(done)})", event("primary_handover", slots=done, server=primaries, source=reporter))
             return True, ""  # the next tick drops the copies the target does not keep (one step per map)
 
     # --- placement -----------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ Two modes:
 
 The write path of a cluster table (``Push``; pulls that insert take the same path without waiting):
 under the table's write lock, check that this server leads every slot of the request in its current map
-(``WrongShard`` otherwise, with the epoch; the ownership check and the apply see the same map), check
+(``WrongShard`` otherwise, with the epoch; the leads check and the apply see the same map), check
 ``min_copies``, skip slots that already applied this (client id, seq), apply, record the key, stamp the
 slots' log positions and enqueue the changed rows to every copy (``replication``). Then, for a sync table,
 wait until every in-sync copy applied it (invariant I1 of ``replication``), and acknowledge only if the
@@ -31,7 +31,7 @@ One room per concept, assembled into the one class ``ShardService`` (each room a
 declared in ``_fields``):
 
 - ``hosted``: a table as served (``_Hosted``), table creation, drop and memory budget, ``checksum_value``;
-- ``ownership``: what this server leads and holds (``_View``), the ownership check, the map install and the
+- ``ownership``: what this server leads and holds (``_View``), the leads check, the map install and the
   hand-over of the primary role;
 - ``writes``: the write path (pull, push: apply then acknowledge) and its replication to the copies;
 - ``export``: whole-table reads and writes (``ExportRows``, ``ImportRows``), ``SlotInfo`` and ``Stats``;

@@ -62,7 +62,7 @@ class Exports(ShardFields):
         with hosted.lock:  # the checksums' cut and the positions of one moment; the cut is read after the lock
             positions = hosted.log.positions[held].copy()
             cut = hosted.table.cut() if checksums else None
-            per_row = hosted.table.stats().get("slot_bytes", 0.0)
+            per_row = hosted.table.stats().get("row_bytes", 0.0)
         sums, counts = None, None
         if cut is not None:
             sums, counts = cut.checksums_by(lambda ids: slot_of(ids, self.num_slots), self.num_slots)

@@ -1,5 +1,5 @@
 """What this server holds, and changes to it: ``_View`` (the slots it leads and holds under one map), the
-ownership check every write and pull makes (``_check_leads``), the install of a new map (tables created or
+leads check every write and pull makes (``_check_leads``), the install of a new map (tables created or
 dropped, slots no longer held forgotten, replication streams started or stopped), the hand-over of the
 primary role in a planned move, the links to the scheduler (the daemon's agent) and periodic upkeep.
 

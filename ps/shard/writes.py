@@ -4,7 +4,7 @@ rows of a slot copy enqueued in the same order.
 
 The write path of a cluster table (``Push``; pulls that insert take the same path without waiting): under
 the table's write lock, check that this server leads every slot of the request in its current map
-(``WrongShard`` otherwise, with the epoch; the ownership check and the apply see the same map), check
+(``WrongShard`` otherwise, with the epoch; the leads check and the apply see the same map), check
 ``min_copies``, skip slots that already applied this (client id, seq), apply, record the key, stamp the
 slots' log positions and enqueue the changed rows to every copy (``replication``). Then, for a sync table,
 wait until every in-sync copy applied it (invariant I1 of ``replication``), and acknowledge only if the
