@@ -6,7 +6,9 @@ and faults, checking the invariants of docs/replication.md after every step. One
 ``slowest_convergence_s`` (simulated seconds from the end of the busy phase to a fully replicated, settled
 cluster). The peer is the target: 0 violations. Exit 1 on any violation.
 
-Replay one seed with its trace: ``tigana bench sim --seed-from 17 --seeds 1 --trace``.
+Replay one seed with its minimal trace: ``tigana bench sim --seed-from 17 --seeds 1 --trace`` (a failing
+seed prints its replay command). ``--snapshot-every S`` gives the servers data dirs, snapshots every S
+simulated seconds and the fault of losing every copy of a slot (the unclean election).
 """
 
 from __future__ import annotations
@@ -26,28 +28,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="crashes, pauses, partitions, drops and scheduler restarts (default on)")
     parser.add_argument("--busy", type=float, default=15.0, help="simulated seconds of workload per seed (15)")
     parser.add_argument("--servers", type=int, default=3, help="servers at the start (default 3)")
-    parser.add_argument("--trace", action="store_true", help="print the trace of every failing seed to stderr")
+    parser.add_argument("--snapshot-every", type=float, default=0.0, metavar="SECONDS",
+                        help="servers get data dirs, snapshots this often, and the fault of losing every copy "
+                             "of a slot (default 0: memory only)")
+    parser.add_argument("--trace", action="store_true",
+                        help="print the minimal trace of every failing seed to stderr (its operations and the "
+                             "lines about the violation's servers and tables)")
 
 
 def run(args: argparse.Namespace) -> int:
     seeds = 20 if args.quick else args.seeds
-    settings = Settings(servers=args.servers, busy_s=args.busy, faults=bool(args.faults))
+    settings = Settings(servers=args.servers, busy_s=args.busy, faults=bool(args.faults),
+                        snapshot_every_s=args.snapshot_every)
+    replay = (f"tigana bench sim --seed-from SEED --seeds 1 --busy {args.busy:g} --servers {args.servers}"
+              f"{'' if args.faults else ' --no-faults'}"
+              f"{f' --snapshot-every {args.snapshot_every:g}' if args.snapshot_every else ''} --trace")
     started = time.perf_counter()
-    steps, failing, slowest, acked = 0, [], 0.0, 0
+    steps, failing, slowest, acked, demoted, pulls = 0, [], 0.0, 0, 0, 0
     for seed in range(args.seed_from, args.seed_from + seeds):
         out = run_seed(seed, settings)
         steps += out.steps
         acked += out.acked
+        demoted += out.demotions_without_fault
+        pulls += out.pulls
         if out.convergence_s is not None:
             slowest = max(slowest, out.convergence_s)
         if not out.ok:
             failing.append({"seed": seed, "violation": out.violations[0][:300]})
             log(f"bench sim: seed {seed}: {out.violations[0]}")
+            log(f"bench sim: replay: {replay.replace('SEED', str(seed))}")
             if args.trace:
-                log("\n".join(out.trace[-200:]))
+                log("\n".join(out.minimal_trace()))
     emit("sim", "violations", float(len(failing)), "target", 0.0, seeds=seeds, seed_from=args.seed_from,
          steps=steps, violations=len(failing), failing=failing[:10], slowest_convergence_s=round(slowest, 3),
          acked_pushes=acked, faults=bool(args.faults), busy_s=args.busy, servers=args.servers,
-         seconds=round(time.perf_counter() - started, 1),
-         replay=f"tigana bench sim --seed-from SEED --seeds 1 --busy {args.busy:g} --trace")
+         snapshot_every_s=args.snapshot_every, demotions_without_fault=demoted, pulls=pulls,
+         seconds=round(time.perf_counter() - started, 1), replay=replay)
     return 1 if failing else 0

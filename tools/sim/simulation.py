@@ -62,7 +62,7 @@ class Outcome:
     ops: list[str] = field(default_factory=list)
     trace: list[str] = field(default_factory=list)
     demotions: int = 0  # copies out of the in-sync set on a primary's report (the scheduler's counter)
-    demotions_without_fault: int = 0  # ... of them while no fault was in force
+    demotions_without_fault: int = 0  # ... of them before the first fault
     pulls: int = 0
     copies_per_server: dict[str, int] = field(default_factory=dict)  # in the final map, up servers only
 
@@ -108,6 +108,7 @@ class _Run:
         self.cut_off: set[str] = set()  # servers a partition cuts off now
         self.scratch = 0
         self._demoted_seen = 0
+        self._fault_seen = False
         self.late_reports_s = 0.0  # a fault: caught-up reports delivered again this much later
         self.script = sorted(settings.script, key=lambda op: op.at)
         for _ in range(settings.servers):
@@ -239,7 +240,8 @@ class _Run:
             if c.doubled:
                 self.out.violations.append(c.doubled[0])
         demoted = self.scheduler.demotions()
-        if not self.faulty and demoted > self._demoted_seen:
+        self._fault_seen |= self.faulty  # what a fault set off may end after the heal: counted as faulty
+        if not self._fault_seen and demoted > self._demoted_seen:
             self.out.demotions_without_fault += demoted - self._demoted_seen
         self._demoted_seen = demoted
         core = self.scheduler.core
