@@ -1,6 +1,7 @@
 """Durable-file helpers shared by the snapshot writer, checkpoints, the export log, the catalog, the scheduler's
 state file, the daemons' ready files and the trainer's elastic state: fsync of a path (a directory's entries
-too), the one atomic file replacement (``atomic_replace``/``atomic_write``) and a process-lifetime lock file."""
+too), the one atomic file replacement (``atomic_replace``/``atomic_write``), the one atomic folder publication
+(``publish_folder``) and a process-lifetime lock file."""
 
 from __future__ import annotations
 
@@ -59,6 +60,18 @@ def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:
     content or the new one survives a crash, never a part. Raises ``OSError`` (the old file intact)."""
     with atomic_replace(path) as tmp, open(tmp, "wb") as f:
         f.write(data.encode() if isinstance(data, str) else data)
+
+
+def publish_folder(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Make the folder ``tmp`` durable (every file and folder in it fsynced, deepest first, then ``tmp``) and
+    rename it to ``final`` (absent, or an empty folder), then fsync ``final``'s parent: a crash leaves the whole
+    folder under ``final`` or none of it. Both must be in the same filesystem. Blocking (fsyncs)."""
+    tmp = Path(tmp)
+    for p in sorted(tmp.rglob("*"), reverse=True):
+        fsync_path(p)
+    fsync_path(tmp)
+    os.replace(tmp, final)
+    fsync_path(Path(final).parent)
 
 
 def hold_lock(path: str | os.PathLike) -> tuple[IO[str] | None, str]:

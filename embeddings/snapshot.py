@@ -54,7 +54,7 @@ import numpy as np
 
 from tigana.embeddings import config as _config
 from tigana.embeddings.errors import CorruptStore, InvalidArgument, SnapshotNotFound, StorageFull
-from tigana.embeddings.files import fsync_path
+from tigana.embeddings.files import publish_folder
 from tigana.embeddings.lmdbstore import RowStore
 from tigana.embeddings.rows import RowBatch
 
@@ -257,19 +257,12 @@ def write_snapshot(root: str | Path, *, table: str, config: dict[str, Any],
         if incremental:
             with open(tmp / DELETED_FILE, "wb") as f:
                 np.save(f, deleted)
-                f.flush()
-                os.fsync(f.fileno())
             files.append(DELETED_FILE)
         if extra_files:
             (tmp / EXTRA_DIR).mkdir()
             for name, data in sorted(extra_files.items()):
-                with open(tmp / EXTRA_DIR / name, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
+                (tmp / EXTRA_DIR / name).write_bytes(data)
                 files.append(f"{EXTRA_DIR}/{name}")
-            fsync_path(tmp / EXTRA_DIR)
-        fsync_path(tmp / ROWS_DIR / "data.mdb")
         manifest: dict[str, Any] = {
             "format": FORMAT, "version": FORMAT_VERSION, "table": table, "kind": kind, "sequence": seq,
             "parent": parent.name if incremental and parent else None, "created": time.time(),
@@ -281,12 +274,7 @@ def write_snapshot(root: str | Path, *, table: str, config: dict[str, Any],
         manifest["manifest_sha256"] = _manifest_digest(manifest)
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_path(tmp / ROWS_DIR)
-        fsync_path(tmp)
-        os.rename(tmp, final)
-        fsync_path(root)
+        publish_folder(tmp, final)  # every file fsynced, renamed into place, ``root`` fsynced
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:

@@ -39,7 +39,7 @@ from google.protobuf import json_format
 
 from tigana.embeddings import RowBatch, row_digests
 from tigana.embeddings import snapshot as snap
-from tigana.embeddings.files import fsync_path
+from tigana.embeddings.files import publish_folder
 from tigana.proto import shard_pb2 as pb
 from tigana.ps import cluster_wire, routing
 from tigana.ps.errors import DataLoss, InvalidArgument, from_rpc_error
@@ -135,15 +135,9 @@ def write_checkpoint(client: Any, directory: str | os.PathLike, tables: list[str
 
 def _publish(tmp: Path, root: Path) -> None:
     """Make the folder ``tmp`` durable and rename it to ``root`` (absent or empty): all of it or nothing."""
-    _fsync_tree(tmp)
     if root.exists():
         root.rmdir()
-    os.replace(tmp, root)
-
-
-def _fsync_tree(path: Path) -> None:
-    for p in sorted(path.rglob("*"), reverse=True):
-        fsync_path(p)
+    publish_folder(tmp, root)
 
 
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:

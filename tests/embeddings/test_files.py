@@ -1,6 +1,6 @@
 """``tigana.embeddings.files``: the lock file excludes a second holder (another open of it, as another process
 would), names the holder, and is free again once closed; fsync takes files and directories; an atomic write
-replaces a file whole or leaves it as it was, with no temp file left behind."""
+replaces a file whole or leaves it as it was, with no temp file left behind; a folder is published whole."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ import os
 
 import pytest
 
-from tigana.embeddings.files import atomic_replace, atomic_write, fsync_path, hold_lock, temp_beside
+from tigana.embeddings.files import (
+    atomic_replace,
+    atomic_write,
+    fsync_path,
+    hold_lock,
+    publish_folder,
+    temp_beside,
+)
 
 
 def test_the_lock_has_one_holder_and_is_free_after_close(tmp_path) -> None:
@@ -51,3 +58,19 @@ def test_a_failed_atomic_replace_keeps_the_old_file_and_removes_the_temp(tmp_pat
 def test_an_atomic_write_into_a_missing_folder_raises_oserror(tmp_path) -> None:
     with pytest.raises(OSError):
         atomic_write(tmp_path / "missing" / "f", "x")
+
+
+def test_a_folder_is_published_whole_under_its_final_name(tmp_path) -> None:
+    tmp = tmp_path / ".tmp-part"
+    (tmp / "rows").mkdir(parents=True)
+    (tmp / "rows" / "data").write_bytes(b"rows")
+    (tmp / "manifest.json").write_text("{}")
+    publish_folder(tmp, tmp_path / "part")
+    assert not tmp.exists()
+    assert (tmp_path / "part" / "rows" / "data").read_bytes() == b"rows"
+    assert (tmp_path / "part" / "manifest.json").read_text() == "{}"
+    (tmp_path / ".tmp-other").mkdir()
+    (tmp_path / ".tmp-other" / "f").write_text("x")
+    with pytest.raises(OSError):  # a published folder is never replaced
+        publish_folder(tmp_path / ".tmp-other", tmp_path / "part")
+    assert (tmp_path / "part" / "manifest.json").exists()
