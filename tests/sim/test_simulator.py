@@ -15,15 +15,40 @@ def test_seeds_with_faults_keep_every_invariant(seed: int) -> None:
     assert out.acked > 0 and out.convergence_s is not None
 
 
+@pytest.mark.parametrize("seed", [20])
+def test_seeds_with_data_dirs_lose_only_what_followed_the_last_snapshot(seed: int) -> None:
+    # Snapshots every 1.5 s; the faults include losing every copy of a slot (the unclean election) and clock jumps.
+    out = run_seed(seed, Settings(busy_s=6.0, faults=True, ops_per_s=1.5, snapshot_every_s=1.5))
+    assert out.ok, (out.violations, "\n".join(out.minimal_trace(120)))
+    assert out.acked > 0 and out.pulls > 0 and out.convergence_s is not None
+
+
 @pytest.mark.parametrize("seed", [10, 11])
 def test_planned_operations_alone_fail_no_push(seed: int) -> None:
     out = run_seed(seed, Settings(busy_s=6.0, faults=False, ops_per_s=1.0))
     assert out.ok, (out.violations, "\n".join(out.trace[-80:]))
     assert out.failed_pushes == 0 and out.acked > 0
     assert not [line for line in out.trace if "out of the in-sync set" in line]  # no failure, no demotion
+    assert out.demotions == 0
 
 
 def test_a_seed_replays_exactly() -> None:
     a = run_seed(5, Settings(busy_s=3.0))
     b = run_seed(5, Settings(busy_s=3.0))
     assert a.ops == b.ops and a.steps == b.steps and a.acked == b.acked
+
+
+def test_a_seed_with_data_dirs_replays_exactly() -> None:
+    settings = Settings(busy_s=3.0, ops_per_s=2.0, snapshot_every_s=1.0)
+    a, b = run_seed(6, settings), run_seed(6, settings)
+    assert a.ops == b.ops and a.steps == b.steps and a.acked == b.acked and a.pulls == b.pulls
+
+
+def test_a_failing_run_prints_a_minimal_trace() -> None:
+    from tigana.tools.sim.simulation import shrink
+
+    trace = ["    1.000 op move slot 3 to s2", "    1.100 scheduler: epoch 9: s1 joined", "    1.200 server: s2 x",
+             "    1.300 replication: slot copy from s0 to s2 at epoch 9 (slots 3)", "    1.400 VIOLATION S1: s2 (in "
+             "sync for slot 3 at epoch 9) has ledger_sync id 7 at 0, 1 acknowledged"]
+    kept = shrink(trace, "S1: s2 (in sync for slot 3 at epoch 9) has ledger_sync id 7 at 0, 1 acknowledged")
+    assert kept == [trace[0], trace[2], trace[3], trace[4]]
