@@ -8,6 +8,14 @@ express) as a timed list of operations over the seeded workload, with the invari
 | ``test_a_late_caught_up_report_marks_no_demoted_copy_in_sync`` | a stale CopyCaughtUp marked a half-built copy in sync | S1 |
 | ``test_the_readme_start_up_ends_replicated_and_balanced`` | servers joining one by one: never replicated | liveness, balance |
 | ``test_a_restarted_primary_never_leads_with_its_empty_copy`` | a restarted primary's empty copy kept leading | S1 |
+| ``test_the_readme_start_up_replicates_before_any_table_exists`` | copies of empty slots never reported | liveness |
+| ``test_every_copy_of_a_slot_lost_costs_only_what_followed_its_last_snapshot`` | the unclean election | S1 relaxed |
+| ``test_clock_jumps_declare_no_server_dead_and_demote_nothing`` | (L6: a jumping clock is no failure) | no demotion |
+
+Each was run against the old behaviour patched back in (not kept here): the dropped table's items refused as
+REJECT_BEHIND, a refusal reporting every copy of the stream with removed copies' items refused, the scheduler
+ignoring a report's epoch, auto-rebalance off, a slot copy of no rows never moving on, a restarted server's
+copies kept as they were; each scenario failed on it.
 """
 
 from __future__ import annotations

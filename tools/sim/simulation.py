@@ -5,7 +5,11 @@ A run has three phases: ``busy`` (pushes, planned operations, and faults when en
 lifted, crashed servers restarted, pushes finishing) and the liveness check: within ``converge_s`` simulated
 seconds every slot must reach 1 + replicas in-sync copies and every push must be settled. Checked after every
 step: S1 (every sync update acknowledged is on every in-sync copy the scheduler's map names) and no double
-apply (no copy above the pushes sent). The ``Outcome`` carries the first violation and the trace to replay it.
+apply (no copy above the pushes sent, no pull reading above them). With data dirs (``snapshot_every_s``), S1
+is relaxed exactly as docs/replication.md says: a slot that lost every in-sync copy at once may miss what was
+acknowledged after its newest snapshot (``disk.lose_slots``). Operations are random (``operations.operate``)
+or scripted (``Settings.script``, a tuple of ``operations.Op``). The ``Outcome`` carries the first violation,
+the trace to replay it and ``minimal_trace()``, the lines about the violation only.
 """
 
 from __future__ import annotations
