@@ -18,6 +18,7 @@ from tigana.ps.channels import RetryPolicy
 from tigana.ps.client.config import ClientConfig
 from tigana.ps.client.mapfollower import MapFollower
 from tigana.ps.client.routes import Route, Server
+from tigana.ps.client.sentparts import SentParts
 from tigana.ps.client.tablestate import TableState
 from tigana.ps.errors import PSError
 from tigana.ps.security import Security
@@ -47,6 +48,7 @@ class ClientFields:
     _waiters: list[tuple[int, Callable[[], None]]]
     _waiters_lock: threading.Lock
     _route: Route  # the routing snapshot new operations take
+    _parts: SentParts  # parts in flight, given up when a newer map moves their slots
     _servers: list[Server]  # the static list, or the servers up in the current map
 
     if TYPE_CHECKING:  # the methods one room calls in another

@@ -2,8 +2,9 @@
 
 ``connect`` picks how to route: by a scheduler's shard map (``scheduler=``, or a single address that answers
 as a scheduler), followed by a ``MapFollower``, or by a static shard list (contiguous slot ranges). Each map
-becomes a ``Route`` (``routes``) that new operations take; operations in flight keep theirs, and calls to
-servers a new map declares dead are cancelled so they are routed again at once.
+becomes a ``Route`` (``routes``) that new operations take; operations in flight keep theirs, except that
+their parts sent to a server the new map no longer names as primary of their slots are given up and routed
+again at once (``sentparts``), and calls to servers a new map declares dead are cancelled.
 
 Thread-safety: a ``Client`` may be shared by threads.
 """
@@ -29,6 +30,7 @@ from tigana.ps.client.datapath import DataPath
 from tigana.ps.client.mapfollower import MapFollower
 from tigana.ps.client.operations import Operations
 from tigana.ps.client.routes import Route, Server
+from tigana.ps.client.sentparts import SentParts
 from tigana.ps.client.tables import Tables
 from tigana.ps.client.tablestate import TableState
 from tigana.ps.errors import InvalidArgument, PSError, Unavailable
@@ -66,7 +68,8 @@ class Client(DataPath, Tables, Operations):
         self._tables_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._counters = {"pulls": 0, "pushes": 0, "rows_pulled": 0, "rows_pushed": 0, "retries": 0,
-                          "push_errors": 0, "pull_errors": 0, "pushes_under_replicated": 0}
+                          "push_errors": 0, "pull_errors": 0, "pushes_under_replicated": 0,
+                          "parts_rerouted_by_map": 0}
         self._warned_under_replicated = -1e9
         self._push_errors: list[PSError] = []
         self._unraised: list[PSError] = []
@@ -75,6 +78,7 @@ class Client(DataPath, Tables, Operations):
         self._maps: MapFollower | None = None
         self._waiters: list[tuple[int, Callable[[], None]]] = []
         self._waiters_lock = threading.Lock()
+        self._parts = SentParts(lambda: self._route, lambda n: self._count(parts_rerouted_by_map=n))
         if scheduler is not None:
             self._maps = MapFollower(scheduler, self._on_map, self._options, self.config.map_poll_s,
                                      channel=self.security.channel)
@@ -104,18 +108,24 @@ class Client(DataPath, Tables, Operations):
         return s
 
     def _on_map(self, m: routing.ShardMap) -> None:
-        """A newer map: route by its primaries from now on (operations in flight keep their route)."""
+        """A newer map: route by its primaries from now on (operations in flight keep their route; their parts
+        whose slots the map moved are routed again by it)."""
         if m.num_slots != self.config.num_slots:
             log.warning("shard map has %d slots, the client expects %d", m.num_slots, self.config.num_slots)
         servers = [self._server(s.address) for s in m.servers]
         old = self._map
         self._map = m
-        self._route = Route(m.epoch, servers, m.primary_of_slot())
+        self._route = route = Route(m.epoch, servers, m.primary_of_slot())
         self._servers = [servers[i] for i, s in enumerate(m.servers) if s.up]
-        if old is not None:  # calls to servers this map declared dead are routed again now
-            for i, s in enumerate(m.servers):
-                if not s.up and (old.index_of(s.id) < 0 or old.servers[old.index_of(s.id)].up):
-                    servers[i].cancel_all()
+        if old is not None:
+            dead = [servers[i] for i, s in enumerate(m.servers)
+                    if not s.up and (old.index_of(s.id) < 0 or old.servers[old.index_of(s.id)].up)]
+
+            def reroute() -> None:  # parts sent to a server that no longer leads their slots go again now, then
+                self._parts.on_route(route)  # the calls still open to servers this map declared dead are cancelled
+                for server in dead:
+                    server.cancel_all()
+            _start_soon(reroute)  # another thread: a re-route asks the map follower, whose lock this runs under
         with self._waiters_lock:
             due = [fn for epoch, fn in self._waiters if epoch <= m.epoch]
             self._waiters = [(epoch, fn) for epoch, fn in self._waiters if epoch > m.epoch]

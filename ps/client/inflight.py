@@ -4,9 +4,11 @@ An operation sends its parts along a ``Route`` (``routes``) and reassembles the 
 ids. A part that fails with an error a new route can fix (``WrongShard``: the map moved; ``Unavailable``: the
 server is down or failing over; ``NotEnoughReplicas``; a deadline) is not failed: its ids are routed again
 by the newest map, after a short backoff and a map refresh, as a child operation whose result stands in for
-the part's. Pushes keep their (client id, seq) through any number of re-routes, and the servers apply
-exactly once per slot, so a retried push never doubles. An operation fails only with an error that no
-route fixes, or when ``ClientConfig.failover_timeout_s`` (static lists: ``max_attempts``) runs out.
+the part's. A part still waiting when a newer map names another primary for one of its slots is given up
+(``sentparts``) and routed again the same way, at once, its late answer ignored. Pushes keep their (client
+id, seq) through any number of re-routes, and the servers apply exactly once per slot, so a retried push
+never doubles. An operation fails only with an error that no route fixes, or when
+``ClientConfig.failover_timeout_s`` (static lists: ``max_attempts``) runs out.
 
 Thread-safety: operations complete on gRPC callback and timer threads; all shared state is locked.
 """
@@ -89,6 +91,18 @@ class _Op:
         self.client, self.st, self.fut, self.attempt = client, st, fut, attempt
         self.fanout: Fanout | None = None
         self.routed_epoch = 0
+
+    def _send(self, server: Server, kind: int, request: list, route: Route, ids: np.ndarray,
+              done: Callable[[Any, PSError | None], None]) -> None:
+        """Send one part (``ids`` routed to ``server`` by ``route``); with a scheduler, watched so that a newer
+        map moving its slots routes it again at once (``sentparts``), its late answer ignored."""
+        c = self.client
+        if c._maps is not None:
+            tracked = c._parts.track(server, ids, route, done)
+            if tracked is None:  # a newer map moved it before it was sent: routed again already
+                return
+            done = tracked
+        server.send(kind, request, c.config.timeout_s, done, c._note_retry)
 
     def _retry_or_fail(self, error: PSError, server: Server | None, again: Callable[[Attempt], cf.Future],
                        settle: Callable[[Any, PSError | None], None]) -> None:
@@ -178,7 +192,7 @@ class PullOp(_Op):
             if s is None:
                 self._done_for(k, lo, hi, None)(None, err)
             else:
-                s.send(frames.PULL, request, c.config.timeout_s, self._done_for(k, lo, hi, s), c._note_retry)
+                self._send(s, frames.PULL, request, route, self.uniq[lo:hi], self._done_for(k, lo, hi, s))
 
     def _gather(self) -> np.ndarray:
         """The batch's rows, (n, dim) float32, from the unique rows in ``blocks`` (consecutive ranges)."""
@@ -300,7 +314,7 @@ class PushOp(_Op):
             with st.lock:
                 st.bytes["sent"]["push"] += wire.parts_nbytes(request)
             s.permits.acquire()  # back-pressure: at most max_pushes_in_flight messages per server
-            s.send(frames.PUSH, request, c.config.timeout_s, self._done_for(s, lo, hi), c._note_retry)
+            self._send(s, frames.PUSH, request, route, self.uniq[lo:hi], self._done_for(s, lo, hi))
 
     def _again(self, lo: int, hi: int, client_id: str | None = None) -> Callable[[Attempt], cf.Future]:
         """A child op for the part [lo, hi): the same key, or (``client_id``) a new session and seq."""

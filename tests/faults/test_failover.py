@@ -129,3 +129,41 @@ def _ids_in_slots(slots: np.ndarray, per_slot: int = 2) -> np.ndarray:
     ids = np.arange(20_000, dtype=np.int64)
     hit = ids[np.isin(routing.slot_of(ids), slots)]
     return hit[: per_slot * len(slots)]
+
+
+def test_parts_in_flight_to_a_paused_primary_are_routed_again_by_the_failover_map(make_shard_cluster) -> None:
+    """A SIGSTOPped primary holds the parts sent to it until their deadline (here 120 s, and keepalive no
+    sooner): the failover map that names new primaries gives them up and routes them again at once, under
+    their (client id, seq). Counted by cause (``parts_rerouted_by_map``); acknowledgements resume long before
+    any deadline could have passed, and the ledger finds nothing lost or doubled."""
+    cluster = make_shard_cluster(3, replicas=1)
+    with ps.connect(scheduler=cluster.scheduler, failover_timeout_s=180, timeout_s=120,
+                    keepalive_time_s=120) as client:
+        create_ledger_table(client)
+        loop = PushLoop(client, num_ids=20_000, ids_per_push=500).start()
+        admin.wait_for(lambda: loop.acked_count() > 50, what="pushes before the fault")
+        victim = _leader_of_most(cluster)
+        epoch = client.epoch
+        assert client.stats()["parts_rerouted_by_map"] == 0
+        paused_at = time.monotonic()
+        cluster.pause(victim)
+        try:
+            admin.wait_for(lambda: loop.first_ack_sent_after(paused_at) is not None, timeout_s=90,
+                           what="a push acknowledged while the old primary is paused")
+            recovery = loop.first_ack_sent_after(paused_at) - paused_at
+            stats = client.stats()
+            n = loop.acked_count()
+            admin.wait_for(lambda: loop.acked_count() > n + 50, what="pushes by the new primaries")
+        finally:
+            cluster.resume(victim)
+        loop.stop()
+        result = audit(client, loop)
+        print(f"SIGSTOP of a primary, parts in flight routed again: {result.as_dict()}, recovery {recovery:.3f}s, "
+              f"parts_rerouted_by_map {stats['parts_rerouted_by_map']}")
+        assert stats["epoch"] > epoch
+        # The parts held by the paused server were given up for the failover map, not for a deadline (120 s),
+        # keepalive (>= 120 s) or the loop's failover budget: it acknowledged again well before any of those.
+        assert stats["parts_rerouted_by_map"] > 0, stats
+        assert recovery < 30.0, recovery
+        assert (result.lost, result.doubled, result.failed_pushes) == (0, 0, 0), result
+        assert result.acked_pushes == loop.sent
