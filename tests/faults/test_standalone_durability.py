@@ -7,15 +7,8 @@ since it started (100,000 of 100,000). The default is now a snapshot every 60 s 
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import signal
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,35 +16,10 @@ import pytest
 from tigana import ps
 from tigana.embeddings import snapshot as snap
 from tigana.ps import admin
+from tigana.tools.bench.durability import standalone_server
 from tigana.tools.bench.ledger import PushLoop, create_ledger_table
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
-
-CLI = [sys.executable, "-m", "tigana.tools.cli"]
-
-
-@contextlib.contextmanager
-def _server(data_dir: Path, log: Path) -> Iterator[tuple[subprocess.Popen, str]]:
-    """``tigana server --port 0 --data-dir DATA_DIR``: no snapshot flag, the defaults as shipped."""
-    ready = data_dir.parent / f"ready-{time.monotonic_ns()}.json"
-    with open(log, "ab") as out:
-        proc = subprocess.Popen([*CLI, "server", "--port", "0", "--data-dir", str(data_dir), "--ready-file",
-                                 str(ready)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        admin.wait_for(lambda: proc.poll() is not None or ready.exists(), timeout_s=90, what="the server to serve")
-        assert proc.poll() is None, f"tigana server exited with {proc.returncode}: {log.read_text()[-2000:]}"
-        admin.wait_for(lambda: _json(ready) is not None, timeout_s=10, what="the ready file")
-        yield proc, _json(ready)["address"]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(30)
-
-
-def _json(path: Path) -> dict | None:
-    with contextlib.suppress(ValueError, OSError):
-        return json.loads(path.read_text())
-    return None
 
 
 def test_kill_9_of_a_standalone_server_with_default_snapshots_loses_at_most_the_last_interval(tmp_path) -> None:
@@ -59,7 +27,7 @@ def test_kill_9_of_a_standalone_server_with_default_snapshots_loses_at_most_the_
     snapshots = data / "snapshots" / "ledger"
     every = ps.ServerConfig().snapshot_every_s
     assert every > 0, "snapshots must be on by default"
-    with _server(data, log) as (proc, address), ps.connect([address]) as client:
+    with standalone_server(data, log=log) as (proc, address), ps.connect([address]) as client:
         create_ledger_table(client)
         before = PushLoop(client, num_ids=20_000, ids_per_push=500, seed=1).start()
         admin.wait_for(lambda: before.acked_count() >= 100, timeout_s=60, what="pushes before the snapshot")
@@ -73,7 +41,7 @@ def test_kill_9_of_a_standalone_server_with_default_snapshots_loses_at_most_the_
         after.stop()
         os.kill(proc.pid, signal.SIGKILL)  # no drain, no snapshot on the way out
         proc.wait(30)
-    with _server(data, log) as (_, address), ps.connect([address]) as client:
+    with standalone_server(data, log=log) as (_, address), ps.connect([address]) as client:
         actual = np.rint(client.pull("ledger", np.arange(20_000), insert=False)[:, 0]).astype(np.int64)
     assert not before.errors and not after.errors, (before.errors[:3], after.errors[:3])
     acked = before.acked + after.acked

@@ -57,9 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 @contextlib.contextmanager
-def _standalone(data_dir: Path, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
+def standalone_server(data_dir: Path, *flags: str, log: Path | None = None
+                      ) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``tigana server --port 0 --data-dir DATA_DIR [FLAGS]`` as a user starts it: (process, address) once it
+    serves; killed on the way out if still running. Output appended to ``log`` (default: server.log beside)."""
     ready = data_dir.parent / f"ready-{time.monotonic_ns()}.json"
-    with open(data_dir.parent / "server.log", "ab") as out:
+    with open(log or data_dir.parent / "server.log", "ab") as out:
         proc = subprocess.Popen([*CLI, "server", "--port", "0", "--data-dir", str(data_dir), "--ready-file",
                                  str(ready), *flags], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -110,7 +113,7 @@ def standalone(args: argparse.Namespace, off: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="tigana-durability-") as tmp:
         data = Path(tmp) / "s0"
         flags = ("--snapshot-every", "0") if off else ()
-        with _standalone(data, *flags) as (proc, address), ps.connect([address]) as client:
+        with standalone_server(data, *flags) as (proc, address), ps.connect([address]) as client:
             create_ledger_table(client)
             base = _prefill(client, args.rows)
             loop = PushLoop(client, num_ids=args.rows, ids_per_push=500, pause_s=0.005).start()
@@ -125,7 +128,7 @@ def standalone(args: argparse.Namespace, off: bool = False) -> dict:
             pushing_s = time.monotonic() - started
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(30)
-        with _standalone(data, *flags) as (_, address), ps.connect([address]) as client:
+        with standalone_server(data, *flags) as (_, address), ps.connect([address]) as client:
             actual = np.rint(client.pull("ledger", np.arange(args.rows), insert=False)[:, 0]).astype(np.int64)
     f = _figures(loop, base + loop.acked, actual, pushing_s)
     return emit("durability.standalone" + ("-off" if off else ""), "updates", f["lost"], "acked updates",
