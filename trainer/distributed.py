@@ -156,6 +156,19 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def device_for_backend(backend: str) -> torch.device:
+    """Where a tensor handed to a collective of a group on ``backend`` must live: the CUDA device this process
+    set (``init_distributed`` selects it) for an NCCL-only group, which has no transport for CPU tensors, the
+    CPU for every other backend (gloo, MPI, or a mixed ``"cpu:gloo,cuda:nccl"`` one)."""
+    return torch.device("cuda") if str(backend).lower() == "nccl" else torch.device("cpu")
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """``device_for_backend`` of ``group`` (default: the world group). Small control collectives (step flags,
+    timings, sparse aggregation) build their tensors here, so that they run on NCCL, our default with CUDA."""
+    return device_for_backend(dist.get_backend(group))
+
+
 def init_distributed(env: DistEnv, backend: str | None = None, timeout_s: float = 300.0) -> Groups:
     """Join the job (``env.world_size`` processes rendezvous at MASTER_ADDR:MASTER_PORT over TCP) and build
     the node, leader and sparse-aggregation groups. Every rank must call it. A one-process job still gets a

@@ -64,6 +64,7 @@ from tigana.trainer._kernels import group_ids, group_segments
 from tigana.trainer.cache import POLICIES, RowCache
 from tigana.trainer.compression import AdaptiveCompressor, AdaptiveConfig
 from tigana.trainer.data.hashing import mix64
+from tigana.trainer.distributed import collective_device
 from tigana.trainer.types import FeatureSpec, SparseFeatures
 
 __all__ = ["COMPRESSIONS", "PSEmbeddingCollection", "TableOptions"]
@@ -677,23 +678,26 @@ def _aggregate(ids: list[torch.Tensor], grads: list[torch.Tensor], group: dist.P
                dim: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Gather every node rank's (ids, grads) per table at the node leader and sum rows of equal ids there.
 
-    Returns the merged ids and grads on the leader (group rank 0) and empty ones elsewhere. Every rank of the
-    group must call it with the same number of tables.
+    Returns the merged ids and grads on the leader (group rank 0) and empty ones elsewhere, on the CPU. Every
+    rank of the group must call it with the same number of tables. What crosses the group is on the device its
+    backend carries (``collective_device``: CUDA for NCCL).
     """
     members = dist.get_world_size(group)
     leader = dist.get_global_rank(group, 0)
     me = dist.get_rank(group)
-    counts = torch.tensor([t.numel() for t in ids], dtype=torch.int64)
+    device = collective_device(group)
+    counts = torch.tensor([t.numel() for t in ids], dtype=torch.int64, device=device)
     all_counts = [torch.empty_like(counts) for _ in range(members)]
     dist.all_gather(all_counts, counts, group=group)
+    all_counts = [c.cpu() for c in all_counts]
     totals = [int(c.sum()) for c in all_counts]
     width = max(totals)
     empty_ids = [ids[0].new_empty(0) for _ in ids]
     empty_grads = [grads[0].new_empty(0, dim) for _ in grads]
     if width == 0:
         return (ids, grads) if me == 0 else (empty_ids, empty_grads)
-    flat_ids = torch.zeros(width, dtype=torch.int64)
-    flat_grads = torch.zeros(width, dim, dtype=torch.float32)
+    flat_ids = torch.zeros(width, dtype=torch.int64, device=device)
+    flat_grads = torch.zeros(width, dim, dtype=torch.float32, device=device)
     n = totals[me]
     flat_ids[:n] = torch.cat(ids)
     flat_grads[:n] = torch.cat(grads)
@@ -706,6 +710,7 @@ def _aggregate(ids: list[torch.Tensor], grads: list[torch.Tensor], group: dist.P
     dist.gather(flat_grads, grad_list, dst=leader, group=group)
     if me != 0:
         return empty_ids, empty_grads
+    id_list, grad_list = [t.cpu() for t in id_list], [t.cpu() for t in grad_list]
     per_rank_ids = [torch.split(id_list[r][:totals[r]], all_counts[r].tolist()) for r in range(members)]
     per_rank_grads = [torch.split(grad_list[r][:totals[r]], all_counts[r].tolist()) for r in range(members)]
     out_ids, out_grads = [], []

@@ -39,7 +39,7 @@ from tigana import ps
 from tigana.trainer import preemption
 from tigana.trainer.allreduce import register_hook
 from tigana.trainer.config import TrainConfig
-from tigana.trainer.distributed import DistEnv, Groups
+from tigana.trainer.distributed import DistEnv, Groups, collective_device
 from tigana.trainer.elastic import Position, elastic_state, restart_count, under_torch_elastic
 from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
 from tigana.trainer.metrics import TrainerMetrics, require_wandb, start_wandb
@@ -280,13 +280,14 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 # ---------------------------------------------------------------------------------------------- training
 def _step_flags(has_batch: bool, world: int) -> tuple[bool, bool]:
     """(every rank has a batch for this step, some rank was asked to stop): one tiny MIN all-reduce when there
-    are peers, so every rank takes the same decision after the same step."""
+    are peers, so every rank takes the same decision after the same step (on the backend's device: NCCL)."""
     stop = preemption.requested()
     if world == 1:
         return has_batch, stop
-    flags = torch.tensor([1 if has_batch else 0, 0 if stop else 1], dtype=torch.int32)
+    flags = torch.tensor([1 if has_batch else 0, 0 if stop else 1], dtype=torch.int32, device=collective_device())
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-    return bool(flags[0].item()), not bool(flags[1].item())
+    ready, go_on = flags.tolist()
+    return bool(ready), not go_on
 
 
 def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: list[str],
@@ -524,11 +525,12 @@ def _max_time(samples: int, seconds: float, world: int) -> tuple[float, float]:
     """(samples summed over ranks, the slowest rank's training time)."""
     if world == 1:
         return float(samples), seconds
-    total = torch.tensor([float(samples)], dtype=torch.float64)
-    slowest = torch.tensor([seconds], dtype=torch.float64)
+    device = collective_device()  # NCCL carries CUDA tensors only
+    total = torch.tensor([float(samples)], dtype=torch.float64, device=device)
+    slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
     dist.all_reduce(total)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return float(total[0]), float(slowest[0])
+    return float(total.item()), float(slowest.item())
 
 
 def nan_to_none(result: dict[str, Any]) -> dict[str, Any]:
