@@ -17,10 +17,10 @@ from tigana.proto import scheduler_pb2 as spb
 from tigana.proto import scheduler_pb2_grpc as spb_grpc
 from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc
-from tigana.ps import cluster_wire
 from tigana.ps.errors import DeadlineExceeded, Unavailable, from_rpc_error
 from tigana.ps.routing import IN_SYNC, ShardMap
 from tigana.ps.security import NONE, Security
+from tigana.ps.wire import cluster as cluster_wire
 
 _OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 

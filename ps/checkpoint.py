@@ -41,8 +41,9 @@ from tigana.embeddings import RowBatch, row_digests
 from tigana.embeddings import snapshot as snap
 from tigana.embeddings.files import publish_folder
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import cluster_wire, routing
+from tigana.ps import routing
 from tigana.ps.errors import DataLoss, InvalidArgument, from_rpc_error
+from tigana.ps.wire import cluster as cluster_wire
 
 FORMAT = "tigana-checkpoint"
 VERSION = 1
@@ -58,11 +59,11 @@ def _primaries(client: Any) -> list[tuple[Any, np.ndarray]]:
     route = client._route
     out = []
     for i, server in enumerate(route.servers):
-        slots = np.flatnonzero(route.owner_of_slot == i)
+        slots = np.flatnonzero(route.primary_of_slot == i)
         if slots.size and server is not None:
             out.append((server, slots))
-    if (route.owner_of_slot < 0).any():
-        raise DataLoss(f"checkpoint: {int((route.owner_of_slot < 0).sum())} slot(s) have no primary now")
+    if (route.primary_of_slot < 0).any():
+        raise DataLoss(f"checkpoint: {int((route.primary_of_slot < 0).sum())} slot(s) have no primary now")
     return out
 
 
@@ -202,7 +203,7 @@ def _verify_restored(client: Any, name: str, sums: np.ndarray, counts: np.ndarra
         bad: list[int] = []
         moved = False
         for i, server in enumerate(route.servers):
-            led = route.owner_of_slot == i
+            led = route.primary_of_slot == i
             if server is None or not led.any():
                 continue
             try:
@@ -240,7 +241,7 @@ def _import(client: Any, name: str, batch: RowBatch, step: int) -> int:
     pending = batch
     while True:
         route = client._route
-        primary = route.owner_of_slot[routing.slot_of(pending.ids, route.num_slots)]
+        primary = route.primary_of_slot[routing.slot_of(pending.ids, route.num_slots)]
         failed = []
         row_bytes = 8 + 4 * (pending.weights.shape[1] + pending.state.shape[1]) + 24
         per = max(1, client.config.chunk_bytes // row_bytes)
@@ -280,7 +281,7 @@ def export_table(client: Any, table: str, out: str | os.PathLike, since: str | o
     """Write ``table``'s ids and float32 rows (no optimizer state) to ``out`` (a folder: ids.npy, rows.npy,
     export.json), or with ``since`` (an earlier export's folder) only the rows updated after it.
     ``since_time`` (a unix time on the servers' clocks) is the same cut given directly: the follow loop
-    (``tigana.ps.exportlog``) passes its previous cut minus an overlap."""
+    (``tigana.ps.serving.exportlog``) passes its previous cut minus an overlap."""
     root = Path(out)
     if root.exists() and any(root.iterdir()):
         raise InvalidArgument(f"export: {str(root)!r} exists and is not empty")

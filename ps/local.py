@@ -399,7 +399,7 @@ class LocalEtcd:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                          start_new_session=True)
         try:
-            from tigana.ps.scheduler.etcdstore import wait_for_etcd
+            from tigana.ps.scheduler.stores.etcd import wait_for_etcd
 
             wait_for_etcd(self.url, startup_timeout)
         except BaseException:

@@ -24,8 +24,8 @@ import numpy as np
 
 from tigana.proto import scheduler_pb2 as spb
 from tigana.proto import scheduler_pb2_grpc as spb_grpc
-from tigana.ps import cluster_wire
 from tigana.ps.security import NONE, Security
+from tigana.ps.wire import cluster as cluster_wire
 
 log = logging.getLogger("tigana.ps.membership")
 

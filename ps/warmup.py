@@ -25,8 +25,9 @@ from tigana.embeddings import (
     TableConfig,
 )
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import _kernels, wire
+from tigana.ps import _kernels
 from tigana.ps.routing import slot_of
+from tigana.ps.wire import data as wire
 
 log = logging.getLogger("tigana.ps.warmup")
 

@@ -28,9 +28,10 @@ from typing import Any
 
 from tigana import ps
 from tigana.proto import scheduler_pb2 as spb
-from tigana.ps import admin, cluster_wire
+from tigana.ps import admin
 from tigana.ps.errors import PSError
 from tigana.ps.security import Security
+from tigana.ps.wire import cluster as cluster_wire
 
 
 def _group_flags(parser: argparse.ArgumentParser, *, suppress: bool = False) -> None:
@@ -289,10 +290,10 @@ def _export(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
 
 
 def _export_follow(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
-    """``export --follow``: the export log (``tigana.ps.exportlog``) until SIGTERM/SIGINT, then exit 0."""
+    """``export --follow``: the export log (``tigana.ps.serving.exportlog``) until SIGTERM/SIGINT, then exit 0."""
     import contextlib
 
-    from tigana.ps.exportlog import ExportFollower
+    from tigana.ps.serving.exportlog import ExportFollower
     from tigana.tools.signals import StopSignal
 
     if args.since:

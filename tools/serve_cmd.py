@@ -1,6 +1,6 @@
 """``tigana serve --from DIR --port P``: a read-only embedding lookup server for inference.
 
-It follows the export log that ``tigana admin export TABLE --follow --out DIR`` writes (``tigana.ps.exportlog``):
+It follows the export log that ``tigana admin export TABLE --follow --out DIR`` writes (``tigana.ps.serving.exportlog``):
 loads the latest full export, applies deltas as they appear, and answers ``tigana.v1.Serving/Lookup`` (ids as
 packed int64, rows as packed float32) with gRPC health (SERVING once the first full export is loaded). Unknown
 ids get the ``--default`` row. TLS and tokens take the flags of ``tigana server`` or their ``TIGANA_*`` variables

@@ -39,7 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from tigana.ps import InvalidArgument, wire
+from tigana.ps import InvalidArgument
+from tigana.ps.wire import data as wire
 from tigana.trainer.slots import SlotIndex
 
 __all__ = ["CODECS", "AdaptiveCompressor", "AdaptiveConfig", "PushPlan", "round_trip"]

@@ -6,10 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tigana.ps import routing, wire
+from tigana.ps import routing
 from tigana.ps.channels import RetryPolicy
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.security import Security
+from tigana.ps.wire import data as wire
 
 MiB = 1 << 20
 

@@ -6,7 +6,7 @@ deadline passes first, or ``Unavailable`` (unanswered) when the stream breaks or
 carry the same requests as the unary calls, so everything that keeps a pull or push correct stays where it
 was: (client id, seq) for exactly-once, the routed epoch for fencing, the client's re-routing of failed
 parts, its push permits. A broken stream is opened again by the next frame. (The server's side is
-``tigana.ps.streams``.)
+``tigana.ps.shard.streams``.)
 
 Invariant (the same as the unary path's): a frame whose callback got an error may still have been applied by
 the server (an answer lost with the connection, or later than the deadline). Only pushes have effects, and a
@@ -26,9 +26,10 @@ from typing import Any
 
 import grpc
 
-from tigana.ps import frames, wire
 from tigana.ps.errors import DeadlineExceeded, Internal, PSError, Unavailable, from_rpc_error
-from tigana.ps.frames import EXCHANGE
+from tigana.ps.wire import data as wire
+from tigana.ps.wire import frames
+from tigana.ps.wire.frames import EXCHANGE
 
 Done = Callable[[Any, "PSError | None"], None]
 _END = object()

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import _kernels, frames, wire
+from tigana.ps import _kernels
 from tigana.ps.client.routes import Route, Server
 from tigana.ps.errors import (
     DeadlineExceeded,
@@ -37,6 +37,8 @@ from tigana.ps.errors import (
     UnknownClient,
     WrongShard,
 )
+from tigana.ps.wire import data as wire
+from tigana.ps.wire import frames
 
 
 def retryable(error: PSError, clustered: bool) -> bool:
@@ -146,7 +148,7 @@ class _Op:
 
 
 class PullOp(_Op):
-    """One pull in flight: unique ids grouped by owner, one message per part; replies kept as decoded blocks
+    """One pull in flight: unique ids grouped by primary, one message per part; replies kept as decoded blocks
     (fp32: views of the received bytes) and gathered into the batch's rows by ``src`` when the last arrives."""
 
     def __init__(self, client: Any, st: Any, fut: cf.Future, ids: np.ndarray, shape: tuple[int, ...],
@@ -176,13 +178,13 @@ class PullOp(_Op):
             st.stale_max = max(st.stale_max, st.stale_last)
         sent = 0
         calls = []
-        for k, (owner, lo, hi) in enumerate(parts):
-            if owner < 0:
+        for k, (primary, lo, hi) in enumerate(parts):
+            if primary < 0:
                 err = Unavailable(f"table {st.name!r}: {hi - lo} id(s) in slots with no primary at epoch "
                                   f"{route.epoch} (failing over)", epoch=route.epoch)
                 calls.append((None, None, k, lo, hi, err))
                 continue
-            s = route.servers[owner]
+            s = route.servers[primary]
             request = wire.pull_request_parts(st.name, self.uniq[lo:hi], self.codec, route.epoch, self.read_only)
             sent += wire.parts_nbytes(request)
             calls.append((s, request, k, lo, hi, None))
@@ -257,8 +259,8 @@ class PullOp(_Op):
 
 
 class PushOp(_Op):
-    """One push in flight: its step in the table's pending set (top level only), one message per (owner,
-    chunk) under the owner's permits, all carrying this push's (client_id, seq), fixed when the push starts
+    """One push in flight: its step in the table's pending set (top level only), one message per (primary,
+    chunk) under the primary's permits, all carrying this push's (client_id, seq), fixed when the push starts
     (a retry keeps its key even if the client starts a new session meanwhile). The future settles only
     when every part has (so ``flush`` and the staleness waits never return early).
 
@@ -294,14 +296,14 @@ class PushOp(_Op):
                 self.step = st.step
                 st.pending[self.step] = self.fut
         index = {}
-        for owner, lo, hi in parts:
-            if owner < 0:
+        for primary, lo, hi in parts:
+            if primary < 0:
                 self._done_for(None, lo, hi)(None, Unavailable(
                     f"table {st.name!r}: {hi - lo} id(s) in slots with no primary at epoch {route.epoch} "
                     "(failing over)", epoch=route.epoch))
                 continue
-            s = route.servers[owner]
-            part = index[owner] = index.get(owner, -1) + 1  # chunk index within the server (informational)
+            s = route.servers[primary]
+            part = index[primary] = index.get(primary, -1) + 1  # chunk index within the server (informational)
             try:
                 data, scales = wire.encode_block(self.summed[lo:hi], codec)
                 request = wire.push_request_parts(st.name, self.uniq[lo:hi], codec, dim, data, scales,

@@ -18,9 +18,9 @@ import grpc
 
 from tigana.proto import scheduler_pb2 as spb
 from tigana.proto import scheduler_pb2_grpc as spb_grpc
-from tigana.ps import cluster_wire
 from tigana.ps.errors import DeadlineExceeded, Unavailable, from_rpc_error
 from tigana.ps.routing import ShardMap
+from tigana.ps.wire import cluster as cluster_wire
 
 log = logging.getLogger("tigana.ps.mapfollower")
 

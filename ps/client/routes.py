@@ -21,10 +21,12 @@ import numpy as np
 
 from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc as pb_grpc
-from tigana.ps import _kernels, frames, routing, wire
+from tigana.ps import _kernels, routing
 from tigana.ps.channels import Call
 from tigana.ps.client.exchange import Exchange
 from tigana.ps.errors import PSError
+from tigana.ps.wire import data as wire
+from tigana.ps.wire import frames
 
 _PULL = "/tigana.v1.Shard/Pull"
 _PUSH = "/tigana.v1.Shard/Push"
@@ -88,15 +90,15 @@ class Server:
 
 
 class Route:
-    """Where every slot's primary is, at one map epoch: ``owner_of_slot[s]`` is the index in ``servers`` of slot
+    """Where every slot's primary is, at one map epoch: ``primary_of_slot[s]`` is the index in ``servers`` of slot
     s's primary (-1: no primary now)."""
 
-    def __init__(self, epoch: int, servers: Sequence[Server | None], owner_of_slot: np.ndarray) -> None:
+    def __init__(self, epoch: int, servers: Sequence[Server | None], primary_of_slot: np.ndarray) -> None:
         self.epoch = epoch
         self.servers = list(servers)
-        self.owner_of_slot = np.asarray(owner_of_slot, np.int64)
-        self.num_slots = int(self.owner_of_slot.shape[0])
-        self.key_of_slot, self.owner_starts = routing.group_keys(self.owner_of_slot, len(self.servers))
+        self.primary_of_slot = np.asarray(primary_of_slot, np.int64)
+        self.num_slots = int(self.primary_of_slot.shape[0])
+        self.key_of_slot, self.primary_starts = routing.group_keys(self.primary_of_slot, len(self.servers))
 
     def group(self, ids: np.ndarray, grads: np.ndarray | None = None) -> tuple:
         """One pass over a batch: unique ids bucketed by slot key (primary, then slot). Pull: (uniq, starts,
@@ -112,19 +114,19 @@ class Route:
         per = max(1, chunk_bytes // (8 + row_bytes))
         out = []
         for o in range(len(self.servers) + 1):
-            k0, k1 = int(self.owner_starts[o]), int(self.owner_starts[o + 1])
+            k0, k1 = int(self.primary_starts[o]), int(self.primary_starts[o + 1])
             lo, hi = int(starts[k0]), int(starts[k1])
             if lo == hi:
                 continue
-            owner = o if o < len(self.servers) else -1
+            primary = o if o < len(self.servers) else -1
             if hi - lo <= per:
-                out.append((owner, lo, hi))
+                out.append((primary, lo, hi))
                 continue
             bounds = starts[k0:k1 + 1]
             while lo < hi:
                 cut = int(bounds[np.searchsorted(bounds, lo + per, side="right") - 1])
                 if cut <= lo:  # one slot above the chunk size: send it whole
                     cut = int(bounds[np.searchsorted(bounds, lo, side="right")])
-                out.append((owner, lo, cut))
+                out.append((primary, lo, cut))
                 lo = cut
         return out

@@ -105,4 +105,4 @@ def _moved(part: _Part, route: Route) -> bool:
     except ValueError:
         return True  # the server left the map
     slots = routing.slot_of(part.ids, route.num_slots)
-    return bool((route.owner_of_slot[slots] != index).any())
+    return bool((route.primary_of_slot[slots] != index).any())

@@ -21,12 +21,12 @@ import numpy as np
 from tigana.embeddings import config as cfg
 from tigana.embeddings.errors import InvalidArgument as StorageInvalidArgument
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import wire
 from tigana.ps.client._fields import ClientFields
 from tigana.ps.client.config import Compression
 from tigana.ps.client.tablestate import TableState, check_staleness
 from tigana.ps.config import parse_bytes
 from tigana.ps.errors import InvalidArgument, TableNotFound, Unavailable, from_rpc_error
+from tigana.ps.wire import data as wire
 
 # describe_table sums shard stats except these (kept per shard in TableInfo.shards / taken from one shard).
 _PER_SHARD_ONLY = frozenset({"checksum"})

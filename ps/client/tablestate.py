@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from tigana.ps import wire
 from tigana.ps.client.config import Compression
 from tigana.ps.errors import InvalidArgument
+from tigana.ps.wire import data as wire
 
 
 class TableState:

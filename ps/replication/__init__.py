@@ -14,11 +14,11 @@ The invariants that make "no acknowledged update is lost" true are written out, 
 and which test checks it, in docs/replication.md (I1-I7 there).
 """
 
-from tigana.ps.cluster_wire import BARRIER, CHANGES, SNAPSHOT_BEGIN, SNAPSHOT_END, SNAPSHOT_ROWS
 from tigana.ps.replication.apply import Inbound, apply_item
 from tigana.ps.replication.log import NO_POSITION, SlotLog
 from tigana.ps.replication.primary import Replicator
 from tigana.ps.replication.stream import Mark, Session, Stream
+from tigana.ps.wire.cluster import BARRIER, CHANGES, SNAPSHOT_BEGIN, SNAPSHOT_END, SNAPSHOT_ROWS
 
 __all__ = ["BARRIER", "CHANGES", "Inbound", "Mark", "NO_POSITION", "Replicator", "SNAPSHOT_BEGIN", "SNAPSHOT_END",
            "SNAPSHOT_ROWS", "Session", "SlotLog", "Stream", "apply_item"]

@@ -24,12 +24,12 @@ from typing import Any
 import numpy as np
 
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import cluster_wire
-from tigana.ps.cluster_wire import BARRIER, CHANGES, SNAPSHOT_BEGIN, SNAPSHOT_ROWS
 from tigana.ps.errors import PSError
 from tigana.ps.logs import event, slots_text
 from tigana.ps.replication.stream import restrict
 from tigana.ps.routing import IN_SYNC, format_slots, slot_of
+from tigana.ps.wire import cluster as cluster_wire
+from tigana.ps.wire.cluster import BARRIER, CHANGES, SNAPSHOT_BEGIN, SNAPSHOT_ROWS
 
 log = logging.getLogger("tigana.ps.replication")
 

@@ -12,7 +12,6 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 
-from tigana.ps.cluster_wire import BARRIER, SNAPSHOT_BEGIN, SNAPSHOT_END, Item
 from tigana.ps.logs import event, slots_text
 from tigana.ps.replication.stream import (
     COPYING,
@@ -26,6 +25,7 @@ from tigana.ps.replication.stream import (
     restrict,
 )
 from tigana.ps.routing import CATCHING_UP, IN_SYNC, ShardMap, slot_of
+from tigana.ps.wire.cluster import BARRIER, SNAPSHOT_BEGIN, SNAPSHOT_END, Item
 
 log = logging.getLogger("tigana.ps.replication")
 

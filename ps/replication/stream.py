@@ -25,10 +25,10 @@ import grpc
 import numpy as np
 
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import cluster_wire
 from tigana.ps.channels import channel_options
-from tigana.ps.cluster_wire import Item
 from tigana.ps.logs import event, slots_text
+from tigana.ps.wire import cluster as cluster_wire
+from tigana.ps.wire.cluster import Item
 
 if TYPE_CHECKING:
     from tigana.ps.replication.primary import Replicator

@@ -33,7 +33,7 @@ One room per concept:
   over the fields declared in ``_fields``;
 - ``service``: the gRPC ``SchedulerService``;
 - ``announcer`` and ``daemon``: ``SchedulerHandle``, ``start_scheduler``, the tick and election threads, health;
-- the stores: ``mapstore`` (the ``MapStore`` interface, ``FileMapStore``) and ``etcdstore`` (etcd, with the
+- the stores (``stores``): ``stores.file`` (the ``MapStore`` interface, ``FileMapStore``) and ``stores.etcd`` (etcd, with the
   leader election that fences every write; imported only when a config names it).
 """
 
@@ -47,9 +47,9 @@ from tigana.ps.scheduler.daemon import (
     probe_closed,
     start_scheduler,
 )
-from tigana.ps.scheduler.mapstore import FileMapStore, MapStore, SchedulerState
 from tigana.ps.scheduler.moves import _placement_changes as _placement_changes  # used by tests
 from tigana.ps.scheduler.service import SERVICE_NAME, SchedulerService
+from tigana.ps.scheduler.stores.file import FileMapStore, MapStore, SchedulerState
 
 __all__ = ["REPLICATION_HEALTH_NAME", "SERVICE_NAME", "FileMapStore", "MapStore", "NotLeader", "PSError",
            "SchedulerConfig", "SchedulerCore", "SchedulerHandle", "SchedulerService", "SchedulerState",

@@ -18,7 +18,7 @@ import numpy as np
 from tigana.ps.metrics import SchedulerMetrics
 from tigana.ps.routing import ShardMap
 from tigana.ps.scheduler.config import SchedulerConfig
-from tigana.ps.scheduler.mapstore import MapStore
+from tigana.ps.scheduler.stores.file import MapStore
 
 
 class CoreFields:

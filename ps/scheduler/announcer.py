@@ -12,9 +12,9 @@ import grpc
 
 from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc
-from tigana.ps import cluster_wire
 from tigana.ps.routing import ShardMap
 from tigana.ps.security import NONE, Security
+from tigana.ps.wire import cluster as cluster_wire
 
 
 class Announcer:

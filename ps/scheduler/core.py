@@ -27,15 +27,16 @@ import numpy as np
 
 from tigana.proto import scheduler_pb2 as spb
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import cluster_wire, placement
+from tigana.ps import placement
 from tigana.ps.errors import InvalidArgument, TableExists
 from tigana.ps.logs import event, slots_text
 from tigana.ps.metrics import SchedulerMetrics
 from tigana.ps.routing import CATCHING_UP, IN_SYNC, NO_SERVER, ServerEntry, ShardMap, TableDef, format_slots
 from tigana.ps.scheduler.config import SchedulerConfig
 from tigana.ps.scheduler.liveness import Liveness
-from tigana.ps.scheduler.mapstore import MapStore, SchedulerState
 from tigana.ps.scheduler.moves import Moves
+from tigana.ps.scheduler.stores.file import MapStore, SchedulerState
+from tigana.ps.wire import cluster as cluster_wire
 
 log = logging.getLogger("tigana.ps.scheduler")  # one logger for the whole scheduler
 
@@ -100,7 +101,7 @@ class SchedulerCore(Liveness, Moves):
         """Save ``new`` (durable), make it current, wake long-polls; announce after the lock is released.
         ``extra``: the log record's fields (``logs.event``: slots, server...); the epoch is added.
 
-        Saved first: a store that refuses the write (``etcdstore.Deposed``) leaves this core's map as it was,
+        Saved first: a store that refuses the write (``stores.etcd.Deposed``) leaves this core's map as it was,
         so nobody is ever shown a map that was not saved."""
         self._save(new)
         self._note_catching(self.map, new)

@@ -25,8 +25,8 @@ from tigana.ps.metrics import SchedulerMetrics
 from tigana.ps.scheduler.announcer import Announcer
 from tigana.ps.scheduler.config import SchedulerConfig
 from tigana.ps.scheduler.core import SchedulerCore
-from tigana.ps.scheduler.mapstore import FileMapStore, MapStore
 from tigana.ps.scheduler.service import SERVICE_NAME, SchedulerService
+from tigana.ps.scheduler.stores.file import FileMapStore, MapStore
 from tigana.ps.security import NONE, Security
 
 log = logging.getLogger("tigana.ps.scheduler")  # one logger for the whole scheduler
@@ -58,13 +58,13 @@ class SchedulerHandle:
     last saved map, and gives every server a full heartbeat timeout), renews the lease every third of its
     TTL, and steps down (drops the core, answers as a standby, campaigns again) when the lease could not be
     renewed within the TTL or the store refused a write. The store's fencing, not this thread's timing, is
-    what keeps a deposed leader from changing the map (``etcdstore``)."""
+    what keeps a deposed leader from changing the map (``stores.etcd``)."""
 
     def __init__(self, config: SchedulerConfig, store: MapStore | None = None) -> None:
         self.config = config
         self._tmp = None
         if store is None and config.store is not None:
-            from tigana.ps.scheduler.etcdstore import EtcdMapStore
+            from tigana.ps.scheduler.stores.etcd import EtcdMapStore
 
             store = EtcdMapStore(config.store)
         if store is None:

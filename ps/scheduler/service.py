@@ -15,9 +15,10 @@ import numpy as np
 from tigana.proto import scheduler_pb2 as spb
 from tigana.proto import scheduler_pb2_grpc as spb_grpc
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import cluster_wire, placement, rpc
+from tigana.ps import placement, rpc
 from tigana.ps.errors import InvalidArgument, PSError
 from tigana.ps.scheduler.core import SchedulerCore
+from tigana.ps.wire import cluster as cluster_wire
 
 log = logging.getLogger("tigana.ps.scheduler")  # one logger for the whole scheduler
 

@@ -1,7 +1,7 @@
 """tigana.ps.shard — the shard server: a gRPC adapter over the storage engine's tables, the copies of slots it
 holds, and the replication between copies.
 
-Each handler decodes the request with ``tigana.ps.wire``, checks it against the table and the shard map, calls
+Each handler decodes the request with ``tigana.ps.wire.data``, checks it against the table and the shard map, calls
 the table, and encodes the answer. Every exception a handler raises becomes a gRPC status in one place
 (``_rpc``, through ``errors.to_status``); a bug answers INTERNAL and the server keeps serving. Validation
 happens before anything changes, so a rejected request leaves every table as it was.

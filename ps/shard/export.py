@@ -20,12 +20,12 @@ import numpy as np
 from tigana.embeddings import Changes
 from tigana.embeddings.changes import unique
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import cluster_wire
 from tigana.ps.errors import InvalidArgument, Unavailable, WrongShard
 from tigana.ps.routing import slot_of
 from tigana.ps.shard._fields import ShardFields
 from tigana.ps.shard._guard import _rpc
 from tigana.ps.shard.hosted import _Hosted, checksum_value
+from tigana.ps.wire import cluster as cluster_wire
 
 log = logging.getLogger("tigana.ps.server")  # one logger for the whole shard server
 

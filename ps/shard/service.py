@@ -2,7 +2,7 @@
 ``writes``, ``export``, ``persistence``), with the table RPCs, the data path's handlers (``Pull``, ``Push``,
 the ``Exchange`` stream), ``Snapshot``, ``Restore``, ``InstallMap`` and ``Replicate``; and ``add_to_server``.
 
-Each handler decodes the request with ``tigana.ps.wire``, checks it against the table and the shard map, calls
+Each handler decodes the request with ``tigana.ps.wire.data``, checks it against the table and the shard map, calls
 the table, and encodes the answer; every exception becomes a status in one place (``_guard._rpc``, over ``rpc.guard``).
 Thread-safety: handlers run on gRPC's thread pool (see the ``tigana.ps.shard`` docstring for the locks).
 """
@@ -24,19 +24,23 @@ import grpc
 
 from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc
-from tigana.ps import cluster_wire, frames, rpc, streams, wire
+from tigana.ps import rpc
 from tigana.ps.catalog import Catalog
 from tigana.ps.config import ServerConfig
 from tigana.ps.errors import DeadlineExceeded, InvalidArgument, TableExists
 from tigana.ps.metrics import ServerMetrics
 from tigana.ps.replication import Inbound, Replicator, apply_item
 from tigana.ps.security import NONE, Security
+from tigana.ps.shard import streams
 from tigana.ps.shard._guard import _rpc, check_serving
 from tigana.ps.shard.export import Exports
 from tigana.ps.shard.hosted import Hosting, _Hosted
 from tigana.ps.shard.ownership import Ownership, _View
 from tigana.ps.shard.persistence import Persistence
 from tigana.ps.shard.writes import Writes
+from tigana.ps.wire import cluster as cluster_wire
+from tigana.ps.wire import data as wire
+from tigana.ps.wire import frames
 
 log = logging.getLogger("tigana.ps.server")  # one logger for the whole shard server
 

@@ -21,14 +21,14 @@ import numpy as np
 from tigana.embeddings import Changes
 from tigana.embeddings.changes import unique
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import wire
-from tigana.ps.cluster_wire import CHANGES, SNAPSHOT_ROWS, Item
 from tigana.ps.errors import InvalidArgument, NotEnoughReplicas, ResourceExhausted, Unavailable
 from tigana.ps.replication import Stream
 from tigana.ps.routing import slot_of
 from tigana.ps.shard._fields import ShardFields
 from tigana.ps.shard.hosted import _Hosted
 from tigana.ps.shard.ownership import _COPY_CHUNK, _View
+from tigana.ps.wire import data as wire
+from tigana.ps.wire.cluster import CHANGES, SNAPSHOT_ROWS, Item
 
 _CODECS = frozenset(pb.Codec.values())
 

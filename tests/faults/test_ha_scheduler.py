@@ -20,8 +20,8 @@ import pytest
 from tigana import ps
 from tigana.ps import admin
 from tigana.ps.routing import ShardMap
-from tigana.ps.scheduler.etcdstore import Deposed, EtcdMapStore, parse_store_url
-from tigana.ps.scheduler.mapstore import SchedulerState
+from tigana.ps.scheduler.stores.etcd import Deposed, EtcdMapStore, parse_store_url
+from tigana.ps.scheduler.stores.file import SchedulerState
 from tigana.tools.bench.ledger import PushLoop, audit, create_ledger_table
 
 pytestmark = pytest.mark.timeout(240)

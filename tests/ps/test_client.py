@@ -16,7 +16,9 @@ import torch
 from tigana import ps
 from tigana.embeddings import EmbeddingTable, TableConfig
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import frames, routing, wire
+from tigana.ps import routing
+from tigana.ps.wire import data as wire
+from tigana.ps.wire import frames
 
 OPTIMIZERS = [ps.SGD(lr=0.1), ps.Adagrad(lr=0.05), ps.RowWiseAdagrad(lr=0.05), ps.Adam(lr=0.01),
               ps.FTRL(alpha=0.1, l1=0.001)]

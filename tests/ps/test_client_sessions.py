@@ -7,9 +7,9 @@ import pytest
 
 from tigana import ps
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import wire
 from tigana.ps.errors import UnknownClient, from_rpc_error
 from tigana.ps.session import client_stamp, new_client_id
+from tigana.ps.wire import data as wire
 
 
 def _raw_push(table: str, ids: np.ndarray, client_id: str, seq: int) -> bytes:

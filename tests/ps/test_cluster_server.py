@@ -17,12 +17,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tigana import ps
 from tigana.embeddings import RowBatch
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import cluster_wire
-from tigana.ps.cluster_wire import BARRIER, CHANGES, Item
 from tigana.ps.config import ServerConfig
 from tigana.ps.daemon import COPIES_HEALTH_NAME, start_server
 from tigana.ps.routing import CATCHING_UP, IN_SYNC
 from tigana.ps.scheduler import SchedulerConfig, start_scheduler
+from tigana.ps.wire import cluster as cluster_wire
+from tigana.ps.wire.cluster import BARRIER, CHANGES, Item
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from tigana.ps.daemon import start_server
 from tigana.ps.logs import JsonFormatter, event, setup_logging, slots_text
 from tigana.ps.routing import TableDef
 from tigana.ps.scheduler import SchedulerConfig, SchedulerCore, start_scheduler
-from tigana.ps.scheduler.mapstore import FileMapStore
+from tigana.ps.scheduler.stores.file import FileMapStore
 
 
 @pytest.fixture

@@ -13,11 +13,11 @@ import pytest
 
 from tigana.embeddings import SGD, TableConfig, Zeros
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import wire
 from tigana.ps.config import ServerConfig
 from tigana.ps.errors import Unavailable
 from tigana.ps.routing import IN_SYNC, ServerEntry, ShardMap, TableDef
 from tigana.ps.shard import ShardService
+from tigana.ps.wire import data as wire
 
 SLOTS = 64
 

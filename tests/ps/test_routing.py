@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from tigana.embeddings import Adagrad, TableConfig
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import cluster_wire
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.routing import (
     CATCHING_UP,
@@ -22,6 +21,7 @@ from tigana.ps.routing import (
     group_keys,
     parse_slots,
 )
+from tigana.ps.wire import cluster as cluster_wire
 
 SERVERS = tuple(ServerEntry(f"s{i}", f"127.0.0.1:{7000 + i}", f"boot{i}") for i in range(4))
 
@@ -199,19 +199,19 @@ def test_post_init_rejects_bad_shapes():
 @given(num_owners=st.integers(1, 8), data=st.data())
 def test_group_keys_matches_reference(num_owners, data):
     owners = np.array(data.draw(st.lists(st.integers(-1, num_owners - 1), min_size=0, max_size=200)), np.int32)
-    key_of_slot, owner_starts = group_keys(owners, num_owners)
+    key_of_slot, primary_starts = group_keys(owners, num_owners)
     rank = lambda s: (owners[s] if owners[s] >= 0 else num_owners, s)  # noqa: E731
     order = sorted(range(owners.shape[0]), key=rank)
     expected = np.empty(owners.shape[0], np.int64)
     expected[order] = np.arange(owners.shape[0])
     np.testing.assert_array_equal(key_of_slot, expected)
-    assert owner_starts.shape == (num_owners + 2,)
+    assert primary_starts.shape == (num_owners + 2,)
     for o in range(num_owners + 1):  # owner num_owners: the slots without a primary, last
         members = [s for s in range(owners.shape[0]) if (owners[s] if owners[s] >= 0 else num_owners) == o]
-        lo, hi = int(owner_starts[o]), int(owner_starts[o + 1])
+        lo, hi = int(primary_starts[o]), int(primary_starts[o + 1])
         assert sorted(key_of_slot[members].tolist()) == list(range(lo, hi))
         assert [int(key_of_slot[s]) for s in members] == list(range(lo, hi))  # by slot within an owner
-    assert owner_starts[0] == 0 and owner_starts[-1] == owners.shape[0]
+    assert primary_starts[0] == 0 and primary_starts[-1] == owners.shape[0]
 
 
 def test_group_keys_example():

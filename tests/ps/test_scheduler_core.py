@@ -17,7 +17,7 @@ from tigana.ps import placement
 from tigana.ps.errors import InvalidArgument, TableExists
 from tigana.ps.routing import CATCHING_UP, IN_SYNC, NO_SERVER, ShardMap, TableDef
 from tigana.ps.scheduler import SchedulerConfig, SchedulerCore
-from tigana.ps.scheduler.mapstore import FileMapStore
+from tigana.ps.scheduler.stores.file import FileMapStore
 
 TIMEOUT = 3.0
 SLOTS = 24

@@ -13,7 +13,7 @@ from tigana.ps import placement
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.routing import CATCHING_UP, HANDING_OVER, IN_SYNC, ShardMap
 from tigana.ps.scheduler import SchedulerConfig, SchedulerCore
-from tigana.ps.scheduler.mapstore import FileMapStore, SchedulerState
+from tigana.ps.scheduler.stores.file import FileMapStore, SchedulerState
 
 TIMEOUT = 3.0
 SLOTS = 24

@@ -12,8 +12,8 @@ import pytest
 from tigana.embeddings import EmbeddingTable, TableConfig
 from tigana.embeddings import config as cfg
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import wire
 from tigana.ps.routing import slot_of
+from tigana.ps.wire import data as wire
 
 OPTIMIZERS = [cfg.SGD(lr=0.1), cfg.Adagrad(lr=0.05), cfg.RowWiseAdagrad(lr=0.05), cfg.Adam(lr=0.01),
               cfg.FTRL(alpha=0.05, l1=0.001)]

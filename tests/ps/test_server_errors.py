@@ -10,7 +10,7 @@ import pytest
 from tigana.embeddings import TableConfig
 from tigana.embeddings import config as cfg
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import wire
+from tigana.ps.wire import data as wire
 
 DIM = 8
 IDS = np.arange(10, dtype=np.int64)

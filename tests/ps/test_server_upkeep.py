@@ -8,7 +8,7 @@ import numpy as np
 from tigana.embeddings import SGD, Eviction, TableConfig, Zeros
 from tigana.embeddings.lmdbstore import ids_to_keys
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import wire
+from tigana.ps.wire import data as wire
 
 DIM = 4
 

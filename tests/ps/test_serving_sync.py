@@ -20,9 +20,9 @@ from grpc_health.v1 import health_pb2
 from tigana import ps
 from tigana.proto import serving_pb2 as spb
 from tigana.ps.errors import InvalidArgument
-from tigana.ps.exportlog import ExportFollower, read_log, read_manifest
 from tigana.ps.local import stop_process
 from tigana.ps.serving import ServingClient, load_serve_config
+from tigana.ps.serving.exportlog import ExportFollower, read_log, read_manifest
 from tigana.tools.bench.serving_sync import health_status, spawn_follow, spawn_serve, wait_serving
 
 pytestmark = pytest.mark.timeout(180)
@@ -263,7 +263,7 @@ def test_export_follow_and_serve_cli_end_to_end(cluster, tmp_path: Path) -> None
 def test_serve_state_is_always_one_whole_log_entry(cluster, tmp_path: Path, monkeypatch) -> None:
     """``tigana serve``'s follower against the reference reader after every entry, with folds and compactions;
     a concurrent reader only ever sees the table as of some whole entry; the default-row policies."""
-    from tigana.ps import serving
+    from tigana.ps.serving import server as serving
 
     monkeypatch.setattr(serving, "_FOLD_MIN_ROWS", 40)  # fold often: the base is rebuilt under the reader
     out = tmp_path / "log"

@@ -16,11 +16,13 @@ import pytest
 from tigana import ps
 from tigana.embeddings import EmbeddingTable, TableConfig
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import frames, routing, wire
+from tigana.ps import routing
 from tigana.ps.errors import NotEnoughReplicas, TableNotFound
-from tigana.ps.frames import EXCHANGE
 from tigana.ps.rpc import Malformed
-from tigana.ps.streams import serve
+from tigana.ps.shard.streams import serve
+from tigana.ps.wire import data as wire
+from tigana.ps.wire import frames
+from tigana.ps.wire.frames import EXCHANGE
 
 
 def test_frames_round_trip() -> None:

@@ -11,8 +11,8 @@ from hypothesis.extra import numpy as hnp
 
 from tigana.embeddings import config as cfg
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import wire
 from tigana.ps.errors import InvalidArgument
+from tigana.ps.wire import data as wire
 
 CODECS = [pb.CODEC_FP32, pb.CODEC_FP16, pb.CODEC_BF16, pb.CODEC_INT8]
 
@@ -181,11 +181,11 @@ def test_raw_pull_response_parses_as_protobuf(rows, codec):
     assert msg.rows == ref
 
 
-def _group_by_owner(ids: np.ndarray, owner_of_slot: np.ndarray, servers: int) -> tuple[np.ndarray, np.ndarray]:
+def _group_by_owner(ids: np.ndarray, primary_of_slot: np.ndarray, servers: int) -> tuple[np.ndarray, np.ndarray]:
     """Reference: positions of ids grouped by owner per ``routing`` (order, starts), order kept in a group."""
     from tigana.ps import routing
 
-    parts = routing.split_by_owner(owner_of_slot[routing.slot_of(ids, len(owner_of_slot))], servers)
+    parts = routing.split_by_owner(primary_of_slot[routing.slot_of(ids, len(primary_of_slot))], servers)
     return np.concatenate(parts), np.concatenate([[0], np.cumsum([len(p) for p in parts])])
 
 
@@ -196,16 +196,16 @@ def test_grouped_dedup_kernels_match_dedup_then_group(ids, servers, dim, num_slo
     """The client's one-pass kernels equal the numpy reference dedup -> group by owner, bit for bit."""
     from tigana.ps import _kernels, routing
 
-    owner_of_slot = routing.static_assignment(servers, num_slots)
+    primary_of_slot = routing.static_assignment(servers, num_slots)
     ref_uniq, _ = _first_seen_unique(ids)
-    order, ref_starts = _group_by_owner(ref_uniq, owner_of_slot, servers)
-    uniq, starts, src = _kernels.dedup_grouped(ids, owner_of_slot, servers)
+    order, ref_starts = _group_by_owner(ref_uniq, primary_of_slot, servers)
+    uniq, starts, src = _kernels.dedup_grouped(ids, primary_of_slot, servers)
     np.testing.assert_array_equal(uniq, ref_uniq[order])
     np.testing.assert_array_equal(starts, ref_starts)
     np.testing.assert_array_equal(uniq[src], ids)
     grads = (np.arange(ids.size * dim, dtype=np.float32).reshape(ids.size, dim) % 7) - 3.25
     ref_u, ref_sums = _first_seen_sum(ids, grads)
-    u2, sums, starts2, finite = _kernels.dedup_sum_grouped(ids, grads, owner_of_slot, servers)
+    u2, sums, starts2, finite = _kernels.dedup_sum_grouped(ids, grads, primary_of_slot, servers)
     np.testing.assert_array_equal(u2, ref_u[order])
     np.testing.assert_array_equal(sums, ref_sums[order])
     np.testing.assert_array_equal(starts2, ref_starts)
@@ -214,7 +214,7 @@ def test_grouped_dedup_kernels_match_dedup_then_group(ids, servers, dim, num_slo
         for bad in (np.nan, np.inf, -np.inf):
             g = grads.copy()
             g[ids.size // 2, dim - 1] = bad
-            assert not _kernels.dedup_sum_grouped(ids, g, owner_of_slot, servers)[3]
+            assert not _kernels.dedup_sum_grouped(ids, g, primary_of_slot, servers)[3]
 
 
 def test_first_foreign_matches_routing():

@@ -34,7 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tigana.ps.daemon import COPIES_HEALTH_NAME
 from tigana.ps.scheduler import SERVICE_NAME as SCHEDULER_HEALTH_NAME
 from tigana.ps.scheduler import SchedulerConfig, start_scheduler
-from tigana.ps.scheduler.etcdstore import parse_store_url
+from tigana.ps.scheduler.stores.etcd import parse_store_url
 from tigana.tools import cli, scheduler_cmd, server_cmd, train_cmd
 
 ROOT = Path(__file__).resolve().parents[2]

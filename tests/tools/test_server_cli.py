@@ -22,7 +22,7 @@ from tigana.embeddings import TableConfig
 from tigana.embeddings import config as cfg
 from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc
-from tigana.ps import wire
+from tigana.ps.wire import data as wire
 
 CLI = [sys.executable, "-m", "tigana.tools.cli"]
 IDS = np.arange(1000, dtype=np.int64)

@@ -51,10 +51,11 @@ import numpy as np
 
 from tigana import ps
 from tigana.embeddings import EmbeddingTable, TableConfig
-from tigana.ps import routing, wire
+from tigana.ps import routing
 from tigana.ps.allocator import tune_allocator
 from tigana.ps.channels import channel_options
 from tigana.ps.local import stop_process
+from tigana.ps.wire import data as wire
 from tigana.tools.bench.report import emit, log
 
 _ECHO = "/tigana.bench.Echo/Exchange"

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import wire
 from tigana.ps.errors import PSError, TableNotFound
 from tigana.ps.routing import ShardMap, slot_of
+from tigana.ps.wire import data as wire
 from tigana.tools.sim.world import Lost, Net, World
 
 __all__ = ["Ledger", "SimClient"]

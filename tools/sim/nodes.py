@@ -17,13 +17,13 @@ from typing import Any
 import numpy as np
 
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import cluster_wire
 from tigana.ps.config import ServerConfig
 from tigana.ps.routing import ShardMap
 from tigana.ps.scheduler import SchedulerConfig, SchedulerCore
-from tigana.ps.scheduler.mapstore import FileMapStore
 from tigana.ps.scheduler.service import _positions
+from tigana.ps.scheduler.stores.file import FileMapStore
 from tigana.ps.shard import ShardService
+from tigana.ps.wire import cluster as cluster_wire
 from tigana.tools.sim.world import Deferred, Lost, Net, World
 
 __all__ = ["SchedulerNode", "SimServer"]

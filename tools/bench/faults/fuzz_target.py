@@ -62,9 +62,9 @@ class Target:
 
 # The request path: decoding, validation, the handlers. Not the storage engine: numba compiles its kernels
 # from their Python code, which must stay uninstrumented.
-_MODULES = ("tigana.ps.rpc", "tigana.ps.wire", "tigana.ps.shard._guard", "tigana.ps.shard.service",
+_MODULES = ("tigana.ps.rpc", "tigana.ps.wire.data", "tigana.ps.shard._guard", "tigana.ps.shard.service",
             "tigana.ps.shard.hosted", "tigana.ps.shard.ownership", "tigana.ps.shard.writes", "tigana.ps.shard.export",
-            "tigana.ps.shard.persistence", "tigana.ps.errors", "tigana.ps.cluster_wire", "tigana.ps.routing",
+            "tigana.ps.shard.persistence", "tigana.ps.errors", "tigana.ps.wire.cluster", "tigana.ps.routing",
             "tigana.embeddings.config")
 
 

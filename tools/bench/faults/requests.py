@@ -18,8 +18,9 @@ import numpy as np
 from tigana import ps
 from tigana.proto import scheduler_pb2 as spb
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import admin, wire
+from tigana.ps import admin
 from tigana.ps.security import NONE, Security
+from tigana.ps.wire import data as wire
 from tigana.tools.bench.faults.common import BAD_CODES, Report, cluster, ids_in_slots, pct, rss_mib
 from tigana.tools.bench.ledger import TABLE_DIM, create_ledger_table
 from tigana.tools.bench.report import log

@@ -73,7 +73,7 @@ from tigana.embeddings.files import atomic_write, fsync_path, hold_lock
 from tigana.ps.checkpoint import export_table
 from tigana.ps.errors import DataLoss, InvalidArgument, PSError
 
-log = logging.getLogger("tigana.ps.exportlog")
+log = logging.getLogger("tigana.ps.serving.exportlog")
 
 FORMAT = "tigana-export-log"
 VERSION = 1

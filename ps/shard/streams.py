@@ -1,5 +1,5 @@
 """The server's side of the streaming data path (``Shard/Exchange``; the client's side is
-``tigana.ps.client.exchange``, the frames ``tigana.ps.frames``).
+``tigana.ps.client.exchange``, the frames ``tigana.ps.wire.frames``).
 
 ``serve``: a reader thread takes frames off the stream and hands each to the server's frame pool; answers
 are written back as they finish. At most ``window`` frames of one stream are read and not yet answered: past
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from concurrent import futures as cf
 from typing import Any
 
-from tigana.ps import frames
+from tigana.ps.wire import frames
 
 _END = object()
 

@@ -14,9 +14,9 @@ import grpc
 import numpy as np
 
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import wire
 from tigana.ps.errors import PSError, from_status, status_metadata, to_status
 from tigana.ps.rpc import Malformed
+from tigana.ps.wire import data as wire
 
 EXCHANGE = "/tigana.v1.Shard/Exchange"  # the stream's method
 PULL, PUSH = 2, 3  # the oneof field numbers of both frames

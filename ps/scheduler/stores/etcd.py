@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import grpc
 
 from tigana.ps.errors import InvalidArgument, Unavailable
-from tigana.ps.scheduler.mapstore import SchedulerState, decode_state, encode_state
+from tigana.ps.scheduler.stores.file import SchedulerState, decode_state, encode_state
 
 __all__ = ["Deposed", "EtcdMapStore", "parse_store_url"]
 

@@ -1,7 +1,7 @@
 """``tigana serve --from DIR``: a read-only embedding lookup server for inference, fed by the export log.
 
 ``start_serving(ServeConfig(source=DIR, port=P))`` binds the gRPC port and serves health (NOT_SERVING) and
-reflection at once; a follower thread polls ``DIR/manifest.json`` (``tigana.ps.exportlog``), loads the full
+reflection at once; a follower thread polls ``DIR/manifest.json`` (``tigana.ps.serving.exportlog``), loads the full
 export it names, then applies each new delta in ``seq`` order. Health turns SERVING once the first full export
 is loaded; ``tigana.v1.Serving/Lookup`` answers UNAVAILABLE before that.
 
@@ -54,7 +54,7 @@ from grpc_health.v1 import health, health_pb2
 
 from tigana.proto import serving_pb2 as pb
 from tigana.proto import serving_pb2_grpc
-from tigana.ps import exportlog, rpc
+from tigana.ps import rpc
 from tigana.ps.errors import (
     DataLoss,
     InvalidArgument,
@@ -63,6 +63,7 @@ from tigana.ps.errors import (
 )
 from tigana.ps.metrics import ServingMetrics
 from tigana.ps.security import NONE, Security, SecuritySettings
+from tigana.ps.serving import exportlog
 from tigana.ps.settings import load as load_settings
 
 log = logging.getLogger("tigana.ps.serving")

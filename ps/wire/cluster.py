@@ -13,9 +13,9 @@ import numpy as np
 
 from tigana.embeddings.rows import RowBatch
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import wire
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.routing import ServerEntry, ShardMap, TableDef
+from tigana.ps.wire import data as wire
 
 _DURABILITY = {"sync": pb.DURABILITY_SYNC, "async": pb.DURABILITY_ASYNC}
 _DURABILITY_NAME = {pb.DURABILITY_SYNC: "sync", pb.DURABILITY_ASYNC: "async", pb.DURABILITY_DEFAULT: "sync"}

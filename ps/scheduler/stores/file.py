@@ -18,9 +18,9 @@ import numpy as np
 
 from tigana.embeddings.files import atomic_write
 from tigana.proto import scheduler_pb2 as spb
-from tigana.ps import cluster_wire
 from tigana.ps.errors import DataLoss
 from tigana.ps.routing import ShardMap
+from tigana.ps.wire import cluster as cluster_wire
 
 __all__ = ["FileMapStore", "MapStore", "SchedulerState"]
 
