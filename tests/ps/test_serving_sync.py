@@ -1,6 +1,6 @@
 """Continuous sync to serving on real processes: the export log (``tigana admin export --follow``, in process and
-as a CLI) against a real ``ps.LocalCluster``, ``tigana serve`` as a child process, and the README's standalone
-reader in an interpreter that cannot import Tigana. Every process a test starts, it stops by its handle."""
+as a CLI) against a real ``ps.LocalCluster``, ``tigana serve`` as a child process, and the standalone reader of
+docs/serving.md in an interpreter that cannot import Tigana. Every process a test starts, it stops by its handle."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from tigana.tools.bench.serving_sync import health_status, spawn_follow, spawn_s
 
 pytestmark = pytest.mark.timeout(180)
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +144,8 @@ def test_follow_writes_ordered_atomic_deltas_and_misses_no_acknowledged_push(clu
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _readme_reader() -> str:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+def _guide_reader() -> str:
+    blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), flags=re.S)
     return next(b for b in blocks if "def read_export_log" in b)
 
 
@@ -238,10 +238,10 @@ def test_export_follow_and_serve_cli_end_to_end(cluster, tmp_path: Path) -> None
                 info = serving.info()
                 assert info.table == "emb" and info.dim == 8 and info.rows == held.size + 1
 
-                # the README's standalone reader, in an interpreter that cannot import tigana: the same rows
+                # docs/serving.md's standalone reader, in an interpreter that cannot import tigana: the same rows
                 query = np.concatenate([held, [9000, 123456789]]).astype(np.int64)
                 np.save(tmp_path / "query.npy", query)
-                script = "import sys\nsys.modules['tigana'] = None\n" + _readme_reader() + DRIVER
+                script = "import sys\nsys.modules['tigana'] = None\n" + _guide_reader() + DRIVER
                 subprocess.run([sys.executable, "-I", "-c", script, str(out), str(tmp_path / "query.npy"),
                                 str(tmp_path / "read.npz")], check=True, timeout=60, capture_output=True)
                 got = np.load(tmp_path / "read.npz")
