@@ -24,8 +24,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,65 +38,27 @@ from tigana import ps
 from tigana.trainer import preemption
 from tigana.trainer.allreduce import register_hook
 from tigana.trainer.config import TrainConfig
+from tigana.trainer.datasets import TrainData, criteo_files, load_data, movielens_root
 from tigana.trainer.distributed import DistEnv, Groups, collective_device
 from tigana.trainer.elastic import Position, elastic_state, restart_count, under_torch_elastic
 from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
 from tigana.trainer.metrics import TrainerMetrics, require_wandb, start_wandb
-from tigana.trainer.types import Batch, FeatureSpec, SparseFeatures
+from tigana.trainer.types import Batch, FeatureSpec
 
 __all__ = ["TrainData", "check_inputs", "evaluate", "load_data", "train"]
 
 log = logging.getLogger("tigana.trainer")
 
 
-# ---------------------------------------------------------------------------------------------- data
-@dataclass
-class TrainData:
-    """A rank's view of a data set: feature specs, dense width, and iterators over its part."""
-
-    features: list[FeatureSpec]
-    num_dense: int
-    train_batches: Callable[[int], Iterator[Batch]]   # epoch -> this rank's training batches
-    eval_batches: Callable[[], Iterator[Batch]]        # this rank's held-out batches
-    description: str
-    steps_per_epoch: int | None = None                 # this rank's training batches per epoch, when known
-
-
-def _movielens_root(path: str | None) -> Path:
-    if path is None:
-        raise ValueError("data: the movielens-100k dataset needs --data (the ml-100k folder or its parent)")
-    root = Path(path)
-    for candidate in (root, root / "ml-100k", root / "movielens-100k" / "ml-100k"):
-        if (candidate / "u.user").is_file():
-            return candidate
-    raise FileNotFoundError(f"data: no MovieLens-100K files (u.user, u1.base...) under {root}")
-
-
-def _criteo_files(path: str | None) -> tuple[Path, Path | None]:
-    if path is None:
-        raise ValueError("data: the criteo dataset needs --data (a DAC/Kaggle file or a folder holding one)")
-    p = Path(path)
-    if p.is_file():
-        return p, None
-    if not p.is_dir():
-        raise FileNotFoundError(f"data: {p} does not exist")
-    files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in (".txt", ".csv", ".tsv"))
-    evals = [f for f in files if f.stem.split(".")[0] in ("test", "valid", "val", "eval")]
-    trains = [f for f in files if f not in evals and f.stem.startswith("train")] or \
-             [f for f in files if f not in evals]
-    if not trains:
-        raise FileNotFoundError(f"data: no Criteo text file in {p}")
-    return max(trains, key=lambda f: f.stat().st_size), (evals[0] if evals else None)
-
-
+# ---------------------------------------------------------------------------------------------- inputs
 def check_inputs(config: TrainConfig) -> None:
     """Fail fast, before a cluster or a trainer process starts, when the data set's files or the checkpoint to
-    resume from are missing (``FileNotFoundError``/``ValueError`` naming the path), or W&B is asked for and
-    not installed (``ConfigError``)."""
+    resume from are missing or a Criteo training file has no labels (``FileNotFoundError``/``ValueError``
+    naming the path), or W&B is asked for and not installed (``ConfigError``)."""
     if config.dataset == "movielens-100k":
-        _movielens_root(config.data)
+        movielens_root(config.data)
     elif config.dataset == "criteo":
-        _criteo_files(config.data)
+        criteo_files(config.data)
     if config.wandb_project:
         require_wandb(config.wandb_project)
     if config.resume is not None:
@@ -106,62 +67,6 @@ def check_inputs(config: TrainConfig) -> None:
             else Path(config.resume)
         if (path is None and config.resume != "auto") or (path is not None and not (path / "meta.json").is_file()):
             raise FileNotFoundError(f"resume: no checkpoint at {path if path is not None else root}")
-
-
-def _rows_of(batch: Batch, keep: torch.Tensor) -> Batch:
-    """The rows ``keep`` (bool (B,)) of a single-hot batch."""
-    nf = len(batch.sparse.keys)
-    values = batch.sparse.values.view(nf, -1)[:, keep].reshape(-1)
-    sparse = SparseFeatures(list(batch.sparse.keys), values, torch.ones_like(values))
-    return Batch(batch.dense[keep], sparse, batch.labels[keep])
-
-
-def load_data(config: TrainConfig, rank: int = 0, world_size: int = 1) -> TrainData:
-    """The configured data set, partitioned for ``rank`` of ``world_size``."""
-    from tigana.trainer import data as d  # the readers (imported late: only what a run needs)
-
-    bs, ebs, seed = config.batch_size, config.eval_batch_size, config.seed
-
-    def in_memory(source: Any, train_set: Any, test_set: Any, description: str) -> TrainData:
-        """TrainData over in-memory train/test sets: this rank's part, training batches shuffled per epoch."""
-        return TrainData(
-            source.feature_specs(), source.num_dense,
-            lambda epoch: train_set.batches(bs, rank=rank, world_size=world_size, shuffle=True, seed=seed,
-                                            epoch=epoch),
-            lambda: test_set.batches(ebs, rank=rank, world_size=world_size),
-            description, train_set.num_batches(bs, rank, world_size))
-
-    if config.dataset == "movielens-100k":
-        ml = d.MovieLens100K(_movielens_root(config.data))
-        train_set, test_set = ml.train(), ml.test()
-        return in_memory(ml, train_set, test_set,
-                         f"movielens-100k u1.base ({len(train_set)} rows) / u1.test ({len(test_set)} rows)")
-    if config.dataset == "synthetic":
-        vocab = tuple(min(v, config.synthetic_vocab) for v in d.synthetic.CRITEO_KAGGLE_CARDINALITIES)
-        gen = d.SyntheticCriteo(vocab_sizes=vocab, seed=seed)
-        n_eval = max(config.synthetic_rows // 5, 1)
-        return in_memory(gen, gen.dataset(config.synthetic_rows), gen.dataset(n_eval, start=config.synthetic_rows),
-                         f"synthetic Criteo-format, {config.synthetic_rows} training rows / {n_eval} held-out rows")
-    train_file, eval_file = _criteo_files(config.data)
-
-    def reader(path: Path, batch_size: int) -> Any:
-        return d.CriteoReader(path, batch_size, rank=rank, world_size=world_size)
-
-    if eval_file is not None:
-        return TrainData(d.criteo_feature_specs(), d.criteo.NUM_DENSE, lambda epoch: iter(reader(train_file, bs)),
-                         lambda: iter(reader(eval_file, ebs)), f"criteo {train_file.name} / {eval_file.name}")
-
-    # One file: every 10th row of this rank's part is held out.
-    def split(batch_size: int, held_out: bool) -> Iterator[Batch]:
-        seen = 0
-        for batch in reader(train_file, batch_size):
-            keep = (torch.arange(seen, seen + len(batch)) % 10 == 9) == held_out
-            seen += len(batch)
-            if bool(keep.any()):
-                yield _rows_of(batch, keep)
-
-    return TrainData(d.criteo_feature_specs(), d.criteo.NUM_DENSE, lambda epoch: split(bs, False),
-                     lambda: split(ebs, True), f"criteo {train_file.name} (every 10th row held out)")
 
 
 # ---------------------------------------------------------------------------------------------- model

@@ -38,8 +38,8 @@ from tigana.trainer.types import Batch, FeatureSpec, SparseFeatures
 
 __all__ = [
     "DENSE_NAMES", "NUM_DENSE", "NUM_SPARSE", "SPARSE_NAMES", "CriteoChunk", "CriteoFormatError", "CriteoReader",
-    "chunk_to_batch", "criteo_feature_specs", "criteo_salts", "format_dac", "ids_to_batch", "parse_criteo",
-    "transform_dense",
+    "chunk_to_batch", "criteo_feature_specs", "criteo_salts", "format_dac", "has_labels", "ids_to_batch",
+    "parse_criteo", "transform_dense",
 ]
 
 NUM_DENSE = 13
@@ -229,6 +229,38 @@ def format_dac(chunk: CriteoChunk) -> bytes:
     labels = chunk.labels.astype(str)
     lines = ["\t".join([lab, *i, *c]) for lab, i, c in zip(labels, ints.tolist(), cats.tolist(), strict=True)]
     return ("\n".join(lines) + "\n").encode() if lines else b""
+
+
+def has_labels(path: str | os.PathLike, sample_bytes: int = 1 << 16) -> bool:
+    """Whether the rows of a Criteo file start with a click label, from its first ``sample_bytes``.
+
+    The Kaggle DAC download's ``test.txt`` has none: 39 tab-separated fields (13 counts, 26 categories) where a
+    labelled line has 40; the Kaggle CSV's ``test.csv`` header is ``Id,I1,...`` with no ``Label``. Read as
+    labelled, such a file fails at its first count that is not 0 or 1, or mislabels rows silently. A file is
+    labelled when some sampled line has every field; not when every line has all fields but one (that
+    layout); else (trailing empty fields stripped) when every line's first field is 0 or 1. An empty file
+    counts as labelled (it has no rows to mislabel)."""
+    with open(path, "rb") as f:
+        sample = f.read(sample_bytes)
+    lines = sample.replace(b"\r", b"").split(b"\n")
+    if len(sample) == sample_bytes and len(lines) > 1:
+        lines = lines[:-1]  # cut at the end of the sample
+    lines = [line for line in lines if line]
+    if not lines:
+        return True
+    first = lines[0].lower()
+    if first.startswith(b"id,"):  # the Kaggle CSV's header names its columns
+        return first.split(b",")[1].strip() == b"label"
+    csv = b"," in first and b"\t" not in first
+    lead = 2 if csv else 1  # the label's column + 1
+    fields = [line.split(b"," if csv else b"\t") for line in lines]
+    full = lead + NUM_DENSE + NUM_SPARSE
+    widths = {len(f) for f in fields}
+    if max(widths) >= full:
+        return True
+    if widths == {full - 1}:
+        return False
+    return all(len(f) >= lead and f[lead - 1] in (b"0", b"1") for f in fields)
 
 
 class CriteoReader:
