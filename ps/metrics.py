@@ -1,19 +1,52 @@
-"""Prometheus metrics of a shard server, a scheduler and a client, each in a registry of its own (never the
-process-global one), so several in one process (tests, benchmarks) keep separate counts.
+"""Prometheus metrics of a shard server, a scheduler, ``tigana serve`` and a client, each in a registry of its own
+(never the process-global one), so several in one process (tests, benchmarks) keep separate counts.
 
 Counters and histograms are updated per RPC (a handful of label lookups, not per row); rows and bytes per table
 are read from the tables when scraped. Thread-safe (prometheus-client metrics are).
+
+Conventions, the same on every endpoint:
+- a duration is in seconds and its name ends in ``_seconds`` (Prometheus's base unit), gauges included;
+- every registry carries the process collectors (``process_resident_memory_bytes``, ``process_cpu_seconds_total``,
+  open fds, start time; ``python_info``; ``python_gc_*``), so each daemon's RSS and CPU are scraped with its own
+  metrics: a registry of our own does not get them from prometheus-client's default one;
+- no ``*_created`` series: importing this module turns them off for the process (``disable_created_metrics``),
+  since they double the series count of every counter and histogram and no dashboard reads them.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+disable_created_metrics()  # in code, not by environment: every process that makes metrics imports this module
+
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def add_process_collectors(registry: CollectorRegistry) -> CollectorRegistry:
+    """Register the process, platform and GC collectors in ``registry`` (once: a second call changes nothing)."""
+    for make in (ProcessCollector, PlatformCollector, GCCollector):
+        with contextlib.suppress(ValueError):  # "Duplicated timeseries": registered already
+            make(registry=registry)
+    return registry
+
+
+def new_registry() -> CollectorRegistry:
+    """A registry of its own for one endpoint, with the process collectors."""
+    return add_process_collectors(CollectorRegistry(auto_describe=True))
 
 
 class _TableCollector:
@@ -53,7 +86,8 @@ class _TableCollector:
 class _ClusterCollector:
     """The server's place in the cluster, read at scrape time from ``source() -> {name: value}``: map epoch,
     slots led and held, copies catching up, and the replication lag of its outgoing streams (items, bytes,
-    seconds: the loss bound of async tables)."""
+    seconds: the loss bound of async tables). A source key is the metric's name after the prefix, unless
+    ``_NAMES`` maps it to another (the source's ``replication_lag_s`` is ``tigana_replication_lag_seconds``)."""
 
     _HELP = {
         "epoch": "Shard map epoch this server holds",
@@ -67,20 +101,24 @@ class _ClusterCollector:
         "replication_streams_broken": "Outgoing replication streams failing to deliver",
         "slot_copies_in_progress": "Slot copies this server is sending",
     }
+    _NAMES: dict[str, str] = {"replication_lag_s": "replication_lag_seconds"}
     _PREFIX = "tigana_"
 
     def __init__(self, source: Callable[[], dict[str, float]]) -> None:
         self._source = source
 
+    def _name(self, key: str) -> str:
+        return f"{self._PREFIX}{self._NAMES.get(key, key)}"
+
     def describe(self) -> Iterable[Any]:
-        for name, text in self._HELP.items():
-            yield GaugeMetricFamily(f"{self._PREFIX}{name}", text)
+        for key, text in self._HELP.items():
+            yield GaugeMetricFamily(self._name(key), text)
 
     def collect(self) -> Iterable[Any]:
         values = self._source()
-        for name, text in self._HELP.items():
-            if name in values:
-                yield GaugeMetricFamily(f"{self._PREFIX}{name}", text, value=float(values[name]))
+        for key, text in self._HELP.items():
+            if key in values:
+                yield GaugeMetricFamily(self._name(key), text, value=float(values[key]))
 
 
 class MetricsEndpoint:
@@ -98,6 +136,7 @@ class MetricsEndpoint:
         """Serve ``/metrics`` on ``port`` (0 or -1: a free port) in a daemon thread; returns the bound port."""
         from prometheus_client import start_http_server
 
+        add_process_collectors(self.registry)  # also for a registry made elsewhere (a trainer rank's)
         httpd, _thread = start_http_server(max(port, 0), addr=host, registry=self.registry)
         self._httpd = httpd
         self.http_port = int(httpd.server_port)
@@ -116,7 +155,7 @@ class ServerMetrics(MetricsEndpoint):
 
     def __init__(self, table_source: Callable[[], dict[str, dict[str, float]]] | None = None,
                  cluster_source: Callable[[], dict[str, float]] | None = None) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = new_registry()
         r = self.registry
         self.requests = Counter("tigana_requests", "RPCs answered, by method and status code",
                                 ["method", "code"], registry=r)
@@ -240,7 +279,7 @@ class SchedulerMetrics(MetricsEndpoint):
     moves and copy changes as counters, the map's state as gauges read at scrape time from ``state_source``."""
 
     def __init__(self, state_source: Callable[[], dict[str, float]] | None = None) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = new_registry()
         r = self.registry
         self.map_changes = Counter("tigana_scheduler_map_changes", "Shard maps saved (each one epoch)", registry=r)
         self.servers_dead = Counter("tigana_scheduler_servers_declared_dead", "Servers declared dead (no heartbeat "
@@ -292,7 +331,7 @@ class ServingMetrics(MetricsEndpoint):
     refused by the credential check, and (from ``state_source``) the table and the log position it serves."""
 
     def __init__(self, state_source: Callable[[], dict[str, float]] | None = None) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = new_registry()
         r = self.registry
         self.lookups = Counter("tigana_serving_lookups", "Lookups answered, by status code", ["code"], registry=r)
         self.latency = Histogram("tigana_serving_lookup_seconds", "Lookup latency in the server",

@@ -1,6 +1,7 @@
 """The Grafana dashboard (tools/grafana/tigana.json) queries only metrics the processes really expose: a real
 scheduler and a real clustered shard server with their metrics endpoints, a client that pulled and pushed,
-and a trainer rank's metrics registry, all scraped over HTTP."""
+and a trainer rank's metrics registry, all scraped over HTTP. And every query is scoped by the dashboard's
+``namespace``, ``job`` and ``instance`` variables, so two clusters scraped by one Prometheus are never summed."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from tigana.trainer.metrics import TrainerMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "tools" / "grafana" / "tigana.json"
 _SUFFIX = re.compile(r"_(bucket|sum|count|total|created)$")
+# A metric selector in PromQL: the metric's name and its label matchers, if any.
+_SELECTOR = re.compile(r"\b((?:tigana|process|python)_[a-z0-9_]+)(\{([^}]*)\})?")
+_SCOPE = ('namespace=~"$namespace"', 'job=~"$job"', 'instance=~"$instance"')
 
 
 def _exprs(panels: list[dict]) -> list[str]:
@@ -43,7 +47,8 @@ def test_dashboard_panels_cover_the_operations_metrics() -> None:
     dash = json.loads(DASHBOARD.read_text())
     titles = " | ".join(p["title"].lower() for p in dash["panels"])
     for topic in ("rows/s", "latency p50 / p99", "replication lag", "staleness", "table rows", "table memory",
-                  "admissions and evictions", "failovers", "slot moves", "samples/s", "loss"):
+                  "admissions and evictions", "failovers", "slot moves", "samples/s", "loss", "resident memory",
+                  "cpu per process"):
         assert topic in titles, topic
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids)) and dash["uid"] == "tigana"
@@ -52,11 +57,44 @@ def test_dashboard_panels_cover_the_operations_metrics() -> None:
             assert p["targets"] and all(t["expr"] and t["refId"] for t in p["targets"]), p["title"]
 
 
+def test_the_dashboard_has_namespace_job_and_instance_variables() -> None:
+    variables = {v["name"]: v for v in json.loads(DASHBOARD.read_text())["templating"]["list"]}
+    assert {"datasource", "namespace", "job", "instance"} <= variables.keys()
+    for name in ("namespace", "job", "instance"):
+        v = variables[name]
+        assert v["type"] == "query" and v["datasource"]["uid"] == "${datasource}", name
+        assert v["query"].startswith("label_values(") and v["query"].endswith(f", {name})"), v["query"]
+    # chained: the jobs of the chosen cluster, the instances of the chosen jobs
+    assert '$namespace' in variables["job"]["query"]
+    assert '$namespace' in variables["instance"]["query"] and '$job' in variables["instance"]["query"]
+    # one cluster at a time by default; any jobs and instances of it
+    assert not variables["namespace"]["includeAll"]
+    assert variables["job"]["allValue"] == variables["instance"]["allValue"] == ".*"
+
+
+def test_every_query_filters_on_namespace_job_and_instance() -> None:
+    exprs = _exprs(json.loads(DASHBOARD.read_text())["panels"])
+    assert len(exprs) > 40
+    for expr in exprs:
+        selectors = _SELECTOR.findall(expr)
+        assert selectors, f"no metric in {expr}"
+        for name, _, matchers in selectors:
+            found = [m.strip() for m in matchers.split(",")]
+            missing = [m for m in _SCOPE if m not in found]
+            assert not missing, f"{name} in {expr!r} lacks {missing}"
+
+
+def test_the_scope_check_catches_an_unscoped_query() -> None:
+    selectors = _SELECTOR.findall('sum(rate(tigana_rows_pulled_total{job=~"$job"}[5m])) / max(tigana_table_rows)')
+    assert [name for name, _, _ in selectors] == ["tigana_rows_pulled_total", "tigana_table_rows"]
+    assert all(any(m not in matchers for m in _SCOPE) for _, _, matchers in selectors)
+
+
 @pytest.mark.timeout(120)
 def test_every_metric_the_dashboard_queries_is_exposed(tmp_path, make_shard_server) -> None:
     queried = {_SUFFIX.sub("", name) for expr in _exprs(json.loads(DASHBOARD.read_text())["panels"])
-               for name in re.findall(r"tigana_[a-z0-9_]+", expr)}
-    assert len(queried) > 30
+               for name, _, _ in _SELECTOR.findall(expr)}
+    assert len(queried) > 30 and {"process_resident_memory_bytes", "process_cpu_seconds"} <= queried
 
     scheduler = start_scheduler(SchedulerConfig(port=0, data_dir=str(tmp_path / "sched"), replicas=0,
                                                 metrics_port=-1))
