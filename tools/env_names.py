@@ -24,7 +24,7 @@ from tigana.ps.settings import ENV_PREFIX, public_name
 # read by name, not as a configuration field
 BY_NAME = frozenset({
     "SCHEDULER", "PS", "CONFIG", "SCHEDULER_CONFIG", "ADMIN_TOKEN_FILE", "AUTH_TOKEN_FILE", "TLS_CA", "TLS_CERT",
-    "TLS_KEY", "ALLOW_INSECURE_LOOPBACK", "ELASTIC_DIR", "RESTART_COUNT", "SNAPSHOT_ON_SHUTDOWN", "SRUN",
+    "TLS_KEY", "ALLOW_INSECURE_LOOPBACK", "ELASTIC_DIR", "RESTART_COUNT", "JOB_ID", "SNAPSHOT_ON_SHUTDOWN", "SRUN",
 })
 PREFIXES = ("SLURM_",)  # tools/slurm/tigana.sbatch's own variables (TIGANA_SLURM_*)
 

@@ -14,6 +14,10 @@ What a restart costs, and why it is safe:
 - A dead trainer's pushes in flight are applied exactly once or not at all: each carries (client id, seq),
   the servers apply a (client id, seq) once per slot, and nobody re-sends a dead client's pushes (a new
   generation connects with new client ids).
+- A state is this job's only: it carries the job's id (``job_id``), and a generation resumes only a state of
+  its own job, never one an earlier job left in ``checkpoint_dir/elastic``. Without an id (torchrun's default
+  run id ``none``), a first generation that does not resume the state in the folder discards it, so that its
+  own restarts cannot take it.
 - The position is kept in global samples, so a generation with another number of ranks (torchrun
   ``--nnodes MIN:MAX``) starts its ranks where the job as a whole stopped (each rank's part of an epoch
   depends on the world size, so a few samples may be seen twice or skipped around the cut).
@@ -34,12 +38,14 @@ from torch import nn
 
 from tigana.embeddings.files import atomic_replace, atomic_write
 
-__all__ = ["ElasticState", "Position", "elastic_state", "restart_count"]
+__all__ = ["ElasticState", "Position", "elastic_state", "job_id", "restart_count"]
 
 RESTART_ENV = "TIGANA_RESTART_COUNT"       # set by ``tigana train --nproc`` for each new generation
 ELASTIC_DIR_ENV = "TIGANA_ELASTIC_DIR"     # the job's elastic state folder (the launcher makes one)
+JOB_ID_ENV = "TIGANA_JOB_ID"               # the job's id (the launcher makes one per job); set it for others
 _TORCH_RESTARTS = "TORCHELASTIC_RESTART_COUNT"
 _TORCH_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
+_TORCH_RUN_ID = "TORCHELASTIC_RUN_ID"      # torchrun's --rdzv-id ("none" unless given; --standalone makes one)
 
 
 def restart_count(environ: Mapping[str, str] | None = None) -> int:
@@ -49,6 +55,14 @@ def restart_count(environ: Mapping[str, str] | None = None) -> int:
         if env.get(key):
             return int(env[key])
     return 0
+
+
+def job_id(environ: Mapping[str, str] | None = None) -> str | None:
+    """The id every generation of this job shares and no other job has: ``TIGANA_JOB_ID`` (the ``--nproc``
+    launcher sets one per job), else torchrun's run id unless it is its default ``none``; None without one."""
+    env = os.environ if environ is None else environ
+    run_id = env.get(_TORCH_RUN_ID, "")
+    return env.get(JOB_ID_ENV) or (run_id if run_id not in ("", "none") else None)
 
 
 def under_torch_elastic(environ: Mapping[str, str] | None = None) -> bool:
@@ -63,12 +77,12 @@ def elastic_state(config: Any, environ: Mapping[str, str] | None = None) -> Elas
     (a folder every node sees)."""
     env = os.environ if environ is None else environ
     if env.get(ELASTIC_DIR_ENV):
-        return ElasticState(env[ELASTIC_DIR_ENV], config.elastic_every)
+        return ElasticState(env[ELASTIC_DIR_ENV], config.elastic_every, job_id(env))
     if under_torch_elastic(env):
         if not config.checkpoint_dir:
             raise ValueError("checkpoint_dir: torchrun --max-restarts needs --checkpoint-dir (a folder every node "
                              "sees) for the trainers' elastic state")
-        return ElasticState(Path(config.checkpoint_dir) / "elastic", config.elastic_every)
+        return ElasticState(Path(config.checkpoint_dir) / "elastic", config.elastic_every, job_id(env))
     return None
 
 
@@ -90,11 +104,12 @@ class Position:
 
 class ElasticState:
     """The job's elastic state in ``folder`` (``state.json`` + ``dense.pt``, replaced atomically together:
-    the JSON names the weights file it goes with)."""
+    the JSON names the weights file it goes with, and the id of the job that saved it)."""
 
-    def __init__(self, folder: str | os.PathLike, every: int) -> None:
+    def __init__(self, folder: str | os.PathLike, every: int, job: str | None = None) -> None:
         self.folder = Path(folder)
         self.every = int(every)
+        self.job = job
         self.folder.mkdir(parents=True, exist_ok=True)
 
     def due(self, step: int) -> bool:
@@ -106,7 +121,7 @@ class ElasticState:
         state = model.dense_state_dict() if hasattr(model, "dense_state_dict") else model.state_dict()
         with atomic_replace(self.folder / weights) as tmp:
             torch.save({"model": state, "optimizer": optimizer.state_dict()}, tmp)
-        self._write_meta({**position.__dict__, "weights": weights, "time": time.time()})  # the switch
+        self._write_meta({**position.__dict__, "weights": weights, "job": self.job, "time": time.time()})  # the switch
         for old in self.folder.glob("dense-*.pt"):
             if old.name != weights:
                 old.unlink(missing_ok=True)
@@ -138,6 +153,25 @@ class ElasticState:
         """Whether the newest state is that of a job that trained to its end."""
         meta = self._meta()
         return bool(meta and meta.get("finished"))
+
+    def resumable(self, restarts: int, torch_elastic: bool) -> bool:
+        """Whether the folder holds a state of this job for a generation after ``restarts`` restarts to resume.
+        With a job id, exactly the states saved under it. Without one, any state once the job restarted (its
+        first generation discarded the state it did not take: ``discard``), and under torchrun (which does
+        not count a membership change as a restart) a state not marked finished at restart 0."""
+        meta = self._meta()
+        if meta is None:
+            return False
+        if self.job is not None or meta.get("job") is not None:
+            return meta.get("job") == self.job
+        return bool(restarts) or (torch_elastic and not meta.get("finished"))
+
+    def discard(self) -> None:
+        """Rank 0 of a generation that starts fresh: remove the state another job left, so that a restart of
+        this job never resumes it."""
+        (self.folder / "state.json").unlink(missing_ok=True)
+        for old in self.folder.glob("dense-*.pt"):
+            old.unlink(missing_ok=True)
 
     def load(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Position | None:
         """Load the newest state into ``model``/``optimizer``; None when there is none yet."""

@@ -17,6 +17,7 @@ import signal
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from tigana.ps.allocator import ALLOCATOR_ENV, tune_allocator
 from tigana.trainer import preemption
 from tigana.trainer.config import TrainConfig
 from tigana.trainer.distributed import DistEnv, free_port, init_distributed, read_env, shutdown
-from tigana.trainer.elastic import ELASTIC_DIR_ENV, RESTART_ENV, under_torch_elastic
+from tigana.trainer.elastic import ELASTIC_DIR_ENV, JOB_ID_ENV, RESTART_ENV, under_torch_elastic
 from tigana.trainer.loop import check_inputs, nan_to_none, train
 
 __all__ = ["run", "start_cluster", "under_launcher"]
@@ -109,11 +110,11 @@ def run_rank(config: TrainConfig, env: DistEnv, addresses: list[str] | None) -> 
 
 
 def _spawned(index: int, nproc: int, port: int, config: TrainConfig, addresses: list[str], out: str,
-             elastic: tuple[str, int] | None = None) -> None:
+             elastic: tuple[str, int, str] | None = None) -> None:
     os.environ.update(RANK=str(index), WORLD_SIZE=str(nproc), LOCAL_RANK=str(index),
                       LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if elastic is not None:  # (the job's elastic state folder, this generation's restart count)
-        os.environ.update({ELASTIC_DIR_ENV: elastic[0], RESTART_ENV: str(elastic[1])})
+    if elastic is not None:  # (the job's elastic state folder, this generation's restart count, the job's id)
+        os.environ.update({ELASTIC_DIR_ENV: elastic[0], RESTART_ENV: str(elastic[1]), JOB_ID_ENV: elastic[2]})
     env = read_env(config.ranks_per_node)
     result = run_rank(config, env, addresses)
     if index == 0:
@@ -147,9 +148,10 @@ def run(config: TrainConfig, environ: Mapping[str, str] | None = None) -> dict[s
         with tempfile.TemporaryDirectory(prefix="tigana-train-") as tmp:
             out = os.path.join(tmp, "result.json")
             preemption.install()
+            job = os.environ.get(JOB_ID_ENV) or uuid.uuid4().hex  # keys the elastic state to this job
             for restarts in range(config.max_restarts + 1):
                 folder = os.path.join(config.checkpoint_dir or tmp, "elastic")
-                elastic = (folder, restarts) if config.max_restarts else None
+                elastic = (folder, restarts, job) if config.max_restarts else None
                 context = mp.start_processes(_spawned, args=(config.nproc, free_port(), config, addresses, out,
                                                              elastic),
                                              nprocs=config.nproc, join=False, start_method="spawn")

@@ -242,17 +242,18 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
             resumed_from = str(path)
         elastic = elastic_state(config)
         restarts = restart_count()
-        # A new generation takes the dense state and position, the PS as is. The --nproc launcher counts every
-        # generation; torchrun does not count a membership change (a node joining or leaving a --nnodes MIN:MAX
-        # job), so under torchrun a state left in the folder is this job's unless it is marked finished (a new
-        # job in the folder). A --resume checkpoint newer than the state wins (a requeued, preempted job).
-        if elastic is not None and (restarts or under_torch_elastic()):
-            newest = elastic.peek()
-            if newest is not None and newest.step > step and (restarts or not elastic.finished()):
+        # A new generation takes the dense state and position of a state of its own job (ElasticState.resumable:
+        # the job's id, or the restart count and the finished mark), the PS as is; rank 0 discards another job's.
+        # A --resume checkpoint newer than the state wins (a requeued, preempted job).
+        if elastic is not None:
+            newest = elastic.peek() if elastic.resumable(restarts, under_torch_elastic()) else None
+            if newest is not None and newest.step > step:
                 saved = elastic.load(model, optimizer)
                 if saved is not None:
                     step, start_epoch, skip = saved.step, saved.epoch, saved.batches_to_skip(world)
                     resumed_from = f"elastic state at step {saved.step}"
+            elif newest is None and rank == 0:
+                elastic.discard()
         if rank == 0 and config.logdir:
             from torch.utils.tensorboard import SummaryWriter
             writer = SummaryWriter(config.logdir)
