@@ -1,6 +1,11 @@
 """Replication: a primary streams every state change of its slots, in order, to the other copies.
 
-One ordered stream runs from a primary to each server holding copies of slots it leads (``stream``). Items
+One ordered stream runs from a primary to each server holding copies of slots it leads (``stream``).
+The protocol's decisions are sans-IO cores, events in and actions out, with no lock, thread, socket or clock
+inside: the primary's side (``primary.Primary``: its streams, and the slot copies of ``copy``; the actions it
+returns are in ``actions``) and the copy's apply side (``apply``). ``replicator.Replicator`` is the thin
+thread and gRPC adapter that drives ``Primary`` in the daemon; the simulator (``tigana.tools.sim``) drives the
+same core on its own clock. Items
 (see ``ReplicationItem`` in proto/shard.proto) carry rows and optimizer state as written, removals, admission
 sightings and the exactly-once keys, never gradients; the target applies them in stream order (``apply``).
 The slot copy is the same stream: ``SNAPSHOT_BEGIN`` (the slots' starting log positions and exactly-once
@@ -15,10 +20,12 @@ and which test checks it, in docs/replication.md (I1-I7 there).
 """
 
 from tigana.ps.replication.apply import Inbound, apply_item
+from tigana.ps.replication.copy import Session
 from tigana.ps.replication.log import NO_POSITION, SlotLog
-from tigana.ps.replication.primary import Replicator
-from tigana.ps.replication.stream import Mark, Session, Stream
+from tigana.ps.replication.primary import Primary
+from tigana.ps.replication.replicator import Replicator
+from tigana.ps.replication.stream import Mark, Stream
 from tigana.ps.wire.cluster import BARRIER, CHANGES, SNAPSHOT_BEGIN, SNAPSHOT_END, SNAPSHOT_ROWS
 
-__all__ = ["BARRIER", "CHANGES", "Inbound", "Mark", "NO_POSITION", "Replicator", "SNAPSHOT_BEGIN", "SNAPSHOT_END",
+__all__ = ["BARRIER", "CHANGES", "Inbound", "Mark", "NO_POSITION", "Primary", "Replicator", "SNAPSHOT_BEGIN", "SNAPSHOT_END",
            "SNAPSHOT_ROWS", "Session", "SlotLog", "Stream", "apply_item"]

@@ -17,7 +17,6 @@ with an in-sync copy here (``stream``), so a map change with items in flight dem
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +25,7 @@ import numpy as np
 from tigana.proto import shard_pb2 as pb
 from tigana.ps.errors import PSError
 from tigana.ps.logs import event, slots_text
+from tigana.ps.replication.actions import RefreshMap
 from tigana.ps.replication.stream import restrict
 from tigana.ps.routing import IN_SYNC, format_slots, slot_of
 from tigana.ps.wire import cluster as cluster_wire
@@ -37,52 +37,54 @@ Reject = tuple[int, str, "np.ndarray | None"]
 
 
 class Inbound:
-    """The state of one incoming stream (per source server): its boot, generation and last applied seq."""
+    """The state of one incoming stream (per source server): its boot, generation and last applied seq.
+    Sans-IO: the adapter serializes the calls of one stream (the service holds a lock per source)."""
 
     def __init__(self, source: str = "") -> None:
         self.source = source  # the sending server's id
-        self.lock = threading.Lock()
         self.boot = ""
         self.generation = 0
         self.applied = 0
 
-    def receive(self, request: Any, server_id: str, view_of: Callable[[], Any], refresh: Callable[[int, float], None],
-                apply_one: Callable[[Any, int], Reject | None]) -> pb.ReplicateResponse:
-        """Apply a ``ReplicateRequest`` (or its raw view) in order; the response (applied seq, or a refusal)."""
-        with self.lock:
-            if request.source_boot != self.boot or request.generation != self.generation:
-                if request.source_boot == self.boot and request.generation < self.generation:
-                    return self._reject(server_id, view_of(), pb.REJECT_GAP,
-                                        f"stream generation {request.generation} is older than {self.generation}")
-                if request.first_seq != 1:
-                    return self._reject(server_id, view_of(), pb.REJECT_GAP,
-                                        f"a new stream must start at seq 1, got {request.first_seq}")
-                self.boot, self.generation, self.applied = request.source_boot, request.generation, 0
-            if request.epoch > view_of().epoch:
-                refresh(request.epoch, 2.0)
-                if request.epoch > view_of().epoch:
-                    return self._reject(server_id, view_of(), pb.REJECT_BEHIND,
-                                        f"this server's map (epoch {view_of().epoch}) is older than the "
-                                        f"source's ({request.epoch})")
-            if not view_of().valid:
-                return self._reject(server_id, view_of(), pb.REJECT_BEHIND, "this server is not in the cluster's "
-                                                                            "map yet")
-            for i, msg in enumerate(request.items):
-                seq = request.first_seq + i
-                if seq <= self.applied:
-                    continue  # a retried request: applied already
-                if seq != self.applied + 1:
-                    return self._reject(server_id, view_of(), pb.REJECT_GAP,
-                                        f"expected seq {self.applied + 1}, got {seq}")
-                try:
-                    reject = apply_one(msg, int(request.epoch))
-                except Exception as exc:  # noqa: BLE001 - a malformed item breaks the stream, never the server
-                    reject = (pb.REJECT_DIVERGED, f"malformed replication item: {type(exc).__name__}: {exc}", None)
-                if reject is not None:
-                    code, text, slots = reject
-                    return self._reject(server_id, view_of(), code, text, slots)
-                self.applied = seq
-            return pb.ReplicateResponse(applied_through=self.applied, epoch=view_of().epoch)
+    def receive(self, request: Any, server_id: str, view_of: Callable[[], Any],
+                apply_one: Callable[[Any, int], Reject | None], *, may_refresh: bool = True
+                ) -> pb.ReplicateResponse | RefreshMap:
+        """Apply a ``ReplicateRequest`` (or its raw view) in order: the response (applied seq, or a refusal),
+        or, when the source's map is newer than ours and ``may_refresh``, ``RefreshMap``: the adapter learns
+        that map and hands the request in again (``may_refresh=False``: then it is refused as BEHIND)."""
+        if request.source_boot != self.boot or request.generation != self.generation:
+            if request.source_boot == self.boot and request.generation < self.generation:
+                return self._reject(server_id, view_of(), pb.REJECT_GAP,
+                                    f"stream generation {request.generation} is older than {self.generation}")
+            if request.first_seq != 1:
+                return self._reject(server_id, view_of(), pb.REJECT_GAP,
+                                    f"a new stream must start at seq 1, got {request.first_seq}")
+            self.boot, self.generation, self.applied = request.source_boot, request.generation, 0
+        if request.epoch > view_of().epoch:
+            if may_refresh:
+                return RefreshMap(int(request.epoch))
+            return self._reject(server_id, view_of(), pb.REJECT_BEHIND,
+                                f"this server's map (epoch {view_of().epoch}) is older than the "
+                                f"source's ({request.epoch})")
+        if not view_of().valid:
+            return self._reject(server_id, view_of(), pb.REJECT_BEHIND, "this server is not in the cluster's "
+                                                                        "map yet")
+        for i, msg in enumerate(request.items):
+            seq = request.first_seq + i
+            if seq <= self.applied:
+                continue  # a retried request: applied already
+            if seq != self.applied + 1:
+                return self._reject(server_id, view_of(), pb.REJECT_GAP,
+                                    f"expected seq {self.applied + 1}, got {seq}")
+            try:
+                reject = apply_one(msg, int(request.epoch))
+            except Exception as exc:  # noqa: BLE001 - a malformed item breaks the stream, never the server
+                reject = (pb.REJECT_DIVERGED, f"malformed replication item: {type(exc).__name__}: {exc}", None)
+            if reject is not None:
+                code, text, slots = reject
+                return self._reject(server_id, view_of(), code, text, slots)
+            self.applied = seq
+        return pb.ReplicateResponse(applied_through=self.applied, epoch=view_of().epoch)
 
     def _reject(self, server_id: str, view: Any, code: int, message: str, slots: np.ndarray | None = None
                 ) -> pb.ReplicateResponse:

@@ -1,374 +1,351 @@
-"""The primary side of replication on one server: a ``Stream`` per target, slot copies, and the
-acknowledgements sync pushes wait for (the invariants are in ``tigana.ps.replication`` and
-docs/replication.md)."""
+"""The primary side of replication on one server, as a sans-IO core: events in, actions out.
+
+``Primary`` holds a ``Stream`` per target server and the slot copies on them (``copy``). It has no lock,
+thread, socket or clock: every event comes with the time it happened (``now``), and what must be done outside
+it comes back as actions (``actions``): open or close a stream's transport, start a slot copy's export, report
+to the scheduler, learn a newer map, pause a sender. The adapter (``tigana.ps.replication.replicator``) holds
+one lock around every call and carries the actions out after releasing it; a simulator drives the same core
+on its own clock.
+
+The events:
+- ``on_map``: a map installed (open/close streams, start slot copies, barriers for newly led slots, I4);
+- ``enqueue``: a write applied (queued to every stream holding its slots; the marks a sync write waits for);
+- ``enqueue_rows`` / ``rows_copied`` / ``copy_failed``: a slot copy's rows exported, or its export failed;
+- ``answered`` / ``send_failed``: a target's answer to a batch, or a failed send (timer: the failure timeout);
+- ``report_refused``: the scheduler refused a caught-up report as stale;
+- ``retry``: the upkeep timer (what the scheduler may have missed is reported again).
+
+The invariants are in docs/replication.md; the ones kept here: I1 (a sync write waits for every copy the map
+has in sync, and only the scheduler takes a copy out), I4 (a new primary's barrier first), I5 (a copy joins
+the in-sync set only once it has applied everything queued before its switch).
+"""
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable
 
-import grpc
 import numpy as np
 
+from tigana.proto import shard_pb2 as pb
 from tigana.ps.logs import event, slots_text
-from tigana.ps.replication.stream import (
+from tigana.ps.replication.actions import (
+    Action,
+    CloseStream,
+    OpenStream,
+    Pause,
+    RefreshMap,
+    ReportCaughtUp,
+    ReportFailure,
+    StartCopy,
+)
+from tigana.ps.replication.copy import (
     COPYING,
     FAILED,
     REPORTED,
     ROWS_SENT,
     SWITCHED,
-    Mark,
     Session,
-    Stream,
-    restrict,
+    advance,
+    cut_to_catching,
+    pending_mask,
 )
+from tigana.ps.replication.stream import Mark, Stream, restrict
 from tigana.ps.routing import CATCHING_UP, IN_SYNC, ShardMap, slot_of
+from tigana.ps.wire import cluster as cluster_wire
 from tigana.ps.wire.cluster import BARRIER, SNAPSHOT_BEGIN, SNAPSHOT_END, Item
 
 log = logging.getLogger("tigana.ps.replication")
 
 
-class Replicator:
-    """The primary side of replication on one server.
+class Primary:
+    """The primary side of replication on one server (not thread-safe: the adapter serializes every call).
 
-    ``refresh_map(epoch)``, ``report_failure(target, slots, reason)`` and ``caught_up(target, slots,
-    since_epoch) -> bool`` are the server's links to the scheduler (called from sender threads, never under
-    the lock); ``caught_up`` answers False when the scheduler refused the report as stale (the copy was
-    removed or demoted after this slot copy started), and the copy is then started again."""
+    ``generation``: the first stream generation (a new stream takes the next; a restarted process must start
+    above every generation its previous boot used, so the adapter seeds it from the wall clock)."""
 
-    def __init__(self, server_id: str, boot: str, num_slots: int, *, max_message_bytes: int,
-                 refresh_map: Callable[[int], None], report_failure: Callable[[str, np.ndarray, str], None],
-                 caught_up: Callable[[str, np.ndarray, int], bool],
-                 copy_rows: Callable[[Stream, Session], None],
-                 failure_timeout_s: float = 2.0, send_timeout_s: float = 10.0, batch_bytes: int = 24 << 20,
-                 max_queue_bytes: int = 512 << 20, copy_window_bytes: int = 16 << 20,
-                 channel: Callable[[str, list], grpc.Channel] | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 spawn: Callable[[str, Callable[[], None]], None] | None = None) -> None:
+    def __init__(self, server_id: str, boot: str, num_slots: int, *, generation: int, batch_bytes: int,
+                 failure_timeout_s: float = 2.0, max_queue_bytes: int = 512 << 20,
+                 copy_window_bytes: int = 16 << 20, switch_after_s: float = 1.0) -> None:
         self.server_id, self.boot, self.num_slots = server_id, boot, num_slots
-        self.max_message_bytes = max_message_bytes
-        self.refresh_map, self.report_failure, self.caught_up = refresh_map, report_failure, caught_up
-        self.copy_rows = copy_rows
-        self.failure_timeout_s, self.send_timeout_s = failure_timeout_s, send_timeout_s
-        self.batch_bytes = min(batch_bytes, max_message_bytes // 2)
-        self.max_queue_bytes = max_queue_bytes
-        self.copy_window_bytes = copy_window_bytes
-        self.channel = channel or (lambda address, options: grpc.insecure_channel(address, options=options))
-        # The adapter's seams: ``clock`` and ``spawn(name, fn)`` (run ``fn`` on a thread of its own). A
-        # simulator passes its own clock and collects what is spawned to run it when it chooses.
-        self.clock = clock
-        self.threaded = spawn is None
-        self.spawn = spawn or _thread
-        self.cond = threading.Condition()
+        self.batch_bytes = batch_bytes
+        self.failure_timeout_s = failure_timeout_s
+        self.max_queue_bytes, self.copy_window_bytes = max_queue_bytes, copy_window_bytes
+        self.switch_after_s = switch_after_s  # a slot copy's rows applied this long ago: it switches whatever the lag
         self.streams: dict[str, Stream] = {}
         self.table_epochs: dict[str, int] = {}  # table -> created_epoch of the incarnation served
-        self.switch_after_s = 1.0  # a slot copy's rows applied this long ago: it switches whatever the lag
         self.epoch = 0
-        self._generation = int(time.time() * 1000) << 8
-        self._closed = False
-
-    def next_generation(self) -> int:
-        self._generation += 1
-        return self._generation
+        self.closed = False
+        self._generation = generation
 
     def slot_of(self, ids: np.ndarray) -> np.ndarray:
         return slot_of(ids, self.num_slots)
 
-    # --- map changes (called by the server's install, holding every table's write lock) -----------------
-    def on_map(self, m: ShardMap, me: int, tables: list[str], positions: Callable[[str, np.ndarray], np.ndarray],
-               dedup_records: Callable[[str, np.ndarray], list]) -> None:
-        """Bring the streams in line with map ``m``: open/close streams, start slot copies for new catching-up
-        copies (SNAPSHOT_BEGIN enqueued now, under the caller's table locks, so it precedes every later write),
-        send a BARRIER for slots this server newly leads (I4), and release writes whose copies the map took
-        out of the in-sync set."""
-        leads = m.leads(me) if me >= 0 else np.zeros(self.num_slots, bool)
-        starts: list[tuple[Stream, Session]] = []
-        with self.cond:
-            self.epoch = m.epoch
-            self.table_epochs = {name: spec.created_epoch for name, spec in m.tables.items()}
-            seen = set()
-            for t, server in enumerate(m.servers):
-                if t == me or me < 0:
-                    continue
-                state = m.copy_state(t)
-                held = leads & (state >= 0)
-                if not held.any():
-                    continue
-                key = f"{server.id}@{server.address}"
-                seen.add(key)
-                s = self.streams.get(key)
-                in_sync = leads & (state == IN_SYNC)
-                catching = leads & (state == CATCHING_UP)
-                pending = np.zeros(self.num_slots, bool)  # copies switched or reported, awaiting the map
-                if s is not None:
-                    for sess in s.sessions:
-                        if sess.state in (SWITCHED, REPORTED):
-                            pending[sess.slots] = True
-                    pending &= catching
-                    if (s.broken_since is not None or s.reported) and not (in_sync | pending).any():
-                        # nothing acknowledged can depend on it any more: restart it from a clean slate
-                        self._close(key)
-                        s = None
-                        pending[:] = False
-                if s is None:
-                    s = self.streams[key] = Stream(self, server.id, server.address, self.num_slots)
-                    self.spawn(f"tigana-repl-{server.id[:8]}", s.run)
-                was_in_sync = s.in_sync & s.held
-                s.held, s.in_sync = held, in_sync
-                s.required = in_sync | pending
-                s.excluded &= held  # a copy no longer held is no longer refused
-                # Sessions: keep the live ones, cut to their slots still catching up (a copy the map removed is
-                # no reason to copy the others again: a new SNAPSHOT_BEGIN would empty copies that a report of
-                # this session may already have put in the in-sync set of a newer map); start new copies.
-                for x in s.sessions:
-                    if x.state != FAILED and not catching[x.slots].all():
-                        x.slots = x.slots[catching[x.slots]]
-                s.sessions = [x for x in s.sessions if x.state != FAILED and x.slots.size]
-                covered = np.zeros(self.num_slots, bool)
-                for x in s.sessions:
-                    covered[x.slots] = True
-                new_copy = catching & ~covered
-                if new_copy.any():
-                    slots = np.flatnonzero(new_copy).astype(np.int32)
-                    s.excluded[slots] = False  # SNAPSHOT_BEGIN starts the target's copy again from ours
-                    sess = Session(slots, list(tables), epoch=m.epoch, started=self.clock())
-                    for name in tables:
-                        s.push(Item(SNAPSHOT_BEGIN, name, slots, prev=positions(name, slots),
-                                    dedup=dedup_records(name, slots)))
-                    s.sessions.append(sess)
-                    starts.append((s, sess))
-                # I4: in-sync copies of slots this server newly leads get a barrier before anything else.
-                barrier = in_sync & ~was_in_sync & ~s.excluded
-                if barrier.any():
-                    slots = np.flatnonzero(barrier).astype(np.int32)
-                    for name in tables:
-                        s.push(Item(BARRIER, name, slots, prev=positions(name, slots)))
-            for key in [k for k in self.streams if k not in seen]:
-                self._close(key)
-            self.cond.notify_all()
-        for s, sess in starts:
-            log.info("slot copy from %s to %s at epoch %d started (slots %s)", self.server_id, s.target_id, m.epoch,
-                     slots_text(sess.slots), extra=event("slot_copy_started", slots=sess.slots, epoch=m.epoch,
-                                                         server=s.target_id, source=self.server_id))
-            self.spawn("tigana-slot-copy", lambda s=s, sess=sess: self._copy(s, sess))
+    def _push(self, s: Stream, item: Item) -> int:
+        return s.push(item, self.table_epochs.get(item.table, item.table_epoch))
 
-    def _close(self, key: str) -> None:
+    # --- event: a map installed (the server holds every table's write lock) -------------------------------
+    def on_map(self, m: ShardMap, me: int, tables: list[str], positions: Callable[[str, np.ndarray], np.ndarray],
+               dedup_records: Callable[[str, np.ndarray], list], now: float) -> list[Action]:
+        """Bring the streams in line with map ``m``: open/close streams, start slot copies for new catching-up
+        copies (SNAPSHOT_BEGIN queued now, so it precedes every later write), queue a BARRIER for slots this
+        server newly leads (I4), release writes whose copies the map took out of the in-sync set.
+        ``positions`` and ``dedup_records`` read the tables' log positions and exactly-once keys."""
+        leads = m.leads(me) if me >= 0 else np.zeros(self.num_slots, bool)
+        actions: list[Action] = []
+        self.epoch = m.epoch
+        self.table_epochs = {name: spec.created_epoch for name, spec in m.tables.items()}
+        seen = set()
+        for t, server in enumerate(m.servers):
+            if t == me or me < 0:
+                continue
+            state = m.copy_state(t)
+            held = leads & (state >= 0)
+            if not held.any():
+                continue
+            key = f"{server.id}@{server.address}"
+            seen.add(key)
+            s = self.streams.get(key)
+            in_sync = leads & (state == IN_SYNC)
+            catching = leads & (state == CATCHING_UP)
+            pending = np.zeros(self.num_slots, bool)  # copies switched or reported, awaiting the map
+            if s is not None:
+                pending = pending_mask(s, catching)
+                if (s.broken_since is not None or s.reported) and not (in_sync | pending).any():
+                    # nothing acknowledged can depend on it any more: restart it from a clean slate
+                    actions.append(self._close(key))
+                    s = None
+                    pending[:] = False
+            if s is None:
+                self._generation += 1
+                s = self.streams[key] = Stream(server.id, server.address, self.num_slots, self._generation, now)
+                actions.append(OpenStream(s))
+            was_in_sync = s.in_sync & s.held
+            s.held, s.in_sync = held, in_sync
+            s.required = in_sync | pending
+            s.excluded &= held  # a copy no longer held is no longer refused
+            new_copy = cut_to_catching(s, catching)
+            if new_copy.any():
+                slots = np.flatnonzero(new_copy).astype(np.int32)
+                s.excluded[slots] = False  # SNAPSHOT_BEGIN starts the target's copy again from ours
+                sess = Session(slots, list(tables), epoch=m.epoch, started=now)
+                for name in tables:
+                    self._push(s, Item(SNAPSHOT_BEGIN, name, slots, prev=positions(name, slots),
+                                       dedup=dedup_records(name, slots)))
+                s.sessions.append(sess)
+                actions.append(StartCopy(s, sess))
+                log.info("slot copy from %s to %s at epoch %d started (slots %s)", self.server_id, s.target_id,
+                         m.epoch, slots_text(slots), extra=event("slot_copy_started", slots=slots, epoch=m.epoch,
+                                                                 server=s.target_id, source=self.server_id))
+            # I4: in-sync copies of slots this server newly leads get a barrier before anything else.
+            barrier = in_sync & ~was_in_sync & ~s.excluded
+            if barrier.any():
+                slots = np.flatnonzero(barrier).astype(np.int32)
+                for name in tables:
+                    self._push(s, Item(BARRIER, name, slots, prev=positions(name, slots)))
+        actions += [self._close(key) for key in [k for k in self.streams if k not in seen]]
+        return actions
+
+    def _close(self, key: str) -> CloseStream:
         s = self.streams.pop(key)
         s.closed = True
-        self.spawn("tigana-repl-close", s.channel.close)
+        return CloseStream(s)
 
-    def _copy(self, s: Stream, sess: Session) -> None:
-        """A slot copy's rows (by the server's ``copy_rows``), then SNAPSHOT_END."""
-        try:
-            self.copy_rows(s, sess)
-        except Exception:  # noqa: BLE001 - retried: the server's upkeep restarts failed copies
-            if self._closed or s.closed:
-                return  # the server is stopping (its tables are closing): nothing to retry, nothing to report
-            log.exception("slot copy from %s to %s at epoch %d failed (slots %s); it will be started again",
-                          self.server_id, s.target_id, self.epoch, slots_text(sess.slots),
-                          extra=event("slot_copy_failed", slots=sess.slots, epoch=self.epoch, server=s.target_id,
-                                      source=self.server_id))
-            with self.cond:
-                sess.state = FAILED
-            return
-        with self.cond:
-            if s.closed or sess not in s.sessions or sess.state != COPYING:
-                return
-            for name in sess.tables:
-                sess.end_seq = s.push(Item(SNAPSHOT_END, name, sess.slots))
-            sess.state = ROWS_SENT
-            self.cond.notify_all()
-        log.info("slot copy from %s to %s at epoch %d: %d slot(s) (slots %s), %d rows sent", self.server_id,
-                 s.target_id, self.epoch, sess.slots.size, slots_text(sess.slots), sess.rows_sent,
-                 extra=event("slot_copy_sent", slots=sess.slots, epoch=self.epoch, server=s.target_id,
-                             source=self.server_id, rows=sess.rows_sent))
-        # A copy of slots with no rows and no tables sends nothing: nothing will be acknowledged to move it on.
-        self.progress(s)
-
-    def session_active(self, s: Stream, sess: Session) -> bool:
-        with self.cond:
-            return not s.closed and sess in s.sessions and sess.state == COPYING
-
-    def enqueue_rows(self, s: Stream, sess: Session, item: Item) -> bool:
-        """A SNAPSHOT_ROWS item of ``sess`` (the caller holds the table's write lock). False: session over."""
-        with self.cond:
-            if s.closed or sess not in s.sessions or sess.state != COPYING:
-                return False
-            keep = s.sendable()[item.slots]
-            if not keep.all():
-                return False  # a slot of it was refused meanwhile: the copy starts again
-            s.push(item)
-            sess.rows_sent += 0 if item.rows is None else len(item.rows)
-            self.cond.notify_all()
-            return True
-
-    def wait_for_room(self, s: Stream, timeout_s: float = 30.0) -> None:
-        """Block while ``s`` holds more than ``copy_window_bytes`` unacknowledged: a slot copy's rows share the
-        stream with the writes of in-sync copies, and a sync push waits for its item, so the copy keeps only a
-        small window ahead of them (head-of-line delay stays a few MiB, not the whole copy)."""
-        deadline = time.monotonic() + timeout_s
-        with self.cond:
-            while not s.closed and s.queued_bytes > self.copy_window_bytes and time.monotonic() < deadline:
-                self.cond.wait(0.05)
-
-    def room(self, slots: np.ndarray | None, timeout_s: float) -> Stream | None:
-        """Wait (up to ``timeout_s``) until every stream that a write of ``slots`` (None: any) goes to holds at
-        most ``max_queue_bytes`` unacknowledged; the stream still over it, or None. Called before a write takes
-        its table's lock: the queue is bounded by back-pressure on the writers, never by dropping items."""
-        deadline = time.monotonic() + timeout_s
-        with self.cond:
-            while True:
-                full = [s for s in self.streams.values() if s.queued_bytes > self.max_queue_bytes
-                        and (slots is None or s.sendable()[slots].any())]
-                left = deadline - time.monotonic()
-                if not full or left <= 0:
-                    return full[0] if full else None
-                self.cond.wait(min(left, 0.1))
-
-    def progress(self, s: Stream) -> None:
-        """After an acknowledgement (or a copy's last rows queued): move slot copies forward (I5)."""
-        report = []
-        with self.cond:
-            if s.reported or s.closed:
-                return
-            now = self.clock()
-            for sess in s.sessions:
-                if sess.state == ROWS_SENT and s.acked >= sess.end_seq and sess.rows_acked_at is None:
-                    sess.rows_acked_at = now
-                # Switch once the rows are applied and the stream is nearly drained, or after a second at
-                # most: writes faster than the target applies them would otherwise keep the copy catching up
-                # for ever. Once switched, sync writes wait for the target, which slows them to its pace.
-                if sess.state == ROWS_SENT and sess.rows_acked_at is not None and \
-                        (s.lag <= 8 or now - sess.rows_acked_at >= self.switch_after_s):
-                    # From here on sync writes to these slots wait for the target; everything enqueued
-                    # before this point must be applied by it before it may join the in-sync set.
-                    s.required[sess.slots] = True
-                    sess.switch_seq = s.next_seq - 1
-                    sess.state = SWITCHED
-                if sess.state == SWITCHED and s.acked >= sess.switch_seq:
-                    sess.state = REPORTED
-                    report.append(sess)
-        for sess in report:
-            self._report_caught_up(s, sess)
-
-    def _report_caught_up(self, s: Stream, sess: Session) -> None:
-        if self.caught_up(s.target_id, sess.slots, sess.epoch) is False:
-            log.info("slot copy from %s to %s (slots %s) refused as stale by the scheduler; starting it again",
-                     self.server_id, s.target_id, slots_text(sess.slots))
-            with self.cond:
-                sess.state = FAILED
-                s.required[sess.slots] = s.in_sync[sess.slots]
-
-    def retry_reports(self) -> None:
-        """Report again what the scheduler may have missed (it was down, or a call failed): copies caught
-        up but still catching up in the map, broken streams, refused in-sync copies."""
-        caught, failed = [], []
-        with self.cond:
-            for s in self.streams.values():
-                if s.reported and s.broken_since is not None:
-                    failed.append((s.target_id, np.flatnonzero(s.held).astype(np.int32), s.last_error))
-                    continue
-                refused = s.excluded & s.in_sync
-                if refused.any():
-                    failed.append((s.target_id, np.flatnonzero(refused).astype(np.int32), s.last_error))
-                caught += [(s, sess) for sess in s.sessions if sess.state == REPORTED]
-        for target, slots, reason in failed:
-            self.report_failure(target, slots, reason)
-        for s, sess in caught:
-            self._report_caught_up(s, sess)
-
-    def needs_restart(self) -> bool:
-        """Whether a broken stream could restart (nothing acknowledged depends on it) or a slot copy must
-        start again: the server then re-applies its map (``on_map``) under its table locks."""
-        with self.cond:
-            for s in self.streams.values():
-                if (s.broken_since is not None or s.reported) and not (s.in_sync | s.reported_mask()).any():
-                    return True
-                if any(x.state == FAILED for x in s.sessions):
-                    return True
-        return False
-
-    # --- writes ------------------------------------------------------------------------------------------
+    # --- event: a write applied (under its table's write lock) --------------------------------------------
     def enqueue(self, item: Item) -> list[Mark]:
-        """Send a write to every stream holding its slots (each gets only its slots' rows); returns the
-        marks a sync write must wait for: the streams that must acknowledge it (I1)."""
+        """Queue a write to every stream holding its slots (each gets only its slots' rows); the marks a sync
+        write must wait for: the streams that must acknowledge it (I1)."""
         marks = []
-        with self.cond:
-            for s in self.streams.values():
-                if not s.held[item.slots].any():
-                    continue
-                send = s.sendable()
-                keep = send[item.slots]
-                seq = 0
-                if keep.any():
-                    seq = s.push(item if keep.all() else restrict(item, send, self.slot_of))
-                marks += s.marks_for(item.slots, seq)
-            self.cond.notify_all()
+        for s in self.streams.values():
+            if not s.held[item.slots].any():
+                continue
+            send = s.sendable()
+            keep = send[item.slots]
+            seq = 0
+            if keep.any():
+                seq = self._push(s, item if keep.all() else restrict(item, send, self.slot_of))
+            marks += s.marks_for(item.slots, seq)
         return marks
 
     def tail_marks(self, slots: np.ndarray) -> list[Mark]:
         """Marks at the current end of every stream that must acknowledge ``slots``: what a duplicate push
         waits for (its original may still be in flight, and a new primary's barrier comes first: I4), and what
         a primary handing its role over waits for before it reports (every write it made is on the copies)."""
-        with self.cond:
-            return [mk for s in self.streams.values() for mk in s.marks_for(slots, s.next_seq - 1)]
+        return [mk for s in self.streams.values() for mk in s.marks_for(slots, s.next_seq - 1)]
 
-    def wait(self, marks: list[Mark], timeout_s: float) -> bool:
-        """Wait until every mark is acknowledged, or its stream no longer needs to acknowledge its slots (the
-        map took the copy out of the in-sync set: I1). False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        with self.cond:
-            while True:
-                pending = [m for m in marks if not self._done(m)]
-                if not pending:
-                    return True
-                left = deadline - time.monotonic()
-                if left <= 0 or self._closed:
-                    return False
-                self.cond.wait(min(left, 0.5))
-
-    def _done(self, m: Mark) -> bool:
+    def mark_done(self, m: Mark) -> bool:
+        """Whether a write may stop waiting for ``m``: acknowledged, or its stream no longer needs to
+        acknowledge its slots (the map took the copy out of the in-sync set: I1)."""
         s = m.stream
         if s.acked >= m.seq:
             return True
-        live = self.streams.get(f"{s.target_id}@{s.address}")
+        live = self.streams.get(s.key)
         # a stream replaced or closed only when nothing acknowledged depends on it (on_map)
         return live is not s or not s.required[m.slots].any()
 
+    def full_stream(self, slots: np.ndarray | None) -> Stream | None:
+        """A stream a write of ``slots`` (None: any) goes to that holds more than ``max_queue_bytes``
+        unacknowledged (writers wait for room before they take their table's lock), or None."""
+        for s in self.streams.values():
+            if s.queued_bytes > self.max_queue_bytes and (slots is None or s.sendable()[slots].any()):
+                return s
+        return None
+
+    # --- events of a slot copy's export -------------------------------------------------------------------
+    def session_active(self, s: Stream, sess: Session) -> bool:
+        return not s.closed and sess in s.sessions and sess.state == COPYING
+
+    def enqueue_rows(self, s: Stream, sess: Session, item: Item) -> bool:
+        """A SNAPSHOT_ROWS item of ``sess`` (under the table's write lock). False: the session is over."""
+        if not self.session_active(s, sess):
+            return False
+        if not s.sendable()[item.slots].all():
+            return False  # a slot of it was refused meanwhile: the copy starts again
+        self._push(s, item)
+        sess.rows_sent += 0 if item.rows is None else len(item.rows)
+        return True
+
+    def rows_copied(self, s: Stream, sess: Session, now: float) -> list[Action]:
+        """Every row of ``sess`` queued: SNAPSHOT_END. A copy of slots with no rows and no tables sends
+        nothing, so nothing would be acknowledged to move it on: it advances here too."""
+        if not self.session_active(s, sess):
+            return []
+        for name in sess.tables:
+            sess.end_seq = self._push(s, Item(SNAPSHOT_END, name, sess.slots))
+        sess.state = ROWS_SENT
+        log.info("slot copy from %s to %s at epoch %d: %d slot(s) (slots %s), %d rows sent", self.server_id,
+                 s.target_id, self.epoch, sess.slots.size, slots_text(sess.slots), sess.rows_sent,
+                 extra=event("slot_copy_sent", slots=sess.slots, epoch=self.epoch, server=s.target_id,
+                             source=self.server_id, rows=sess.rows_sent))
+        return self._advance(s, now)
+
+    def copy_failed(self, s: Stream, sess: Session) -> None:
+        """The export failed: the server's upkeep starts the copy again (``needs_restart``)."""
+        if not (self.closed or s.closed):
+            log.warning("slot copy from %s to %s at epoch %d failed (slots %s); it will be started again",
+                        self.server_id, s.target_id, self.epoch, slots_text(sess.slots),
+                        extra=event("slot_copy_failed", slots=sess.slots, epoch=self.epoch, server=s.target_id,
+                                    source=self.server_id))
+        sess.fail()
+
+    def _advance(self, s: Stream, now: float) -> list[Action]:
+        if s.reported or s.closed:
+            return []
+        return [ReportCaughtUp(s, sess) for sess in advance(s, now, self.switch_after_s)]
+
+    def report_refused(self, s: Stream, sess: Session) -> None:
+        """The scheduler refused ``sess``'s caught-up report as stale (the copy was removed or demoted after
+        the session started): it starts again."""
+        log.info("slot copy from %s to %s (slots %s) refused as stale by the scheduler; starting it again",
+                 self.server_id, s.target_id, slots_text(sess.slots))
+        sess.fail()
+        s.required[sess.slots] = s.in_sync[sess.slots]
+
+    # --- events of the transport --------------------------------------------------------------------------
+    def request(self, s: Stream) -> bytes | None:
+        """The next batch for ``s`` (None: nothing queued, or closed)."""
+        return s.request(self.server_id, self.boot, self.epoch, self.batch_bytes)
+
+    def newer_map(self, reply: pb.ReplicateResponse) -> list[Action]:
+        """The first step of an answer: a refusal from a target with a newer map means ours may be the stale
+        one. The adapter learns it before it hands the answer to ``answered``, so that an acknowledgement
+        never counts for a copy the newer map moved (the push's own check)."""
+        if reply.reject != pb.REJECT_NONE and reply.epoch > self.epoch:
+            return [RefreshMap(int(reply.epoch))]
+        return []
+
+    def answered(self, s: Stream, reply: pb.ReplicateResponse, now: float) -> list[Action]:
+        """A target's answer to a batch: acknowledgements, then a refusal's consequences."""
+        reject = reply.reject
+        s.acknowledge(int(reply.applied_through), now)
+        if reject == pb.REJECT_NONE:
+            return self._advance(s, now)
+        slots = cluster_wire.array(reply.slots, "<i4", field="ReplicateResponse.slots").astype(np.int64)
+        reason = f"{pb.ReplicateReject.Name(reject)}: {reply.message}"
+        s.last_error = reason
+        if reject == pb.REJECT_BEHIND:
+            # the target cannot get our map yet: reported only past the failure timeout
+            return [*self.send_failed(s, reason, now), Pause(0.05)]
+        if reject in (pb.REJECT_STALE, pb.REJECT_DIVERGED) and slots.size:
+            # A refusal names its slots: only those stop, and only those this server still leads with an
+            # in-sync copy on the target are reported (a map change with items in flight demotes nothing).
+            slots = slots[(slots >= 0) & (slots < s.held.shape[0])]
+            s.exclude(slots, self.slot_of)
+            report = slots[s.in_sync[slots]]
+            if not report.size:
+                return []
+            log.warning("replication from %s to %s refused at epoch %d (slots %s): %s; reporting them",
+                        self.server_id, s.target_id, self.epoch, slots_text(report), reason,
+                        extra=event("replication_failing", slots=report, epoch=self.epoch, server=s.target_id,
+                                    source=self.server_id, reason=reason))
+            return [ReportFailure(s.target_id, report.astype(np.int32), reason)]
+        return [*self.send_failed(s, reason, now, report_now=True), Pause(0.2)]
+
+    def send_failed(self, s: Stream, reason: str, now: float, *, report_now: bool = False) -> list[Action]:
+        """A failed send; after ``failure_timeout_s`` (or at once for a rejection) the target's copies are
+        reported to the scheduler, which takes them out of the in-sync set (I1: only the scheduler may)."""
+        s.last_error = reason
+        if s.broken_since is None:
+            s.broken_since = now
+        due = report_now or now - s.broken_since >= self.failure_timeout_s
+        if not due or s.reported or s.closed:
+            return []
+        s.reported = True
+        # Copies switched to required but not yet reported caught up are not in the map's in-sync set: this
+        # server alone required them, so it may stop (they restart from a new slot copy).
+        for sess in s.sessions:
+            if sess.state in (COPYING, ROWS_SENT, SWITCHED):
+                sess.fail()
+        s.required = s.in_sync | s.reported_mask()
+        report = np.flatnonzero(s.held).astype(np.int32)
+        log.warning("replication from %s to %s (%s) failing at epoch %d: %s; reporting %d slot(s) to the scheduler "
+                    "(slots %s)", self.server_id, s.target_id, s.address, self.epoch, reason, report.size,
+                    slots_text(report), extra=event("replication_failing", slots=report, epoch=self.epoch,
+                                                    server=s.target_id, source=self.server_id, reason=reason))
+        return [ReportFailure(s.target_id, report, reason)]
+
+    # --- event: the upkeep timer --------------------------------------------------------------------------
+    def retry(self) -> list[Action]:
+        """Report again what the scheduler may have missed (it was down, or a call failed): copies caught up
+        but still catching up in the map, broken streams, refused in-sync copies."""
+        actions: list[Action] = []
+        for s in self.streams.values():
+            if s.reported and s.broken_since is not None:
+                actions.append(ReportFailure(s.target_id, np.flatnonzero(s.held).astype(np.int32), s.last_error))
+                continue
+            refused = s.excluded & s.in_sync
+            if refused.any():
+                actions.append(ReportFailure(s.target_id, np.flatnonzero(refused).astype(np.int32), s.last_error))
+            actions += [ReportCaughtUp(s, sess) for sess in s.sessions if sess.state == REPORTED]
+        return actions
+
+    def needs_restart(self) -> bool:
+        """Whether a broken stream could restart (nothing acknowledged depends on it) or a slot copy must
+        start again: the server then installs its map again (``on_map``) under its table locks."""
+        for s in self.streams.values():
+            if (s.broken_since is not None or s.reported) and not (s.in_sync | s.reported_mask()).any():
+                return True
+            if any(x.state == FAILED for x in s.sessions):
+                return True
+        return False
+
+    def close(self) -> list[Action]:
+        self.closed = True
+        return [self._close(key) for key in list(self.streams)]
+
     # --- figures -----------------------------------------------------------------------------------------
-    def stats(self) -> dict[str, float]:
-        """Lag of the outgoing streams: items and bytes queued, seconds since the oldest unacknowledged item
-        was acknowledged... (max over streams), copies in progress."""
-        now = self.clock()
-        with self.cond:
-            lag_items = max((s.lag for s in self.streams.values()), default=0)
-            lag_bytes = max((s.queued_bytes for s in self.streams.values()), default=0)
-            lag_s = max(((now - s.acked_time) if s.lag else 0.0 for s in self.streams.values()), default=0.0)
-            copying = sum(len(s.sessions) for s in self.streams.values())
-            live = [x for s in self.streams.values() for x in s.sessions if x.state in (COPYING, ROWS_SENT)]
-            sent, total = sum(x.rows_sent for x in live), sum(x.rows_total for x in live)
-            broken = sum(1 for s in self.streams.values() if s.broken_since is not None)
-            refused = sum(int(s.excluded.sum()) for s in self.streams.values())
-            return {"replication_lag_items": float(lag_items), "replication_lag_bytes": float(lag_bytes),
-                    "replication_lag_s": float(lag_s), "replication_streams": float(len(self.streams)),
-                    "slot_copies_in_progress": float(copying), "replication_streams_broken": float(broken),
-                    "slot_copy_rows_sent": float(sent), "slot_copy_rows_total": float(total),
-                    "replication_copies_refused": float(refused)}
+    def stats(self, now: float) -> dict[str, float]:
+        """Lag of the outgoing streams (max over streams), copies in progress."""
+        streams = list(self.streams.values())
+        live = [x for s in streams for x in s.sessions if x.state in (COPYING, ROWS_SENT)]
+        return {"replication_lag_items": float(max((s.lag for s in streams), default=0)),
+                "replication_lag_bytes": float(max((s.queued_bytes for s in streams), default=0)),
+                "replication_lag_s": float(max(((now - s.acked_time) if s.lag else 0.0 for s in streams),
+                                               default=0.0)),
+                "replication_streams": float(len(streams)),
+                "slot_copies_in_progress": float(sum(len(s.sessions) for s in streams)),
+                "replication_streams_broken": float(sum(1 for s in streams if s.broken_since is not None)),
+                "slot_copy_rows_sent": float(sum(x.rows_sent for x in live)),
+                "slot_copy_rows_total": float(sum(x.rows_total for x in live)),
+                "replication_copies_refused": float(sum(int(s.excluded.sum()) for s in streams))}
 
-    def close(self) -> None:
-        with self.cond:
-            self._closed = True
-            keys = list(self.streams)
-            self.cond.notify_all()
-        for key in keys:
-            with self.cond:
-                s = self.streams.pop(key, None)
-            if s is not None:
-                s.close()
-
-
-
-def _thread(name: str, fn: Callable[[], None]) -> None:
-    threading.Thread(target=fn, name=name, daemon=True).start()

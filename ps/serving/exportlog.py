@@ -1,5 +1,5 @@
 """The serving export log: ``tigana admin export TABLE --follow --out DIR`` writes it, ``tigana serve --from
-DIR`` (``tigana.ps.serving``) and a 20-line numpy reader (README) read it.
+DIR`` (``tigana.ps.serving``) and a 20-line numpy reader (docs/serving.md) read it.
 
 Layout of ``DIR``::
 

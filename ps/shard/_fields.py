@@ -50,7 +50,7 @@ class ShardFields:
     _tables: dict[str, _Hosted]
     _registry_lock: threading.RLock
     _install_lock: threading.Lock
-    _inbound: dict[str, Inbound]
+    _inbound: dict[str, tuple[Inbound, threading.Lock]]
     _inbound_lock: threading.Lock
     _handover_wake: threading.Event
     _handover_started: bool

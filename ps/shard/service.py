@@ -30,6 +30,7 @@ from tigana.ps.config import ServerConfig
 from tigana.ps.errors import DeadlineExceeded, InvalidArgument, TableExists
 from tigana.ps.metrics import ServerMetrics
 from tigana.ps.replication import Inbound, Replicator, apply_item
+from tigana.ps.replication.actions import RefreshMap
 from tigana.ps.security import NONE, Security
 from tigana.ps.shard import streams
 from tigana.ps.shard._guard import _rpc, check_serving
@@ -77,7 +78,7 @@ class ShardService(Ownership, Writes, Exports, Persistence, Hosting, shard_pb2_g
         self._tables: dict[str, _Hosted] = {}
         self._registry_lock = threading.RLock()
         self._install_lock = threading.Lock()
-        self._inbound: dict[str, Inbound] = {}
+        self._inbound: dict[str, tuple[Inbound, threading.Lock]] = {}
         self._inbound_lock = threading.Lock()
         self._handover_wake = threading.Event()
         self._handover_started = False
@@ -235,10 +236,17 @@ class ShardService(Ownership, Writes, Exports, Persistence, Hosting, shard_pb2_g
                   ) -> pb.ReplicateResponse:
         """Apply a primary's stream in order (``replication.apply``: invariant I3)."""
         with self._inbound_lock:
-            st = self._inbound.setdefault(request.source, Inbound(request.source))
-        return st.receive(request, self.server_id, lambda: self._view, self._refresh,
-                          lambda msg, epoch: apply_item(msg, request.source, epoch, self._tables.get,
-                                                        lambda: self._view, self.num_slots))
+            st, lock = self._inbound.setdefault(request.source, (Inbound(request.source), threading.Lock()))
+
+        def apply_one(msg: Any, epoch: int) -> Any:
+            return apply_item(msg, request.source, epoch, self._tables.get, lambda: self._view, self.num_slots)
+
+        with lock:  # one stream's requests apply one at a time, in order
+            out = st.receive(request, self.server_id, lambda: self._view, apply_one)
+            if isinstance(out, RefreshMap):  # the source's map is newer: learn it, then apply (or refuse BEHIND)
+                self._refresh(out.epoch, 2.0)
+                out = st.receive(request, self.server_id, lambda: self._view, apply_one, may_refresh=False)
+        return out
 
     def close_tables(self) -> None:
         self._frame_pool.shutdown(wait=False, cancel_futures=True)

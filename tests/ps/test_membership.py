@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from tigana.ps import membership
 from tigana.ps.membership import Agent
+from tigana.ps.membership import agent as membership
 
 
 class _Map:

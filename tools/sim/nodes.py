@@ -1,10 +1,11 @@
 """The simulated nodes: the real ``SchedulerCore`` and the real ``ShardService``, driven on the world's clock.
 
 Nothing of the protocol is re-implemented here: a server's pushes, map installs, replication (its
-``Replicator`` and streams, the copies' ``apply_item``), slot copies and hand-overs are the daemon's own code.
-These adapters replace only the I/O: threads (the replicator's ``spawn`` is collected and run by the world),
+``Primary`` core and its streams, the copies' ``apply_item``), slot copies and hand-overs are the daemon's own code.
+These adapters replace only the I/O: threads (the ``Replicator`` adapter's ``spawn`` is collected and run by the world),
 gRPC (the ``Net``), the scheduler's store (a real ``FileMapStore`` in a scratch folder) and the membership
-agent (``SimAgent``: heartbeats, registration and reports over the ``Net``).
+agent's I/O (``SimAgent`` drives the real ``Membership`` core: heartbeats, registration and reports over the
+``Net``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 
 from tigana.proto import shard_pb2 as pb
 from tigana.ps.config import ServerConfig
+from tigana.ps.membership import REGISTER, Membership, caught_up_answer
 from tigana.ps.routing import ShardMap
 from tigana.ps.scheduler import SchedulerConfig, SchedulerCore
 from tigana.ps.scheduler.service import _positions
@@ -76,19 +78,23 @@ class SchedulerNode:
 
 
 class SimAgent:
-    """A server's link to the scheduler (the ``membership.Agent`` surface the service calls)."""
+    """A server's link to the scheduler (the ``membership.Agent`` surface the service calls): the real
+    ``Membership`` core, its calls made over the ``Net`` on the world's clock."""
 
     def __init__(self, server: SimServer) -> None:
         self.server = server
-        self.registered = False
-        self.last_ok = -1e9
+        self.core = Membership(interval_s=0.5, lease_s=server.config.lease_s)
+
+    @property
+    def registered(self) -> bool:
+        return self.core.registered
 
     def _call(self, fn: Callable[[SchedulerCore], Any]) -> Any:
         s = self.server
         return s.net.now_call(s.name, SCHEDULER, lambda: fn(s.scheduler.core))
 
     def lease_ok(self) -> bool:
-        return self.server.clock() - self.last_ok < self.server.config.lease_s
+        return self.core.lease_ok(self.server.clock())
 
     def refresh(self, epoch: int = 0, wait_s: float = 0.0) -> None:
         try:
@@ -98,7 +104,16 @@ class SimAgent:
         self.server.install(m)
 
     def refresh_soon(self, epoch: int) -> None:
-        self.server.world.at(0.01, lambda: self.refresh(epoch))
+        if self.core.want(epoch):  # coalesced, as the daemon's refresher does
+            self.server.world.at(0.01, self._refresh_wanted)
+
+    def _refresh_wanted(self) -> None:
+        s = self.server
+        if s.agent is not self or not s.up:
+            return  # a process that is gone (or paused) refreshes nothing
+        self.refresh(self.core.wanted)
+        if self.core.wants_more(s.svc.epoch):
+            s.world.at(self.core.interval_s, self._refresh_wanted)
 
     def report_copy_failure(self, target: str, slots: np.ndarray, reason: str) -> None:
         me = self.server.name
@@ -120,7 +135,7 @@ class SimAgent:
                     w.log(f"late caught-up report {me} -> {target} (slot copy of epoch {since_epoch}, slots "
                           f"{slots.tolist()[:8]}): {done}")
             w.at(late, again)
-        return ok or not message.startswith("stale")
+        return caught_up_answer(ok, message)
 
     def handover_ready(self, slots: np.ndarray, epoch: int) -> None:
         me = self.server.name
@@ -135,21 +150,21 @@ class SimAgent:
         s = self.server
         sent = s.clock()
         try:
-            if not self.registered:
+            if self.core.next_call() == REGISTER:
                 positions = _positions(s.svc.positions())  # what it loaded, for an unclean election
                 m = self._call(lambda core: core.register(s.name, s.name, s.svc.boot, positions))
                 s.install(m)
-                self.registered = True
+                self.core.registered_ok(sent)
             else:
                 m, again = self._call(lambda core: core.heartbeat(s.name, s.svc.boot, s.svc.epoch, {}))
                 if again:
-                    self.registered = False
+                    self.core.heartbeat_answered(sent, True)
                     return
                 if m is not None:
                     s.install(m)
-            self.last_ok = sent
+                self.core.heartbeat_answered(sent, False)
         except Lost:
-            return
+            self.core.call_failed()  # the world's beat timer, not the backoff, spaces the next try
 
 
 class SimServer:
@@ -204,7 +219,8 @@ class SimServer:
     def _spawn(self, name: str, fn: Callable[[], None]) -> None:
         if name in ("tigana-slot-copy", "tigana-drop-slots"):
             self.tasks.append(fn)  # run by ``step``, as its thread would
-        # a stream's sender (``Stream.run``) is driven by ``step``; closing a stream's channel is nothing here
+        # a stream's sender is driven by ``step`` (``core.request``, then ``answered`` or ``send_failed``);
+        # closing a stream's channel is nothing here
 
     def install(self, m: ShardMap) -> None:
         if self.up:
@@ -218,11 +234,11 @@ class SimServer:
         for task in tasks:
             task()
         rep = self.svc.replicator
-        for _key, s in list(rep.streams.items()):
+        for s in list(rep.streams.values()):
             if id(s) in self.in_flight:
                 continue
             with rep.cond:
-                request = s.request()
+                request = rep.core.request(s)
             if request is None:
                 continue
             target = self.servers.get(s.target_id)
@@ -263,9 +279,9 @@ class SimServer:
         if svc is not self.svc or not self.up or s.closed:
             return  # an answer to a process that is gone, or to a stream replaced meanwhile
         if error is not None:
-            s.failed(f"{type(error).__name__}: {error}")
+            svc.replicator.send_failed(s, f"{type(error).__name__}: {error}")
         else:
-            s.answered(reply)
+            svc.replicator.answered(s, reply)
 
     def receive(self, source: str, request: bytes) -> pb.ReplicateResponse:
         """The ``Replicate`` handler (the gRPC wrapper's body, without its context)."""

@@ -1,16 +1,11 @@
-"""A shard server's membership in a cluster: registration, heartbeats and the other calls to the scheduler.
+"""The thread and gRPC adapter of a shard server's membership (the decisions are ``core.Membership``).
 
-The ``Agent`` runs one thread: register (with the log positions of what the server loaded, for an unclean
-election), then heartbeat every ``heartbeat_interval_s`` and install any newer map that comes back. It also
-carries the service's reports (a copy failed, a copy caught up) and map refreshes. Refreshes asked for by
-requests (``refresh_soon``, one per ``WrongShard`` routed at a newer epoch) are coalesced: one refresher
-thread, started on first use, fetches the map while the highest epoch wanted is above ours, however many
-requests asked. While the scheduler is down the server keeps serving on the map it holds.
-
-The primary lease (async tables): ``lease_ok()`` is true while the last successful heartbeat is younger
-than ``lease_s``. A server whose heartbeats fail stops acknowledging async pushes before the scheduler can
-declare it dead (``lease_s`` < the scheduler's heartbeat timeout), which bounds what a deposed primary can
-acknowledge; a heartbeat renews the lease only after installing the map it returned.
+The ``Agent`` runs one thread: it asks the core which call to make (register, then a heartbeat every
+``heartbeat_interval_s``), makes it, installs any newer map that comes back and hands the outcome to the
+core. It also carries the service's reports (a copy failed, a copy caught up, a hand-over ready) and map
+refreshes. Refreshes asked for by requests (``refresh_soon``) are coalesced by the core: one refresher thread,
+started on first use, fetches the map while the highest epoch wanted is above ours. While the scheduler is
+down the server keeps serving on the map it holds.
 """
 
 from __future__ import annotations
@@ -24,6 +19,7 @@ import numpy as np
 
 from tigana.proto import scheduler_pb2 as spb
 from tigana.proto import scheduler_pb2_grpc as spb_grpc
+from tigana.ps.membership.core import REGISTER, Membership, caught_up_answer
 from tigana.ps.security import NONE, Security
 from tigana.ps.wire import cluster as cluster_wire
 
@@ -39,7 +35,7 @@ class Agent:
         self.addresses = [a.strip() for a in scheduler.split(",") if a.strip()]
         self.address = address
         self.interval = heartbeat_interval_s
-        self.lease_s = lease_s
+        self.core = Membership(heartbeat_interval_s, lease_s)
         self._which = 0
         options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
                    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
@@ -50,11 +46,8 @@ class Agent:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._refresh_lock = threading.Lock()
-        self._wanted_cond = threading.Condition()
-        self._wanted = 0  # the highest epoch a request asked for (refresh_soon); guarded by _wanted_cond
+        self._wanted_cond = threading.Condition()  # guards the core's ``wanted``
         self._refresher: threading.Thread | None = None
-        self.registered = False
-        self.last_ok = 0.0
         self._thread = threading.Thread(target=self._run, name="tigana-agent", daemon=True)
 
     @property
@@ -71,26 +64,25 @@ class Agent:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def registered(self) -> bool:
+        return self.core.registered
+
     def lease_ok(self) -> bool:
-        return time.monotonic() - self.last_ok < self.lease_s
+        return self.core.lease_ok(time.monotonic())
 
     # --- the loop ------------------------------------------------------------------------------------
     def _run(self) -> None:
-        backoff = 0.1
         while not self._stop.is_set():
             try:
-                if not self.registered:
+                if self.core.next_call() == REGISTER:
                     self._register()
                 else:
                     self._heartbeat()
-                backoff = 0.1
             except grpc.RpcError as err:
                 log.debug("scheduler call failed: %s", err.code().name)
                 self._next()
-                self._stop.wait(backoff)
-                # a registered server keeps heartbeating at its interval: silence longer than that (a backoff)
-                # would let a slow scheduler link look like a dead server
-                backoff = min(self.interval if self.registered else 2.0, backoff * 2)
+                self._stop.wait(self.core.call_failed())
             except Exception:  # noqa: BLE001 - keep the server in the cluster whatever happened
                 log.exception("membership loop")
             self._wake.wait(self.interval)
@@ -98,30 +90,29 @@ class Agent:
 
     def _register(self) -> None:
         s = self.service
+        sent = time.monotonic()
         reply = self.stub.Register(spb.RegisterRequest(server_id=s.server_id, address=self.address, boot=s.boot,
                                                        positions=s.positions()), timeout=5.0)
         s.install(cluster_wire.map_from_pb(reply.map))
-        self.registered = True
-        self.last_ok = time.monotonic()
+        self.core.registered_ok(sent)
         log.info("registered with the scheduler at %s as %s (boot %s)", self.addresses[self._which % len(
             self.addresses)], s.server_id, s.boot)
 
     def _heartbeat(self) -> None:
         s = self.service
         stats = {**s.cluster_figures(), **s.load_figures()}
-        # The lease counts from when the heartbeat was sent: the scheduler heard from us no earlier, so its
-        # timeout (> lease_s) runs out after our lease does however slow the reply is. The deadline is the
-        # lease: a slow link (a round trip under the scheduler's timeout) must not fail heartbeats.
+        # The lease counts from when the heartbeat was sent (``core``). The deadline is the lease: a slow link
+        # (a round trip under the scheduler's timeout) must not fail heartbeats.
         sent = time.monotonic()
         reply = self.stub.Heartbeat(spb.HeartbeatRequest(server_id=s.server_id, boot=s.boot, epoch=s.epoch,
-                                                         stats=stats), timeout=max(1.0, self.lease_s))
+                                                         stats=stats), timeout=max(1.0, self.core.lease_s))
         if reply.reregister:
-            self.registered = False
+            self.core.heartbeat_answered(sent, True)
             self._wake.set()
             return
         if reply.HasField("map"):
             s.install(cluster_wire.map_from_pb(reply.map))
-        self.last_ok = sent
+        self.core.heartbeat_answered(sent, False)  # the lease renews only once its map is installed
 
     # --- calls from the service ---------------------------------------------------------------------------
     def refresh(self, epoch: int = 0, wait_s: float = 0.0) -> None:
@@ -144,9 +135,8 @@ class Agent:
         """Non-blocking: have the refresher fetch a map at least as new as ``epoch`` soon. Thread-safe; calls
         coalesce (one refresher thread for the agent's life, asking for the highest epoch wanted)."""
         with self._wanted_cond:
-            if self._stop.is_set() or epoch <= self._wanted:
+            if self._stop.is_set() or not self.core.want(epoch):
                 return
-            self._wanted = epoch
             if self._refresher is None:
                 self._refresher = threading.Thread(target=self._refresh_loop, name="tigana-agent-refresh",
                                                    daemon=True)
@@ -158,11 +148,11 @@ class Agent:
         interval while the scheduler does not have it or cannot be reached)."""
         while True:
             with self._wanted_cond:
-                while not self._stop.is_set() and self._wanted <= self.service.epoch:
+                while not self._stop.is_set() and not self.core.wants_more(self.service.epoch):
                     self._wanted_cond.wait()
                 if self._stop.is_set():
                     return
-                wanted = self._wanted
+                wanted = self.core.wanted
             try:
                 self.refresh(wanted)
             except Exception:  # noqa: BLE001 - the refresher outlives a bad reply
@@ -183,7 +173,7 @@ class Agent:
             slots=np.asarray(slots, "<i4").tobytes(), since_epoch=since_epoch))
         if reply is None:
             return None
-        return reply.accepted or not reply.message.startswith("stale")
+        return caught_up_answer(reply.accepted, reply.message)
 
     def handover_ready(self, slots: np.ndarray, epoch: int) -> None:
         """Report that this primary refuses writes to ``slots`` and its in-sync copies hold all it wrote."""

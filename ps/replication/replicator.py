@@ -1,0 +1,260 @@
+"""The thread and gRPC adapter of the primary's replication core (``Primary``, in ``primary``).
+
+``Replicator`` holds one lock (a condition) around every call into the core, carries out the actions it
+returns after releasing it, and gives the waits the server needs: a sync write's acknowledgements
+(``wait``), room in a full queue (``room``), a slot copy's window (``wait_for_room``). It owns the transport:
+a gRPC channel and a sender thread per stream. Nothing here decides anything the protocol depends on.
+
+Seams for a simulator: ``clock``, and ``spawn(name, fn)`` (run ``fn`` on a thread of its own): a simulator
+passes its clock, runs what is spawned when it chooses, drives each stream with ``core.request`` and hands the
+answers to ``answered`` / ``send_failed``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+
+from tigana.proto import shard_pb2 as pb
+from tigana.ps.channels import channel_options
+from tigana.ps.replication.actions import (
+    Action,
+    CloseStream,
+    OpenStream,
+    Pause,
+    RefreshMap,
+    ReportCaughtUp,
+    ReportFailure,
+    StartCopy,
+)
+from tigana.ps.replication.copy import Session
+from tigana.ps.replication.primary import Primary
+from tigana.ps.replication.stream import Mark, Stream
+from tigana.ps.routing import ShardMap
+from tigana.ps.wire.cluster import Item
+
+
+class Replicator:
+    """The primary side of replication on one server: the ``Primary`` core under a lock, and its transport.
+
+    ``refresh_map(epoch)``, ``report_failure(target, slots, reason)`` and ``caught_up(target, slots,
+    since_epoch) -> bool`` are the server's links to the scheduler (called from sender threads, never under
+    the lock); ``caught_up`` answers False when the scheduler refused the report as stale, and the copy is then
+    started again. ``copy_rows(stream, session)`` exports a slot copy's rows through ``enqueue_rows``."""
+
+    def __init__(self, server_id: str, boot: str, num_slots: int, *, max_message_bytes: int,
+                 refresh_map: Callable[[int], None], report_failure: Callable[[str, np.ndarray, str], None],
+                 caught_up: Callable[[str, np.ndarray, int], bool | None],
+                 copy_rows: Callable[[Stream, Session], None],
+                 failure_timeout_s: float = 2.0, send_timeout_s: float = 10.0, batch_bytes: int = 24 << 20,
+                 max_queue_bytes: int = 512 << 20, copy_window_bytes: int = 16 << 20,
+                 channel: Callable[[str, list], grpc.Channel] | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 spawn: Callable[[str, Callable[[], None]], None] | None = None) -> None:
+        # A restarted process starts its stream generations above every one its previous boot used.
+        self.core = Primary(server_id, boot, num_slots, generation=int(time.time() * 1000) << 8,
+                            batch_bytes=min(batch_bytes, max_message_bytes // 2),
+                            failure_timeout_s=failure_timeout_s, max_queue_bytes=max_queue_bytes,
+                            copy_window_bytes=copy_window_bytes)
+        self.max_message_bytes = max_message_bytes
+        self.refresh_map, self.report_failure, self.caught_up = refresh_map, report_failure, caught_up
+        self.copy_rows = copy_rows
+        self.send_timeout_s = send_timeout_s
+        self.channel = channel or (lambda address, options: grpc.insecure_channel(address, options=options))
+        self.clock = clock
+        self.threaded = spawn is None
+        self.spawn = spawn or _thread
+        self.cond = threading.Condition()
+        self._links: dict[Stream, tuple[grpc.Channel, Callable]] = {}
+
+    @property
+    def streams(self) -> dict[str, Stream]:
+        return self.core.streams
+
+    # --- carrying out the core's actions (never under the lock) -------------------------------------------
+    def _do(self, actions: list[Action]) -> float:
+        """Carry out ``actions`` in order; the pause a sender must take (0: none)."""
+        pause = 0.0
+        for a in actions:
+            if isinstance(a, OpenStream):
+                self._open(a.stream)
+            elif isinstance(a, CloseStream):
+                link = self._links.pop(a.stream, None)
+                if link is not None:
+                    self.spawn("tigana-repl-close", link[0].close)
+            elif isinstance(a, StartCopy):
+                self.spawn("tigana-slot-copy", lambda s=a.stream, sess=a.session: self._copy(s, sess))
+            elif isinstance(a, ReportFailure):
+                self.report_failure(a.target, a.slots, a.reason)
+            elif isinstance(a, ReportCaughtUp):
+                if self.caught_up(a.stream.target_id, a.session.slots, a.session.epoch) is False:
+                    with self.cond:
+                        self.core.report_refused(a.stream, a.session)
+                        self.cond.notify_all()
+            elif isinstance(a, RefreshMap):
+                self.refresh_map(a.epoch)
+            elif isinstance(a, Pause):
+                pause = max(pause, a.seconds)
+        return pause
+
+    def _call(self, event: Callable[[], list[Action]]) -> float:
+        """Run one event of the core under the lock, wake the waiters, carry out its actions."""
+        with self.cond:
+            actions = event()
+            self.cond.notify_all()
+        return self._do(actions)
+
+    def _open(self, s: Stream) -> None:
+        channel = self.channel(s.address, channel_options(self.max_message_bytes, 30.0, 10.0, 0.1))
+        call = channel.unary_unary("/tigana.v1.Shard/Replicate", request_serializer=_identity,
+                                   response_deserializer=pb.ReplicateResponse.FromString)
+        self._links[s] = (channel, call)
+        self.spawn(f"tigana-repl-{s.target_id[:8]}", lambda: self._send_loop(s))
+
+    # --- events -------------------------------------------------------------------------------------------
+    def on_map(self, m: ShardMap, me: int, tables: list[str], positions: Callable[[str, np.ndarray], np.ndarray],
+               dedup_records: Callable[[str, np.ndarray], list]) -> None:
+        """A map installed (the caller holds every table's write lock): ``Primary.on_map``."""
+        self._call(lambda: self.core.on_map(m, me, tables, positions, dedup_records, self.clock()))
+
+    def enqueue(self, item: Item) -> list[Mark]:
+        """A write applied (under its table's write lock): the marks a sync write must wait for."""
+        with self.cond:
+            marks = self.core.enqueue(item)
+            self.cond.notify_all()
+        return marks
+
+    def tail_marks(self, slots: np.ndarray) -> list[Mark]:
+        with self.cond:
+            return self.core.tail_marks(slots)
+
+    def enqueue_rows(self, s: Stream, sess: Session, item: Item) -> bool:
+        with self.cond:
+            ok = self.core.enqueue_rows(s, sess, item)
+            self.cond.notify_all()
+        return ok
+
+    def session_active(self, s: Stream, sess: Session) -> bool:
+        with self.cond:
+            return self.core.session_active(s, sess)
+
+    def answered(self, s: Stream, reply: pb.ReplicateResponse) -> float:
+        """A target's answer: a newer map first, then the answer itself; the pause before the next send."""
+        with self.cond:
+            first = self.core.newer_map(reply)
+        self._do(first)
+        return self._call(lambda: self.core.answered(s, reply, self.clock()))
+
+    def send_failed(self, s: Stream, reason: str) -> None:
+        self._call(lambda: self.core.send_failed(s, reason, self.clock()))
+
+    def retry_reports(self) -> None:
+        self._call(self.core.retry)
+
+    def needs_restart(self) -> bool:
+        with self.cond:
+            return self.core.needs_restart()
+
+    def _copy(self, s: Stream, sess: Session) -> None:
+        """A slot copy's rows (by the server's ``copy_rows``), then ``rows_copied``."""
+        try:
+            self.copy_rows(s, sess)
+        except Exception:  # noqa: BLE001 - retried: the server's upkeep restarts failed copies
+            with self.cond:
+                self.core.copy_failed(s, sess)
+            return
+        self._call(lambda: self.core.rows_copied(s, sess, self.clock()))
+
+    # --- the sender of one stream -------------------------------------------------------------------------
+    def _send_loop(self, s: Stream) -> None:
+        """Send the queue's head, hand the answer (or the failure) to the core, pause when it says so."""
+        backoff = 0.05
+        try:
+            while True:
+                with self.cond:
+                    while not s.closed and not s.queue:
+                        self.cond.wait()
+                    request = self.core.request(s)
+                link = self._links.get(s)
+                if request is None or link is None:
+                    return
+                try:
+                    reply = link[1](request, timeout=self.send_timeout_s)
+                except grpc.RpcError as err:
+                    if s.closed:
+                        return
+                    self.send_failed(s, f"{err.code().name}: {err.details()}")
+                    self._pause(s, backoff)
+                    backoff = min(1.0, backoff * 2)
+                    continue
+                backoff = 0.05
+                self._pause(s, self.answered(s, reply))
+        except ValueError:  # the channel was closed under a call: the stream is closing
+            return
+
+    def _pause(self, s: Stream, seconds: float) -> None:
+        if seconds <= 0 or not self.threaded:
+            return  # driven by a simulator: its clock, not a sleep, spaces the retries
+        with self.cond:
+            if not s.closed:
+                self.cond.wait(seconds)
+
+    # --- waits --------------------------------------------------------------------------------------------
+    def wait(self, marks: list[Mark], timeout_s: float) -> bool:
+        """Wait until every mark is done (``Primary.mark_done``). False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while True:
+                if all(self.core.mark_done(m) for m in marks):
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0 or self.core.closed:
+                    return False
+                self.cond.wait(min(left, 0.5))
+
+    def wait_for_room(self, s: Stream, timeout_s: float = 30.0) -> None:
+        """Block while ``s`` holds more than ``copy_window_bytes`` unacknowledged: a slot copy's rows share the
+        stream with the writes of in-sync copies, and a sync push waits for its item, so the copy keeps only a
+        small window ahead of them (head-of-line delay stays a few MiB, not the whole copy)."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while not s.closed and s.queued_bytes > self.core.copy_window_bytes and time.monotonic() < deadline:
+                self.cond.wait(0.05)
+
+    def room(self, slots: np.ndarray | None, timeout_s: float) -> Stream | None:
+        """Wait (up to ``timeout_s``) until every stream that a write of ``slots`` (None: any) goes to holds at
+        most ``max_queue_bytes`` unacknowledged; the stream still over it, or None. Called before a write takes
+        its table's lock: the queue is bounded by back-pressure on the writers, never by dropping items."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while True:
+                full = self.core.full_stream(slots)
+                left = deadline - time.monotonic()
+                if full is None or left <= 0:
+                    return full
+                self.cond.wait(min(left, 0.1))
+
+    def stats(self) -> dict[str, float]:
+        with self.cond:
+            return self.core.stats(self.clock())
+
+    def close(self) -> None:
+        with self.cond:
+            actions = self.core.close()
+            self.cond.notify_all()
+        for a in actions:
+            link = self._links.pop(a.stream, None) if isinstance(a, CloseStream) else None
+            if link is not None:
+                link[0].close()
+
+
+def _identity(raw: bytes) -> bytes:
+    return raw
+
+
+def _thread(name: str, fn: Callable[[], None]) -> None:
+    threading.Thread(target=fn, name=name, daemon=True).start()

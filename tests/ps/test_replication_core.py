@@ -1,0 +1,260 @@
+"""The sans-IO cores of replication and membership, driven by hand: events in, actions out, no thread.
+
+These are the decisions the daemon's adapters and the simulator both drive (docs/replication.md): a slot copy's
+steps and its report (I5), a refusal that demotes only the in-sync copies it names, a failed stream reported
+only past its timeout, a sync write's marks released by an acknowledgement or by the map (I1), the lease
+counted from when a heartbeat was sent.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import numpy as np
+
+from tigana.proto import shard_pb2 as pb
+from tigana.ps.membership import HEARTBEAT, REGISTER, Membership, caught_up_answer
+from tigana.ps.replication import Primary
+from tigana.ps.replication.actions import (
+    CloseStream,
+    OpenStream,
+    Pause,
+    RefreshMap,
+    ReportCaughtUp,
+    ReportFailure,
+    StartCopy,
+)
+from tigana.ps.replication.copy import FAILED, REPORTED, ROWS_SENT, SWITCHED
+from tigana.ps.routing import CATCHING_UP, IN_SYNC, NO_SERVER, ServerEntry, ShardMap
+from tigana.ps.wire.cluster import CHANGES, SNAPSHOT_BEGIN, SNAPSHOT_END, Item
+
+SLOTS = 8
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _map(epoch: int, states_b: list[int | None]) -> ShardMap:
+    """Server a (index 0) leads every slot; server b (index 1) holds a copy of slot s in ``states_b[s]``
+    (None: no copy)."""
+    copies = np.full((SLOTS, 2), NO_SERVER, np.int32)
+    states = np.zeros((SLOTS, 2), np.uint8)
+    copies[:, 0] = 0
+    for s, st in enumerate(states_b):
+        if st is not None:
+            copies[s, 1], states[s, 1] = 1, st
+    servers = (ServerEntry("a", "a:1"), ServerEntry("b", "b:1"))
+    return ShardMap(epoch, SLOTS, 1, servers, copies, states, np.zeros(SLOTS, np.uint64))
+
+
+def _primary(**kw) -> Primary:
+    return Primary("a", "boot-a", SLOTS, generation=100, batch_bytes=1 << 20, **kw)
+
+
+def _install(p: Primary, m: ShardMap, now: float = 0.0, tables: tuple[str, ...] = ("t",)) -> list:
+    return p.on_map(m, 0, list(tables), lambda name, slots: np.zeros((slots.size, 2), np.uint64),
+                    lambda name, slots: [], now)
+
+
+def _reply(through: int, reject: int = pb.REJECT_NONE, slots: list[int] | None = None, epoch: int = 1
+           ) -> pb.ReplicateResponse:
+    return pb.ReplicateResponse(applied_through=through, reject=reject, epoch=epoch,
+                                slots=np.asarray(slots or [], "<i4").tobytes())
+
+
+def _write(slots: list[int]) -> Item:
+    return Item(CHANGES, "t", np.asarray(slots, np.int32), prev=np.zeros((len(slots), 2), np.uint64))
+
+
+def test_a_slot_copy_steps_through_its_states_and_reports_once_its_switch_is_acknowledged() -> None:
+    p = _primary()
+    actions = _install(p, _map(1, [CATCHING_UP] * 2 + [None] * 6))
+    assert [type(a) for a in actions] == [OpenStream, StartCopy]
+    s, sess = actions[1].stream, actions[1].session
+    assert sess.slots.tolist() == [0, 1] and s.queue[0].item.kind == SNAPSHOT_BEGIN
+    assert p.request(s) is not None  # SNAPSHOT_BEGIN is sendable at once
+    # rows exported (none here): SNAPSHOT_END queued; nothing acknowledged yet, so nothing to report
+    assert p.rows_copied(s, sess, now=1.0) == []
+    assert sess.state == ROWS_SENT and s.queue[-1].item.kind == SNAPSHOT_END
+    # a write to slot 0 meanwhile: sent to the copy, but not yet required (the copy is not in sync)
+    assert p.enqueue(_write([0])) == []
+    # everything through SNAPSHOT_END applied, lag small: the copy switches and, its switch seq acknowledged
+    # in the same answer, reports caught up
+    out = p.answered(s, _reply(s.next_seq - 1), now=2.0)
+    assert [type(a) for a in out] == [ReportCaughtUp] and out[0].session is sess and sess.state == REPORTED
+    assert s.required[[0, 1]].all() and not s.required[2:].any()
+    # from now on a sync write to slot 0 waits for the target
+    marks = p.enqueue(_write([0]))
+    assert len(marks) == 1 and not p.mark_done(marks[0])
+    assert p.answered(s, _reply(s.next_seq - 1), now=3.0) == [] and p.mark_done(marks[0])
+
+
+def test_a_copy_switches_a_second_after_its_rows_were_applied_whatever_the_lag() -> None:
+    p = _primary()
+    start = _install(p, _map(1, [CATCHING_UP] + [None] * 7))[1]
+    s, sess = start.stream, start.session
+    p.rows_copied(s, sess, now=0.0)
+    end = sess.end_seq
+    for _ in range(20):  # writes faster than the target applies them
+        p.enqueue(_write([0]))
+    assert p.answered(s, _reply(end), now=0.5) == [] and sess.state == ROWS_SENT  # lag 20 > 8: not yet
+    assert p.answered(s, _reply(end + 1), now=1.6) == []  # a second after the rows: switched
+    assert sess.state == SWITCHED and sess.switch_seq == s.next_seq - 1
+    out = p.answered(s, _reply(sess.switch_seq), now=1.7)
+    assert [type(a) for a in out] == [ReportCaughtUp]
+
+
+def test_a_refusal_cuts_only_its_slots_and_reports_only_in_sync_copies() -> None:
+    p = _primary()
+    _install(p, _map(1, [IN_SYNC] * 4 + [CATCHING_UP] * 2 + [None] * 2))
+    s = p.streams["b@b:1"]
+    p.enqueue(_write([0, 1, 4]))
+    # the target refuses slots 1 (in sync) and 4 (catching up): only slot 1 is reported
+    out = p.answered(s, _reply(0, pb.REJECT_DIVERGED, [1, 4]), now=1.0)
+    assert len(out) == 1 and isinstance(out[0], ReportFailure) and out[0].slots.tolist() == [1]
+    assert s.excluded[[1, 4]].all() and not s.excluded[[0, 2, 3, 5]].any()
+    assert s.queue[-1].item.slots.tolist() == [0]  # the queued write was cut to its other slots
+    assert all(x.state == FAILED for x in s.sessions)  # the copy of slots 4 and 5 starts again
+    # a sync write to slot 1 now waits for the map (no acknowledgement stands in for the cut item) ...
+    marks = p.enqueue(_write([1]))
+    assert marks and not p.mark_done(marks[0])
+    assert p.answered(s, _reply(s.next_seq - 1), now=2.0) == [] and not p.mark_done(marks[0])
+    # ... which takes the copy out of the in-sync set: released (I1)
+    _install(p, _map(2, [IN_SYNC, None, IN_SYNC, IN_SYNC] + [None] * 4))
+    assert p.mark_done(marks[0])
+
+
+def test_a_refusal_about_slots_led_elsewhere_now_demotes_nothing() -> None:
+    p = _primary()
+    _install(p, _map(1, [CATCHING_UP] * 2 + [None] * 6))
+    s = p.streams["b@b:1"]
+    assert p.answered(s, _reply(0, pb.REJECT_STALE, [0, 1], epoch=1), now=1.0) == []
+
+
+def test_a_refusal_from_a_newer_map_is_learned_first() -> None:
+    p = _primary()
+    _install(p, _map(1, [IN_SYNC] + [None] * 7))
+    assert p.newer_map(_reply(0, pb.REJECT_STALE, [0], epoch=5)) == [RefreshMap(5)]
+    assert p.newer_map(_reply(0, pb.REJECT_STALE, [0], epoch=1)) == []
+    assert p.newer_map(_reply(3, epoch=9)) == []  # not a refusal: nothing to learn
+
+
+def test_a_failing_stream_is_reported_only_past_its_timeout_and_once() -> None:
+    p = _primary(failure_timeout_s=2.0)
+    _install(p, _map(1, [IN_SYNC] * 3 + [None] * 5))
+    s = p.streams["b@b:1"]
+    assert p.send_failed(s, "UNAVAILABLE", now=10.0) == []
+    assert p.send_failed(s, "UNAVAILABLE", now=11.0) == []
+    out = p.send_failed(s, "UNAVAILABLE", now=12.0)
+    assert len(out) == 1 and out[0].slots.tolist() == [0, 1, 2]
+    assert p.send_failed(s, "UNAVAILABLE", now=13.0) == []  # reported once ...
+    assert [type(a) for a in p.retry()] == [ReportFailure]  # ... and again by the upkeep timer
+    # REJECT_BEHIND (the target lacks our map) is a failure of the same kind, with a pause
+    p2 = _primary()
+    _install(p2, _map(1, [IN_SYNC] + [None] * 7))
+    out = p2.answered(p2.streams["b@b:1"], _reply(0, pb.REJECT_BEHIND), now=0.0)
+    assert out == [Pause(0.05)]
+    # applying again makes the stream whole: the failure no longer stands
+    s2 = p2.streams["b@b:1"]
+    p2.enqueue(_write([0]))
+    p2.answered(s2, _reply(1), now=1.0)
+    assert s2.broken_since is None and not s2.reported
+
+
+def test_a_broken_stream_nothing_depends_on_is_restarted_by_the_next_map() -> None:
+    p = _primary(failure_timeout_s=0.0)
+    _install(p, _map(1, [CATCHING_UP] + [None] * 7))
+    s = p.streams["b@b:1"]
+    p.send_failed(s, "UNAVAILABLE", now=1.0)
+    assert p.needs_restart()
+    actions = _install(p, _map(1, [CATCHING_UP] + [None] * 7), now=2.0)
+    assert [type(a) for a in actions] == [CloseStream, OpenStream, StartCopy]
+    assert actions[0].stream is s and actions[1].stream is not s
+    assert actions[1].stream.generation > s.generation
+    # a server that no longer holds a copy: its stream closes
+    assert [type(a) for a in _install(p, _map(2, [None] * 8), now=3.0)] == [CloseStream]
+    assert p.streams == {}
+
+
+def test_a_stale_caught_up_report_restarts_the_copy() -> None:
+    p = _primary()
+    s = _install(p, _map(1, [CATCHING_UP] + [None] * 7))[0].stream
+    sess = s.sessions[0]
+    p.rows_copied(s, sess, 0.0)
+    (report,) = p.answered(s, _reply(s.next_seq - 1), now=0.1)
+    p.report_refused(report.stream, report.session)
+    assert sess.state == FAILED and not s.required[0] and p.needs_restart()
+
+
+def test_the_queue_bound_names_the_full_stream() -> None:
+    p = _primary(max_queue_bytes=1000)
+    _install(p, _map(1, [IN_SYNC] * 2 + [None] * 6))
+    s = p.streams["b@b:1"]
+    assert p.full_stream(None) is None
+    for _ in range(20):
+        p.enqueue(_write([0]))
+    assert p.full_stream(None) is s and p.full_stream(np.array([0])) is s
+    assert p.full_stream(np.array([5])) is None  # slot 5 has no copy on b: its writes do not wait for room
+    p.answered(s, _reply(s.next_seq - 1), now=1.0)
+    assert p.full_stream(None) is None and s.queued_bytes == 0
+
+
+def test_the_lease_counts_from_when_a_heartbeat_was_sent() -> None:
+    m = Membership(interval_s=0.5, lease_s=2.0)
+    assert m.next_call() == REGISTER and not m.lease_ok(0.0)
+    m.registered_ok(sent=10.0)
+    assert m.next_call() == HEARTBEAT and m.lease_ok(11.9) and not m.lease_ok(12.0)
+    assert m.heartbeat_answered(sent=11.0, reregister=False) is False and m.lease_ok(12.9)
+    # failures back off, but a registered server never waits longer than its interval
+    assert [m.call_failed() for _ in range(5)] == [0.1, 0.2, 0.4, 0.5, 0.5]
+    assert m.heartbeat_answered(sent=20.0, reregister=True) is True and m.next_call() == REGISTER
+    assert not m.lease_ok(20.5)  # a re-register does not renew the lease
+    assert [m.call_failed() for _ in range(6)][-1] == 2.0
+
+
+def test_refreshes_coalesce_to_the_highest_epoch_wanted() -> None:
+    m = Membership()
+    assert m.want(5) and not m.want(5) and not m.want(3) and m.want(6)
+    assert m.wants_more(5) and not m.wants_more(6)
+    assert caught_up_answer(False, "stale: the copy changed at epoch 9") is False
+    assert caught_up_answer(False, "not the primary") is True and caught_up_answer(True, "") is True
+
+
+def test_the_cores_hold_no_thread_socket_or_clock() -> None:
+    """Sans-IO: the cores import nothing that blocks, sleeps, reads a clock or opens a socket."""
+    forbidden = {"threading", "time", "socket", "grpc", "asyncio", "concurrent", "selectors", "random"}
+    cores = ["ps/replication/primary.py", "ps/replication/stream.py", "ps/replication/copy.py",
+             "ps/replication/actions.py", "ps/membership/core.py"]
+    for path in cores:
+        tree = ast.parse((ROOT / path).read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                assert name.split(".")[0] not in forbidden, f"{path} imports {name}"
+
+
+def test_the_apply_side_applies_each_seq_once_in_order_and_asks_for_a_newer_map() -> None:
+    from types import SimpleNamespace
+
+    from tigana.ps.replication import Inbound
+
+    applied: list[str] = []
+    view = SimpleNamespace(epoch=3, valid=True)
+
+    def req(first: int, items: list[str], generation: int = 7, epoch: int = 3) -> SimpleNamespace:
+        return SimpleNamespace(source_boot="b1", generation=generation, first_seq=first, epoch=epoch, items=items)
+
+    def receive(r: SimpleNamespace, **kw):
+        return inbound.receive(r, "me", lambda: view, lambda msg, epoch: applied.append(msg), **kw)
+
+    inbound = Inbound("src")
+    assert receive(req(2, ["x"])).reject == pb.REJECT_GAP  # a new stream starts at seq 1
+    assert receive(req(1, ["a", "b"])).applied_through == 2
+    assert receive(req(2, ["b", "c"])).applied_through == 3  # a retried request: "b" applied once
+    assert receive(req(5, ["e"])).reject == pb.REJECT_GAP and applied == ["a", "b", "c"]
+    assert receive(req(1, ["z"], generation=6)).reject == pb.REJECT_GAP  # an older generation of the stream
+    # the source's map is newer: the core asks for it; the adapter learns it, or the request is refused BEHIND
+    assert receive(req(4, ["d"], epoch=5)) == RefreshMap(5)
+    assert receive(req(4, ["d"], epoch=5), may_refresh=False).reject == pb.REJECT_BEHIND
+    view.epoch = 5
+    assert receive(req(4, ["d"], epoch=5)).applied_through == 4 and applied == ["a", "b", "c", "d"]
