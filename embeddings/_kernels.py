@@ -196,9 +196,9 @@ if AVAILABLE:
 
     @njit(nogil=True, cache=True)
     def dedup_sum(positions, grads):
-        """Sum rows of ``grads`` that share a slab position (positions >= 0). Returns (unique positions in
+        """Sum rows of ``grads`` that share a key (a slab position, or any int64 but -1). Returns (unique keys in
         first-seen order, (k, dim) float32 sums added in batch order). A local open-addressing map keyed by
-        position assigns each row its group."""
+        key assigns each row its group."""
         n = positions.shape[0]
         dim = grads.shape[1]
         cap = 16
@@ -266,21 +266,33 @@ if AVAILABLE:
     # No finite-math assumptions: NaN/Inf stay well defined. error_model="numpy" drops numba's per-divide
     # zero check (which blocks vectorization): the adagrad kernel ran about 4x faster with it.
     _FAST = {"reassoc", "nsz", "contract"}
+    _F32_MAX = np.float32(np.finfo(np.float32).max)
 
-    # --- optimizers: in place on rows ``rows`` of weights (k', dim) f32 and state (k', width) f32 -----------
+    # --- optimizers: rows ``rows`` of weights (N, dim) f32 and state (N, width) f32, updated by ``grads`` (k,
+    # dim). In place; or, with ``check``, nothing written and ``bad[i]`` set when row i's update would hold a
+    # NaN/Inf (not |x| <= max float32: no finite-math flag lets LLVM fold the comparison, where reassociation
+    # folds x - x to 0), so that a table refuses the push before it changes anything. The branch on ``check``
+    # is loop-invariant (hoisted).
     @njit(nogil=True, cache=True, fastmath=_FAST, error_model="numpy")
-    def sgd(weights, rows, grads, lr):
+    def sgd(weights, rows, grads, lr, check, bad):
         dim = weights.shape[1]
         k = rows.shape[0]
         for i in range(k):
             if i + _ROW_PREFETCH_DISTANCE < k:
                 _prefetch_row(weights, rows[i + _ROW_PREFETCH_DISTANCE])
             r = rows[i]
+            nf = False
             for j in range(dim):
-                weights[r, j] -= np.float32(lr) * grads[i, j]
+                w = weights[r, j] - np.float32(lr) * grads[i, j]
+                if check:
+                    nf |= not (abs(w) <= _F32_MAX)
+                else:
+                    weights[r, j] = w
+            if check:
+                bad[i] = nf
 
     @njit(nogil=True, cache=True, fastmath=_FAST, error_model="numpy")
-    def adagrad(weights, state, rows, grads, lr, eps):
+    def adagrad(weights, state, rows, grads, lr, eps, check, bad):
         dim = weights.shape[1]
         lr32 = np.float32(lr)
         eps32 = np.float32(eps)
@@ -290,14 +302,21 @@ if AVAILABLE:
                 _prefetch_row(weights, rows[i + _ROW_PREFETCH_DISTANCE])
                 _prefetch_row(state, rows[i + _ROW_PREFETCH_DISTANCE])
             r = rows[i]
+            nf = False
             for j in range(dim):
                 g = grads[i, j]
                 acc = state[r, j] + g * g
-                state[r, j] = acc
-                weights[r, j] -= lr32 * g / (np.sqrt(acc) + eps32)
+                w = weights[r, j] - lr32 * g / (np.sqrt(acc) + eps32)
+                if check:
+                    nf |= not ((abs(acc) <= _F32_MAX) & (abs(w) <= _F32_MAX))
+                else:
+                    state[r, j] = acc
+                    weights[r, j] = w
+            if check:
+                bad[i] = nf
 
     @njit(nogil=True, cache=True, fastmath=_FAST, error_model="numpy")
-    def rowwise_adagrad(weights, state, rows, grads, lr, eps):
+    def rowwise_adagrad(weights, state, rows, grads, lr, eps, check, bad):
         dim = weights.shape[1]
         lr32 = np.float32(lr)
         eps32 = np.float32(eps)
@@ -312,13 +331,23 @@ if AVAILABLE:
                 g = grads[i, j]
                 sq += g * g
             acc = state[r, 0] + sq / np.float32(dim)
-            state[r, 0] = acc
             scale = lr32 / (np.sqrt(acc) + eps32)
+            nf = not (abs(acc) <= _F32_MAX)
+            if not check:
+                state[r, 0] = acc
             for j in range(dim):
-                weights[r, j] -= scale * grads[i, j]
+                w = weights[r, j] - scale * grads[i, j]
+                if check:
+                    nf |= not (abs(w) <= _F32_MAX)
+                else:
+                    weights[r, j] = w
+            if check:
+                bad[i] = nf
 
-    @njit(nogil=True, cache=True, fastmath=_FAST, error_model="numpy")
-    def adam(weights, state, rows, grads, steps, lr, beta1, beta2, eps, weight_decay):
+    # Adam without reassociation: it moved (1 - beta2) * g * g to (1 - beta2) * (g * g), which overflows for
+    # |g| > 1.8e19 where numpy's order does not, so the backends disagreed (NaN weights on numba only).
+    @njit(nogil=True, cache=True, fastmath=_FAST - {"reassoc"}, error_model="numpy")
+    def adam(weights, state, rows, grads, steps, lr, beta1, beta2, eps, weight_decay, check, bad):
         dim = weights.shape[1]
         b1 = np.float32(beta1)
         b2 = np.float32(beta2)
@@ -335,16 +364,24 @@ if AVAILABLE:
             bc2 = 1.0 - beta2**t
             step_size = np.float32(lr / bc1)
             bc2_sqrt = np.float32(math.sqrt(bc2))
+            nf = False
             for j in range(dim):
-                g = grads[i, j] + wd * weights[r, j]
+                w = weights[r, j]
+                g = grads[i, j] + wd * w
                 m = b1 * state[r, j] + (np.float32(1.0) - b1) * g
                 v = b2 * state[r, dim + j] + (np.float32(1.0) - b2) * g * g
-                state[r, j] = m
-                state[r, dim + j] = v
-                weights[r, j] -= step_size * m / (np.sqrt(v) / bc2_sqrt + eps32)
+                w = w - step_size * m / (np.sqrt(v) / bc2_sqrt + eps32)
+                if check:
+                    nf |= not ((abs(m) <= _F32_MAX) & (abs(v) <= _F32_MAX) & (abs(w) <= _F32_MAX))
+                else:
+                    state[r, j] = m
+                    state[r, dim + j] = v
+                    weights[r, j] = w
+            if check:
+                bad[i] = nf
 
     @njit(nogil=True, cache=True, fastmath=_FAST, error_model="numpy")
-    def ftrl(weights, state, rows, grads, alpha, beta, l1, l2):
+    def ftrl(weights, state, rows, grads, alpha, beta, l1, l2, check, bad):
         dim = weights.shape[1]
         k = rows.shape[0]
         for i in range(k):
@@ -352,6 +389,7 @@ if AVAILABLE:
                 _prefetch_row(weights, rows[i + _ROW_PREFETCH_DISTANCE])
                 _prefetch_row(state, rows[i + _ROW_PREFETCH_DISTANCE])
             r = rows[i]
+            nf = False
             for j in range(dim):
                 g = np.float64(grads[i, j])
                 w = np.float64(weights[r, j])
@@ -360,13 +398,21 @@ if AVAILABLE:
                 n_new = n + g * g
                 sigma = (math.sqrt(n_new) - math.sqrt(n)) / alpha
                 z += g - sigma * w
-                state[r, j] = np.float32(z)
-                state[r, dim + j] = np.float32(n_new)
+                z32 = np.float32(z)
+                n32 = np.float32(n_new)
                 if abs(z) <= l1:
-                    weights[r, j] = np.float32(0.0)
+                    w32 = np.float32(0.0)
                 else:
                     sgn = 1.0 if z > 0 else -1.0
-                    weights[r, j] = np.float32(-(z - sgn * l1) / ((beta + math.sqrt(n_new)) / alpha + l2))
+                    w32 = np.float32(-(z - sgn * l1) / ((beta + math.sqrt(n_new)) / alpha + l2))
+                if check:
+                    nf |= not ((abs(z32) <= _F32_MAX) & (abs(n32) <= _F32_MAX) & (abs(w32) <= _F32_MAX))
+                else:
+                    state[r, j] = z32
+                    state[r, dim + j] = n32
+                    weights[r, j] = w32
+            if check:
+                bad[i] = nf
 
     @njit(nogil=True, cache=True)
     def unique_first_seen(ids):

@@ -9,8 +9,11 @@ State layout per row (float32, ``state_width(opt, dim)`` columns):
     FTRL            z[dim], n[dim]          FTRL-Proximal (McMahan et al. 2013), per coordinate
 
 ``apply`` updates ``weights``/``state`` in place at ``rows``; ``grads`` (k, dim) float32 are already summed per
-row. ``steps`` (k,) are the rows' 1-based update counts including this update (Adam only). Pure arrays in,
-arrays out: no locks, no I/O. The numba kernels and the numpy fallback implement the same equations.
+row. ``steps`` (k,) are the rows' 1-based update counts including this update (Adam only). A table first
+asks which rows' update would hold a NaN/Inf (``nonfinite_rows`` on numba; ``updated``'s compact result on
+numpy) and refuses the push before changing anything. Pure arrays in, arrays out: no locks, no I/O. The numba
+kernels and the numpy fallback implement the same equations, in the same order of operations (Adam's
+``(1 - beta2) * g * g`` overflows for the same gradients on both).
 """
 
 from __future__ import annotations
@@ -48,26 +51,49 @@ def apply(opt: Optimizer, weights: np.ndarray, state: np.ndarray, rows: np.ndarr
     if rows.shape[0] == 0:
         return
     if backend == "numba":
-        _apply_numba(opt, weights, state, rows, grads, steps)
+        _numba(opt, weights, state, np.ascontiguousarray(rows, np.int64), grads, steps, False, _NO_ROWS)
     else:
-        w, s = weights[rows], state[rows]
-        _apply_numpy(opt, w, s, grads, steps)
+        w, s = updated(opt, weights, state, rows, grads, steps)
         weights[rows] = w
         state[rows] = s
 
 
-def _apply_numba(opt, weights, state, rows, grads, steps) -> None:
+def nonfinite_rows(opt: Optimizer, weights: np.ndarray, state: np.ndarray, rows: np.ndarray, grads: np.ndarray,
+                   steps: np.ndarray | None) -> np.ndarray:
+    """(k,) bool: the rows whose update by ``apply`` would hold a NaN/Inf (weights or state), computed by the
+    numba kernels without writing anything (numba only: numpy callers check ``updated``'s result)."""
+    bad = np.zeros(rows.shape[0], bool)
+    if rows.shape[0]:
+        _numba(opt, weights, state, np.ascontiguousarray(rows, np.int64), grads, steps, True, bad)
+    return bad
+
+
+def updated(opt: Optimizer, weights: np.ndarray, state: np.ndarray, rows: np.ndarray, grads: np.ndarray,
+            steps: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """(k, dim) weights and (k, width) state of rows ``rows`` after the update, as new arrays (numpy; an
+    overflow is left as Inf/NaN for the caller to check)."""
+    w, s = weights[rows], state[rows]
+    if rows.shape[0]:
+        with np.errstate(over="ignore", invalid="ignore"):
+            _apply_numpy(opt, w, s, grads, steps)
+    return w, s
+
+
+_NO_ROWS = np.zeros(0, bool)
+
+
+def _numba(opt, weights, state, rows, grads, steps, check: bool, bad: np.ndarray) -> None:
     if isinstance(opt, SGD):
-        _kernels.sgd(weights, rows, grads, opt.lr)
+        _kernels.sgd(weights, rows, grads, opt.lr, check, bad)
     elif isinstance(opt, Adagrad):
-        _kernels.adagrad(weights, state, rows, grads, opt.lr, opt.eps)
+        _kernels.adagrad(weights, state, rows, grads, opt.lr, opt.eps, check, bad)
     elif isinstance(opt, RowWiseAdagrad):
-        _kernels.rowwise_adagrad(weights, state, rows, grads, opt.lr, opt.eps)
+        _kernels.rowwise_adagrad(weights, state, rows, grads, opt.lr, opt.eps, check, bad)
     elif isinstance(opt, Adam):
         _kernels.adam(weights, state, rows, grads, np.ascontiguousarray(steps, np.float64), opt.lr, opt.beta1,
-                      opt.beta2, opt.eps, opt.weight_decay)
+                      opt.beta2, opt.eps, opt.weight_decay, check, bad)
     elif isinstance(opt, FTRL):
-        _kernels.ftrl(weights, state, rows, grads, opt.alpha, opt.beta, opt.l1, opt.l2)
+        _kernels.ftrl(weights, state, rows, grads, opt.alpha, opt.beta, opt.l1, opt.l2, check, bad)
     else:
         raise TypeError(f"unknown optimizer {opt!r}")
 

@@ -29,8 +29,9 @@ from tigana.embeddings._evicting import Evicting
 from tigana.embeddings._exporting import Exporting
 from tigana.embeddings._persisting import Persisting
 from tigana.embeddings._spilling import SpillTier
+from tigana.embeddings._updating import Updating
 from tigana.embeddings.changes import Changes
-from tigana.embeddings.config import Adam, TableConfig
+from tigana.embeddings.config import TableConfig
 from tigana.embeddings.cut import CutHooks
 from tigana.embeddings.errors import InvalidArgument, StorageError, StorageFull
 from tigana.embeddings.hashtable import HashIndex, resolve_backend
@@ -41,7 +42,7 @@ from tigana.embeddings.slab import Slab
 _log = logging.getLogger(__name__)
 
 
-class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier):
+class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updating):
     """One table: rows, optimizer state, metadata; hash index; admission, eviction, LMDB spill, snapshots.
 
     Thread-safety: every public method takes the table's lock; the numeric kernels release the GIL, so
@@ -141,8 +142,8 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier):
              changes: Changes | None = None) -> int:
         """Sum grads of duplicate ids, apply the optimizer to those rows; returns unique rows updated.
 
-        ``grads`` (n, dim) float; validates everything (dtype, shape, dim, NaN/Inf) before changing
-        anything. Ids not in the table are inserted when admission is open and dropped otherwise (admission
+        ``grads`` (n, dim) float; validates everything (dtype, shape, dim, NaN/Inf, and an update that would
+        leave a row's weights or optimizer state NaN/Inf: ``_updating``) before changing anything. Ids not in the table are inserted when admission is open and dropped otherwise (admission
         is decided on pull). ``step`` sets the table step stamped on the rows (default: step + 1).
         ``changes`` records the ids updated and any evicted by the call."""
         ids = self._check_ids(ids)
@@ -153,23 +154,30 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier):
                                                 backend=self._backend, table=self.name)
         with self._lock, self._recording(changes):
             self._check_open()
+            positions = self._index.lookup(ids)
+            update = self._plan_update(ids, positions, grads)  # on copies: nothing has changed yet
+            if update.bad.any():
+                if self.config.nonfinite_grads == "reject":
+                    row = update.first_bad_row()
+                    raise InvalidArgument(f"table {self.name!r}: field 'grads' would make the row of id "
+                                          f"{int(ids[row])} non-finite (first in row {row}, largest |g| "
+                                          f"{float(np.abs(grads).max()):.3g}); batch rejected")
+                keep, update = update.without_bad()
+                ids, positions, skipped = ids[keep], positions[keep], skipped + int((~keep).sum())
             self._counters["nonfinite_rows_skipped"] += skipped
             self._clock += 1
             self._counters["pushes"] += 1
-            positions = self._index.lookup(ids)
             miss = np.flatnonzero(positions < 0)
             if miss.size:
                 positions[miss] = self._materialize(ids[miss], insert=self._open_admission, count=False,
                                                     hold=positions)
             keep = positions >= 0
-            if not keep.all():
-                positions, grads = positions[keep], grads[keep]
             if self._changes is not None:
                 self._changes.written.append(ids[keep] if not keep.all() else ids)
-            if self._backend == "numba":
-                rows, summed = _kernels.dedup_sum(np.ascontiguousarray(positions), grads)
-            else:
-                rows, summed = _gradients.dedup_sum_numpy(positions, grads)
+            rows = self._rows_of(update)
+            stored = rows >= 0
+            if not stored.all():
+                rows = rows[stored]
             self._step = self._step + 1 if step is None else int(step)
             self._cow_update(rows)  # open cuts keep the rows as they were, before the first change
             slab = self._slab
@@ -182,7 +190,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier):
                 slab.last_time[rows] = time.time()
                 slab.last_access[rows] = self._clock
                 slab.dirty[rows] = slab.mark
-            self._apply(rows, summed)
+            self._write_update(update, rows, stored)
             self._counters["rows_updated"] += int(rows.shape[0])
             self._upkeep(self._maybe_evict)
             self._upkeep(self._maybe_spill)
@@ -200,18 +208,6 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier):
                 _log.warning("table %r: upkeep after an applied call failed: %s", self.name, exc)
             else:
                 _log.exception("table %r: upkeep after an applied call failed", self.name)
-
-    def _apply(self, rows: np.ndarray, summed: np.ndarray) -> None:
-        slab, opt = self._slab, self.config.optimizer
-        steps = slab.update_count[rows].astype(np.float64) if isinstance(opt, Adam) else None
-        if slab.storage_dtype == np.float32:
-            optimizers.apply(opt, slab.weights, slab.state, rows, summed, steps, backend=self._backend)
-        else:  # widen the touched rows, update a compact float32 copy, round back
-            w = slab.read_weights(rows)
-            s = np.ascontiguousarray(slab.state[rows])
-            optimizers.apply(opt, w, s, np.arange(rows.shape[0]), summed, steps, backend=self._backend)
-            slab.write_weights(rows, w)
-            slab.state[rows] = s
 
     def _materialize(self, ids: np.ndarray, *, insert: bool, count: bool, hold: np.ndarray) -> np.ndarray:
         """Slab positions for ids missing from the index: bring spilled rows back, insert admitted new ids.
