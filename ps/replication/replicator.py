@@ -54,9 +54,12 @@ class Replicator:
                  max_queue_bytes: int = 512 << 20, copy_window_bytes: int = 16 << 20,
                  channel: Callable[[str, list], grpc.Channel] | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 spawn: Callable[[str, Callable[[], None]], None] | None = None) -> None:
-        # A restarted process starts its stream generations above every one its previous boot used.
-        self.core = Primary(server_id, boot, num_slots, generation=int(time.time() * 1000) << 8,
+                 spawn: Callable[[str, Callable[[], None]], None] | None = None,
+                 generation: int | None = None) -> None:
+        # Stream generations only grow within a boot (a target tells a new stream from an old one of the same
+        # boot by it); the wall clock seeds them unless a simulator gives its own first generation.
+        first = int(time.time() * 1000) << 8 if generation is None else generation
+        self.core = Primary(server_id, boot, num_slots, generation=first,
                             batch_bytes=min(batch_bytes, max_message_bytes // 2),
                             failure_timeout_s=failure_timeout_s, max_queue_bytes=max_queue_bytes,
                             copy_window_bytes=copy_window_bytes)

@@ -60,7 +60,8 @@ class ShardService(Ownership, Writes, Exports, Persistence, Hosting, shard_pb2_g
 
     def __init__(self, config: ServerConfig, metrics: ServerMetrics | None = None, *,
                  security: Security = NONE, clock: Callable[[], float] = time.monotonic,
-                 spawn: Callable[[str, Callable[[], None]], None] | None = None) -> None:
+                 spawn: Callable[[str, Callable[[], None]], None] | None = None, boot: str | None = None,
+                 generation: int | None = None) -> None:
         self.config = config
         self.security = security
         self.metrics = metrics or ServerMetrics(self.table_sizes, self.cluster_figures)
@@ -70,7 +71,8 @@ class ShardService(Ownership, Writes, Exports, Persistence, Hosting, shard_pb2_g
         self.catalog = Catalog(self.data_dir) if self.data_dir is not None else None
         self.server_id = (self.catalog.server_id(config.server_id) if self.catalog is not None
                           else config.server_id or uuid.uuid4().hex[:12])
-        self.boot = uuid.uuid4().hex[:12]
+        # This process's incarnation (a simulator names its own, so that a seed replays to the byte).
+        self.boot = boot or uuid.uuid4().hex[:12]
         self.clustered = config.scheduler is not None
         self.corrupt_stores = 0  # stores found corrupt at start and quarantined (clustered servers)
         self.agent: Any = None
@@ -93,7 +95,8 @@ class ShardService(Ownership, Writes, Exports, Persistence, Hosting, shard_pb2_g
                 self.server_id, self.boot, self.num_slots, max_message_bytes=config.max_message_bytes,
                 refresh_map=self._refresh, report_failure=self._report_failure, caught_up=self._caught_up,
                 copy_rows=self._copy_rows, failure_timeout_s=config.replication_timeout_s,
-                max_queue_bytes=config.replication_queue_bytes, channel=security.channel, clock=clock, spawn=spawn)
+                max_queue_bytes=config.replication_queue_bytes, channel=security.channel, clock=clock, spawn=spawn,
+                generation=generation)
         else:
             self._view = _View.static(config.owned_slots())
             self.replicator = None

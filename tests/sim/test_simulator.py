@@ -36,12 +36,14 @@ def test_a_seed_replays_exactly() -> None:
     a = run_seed(5, Settings(busy_s=3.0))
     b = run_seed(5, Settings(busy_s=3.0))
     assert a.ops == b.ops and a.steps == b.steps and a.acked == b.acked
+    assert a.trace == b.trace  # to the byte: boot ids and stream generations come from the seed too
 
 
 def test_a_seed_with_data_dirs_replays_exactly() -> None:
     settings = Settings(busy_s=3.0, ops_per_s=2.0, snapshot_every_s=1.0)
     a, b = run_seed(6, settings), run_seed(6, settings)
     assert a.ops == b.ops and a.steps == b.steps and a.acked == b.acked and a.pulls == b.pulls
+    assert a.trace == b.trace
 
 
 def test_a_failing_run_prints_a_minimal_trace() -> None:

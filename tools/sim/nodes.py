@@ -199,7 +199,9 @@ class SimServer:
         self.tasks: list[Callable[[], None]] = []
         self.in_flight: set[int] = set()
         self.acks: list[tuple[Any, Deferred, float]] = []
-        self.svc = ShardService(self.config, security=_Security(), clock=self.clock, spawn=self._spawn)
+        self.boots = getattr(self, "boots", 0) + 1  # boot ids and stream generations from the seed, not uuid4/clock
+        self.svc = ShardService(self.config, security=_Security(), clock=self.clock, spawn=self._spawn,
+                                boot=f"{self.name}-boot{self.boots}", generation=self.boots << 20)
         self.svc.load()  # what its data dir holds: its snapshots, as the daemon does at start (none: nothing)
         self.svc.state = "serving"
         self.agent = SimAgent(self)
