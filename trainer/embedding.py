@@ -633,7 +633,9 @@ class PSEmbeddingCollection(nn.Module):
 
     def table_rows(self, table: str, ids: np.ndarray | torch.Tensor) -> np.ndarray:
         """(n, dim) float32 current rows of logical table ``table`` for int64 ``ids`` (through the fused table
-        when there is one). A plain pull: it does not wait for this collection's pushes; ``flush`` first."""
+        when there is one): an inspection, so a read-only pull (ids the table lacks read as their initial rows
+        and are not inserted, nor counted toward admission). It does not wait for this collection's pushes;
+        ``flush`` first."""
         if table not in self.tables:
             raise ValueError(f"no table named {table!r} (tables: {self.tables})")
         ids = np.ascontiguousarray(torch.as_tensor(ids).numpy(), dtype=np.int64)
@@ -642,10 +644,10 @@ class PSEmbeddingCollection(nn.Module):
             ids = _salted(ids, self._salts[self.tables.index(table)])
         comp = self.compressors.get(physical)
         if comp is None:
-            return self.client.pull(physical, ids)
+            return self.client.pull(physical, ids, insert=False)
         self.client.set_compression(physical, {"pull": "fp32", "push": comp.push_dir.codec()})  # exact rows
         try:
-            return self.client.pull(physical, ids)
+            return self.client.pull(physical, ids, insert=False)
         finally:
             self._set_codecs(physical)
 

@@ -285,3 +285,33 @@ def test_evaluation_pulls_are_read_only(client, fused: bool) -> None:
     torch.testing.assert_close(trained.detach(), read_only)
     grown = {t: client.describe_table(t).rows for t in physical}
     assert all(grown[t] > rows[t] for t in physical), (rows, grown)
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_table_rows_reads_without_inserting(client, fused: bool, compressed: bool) -> None:
+    """``table_rows`` is an inspection: the rows of ids a table holds as stored, and of ids it never saw as
+    their initial rows, with nothing inserted (it used to pull with inserts, growing the table it looked at)."""
+    prefix = _name()
+    coll = PSEmbeddingCollection(client, _features(prefix), DIM, fused_table=f"{prefix}fused" if fused else None,
+                                 options=TableOptions(optimizer=ps.SGD(lr=0.5), staleness=0, seed=3,
+                                                      compression="adaptive" if compressed else None))
+    physical = coll.fused_table if fused else f"{prefix}a"
+    trained = np.arange(6)
+    coll.table_rows(f"{prefix}a", trained)  # nothing stored yet: still nothing after
+    assert client.describe_table(physical).rows == 0
+    sparse = SparseFeatures([f"{prefix}a", f"{prefix}b", f"{prefix}c"],
+                            torch.from_numpy(np.concatenate([trained, trained, trained + 100])),
+                            torch.ones(18, dtype=torch.int64))
+    coll(sparse).sum().backward()  # a training pull and push store ids 0..5 (and 100..105 in table c)
+    coll.flush()
+    stored = client.describe_table(physical).rows
+    unseen = np.arange(1000, 1050)
+    rows = coll.table_rows(f"{prefix}a", np.concatenate([trained, unseen]))
+    assert client.describe_table(physical).rows == stored, "table_rows inserted the rows it read"
+    # the rows as the PS holds them: an exact (fp32) pull of the physical ids, after the count was checked
+    client.set_compression(physical, {"pull": "fp32", "push": "fp32"})
+    ids = np.concatenate([trained, unseen])
+    expected = client.pull(physical, _salted(ids, _table_salt(f"{prefix}a")) if fused else ids)
+    np.testing.assert_array_equal(rows, expected)
+    assert not np.allclose(rows[:6], rows[6:12], atol=0.1)  # stored rows were trained; unseen ones are initial
