@@ -176,18 +176,30 @@ def test_staleness0_sgd_matches_local_embeddingbag_step_by_step(client, fused: b
         assert client.list_tables().count(f"{prefix}fused") == 1 and f"{prefix}a" not in client.list_tables()
 
 
-def test_prefetch_gives_the_same_rows_without_a_second_pull(client) -> None:
+def test_prefetch_gives_the_same_rows_without_a_second_pull(client, monkeypatch: pytest.MonkeyPatch) -> None:
     prefix = _name()
     features = _features(prefix)
     coll = PSEmbeddingCollection(client, features, DIM, options=TableOptions(staleness=1))
     sparse = _batch(np.random.default_rng(2), prefix, 32)
+    issued: list[str] = []  # every pull the collection sends, by table
+    pull_async = client.pull_async
+
+    def counted(table: str, ids, **kw):
+        issued.append(table)
+        return pull_async(table, ids, **kw)
+
+    monkeypatch.setattr(client, "pull_async", counted)
     with torch.no_grad():
         direct = coll(sparse)
+        per_batch = len(issued)  # one pull per physical table
         pulled = coll.pulled_rows
         coll.prefetch(sparse)
-        coll.prefetch(sparse)  # the same batch again: nothing new is pulled
-        prefetched = coll(sparse)
-    assert coll.pulled_rows == 2 * pulled
+        assert len(issued) == 2 * per_batch
+        coll.prefetch(sparse)  # the same batch again: nothing new is pulled, nothing new is kept
+        assert len(issued) == 2 * per_batch and len(coll._prefetched) == 1
+        prefetched = coll(sparse)  # served by the prefetch: no pull
+        assert len(issued) == 2 * per_batch and coll._prefetched == []
+    assert per_batch == len(coll.tables) and coll.pulled_rows == 2 * pulled
     torch.testing.assert_close(direct, prefetched)
     strict = PSEmbeddingCollection(client, features, DIM, options=TableOptions(staleness=1),
                                    table_options={f"{prefix}c": TableOptions(staleness=0)}, create=False)
