@@ -52,6 +52,37 @@ def test_sigterm_checkpoints_at_a_step_boundary(tmp_path: Path) -> None:
     # the resume from it, to exactly this step, runs in tests/tools/test_slurm_launch.py (a requeued job)
 
 
+def _flags_worker(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    from tigana.trainer.loop import _step_flags
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        preemption.reset()
+        assert _step_flags(True, world) == (True, False)
+        if rank == 1:  # SIGTERM reached one rank only: every rank stops after this step
+            preemption.request()
+        assert _step_flags(True, world) == (True, True)
+        preemption.reset()
+        # one rank's part of the data ran out: no rank takes the step (nobody waits in a collective)
+        assert _step_flags(rank != 0, world) == (False, False)
+        if rank == 0:
+            preemption.request()
+        assert _step_flags(rank != 1, world) == (False, True)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_share_the_stop_and_the_end_of_their_data() -> None:
+    import torch.multiprocessing as mp
+
+    from tigana.trainer.distributed import free_port
+
+    mp.spawn(_flags_worker, args=(2, free_port()), nprocs=2, join=True)
+
+
 def test_the_flag_is_shared_with_the_step_decision() -> None:
     from tigana.trainer.loop import _step_flags
 
