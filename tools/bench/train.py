@@ -15,6 +15,11 @@ Cases, one JSON line each (samples/s, the best of the rounds; the trainers take 
   (sparse gradients), measured in the same run;
 - ``train_ps_vs_torchrec``: ``train_ps`` against TorchRec's ``EmbeddingBagCollection`` trained locally
   (only when torchrec is importable; it is never a dependency).
+
+Each line also says what the run did, measured rather than assumed: ``samples_per_round`` (every trainer trains
+every batch once a round), ``round_seconds`` (the best round's), and for the PS cases the client's pulls and
+pushes per step (``pulls_per_step``, ``pushes_per_step``: 1 fused, one per table unfused), the PS tables the
+collection used (``ps_tables``) and the rows they hold at the end (``ps_rows``: every id the batches touched).
 """
 
 from __future__ import annotations
@@ -142,7 +147,14 @@ def run(args: argparse.Namespace) -> int:
             peer = _torchrec_collection(features, cards)
             if peer is not None:
                 trainers["torchrec"] = _Trainer(peer, batches)
-            rates = _interleaved(trainers, repeats)
+            rates, samples, calls = _interleaved(trainers, repeats, client)
+            ps_figures = {}
+            for case in ("train_ps", "train_ps_unfused"):
+                coll = trainers[case].collection
+                per_step = {k: v / (steps * (repeats + 1)) for k, v in calls[case].items()}
+                ps_figures[case] = dict(pulls_per_step=per_step["pulls"], pushes_per_step=per_step["pushes"],
+                                        ps_tables=len(coll.ps_tables),
+                                        ps_rows=sum(client.describe_table(t).rows for t in coll.ps_tables))
         finally:
             client.close()
     best = {name: max(v) for name, v in rates.items()}
@@ -151,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
     def line(case: str, ours: str, peer: str, peer_name: str, fused: bool) -> None:
         emit(case, "samples/s", best[ours], peer_name, best[peer], fused_tables=fused, **params,
              value_median=round(median[ours], 1), peer_value_median=round(median[peer], 1),
-             ratio_median=round(median[ours] / median[peer], 4))
+             ratio_median=round(median[ours] / median[peer], 4), samples_per_round=samples[ours],
+             round_seconds=round(samples[ours] / best[ours], 4), **ps_figures[ours])
 
     for case, fused in (("train_ps", True), ("train_ps_unfused", False)):
         line(case, case, "local", "local nn.EmbeddingBag", fused)
@@ -160,21 +173,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _interleaved(trainers: dict[str, _Trainer], repeats: int) -> dict[str, list[float]]:
-    """Samples/s of each trainer in each of ``repeats`` rounds, the trainers taking turns in every round (one
-    untimed warm-up round first). The lines report the best round: on a shared machine other processes only
-    ever slow a round down. The medians come along (``value_median``, ``ratio_median``), since the best of a
-    few noisy rounds favours whichever case spreads more."""
+def _interleaved(trainers: dict[str, _Trainer], repeats: int, client: ps.Client
+                 ) -> tuple[dict[str, list[float]], dict[str, int], dict[str, dict[str, int]]]:
+    """(samples/s of each trainer in each of ``repeats`` rounds, its samples per round, the pulls and pushes
+    ``client`` made while it trained, warm-up included). The trainers take turns in every round (one untimed
+    warm-up round first), so the client's counters move for one trainer at a time. The lines report the best
+    round: on a shared machine other processes only ever slow a round down. The medians come along
+    (``value_median``, ``ratio_median``), since the best of a few noisy rounds favours whichever case spreads
+    more."""
     timings: dict[str, list[float]] = {name: [] for name in trainers}
+    samples: dict[str, int] = {}
+    calls = {name: {"pulls": 0, "pushes": 0} for name in trainers}
     for round_ in range(repeats + 1):
         for name, trainer in trainers.items():
+            before = client.stats()
             t0 = time.perf_counter()
             n = trainer.epoch()
+            elapsed = time.perf_counter() - t0
+            after = client.stats()
+            for k in calls[name]:
+                calls[name][k] += after[k] - before[k]
+            if samples.setdefault(name, n) != n:
+                raise RuntimeError(f"bench train: {name} trained {n} samples in a round, {samples[name]} before")
             if round_:
-                timings[name].append(n / (time.perf_counter() - t0))
+                timings[name].append(n / elapsed)
         if round_:
             log("  round " + str(round_) + ": " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in timings.items()))
-    return timings
+    return timings, samples, calls
 
 
 if __name__ == "__main__":
