@@ -268,31 +268,28 @@ if AVAILABLE:
     _FAST = {"reassoc", "nsz", "contract"}
     _F32_MAX = np.float32(np.finfo(np.float32).max)
 
-    # --- optimizers: rows ``rows`` of weights (N, dim) f32 and state (N, width) f32, updated by ``grads`` (k,
-    # dim). In place; or, with ``check``, nothing written and ``bad[i]`` set when row i's update would hold a
-    # NaN/Inf (not |x| <= max float32: no finite-math flag lets LLVM fold the comparison, where reassociation
-    # folds x - x to 0), so that a table refuses the push before it changes anything. The branch on ``check``
-    # is loop-invariant (hoisted).
+    # --- optimizers: rows ``rows`` of weights (N, dim) f32 and state (N, width) f32 updated by ``grads`` (k,
+    # dim); row i's result goes to row ``out[i]`` of ``w_out``/``s_out``, and ``bad[out[i]]`` says whether it
+    # holds a NaN/Inf (not |x| <= max float32: no finite-math flag lets LLVM fold that comparison, where
+    # reassociation folds x - x to 0). Nothing is written in place: the table checks ``bad`` before it stores
+    # the results, so a push that would poison a row changes nothing.
     @njit(nogil=True, cache=True, fastmath=_FAST, error_model="numpy")
-    def sgd(weights, rows, grads, lr, check, bad):
+    def sgd(weights, rows, grads, lr, w_out, out, bad):
         dim = weights.shape[1]
         k = rows.shape[0]
         for i in range(k):
             if i + _ROW_PREFETCH_DISTANCE < k:
                 _prefetch_row(weights, rows[i + _ROW_PREFETCH_DISTANCE])
-            r = rows[i]
+            r, o = rows[i], out[i]
             nf = False
             for j in range(dim):
                 w = weights[r, j] - np.float32(lr) * grads[i, j]
-                if check:
-                    nf |= not (abs(w) <= _F32_MAX)
-                else:
-                    weights[r, j] = w
-            if check:
-                bad[i] = nf
+                w_out[o, j] = w
+                nf |= not (abs(w) <= _F32_MAX)
+            bad[o] = nf
 
     @njit(nogil=True, cache=True, fastmath=_FAST, error_model="numpy")
-    def adagrad(weights, state, rows, grads, lr, eps, check, bad):
+    def adagrad(weights, state, rows, grads, lr, eps, w_out, s_out, out, bad):
         dim = weights.shape[1]
         lr32 = np.float32(lr)
         eps32 = np.float32(eps)
@@ -301,22 +298,19 @@ if AVAILABLE:
             if i + _ROW_PREFETCH_DISTANCE < k:
                 _prefetch_row(weights, rows[i + _ROW_PREFETCH_DISTANCE])
                 _prefetch_row(state, rows[i + _ROW_PREFETCH_DISTANCE])
-            r = rows[i]
+            r, o = rows[i], out[i]
             nf = False
             for j in range(dim):
                 g = grads[i, j]
                 acc = state[r, j] + g * g
                 w = weights[r, j] - lr32 * g / (np.sqrt(acc) + eps32)
-                if check:
-                    nf |= not ((abs(acc) <= _F32_MAX) & (abs(w) <= _F32_MAX))
-                else:
-                    state[r, j] = acc
-                    weights[r, j] = w
-            if check:
-                bad[i] = nf
+                s_out[o, j] = acc
+                w_out[o, j] = w
+                nf |= not ((abs(acc) <= _F32_MAX) & (abs(w) <= _F32_MAX))
+            bad[o] = nf
 
     @njit(nogil=True, cache=True, fastmath=_FAST, error_model="numpy")
-    def rowwise_adagrad(weights, state, rows, grads, lr, eps, check, bad):
+    def rowwise_adagrad(weights, state, rows, grads, lr, eps, w_out, s_out, out, bad):
         dim = weights.shape[1]
         lr32 = np.float32(lr)
         eps32 = np.float32(eps)
@@ -325,29 +319,25 @@ if AVAILABLE:
             if i + _ROW_PREFETCH_DISTANCE < k:
                 _prefetch_row(weights, rows[i + _ROW_PREFETCH_DISTANCE])
                 _prefetch_row(state, rows[i + _ROW_PREFETCH_DISTANCE])
-            r = rows[i]
+            r, o = rows[i], out[i]
             sq = np.float32(0.0)
             for j in range(dim):
                 g = grads[i, j]
                 sq += g * g
             acc = state[r, 0] + sq / np.float32(dim)
+            s_out[o, 0] = acc
             scale = lr32 / (np.sqrt(acc) + eps32)
             nf = not (abs(acc) <= _F32_MAX)
-            if not check:
-                state[r, 0] = acc
             for j in range(dim):
                 w = weights[r, j] - scale * grads[i, j]
-                if check:
-                    nf |= not (abs(w) <= _F32_MAX)
-                else:
-                    weights[r, j] = w
-            if check:
-                bad[i] = nf
+                w_out[o, j] = w
+                nf |= not (abs(w) <= _F32_MAX)
+            bad[o] = nf
 
     # Adam without reassociation: it moved (1 - beta2) * g * g to (1 - beta2) * (g * g), which overflows for
     # |g| > 1.8e19 where numpy's order does not, so the backends disagreed (NaN weights on numba only).
     @njit(nogil=True, cache=True, fastmath=_FAST - {"reassoc"}, error_model="numpy")
-    def adam(weights, state, rows, grads, steps, lr, beta1, beta2, eps, weight_decay, check, bad):
+    def adam(weights, state, rows, grads, steps, lr, beta1, beta2, eps, weight_decay, w_out, s_out, out, bad):
         dim = weights.shape[1]
         b1 = np.float32(beta1)
         b2 = np.float32(beta2)
@@ -358,7 +348,7 @@ if AVAILABLE:
             if i + _ROW_PREFETCH_DISTANCE < k:
                 _prefetch_row(weights, rows[i + _ROW_PREFETCH_DISTANCE])
                 _prefetch_row(state, rows[i + _ROW_PREFETCH_DISTANCE])
-            r = rows[i]
+            r, o = rows[i], out[i]
             t = steps[i]
             bc1 = 1.0 - beta1**t
             bc2 = 1.0 - beta2**t
@@ -371,24 +361,21 @@ if AVAILABLE:
                 m = b1 * state[r, j] + (np.float32(1.0) - b1) * g
                 v = b2 * state[r, dim + j] + (np.float32(1.0) - b2) * g * g
                 w = w - step_size * m / (np.sqrt(v) / bc2_sqrt + eps32)
-                if check:
-                    nf |= not ((abs(m) <= _F32_MAX) & (abs(v) <= _F32_MAX) & (abs(w) <= _F32_MAX))
-                else:
-                    state[r, j] = m
-                    state[r, dim + j] = v
-                    weights[r, j] = w
-            if check:
-                bad[i] = nf
+                s_out[o, j] = m
+                s_out[o, dim + j] = v
+                w_out[o, j] = w
+                nf |= not ((abs(m) <= _F32_MAX) & (abs(v) <= _F32_MAX) & (abs(w) <= _F32_MAX))
+            bad[o] = nf
 
     @njit(nogil=True, cache=True, fastmath=_FAST, error_model="numpy")
-    def ftrl(weights, state, rows, grads, alpha, beta, l1, l2, check, bad):
+    def ftrl(weights, state, rows, grads, alpha, beta, l1, l2, w_out, s_out, out, bad):
         dim = weights.shape[1]
         k = rows.shape[0]
         for i in range(k):
             if i + _ROW_PREFETCH_DISTANCE < k:
                 _prefetch_row(weights, rows[i + _ROW_PREFETCH_DISTANCE])
                 _prefetch_row(state, rows[i + _ROW_PREFETCH_DISTANCE])
-            r = rows[i]
+            r, o = rows[i], out[i]
             nf = False
             for j in range(dim):
                 g = np.float64(grads[i, j])
@@ -405,14 +392,11 @@ if AVAILABLE:
                 else:
                     sgn = 1.0 if z > 0 else -1.0
                     w32 = np.float32(-(z - sgn * l1) / ((beta + math.sqrt(n_new)) / alpha + l2))
-                if check:
-                    nf |= not ((abs(z32) <= _F32_MAX) & (abs(n32) <= _F32_MAX) & (abs(w32) <= _F32_MAX))
-                else:
-                    state[r, j] = z32
-                    state[r, dim + j] = n32
-                    weights[r, j] = w32
-            if check:
-                bad[i] = nf
+                s_out[o, j] = z32
+                s_out[o, dim + j] = n32
+                w_out[o, j] = w32
+                nf |= not ((abs(z32) <= _F32_MAX) & (abs(n32) <= _F32_MAX) & (abs(w32) <= _F32_MAX))
+            bad[o] = nf
 
     @njit(nogil=True, cache=True)
     def unique_first_seen(ids):

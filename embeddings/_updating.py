@@ -1,14 +1,14 @@
-"""A push's update before it reaches the rows: the table learns which ids' update would not be finite before it
-changes anything, then applies the update where the rows live.
+"""A push's update before it reaches the rows: the optimizer computes the updated rows as compact copies, with a
+flag per row for a NaN/Inf in them; the table refuses (or, with ``nonfinite_grads="skip_rows"``, drops) the ids
+flagged before it changes anything, then stores the copies where the rows live.
 
 A finite gradient can still overflow: |g| = 2e19 squares past float32's largest value, so Adagrad's accumulator
 or FTRL's ``n`` would become Inf (the row freezes, or its weights turn NaN at the next push), and a weight near
 the top of the range can overflow under SGD. Such a push is refused as one holding NaN/Inf is, with nothing
-applied (``nonfinite_grads="skip_rows"``: those ids are dropped). The numba backend runs its optimizer kernel
-twice: once to check (reading the rows, writing nothing), once in place after the new ids are stored; the numpy
-backend (and a float16/bfloat16 table) computes compact copies once, checks them and writes them back. Rows not
-resident yet (spilled, or new ids the push will insert) are checked on compact copies of what they will hold.
-Whole-batch array work throughout: one dedup pass, one kernel or numpy pass per step, no loop over ids.
+applied. The optimizer runs once: the numba kernels read the resident rows where they live and write the
+results and flags in the same pass; rows not resident yet (spilled, or new ids the push will insert) are
+computed from compact copies of what they will hold. Whole-batch array work throughout: one dedup pass, one
+optimizer pass, one scatter; no loop over ids in Python.
 """
 
 from __future__ import annotations
@@ -30,23 +30,19 @@ class Update:
     keys:    (n,) per batch row: its slab position, or ``-2 - i`` for ``missing[i]`` (not resident)
     groups:  (k,) the distinct keys
     missing: (m,) sorted distinct ids of the batch that were not resident
-    summed:  (k, dim) float32 gradient sums (in batch order)
-    steps:   (k,) float64 the rows' update counts including this one (Adam), else None
+    weights: (k, dim) float32 updated weights (as the storage dtype will round them)
+    state:   (k, width) float32 updated optimizer state
     live:    (k,) bool: groups the push stores (not: new ids that a closed admission drops)
-    bad:     (k,) bool: live groups whose weights or state would not be finite
-    weights, state: (k, dim), (k, width) float32 updated rows (as the storage dtype rounds them) when computed
-             on copies; None when the numba kernel applies the update in place
+    bad:     (k,) bool: live groups whose weights or state would hold a NaN/Inf
     """
 
     keys: np.ndarray
     groups: np.ndarray
     missing: np.ndarray
-    summed: np.ndarray
-    steps: np.ndarray | None
+    weights: np.ndarray
+    state: np.ndarray
     live: np.ndarray
     bad: np.ndarray
-    weights: np.ndarray | None = None
-    state: np.ndarray | None = None
 
     def first_bad_row(self) -> int:
         """The batch row of the first id whose update would not be finite."""
@@ -56,19 +52,16 @@ class Update:
         """(batch rows to keep, the update without the bad groups)."""
         keep = ~np.isin(self.keys, self.groups[self.bad])
         good = ~self.bad
-        return keep, Update(self.keys[keep], self.groups[good], self.missing, self.summed[good],
-                            None if self.steps is None else self.steps[good], self.live[good], self.bad[good],
-                            None if self.weights is None else self.weights[good],
-                            None if self.state is None else self.state[good])
+        return keep, Update(self.keys[keep], self.groups[good], self.missing, self.weights[good], self.state[good],
+                            self.live[good], self.bad[good])
 
 
 class Updating:
-    """The push's check and write; see the module docstring. A mixin of ``EmbeddingTable``."""
+    """The push's planning and writing; see the module docstring. A mixin of ``EmbeddingTable``."""
 
     def _plan_update(self, ids: np.ndarray, positions: np.ndarray, grads: np.ndarray) -> Update:
-        """What the optimizer would make of ``grads`` of ``ids`` (resident at ``positions``, -1 elsewhere), and
-        which ids' rows it would make non-finite; the table is not changed. Duplicate ids are summed in batch
-        order, as the update sums them."""
+        """The rows the optimizer would make of ``grads`` of ``ids`` (resident at ``positions``, -1 elsewhere),
+        and which would not be finite; the table is not changed. Duplicate ids are summed in batch order."""
         keys = np.array(positions, np.int64)
         miss = np.flatnonzero(keys < 0)
         missing = np.empty(0, np.int64)
@@ -83,39 +76,44 @@ class Updating:
         k = groups.shape[0]
         live = np.ones(k, bool)
         at, absent = np.flatnonzero(groups >= 0), np.flatnonzero(groups < 0)
-        adam = isinstance(opt, Adam)
-        # rows not resident: compact copies of what they will hold (their steps too)
         a_w, a_s, a_count = self._absent_rows(missing[-2 - groups[absent]], live, absent)
         steps = None
-        if adam:
+        if isinstance(opt, Adam):
             count = np.zeros(k, np.int64)
             count[at] = slab.update_count[groups[at]]
             count[absent] = a_count
             steps = count.astype(np.float64) + 1.0
-        if self._backend == "numba" and slab.storage_dtype == np.float32:  # check now, apply in place later
-            bad = np.zeros(k, bool)
-            if at.size == k:
-                bad = optimizers.nonfinite_rows(opt, slab.weights, slab.state, groups, summed, steps)
-            elif at.size:
-                bad[at] = optimizers.nonfinite_rows(opt, slab.weights, slab.state, groups[at], summed[at],
-                                                    None if steps is None else steps[at])
-            if absent.size:
-                bad[absent] = optimizers.nonfinite_rows(opt, a_w, a_s, np.arange(absent.size), summed[absent],
-                                                        None if steps is None else steps[absent])
-            return Update(keys, groups, missing, summed, steps, live, bad & live)
-        weights = np.zeros((k, self.dim), np.float32)
-        state = np.zeros((k, slab.state_width), np.float32)
-        weights[at], state[at] = slab.read_weights(groups[at]), _gather(slab.state, groups[at])
-        weights[absent], state[absent] = a_w, a_s
-        if self._backend == "numba":  # a float16/bfloat16 table: the kernels on the widened copies
-            with np.errstate(over="ignore", invalid="ignore"):
-                optimizers.apply(opt, weights, state, np.arange(k), summed, steps, backend="numba")
-        else:
-            weights, state = optimizers.updated(opt, weights, state, np.arange(k), summed, steps)
+        out = self._scratch(k)
+        if slab.storage_dtype == np.float32:  # resident rows are read where they live
+            w, s, rows = slab.weights, slab.state, groups[at]
+        else:  # widened copies of float16/bfloat16 rows
+            w, s, rows = slab.read_weights(groups[at]), _gather(slab.state, groups[at]), np.arange(at.size)
+        if at.size:
+            every = not absent.size
+            optimizers.updated(opt, w, s, rows, summed if every else summed[at],
+                               steps if steps is None or every else steps[at], backend=self._backend, out=out,
+                               at=at)
+        if absent.size:
+            optimizers.updated(opt, a_w, a_s, np.arange(absent.size), summed[absent],
+                               None if steps is None else steps[absent], backend=self._backend, out=out, at=absent)
+        weights, state, bad = out
         if slab.storage_dtype != np.float32:  # what the row will hold: float16 overflows at 65504
-            weights = to_float32(from_float32(weights, slab.storage_dtype))
-        bad = live & ~(np.isfinite(weights).all(axis=1) & np.isfinite(state).all(axis=1))
-        return Update(keys, groups, missing, summed, steps, live, bad, weights, state)
+            with np.errstate(over="ignore"):  # an overflow is what the check looks for
+                weights = to_float32(from_float32(weights, slab.storage_dtype))
+            bad |= ~np.isfinite(weights).all(axis=1)
+        return Update(keys, groups, missing, weights, state, live, bad & live)
+
+    def _scratch(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(k, dim) and (k, width) float32 and (k,) bool result arrays, reused from push to push (under the
+        table's lock, and written out before the push returns): fresh multi-MiB arrays cost their page faults
+        and zeroing on every push."""
+        have = getattr(self, "_update_scratch", None)
+        if have is None or have[0].shape[0] < k:
+            n = max(k, 2 * (have[0].shape[0] if have is not None else 0))
+            have = (np.empty((n, self.dim), np.float32), np.empty((n, self._slab.state_width), np.float32),
+                    np.empty(n, bool))
+            self._update_scratch = have
+        return have[0][:k], have[1][:k], have[2][:k]
 
     def _absent_rows(self, ids: np.ndarray, live: np.ndarray, where: np.ndarray
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -148,14 +146,8 @@ class Updating:
         return weights, state, count
 
     def _write_update(self, update: Update, rows: np.ndarray, stored: np.ndarray) -> None:
-        """Apply the update at slab positions ``rows`` (unique), those of the groups ``stored``."""
+        """Store the updated rows of the groups ``stored`` at slab positions ``rows`` (unique)."""
         every = bool(stored.all())
-        if update.weights is None:
-            summed = update.summed if every else update.summed[stored]
-            steps = update.steps if every or update.steps is None else update.steps[stored]
-            optimizers.apply(self.config.optimizer, self._slab.weights, self._slab.state, rows, summed, steps,
-                             backend="numba")
-            return
         weights = update.weights if every else update.weights[stored]
         state = update.state if every else update.state[stored]
         self._slab.write_weights(rows, weights)

@@ -8,12 +8,11 @@ State layout per row (float32, ``state_width(opt, dim)`` columns):
     Adam            m[dim], v[dim]          lazy: bias correction uses the row's own step count t
     FTRL            z[dim], n[dim]          FTRL-Proximal (McMahan et al. 2013), per coordinate
 
-``apply`` updates ``weights``/``state`` in place at ``rows``; ``grads`` (k, dim) float32 are already summed per
-row. ``steps`` (k,) are the rows' 1-based update counts including this update (Adam only). A table first
-asks which rows' update would hold a NaN/Inf (``nonfinite_rows`` on numba; ``updated``'s compact result on
-numpy) and refuses the push before changing anything. Pure arrays in, arrays out: no locks, no I/O. The numba
-kernels and the numpy fallback implement the same equations, in the same order of operations (Adam's
-``(1 - beta2) * g * g`` overflows for the same gradients on both).
+``updated`` returns the rows ``rows`` after the update as new compact arrays, with a flag per row for a NaN/Inf
+in its result (the table checks the flags before it stores anything); ``grads`` (k, dim) float32 are already
+summed per row. ``steps`` (k,) are the rows' 1-based update counts including this update (Adam only). Pure
+arrays in, arrays out: no locks, no I/O. The numba kernels and the numpy fallback implement the same equations,
+in the same order of operations (Adam's ``(1 - beta2) * g * g`` overflows for the same gradients on both).
 """
 
 from __future__ import annotations
@@ -43,57 +42,45 @@ def initial_state(opt: Optimizer, n: int, dim: int) -> np.ndarray:
     return np.full((n, width), fill, np.float32)
 
 
-def apply(opt: Optimizer, weights: np.ndarray, state: np.ndarray, rows: np.ndarray, grads: np.ndarray,
-          steps: np.ndarray | None, *, backend: str) -> None:
-    """In-place update of ``weights[rows]`` (float32 (N, dim)) and ``state[rows]`` ((N, width)) by ``grads``.
-
-    ``rows`` (k,) int64 must be unique."""
-    if rows.shape[0] == 0:
-        return
-    if backend == "numba":
-        _numba(opt, weights, state, np.ascontiguousarray(rows, np.int64), grads, steps, False, _NO_ROWS)
-    else:
-        w, s = updated(opt, weights, state, rows, grads, steps)
-        weights[rows] = w
-        state[rows] = s
-
-
-def nonfinite_rows(opt: Optimizer, weights: np.ndarray, state: np.ndarray, rows: np.ndarray, grads: np.ndarray,
-                   steps: np.ndarray | None) -> np.ndarray:
-    """(k,) bool: the rows whose update by ``apply`` would hold a NaN/Inf (weights or state), computed by the
-    numba kernels without writing anything (numba only: numpy callers check ``updated``'s result)."""
-    bad = np.zeros(rows.shape[0], bool)
-    if rows.shape[0]:
-        _numba(opt, weights, state, np.ascontiguousarray(rows, np.int64), grads, steps, True, bad)
-    return bad
-
-
 def updated(opt: Optimizer, weights: np.ndarray, state: np.ndarray, rows: np.ndarray, grads: np.ndarray,
-            steps: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """(k, dim) weights and (k, width) state of rows ``rows`` after the update, as new arrays (numpy; an
-    overflow is left as Inf/NaN for the caller to check)."""
+            steps: np.ndarray | None, *, backend: str, out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+            at: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows ``rows`` (unique) of ``weights`` (float32 (N, dim)) and ``state`` ((N, width)) after the update by
+    ``grads``, and which of them would hold a NaN/Inf: (weights (k, dim), state (k, width), bad (k,) bool), new
+    arrays; the inputs are not changed. With ``out`` (weights, state, bad arrays) and ``at`` (k,) the results go
+    to those rows of ``out`` instead (to assemble one batch from rows read in several places)."""
+    k = rows.shape[0]
+    if out is None:
+        out = (np.empty((k, weights.shape[1]), np.float32), np.empty((k, state.shape[1]), np.float32),
+               np.zeros(k, bool))
+        at = np.arange(k)
+    w_out, s_out, bad = out
+    if not k:
+        return out
+    if backend == "numba":
+        _numba(opt, weights, state, np.ascontiguousarray(rows, np.int64), grads, steps, w_out, s_out,
+               np.ascontiguousarray(at, np.int64), bad)
+        return out
     w, s = weights[rows], state[rows]
-    if rows.shape[0]:
-        with np.errstate(over="ignore", invalid="ignore"):
-            _apply_numpy(opt, w, s, grads, steps)
-    return w, s
+    with np.errstate(over="ignore", invalid="ignore"):
+        _apply_numpy(opt, w, s, grads, steps)
+    w_out[at], s_out[at] = w, s
+    bad[at] = ~(np.isfinite(w).all(axis=1) & np.isfinite(s).all(axis=1))
+    return out
 
 
-_NO_ROWS = np.zeros(0, bool)
-
-
-def _numba(opt, weights, state, rows, grads, steps, check: bool, bad: np.ndarray) -> None:
+def _numba(opt, weights, state, rows, grads, steps, w_out, s_out, at, bad) -> None:
     if isinstance(opt, SGD):
-        _kernels.sgd(weights, rows, grads, opt.lr, check, bad)
+        _kernels.sgd(weights, rows, grads, opt.lr, w_out, at, bad)
     elif isinstance(opt, Adagrad):
-        _kernels.adagrad(weights, state, rows, grads, opt.lr, opt.eps, check, bad)
+        _kernels.adagrad(weights, state, rows, grads, opt.lr, opt.eps, w_out, s_out, at, bad)
     elif isinstance(opt, RowWiseAdagrad):
-        _kernels.rowwise_adagrad(weights, state, rows, grads, opt.lr, opt.eps, check, bad)
+        _kernels.rowwise_adagrad(weights, state, rows, grads, opt.lr, opt.eps, w_out, s_out, at, bad)
     elif isinstance(opt, Adam):
         _kernels.adam(weights, state, rows, grads, np.ascontiguousarray(steps, np.float64), opt.lr, opt.beta1,
-                      opt.beta2, opt.eps, opt.weight_decay, check, bad)
+                      opt.beta2, opt.eps, opt.weight_decay, w_out, s_out, at, bad)
     elif isinstance(opt, FTRL):
-        _kernels.ftrl(weights, state, rows, grads, opt.alpha, opt.beta, opt.l1, opt.l2, check, bad)
+        _kernels.ftrl(weights, state, rows, grads, opt.alpha, opt.beta, opt.l1, opt.l2, w_out, s_out, at, bad)
     else:
         raise TypeError(f"unknown optimizer {opt!r}")
 

@@ -120,3 +120,15 @@ def test_both_backends_take_the_same_decisions_and_compute_the_same_rows(opt: st
         np.testing.assert_array_equal(a.ids[order_a], b.ids[order_b])
         np.testing.assert_allclose(a.weights[order_a], b.weights[order_b], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(a.state[order_a], b.state[order_b], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_float16_row_is_checked_as_it_will_be_stored(backend: str) -> None:
+    """float16 storage overflows at 65504: an update to 7e4 would store Inf, so it is refused; bfloat16 (the
+    float32 range) takes it."""
+    for dtype, applied in (("float16", False), ("bfloat16", True)):
+        table = emb.EmbeddingTable(emb.TableConfig("clicks", dim=DIM, optimizer=emb.SGD(lr=1.0), backend=backend,
+                                                   dtype=dtype))
+        table.push(np.arange(3), np.zeros((3, DIM), np.float32))
+        assert _push(table, np.array([1, 5]), np.full((2, DIM), -7e4, np.float32)) == applied
+        assert _finite(table)
