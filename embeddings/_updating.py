@@ -22,6 +22,8 @@ from tigana.embeddings.config import Adam
 from tigana.embeddings.errors import CorruptStore
 from tigana.embeddings.slab import _gather, _scatter, from_float32, to_float32
 
+_SCRATCH_BYTES = 32 << 20  # the most result arrays a table keeps between pushes
+
 
 @dataclass
 class Update:
@@ -106,13 +108,16 @@ class Updating:
     def _scratch(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(k, dim) and (k, width) float32 and (k,) bool result arrays, reused from push to push (under the
         table's lock, and written out before the push returns): fresh multi-MiB arrays cost their page faults
-        and zeroing on every push."""
+        and zeroing on every push. A table keeps at most ``_SCRATCH_BYTES`` of them; larger batches allocate."""
+        row_bytes = 4 * (self.dim + self._slab.state_width) + 1
         have = getattr(self, "_update_scratch", None)
         if have is None or have[0].shape[0] < k:
-            n = max(k, 2 * (have[0].shape[0] if have is not None else 0))
-            have = (np.empty((n, self.dim), np.float32), np.empty((n, self._slab.state_width), np.float32),
-                    np.empty(n, bool))
-            self._update_scratch = have
+            n = min(max(k, 2 * (have[0].shape[0] if have is not None else 0)), _SCRATCH_BYTES // row_bytes)
+            fresh = (np.empty((max(n, k), self.dim), np.float32),
+                     np.empty((max(n, k), self._slab.state_width), np.float32), np.empty(max(n, k), bool))
+            if n < k:
+                return fresh  # past the cap: this push's own arrays
+            have = self._update_scratch = fresh
         return have[0][:k], have[1][:k], have[2][:k]
 
     def _absent_rows(self, ids: np.ndarray, live: np.ndarray, where: np.ndarray
