@@ -7,6 +7,7 @@ import os
 import random
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,16 @@ class _Reader:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(60)
+
+
+def _demotions(scheduler_log: Path) -> list[str]:
+    """The scheduler's demotions (copies taken out of the in-sync set), as its log says them: each one makes
+    the sync pushes to those slots acknowledged under-replicated until the copy is in sync again."""
+    try:
+        lines = scheduler_log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return [line.split(": ", 1)[-1][:200] for line in lines if "out of the in-sync set" in line]
 
 
 def soak(trials: int, quick: bool, soak_s: float = 600.0, kill_every_s: float | None = None, **_: Any) -> Report:
@@ -95,6 +106,8 @@ def soak(trials: int, quick: bool, soak_s: float = 600.0, kill_every_s: float | 
             admin.wait_for(lambda: admin.settled(c.scheduler), 180, "every copy in sync")
             results = [audit(client, lp) for client, lp in zip(clients, loops, strict=True)]
             check = admin.verify(c.scheduler)
+            under = sum(int(client.stats()["pushes_under_replicated"]) for client in clients)
+            demotions = _demotions(c.scheduler_log())
         finally:
             for client in clients:
                 client.close()
@@ -104,7 +117,8 @@ def soak(trials: int, quick: bool, soak_s: float = 600.0, kill_every_s: float | 
          "lost": lost, "doubled": doubled, "errors": errors, "push_errors": sum(r.failed_pushes for r in results),
          "pull_errors": sum(r.errors for r in readers), "acked_pushes": sum(r.acked_pushes for r in results),
          "pulls": sum(r.pulls for r in readers), "unsettled_before_kill": unsettled,
-         "copies_differing": len(check["differing"]),
+         "copies_differing": len(check["differing"]), "pushes_under_replicated": under,
+         "demotions": demotions,
          "rss_growth_mib": {k: round(rss1[k] - rss0[k], 1) for k in rss0}, "trials": 1}
     ok = lost == 0 and doubled == 0 and not check["differing"] and kills > 0
     return Report("updates", lost, "target", 0, ok, f)
