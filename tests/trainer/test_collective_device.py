@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tigana.trainer import embedding, loop
+from tigana.trainer import loop
 from tigana.trainer.distributed import collective_device, device_for_backend, free_port, shutdown
+from tigana.trainer.embedding import aggregate
 
 
 def test_nccl_collectives_go_to_the_cuda_device_and_every_other_backend_to_the_cpu() -> None:
@@ -38,7 +39,7 @@ def nccl_like(monkeypatch: pytest.MonkeyPatch) -> list[torch.device]:
     CPU tensor; otherwise they stop the call (a meta tensor holds no values to read back)."""
     seen: list[torch.device] = []
     meta = torch.device("meta")
-    for module in (loop, embedding):
+    for module in (loop, aggregate):
         monkeypatch.setattr(module, "collective_device", lambda group=None: meta, raising=False)
 
     def collective(*args: object, **kwargs: object) -> None:
@@ -67,7 +68,7 @@ def test_each_control_collective_hands_nccl_a_tensor_on_its_device(nccl_like: li
             loop._max_time(10, 1.5, 2)
         else:
             ids = [torch.tensor([3, 5], dtype=torch.int64), torch.tensor([7], dtype=torch.int64)]
-            embedding._aggregate(ids, [torch.ones(2, 4), torch.ones(1, 4)], object(), 4)
+            aggregate._aggregate(ids, [torch.ones(2, 4), torch.ones(1, 4)], object(), 4)
     assert nccl_like and all(d == torch.device("meta") for d in nccl_like), nccl_like
 
 
@@ -81,7 +82,7 @@ def _worker(rank: int, world: int, port: int) -> None:
         # rank 0 sends ids 1, 2 and rank 1 sends 2, 3 for one table: the leader holds their sums
         ids = [torch.tensor([1 + rank, 2 + rank], dtype=torch.int64)]
         grads = [torch.full((2, 3), float(rank + 1))]
-        out_ids, out_grads = embedding._aggregate(ids, grads, dist.group.WORLD, 3)
+        out_ids, out_grads = aggregate._aggregate(ids, grads, dist.group.WORLD, 3)
         if rank == 0:
             got = dict(zip(out_ids[0].tolist(), out_grads[0][:, 0].tolist(), strict=True))
             assert got == {1: 1.0, 2: 3.0, 3: 2.0}

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from tigana import ps
-from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions, _salted, _table_salt
+from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
+from tigana.trainer.embedding.plan import _salted, _table_salt
 from tigana.trainer.loop import evaluate
 from tigana.trainer.types import Batch, FeatureSpec, SparseFeatures
 

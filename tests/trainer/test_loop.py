@@ -12,7 +12,7 @@ import pytest
 from tigana import ps
 from tigana.trainer.config import TrainConfig
 from tigana.trainer.distributed import DistEnv
-from tigana.trainer.embedding import _salted, _table_salt
+from tigana.trainer.embedding.plan import _salted, _table_salt
 from tigana.trainer.loop import latest_checkpoint, load_data, train
 
 
