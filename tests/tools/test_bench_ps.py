@@ -29,20 +29,20 @@ def test_bench_ps_prints_one_json_line_per_case(bench_lines):
 def test_redis_peer_retries_when_its_port_is_taken(monkeypatch):
     """Another process can take the probed free port before redis binds it: the peer starts on a new port,
     and says why when every attempt fails."""
-    from tigana.tools.bench import ps as bench_ps
+    from tigana.tools.bench.ps import redis_peer
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        ports = iter([port, bench_ps._free_port()])
-        monkeypatch.setattr(bench_ps, "_free_port", lambda: next(ports))
-        peer = bench_ps.RedisPeer(shutil.which("redis-server"))
+        ports = iter([port, redis_peer._free_port()])
+        monkeypatch.setattr(redis_peer, "_free_port", lambda: next(ports))
+        peer = redis_peer.RedisPeer(shutil.which("redis-server"))
         try:
             assert peer.port != port and peer.db.ping()
         finally:
             peer.close()
         assert peer.proc.poll() is not None
-        monkeypatch.setattr(bench_ps, "_free_port", lambda: port)
+        monkeypatch.setattr(redis_peer, "_free_port", lambda: port)
         with pytest.raises(RuntimeError, match=f"did not start on port {port}"):
-            bench_ps.RedisPeer(shutil.which("redis-server"), attempts=2)
+            redis_peer.RedisPeer(shutil.which("redis-server"), attempts=2)

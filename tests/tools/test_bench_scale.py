@@ -12,6 +12,7 @@ import pytest
 
 from tigana.tools import cli
 from tigana.tools.bench import scale
+from tigana.tools.bench.scale import bench as scale_bench
 
 TINY = ["bench", "scale", "--shards", "1,2", "--clients", "1,2", "--rows", "20k,50k", "--batches", "1024,4096",
         "--base-rows", "20000", "--batch", "2048", "--repeats", "2", "--unit-rows", "16384", "--dim", "8"]
@@ -98,7 +99,7 @@ def test_plot_draws_the_four_curves(tmp_path):
 
 
 def test_a_size_that_does_not_fit_is_refused_before_anything_starts(monkeypatch):
-    monkeypatch.setattr(scale, "_mem_available", lambda: 8 << 30)
+    monkeypatch.setattr(scale_bench, "_mem_available", lambda: 8 << 30)
     before = _children()
     with pytest.raises(SystemExit, match=r"100,000,000 resident rows at dim 64 need about 57\.6 GB"):
         cli.main(["bench", "scale", "--full", "--curves", "rows"])
