@@ -7,6 +7,9 @@ from collections.abc import Callable
 
 import pytest
 
+# The k8s tests' shared checks assert too: rewritten like a test module's, so a failure shows its values.
+pytest.register_assert_rewrite("k8s_checks", "k8s_manifests")
+
 
 @pytest.fixture
 def bench_lines(capsys) -> Callable[[], list[dict]]:
