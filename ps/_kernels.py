@@ -134,12 +134,16 @@ def dedup_grouped(ids, group_of_slot, num_groups):
     return uniq, starts, src
 
 
+GRAD_LIMIT = float(2.0**64)  # a summed gradient at or above this magnitude is refused by the client
+
+
 @njit(nogil=True, cache=True)
 def dedup_sum_grouped(ids, grads, group_of_slot, num_groups):
-    """(n,) int64 ids, (n, dim) float32 grads -> (uniq, sums, starts, finite) grouped as
-    ``dedup_grouped``, duplicate rows added in batch order in float32; ``finite`` is False
-    when some sum is NaN or Inf (always so when grads has one). Each server's rows are one contiguous slice,
-    so a push message is built from views without a gather copy."""
+    """(n,) int64 ids, (n, dim) float32 grads -> (uniq, sums, starts, in_range) grouped as
+    ``dedup_grouped``, duplicate rows added in batch order in float32; ``in_range`` is False when some sum is
+    NaN, Inf or of magnitude 2**64 or more (``GRAD_LIMIT``: its square overflows float32, so every optimizer
+    with a second moment would write Inf; always False when grads has a NaN or Inf). Each server's rows are
+    one contiguous slice, so a push message is built from views without a gather copy."""
     src, uniq, starts = _dedup_grouped(ids, group_of_slot, num_groups)
     n = ids.shape[0]
     dim = grads.shape[1]
@@ -155,12 +159,14 @@ def dedup_sum_grouped(ids, grads, group_of_slot, num_groups):
             seen[r] = True
             for c in range(dim):
                 sums[r, c] = grads[i, c]
-    # A NaN or Inf anywhere in grads leaves a non-finite sum (finite values can also overflow to Inf).
+    # A NaN or Inf anywhere in grads leaves a non-finite sum (finite values can also overflow to Inf); the
+    # biased exponent of |x| >= 2**64 is at least 127 + 64, and NaN/Inf have the largest (255).
     bits = sums.reshape(-1).view(np.uint32)
     exp = np.uint32(0x7F800000)
+    limit = np.uint32((127 + 64) << 23)
     bad = np.uint32(0)
     for i in range(bits.shape[0]):  # an integer or-reduction: vectorizes
-        bad |= np.uint32((bits[i] & exp) == exp)
+        bad |= np.uint32((bits[i] & exp) >= limit)
     return uniq, sums, starts, bad == 0
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from tigana.ps import _kernels
 from tigana.ps.client._fields import ClientFields
 from tigana.ps.client.inflight import Attempt, PullOp, PushOp, new_future
 from tigana.ps.client.tablestate import after_own_pushes
@@ -65,9 +66,9 @@ class DataPath(ClientFields):
             fut.set_result(0)
             return fut
         route = self._route
-        uniq, summed, starts, finite = route.group(np.ascontiguousarray(ids), grads)
-        if not finite:
-            _check_finite(grads, table)
+        uniq, summed, starts, in_range = route.group(np.ascontiguousarray(ids), grads)
+        if not in_range:
+            _check_finite(grads, summed, table)
         PushOp(self, st, fut, uniq, summed, starts, route, self._next_seq(), self._attempt()).start()
         return fut
 
@@ -172,10 +173,18 @@ def _as_grads(grads: Any, ids: np.ndarray, dim: int, table: str) -> np.ndarray:
     return np.ascontiguousarray(g.reshape(ids.size, dim), dtype=np.float32)
 
 
-def _check_finite(grads: np.ndarray, table: str) -> None:
-    """Element-wise NaN/Inf check, run when the summed rows are not all finite (a NaN or Inf in the input, or
-    finite values whose sum overflows: those are sent, and the server rejects the Inf sum)."""
+def _check_finite(grads: np.ndarray, summed: np.ndarray, table: str) -> None:
+    """Run when some summed row is out of range: a NaN or Inf in the input, or a gradient (summed over
+    duplicate ids) of magnitude 2**64 or more, whose square overflows float32 (Adagrad's, Adam's and FTRL's
+    second moments would become Inf, the row's weights NaN). Either is refused here, before anything is
+    sent, so no server applies its part of the batch. Smaller gradients that would still overflow a row's
+    state are refused by each server for its part (``tigana.embeddings``: nothing applied there)."""
     bad = ~np.isfinite(grads).all(axis=1)
     if bad.any():
         raise InvalidArgument(f"table {table!r}: field 'grads' has NaN or Inf in {int(bad.sum())} row(s), "
                               f"first at position {int(np.flatnonzero(bad)[0])}; nothing was pushed")
+    huge = (np.abs(summed) >= _kernels.GRAD_LIMIT).any(axis=1)
+    if huge.any():
+        raise InvalidArgument(f"table {table!r}: field 'grads' has {int(huge.sum())} row(s) of magnitude 2**64 "
+                              f"(1.8e19) or more (summed over repeated ids), whose square overflows float32: an "
+                              f"optimizer would write Inf; nothing was pushed")

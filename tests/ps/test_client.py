@@ -298,9 +298,15 @@ def test_bad_inputs_name_table_and_field_and_change_nothing(client):
     checksums = {a: s["bad"]["checksum"] for a, s in client.server_stats("bad").items()}
     nan_grads = np.zeros((10, 4), np.float32)
     nan_grads[7, 2] = np.nan
+    huge = np.zeros((10, 4), np.float32)
+    huge[3, 1] = 2e19  # finite, but its square overflows float32: Adagrad/Adam/FTRL state would become Inf
+    repeated = np.full((10, 4), 1e19, np.float32)  # each finite and small enough, summed over one id: 3e19
     cases = [
         (lambda: client.push("bad", ids, nan_grads), ps.InvalidArgument, r"table 'bad'.*'grads'.*NaN"),
         (lambda: client.push("bad", ids, np.full((10, 4), np.inf, np.float32)), ps.InvalidArgument, "NaN or Inf"),
+        (lambda: client.push("bad", ids, huge), ps.InvalidArgument, r"table 'bad'.*'grads'.*2\*\*64.*nothing"),
+        (lambda: client.push("bad", np.array([1, 1, 1, 2, 3, 4, 5, 6, 7, 8]), repeated), ps.InvalidArgument,
+         r"'grads'.*summed over repeated ids"),
         (lambda: client.push("bad", ids, np.zeros((9, 4), np.float32)), ps.InvalidArgument, r"'bad'.*'grads'.*shape"),
         (lambda: client.push("bad", ids, np.zeros((10, 5), np.float32)), ps.InvalidArgument, r"'bad'.*'grads'"),
         (lambda: client.push("bad", ids, np.zeros((10, 4), np.int32)), ps.InvalidArgument, r"'grads'.*float"),

@@ -211,10 +211,13 @@ def test_grouped_dedup_kernels_match_dedup_then_group(ids, servers, dim, num_slo
     np.testing.assert_array_equal(starts2, ref_starts)
     assert finite
     if ids.size:
-        for bad in (np.nan, np.inf, -np.inf):
+        for bad in (np.nan, np.inf, -np.inf, 2.0**64, -(2.0**64), 3e38):
             g = grads.copy()
             g[ids.size // 2, dim - 1] = bad
             assert not _kernels.dedup_sum_grouped(ids, g, primary_of_slot, servers)[3]
+        g = grads.copy()
+        g[ids.size // 2, dim - 1] = np.nextafter(np.float32(2.0**64), np.float32(0))  # just below: in range
+        assert _kernels.dedup_sum_grouped(ids, g, primary_of_slot, servers)[3]
 
 
 def test_first_foreign_matches_routing():
