@@ -84,7 +84,10 @@ def snapshot_kill(trials: int, quick: bool, **_: Any) -> Report:
                 deadline = time.monotonic() + 30
                 while not _temp_dirs(data_dir) and time.monotonic() < deadline:
                     time.sleep(0.001)
-                time.sleep(random.uniform(0.0, 0.8 * took))
+                # The first trial kills as soon as the write's temp dir appears (so at least one kill lands mid-write
+                # however fast this write is: an incremental one can finish well within the full one's time);
+                # the others at a random point of the time the last full snapshot took.
+                time.sleep(0.0 if trial == 0 else random.uniform(0.0, 0.8 * took))
                 c.kill(0)
                 mid_write += bool(_temp_dirs(data_dir))
                 writer.join(30)
