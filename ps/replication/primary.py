@@ -82,7 +82,9 @@ class Primary:
         return slot_of(ids, self.num_slots)
 
     def _push(self, s: Stream, item: Item) -> int:
-        return s.push(item, self.table_epochs.get(item.table, item.table_epoch))
+        # A write carries the incarnation of the table it was applied to (set by the writer); items this core
+        # makes itself (slot copy steps, barriers) take the one of the map being installed.
+        return s.push(item, item.table_epoch or self.table_epochs.get(item.table, 0))
 
     # --- event: a map installed (the server holds every table's write lock) -------------------------------
     def on_map(self, m: ShardMap, me: int, tables: list[str], positions: Callable[[str, np.ndarray], np.ndarray],

@@ -91,6 +91,13 @@ class Ownership(ShardFields):
         if not view.valid:
             raise Unavailable(f"table {table!r}: server {self.server_id} is not in the cluster yet "
                               "(registering with the scheduler)", epoch=view.epoch)
+        hosted = self._tables.get(table)
+        if hosted is not None and hosted.spec.created_epoch > view.epoch:
+            # ``install`` creates a new map's tables before it has every table's lock and the new view: until
+            # then the table is not served (a write now would be stamped and replicated under the old map).
+            raise Unavailable(f"table {table!r} (created at epoch {hosted.spec.created_epoch}) is not served by "
+                              f"{self.server_id} before it installs that map (it is at epoch {view.epoch}); retry",
+                              epoch=view.epoch)
         slots, count, first = _kernels.slots_foreign(ids, view.leads)
         if not count and view.fenced.any():
             fenced = view.fenced[slots]

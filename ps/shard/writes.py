@@ -211,7 +211,8 @@ class Writes(ShardFields):
         lsn, prev = hosted.log.stamp(islots, view.epoch)
         dedup = [(key[0], key[1], key[2].astype(np.int32))] if key is not None and key[0] else []
         item = Item(CHANGES, hosted.spec.config.name, islots, lsn, prev, rows, deleted,
-                    sightings if sightings[0].size else None, table.step, dedup)
+                    sightings if sightings[0].size else None, table.step, dedup,
+                    table_epoch=hosted.spec.created_epoch)  # the incarnation written, whatever map the stream has
         return self.replicator.enqueue(item)
 
     def _check_unmoved(self, table: str, view: _View, slots: np.ndarray) -> None:
@@ -246,6 +247,6 @@ class Writes(ShardFields):
                     if not len(rows):
                         continue
                     item = Item(SNAPSHOT_ROWS, name, np.unique(slot_of(rows.ids, self.num_slots)).astype(np.int32),
-                                rows=rows)
+                                rows=rows, table_epoch=hosted.spec.created_epoch)
                     if not self.replicator.enqueue_rows(stream, sess, item):
                         return

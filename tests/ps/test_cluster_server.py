@@ -210,3 +210,41 @@ def test_items_of_a_dropped_table_are_moot_and_never_wedge_the_stream(cluster) -
                  table_epoch=m.epoch + 50)])
         reply = call(newer, timeout=10)
         assert reply.reject == pb.REJECT_BEHIND and reply.applied_through == 2
+
+
+def test_a_new_table_takes_writes_only_once_the_map_that_created_it_is_installed(cluster) -> None:
+    """Regression (a soak under load lost acknowledged updates): ``install`` creates a new map's tables, then
+    waits for every table's lock before it switches to the new view. A push in between was applied under the
+    old view and replicated as an item of no table incarnation (0), which the copy skipped as moot but
+    acknowledged: the push was acknowledged by a copy that did not have it, the copies diverged (REJECT_DIVERGED
+    on the next write, a demotion with no failure), and a kill of the primary lost it."""
+    sched, servers = cluster
+    primary, copy = servers[0].service, servers[1].service
+    with ps.connect(scheduler=sched.address) as client:
+        client.create_table("first", dim=4, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
+        _wait_installed(servers, sched.core.map.epoch)
+        led = np.flatnonzero(primary._view.leads)
+        ids = np.arange(20_000, dtype=np.int64)
+        ids = ids[np.isin(ps.routing.slot_of(ids, primary.num_slots), led)][:64]
+        lock = primary._tables["first"].lock
+        lock.acquire()  # the primary's next install creates its tables, then waits for this lock: the window
+        try:
+            client.create_table("late", dim=4, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
+            created = sched.core.map.tables["late"].created_epoch
+            deadline = time.monotonic() + 20
+            while "late" not in primary._tables:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert primary._view.epoch < created  # in the window
+            fut = client.push("late", ids, np.ones((ids.size, 4), np.float32))
+            time.sleep(0.5)
+            assert not fut.done()  # refused (UNAVAILABLE, retried by the client) while the window lasts
+            assert primary._tables["late"].table.pull(ids, insert=False).sum() == 0  # nothing applied
+        finally:
+            lock.release()
+        fut.result(timeout=30)
+        client.push("late", ids, np.ones((ids.size, 4), np.float32)).result(timeout=30)
+    want = np.full((ids.size, 4), -2.0, np.float32)  # two pushes of 1 at lr 1
+    np.testing.assert_array_equal(primary._tables["late"].table.pull(ids, insert=False), want)
+    np.testing.assert_array_equal(copy._tables["late"].table.pull(ids, insert=False), want)
+    assert sched.core.metrics.copies_demoted.labels("replication_failed")._value.get() == 0
