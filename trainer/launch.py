@@ -12,9 +12,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
-import sys
 import tempfile
 import time
 import uuid
@@ -33,6 +33,8 @@ from tigana.trainer.config import TrainConfig
 from tigana.trainer.distributed import DistEnv, free_port, init_distributed, read_env, shutdown
 from tigana.trainer.elastic import ELASTIC_DIR_ENV, JOB_ID_ENV, RESTART_ENV, under_torch_elastic
 from tigana.trainer.loop import check_inputs, nan_to_none, train
+
+log = logging.getLogger("tigana.trainer")
 
 __all__ = ["run", "start_cluster", "under_launcher"]
 
@@ -126,7 +128,7 @@ def run(config: TrainConfig, environ: Mapping[str, str] | None = None) -> dict[s
     check_inputs(config)
     note = _ignored_slurm(environ, config.nproc)
     if note:
-        print(note, file=sys.stderr, flush=True)
+        log.warning("%s", note)  # through logging: one JSON object with --log-format json
     if under_launcher(environ, config.nproc):
         env = read_env(config.ranks_per_node, _without_ignored_slurm(environ))
         if not config.ps and env.num_nodes > 1 and config.ranks_per_node is None:
@@ -165,9 +167,8 @@ def run(config: TrainConfig, environ: Mapping[str, str] | None = None) -> dict[s
                 if preemption.requested() or restarts == config.max_restarts:
                     raise RuntimeError(f"trainer rank {failed[0]} exited with {failed[1]}"
                                        + (f" after {restarts} restart(s)" if restarts else ""))
-                print(f"tigana train: trainer rank {failed[0]} exited with {failed[1]}; starting the trainers "
-                      f"again ({restarts + 1} of {config.max_restarts}) from the last elastic state",
-                      file=sys.stderr, flush=True)
+                log.warning("tigana train: trainer rank %d exited with %s; starting the trainers again (%d of %d) "
+                            "from the last elastic state", failed[0], failed[1], restarts + 1, config.max_restarts)
             raise AssertionError("unreachable")
     finally:
         if cluster is not None:

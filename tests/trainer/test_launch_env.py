@@ -45,10 +45,12 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 
 def test_nproc_outranks_inherited_slurm_variables(tmp_path: Path) -> None:
-    out = subprocess.run([*CLI, *TRAIN, "--nproc", "2"], env=_clean_env(**SALLOC), capture_output=True, text=True,
-                         timeout=240, cwd=tmp_path)
+    out = subprocess.run([*CLI, *TRAIN, "--nproc", "2", "--log-format", "json"], env=_clean_env(**SALLOC),
+                         capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "ignoring SLURM_PROCID=0 SLURM_NTASKS=4: --nproc 2 starts local processes" in out.stderr
+    (note,) = [line for line in out.stderr.splitlines() if "ignoring SLURM_PROCID" in line]
+    record = json.loads(note)  # the launcher's lifecycle lines are log records: JSON with --log-format json
+    assert "ignoring SLURM_PROCID=0 SLURM_NTASKS=4: --nproc 2 starts local processes" in record["message"]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["world_size"] == 2 and result["steps"] == 3
 
