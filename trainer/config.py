@@ -133,7 +133,7 @@ def _check(c: TrainConfig) -> None:
 @dataclass(frozen=True)
 class Tuned:
     """Settings one data set trains well with, found by a sweep (``tools/tune_defaults.py``; its runs are logged
-    in ``tools/tuning/``, the figures are in the README's training section). They apply only to the fields that
+    in ``tools/tuning/``, the figures are in docs/training.md). They apply only to the fields that
     no flag, ``TIGANA_*`` variable or config file sets; None keeps the TrainConfig default. ``models`` holds
     what one model needs different from the data set's values. With ``max_data_bytes`` the entry applies only
     to data of at most that size (``data``: a file, or a folder's files summed), so a small sample's many

@@ -79,7 +79,7 @@ def test_real_rows_match_a_plain_python_parse() -> None:
     np.testing.assert_array_equal(rows.cat_missing, np.array([[v is None for v in r] for r in cats]))
     present = ~rows.cat_missing
     np.testing.assert_array_equal(rows.raw[present], np.array([[v or 0 for v in r] for r in cats], np.uint64)[present])
-    # The features the README describes: a 21% click rate, negative I2 values, I12 the most often missing.
+    # The features of the Criteo sample: a 21% click rate, negative I2 values, I12 the most often missing.
     assert 0.15 < rows.labels.mean() < 0.25
     assert rows.ints[:, 1].min() < 0
     assert int(np.argmax(rows.int_missing.mean(0))) == 11

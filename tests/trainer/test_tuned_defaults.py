@@ -144,7 +144,7 @@ ML_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "movielens-1
 def test_tigana_train_runs_with_the_tuned_values_and_the_epochs_flag() -> None:
     """``tigana train`` with only --model/--dataset/--data and ``--epochs 1``: the flag's epochs, the tuned batch
     size (so the step count) and the tuned optimizers; one epoch already ranks well above chance (0.768; the
-    full default, 10 epochs, reaches 0.797: the README's table)."""
+    full default, 10 epochs, reaches 0.797: docs/training.md's table)."""
     batch = tuned_settings("movielens-100k", "deepfm")["batch_size"][0]
     out = subprocess.run([sys.executable, "-m", "tigana.tools.cli", "train", "--model", "deepfm", "--dataset",
                           "movielens-100k", "--data", str(ML_DATA), "--epochs", "1", "--no-progress"],
