@@ -288,6 +288,12 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         with self._lock:
             return len(self._index) + len(self._spilled)
 
+    @property
+    def rows_spilled(self) -> int:
+        """Rows that live only in the spill tier (0 without one)."""
+        with self._lock:
+            return len(self._spilled)
+
     def delete(self, ids: np.ndarray) -> int:
         """Remove ids (duplicates and absent ids allowed); returns how many stored rows were removed."""
         ids = self._check_ids(ids)
