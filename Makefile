@@ -30,7 +30,7 @@ bytecode: $(STAMP)
 	$(PY) -m compileall -q -j 0 ps trainer embeddings tools proto > /dev/null
 
 test: lint bytecode
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 demo: $(STAMP) bytecode
 	$(VENV)/bin/tigana demo
