@@ -42,7 +42,7 @@ from tigana.embeddings import snapshot as snap
 from tigana.embeddings.files import publish_folder
 from tigana.proto import shard_pb2 as pb
 from tigana.ps import routing
-from tigana.ps.errors import DataLoss, InvalidArgument, from_rpc_error
+from tigana.ps.errors import DataLoss, InvalidArgument, PSError, from_rpc_error
 from tigana.ps.wire import cluster as cluster_wire
 
 FORMAT = "tigana-checkpoint"
@@ -94,44 +94,62 @@ def write_checkpoint(client: Any, directory: str | os.PathLike, tables: list[str
                                 "num_slots": client.config.num_slots, "tables": {}}
     try:
         for name in names:
-            info = client.describe_table(name)
-            spec = client._spec_pb(name)
-            parts, rows, step = [], 0, 0
-            for k, (server, slots) in enumerate(_primaries(client)):
-                part = f"{_table_dir(name)}/part-{k:04d}"
-                tail: dict[str, Any] = {}
-
-                def batches(server=server, slots=slots, tail=tail, name=name, info=info) -> Iterator[RowBatch]:
-                    for chunk in _export_stream(client, server, name, slots):
-                        if chunk.step:
-                            tail["step"] = max(tail.get("step", 0), int(chunk.step))
-                        if chunk.slots:
-                            tail["slots"] = cluster_wire.array(chunk.slots, "<i4", field="slots").tolist()
-                            tail["positions"] = list(zip(
-                                cluster_wire.array(chunk.positions_epochs, "<u8", field="positions").tolist(),
-                                cluster_wire.array(chunk.positions_indexes, "<u8", field="positions").tolist(),
-                                strict=True))
-                        if chunk.HasField("rows"):
-                            yield cluster_wire.rows_from_pb(chunk.rows, dim=info.config.dim,
-                                                            state_width=int(info.stats["state_width"]), table=name)
-
-                path = snap.write_snapshot(tmp / part, table=name, config=snap.config_to_dict(info.config),
-                                           rows=batches(), meta={"server": server.address},
-                                           state_width=int(info.stats["state_width"]))
-                m = snap.read_manifest(path)
-                parts.append({"path": str(path.relative_to(tmp)), "server": server.address, "rows": m["rows"],
-                              "slots": routing.format_slots(tail.get("slots", slots.tolist())),
-                              "manifest_sha256": m["manifest_sha256"]})
-                rows += m["rows"]
-                step = max(step, tail.get("step", 0))
-            manifest["tables"][name] = {"spec": json_format.MessageToDict(spec, preserving_proto_field_name=True),
-                                        "rows": rows, "step": step, "parts": parts}
+            deadline = time.monotonic() + client.config.failover_timeout_s
+            while True:
+                try:
+                    manifest["tables"][name] = _checkpoint_table(client, tmp, name)
+                    break
+                except PSError as error:
+                    # A slot moved (or its primary failed over) while its part was read: the table's parts are
+                    # one set covering every slot, so the table is read again by the newest map.
+                    if time.monotonic() > deadline or not _retryable(error, client):
+                        raise
+                    shutil.rmtree(tmp / _table_dir(name), ignore_errors=True)
+                    if client._maps is not None:
+                        client._maps.refresh(client.epoch + 1)
+                    time.sleep(0.1)
         (tmp / _MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         _publish(tmp, root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _checkpoint_table(client: Any, tmp: Path, name: str) -> dict[str, Any]:
+    """One table's entry of a checkpoint: a part per primary of the client's current route."""
+    info = client.describe_table(name)
+    spec = client._spec_pb(name)
+    parts, rows, step = [], 0, 0
+    for k, (server, slots) in enumerate(_primaries(client)):
+        part = f"{_table_dir(name)}/part-{k:04d}"
+        tail: dict[str, Any] = {}
+
+        def batches(server=server, slots=slots, tail=tail) -> Iterator[RowBatch]:
+            for chunk in _export_stream(client, server, name, slots):
+                if chunk.step:
+                    tail["step"] = max(tail.get("step", 0), int(chunk.step))
+                if chunk.slots:
+                    tail["slots"] = cluster_wire.array(chunk.slots, "<i4", field="slots").tolist()
+                    tail["positions"] = list(zip(
+                        cluster_wire.array(chunk.positions_epochs, "<u8", field="positions").tolist(),
+                        cluster_wire.array(chunk.positions_indexes, "<u8", field="positions").tolist(),
+                        strict=True))
+                if chunk.HasField("rows"):
+                    yield cluster_wire.rows_from_pb(chunk.rows, dim=info.config.dim,
+                                                    state_width=int(info.stats["state_width"]), table=name)
+
+        path = snap.write_snapshot(tmp / part, table=name, config=snap.config_to_dict(info.config),
+                                   rows=batches(), meta={"server": server.address},
+                                   state_width=int(info.stats["state_width"]))
+        m = snap.read_manifest(path)
+        parts.append({"path": str(path.relative_to(tmp)), "server": server.address, "rows": m["rows"],
+                      "slots": routing.format_slots(tail.get("slots", slots.tolist())),
+                      "manifest_sha256": m["manifest_sha256"]})
+        rows += m["rows"]
+        step = max(step, tail.get("step", 0))
+    return {"spec": json_format.MessageToDict(spec, preserving_proto_field_name=True), "rows": rows, "step": step,
+            "parts": parts}
 
 
 def _publish(tmp: Path, root: Path) -> None:

@@ -75,6 +75,36 @@ def test_checkpoint_on_3_servers_restores_identically_on_2(make_shard_cluster, t
         assert ps.admin.verify(second.scheduler)["differing"] == []
 
 
+def test_a_checkpoint_reads_a_table_again_when_a_slot_moves_under_it(make_shard_cluster, tmp_path, monkeypatch):
+    """A part refused because its slots moved (WrongShard: a rebalance or failover under ``admin checkpoint``)
+    makes the table be read again by the newest map, its parts so far discarded: the checkpoint completes,
+    whole (the nemesis saw ``admin checkpoint`` fail with WrongShard during moves)."""
+    from tigana.ps import checkpoint
+
+    cluster = make_shard_cluster(2, replicas=1)
+    with ps.connect(cluster.target) as client:
+        client.create_table("emb", dim=4, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
+        ids = np.arange(4000, dtype=np.int64)
+        client.push("emb", ids, -np.ones((ids.size, 4), np.float32)).result()
+        real, calls = checkpoint._export_stream, []
+
+        def flaky(client_, server, table, slots, **kw):
+            calls.append(server.address)
+            if len(calls) == 2:  # the table's second part: its first one is already written
+                raise ps.WrongShard(f"table {table!r}: field 'slots' names slots this server does not lead", epoch=1)
+            return real(client_, server, table, slots, **kw)
+
+        monkeypatch.setattr(checkpoint, "_export_stream", flaky)
+        manifest = client.checkpoint(str(tmp_path / "ckpt"))
+    assert len(calls) == 4  # two parts, the first read twice, the second refused once then read
+    table = manifest["tables"]["emb"]
+    assert table["rows"] == ids.size and len(table["parts"]) == 2
+    written = sorted(p.name for p in (tmp_path / "ckpt" / "tables" / "emb").iterdir())
+    assert written == ["part-0000", "part-0001"]  # the discarded attempt left nothing behind
+    rows = _all_rows(tmp_path / "ckpt", "emb")
+    np.testing.assert_array_equal(np.sort(rows.ids), ids)
+
+
 def test_a_damaged_checkpoint_is_refused(make_shard_cluster, tmp_path) -> None:
     cluster = make_shard_cluster(2, replicas=1)
     with ps.connect(cluster.target) as client:
