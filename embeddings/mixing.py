@@ -48,4 +48,9 @@ try:  # pragma: no cover - exercised by whichever path the machine has
 except ImportError:  # pragma: no cover - the kernels' numpy fallbacks use ``mix64``
     mix64_scalar = _mix64_scalar
 else:
+    # Every kernel module imports this one before it compiles anything: key numba's disk cache by all kernel
+    # sources at once (a kernel inlines this function; a change here must recompile it).
+    from tigana.embeddings._jitcache import install as _install_kernel_cache
+
+    _install_kernel_cache()
     mix64_scalar = njit(nogil=True, cache=True, inline="always")(_mix64_scalar)

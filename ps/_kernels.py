@@ -134,7 +134,11 @@ def dedup_grouped(ids, group_of_slot, num_groups):
     return uniq, starts, src
 
 
-GRAD_LIMIT = float(2.0**64)  # a summed gradient at or above this magnitude is refused by the client
+_GRAD_LIMIT_LOG2 = 64
+GRAD_LIMIT = float(2.0**_GRAD_LIMIT_LOG2)  # a summed gradient at or above this magnitude is refused by the client
+# float32 bits of GRAD_LIMIT with the sign cleared: |x| >= GRAD_LIMIT exactly when x's exponent field is at least
+# this (NaN/Inf have the largest exponent, so they compare above it too). A module constant: numba freezes it.
+_GRAD_LIMIT_BITS = (127 + _GRAD_LIMIT_LOG2) << 23
 
 
 @njit(nogil=True, cache=True)
@@ -160,10 +164,10 @@ def dedup_sum_grouped(ids, grads, group_of_slot, num_groups):
             for c in range(dim):
                 sums[r, c] = grads[i, c]
     # A NaN or Inf anywhere in grads leaves a non-finite sum (finite values can also overflow to Inf); the
-    # biased exponent of |x| >= 2**64 is at least 127 + 64, and NaN/Inf have the largest (255).
+    # biased exponent of |x| >= GRAD_LIMIT is at least that of GRAD_LIMIT, and NaN/Inf have the largest (255).
     bits = sums.reshape(-1).view(np.uint32)
     exp = np.uint32(0x7F800000)
-    limit = np.uint32((127 + 64) << 23)
+    limit = np.uint32(_GRAD_LIMIT_BITS)
     bad = np.uint32(0)
     for i in range(bits.shape[0]):  # an integer or-reduction: vectorizes
         bad |= np.uint32((bits[i] & exp) >= limit)

@@ -1,8 +1,9 @@
 """tigana.ps.scheduler — the scheduler: owns the shard map of a cluster, detects failed servers and recovers
 their slots.
 
-``SchedulerCore`` is the state machine; ``SchedulerService`` its gRPC face; ``start_scheduler`` the one
-function the CLI, tests and benchmarks start it with.
+``SchedulerCore`` is the state machine (sans-IO: events in, ``Ready`` out); ``SchedulerDriver`` runs it on
+threads, a store and a clock; ``SchedulerService`` is its gRPC face; ``start_scheduler`` the one function the
+CLI, tests and benchmarks start it with.
 
 Every change is a new map (epoch + 1) saved in the ``MapStore`` before anyone sees it; servers get it pushed
 (``InstallMap``) and with their heartbeats, clients long-poll ``GetMap``. What changes a map:
@@ -23,14 +24,16 @@ Every change is a new map (epoch + 1) saved in the ``MapStore`` before anyone se
 A slot left with no in-sync copy at all (every copy lost its memory, e.g. all servers restarted) gets a
 primary again by an unclean election among the servers that registered with rows of it, by their log
 positions (newest wins): what their snapshots held, so at most the updates since the last snapshot
-interval are lost. Thread-safety: every mutation runs under one lock.
+interval are lost. Thread-safety: the driver runs one event at a time, under one lock.
 
 One room per concept:
 
 - ``config``: ``SchedulerConfig`` and ``load_scheduler_config``;
 - ``core``: ``SchedulerCore`` (state, commits, servers, copy reports, tables, reads), assembled from
   ``liveness`` (failure detection, probes, elections) and ``moves`` (placement and its steps, hand-overs),
-  over the fields declared in ``_fields``;
+  over the fields declared in ``_fields``; ``actions``: what it asks its driver to do (persist, announce,
+  probe);
+- ``driver``: ``SchedulerDriver``, the core on threads, a ``MapStore`` and a clock;
 - ``service``: the gRPC ``SchedulerService``;
 - ``announcer`` and ``daemon``: ``SchedulerHandle``, ``start_scheduler``, the tick and election threads, health;
 - the stores (``stores``): ``stores.file`` (the ``MapStore`` interface, ``FileMapStore``) and ``stores.etcd`` (etcd, with the
@@ -47,10 +50,11 @@ from tigana.ps.scheduler.daemon import (
     probe_closed,
     start_scheduler,
 )
+from tigana.ps.scheduler.driver import SchedulerDriver
 from tigana.ps.scheduler.moves import _placement_changes as _placement_changes  # used by tests
 from tigana.ps.scheduler.service import SERVICE_NAME, SchedulerService
 from tigana.ps.scheduler.stores.file import FileMapStore, MapStore, SchedulerState
 
 __all__ = ["REPLICATION_HEALTH_NAME", "SERVICE_NAME", "FileMapStore", "MapStore", "NotLeader", "PSError",
-           "SchedulerConfig", "SchedulerCore", "SchedulerHandle", "SchedulerService", "SchedulerState",
+           "SchedulerConfig", "SchedulerCore", "SchedulerDriver", "SchedulerHandle", "SchedulerService", "SchedulerState",
            "load_scheduler_config", "probe_closed", "start_scheduler"]

@@ -2,36 +2,29 @@
 
 ``SchedulerCore`` is assembled from one mixin per concept (``liveness``, ``moves``), each a subclass of
 ``CoreFields``, which declares the fields the core's ``__init__`` sets and the methods one room calls in
-another, so that each room reads (and type-checks) alone. Not thread-safe on its own: every mutation runs
-under ``lock``.
+another, so that each room reads (and type-checks) alone. Sans-IO: no lock, store or clock (see ``core``).
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tigana.ps.metrics import SchedulerMetrics
 from tigana.ps.routing import ShardMap
+from tigana.ps.scheduler.actions import Probe
 from tigana.ps.scheduler.config import SchedulerConfig
-from tigana.ps.scheduler.stores.file import MapStore
+
+__all__ = ["CoreFields"]
 
 
 class CoreFields:
     """Fields of the scheduler's state machine (set by ``SchedulerCore.__init__``)."""
 
     config: SchedulerConfig
-    store: MapStore
-    announce: Callable[[ShardMap], None]
-    probe: Callable[[str], bool | None]
-    clock: Callable[[], float]
     metrics: SchedulerMetrics
-    lock: threading.RLock
-    cond: threading.Condition
+    now: float  # the time of the event being handled
     map: ShardMap
     target: np.ndarray | None  # the placement the map moves toward, None when it is there
     target_kind: str  # "balance": re-planned on failures; "moves": rolled back per slot
@@ -51,13 +44,13 @@ class CoreFields:
     handover_since: dict[int, float]
     _warned_unprotected: float
     _degraded_since: float | None
-    closing: bool
-    _pending_announce: ShardMap | None
+    _states: list
+    _announce: ShardMap | None
+    _probes: list[Probe]
 
     if TYPE_CHECKING:  # the methods one room calls in another
         def _commit(self, new: ShardMap, why: str, extra: dict[str, Any] | None = None) -> ShardMap: ...
-        def _save(self, m: ShardMap | None = None) -> None: ...
-        def _mutating(self) -> AbstractContextManager[None]: ...
+        def _save(self) -> None: ...
         def _alive(self) -> np.ndarray: ...
         def _ids(self, indexes: Any) -> list[str]: ...
         def _elect(self) -> None: ...

@@ -24,7 +24,7 @@ from tigana.ps.health import check_health
 from tigana.ps.metrics import SchedulerMetrics
 from tigana.ps.scheduler.announcer import Announcer
 from tigana.ps.scheduler.config import SchedulerConfig
-from tigana.ps.scheduler.core import SchedulerCore
+from tigana.ps.scheduler.driver import SchedulerDriver
 from tigana.ps.scheduler.service import SERVICE_NAME, SchedulerService
 from tigana.ps.scheduler.stores.file import FileMapStore, MapStore
 from tigana.ps.security import NONE, Security
@@ -54,7 +54,7 @@ class SchedulerHandle:
     served on ``metrics_port`` when ``SchedulerConfig.metrics_port`` is set, else None), ``close()`` (idempotent).
 
     With an electing store (etcd) the handle serves at once but leads only once elected: the election thread
-    campaigns, builds a ``SchedulerCore`` from the stored state when it wins (so a new leader starts from the
+    campaigns, builds a ``SchedulerDriver`` from the stored state when it wins (so a new leader starts from the
     last saved map, and gives every server a full heartbeat timeout), renews the lease every third of its
     TTL, and steps down (drops the core, answers as a standby, campaigns again) when the lease could not be
     renewed within the TTL or the store refused a write. The store's fencing, not this thread's timing, is
@@ -82,7 +82,7 @@ class SchedulerHandle:
         # One registry for the process, kept across leadership terms; a standby reports leader 0.
         self.metrics = SchedulerMetrics(self._figures)
         self.metrics_port: int | None = None
-        self.core: SchedulerCore | None = None if self.electing else self._new_core()
+        self.core: SchedulerDriver | None = None if self.electing else self._new_core()
         self.auth_rejected = 0
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers,
@@ -111,8 +111,8 @@ class SchedulerHandle:
         self._renewed = 0.0  # when the last successful lease renewal was sent
         self.terms = 0  # times this scheduler became the leader
 
-    def _new_core(self) -> SchedulerCore:
-        return SchedulerCore(self.config, self.store, announce=self.announcer,
+    def _new_core(self) -> SchedulerDriver:
+        return SchedulerDriver(self.config, self.store, announce=self.announcer,
                              probe=lambda a: probe_closed(a, self.config.probe_timeout_s, self.security),
                              metrics=self.metrics)
 
@@ -120,7 +120,7 @@ class SchedulerHandle:
         core = getattr(self, "core", None)
         return core.figures() if core is not None else {"leader": 0.0}
 
-    def _leading(self) -> SchedulerCore:
+    def _leading(self) -> SchedulerDriver:
         core = self.core
         if core is None:
             try:
@@ -177,9 +177,7 @@ class SchedulerHandle:
         self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         log.warning("stepping down as leader: %s", why)
         if core is not None:
-            with core.cond:  # long polls on the old core return; their clients ask again and are redirected
-                core.closing = True
-                core.cond.notify_all()
+            core.close()  # long polls on the old core return; their clients ask again and are redirected
         self.store.resign()
 
     def _rejected(self, method: str, reason: str) -> None:
@@ -229,9 +227,7 @@ class SchedulerHandle:
         self._stop.set()
         core = self.core
         if core is not None:
-            with core.cond:  # wake the long polls: their threads would hold the process up to 30 s
-                core.closing = True
-                core.cond.notify_all()
+            core.close()  # wake the long polls: their threads would hold the process up to 30 s
         self._server.stop(grace).wait()
         self.announcer.close()
         self.metrics.close()

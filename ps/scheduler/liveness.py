@@ -7,14 +7,13 @@ itself paused or starved gives every server a full timeout again (the silence wa
 
 A slot left with no in-sync copy at all gets a primary again by an unclean election (``_elect``) among the
 servers that registered with rows of it, by their log positions (newest wins). While slots lack copies the
-scheduler says so every 10 s (``_warn_under_replicated``). Thread-safety: every mutation runs under the
-core's lock; probes run on their own threads.
+scheduler says so every 10 s (``_warn_under_replicated``). Probes are actions (``Probe``): the driver runs
+them and reports the answer (``probe_answered``).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 
 import numpy as np
 
@@ -22,6 +21,7 @@ from tigana.ps import placement
 from tigana.ps.logs import event, slots_text
 from tigana.ps.routing import IN_SYNC, NO_SERVER, format_slots
 from tigana.ps.scheduler._fields import CoreFields
+from tigana.ps.scheduler.actions import Probe
 
 log = logging.getLogger("tigana.ps.scheduler")  # one logger for the whole scheduler
 
@@ -29,29 +29,28 @@ log = logging.getLogger("tigana.ps.scheduler")  # one logger for the whole sched
 class Liveness(CoreFields):
     """Failure detection, probes and unclean elections; see the module docstring."""
 
-    def tick(self, stalled: bool = False) -> None:
+    def tick(self, *, now: float, stalled: bool = False, waited_s: float = 0.0) -> None:
         """Failure detection, elections, placement: called a few times a second. ``stalled``: the caller was
-        not ticking for a while (this process was paused or starved); like a lock held long by a step, that
-        time is the scheduler's silence, not the servers': every server gets a full timeout again."""
-        asked = self.clock()
-        with self._mutating():
-            now = self.clock()
-            timeout = self.config.heartbeat_timeout_s
-            if stalled or now - asked > timeout / 3:  # heartbeats were waiting on us, not missing
-                for sid in self.last_seen:
-                    self.last_seen[sid] = max(self.last_seen[sid], now)
-                log.warning("scheduler stalled (%s); every server gets a full heartbeat timeout again",
-                            "paused or starved" if stalled else f"waited {now - asked:.1f}s for its lock")
-            for i, s in enumerate(self.map.servers):
-                if not s.up:
-                    continue
-                silent = now - self.last_seen.get(s.id, self.started)
-                if silent > timeout:
-                    self._declare_dead(i, f"no heartbeat for {silent:.1f}s")
-                elif silent > timeout / 3 and s.id in self.heard and s.id not in self._probing:
-                    self._probe_async(s.id, s.address, s.boot)
-            self._reconcile()
-            self._warn_under_replicated(now)
+        not ticking for a while (this process was paused or starved); ``waited_s``: how long the tick waited
+        for the driver's lock. Either way that time is the scheduler's silence, not the servers': every
+        server gets a full timeout again."""
+        self.now = now
+        timeout = self.config.heartbeat_timeout_s
+        if stalled or waited_s > timeout / 3:  # heartbeats were waiting on us, not missing
+            for sid in self.last_seen:
+                self.last_seen[sid] = max(self.last_seen[sid], now)
+            log.warning("scheduler stalled (%s); every server gets a full heartbeat timeout again",
+                        "paused or starved" if stalled else f"waited {waited_s:.1f}s for its lock")
+        for i, s in enumerate(self.map.servers):
+            if not s.up:
+                continue
+            silent = now - self.last_seen.get(s.id, self.started)
+            if silent > timeout:
+                self._declare_dead(i, f"no heartbeat for {silent:.1f}s")
+            elif silent > timeout / 3 and s.id in self.heard and s.id not in self._probing:
+                self._probe(s.id, s.address, s.boot)
+        self._reconcile()
+        self._warn_under_replicated(now)
 
     def _warn_under_replicated(self, now: float) -> None:
         """Say loudly, every 10 s while it lasts past one heartbeat timeout, that slots lack copies: a server
@@ -75,47 +74,36 @@ class Liveness(CoreFields):
                     extra=event("under_replicated", epoch=self.map.epoch, degraded=s["degraded_slots"],
                                 unprotected=s["unprotected_slots"]))
 
-    def _probe_async(self, server_id: str, address: str, boot: str) -> None:
+    def _probe(self, server_id: str, address: str, boot: str) -> None:
+        """Action: probe ``address``; one probe per server at a time (``probe_answered`` ends it)."""
         self._probing.add(server_id)
+        self._probes.append(Probe(server_id, address, boot))
 
-        def run() -> None:
-            try:
-                closed = self.probe(address)
-            finally:
-                with self.lock:
-                    self._probing.discard(server_id)
-            if closed:
-                self.dead_if(server_id, boot, f"port {address} closed")
-            elif closed is False:  # its health service answered: running and reachable, only slow to beat
-                self.seen(server_id, boot)
-
-        threading.Thread(target=run, name="tigana-probe", daemon=True).start()
-
-    def seen(self, server_id: str, boot: str) -> None:
-        """``server_id`` (incarnation ``boot``) answered a probe: it counts as heard from now. Safe for the
-        fencing argument: a server that cannot renew its own lease stops acknowledging async pushes whatever
-        the scheduler thinks, and one that is not declared dead is not replaced."""
-        with self.lock:
-            i = self.map.index_of(server_id)
-            if i >= 0 and self.map.servers[i].up and self.map.servers[i].boot == boot:
-                self.last_seen[server_id] = max(self.last_seen.get(server_id, 0.0), self.clock())
-
-    def unreachable(self, address: str) -> None:
-        """A client or peer could not reach ``address``: probe it now."""
-        log.debug("reported unreachable: %s", address)
-        with self.lock:
-            for s in self.map.servers:
-                if s.address == address and s.up and s.id not in self._probing:
-                    self._probe_async(s.id, s.address, s.boot)
-
-    def dead_if(self, server_id: str, boot: str, why: str) -> None:
-        """Declare ``server_id`` dead if it is still the incarnation ``boot`` and not heard from meanwhile."""
-        with self._mutating():
-            i = self.map.index_of(server_id)
-            if i < 0 or not self.map.servers[i].up or self.map.servers[i].boot != boot:
-                return
-            self._declare_dead(i, why)
+    def probe_answered(self, server_id: str, boot: str, closed: bool | None, *, now: float) -> None:
+        """The probe of ``server_id`` (incarnation ``boot``) found its port closed (True: declared dead), its
+        health service answering (False: heard from now) or could not tell (None)."""
+        self.now = now
+        self._probing.discard(server_id)
+        i = self.map.index_of(server_id)
+        if i < 0 or not self.map.servers[i].up or self.map.servers[i].boot != boot:
+            return  # another incarnation, or already dead: the answer is about nobody
+        if closed:
+            address = self.map.servers[i].address
+            self._declare_dead(i, f"port {address} closed")
             self._reconcile()
+        elif closed is False:
+            # running and reachable, only slow to beat. Safe for the fencing argument: a server that cannot
+            # renew its own lease stops acknowledging async pushes whatever the scheduler thinks, and one
+            # that is not declared dead is not replaced.
+            self.last_seen[server_id] = max(self.last_seen.get(server_id, 0.0), now)
+
+    def unreachable(self, address: str, *, now: float) -> None:
+        """A client or peer could not reach ``address``: probe it now."""
+        self.now = now
+        log.debug("reported unreachable: %s", address)
+        for s in self.map.servers:
+            if s.address == address and s.up and s.id not in self._probing:
+                self._probe(s.id, s.address, s.boot)
 
     def _declare_dead(self, i: int, why: str) -> None:
         m = self.map
@@ -124,7 +112,7 @@ class Liveness(CoreFields):
         before = m.copies
         copies, states = placement.repair(m.copies, m.states, alive, 0)  # drop + promote only
         lost = np.flatnonzero((before[:, 0] >= 0) & (copies[:, 0] < 0))
-        now = self.clock()
+        now = self.now
         for slot in lost:
             self.orphaned_since.setdefault(int(slot), now)
         servers = m.replace_server(i, up=False)
@@ -149,7 +137,7 @@ class Liveness(CoreFields):
         if orphans.size == 0:
             self.orphaned_since.clear()
             return
-        now = self.clock()
+        now = self.now
         alive = self._alive()
         copies, states = m.copies.copy(), m.states.copy()
         chosen, empty, elected = 0, [], []

@@ -7,8 +7,7 @@ A target comes from ``rebalance`` (by measured load), ``move_slot``, ``drain`` o
 that gives a server holding nothing its share. A primary's move is a hand-over: the old primary stops
 writing and reports ``handover_ready`` once its in-sync copies hold everything, and only then is the new
 primary named, so a planned move loses no write. The placement arithmetic is pure (``tigana.ps.placement``);
-this room decides when to apply it and says what changed. Thread-safety: every mutation runs under the
-core's lock.
+this room decides when to apply it and says what changed.
 """
 
 from __future__ import annotations
@@ -30,31 +29,31 @@ log = logging.getLogger("tigana.ps.scheduler")  # one logger for the whole sched
 class Moves(CoreFields):
     """Placement: first placement, re-replication, targets and the steps toward them; see the module docstring."""
 
-    def handover_ready(self, reporter: str, slots: np.ndarray, epoch: int) -> tuple[bool, str]:
+    def handover_ready(self, reporter: str, slots: np.ndarray, epoch: int, *, now: float) -> tuple[bool, str]:
         """``reporter``, the primary of ``slots`` marked handing over, refuses writes to them since map
         ``epoch`` and its in-sync copies hold everything it wrote: name the target's primary (an in-sync
         copy) as the new primary. A planned hand-over thus loses no write, sync or async."""
-        with self._mutating():
-            m = self.map
-            p = m.index_of(reporter)
-            if p < 0 or self.target is None:
-                return False, "no hand-over in progress"
-            slots = np.asarray(slots, np.int64)
-            slots = slots[(slots >= 0) & (slots < m.num_slots)]
-            # the report must come from a map that already had the hand-over of the slot (the fence)
-            slots = slots[(m.copies[slots, 0] == p) & m.handing_over()[slots] & (m.slot_epochs[slots] <= epoch)]
-            copies, states, done = placement.hand_over(m.copies, m.states, slots, self.target)
-            if not done.size:
-                return False, "no such hand-over (the map changed)"
-            for slot in done:
-                self.handover_since.pop(int(slot), None)
-            self._moved.update(int(x) for x in done)
-            self.metrics.slot_moves.labels("primary_handover").inc(done.size)
-            primaries = self._ids(copies[done, 0])
-            self._commit(m.evolve(copies=copies, states=states),
-                         f"{done.size} primar(ies) handed over by {reporter} to {','.join(primaries)} (slots "
-                         f"{slots_text(done)})", event("primary_handover", slots=done, server=primaries, source=reporter))
-            return True, ""  # the next tick drops the copies the target does not keep (one step per map)
+        self.now = now
+        m = self.map
+        p = m.index_of(reporter)
+        if p < 0 or self.target is None:
+            return False, "no hand-over in progress"
+        slots = np.asarray(slots, np.int64)
+        slots = slots[(slots >= 0) & (slots < m.num_slots)]
+        # the report must come from a map that already had the hand-over of the slot (the fence)
+        slots = slots[(m.copies[slots, 0] == p) & m.handing_over()[slots] & (m.slot_epochs[slots] <= epoch)]
+        copies, states, done = placement.hand_over(m.copies, m.states, slots, self.target)
+        if not done.size:
+            return False, "no such hand-over (the map changed)"
+        for slot in done:
+            self.handover_since.pop(int(slot), None)
+        self._moved.update(int(x) for x in done)
+        self.metrics.slot_moves.labels("primary_handover").inc(done.size)
+        primaries = self._ids(copies[done, 0])
+        self._commit(m.evolve(copies=copies, states=states),
+                     f"{done.size} primar(ies) handed over by {reporter} to {','.join(primaries)} (slots "
+                     f"{slots_text(done)})", event("primary_handover", slots=done, server=primaries, source=reporter))
+        return True, ""  # the next tick drops the copies the target does not keep (one step per map)
 
     # --- placement -----------------------------------------------------------------------------------
     def _placeable(self) -> np.ndarray:
@@ -75,100 +74,101 @@ class Moves(CoreFields):
 
     def rebalance(self, *, plan_only: bool = False, rows: np.ndarray | None = None,
                   bytes_: np.ndarray | None = None, rates: np.ndarray | None = None,
-                  cost: placement.CostModel | None = None) -> placement.Plan:
+                  cost: placement.CostModel | None = None, now: float) -> placement.Plan:
         """Plan a placement that evens out the measured load (``placement.plan``); unless ``plan_only``, make it
         the target (the map then moves toward it, one safe step at a time)."""
-        with self._mutating():
-            m = self.map
-            n = m.num_slots
-            rows = np.ones(n) if rows is None else np.asarray(rows, float)
-            plan = placement.plan(m.copies, self._placeable(), self.config.replicas, rows,
-                                  np.zeros(n) if bytes_ is None else bytes_, np.zeros(n) if rates is None else rates,
-                                  cost)
-            if not plan_only:
-                self.target, self.target_kind = plan.target, "balance"
-                self._save()
-                slots = [mv[0] for mv in plan.moves]
-                ids = self._ids(x for mv in plan.moves for x in (*mv[1], *mv[2], mv[3], mv[4]))
-                log.info("rebalance at epoch %d: %d move(s) (slots %s, servers %s), %d bytes to copy", m.epoch,
-                         len(plan.moves), slots_text(slots), ",".join(ids) or "none", plan.bytes_moved,
-                         extra=event("rebalance", slots=slots, epoch=m.epoch, server=ids, bytes=plan.bytes_moved))
-                self._reconcile()
-            return plan
+        self.now = now
+        m = self.map
+        n = m.num_slots
+        rows = np.ones(n) if rows is None else np.asarray(rows, float)
+        plan = placement.plan(m.copies, self._placeable(), self.config.replicas, rows,
+                              np.zeros(n) if bytes_ is None else bytes_, np.zeros(n) if rates is None else rates,
+                              cost)
+        if not plan_only:
+            self.target, self.target_kind = plan.target, "balance"
+            self._save()
+            slots = [mv[0] for mv in plan.moves]
+            ids = self._ids(x for mv in plan.moves for x in (*mv[1], *mv[2], mv[3], mv[4]))
+            log.info("rebalance at epoch %d: %d move(s) (slots %s, servers %s), %d bytes to copy", m.epoch,
+                     len(plan.moves), slots_text(slots), ",".join(ids) or "none", plan.bytes_moved,
+                     extra=event("rebalance", slots=slots, epoch=m.epoch, server=ids, bytes=plan.bytes_moved))
+            self._reconcile()
+        return plan
 
-    def move_slot(self, slot: int, to: str, *, from_: str = "", primary: bool = False) -> placement.Plan:
+    def move_slot(self, slot: int, to: str, *, from_: str = "", primary: bool = False, now: float
+                  ) -> placement.Plan:
         """Target: ``slot``'s copy on ``from_`` (default: its primary) moves to ``to``; the copy keeps its role
         (a primary's move ends with ``to`` leading), or leads with ``primary``."""
-        with self._mutating():
-            m = self.map
-            if not 0 <= slot < m.num_slots:
-                raise InvalidArgument(f"move-slot: field 'slot' must be in [0, {m.num_slots}), got {slot}")
-            t = self._find(to)
-            if not self._placeable()[t]:
-                raise InvalidArgument(f"move-slot: server {to!r} is dead or draining")
-            target = (self.target if self.target is not None else m.copies).copy()
-            if target.shape[1] < m.width:
-                target = _pad(target, m.width)
-            row = [int(x) for x in target[slot] if x >= 0]
-            if not row:
-                raise InvalidArgument(f"move-slot: slot {slot} has no copy to move (no primary)")
-            src = row[0] if not from_ else self._find(from_)
-            if src not in row:
-                raise InvalidArgument(f"move-slot: slot {slot} has no copy on {from_!r}")
-            was_primary = row[0] == src
-            if t in row and not (primary and t != row[0]):
-                raise InvalidArgument(f"move-slot: server {to!r} already holds a copy of slot {slot}")
-            if t in row:  # make an existing copy the primary: roles swap, no data moves
-                new = [t] + [x for x in row if x != t]
-            else:
-                new = [t if x == src else x for x in row]
-                if primary and not was_primary:
-                    new = [t] + [x for x in new if x != t]
-            target[slot] = np.full(target.shape[1], NO_SERVER, np.int32)
-            target[slot, :len(new)] = new
-            self.target, self.target_kind = target, "moves"
-            self._save()
-            log.info("move-slot at epoch %d: slot %d from %s to %s%s", m.epoch, slot, m.servers[src].id,
-                     m.servers[t].id, " (as primary)" if new[0] == t else "",
-                     extra=event("move_slot", slots=[slot], epoch=m.epoch, server=self._ids([src, t]),
-                                 source=m.servers[src].id, target=m.servers[t].id))
-            self._reconcile()
-            return placement.Plan(target, [(slot, [x for x in new if x not in row], [x for x in row if x not in new],
-                                            row[0], new[0], 0)], np.zeros(0), np.zeros(0), 0, 0.0)
+        self.now = now
+        m = self.map
+        if not 0 <= slot < m.num_slots:
+            raise InvalidArgument(f"move-slot: field 'slot' must be in [0, {m.num_slots}), got {slot}")
+        t = self._find(to)
+        if not self._placeable()[t]:
+            raise InvalidArgument(f"move-slot: server {to!r} is dead or draining")
+        target = (self.target if self.target is not None else m.copies).copy()
+        if target.shape[1] < m.width:
+            target = _pad(target, m.width)
+        row = [int(x) for x in target[slot] if x >= 0]
+        if not row:
+            raise InvalidArgument(f"move-slot: slot {slot} has no copy to move (no primary)")
+        src = row[0] if not from_ else self._find(from_)
+        if src not in row:
+            raise InvalidArgument(f"move-slot: slot {slot} has no copy on {from_!r}")
+        was_primary = row[0] == src
+        if t in row and not (primary and t != row[0]):
+            raise InvalidArgument(f"move-slot: server {to!r} already holds a copy of slot {slot}")
+        if t in row:  # make an existing copy the primary: roles swap, no data moves
+            new = [t] + [x for x in row if x != t]
+        else:
+            new = [t if x == src else x for x in row]
+            if primary and not was_primary:
+                new = [t] + [x for x in new if x != t]
+        target[slot] = np.full(target.shape[1], NO_SERVER, np.int32)
+        target[slot, :len(new)] = new
+        self.target, self.target_kind = target, "moves"
+        self._save()
+        log.info("move-slot at epoch %d: slot %d from %s to %s%s", m.epoch, slot, m.servers[src].id,
+                 m.servers[t].id, " (as primary)" if new[0] == t else "",
+                 extra=event("move_slot", slots=[slot], epoch=m.epoch, server=self._ids([src, t]),
+                             source=m.servers[src].id, target=m.servers[t].id))
+        self._reconcile()
+        return placement.Plan(target, [(slot, [x for x in new if x not in row], [x for x in row if x not in new],
+                                        row[0], new[0], 0)], np.zeros(0), np.zeros(0), 0, 0.0)
 
-    def drain(self, server: str, *, undrain: bool = False) -> placement.Plan:
+    def drain(self, server: str, *, undrain: bool = False, now: float) -> placement.Plan:
         """Move every copy off ``server`` (it then holds nothing and may be stopped); ``undrain`` takes it back."""
-        with self._mutating():
-            i = self._find(server)
-            sid = self.map.servers[i].id
-            if undrain:
-                self.draining.discard(sid)
-                if self.target is not None and self.target_kind == "balance":
-                    self.target = None  # stop moving its copies away (what moved stays where it is)
-                    self._moved.clear()
-                    self._moved_on.clear()
-                self._save()
-                return placement.Plan(self.map.copies, [], np.zeros(0), np.zeros(0), 0, 0.0)
-            self.draining.add(sid)
-            left = int(self._placeable().sum())
-            if not left:
-                self.draining.discard(sid)
-                raise InvalidArgument(f"drain: {server!r} is the last server that can hold slots")
-            if left < 1 + self.config.replicas and self.map.holds(i).any():
-                self.draining.discard(sid)
-                raise InvalidArgument(f"drain: {server!r}: {left} server(s) would be left to hold {1 + self.config.replicas} "
-                                      "copies of every slot; add a server first (a drain never makes the cluster "
-                                      "under-replicated)")
-            target = placement.balance(self.map.copies, self._placeable(), self.config.replicas)
-            todo = placement.moves(self.map.copies, target)
-            self.target, self.target_kind = target, "balance"
+        self.now = now
+        i = self._find(server)
+        sid = self.map.servers[i].id
+        if undrain:
+            self.draining.discard(sid)
+            if self.target is not None and self.target_kind == "balance":
+                self.target = None  # stop moving its copies away (what moved stays where it is)
+                self._moved.clear()
+                self._moved_on.clear()
             self._save()
-            slots = [mv[0] for mv in todo]
-            log.info("draining %s at epoch %d: %d slot(s) to move (slots %s)", sid, self.map.epoch, len(todo),
-                     slots_text(slots), extra=event("drain", slots=slots, epoch=self.map.epoch, server=sid))
-            self._reconcile()
-            return placement.Plan(target, [(s, a, r, -1, -1, 0) for s, a, r in todo], np.zeros(0), np.zeros(0),
-                                  0, 0.0)
+            return placement.Plan(self.map.copies, [], np.zeros(0), np.zeros(0), 0, 0.0)
+        self.draining.add(sid)
+        left = int(self._placeable().sum())
+        if not left:
+            self.draining.discard(sid)
+            raise InvalidArgument(f"drain: {server!r} is the last server that can hold slots")
+        if left < 1 + self.config.replicas and self.map.holds(i).any():
+            self.draining.discard(sid)
+            raise InvalidArgument(f"drain: {server!r}: {left} server(s) would be left to hold {1 + self.config.replicas} "
+                                  "copies of every slot; add a server first (a drain never makes the cluster "
+                                  "under-replicated)")
+        target = placement.balance(self.map.copies, self._placeable(), self.config.replicas)
+        todo = placement.moves(self.map.copies, target)
+        self.target, self.target_kind = target, "balance"
+        self._save()
+        slots = [mv[0] for mv in todo]
+        log.info("draining %s at epoch %d: %d slot(s) to move (slots %s)", sid, self.map.epoch, len(todo),
+                 slots_text(slots), extra=event("drain", slots=slots, epoch=self.map.epoch, server=sid))
+        self._reconcile()
+        return placement.Plan(target, [(s, a, r, -1, -1, 0) for s, a, r in todo], np.zeros(0), np.zeros(0),
+                              0, 0.0)
 
     def _fixed_target(self, target: np.ndarray, alive: np.ndarray, placeable: np.ndarray,
                       current: np.ndarray) -> np.ndarray:
@@ -218,7 +218,7 @@ class Moves(CoreFields):
         reached = False
         if self.target is not None:
             self.target = self._fixed_target(self.target, alive, placeable, copies)
-        now = self.clock()
+        now = self.now
         expired = np.zeros(m.num_slots, bool)
         for slot, since in self.handover_since.items():
             expired[slot] = now - since > self._handover_timeout()
@@ -322,7 +322,7 @@ class Moves(CoreFields):
     def _bootstrap_due(self, up: int) -> bool:
         if up >= self.config.expect_servers:
             return True
-        return self.first_register is not None and self.clock() - self.first_register >= self.config.bootstrap_wait_s
+        return self.first_register is not None and self.now - self.first_register >= self.config.bootstrap_wait_s
 
 
 def _pad(a: np.ndarray, width: int) -> np.ndarray:

@@ -1,5 +1,5 @@
 """The scheduler's gRPC face: ``SchedulerService``, a thin adapter that converts each request at this one
-boundary (``cluster_wire``) and calls the leading ``SchedulerCore``. Every domain error is answered with its
+boundary (``cluster_wire``) and calls the leading ``SchedulerDriver``. Every domain error is answered with its
 gRPC status (``errors.to_status``, through ``rpc.guard``) and the current epoch in the trailing metadata; a bug
 is logged and answered INTERNAL, never taking the scheduler down. Thread-safety: called on gRPC's worker threads; the core locks.
 """
@@ -17,7 +17,7 @@ from tigana.proto import scheduler_pb2_grpc as spb_grpc
 from tigana.proto import shard_pb2 as pb
 from tigana.ps import placement, rpc
 from tigana.ps.errors import InvalidArgument, PSError
-from tigana.ps.scheduler.core import SchedulerCore
+from tigana.ps.scheduler.driver import SchedulerDriver
 from tigana.ps.wire import cluster as cluster_wire
 
 log = logging.getLogger("tigana.ps.scheduler")  # one logger for the whole scheduler
@@ -41,14 +41,14 @@ def _positions(infos) -> dict[str, dict[int, tuple[int, int]]]:
 
 
 class SchedulerService(spb_grpc.SchedulerServicer):
-    """The gRPC face of a ``SchedulerCore``: ``core`` is the core, or a function that returns the leading one
+    """The gRPC face of a ``SchedulerDriver``: ``core`` is the driven core, or a function that returns the leading one
     (raising ``NotLeader`` on a standby, so every call there answers UNAVAILABLE naming the leader)."""
 
-    def __init__(self, core: SchedulerCore | Callable[[], SchedulerCore]) -> None:
-        self._core = core if not isinstance(core, SchedulerCore) else (lambda: core)
+    def __init__(self, core: SchedulerDriver | Callable[[], SchedulerDriver]) -> None:
+        self._core = core if not isinstance(core, SchedulerDriver) else (lambda: core)
 
     @property
-    def core(self) -> SchedulerCore:
+    def core(self) -> SchedulerDriver:
         return self._core()
 
     def epoch(self) -> int:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 
 from tigana.ps.routing import CATCHING_UP
-from tigana.ps.scheduler import SchedulerCore
+from tigana.ps.scheduler import SchedulerDriver
 
 
-def report_all(core: SchedulerCore) -> int:
+def report_all(core: SchedulerDriver) -> int:
     """Report until nothing is left to report; returns the reports made."""
     reports = 0
     while True:

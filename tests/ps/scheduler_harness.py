@@ -1,68 +1,119 @@
-"""A scheduler core (``SchedulerCore``) to drive without sockets: a ``FileMapStore`` under ``tmp_path`` and a fake
-clock (``t[0]``), registered servers and their boots, and the check every map it announces must pass."""
+"""A scheduler core (``SchedulerCore``) to drive without sockets: a recording ``FileMapStore`` under
+``tmp_path`` and a fake clock (``t[0]``), registered servers and their boots, and the check every map it
+announces or saves must pass. The one harness of the scheduler-core tests (core, map, operations)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from primaries import report_all
 
 from tigana.embeddings import TableConfig
-from tigana.ps.routing import IN_SYNC, ShardMap, TableDef
-from tigana.ps.scheduler import SchedulerConfig, SchedulerCore
-from tigana.ps.scheduler.stores.file import FileMapStore
+from tigana.ps.routing import HANDING_OVER, IN_SYNC, ShardMap, TableDef
+from tigana.ps.scheduler import SchedulerConfig, SchedulerDriver
+from tigana.ps.scheduler.stores.file import FileMapStore, SchedulerState
 
 TIMEOUT = 3.0
 SLOTS = 24
 
 
-class Cluster:
-    """A core, its fake clock, the maps it announced, and the boot of every server we registered."""
+class RecordingStore(FileMapStore):
+    """A ``FileMapStore`` that keeps every state it saved (the announcer only sees the last map of a call)."""
 
-    def __init__(self, tmp_path, *, t0: float = 0.0, **config) -> None:
+    def __init__(self, data_dir) -> None:
+        super().__init__(data_dir)
+        self.saved: list[SchedulerState] = []
+
+    def save(self, state: SchedulerState) -> None:
+        super().save(state)
+        self.saved.append(state)
+
+
+class Cluster:
+    """A core, its fake clock, its recording store, the maps it announced, and the boot of every server
+    registered."""
+
+    def __init__(self, tmp_path, *, t0: float = 0.0, boots: dict[str, str] | None = None, **config) -> None:
         self.t = [t0]
         self.dir = tmp_path / "scheduler"
         config.setdefault("num_slots", SLOTS)
         config.setdefault("heartbeat_timeout_s", TIMEOUT)
         config.setdefault("replicas", 1)
         self.config = SchedulerConfig(**config)
+        self.store = RecordingStore(self.dir)
         self.announced: list[ShardMap] = []
-        self.core = SchedulerCore(self.config, FileMapStore(self.dir), announce=self.announced.append,
+        self.core = SchedulerDriver(self.config, self.store, announce=self.announced.append,
                                   clock=lambda: self.t[0])
-        self.boots: dict[str, str] = {}
+        self.boots: dict[str, str] = dict(boots or {})
 
     @property
     def map(self) -> ShardMap:
         return self.core.map
 
+    def idx(self, server: str) -> int:
+        return self.map.index_of(server)
+
     def register(self, server: str, boot: str | None = None, positions=None) -> ShardMap:
         self.boots[server] = boot or self.boots.get(server) or f"{server}-boot1"
         return self.core.register(server, f"host-{server}:1", self.boots[server], positions)
 
-    def advance(self, dt: float, *, alive: tuple[str, ...] = ()) -> None:
-        """Time passes in steps of a second; at each, the servers in ``alive`` heartbeat, then a tick."""
+    def up(self) -> tuple[str, ...]:
+        return tuple(s.id for s in self.map.servers if s.up)
+
+    def advance(self, dt: float, alive: tuple[str, ...] | None = None) -> None:
+        """Time passes in steps of at most a second: at each, the ``alive`` servers (default: all up)
+        heartbeat, then a tick."""
         end = self.t[0] + dt
         while self.t[0] < end:
             self.t[0] = min(end, self.t[0] + 1.0)
-            for s in alive:
+            for s in self.up() if alive is None else alive:
                 _, again = self.core.heartbeat(s, self.boots[s], self.map.epoch)
                 assert not again, s
             self.core.tick()
 
+    def kill(self, server: str) -> None:
+        """``server`` stops: the clock jumps past the timeout at once (no tick in between), the others
+        heartbeat, one tick declares it dead."""
+        others = tuple(s for s in self.up() if s != server)
+        self.t[0] += TIMEOUT + 0.5
+        for s in others:
+            self.core.heartbeat(s, self.boots[s], self.map.epoch)
+        self.core.tick()
+        assert not self.map.servers[self.idx(server)].up
+
     def catch_up_all(self) -> int:
-        """Every primary reports every catching-up copy of its slots caught up (a report can change the map:
-        each is made from the current one). Returns the reports made."""
+        """Every primary reports each of its slots' catching-up copies caught up (one report per
+        (primary, copy) pair, made from the map current at the time). Returns the reports made."""
         return report_all(self.core)
 
+    def run_to_target(self, limit: int = 40) -> int:
+        """Catch up and tick until the target is reached, checking every saved map on the way."""
+        for step in range(limit):
+            if self.core.target is None:
+                self.check_saved()
+                return step
+            self.catch_up_all()
+            self.advance(0.5)
+        pytest.fail(f"the target was not reached: {self.core.target}")
 
-def assert_valid(m: ShardMap) -> None:
-    """Copies on distinct servers that are up; a primary is in sync; slot_epochs never ahead of the map."""
+    def check_saved(self) -> None:
+        for state in self.store.saved:
+            assert_valid(state.map)
+
+
+def assert_valid(m: ShardMap, *, unled_ok: bool = False) -> None:
+    """Copies on distinct servers that are up; a primary is in sync or handing over; slot_epochs never ahead
+    of the map. Every slot with copies has a primary, unless ``unled_ok`` (a failover that found no in-sync
+    copy keeps the slot's catching-up copies without a primary: unavailable, never promoted)."""
     up = np.array([s.up for s in m.servers], bool)
     for slot in range(m.num_slots):
         row = [int(x) for x in m.copies[slot] if x >= 0]
-        assert len(row) == len(set(row)), f"slot {slot}: {m.copies[slot]}"
-        assert all(up[x] for x in row), f"slot {slot}: a copy on a server that is down: {m.copies[slot]}"
+        assert len(row) == len(set(row)), f"epoch {m.epoch} slot {slot}: {m.copies[slot]}"
+        assert all(up[x] for x in row), f"epoch {m.epoch} slot {slot}: a copy on a server that is down"
         if m.copies[slot, 0] >= 0:
-            assert m.states[slot, 0] == IN_SYNC
+            assert m.states[slot, 0] in (IN_SYNC, HANDING_OVER), f"epoch {m.epoch} slot {slot}: {m.states[slot]}"
+        elif row:
+            assert unled_ok, f"epoch {m.epoch} slot {slot}: copies {m.copies[slot]} without a primary"
     assert (m.slot_epochs <= m.epoch).all()
 
 
@@ -71,7 +122,7 @@ def started(tmp_path, servers=("a", "b", "c"), **config) -> Cluster:
     c = Cluster(tmp_path, **config)
     for s in servers:
         c.register(s)
-    assert (c.map.copies[:, 0] >= 0).all()
+    assert (c.map.copies[:, 0] >= 0).all() and (c.map.states == IN_SYNC).all()
     return c
 
 

@@ -479,3 +479,14 @@ def test_restore_the_paths_a_snapshot_returned(client):
         np.testing.assert_array_equal(client.pull(name, ids), np.full((50, 2), -1.0, np.float32))
     with pytest.raises(ps.InvalidArgument, match="'path' names shard"):
         client.restore({"10.0.0.1:1": ["x"]})
+
+
+@pytest.mark.parametrize("magnitude", [2.0**63, np.nextafter(np.float32(2.0**64), np.float32(0)), 2.0**64, 3e38])
+def test_the_client_refuses_a_summed_gradient_exactly_from_grad_limit(magnitude: float) -> None:
+    from tigana.ps import _kernels
+
+    grads = np.zeros((3, 2), np.float32)
+    grads[1, 0] = -np.float32(magnitude)
+    ids = np.array([5, 6, 7], np.int64)
+    *_, in_range = _kernels.dedup_sum_grouped(ids, grads, np.zeros(routing.DEFAULT_NUM_SLOTS, np.int64), 1)
+    assert bool(in_range) == (abs(float(np.float32(magnitude))) < _kernels.GRAD_LIMIT)

@@ -20,7 +20,7 @@ from tigana.ps.config import ServerConfig
 from tigana.ps.daemon import start_server
 from tigana.ps.logs import JsonFormatter, event, setup_logging, slots_text
 from tigana.ps.routing import TableDef
-from tigana.ps.scheduler import SchedulerConfig, SchedulerCore, start_scheduler
+from tigana.ps.scheduler import SchedulerConfig, SchedulerDriver, start_scheduler
 from tigana.ps.scheduler.stores.file import FileMapStore
 
 
@@ -189,7 +189,7 @@ class _Core:
 
     def __init__(self, tmp_path, **config) -> None:
         self.t = [0.0]
-        self.core = SchedulerCore(SchedulerConfig(num_slots=16, heartbeat_timeout_s=3.0, replicas=1, **config),
+        self.core = SchedulerDriver(SchedulerConfig(num_slots=16, heartbeat_timeout_s=3.0, replicas=1, **config),
                                   FileMapStore(tmp_path / "sched"), clock=lambda: self.t[0])
 
     def catch_up_all(self) -> None:

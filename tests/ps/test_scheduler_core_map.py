@@ -16,7 +16,7 @@ from scheduler_harness import TIMEOUT, Cluster, assert_valid, spec, started
 from tigana.ps import placement
 from tigana.ps.errors import TableExists
 from tigana.ps.routing import CATCHING_UP, IN_SYNC, ShardMap
-from tigana.ps.scheduler import SchedulerConfig, SchedulerCore
+from tigana.ps.scheduler import SchedulerConfig, SchedulerDriver
 from tigana.ps.scheduler.stores.file import FileMapStore
 
 
@@ -41,7 +41,7 @@ def test_restarted_scheduler_loses_nothing(tmp_path):
     c2.advance(1.0, alive=("a",))
     assert not c2.map.servers[1].up and c2.map.servers[0].up
     assert c2.map.epoch > old.epoch
-    assert_valid(c2.map)
+    assert_valid(c2.map, unled_ok=True)  # b and c down: slots whose only other copy was catching up wait
 
 
 def test_restarted_scheduler_keeps_its_target(tmp_path):
@@ -158,7 +158,7 @@ def test_wait_map(tmp_path):
 
 
 def test_wait_map_times_out(tmp_path):
-    core = SchedulerCore(SchedulerConfig(num_slots=8), FileMapStore(tmp_path / "s"))  # the real clock
+    core = SchedulerDriver(SchedulerConfig(num_slots=8), FileMapStore(tmp_path / "s"))  # the real clock
     t0 = time.monotonic()
     assert core.wait_map(core.map.epoch, 0.2) is None
     assert 0.2 <= time.monotonic() - t0 < 2.0

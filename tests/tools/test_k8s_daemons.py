@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from k8s_checks import _check_scheduler, _check_shards, _scheduler_config
 from k8s_manifests import _container, _one, _raw, _selects, _target_port
 
 from tigana.ps.daemon import COPIES_HEALTH_NAME
+from tigana.ps.health import check_health
 from tigana.ps.scheduler import SERVICE_NAME as SCHEDULER_HEALTH_NAME
 from tigana.ps.scheduler import SchedulerConfig, start_scheduler
 from tigana.ps.scheduler.stores.etcd import parse_store_url
@@ -25,14 +24,8 @@ def test_shard_servers() -> None:
 def test_the_shard_readiness_names_are_served(make_shard_server) -> None:
     """The health names the probes ask for are registered by a real shard server (NOT_FOUND otherwise)."""
     handle = make_shard_server(port=0)
-    channel = grpc.insecure_channel(handle.address)
-    try:
-        stub = health_pb2_grpc.HealthStub(channel)
-        for name in ("", COPIES_HEALTH_NAME):
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
-    finally:
-        channel.close()
+    for name in ("", COPIES_HEALTH_NAME):
+        assert check_health(handle.address, name, timeout_s=5).serving, name
 
 
 # ------------------------------------------------------------------------------------------ the scheduler
@@ -56,12 +49,8 @@ def test_the_scheduler_health_names_are_served(tmp_path: Path) -> None:
     """The names the scheduler's probes ask for are registered by a real scheduler (here a lone one on a file
     store, which leads: both SERVING)."""
     handle = start_scheduler(SchedulerConfig(port=0, data_dir=str(tmp_path)))
-    channel = grpc.insecure_channel(handle.address)
     try:
-        stub = health_pb2_grpc.HealthStub(channel)
         for name in ("", SCHEDULER_HEALTH_NAME):
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
+            assert check_health(handle.address, name, timeout_s=5).serving, name
     finally:
-        channel.close()
         handle.close()

@@ -21,7 +21,7 @@ from tigana.proto import shard_pb2 as pb
 from tigana.ps.config import ServerConfig
 from tigana.ps.membership import REGISTER, Membership, caught_up_answer
 from tigana.ps.routing import ShardMap
-from tigana.ps.scheduler import SchedulerConfig, SchedulerCore
+from tigana.ps.scheduler import SchedulerConfig, SchedulerDriver
 from tigana.ps.scheduler.service import _positions
 from tigana.ps.scheduler.stores.file import FileMapStore
 from tigana.ps.shard import ShardService
@@ -49,7 +49,7 @@ class _Security:
 
 
 class SchedulerNode:
-    """The scheduler: a ``SchedulerCore`` on the world's clock and a store in ``folder``; ``restart``
+    """The scheduler: the real ``SchedulerCore`` (in its ``SchedulerDriver``, probes answered "unknown") on the world's clock and a store in ``folder``; ``restart``
     loads a new core from the store (a crash: nothing but the store survives)."""
 
     def __init__(self, world: World, net: Net, folder: Path, config: SchedulerConfig,
@@ -64,9 +64,9 @@ class SchedulerNode:
     def clock(self) -> float:
         return self.world.now + self.skew
 
-    def _core(self) -> SchedulerCore:
-        return SchedulerCore(self.config, FileMapStore(self.folder), announce=self._announce,
-                             probe=lambda address: None, clock=self.clock)
+    def _core(self) -> SchedulerDriver:
+        return SchedulerDriver(self.config, FileMapStore(self.folder), announce=self._announce, probe=None,
+                               clock=self.clock, cluster_id=f"sim{self.world.seed}")
 
     def demotions(self, reason: str = "replication_failed") -> int:
         """Copies taken out of the in-sync set for ``reason`` (the scheduler's counter, over its restarts)."""
@@ -89,7 +89,7 @@ class SimAgent:
     def registered(self) -> bool:
         return self.core.registered
 
-    def _call(self, fn: Callable[[SchedulerCore], Any]) -> Any:
+    def _call(self, fn: Callable[[SchedulerDriver], Any]) -> Any:
         s = self.server
         return s.net.now_call(s.name, SCHEDULER, lambda: fn(s.scheduler.core))
 

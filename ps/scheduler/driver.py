@@ -1,0 +1,189 @@
+"""The scheduler core's driver: ``SchedulerDriver`` runs ``SchedulerCore`` on threads, a store and a clock.
+
+One event at a time, under one lock: the driver reads the clock, hands the event to the core, then carries out
+what the core returned (``Ready``) in its order. The state is persisted in the ``MapStore`` *before* the
+event's caller gets its answer and before the map is published (long polls, reads, the announcer), so nobody
+is ever shown a map that was not saved. A store that refuses the write (``stores.etcd.Deposed``, a full disk)
+leaves nothing of the event visible: the core is rebuilt from the store, as after a restart, and the caller
+gets the error. Probes run on their own threads; a probe's answer comes back as an
+event (``probe_answered``). The announcer must not block: it is called under the lock, in epoch order.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from tigana.proto import scheduler_pb2 as spb
+from tigana.ps import placement
+from tigana.ps.metrics import SchedulerMetrics
+from tigana.ps.routing import ShardMap, TableDef
+from tigana.ps.scheduler.actions import Probe
+from tigana.ps.scheduler.config import SchedulerConfig
+from tigana.ps.scheduler.core import SchedulerCore, new_state
+from tigana.ps.scheduler.stores.file import MapStore, SchedulerState
+
+log = logging.getLogger("tigana.ps.scheduler")  # one logger for the whole scheduler
+
+T = TypeVar("T")
+
+
+class SchedulerDriver:
+    """``SchedulerCore`` driven on threads: ``store`` (loaded at start, saved after every event that changed
+    the state), ``announce(map)`` after every saved map change, outside the lock, ``probe(address) -> bool |
+    None`` (port closed, open, unknown; None: no probes, every one answers unknown at once) and ``clock``.
+    Every event method of the core has its twin here without ``now``; other attributes read the core's."""
+
+    def __init__(self, config: SchedulerConfig, store: MapStore,
+                 announce: Callable[[ShardMap], None] = lambda m: None,
+                 probe: Callable[[str], bool | None] | None = None, clock: Callable[[], float] = time.monotonic,
+                 metrics: SchedulerMetrics | None = None, cluster_id: str | None = None) -> None:
+        self.config, self.store, self.announce, self.probe, self.clock = config, store, announce, probe, clock
+        self.metrics = metrics if metrics is not None else SchedulerMetrics()
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
+        self.closing = False  # set when the service stops: long polls (``wait_map``) return at once
+        state = store.load()
+        if state is None:
+            state = new_state(config, cluster_id or uuid.uuid4().hex[:12])
+            store.save(state)
+            log.info("new cluster %s (%d slots, %d replica(s)); state in %s", state.map.cluster_id,
+                     state.map.num_slots, config.replicas, store.describe())
+        else:
+            log.info("loaded cluster %s at epoch %d from %s: %s", state.map.cluster_id, state.map.epoch,
+                     store.describe(), state.map.summary())
+        self.core = SchedulerCore(config, state, now=clock(), metrics=self.metrics)
+        self.published: ShardMap = self.core.map  # the newest saved map: what readers see
+
+    # --- running events ----------------------------------------------------------------------------------
+    def _event(self, fn: Callable[[float], T]) -> T:
+        """Run one event (``fn(now)``) under the lock and carry out its ``Ready`` before anyone sees it, also
+        when the event raised (what it changed before is saved)."""
+        with self.lock:
+            try:
+                return fn(self.clock())
+            finally:
+                self._carry_out()
+
+    def _carry_out(self) -> None:
+        """Persist what the core changed, publish and announce the map, start the probes (lock held; the
+        announcer only queues the map). On a refused write the core is rebuilt from the store (what was not
+        saved never happened) and the error raised."""
+        while True:
+            ready = self.core.take_ready()
+            try:
+                for state in ready.persist:
+                    self.store.save(state)
+            except BaseException:
+                self._reload()
+                raise
+            if ready.announce is not None:
+                self.published = ready.announce
+                self.cond.notify_all()
+                self.announce(ready.announce)
+            if not ready.probes:
+                return
+            for p in ready.probes:
+                if self.probe is None:  # no prober: every probe answers "unknown" at once (its Ready next)
+                    self.core.probe_answered(p.server_id, p.boot, None, now=self.clock())
+                else:
+                    threading.Thread(target=self._run_probe, args=(p,), name="tigana-probe", daemon=True).start()
+
+    def _reload(self) -> None:
+        try:
+            state = self.store.load()
+        except Exception:  # noqa: BLE001 - the store is gone too: keep the last saved map (still true)
+            log.exception("reloading the scheduler state after a refused write failed")
+            state = None
+        if state is None:
+            state = SchedulerState(self.published, self.published.copies.copy())
+        self.core = SchedulerCore(self.config, state, now=self.clock(), metrics=self.metrics)
+        self.published = self.core.map
+
+    def _run_probe(self, p: Probe) -> None:
+        closed: bool | None = None
+        try:
+            closed = self.probe(p.address) if self.probe is not None else None
+        finally:
+            self._event(lambda now: self.core.probe_answered(p.server_id, p.boot, closed, now=now))
+
+    # --- the events ----------------------------------------------------------------------------------------
+    def register(self, server_id: str, address: str, boot: str,
+                 positions: dict[str, dict[int, tuple[int, int]]] | None = None) -> ShardMap:
+        return self._event(lambda now: self.core.register(server_id, address, boot, positions, now=now))
+
+    def heartbeat(self, server_id: str, boot: str, epoch: int, stats: dict[str, float] | None = None
+                  ) -> tuple[ShardMap | None, bool]:
+        return self._event(lambda now: self.core.heartbeat(server_id, boot, epoch, stats, now=now))
+
+    def copy_failed(self, reporter: str, target: str, slots: Any, reason: str) -> tuple[bool, str]:
+        return self._event(lambda now: self.core.copy_failed(reporter, target, slots, reason, now=now))
+
+    def copy_caught_up(self, reporter: str, target: str, slots: Any, since_epoch: int = 0) -> tuple[bool, str]:
+        return self._event(lambda now: self.core.copy_caught_up(reporter, target, slots, since_epoch, now=now))
+
+    def handover_ready(self, reporter: str, slots: Any, epoch: int) -> tuple[bool, str]:
+        return self._event(lambda now: self.core.handover_ready(reporter, slots, epoch, now=now))
+
+    def create_table(self, spec: TableDef, exist_ok: bool) -> tuple[TableDef, bool]:
+        return self._event(lambda now: self.core.create_table(spec, exist_ok, now=now))
+
+    def drop_table(self, name: str) -> bool:
+        return self._event(lambda now: self.core.drop_table(name, now=now))
+
+    def rebalance(self, **kw: Any) -> placement.Plan:
+        return self._event(lambda now: self.core.rebalance(**kw, now=now))
+
+    def move_slot(self, slot: int, to: str, *, from_: str = "", primary: bool = False) -> placement.Plan:
+        return self._event(lambda now: self.core.move_slot(slot, to, from_=from_, primary=primary, now=now))
+
+    def drain(self, server: str, *, undrain: bool = False) -> placement.Plan:
+        return self._event(lambda now: self.core.drain(server, undrain=undrain, now=now))
+
+    def unreachable(self, address: str) -> None:
+        self._event(lambda now: self.core.unreachable(address, now=now))
+
+    def tick(self, stalled: bool = False) -> None:
+        """Failure detection, elections, placement. The time the tick waited for the lock counts as the
+        scheduler's own silence (a long step held it), not the servers'."""
+        asked = self.clock()
+        self._event(lambda now: self.core.tick(now=now, stalled=stalled, waited_s=now - asked))
+
+    # --- reads -----------------------------------------------------------------------------------------------
+    @property
+    def map(self) -> ShardMap:
+        return self.published
+
+    def figures(self) -> dict[str, float]:
+        with self.lock:
+            return self.core.figures()
+
+    def status(self) -> spb.StatusResponse:
+        with self.lock:
+            return self.core.status(now=self.clock())
+
+    def wait_map(self, known_epoch: int, wait_s: float) -> ShardMap | None:
+        """The map when newer than ``known_epoch``, waiting up to ``wait_s`` for one; else None."""
+        deadline = self.clock() + max(0.0, wait_s)
+        with self.cond:
+            while self.published.epoch <= known_epoch:
+                left = deadline - self.clock()
+                if left <= 0 or self.closing:
+                    return None
+                self.cond.wait(min(left, 1.0))
+            return self.published
+
+    def close(self) -> None:
+        """Wake the long polls (their threads would hold the process up to 30 s) and refuse new ones."""
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+
+    def __getattr__(self, name: str) -> Any:  # the core's state, read-only by convention (target, draining...)
+        if name == "core":
+            raise AttributeError(name)
+        return getattr(self.core, name)

@@ -1,0 +1,134 @@
+"""The scheduler's core without a driver (events in, ``Ready`` out) and its driver's contract: every state is
+persisted before its map is shown to anyone, and a refused write leaves nothing of the event visible."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scheduler_harness import TIMEOUT, spec
+
+from tigana.ps.errors import Unavailable
+from tigana.ps.scheduler import SchedulerConfig, SchedulerCore, SchedulerDriver
+from tigana.ps.scheduler.actions import Probe
+from tigana.ps.scheduler.core import new_state
+from tigana.ps.scheduler.stores.file import FileMapStore, SchedulerState
+
+
+def _core(**config) -> SchedulerCore:
+    config.setdefault("num_slots", 12)
+    config.setdefault("heartbeat_timeout_s", TIMEOUT)
+    config.setdefault("replicas", 1)
+    config.setdefault("expect_servers", 3)
+    cfg = SchedulerConfig(**config)
+    return SchedulerCore(cfg, new_state(cfg, "c1"), now=0.0)
+
+
+def test_events_return_what_to_persist_announce_and_probe_in_order() -> None:
+    core = _core()
+    ready = core.take_ready()
+    assert ready.persist == () and ready.announce is None and ready.probes == ()
+    for i, s in enumerate("abc"):
+        core.register(s, f"h{s}:1", f"{s}1", now=float(i))
+    ready = core.take_ready()
+    epochs = [st.map.epoch for st in ready.persist]
+    assert epochs == sorted(set(epochs)) and len(epochs) == 4  # 3 joins, then the first placement
+    assert ready.announce is core.map and ready.persist[-1].map is core.map
+    assert (core.map.copies[:, 0] >= 0).all()
+    # a heartbeat that changes nothing asks for nothing
+    m, again = core.heartbeat("a", "a1", core.map.epoch, now=3.0)
+    assert m is None and not again
+    assert core.take_ready() == type(ready)((), None, ())
+    # the time is the event's: a register far in the future does not make the others silent until a tick
+    core.heartbeat("b", "b1", 0, now=4.0)
+    assert core.take_ready().persist == ()
+
+
+def test_a_silent_server_is_probed_once_and_the_answer_is_an_event() -> None:
+    core = _core()
+    for s in "abc":
+        core.register(s, f"h{s}:1", f"{s}1", now=0.0)
+    core.take_ready()
+    for now in (1.0, 1.5):  # c silent for more than a third of the timeout
+        for s in "ab":
+            core.heartbeat(s, f"{s}1", core.map.epoch, now=now)
+        core.tick(now=now)
+    ready = core.take_ready()
+    assert ready.probes == (Probe("c", "hc:1", "c1"),)  # one probe at a time
+    epoch = core.map.epoch
+    core.probe_answered("c", "c0", True, now=1.6)  # about another incarnation: nothing
+    assert core.map.epoch == epoch
+    core.probe_answered("c", "c1", False, now=1.7)  # its health service answers: heard from now
+    assert core.last_seen["c"] == 1.7 and core.take_ready().persist == ()
+    core.tick(now=2.0)
+    assert core.take_ready().probes == ()  # silent for 0.3 s: no probe yet
+    for s in "ab":
+        core.heartbeat(s, f"{s}1", core.map.epoch, now=2.9)
+    core.tick(now=2.9)
+    assert core.take_ready().probes == (Probe("c", "hc:1", "c1"),)
+    core.probe_answered("c", "c1", True, now=3.0)  # its port is closed: dead at once, no timeout
+    ready = core.take_ready()
+    assert not core.map.servers[2].up and ready.announce is core.map and ready.persist
+
+
+def test_the_tick_forgives_the_silence_of_a_stalled_scheduler() -> None:
+    core = _core()
+    for s in "abc":
+        core.register(s, f"h{s}:1", f"{s}1", now=0.0)
+    core.take_ready()
+    core.tick(now=TIMEOUT + 5, waited_s=TIMEOUT)  # the tick waited for the lock: the silence was ours
+    assert all(s.up for s in core.map.servers)
+    core.tick(now=2 * TIMEOUT + 6)
+    assert not any(s.up for s in core.map.servers)
+
+
+class _Store(FileMapStore):
+    """A file store that records what was published when each state was saved, and refuses on demand."""
+
+    def __init__(self, folder) -> None:
+        super().__init__(folder)
+        self.driver: SchedulerDriver | None = None
+        self.announced: list[int] = []
+        self.seen_at_save: list[tuple[int, int, int]] = []  # (state epoch, published epoch, last announced)
+        self.refuse = False
+
+    def save(self, state: SchedulerState) -> None:
+        if self.refuse:
+            raise Unavailable("the store refused the write")
+        if self.driver is not None:
+            self.seen_at_save.append((state.map.epoch, self.driver.map.epoch,
+                                      self.announced[-1] if self.announced else -1))
+        super().save(state)
+
+
+def test_the_driver_persists_every_state_before_anyone_sees_its_map(tmp_path) -> None:
+    store = _Store(tmp_path / "s")
+    t = [0.0]
+    driver = SchedulerDriver(SchedulerConfig(num_slots=12, replicas=1, expect_servers=3), store,
+                             announce=lambda m: store.announced.append(m.epoch), clock=lambda: t[0])
+    store.driver = driver
+    for s in "abc":
+        driver.register(s, f"h{s}:1", f"{s}1")
+    assert store.seen_at_save and all(published < epoch and announced < epoch
+                                      for epoch, published, announced in store.seen_at_save
+                                      if epoch > published)
+    assert driver.map.epoch == store.announced[-1] == FileMapStore(tmp_path / "s").load().map.epoch
+
+
+def test_a_refused_write_leaves_nothing_of_the_event_visible(tmp_path) -> None:
+    store = _Store(tmp_path / "s")
+    t = [0.0]
+    driver = SchedulerDriver(SchedulerConfig(num_slots=12, replicas=1, expect_servers=3), store,
+                             announce=lambda m: store.announced.append(m.epoch), clock=lambda: t[0])
+    for s in "abc":
+        driver.register(s, f"h{s}:1", f"{s}1")
+    before, announced = driver.map, list(store.announced)
+    store.refuse = True
+    with pytest.raises(Unavailable):
+        driver.create_table(spec("emb"), exist_ok=False)
+    assert driver.map is not before and driver.map.epoch == before.epoch  # rebuilt from the store
+    assert "emb" not in driver.map.tables and "emb" not in driver.core.map.tables
+    assert store.announced == announced and driver.wait_map(before.epoch, 0.0) is None
+    np.testing.assert_array_equal(driver.map.copies, before.copies)
+    store.refuse = False  # the store is back: the event can be made again
+    _, created = driver.create_table(spec("emb"), exist_ok=False)
+    assert created and "emb" in driver.map.tables and store.announced[-1] == driver.map.epoch
