@@ -15,6 +15,7 @@ Thread-safety: operations complete on gRPC callback and timer threads; all share
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +40,8 @@ from tigana.ps.errors import (
 )
 from tigana.ps.wire import data as wire
 from tigana.ps.wire import frames
+
+log = logging.getLogger("tigana.ps.client")
 
 
 def retryable(error: PSError, clustered: bool) -> bool:
@@ -121,6 +124,10 @@ class _Op:
             return
         c._note_retry()
         delay = min(c.config.max_backoff_s, c.config.initial_backoff_s * (2 ** (a.number - 1)))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("table %r: a part to %s failed at attempt %d (%s: %s); routed again by epoch >= %d or in "
+                      "%.2fs", self.st.name, server.address if server is not None else "-", a.number,
+                      type(error).__name__, str(error)[:200], max(error.epoch, self.routed_epoch + 1), delay)
         child = Attempt(a.number + 1, a.deadline, error, a.refused and isinstance(error, _NOTHING_APPLIED))
         once = threading.Lock()
 

@@ -92,6 +92,7 @@ class MapFollower:
         with self._lock:
             if m.epoch <= self.epoch:
                 return
+            log.debug("map epoch %d (had %d)", m.epoch, self.epoch)
             self.epoch = m.epoch
             self.refreshes += 1
             self.on_map(m)

@@ -35,7 +35,9 @@ _RATE_HALF_LIFE_S = 10.0
 class _View:
     """What this server holds under one map: epoch, the slots it leads and holds, whether the map names this
     process (``valid``), per slot the number of in-sync copies, the slots it leads but refuses writes to
-    while it hands them over (``fenced``), and the copies the cluster keeps of a slot (``want``)."""
+    while it hands them over (``fenced``), the copies the cluster keeps of a slot (``want``), and per slot the
+    epoch since which this server has held it without a break (``held_since``: a slot dropped loses its rows
+    and log, so a write applied before that is not in what it holds now)."""
 
     epoch: int
     map: ShardMap | None
@@ -46,6 +48,13 @@ class _View:
     in_sync: np.ndarray
     fenced: np.ndarray
     want: int = 1
+    held_since: np.ndarray | None = None
+
+    def held_from(self, old: _View) -> _View:
+        """This view with ``held_since`` carried on from ``old`` (the view it replaces)."""
+        kept = self.holds & old.holds & old.valid
+        before = old.held_since if old.held_since is not None else np.zeros(self.holds.shape[0], np.int64)
+        return dataclasses.replace(self, held_since=np.where(kept, before, self.epoch).astype(np.int64))
 
     @classmethod
     def static(cls, owned: np.ndarray) -> _View:
@@ -148,7 +157,7 @@ class Ownership(ShardFields):
                 for _, h in hosted_all:
                     h.lock.acquire()
                 try:
-                    new = _View.of(m, me, valid)
+                    new = _View.of(m, me, valid).held_from(old)
                     dropped = np.flatnonzero(old.holds & ~new.holds) if old.valid else np.empty(0, np.int64)
                     self._view = new
                     for _, h in hosted_all:

@@ -217,14 +217,22 @@ class Writes(ShardFields):
 
     def _check_unmoved(self, table: str, view: _View, slots: np.ndarray) -> None:
         """After a write waited for its copies: ``Unavailable`` (retry; the write is idempotent or applied
-        once) when the copies of its slots changed meanwhile, e.g. a hand-over or a copy removed, since the
-        acknowledgements it got may not be those of the copies the current map names."""
+        once) when this server no longer leads every slot of it (a hand-over or a failover meanwhile: the
+        client must learn the new primary), dropped one of them meanwhile (its rows were deleted and built
+        again from another copy: ``held_since``), or the map is gone.
+
+        Other changes of the copies meanwhile need no retry, because the marks it waited for stay complete
+        for the map now current (S1): a copy added since is built from rows that hold the write (its slot copy
+        starts after it), a copy demoted or dropped no longer needs it, and a copy that joined the in-sync set
+        meanwhile applied every item queued before its switch, this one included (S3). Answering UNAVAILABLE
+        to those made every sync write in flight during a rebalance (a map every 0.1 s) start again."""
         now = self._view
-        if now.epoch != view.epoch and (now.map is None or (now.map.slot_epochs[slots] > view.epoch).any()
-                                        or not now.leads[slots].all()):
-            raise Unavailable(f"table {table!r}: the copies of the write's slots changed while it replicated "
-                              f"(epoch {view.epoch} -> {now.epoch}); retry it (it is applied once)",
-                              epoch=now.epoch)
+        if now.epoch == view.epoch:
+            return
+        if now.map is None or not now.leads[slots].all() or \
+                (now.held_since is not None and (now.held_since[slots] > view.epoch).any()):
+            raise Unavailable(f"table {table!r}: this server no longer leads every slot of the write (epoch "
+                              f"{view.epoch} -> {now.epoch}); retry it (it is applied once)", epoch=now.epoch)
 
     def _copy_rows(self, stream: Stream, sess: Any) -> None:
         """The rows of a slot copy: each chunk exported and enqueued under the table's write lock, so it sits

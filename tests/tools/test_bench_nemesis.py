@@ -42,6 +42,7 @@ def test_targets_name_every_miss():
     assert targets_missed({**good, "max_push_stall_s": 9.0}, 3.0)
     assert targets_missed({**good, "doubled_sync": 1}, 3.0)
     assert targets_missed({**good, "lost_async_before_faults": 1}, 3.0)  # lost to planned operations alone
+    assert targets_missed({**good, "faults_unprotected": 1}, 3.0)  # a second failure before the first healed
     assert targets_missed({**good, "lost_async": None, "lost_sync": None}, 3.0) == [  # the tables unreadable
         "sync: 0 lost, 0 doubled", "async: 0 doubled, 0 lost unless a primary was killed, then within the bound"]
 
@@ -60,6 +61,17 @@ def test_the_stall_counts_from_the_first_acknowledgement_and_start_up_apart():
     assert ledgers.first_ack_s() is None  # a client that never got one
 
 
+def test_a_stall_is_told_by_the_operations_it_overlaps():
+    from tigana.tools.bench.nemesis.bench import _during
+    from tigana.tools.bench.nemesis.operations import OpResult
+
+    results = [OpResult("move", True, 2.0, started_at=10.0), OpResult("pause", True, 4.0, started_at=15.0)]
+    assert _during(results, 14.0, 5.0, "sync", 0.0) == "sync client, 14.0s after start: pause (overlapping it)"
+    assert _during(results, 11.0, 5.0, "sync", 0.0) == "sync client, 11.0s after start: move, pause (overlapping it)"
+    assert _during(results, 12.5, 1.0, "sync", 0.0) == "sync client, 12.5s after start: move (the last one before)"
+    assert _during(results, 1.0, 1.0, "async", 0.0) == "async client, 1.0s after start: start-up, before any operation"
+
+
 def test_bench_nemesis_quick_meets_its_targets(bench_lines):
     rc = cli.main(["bench", "nemesis", "--quick"])
     (line,) = bench_lines()
@@ -76,6 +88,8 @@ def test_bench_nemesis_quick_meets_its_targets(bench_lines):
     assert line["max_push_stall_s"] < 3 * line["heartbeat_timeout_s"]
     assert line["verify"] == "ok"
     assert rc == 0 and line["ok"] is True
+    assert line["dir"] is None  # the temporary folder of a run that met its targets is removed
+    assert line["faults_unprotected"] == 0 and line["max_reprotect_s"] < 60
     # the quick form ran every planned operation under both ledger tables' traffic, and the faults
     assert set(line["ops_run"]) >= set(PLANNED) and line["faults_injected"] == len(FAULTS)
     assert line["acked_pushes_sync"] > 0 and line["acked_pushes_async"] > 0

@@ -9,7 +9,10 @@ Then, in an order drawn from ``--seed``: a first round of every planned operatio
 drop a scratch table; ``admin move-slot`` with and without ``--primary``, also to a server that already holds a
 copy; ``rebalance``; ``drain``; a server joining; ``checkpoint``; ``export``; ``restore`` of a scratch table's
 checkpoint), then rounds that mix them with faults (``kill -9``, SIGSTOP/SIGCONT, a restart on the old data dir)
-until ``--duration`` has passed. The quick form runs the clean round and one round of the faults.
+until ``--duration`` has passed. The quick form runs the clean round and one round of the faults. One failure
+at a time: before each fault the run waits until every slot has its in-sync copies again (``max_reprotect_s``;
+``faults_unprotected`` counts faults that found the cluster still degraded after 60 s, a missed target),
+since 1 + replicas copies promise to survive one failure, not a second one before the first is repaired.
 
 One JSON line (``case`` ``nemesis``; value: the longest push stall against 3x the heartbeat timeout) with
 ``lost_sync``, ``doubled_sync``, ``lost_async``, ``doubled_async``, ``async_loss_bound`` (the replication lag
@@ -28,6 +31,7 @@ a target is missed:
 - 0 copies demoted without a failure;
 - the longest push stall under 3x the heartbeat timeout;
 - ``admin verify`` finds every copy equal, every planned operation succeeds, no ledger row is torn.
+- every fault found the cluster whole (no slot short of its in-sync copies) within 60 s.
 
 Every process the run starts (daemons, admin commands) is stopped by its own handle, also when it fails.
 """

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
+import logging
 import random
+import shutil
 import tempfile
 import time
 import traceback
@@ -42,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--op-timeout", type=float, default=None,
                         help="seconds an admin command may wait for its moves (default 60, quick 10)")
     parser.add_argument("--dir", default=None, help="keep the daemons' data dirs and logs here (default: a "
-                                                    "temporary folder, its path printed)")
+                                                    "temporary folder, its path printed, removed when the run "
+                                                    "meets its targets)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
              error=f"{type(exc).__name__}: {exc}"[:500], ok=False, targets_missed=["harness"])
         return 1
     missed = targets_missed(figures, args.heartbeat_timeout)
+    if not missed and not args.dir:  # a temporary folder of a run that met its targets: nothing to read there
+        shutil.rmtree(run_dir, ignore_errors=True)
+        params["dir"] = None
     emit("nemesis", "s", figures["max_push_stall_s"], "3x heartbeat timeout", 3 * args.heartbeat_timeout,
          **{k: figures[k] for k in KEYS}, ok=not missed, targets_missed=missed,
          **{k: v for k, v in figures.items() if k not in KEYS}, **params)
@@ -87,6 +94,8 @@ def targets_missed(f: dict[str, Any], heartbeat_timeout_s: float) -> list[str]:
         missed.append("every planned operation succeeds")
     if f["torn_rows"]:
         missed.append("no torn ledger row")
+    if f.get("faults_unprotected", 0):
+        missed.append("one failure at a time: every fault found each slot with its in-sync copies")
     return missed
 
 
@@ -95,6 +104,7 @@ def _run(args: argparse.Namespace, run_dir: Path, duration: float, op_timeout: f
     hb = args.heartbeat_timeout
     t0 = time.monotonic()
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_client_log(run_dir / "clients.log"))
         d = stack.enter_context(Daemons(run_dir, heartbeat_timeout_s=hb))
         # The README's order: the scheduler, then the servers, then the clients: no wait for the cluster to
         # settle, only for each process to serve (its ready file).
@@ -148,9 +158,11 @@ def _run(args: argparse.Namespace, run_dir: Path, duration: float, op_timeout: f
     return {
         **{f"{k}_{dur}": audits[dur][k] for dur in DURABILITIES for k in ("lost", "doubled")},
         **clean, "async_loss_bound": faults.async_loss_bound(), "primaries_killed": faults.primaries_killed,
+        "faults_unprotected": faults.faults_unprotected, "max_reprotect_s": round(faults.max_reprotect_s, 2),
         "copies_demoted_without_failure": watched.pop("copies_demoted_without_failure"),
         "max_push_stall_s": round(stall, 3), "verify": verify,
-        "max_push_stall_during": _during(results, stall_at, stall_table, t0), "first_ack_s": first_ack,
+        "max_push_stall_during": _during(results, stall_at, stall, stall_table, t0),
+        "max_push_stall_at": _wall(stall_at), "first_ack_s": first_ack,
         "rss_growth_mib": round(sum(grown), 1), "rss_growth_mib_max": round(max(grown, default=0.0), 1),
         **watched, "demotion_reasons": demotion_reasons(scheduler_log),
         **{f"{k}_{dur}": audits[dur][k] for dur in DURABILITIES
@@ -199,14 +211,44 @@ def _audit(ledgers: Ledgers, reader: ps.Client, durability: str) -> dict[str, An
         return {**dict.fromkeys(keys), "error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
-def _during(results: list[OpResult], at: float, table: str, t0: float) -> str:
-    """Where a stall that began at ``at`` falls: the operation then in progress (or the last one before)."""
+def _during(results: list[OpResult], at: float, seconds: float, table: str, t0: float) -> str:
+    """Where a stall of ``seconds`` that began at ``at`` falls: the operations that overlap it, else the last
+    one before it."""
+    overlap = [r.op for r in results if r.started_at < at + seconds and r.started_at + r.seconds > at]
     before = [r for r in results if r.started_at <= at]
     where = "start-up, before any operation"
-    if before:
-        r = before[-1]
-        where = f"{r.op} ({'in progress' if at <= r.started_at + r.seconds else 'the last one before'})"
+    if overlap:
+        where = ", ".join(overlap) + " (overlapping it)"
+    elif before:
+        where = f"{before[-1].op} (the last one before)"
     return f"{table} client, {at - t0:.1f}s after start: {where}"
+
+
+def _wall(at: float) -> str:
+    """A monotonic instant as the local wall-clock time the daemons' logs use."""
+    when = datetime.datetime.now() - datetime.timedelta(seconds=time.monotonic() - at)
+    return when.strftime("%H:%M:%S.%f")[:-3]
+
+
+@contextlib.contextmanager
+def _client_log(path: Path):  # noqa: ANN202 - a context manager
+    """The ledger clients' retries and map changes (DEBUG of ``tigana.ps.client`` and the map follower) in
+    ``path``, stamped like the daemons' logs, to read a stall against them."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    loggers = [logging.getLogger(n) for n in ("tigana.ps.client", "tigana.ps.mapfollower")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+        handler.close()
 
 
 def _verify(scheduler: str, timeout_s: float) -> str:
