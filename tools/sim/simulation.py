@@ -296,14 +296,17 @@ class _Run:
 
 
 class _ToTrace(logging.Handler):
-    """The cluster's own log lines, stamped with simulated time, into the run's trace (not the console)."""
+    """The cluster's own log lines, stamped with simulated time, into the run's trace (not the console); the
+    run's scratch folder (a new temporary path each run) is written ``$DIR``, so a seed's trace replays to
+    the byte."""
 
-    def __init__(self, world: World) -> None:
+    def __init__(self, world: World, folder: Path) -> None:
         super().__init__(logging.INFO)
-        self.world = world
+        self.world, self.folder = world, str(folder)
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.world.log(f"{record.name.rsplit('.', 1)[-1]}: {record.getMessage()[:300]}")
+        text = record.getMessage().replace(self.folder, "$DIR")
+        self.world.log(f"{record.name.rsplit('.', 1)[-1]}: {text[:300]}")
 
 
 def run_seed(seed: int, settings: Settings | None = None) -> Outcome:
@@ -313,7 +316,7 @@ def run_seed(seed: int, settings: Settings | None = None) -> Outcome:
     saved = (root.level, root.propagate, list(root.handlers))
     with tempfile.TemporaryDirectory(prefix="tigana-sim-") as tmp:
         run = _Run(seed, settings or Settings(), Path(tmp))
-        root.handlers, root.propagate = [_ToTrace(run.world)], False
+        root.handlers, root.propagate = [_ToTrace(run.world, Path(tmp))], False
         root.setLevel(logging.INFO)
         try:
             return run.run()
