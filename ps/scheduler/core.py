@@ -169,8 +169,41 @@ class SchedulerCore(Liveness, Moves):
                                  event("server_back", server=server_id, address=address))
             else:
                 self._restarted(i, address, boot)
+        self._adopt_orphans(server_id, positions or {})
         self._reconcile()
         return self.map
+
+    def _adopt_orphans(self, server_id: str, positions: dict[str, dict[int, tuple[int, int]]]) -> None:
+        """Slots with no primary (every copy lost) of which ``server_id`` registered rows: it holds them as
+        catching-up copies, so that it keeps those rows until the unclean election (``_elect``) picks the
+        newest. A server declared dead lost its copies from the map; back without them, it would delete the
+        very rows the election may name it primary for (a fault test lost updates so)."""
+        m = self.map
+        i = m.index_of(server_id)
+        held = sorted({int(slot) for rows in positions.values() for slot, pos in rows.items() if tuple(pos) != (0, 0)})
+        if i < 0 or not held:
+            return
+        slots = np.array(held, np.int64)
+        slots = slots[(slots >= 0) & (slots < m.num_slots)]
+        orphans = slots[(m.copies[slots, 0] < 0) & ~(m.copies[slots] == i).any(axis=1)]
+        if not orphans.size:
+            return
+        copies, states = m.copies.copy(), m.states.copy()
+        free = copies[orphans] < 0
+        free[:, 0] = False  # the primary's place stays empty for the election
+        if not free.any(axis=1).all():  # a full row: one more column
+            copies = np.concatenate([copies, np.full((copies.shape[0], 1), NO_SERVER, np.int32)], 1)
+            states = np.concatenate([states, np.zeros((states.shape[0], 1), np.uint8)], 1)
+            free = copies[orphans] < 0
+            free[:, 0] = False
+        col = free.argmax(axis=1)
+        copies[orphans, col], states[orphans, col] = i, CATCHING_UP
+        for slot in orphans:
+            self.orphaned_since.setdefault(int(slot), self.now)
+        self._commit(m.evolve(copies=copies, states=states),
+                     f"server {server_id} holds its rows of {orphans.size} slot(s) with no copy left (slots "
+                     f"{slots_text(orphans)}) until their election", event("orphans_held", slots=orphans,
+                                                                            server=server_id))
 
     def _restarted(self, i: int, address: str, boot: str) -> None:
         """Server ``i`` came back as a new process: its copies are no longer known to be in sync."""

@@ -197,7 +197,11 @@ class Moves(CoreFields):
         placeable = self._placeable()
         if not alive.any():
             return
-        if (m.copies < 0).all():
+        if (m.copies < 0).all() and not m.slot_epochs.any():
+            # A new cluster (no slot ever placed). A cluster whose every copy was lost (all servers declared
+            # dead) is not one: its slots go to an unclean election below, newest rows first, once every
+            # server is back or the timeout passed; a first placement would hand every slot to whichever
+            # server registered first and discard newer rows of the others.
             if not self._bootstrap_due(int(placeable.sum())):
                 return
             live = np.flatnonzero(placeable)

@@ -226,6 +226,32 @@ def test_all_servers_restarted_unclean_election_newest_wins(tmp_path):
     assert m.summary()["unavailable_slots"] == 0
 
 
+def test_every_server_declared_dead_then_back_is_an_election_not_a_first_placement(tmp_path):
+    """Both servers killed (declared dead: every copy leaves the map), then back one after the other. The
+    first one back used to get a *first placement* of every slot (the map had no copy left, like a new
+    cluster), and the other's rows were discarded even where its snapshot was newer (a fault test lost
+    updates acknowledged well before the kill). It is an unclean election: newest rows win, per slot."""
+    c = started(tmp_path, ("a", "b"))
+    c.core.create_table(spec(), exist_ok=False)
+    c.catch_up_all()
+    c.advance(TIMEOUT + 1, alive=())  # both silent: both declared dead
+    assert not any(s.up for s in c.map.servers) and (c.map.copies < 0).all()
+    every = np.arange(SLOTS)
+    b_newer = every[every >= SLOTS // 2]
+    c.register("a", boot="a2", positions={"emb": {int(s): (3, 4) for s in every}})
+    assert (c.map.copies[:, 0] == NO_SERVER).all(), "a alone must not take every slot while b may be newer"
+    # ...and a holds them as catching-up copies meanwhile: a server holding no copy deletes its rows, the very
+    # rows the election may name it primary for (the fault test then lost updates anyway)
+    assert (c.map.copies[:, 1:] == 0).any(axis=1).all() and (c.map.states[c.map.copies == 0] == CATCHING_UP).all()
+    c.advance(1.0, alive=("a",))
+    c.register("b", boot="b2", positions={"emb": {int(s): (3, 9 if s in b_newer else 1) for s in every}})
+    m = c.map
+    assert_valid(m)
+    np.testing.assert_array_equal(m.copies[b_newer, 0], 1)  # b's rows are newer there
+    np.testing.assert_array_equal(m.copies[every < SLOTS // 2, 0], 0)
+    assert m.summary()["unavailable_slots"] == 0
+
+
 def test_unclean_election_waits_for_every_server_or_the_timeout(tmp_path):
     c = started(tmp_path, ("a", "b", "c"))
     c.core.create_table(spec(), exist_ok=False)
