@@ -181,8 +181,8 @@ class SchedulerCore(Liveness, Moves):
         m = self.map
         i = m.index_of(server_id)
         held = sorted({int(slot) for rows in positions.values() for slot, pos in rows.items() if tuple(pos) != (0, 0)})
-        if i < 0 or not held:
-            return
+        if i < 0 or not held or not m.slot_epochs.any():
+            return  # a cluster that never placed a slot has no orphans: its first placement comes (moves)
         slots = np.array(held, np.int64)
         slots = slots[(slots >= 0) & (slots < m.num_slots)]
         orphans = slots[(m.copies[slots, 0] < 0) & ~(m.copies[slots] == i).any(axis=1)]
