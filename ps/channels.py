@@ -34,11 +34,28 @@ class RetryPolicy:
         return base * random.uniform(0.8, 1.2)
 
 
+CONNECT_TIMEOUT_S = 20.0  # gRPC's own default: the slowest link our timeouts tolerate, TLS included, fits
+
+
+def reconnect_options(backoff_s: float = 0.1, max_backoff_s: float = 1.0,
+                      connect_timeout_s: float = CONNECT_TIMEOUT_S) -> list[tuple[str, int]]:
+    """gRPC's reconnect settings, the same for every channel of ours: a short backoff, so that a retry
+    reaches a restarted server soon, and ``connect_timeout_s`` for each connection attempt.
+
+    gRPC core reads ``grpc.min_reconnect_backoff_ms`` as the least time it gives one connection attempt (its
+    MIN_CONNECT_TIMEOUT), not as a floor of the backoff. It used to be set to the backoff (100 ms): then no
+    connection whose handshake took longer (a link with a round trip over ~0.1 s, or TLS over half that)
+    could ever be made. A replication stream that reconnected over a slow link failed for good, and its
+    copies were demoted (the slow-link fault's flaky demotion)."""
+    return [("grpc.initial_reconnect_backoff_ms", max(1, int(backoff_s * 1000))),
+            ("grpc.min_reconnect_backoff_ms", max(1, int(connect_timeout_s * 1000))),
+            ("grpc.max_reconnect_backoff_ms", max(1, int(max(backoff_s, max_backoff_s) * 1000)))]
+
+
 def channel_options(max_message_bytes: int, keepalive_time_s: float, keepalive_timeout_s: float,
                     reconnect_backoff_s: float) -> list[tuple[str, Any]]:
     """Options of every client channel: message sizes, keepalive, and a short reconnect backoff so that
     our own retries reach a restarted server instead of failing fast on a channel still backing off."""
-    backoff_ms = max(1, int(reconnect_backoff_s * 1000))
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -46,9 +63,7 @@ def channel_options(max_message_bytes: int, keepalive_time_s: float, keepalive_t
         ("grpc.keepalive_timeout_ms", int(keepalive_timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 0),
         ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.initial_reconnect_backoff_ms", backoff_ms),
-        ("grpc.min_reconnect_backoff_ms", backoff_ms),
-        ("grpc.max_reconnect_backoff_ms", max(backoff_ms, 2000)),
+        *reconnect_options(reconnect_backoff_s, max_backoff_s=2.0),
         ("grpc.enable_retries", 0),  # retries are ours: only UNAVAILABLE, only idempotent calls
         ("grpc.use_local_subchannel_pool", 1),
     ]

@@ -1,8 +1,8 @@
 """The thread and gRPC adapter of a shard server's membership (the decisions are ``core.Membership``).
 
 The ``Agent`` runs one thread: it asks the core which call to make (register, then a heartbeat every
-``heartbeat_interval_s``), makes it, installs any newer map that comes back and hands the outcome to the
-core. It also carries the service's reports (a copy failed, a copy caught up, a hand-over ready) and map
+``heartbeat_interval_s``, sent without waiting for the earlier ones' answers), makes it, installs any newer
+map that comes back and hands the outcome to the core. It also carries the service's reports (a copy failed, a copy caught up, a hand-over ready) and map
 refreshes. Refreshes asked for by requests (``refresh_soon``) are coalesced by the core: one refresher thread,
 started on first use, fetches the map while the highest epoch wanted is above ours. While the scheduler is
 down the server keeps serving on the map it holds.
@@ -11,6 +11,7 @@ down the server keeps serving on the map it holds.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 
@@ -19,6 +20,7 @@ import numpy as np
 
 from tigana.proto import scheduler_pb2 as spb
 from tigana.proto import scheduler_pb2_grpc as spb_grpc
+from tigana.ps.channels import reconnect_options
 from tigana.ps.membership.core import REGISTER, Membership, caught_up_answer
 from tigana.ps.security import NONE, Security
 from tigana.ps.wire import cluster as cluster_wire
@@ -38,8 +40,7 @@ class Agent:
         self.core = Membership(heartbeat_interval_s, lease_s)
         self._which = 0
         options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
-                   ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 1000)]
+                   *reconnect_options()]
         self._security, self._options = security, options
         self._channels = [security.channel(a, options) for a in self.addresses]
         self._stubs = [spb_grpc.SchedulerStub(c) for c in self._channels]
@@ -48,6 +49,7 @@ class Agent:
         self._refresh_lock = threading.Lock()
         self._wanted_cond = threading.Condition()  # guards the core's ``wanted``
         self._refresher: threading.Thread | None = None
+        self._answers: queue.SimpleQueue = queue.SimpleQueue()  # (future, sent, scheduler index) of heartbeats
         self._thread = threading.Thread(target=self._run, name="tigana-agent", daemon=True)
 
     @property
@@ -74,19 +76,24 @@ class Agent:
     # --- the loop ------------------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._wake.clear()  # before the answers are read: one that lands after it wakes the wait below
+            wait = self.interval
             try:
+                self._answers_in()
                 if self.core.next_call() == REGISTER:
                     self._register()
                 else:
-                    self._heartbeat()
-            except grpc.RpcError as err:
+                    wait = self.core.beat_due(time.monotonic())
+                    if wait <= 0:
+                        self._heartbeat()
+                        wait = self.core.beat_due(time.monotonic())
+            except grpc.RpcError as err:  # a register failed
                 log.debug("scheduler call failed: %s", err.code().name)
                 self._next()
-                self._stop.wait(self.core.call_failed())
+                wait = self.core.call_failed()
             except Exception:  # noqa: BLE001 - keep the server in the cluster whatever happened
                 log.exception("membership loop")
-            self._wake.wait(self.interval)
-            self._wake.clear()
+            self._wake.wait(wait)
 
     def _register(self) -> None:
         s = self.service
@@ -99,20 +106,45 @@ class Agent:
             self.addresses)], s.server_id, s.boot)
 
     def _heartbeat(self) -> None:
+        """Send a heartbeat without waiting for its answer (``_answers_in`` takes it): heartbeats keep their
+        cadence over a slow link, and the lease with them (``core``). The deadline is the lease: a slow link
+        (a round trip under the scheduler's timeout) must not fail heartbeats."""
         s = self.service
         stats = {**s.cluster_figures(), **s.load_figures()}
-        # The lease counts from when the heartbeat was sent (``core``). The deadline is the lease: a slow link
-        # (a round trip under the scheduler's timeout) must not fail heartbeats.
-        sent = time.monotonic()
-        reply = self.stub.Heartbeat(spb.HeartbeatRequest(server_id=s.server_id, boot=s.boot, epoch=s.epoch,
-                                                         stats=stats), timeout=max(1.0, self.core.lease_s))
-        if reply.reregister:
-            self.core.heartbeat_answered(sent, True)
+        which, sent = self._which, time.monotonic()
+        future = self.stub.Heartbeat.future(spb.HeartbeatRequest(server_id=s.server_id, boot=s.boot, epoch=s.epoch,
+                                                                 stats=stats), timeout=max(1.0, self.core.lease_s))
+        self.core.beat_sent(sent)
+
+        def answered(f: grpc.Future) -> None:  # on a gRPC thread: hand it to the agent's loop
+            self._answers.put((f, sent, which))
             self._wake.set()
-            return
-        if reply.HasField("map"):
-            s.install(cluster_wire.map_from_pb(reply.map))
-        self.core.heartbeat_answered(sent, False)  # the lease renews only once its map is installed
+
+        future.add_done_callback(answered)
+
+    def _answers_in(self) -> None:
+        """Take the heartbeats' answers in the order they came: install each map, then renew the lease (it
+        renews only once the map its answer returned is installed); a failure tries the next scheduler."""
+        while True:
+            try:
+                future, sent, which = self._answers.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                reply = future.result()
+            except (grpc.RpcError, grpc.FutureCancelledError) as err:
+                code = err.code().name if isinstance(err, grpc.RpcError) else "CANCELLED"
+                log.debug("heartbeat failed: %s", code)
+                self.core.heartbeat_failed(time.monotonic())
+                if which == self._which:  # a call on a scheduler we already left says nothing new
+                    self._next()
+                continue
+            if reply.reregister:
+                self.core.heartbeat_answered(sent, True)
+                continue
+            if reply.HasField("map"):
+                self.service.install(cluster_wire.map_from_pb(reply.map))
+            self.core.heartbeat_answered(sent, False)
 
     # --- calls from the service ---------------------------------------------------------------------------
     def refresh(self, epoch: int = 0, wait_s: float = 0.0) -> None:

@@ -5,10 +5,14 @@ agent in ``tigana.tools.sim``) asks it which call to make (``next_call``), makes
 with the time the call was sent. The decisions kept here:
 
 - register first (with the log positions of what the server loaded, for an unclean election); heartbeat
-  every ``interval_s`` after; register again when the scheduler says so (it lost us, or we restarted);
+  every ``interval_s`` after, whether or not the earlier heartbeats were answered (``beat_due``: at most
+  ``max_in_flight`` at once); register again when the scheduler says so (it lost us, or we restarted). A
+  heartbeat sent only once the last one was answered came a round trip plus the interval apart: over a link
+  with a 1.2 s round trip the lease (below) lapsed for 0.9 s of every 1.7 s, with no fault at all;
 - the primary lease (async tables): ``lease_ok(now)`` is true while the last successful call is younger than
   ``lease_s``, counted from when that call was *sent*: the scheduler heard from us no earlier, so its timeout
-  (> lease_s) runs out after our lease does however slow the reply. A server whose heartbeats fail stops
+  (> lease_s) runs out after our lease does however slow the reply. Answers may come back out of order: the
+  lease counts from the latest send answered. A server whose heartbeats fail stops
   acknowledging async pushes before the scheduler can declare it dead, which bounds what a deposed primary
   can acknowledge. A heartbeat renews the lease only after the map it returned is installed;
 - after a failed call, back off, but a registered server never waits longer than its interval: silence longer
@@ -32,6 +36,9 @@ class Membership:
         self.last_ok = float("-inf")  # when the last successful call was sent
         self.backoff_s = 0.1
         self.wanted = 0  # the highest map epoch a request asked for
+        self.in_flight = 0  # heartbeats sent and not yet answered (or failed)
+        self.max_in_flight = int(lease_s / interval_s) + 2 if interval_s > 0 else 1
+        self.next_beat = float("-inf")  # when the next heartbeat is due
 
     def next_call(self) -> str:
         """The call to make now: ``REGISTER`` or ``HEARTBEAT``."""
@@ -40,17 +47,38 @@ class Membership:
     def registered_ok(self, sent: float) -> None:
         """Register answered (its map installed)."""
         self.registered = True
-        self.last_ok = sent
+        self.last_ok = max(self.last_ok, sent)
         self.backoff_s = 0.1
+        self.next_beat = sent + self.interval_s
+
+    def beat_due(self, now: float) -> float:
+        """Seconds until the next heartbeat may be sent (0: send it now). The cadence does not wait for
+        answers; only ``max_in_flight`` unanswered heartbeats hold it (the next answer or failure frees one)."""
+        if self.in_flight >= self.max_in_flight:
+            return self.interval_s
+        return max(0.0, self.next_beat - now)
+
+    def beat_sent(self, now: float) -> None:
+        self.in_flight += 1
+        self.next_beat = now + self.interval_s
 
     def heartbeat_answered(self, sent: float, reregister: bool) -> bool:
         """A heartbeat answered (its map, if any, installed). True: register again at once."""
+        self.in_flight = max(0, self.in_flight - 1)
         self.backoff_s = 0.1
         if reregister:
             self.registered = False
             return True
-        self.last_ok = sent
+        self.last_ok = max(self.last_ok, sent)
         return False
+
+    def heartbeat_failed(self, now: float) -> float:
+        """A heartbeat failed (the adapter tries the next scheduler): the next one waits the backoff (never
+        longer than the interval for a registered server); returns that wait."""
+        self.in_flight = max(0, self.in_flight - 1)
+        wait = self.call_failed()
+        self.next_beat = max(self.next_beat, now + wait)
+        return wait
 
     def call_failed(self) -> float:
         """A register or heartbeat failed (the adapter tries the next scheduler): how long to wait first."""

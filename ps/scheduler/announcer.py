@@ -12,6 +12,7 @@ import grpc
 
 from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc
+from tigana.ps.channels import reconnect_options
 from tigana.ps.routing import ShardMap
 from tigana.ps.security import NONE, Security
 from tigana.ps.wire import cluster as cluster_wire
@@ -29,9 +30,7 @@ class Announcer:
         self._pool = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="tigana-announce")
         self._closed = False
         self._options = [("grpc.max_send_message_length", max_message_bytes),
-                         ("grpc.max_receive_message_length", max_message_bytes),
-                         ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                         ("grpc.max_reconnect_backoff_ms", 1000)]
+                         ("grpc.max_receive_message_length", max_message_bytes), *reconnect_options()]
         self._thread = threading.Thread(target=self._run, name="tigana-announcer", daemon=True)
         self._thread.start()
 

@@ -12,6 +12,7 @@ import ast
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tigana.proto import shard_pb2 as pb
 from tigana.ps.membership import HEARTBEAT, REGISTER, Membership, caught_up_answer
@@ -209,6 +210,25 @@ def test_the_lease_counts_from_when_a_heartbeat_was_sent() -> None:
     assert m.heartbeat_answered(sent=20.0, reregister=True) is True and m.next_call() == REGISTER
     assert not m.lease_ok(20.5)  # a re-register does not renew the lease
     assert [m.call_failed() for _ in range(6)][-1] == 2.0
+
+
+def test_heartbeats_keep_their_cadence_without_waiting_for_answers() -> None:
+    m = Membership(interval_s=0.5, lease_s=2.0)
+    m.registered_ok(sent=10.0)
+    assert m.beat_due(10.2) == pytest.approx(0.3) and m.beat_due(10.5) == 0.0
+    sent = []
+    for k in range(m.max_in_flight):  # a slow link: none answered yet, the cadence goes on
+        now = 10.5 + 0.5 * k
+        assert m.beat_due(now) == 0.0
+        m.beat_sent(now)
+        sent.append(now)
+    assert m.beat_due(100.0) == m.interval_s  # the bound of unanswered heartbeats holds the next one
+    # answers out of order: the lease counts from the latest send answered, never back
+    assert m.heartbeat_answered(sent=sent[2], reregister=False) is False and m.lease_ok(sent[2] + 1.9)
+    m.heartbeat_answered(sent=sent[0], reregister=False)
+    assert m.lease_ok(sent[2] + 1.9) and not m.lease_ok(sent[2] + 2.0)
+    assert m.beat_due(100.0) == 0.0  # answers freed room
+    assert m.heartbeat_failed(now=12.0) == 0.1 and m.in_flight == m.max_in_flight - 3
 
 
 def test_refreshes_coalesce_to_the_highest_epoch_wanted() -> None:

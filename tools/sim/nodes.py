@@ -156,7 +156,12 @@ class SimAgent:
                 s.install(m)
                 self.core.registered_ok(sent)
             else:
-                m, again = self._call(lambda core: core.heartbeat(s.name, s.svc.boot, s.svc.epoch, {}))
+                self.core.beat_sent(sent)
+                try:
+                    m, again = self._call(lambda core: core.heartbeat(s.name, s.svc.boot, s.svc.epoch, {}))
+                except Lost:
+                    self.core.heartbeat_failed(sent)  # the world's beat timer, not the backoff, spaces the next
+                    return
                 if again:
                     self.core.heartbeat_answered(sent, True)
                     return

@@ -27,14 +27,14 @@ from urllib.parse import urlsplit
 
 import grpc
 
+from tigana.ps.channels import reconnect_options
 from tigana.ps.errors import InvalidArgument, Unavailable
 from tigana.ps.scheduler.stores.file import SchedulerState, decode_state, encode_state
 
 __all__ = ["Deposed", "EtcdMapStore", "parse_store_url"]
 
 
-_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                    ("grpc.max_reconnect_backoff_ms", 1000)]
+_CHANNEL_OPTIONS = reconnect_options()
 
 
 class Deposed(Unavailable):

@@ -40,7 +40,7 @@ from tigana.tools.bench.faults.common import (
     ready_for_fault,
     wait_settled,
 )
-from tigana.tools.bench.ledger import audit, create_ledger_table
+from tigana.tools.bench.ledger import PushLoop, audit, create_ledger_table
 from tigana.tools.bench.report import log
 
 
@@ -127,14 +127,16 @@ def free_port() -> int:
 def slow_link(trials: int, quick: bool, **_: Any) -> Report:
     """Shard 0 of two is reached only through a slow proxy (clients, its replication peer and the
     scheduler's probes), and its own heartbeats go through another. Each trial sets a one-way delay (10% to
-    40% of the 2 s replication timeout, so round trips stay under every timeout) and runs a ledger loop:
-    no server may be declared dead and no copy demoted; nothing lost."""
+    40% of the 2 s replication timeout, so round trips stay under every timeout) and runs ledger loops on a
+    sync and an async table: no server may be declared dead, no copy demoted, nothing lost (no primary died,
+    so async loses nothing either) and async pushes go on (the primary lease holds over the slow link)."""
     timeout, replication_timeout = 3.0, 2.0
     sched_port, real_port = free_port(), free_port()
     inbound = SlowProxy(("127.0.0.1", real_port))
     to_sched = SlowProxy(("127.0.0.1", sched_port))
     fractions = [0.4, 0.1, 0.3, 0.2]  # the largest first: a quick run of 2 trials still sees it
     latencies: list[float] = []
+    async_latencies: list[float] = []
     try:
         def args(i: int) -> list[str]:
             if i:
@@ -144,34 +146,54 @@ def slow_link(trials: int, quick: bool, **_: Any) -> Report:
         with cluster(2, heartbeat_timeout=timeout, scheduler_args=["--port", str(sched_port)], shard_args=args) as c, \
                 ps.connect(scheduler=c.scheduler, failover_timeout_s=120) as client:
             dead0, demoted0 = deaths(c), _demotions(c)
-            with ledger_loop(client, ids_per_push=500) as loop:
+            with ledger_loop(client, ids_per_push=500) as loop, \
+                    ledger_loop(client, "ledger_async", durability="async", ids_per_push=500, seed=1) as async_loop:
                 for trial in range(trials):
                     delay = fractions[trial % len(fractions)] * replication_timeout
                     inbound.delay_s = to_sched.delay_s = delay
                     t0 = time.monotonic()
                     time.sleep(4.0 if quick else 8.0)
-                    sent = [d - s for s, d in loop.events[-200:] if s >= t0 + 2 * delay]
-                    latencies.append(float(np.median(sent)) if sent else float("nan"))
-                    log(f"  slow-link trial {trial + 1}/{trials}: one-way delay {delay:.2f}s, push p50 "
-                        f"{latencies[-1]:.3f}s, deaths {deaths(c) - dead0}, copies demoted {_demotions(c) - demoted0}")
+                    latencies.append(_p50_since(loop, t0 + 2 * delay))
+                    async_latencies.append(_p50_since(async_loop, t0 + 2 * delay))
+                    log(f"  slow-link trial {trial + 1}/{trials}: one-way delay {delay:.2f}s, push p50 sync "
+                        f"{latencies[-1]:.3f}s async {async_latencies[-1]:.3f}s, deaths {deaths(c) - dead0}, "
+                        f"copies demoted {_demotions(c) - demoted0}")
                 inbound.delay_s = to_sched.delay_s = 0.0
                 wait_settled(c)
-            result = audit(client, loop)
+            result, async_result = audit(client, loop), audit(client, async_loop)
             false_failovers, demoted = deaths(c) - dead0, _demotions(c) - demoted0
+            why = _demotion_lines(c)[demoted0:] if demoted else []  # a miss explains itself (its logs go)
     finally:
         inbound.close()
         to_sched.close()
     f = {"false_failovers": false_failovers, "copies_demoted": demoted, "lost": result.lost,
-         "doubled": result.doubled, "trials": trials, "delays_s": [round(fractions[t % len(fractions)] * replication_timeout, 3) for t in range(trials)],
-         "push_p50_s": [round(x, 3) for x in latencies], "heartbeat_timeout_s": timeout,
+         "doubled": result.doubled, "lost_async": async_result.lost, "doubled_async": async_result.doubled,
+         "trials": trials, "delays_s": [round(fractions[t % len(fractions)] * replication_timeout, 3) for t in range(trials)],
+         "push_p50_s": [round(x, 3) for x in latencies],
+         "async_push_p50_s": [round(x, 3) for x in async_latencies], "heartbeat_timeout_s": timeout,
          "replication_timeout_s": replication_timeout}
-    ok = false_failovers == 0 and demoted == 0 and result.lost == 0 and result.doubled == 0
+    if why:
+        f["demotions"] = why
+    ok = false_failovers == 0 and demoted == 0 and result.lost == 0 and result.doubled == 0 and \
+        async_result.lost == 0 and async_result.doubled == 0  # no primary died: async loses nothing either
     return Report("failovers", false_failovers, "target", 0, ok, f)
 
 
-def _demotions(c: ps.LocalCluster) -> int:
+def _p50_since(loop: PushLoop, t: float) -> float:
+    """Median latency of the pushes a loop sent at ``t`` or later and saw acknowledged (nan: none yet)."""
+    sent = [d - s for s, d in loop.events[-400:] if s >= t]  # a slice of a list: atomic under the GIL
+    return float(np.median(sent)) if sent else float("nan")
+
+
+def _demotion_lines(c: ps.LocalCluster) -> list[str]:
+    """The scheduler's log lines that demoted copies (each names the reporter and its reason)."""
     path = c.data_dir / "scheduler.log"
-    return path.read_text(errors="replace").count("out of the in-sync set") if path.exists() else 0
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return [line[:400] for line in text.splitlines() if "out of the in-sync set" in line]
+
+
+def _demotions(c: ps.LocalCluster) -> int:
+    return len(_demotion_lines(c))
 
 
 # --- a partition --------------------------------------------------------------------------------------------
