@@ -11,12 +11,15 @@ event (``probe_answered``). The announcer must not block: it is called under the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+import numpy as np
 
 from tigana.proto import scheduler_pb2 as spb
 from tigana.ps import placement
@@ -58,6 +61,7 @@ class SchedulerDriver:
                      store.describe(), state.map.summary())
         self.core = SchedulerCore(config, state, now=clock(), metrics=self.metrics)
         self.published: ShardMap = self.core.map  # the newest saved map: what readers see
+        self.saved = _kept(state)  # the last state saved: what a refused write falls back to
 
     # --- running events ----------------------------------------------------------------------------------
     def _event(self, fn: Callable[[float], T]) -> T:
@@ -78,6 +82,7 @@ class SchedulerDriver:
             try:
                 for state in ready.persist:
                     self.store.save(state)
+                    self.saved = _kept(state)
             except BaseException:
                 self._reload()
                 raise
@@ -96,11 +101,11 @@ class SchedulerDriver:
     def _reload(self) -> None:
         try:
             state = self.store.load()
-        except Exception:  # noqa: BLE001 - the store is gone too: keep the last saved map (still true)
+        except Exception:  # noqa: BLE001 - the store is gone too: the last state saved is still true
             log.exception("reloading the scheduler state after a refused write failed")
             state = None
         if state is None:
-            state = SchedulerState(self.published, self.published.copies.copy())
+            state = _kept(self.saved)  # the map, its target and the servers draining, as last saved
         self.core = SchedulerCore(self.config, state, now=self.clock(), metrics=self.metrics)
         self.published = self.core.map
 
@@ -120,13 +125,13 @@ class SchedulerDriver:
                   ) -> tuple[ShardMap | None, bool]:
         return self._event(lambda now: self.core.heartbeat(server_id, boot, epoch, stats, now=now))
 
-    def copy_failed(self, reporter: str, target: str, slots: Any, reason: str) -> tuple[bool, str]:
+    def copy_failed(self, reporter: str, target: str, slots: np.ndarray, reason: str) -> tuple[bool, str]:
         return self._event(lambda now: self.core.copy_failed(reporter, target, slots, reason, now=now))
 
-    def copy_caught_up(self, reporter: str, target: str, slots: Any, since_epoch: int = 0) -> tuple[bool, str]:
+    def copy_caught_up(self, reporter: str, target: str, slots: np.ndarray, since_epoch: int = 0) -> tuple[bool, str]:
         return self._event(lambda now: self.core.copy_caught_up(reporter, target, slots, since_epoch, now=now))
 
-    def handover_ready(self, reporter: str, slots: Any, epoch: int) -> tuple[bool, str]:
+    def handover_ready(self, reporter: str, slots: np.ndarray, epoch: int) -> tuple[bool, str]:
         return self._event(lambda now: self.core.handover_ready(reporter, slots, epoch, now=now))
 
     def create_table(self, spec: TableDef, exist_ok: bool) -> tuple[TableDef, bool]:
@@ -135,8 +140,11 @@ class SchedulerDriver:
     def drop_table(self, name: str) -> bool:
         return self._event(lambda now: self.core.drop_table(name, now=now))
 
-    def rebalance(self, **kw: Any) -> placement.Plan:
-        return self._event(lambda now: self.core.rebalance(**kw, now=now))
+    def rebalance(self, *, plan_only: bool = False, rows: np.ndarray | None = None,
+                  bytes_: np.ndarray | None = None, rates: np.ndarray | None = None,
+                  cost: placement.CostModel | None = None) -> placement.Plan:
+        return self._event(lambda now: self.core.rebalance(plan_only=plan_only, rows=rows, bytes_=bytes_,
+                                                           rates=rates, cost=cost, now=now))
 
     def move_slot(self, slot: int, to: str, *, from_: str = "", primary: bool = False) -> placement.Plan:
         return self._event(lambda now: self.core.move_slot(slot, to, from_=from_, primary=primary, now=now))
@@ -187,3 +195,8 @@ class SchedulerDriver:
         if name == "core":
             raise AttributeError(name)
         return getattr(self.core, name)
+
+
+def _kept(state: SchedulerState) -> SchedulerState:
+    """A copy of ``state`` that the core's later changes cannot reach (the target is an array)."""
+    return dataclasses.replace(state, target=np.array(state.target, np.int32, copy=True))

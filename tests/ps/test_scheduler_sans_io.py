@@ -90,6 +90,12 @@ class _Store(FileMapStore):
         self.announced: list[int] = []
         self.seen_at_save: list[tuple[int, int, int]] = []  # (state epoch, published epoch, last announced)
         self.refuse = False
+        self.unreadable = False
+
+    def load(self) -> SchedulerState | None:
+        if self.unreadable:
+            raise Unavailable("the store cannot be read either")
+        return super().load()
 
     def save(self, state: SchedulerState) -> None:
         if self.refuse:
@@ -132,3 +138,21 @@ def test_a_refused_write_leaves_nothing_of_the_event_visible(tmp_path) -> None:
     store.refuse = False  # the store is back: the event can be made again
     _, created = driver.create_table(spec("emb"), exist_ok=False)
     assert created and "emb" in driver.map.tables and store.announced[-1] == driver.map.epoch
+
+
+def test_a_refused_write_with_the_store_unreadable_keeps_the_last_saved_state(tmp_path) -> None:
+    """With the store gone for reads too, the core is rebuilt from the last state saved: the map *and* the
+    placement it was moving toward and the servers draining (rebuilt from the published map alone, a drain
+    and a rebalance in progress were forgotten)."""
+    store = _Store(tmp_path / "s")
+    driver = SchedulerDriver(SchedulerConfig(num_slots=12, replicas=1, expect_servers=3), store, clock=lambda: 0.0)
+    for s in "abc":
+        driver.register(s, f"h{s}:1", f"{s}1")
+    driver.drain("c")
+    saved = FileMapStore(tmp_path / "s").load()
+    assert saved.draining == ("c",)
+    store.refuse = store.unreadable = True
+    with pytest.raises(Unavailable):
+        driver.create_table(spec("emb"), exist_ok=False)
+    assert driver.core.draining == {"c"} and driver.map.epoch == saved.map.epoch
+    np.testing.assert_array_equal(driver.core.state().target, saved.target)
