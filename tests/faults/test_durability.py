@@ -93,10 +93,14 @@ def test_kill_9_of_every_server_loses_only_the_last_snapshot_interval(make_shard
         print(f"kill -9 of every server: {result.as_dict()}")
         assert result.doubled == 0 and result.failed_pushes == 0, result
         # Updates acknowledged more than a snapshot interval (plus the time a snapshot takes) before the kill
-        # are all there, and so are those acknowledged after the restart; those in between may be lost: the
-        # documented durability floor.
-        old = loop.counts_acked_between(-np.inf, killed_at - every - 0.5)
-        after = loop.counts_acked_between(back_at, np.inf)
+        # are all there, and so are those of the pushes sent after the restart. The others may be lost (the
+        # documented durability floor): those acknowledged in the last interval, and those of pushes sent
+        # before the restart and acknowledged after it. Such a push is acknowledged once every part is: a
+        # part its server acknowledged just before the kill was applied then (a run here: seq 332, its part
+        # on one server answered 1 ms before the kill, the other part retried until after the restart).
+        floor = killed_at - every - 0.5
+        old = loop.counts_acked_between(-np.inf, floor)
+        fresh = loop.counts_acked_between(back_at, np.inf, sent_from=back_at)
         actual = np.rint(client.pull("ledger", np.arange(loop.num_ids), insert=False)[:, 0]).astype(np.int64)
-        assert (actual >= old + after).all(), int((actual < old + after).sum())
-        assert result.lost <= int(loop.counts_acked_between(killed_at - every - 0.5, back_at).sum())
+        assert (actual >= old + fresh).all(), int((actual < old + fresh).sum())
+        assert result.lost <= int(loop.counts_acked_between(floor, np.inf, sent_before=back_at).sum())

@@ -135,12 +135,14 @@ class PushLoop:
         with self._lock:
             return self.acked.copy()
 
-    def counts_acked_between(self, t0: float, t1: float) -> np.ndarray:
-        """Per id, the increments of the pushes acknowledged in [t0, t1) (needs ``keep_ids``)."""
+    def counts_acked_between(self, t0: float, t1: float, *, sent_from: float = -np.inf,
+                             sent_before: float = np.inf) -> np.ndarray:
+        """Per id, the increments of the pushes acknowledged in [t0, t1) and sent in [sent_from, sent_before)
+        (needs ``keep_ids``)."""
         out = np.zeros(self.num_ids, np.int64)
         with self._lock:
-            for (_, done), ids in zip(self.events, self.acked_ids, strict=True):
-                if t0 <= done < t1:
+            for (sent, done), ids in zip(self.events, self.acked_ids, strict=True):
+                if t0 <= done < t1 and sent_from <= sent < sent_before:
                     out[ids] += 1
         return out
 
