@@ -1,6 +1,12 @@
 """Eviction of a table's rows: TTL (steps or seconds since the last update) and capacity (``max_rows``, by LRU or
 LFU), run cheaply after writes and fully by ``evict()``. Only the rows ``set_evictable`` allows are candidates
 (a copy leaves the decision to the primary of the rows). Not thread-safe on its own: the table holds its lock.
+
+A spill tier is never read whole under the lock: a pass reads one window of it (``SPILL_WINDOW`` records, or
+the capacity victims it needs if more), from a cursor that goes round the tier in id order. Spilled rows are
+the least recently accessed, so LRU takes its victims there first; LFU and TTL judge the window's rows. A TTL
+pass starts a sweep of the rest of the tier, ``SPILL_SWEEP`` records after each later write, so every spilled
+row is judged within a round; at most one window's worth of LMDB reads ever happens under the lock at once.
 """
 
 from __future__ import annotations
@@ -11,6 +17,10 @@ import numpy as np
 
 from tigana.embeddings import eviction
 from tigana.embeddings._fields import TableFields
+from tigana.embeddings.rows import RowBatch
+
+SPILL_WINDOW = 1 << 16  # spilled records one eviction pass reads (besides the capacity victims it needs)
+SPILL_SWEEP = 1 << 12  # spilled records each write reads while a TTL sweep of the spill tier is under way
 
 
 class Evicting(TableFields):
@@ -32,39 +42,57 @@ class Evicting(TableFields):
         over = ev.max_rows is not None and len(self) - self._protected > ev.max_rows
         if scan_ttl or over:
             self._evict(ttl=scan_ttl)
+        elif self._sweep_left > 0:  # the TTL sweep of the spill tier goes on, a window per write
+            self._evict(ttl=True, resident=False)
 
-    def _evict(self, *, ttl: bool) -> int:
-        """TTL (when ``ttl``) and capacity eviction over all rows. Spilled rows count as the least recently
-        accessed; their metadata is read back from the store, so with a spill tier this scans it. A spilled
-        record that fails its checks is left where it is (counted in ``corrupt_rows``)."""
+    def _evict(self, *, ttl: bool, resident: bool = True) -> int:
+        """TTL (when ``ttl``) and capacity eviction over the resident rows and a window of the spill tier
+        (module docstring); ``resident=False``: TTL over the next window of the sweep alone. A spilled record
+        that fails its checks is left where it is (counted in ``corrupt_rows``)."""
         ev = self.config.eviction
         now = time.time()
-        if ttl:
-            self._last_ttl_scan = (self._step, now)
-        ids, positions = self._index.items()
+        if resident:
+            if ttl:
+                self._last_ttl_scan = (self._step, now)
+            ids, positions = self._index.items()
+        else:
+            ids, positions = np.empty(0, np.int64), np.empty(0, np.int64)
         meta = {"last_step": self._slab.last_step[positions], "last_time": self._slab.last_time[positions],
                 "last_access": self._slab.last_access[positions],
                 "update_count": self._slab.update_count[positions].astype(np.int64)}
         if len(self._spilled):  # spilled rows are candidates too; their metadata lives in the store
-            sp = self._spill_rows(self._spilled.items()[0], skip_corrupt=True)
+            need = len(self) - eviction.capacity_target(ev.max_rows) if resident and ev.max_rows is not None else 0
+            sp, read = self._spill_window(max(SPILL_WINDOW if resident else SPILL_SWEEP, need))
+            if resident and ttl:
+                self._sweep_left = len(self._spilled) - read  # the rest of the tier, after later writes
+            elif not resident:
+                self._sweep_left -= max(read, 1)
             ids = np.concatenate([ids, sp.ids])
             meta["last_step"] = np.concatenate([meta["last_step"], sp.last_step])
             meta["last_time"] = np.concatenate([meta["last_time"], sp.last_time])
             meta["last_access"] = np.concatenate([meta["last_access"], np.full(len(sp), -1, np.int64)])
             meta["update_count"] = np.concatenate([meta["update_count"], sp.update_count])
+        else:
+            self._sweep_left = 0
+        seen = ids.shape[0]
+        unseen = len(self) - seen if resident else 0  # spilled rows outside this pass's window
+        own_share = 1.0
         if self._evictable is not None:  # only rows this table decides for (the slots it leads)
             own = np.asarray(self._evictable(ids), bool)
             if own.shape != ids.shape:
                 raise self._bad("evictable", f"must return a bool mask of shape {ids.shape}, got {own.shape}")
-            self._protected = int(ids.shape[0] - own.sum())  # the cap counts evictable rows only
+            own_share = float(own.mean()) if seen else 1.0
+            if resident:  # the cap counts evictable rows only; the unseen ones as the window's share says
+                self._protected = int(seen - own.sum()) + round(unseen * (1.0 - own_share))
             ids = ids[own]
             meta = {k: v[own] for k, v in meta.items()}
         victims = np.zeros(ids.shape[0], bool)
         if ttl and (ev.ttl_steps or ev.ttl_seconds):
             victims = eviction.expired(ev, self._step, now, meta["last_step"], meta["last_time"])
         alive = np.flatnonzero(~victims)
-        if ev.max_rows is not None and alive.shape[0] > ev.max_rows:
-            k = alive.shape[0] - eviction.capacity_target(ev.max_rows)
+        evictable = alive.shape[0] + round(unseen * own_share)
+        if resident and ev.max_rows is not None and evictable > ev.max_rows:
+            k = evictable - eviction.capacity_target(ev.max_rows)  # taken among the candidates
             pick = eviction.over_capacity(ev, k, meta["last_access"][alive], meta["update_count"][alive])
             victims[alive[pick]] = True
         n = int(victims.sum())
@@ -72,3 +100,19 @@ class Evicting(TableFields):
             self._remove(ids[victims])
             self._counters["evictions"] += n
         return n
+
+    def _spill_window(self, n: int) -> tuple[RowBatch, int]:
+        """Up to ``n`` spilled rows from the cursor on, going round to the smallest id at the end (every
+        spilled row when ``n`` covers the tier); (the rows whose records check out, records read)."""
+        assert self._spill is not None
+        corrupt: list[int] = []
+        if n >= len(self._spilled):
+            rows = self._spill_rows(self._spilled.items()[0], skip_corrupt=True)
+            return rows, len(self._spilled)
+        rows, read, self._spill_cursor = self._spill.read_from(self._spill_cursor, n, corrupt=corrupt)
+        if read < n and self._spill_cursor is None:  # the end of the tier: on from its start
+            more, extra, self._spill_cursor = self._spill.read_from(None, n - read, corrupt=corrupt)
+            fresh = ~np.isin(more.ids, rows.ids)  # a tier smaller than n: no row twice
+            rows, read = RowBatch.concat([rows, more.take(np.flatnonzero(fresh))]), read + extra
+        self._note_corrupt(corrupt)
+        return rows, read

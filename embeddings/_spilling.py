@@ -117,16 +117,22 @@ class SpillTier(TableFields):
             return self._spill.get(ids)[1]
         corrupt: list[int] = []
         _, batch = self._spill.get(ids, corrupt=corrupt)
-        if corrupt:
-            bad = np.unique(np.array(corrupt, np.int64))
-            new = bad[~np.isin(bad, self._corrupt)]
-            if new.size:
-                self._corrupt = np.union1d(self._corrupt, new)
-                self._counters["corrupt_rows"] = int(self._corrupt.size)
-                _log.error("table %r: %d spilled row(s) failed their checks in %s and are left out of eviction "
-                           "(reading them raises CorruptStore): ids %s", self.name, new.size, self._spill.file,
-                           new[:5].tolist())
+        self._note_corrupt(corrupt)
         return batch
+
+    def _note_corrupt(self, corrupt: list[int]) -> None:
+        """Count and log, once each, spilled ids whose record failed its checks (left out of eviction)."""
+        if not corrupt:
+            return
+        assert self._spill is not None
+        bad = np.unique(np.array(corrupt, np.int64))
+        new = bad[~np.isin(bad, self._corrupt)]
+        if new.size:
+            self._corrupt = np.union1d(self._corrupt, new)
+            self._counters["corrupt_rows"] = int(self._corrupt.size)
+            _log.error("table %r: %d spilled row(s) failed their checks in %s and are left out of eviction "
+                       "(reading them raises CorruptStore): ids %s", self.name, new.size, self._spill.file,
+                       new[:5].tolist())
 
 
 def _close_spill(store: RowStore, path: Path) -> None:

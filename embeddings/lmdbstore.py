@@ -9,6 +9,7 @@ Public API (all ids are ``(n,)`` int64 over the full signed range; duplicates al
     store.delete(ids) -> int           # rows deleted (distinct ids that were present)
     store.contains(ids) -> (n,) bool
     len(store); store.iter_ids(); store.iter_batches(batch_size)   # all rows, ascending id order
+    rows, read, after = store.read_from(start_id, n)                # a window: <= n rows from start_id on
     store.clear(); store.sync(); store.stats(); store.close()      # also a context manager
 
 Layout: an LMDB environment in the directory ``path`` (file ``data.mdb``) with two named databases. ``rows``
@@ -34,7 +35,6 @@ allows one environment per file per process, so open a path once.
 
 from __future__ import annotations
 
-import errno
 import itertools
 import json
 import os
@@ -47,6 +47,16 @@ import lmdb
 import numpy as np
 
 from tigana.embeddings._checksum import crc32_rows
+from tigana.embeddings._lmdbformat import (
+    CORRUPTION_ERRORS,
+    KEY_BYTES,
+    ids_to_keys,
+    is_disk_full,
+    key_after,
+    key_list,
+    keys_to_ids,
+    record_dtype,
+)
 from tigana.embeddings.errors import CorruptStore, InvalidArgument, StorageError, StorageFull
 from tigana.embeddings.rows import RowBatch
 
@@ -54,61 +64,7 @@ __all__ = ["RowStore", "record_dtype"]
 
 FORMAT_VERSION = 1
 DATA_FILE = "data.mdb"
-_SIGN = np.uint64(1 << 63)
-_KEY_BYTES = 8
 _T = TypeVar("_T")
-
-# LMDB errors that mean the file's structure is damaged (as opposed to a full map/disk or misuse).
-_CORRUPTION_ERRORS: tuple[type[BaseException], ...] = tuple(
-    getattr(lmdb, name) for name in (
-        "CorruptedError", "PageNotFoundError", "InvalidError", "VersionMismatchError", "PanicError",
-        "BadChecksumError", "IncompatibleError",
-    ) if hasattr(lmdb, name)
-)
-
-
-def record_dtype(dim: int, state_width: int) -> np.dtype:
-    """The packed structured dtype of one stored row, key included (the key is not part of the LMDB value)."""
-    return np.dtype([
-        ("key", ">u8"),
-        ("update_count", "<i8"),
-        ("last_step", "<i8"),
-        ("last_time", "<f8"),
-        ("weights", "<f4", (dim,)),
-        ("state", "<f4", (state_width,)),
-        ("crc", "<u4"),
-    ])
-
-
-def ids_to_keys(ids: np.ndarray) -> np.ndarray:
-    """(n,) int64 -> (n,) big-endian uint64 keys whose byte order is the numeric order of the ids."""
-    return (ids.view(np.uint64) ^ _SIGN).astype(">u8")
-
-
-def keys_to_ids(keys: np.ndarray) -> np.ndarray:
-    """Inverse of ``ids_to_keys``: (n,) big-endian uint64 -> (n,) int64."""
-    return (keys.astype(np.uint64) ^ _SIGN).view(np.int64)
-
-
-def _key_list(ids: np.ndarray) -> list[bytes]:
-    return ids_to_keys(ids).view("V8").tolist()
-
-
-def _is_disk_full(exc: BaseException, directory: Path, need: int) -> bool:
-    """Whether a failed write ran out of disk. LMDB reports a short write at commit (the usual way a
-    full disk shows up) as EIO, not ENOSPC, so an I/O error with too little space left counts too."""
-    if isinstance(exc, lmdb.DiskError) or (isinstance(exc, OSError) and exc.errno == errno.ENOSPC):
-        return True
-    text = str(exc)
-    if "No space left on device" in text or "ENOSPC" in text:
-        return True
-    if "Input/output error" in text or (isinstance(exc, OSError) and exc.errno == errno.EIO):
-        try:
-            st = os.statvfs(directory)
-        except OSError:
-            return False
-        return st.f_bavail * st.f_frsize < need + (1 << 20)
-    return False
 
 
 class RowStore:
@@ -136,7 +92,7 @@ class RowStore:
         self.file = self.path / DATA_FILE
         self.max_map_size = None if max_map_size is None else int(max_map_size)
         self._dtype = record_dtype(self.dim, self.state_width)
-        self._value_bytes = self._dtype.itemsize - _KEY_BYTES
+        self._value_bytes = self._dtype.itemsize - KEY_BYTES
         self._lock = threading.RLock()
         self._readonly = readonly
         self._env: Any = None
@@ -156,10 +112,10 @@ class RowStore:
                 sync=durable, metasync=durable, max_dbs=2, readahead=readahead, meminit=False,
                 create=not readonly,
             )
-        except _CORRUPTION_ERRORS as exc:
+        except CORRUPTION_ERRORS as exc:
             raise CorruptStore(f"table {table!r}: LMDB file {self.file} cannot be opened: {exc}") from exc
         except lmdb.Error as exc:
-            if _is_disk_full(exc, self.path, 0):
+            if is_disk_full(exc, self.path, 0):
                 raise StorageFull(f"table {table!r}: disk full creating {self.file}: {exc}") from exc
             raise StorageError(f"table {table!r}: cannot open LMDB store {self.file}: {exc}") from exc
         try:
@@ -203,7 +159,7 @@ class RowStore:
         except lmdb.NotFoundError as exc:
             raise CorruptStore(f"table {self.table!r}: {self.file} is not a Tigana row store "
                                f"(missing database: {exc})") from exc
-        except _CORRUPTION_ERRORS as exc:
+        except CORRUPTION_ERRORS as exc:
             raise CorruptStore(f"table {self.table!r}: LMDB file {self.file} is corrupt: {exc}") from exc
         if raw is None:
             raise CorruptStore(f"table {self.table!r}: {self.file} has no layout record")
@@ -260,8 +216,8 @@ class RowStore:
         rec["state"] = batch.state
         raw = rec.view(np.uint8).reshape(n, self._dtype.itemsize)
         rec["crc"] = crc32_rows(raw[:, :-4])
-        keys = np.ascontiguousarray(raw[:, :_KEY_BYTES]).view("V8").ravel().tolist()
-        values = np.ascontiguousarray(raw[:, _KEY_BYTES:]).view(f"V{self._value_bytes}").ravel().tolist()
+        keys = np.ascontiguousarray(raw[:, :KEY_BYTES]).view("V8").ravel().tolist()
+        values = np.ascontiguousarray(raw[:, KEY_BYTES:]).view(f"V{self._value_bytes}").ravel().tolist()
         return keys, values
 
     def _decode(self, keys: list[bytes], values: list[bytes], corrupt: list[int] | None = None) -> RowBatch:
@@ -272,22 +228,22 @@ class RowStore:
             return RowBatch.empty(self.dim, self.state_width)
         key_lens = np.fromiter(map(len, keys), np.int64, count=n)
         value_lens = np.fromiter(map(len, values), np.int64, count=n)
-        bad = np.flatnonzero((key_lens != _KEY_BYTES) | (value_lens != self._value_bytes))
+        bad = np.flatnonzero((key_lens != KEY_BYTES) | (value_lens != self._value_bytes))
         if bad.size and corrupt is not None:
             skip = set(bad.tolist())
-            corrupt.extend(self._key_id(bytes(keys[i])) for i in bad.tolist() if len(keys[i]) == _KEY_BYTES)
+            corrupt.extend(self._key_id(bytes(keys[i])) for i in bad.tolist() if len(keys[i]) == KEY_BYTES)
             good = [i for i in range(n) if i not in skip]
             return self._decode([keys[i] for i in good], [values[i] for i in good], corrupt)
         if bad.size:
             i = int(bad[0])
             key = bytes(keys[i])
-            what = (f"id {self._key_id(key)}" if len(key) == _KEY_BYTES else f"key {key.hex()}")
+            what = (f"id {self._key_id(key)}" if len(key) == KEY_BYTES else f"key {key.hex()}")
             raise CorruptStore(
                 f"table {self.table!r}: corrupt record in {self.file}: {what} has a {len(values[i])}-byte "
                 f"value (expected {self._value_bytes}); {bad.size} bad record(s) in this batch")
         raw = np.empty((n, self._dtype.itemsize), np.uint8)
-        raw[:, :_KEY_BYTES] = np.frombuffer(b"".join(keys), np.uint8).reshape(n, _KEY_BYTES)
-        raw[:, _KEY_BYTES:] = np.frombuffer(b"".join(values), np.uint8).reshape(n, self._value_bytes)
+        raw[:, :KEY_BYTES] = np.frombuffer(b"".join(keys), np.uint8).reshape(n, KEY_BYTES)
+        raw[:, KEY_BYTES:] = np.frombuffer(b"".join(values), np.uint8).reshape(n, self._value_bytes)
         rec = raw.view(self._dtype).ravel()
         bad = np.flatnonzero(crc32_rows(raw[:, :-4]) != rec["crc"])
         if bad.size and corrupt is not None:
@@ -332,10 +288,10 @@ class RowStore:
                         f"table {self.table!r}: LMDB map full in {self.file} at {current} bytes "
                         f"(max_map_size={self.max_map_size}); the write was rolled back") from exc
                 self._env.set_mapsize(target)
-            except _CORRUPTION_ERRORS as exc:
+            except CORRUPTION_ERRORS as exc:
                 raise CorruptStore(f"table {self.table!r}: LMDB file {self.file} is corrupt: {exc}") from exc
             except (lmdb.Error, OSError) as exc:
-                if _is_disk_full(exc, self.path, need):
+                if is_disk_full(exc, self.path, need):
                     raise StorageFull(f"table {self.table!r}: disk full writing {self.file}; "
                                       f"the write was rolled back: {exc}") from exc
                 raise
@@ -344,7 +300,7 @@ class RowStore:
         try:
             with self._env.begin(db=self._rows_db) as txn:
                 return body(txn)
-        except _CORRUPTION_ERRORS as exc:
+        except CORRUPTION_ERRORS as exc:
             raise CorruptStore(f"table {self.table!r}: LMDB file {self.file} is corrupt: {exc}") from exc
 
     # --- public API ------------------------------------------------------------------------------------
@@ -366,7 +322,7 @@ class RowStore:
         with self._lock:
             self._check_open()
             ids = self._ids(ids)
-            keys = _key_list(ids)
+            keys = key_list(ids)
             values = self._read(lambda txn: list(map(txn.get, keys)))
             return self._found(keys, values, corrupt)
 
@@ -376,16 +332,29 @@ class RowStore:
         hit = np.flatnonzero(found).tolist()
         return found, self._decode([keys[i] for i in hit], [values[i] for i in hit], corrupt)
 
+    def read_from(self, start_id: int | None, n: int, *, corrupt: list[int] | None = None
+                  ) -> tuple[RowBatch, int, int | None]:
+        """Up to ``n`` records with ids >= ``start_id`` (None: from the smallest), ascending, read in one short
+        transaction: (their rows, records read, the id to go on from or None at the end). A window of the
+        store for work that must stay bounded (eviction's scan of a spill tier); ``corrupt`` as for ``get``."""
+        start = None if start_id is None else ids_to_keys(np.array([start_id], np.int64)).tobytes()
+        chunk = self._chunk(start, n, values=True)
+        if not chunk:
+            return RowBatch.empty(self.dim, self.state_width), 0, None
+        after = key_after(bytes(chunk[-1][0])) if len(chunk) == n else None
+        rows = self._decode([kv[0] for kv in chunk], [kv[1] for kv in chunk], corrupt)
+        return rows, len(chunk), None if after is None else int(keys_to_ids(np.frombuffer(after, ">u8"))[0])
+
     def pop(self, ids: np.ndarray) -> tuple[np.ndarray, RowBatch]:
         """As ``get``, and deletes the found rows in the same transaction (nothing is deleted on error)."""
         with self._lock:
             self._check_open()
             ids = self._ids(ids)
-            keys = _key_list(ids)
+            keys = key_list(ids)
 
             def body(txn: Any) -> tuple[np.ndarray, RowBatch]:
                 found, rows = self._found(keys, [txn.get(k, db=self._rows_db) for k in keys])
-                for key in _key_list(np.unique(rows.ids)):  # only after every record checked out
+                for key in key_list(np.unique(rows.ids)):  # only after every record checked out
                     txn.delete(key, db=self._rows_db)
                 return found, rows
 
@@ -395,7 +364,7 @@ class RowStore:
         """Delete the rows of ``ids``; returns how many distinct ids were present."""
         with self._lock:
             self._check_open()
-            keys = _key_list(np.unique(self._ids(ids)))
+            keys = key_list(np.unique(self._ids(ids)))
             if not keys:
                 return 0
             return self._write(lambda txn: sum(txn.delete(k, db=self._rows_db) for k in keys))
@@ -405,7 +374,7 @@ class RowStore:
         with self._lock:
             self._check_open()
             ids = self._ids(ids)
-            keys = _key_list(ids)
+            keys = key_list(ids)
             return self._read(lambda txn: np.fromiter(map(txn.cursor().set_key, keys), bool, count=len(keys)))
 
     def __len__(self) -> int:
@@ -413,30 +382,33 @@ class RowStore:
             self._check_open()
             return int(self._read(lambda txn: txn.stat(self._rows_db)["entries"]))
 
+    def _chunk(self, start: bytes | None, n: int, values: bool) -> list[Any]:
+        """Up to ``n`` cursor items from key ``start`` on (None: the first), in one short read transaction."""
+        if n < 1:
+            raise InvalidArgument(f"table {self.table!r}: field 'batch_size' must be >= 1, got {n}")
+        with self._lock:
+            self._check_open()
+
+            def body(txn: Any) -> list[Any]:
+                cursor = txn.cursor()
+                if not (cursor.first() if start is None else cursor.set_range(start)):
+                    return []
+                return list(itertools.islice(cursor.iternext(keys=True, values=values), n))
+
+            return self._read(body)
+
     def _scan(self, batch_size: int, values: bool) -> Iterator[list[Any]]:
         """Ascending chunks of cursor items; each chunk is read in its own short read transaction, so
         writes between chunks are allowed (rows changed behind the cursor are not revisited)."""
-        if batch_size < 1:
-            raise InvalidArgument(f"table {self.table!r}: field 'batch_size' must be >= 1, got {batch_size}")
         start: bytes | None = None
         while True:
-            with self._lock:
-                self._check_open()
-
-                def body(txn: Any, start: bytes | None = start) -> list[Any]:
-                    cursor = txn.cursor()
-                    if not (cursor.first() if start is None else cursor.set_range(start)):
-                        return []
-                    return list(itertools.islice(cursor.iternext(keys=True, values=values), batch_size))
-
-                chunk = self._read(body)
+            chunk = self._chunk(start, batch_size, values)
             if not chunk:
                 return
             yield chunk
-            last = bytes(chunk[-1][0] if values else chunk[-1])
-            if len(chunk) < batch_size or len(last) != _KEY_BYTES or last == b"\xff" * _KEY_BYTES:
+            start = key_after(bytes(chunk[-1][0] if values else chunk[-1])) if len(chunk) == batch_size else None
+            if start is None:
                 return
-            start = (int.from_bytes(last, "big") + 1).to_bytes(_KEY_BYTES, "big")
 
     def iter_batches(self, batch_size: int = 65536) -> Iterator[RowBatch]:
         """All rows, ascending by id, as RowBatches of up to ``batch_size`` rows (checksums verified)."""
@@ -446,7 +418,7 @@ class RowStore:
     def iter_ids(self, batch_size: int = 65536) -> Iterator[np.ndarray]:
         """All stored ids, ascending, as (k,) int64 arrays of up to ``batch_size``."""
         for chunk in self._scan(batch_size, values=False):
-            if any(len(k) != _KEY_BYTES for k in chunk):
+            if any(len(k) != KEY_BYTES for k in chunk):
                 raise CorruptStore(f"table {self.table!r}: corrupt key in {self.file}")
             yield keys_to_ids(np.frombuffer(b"".join(chunk), ">u8"))
 
@@ -463,7 +435,7 @@ class RowStore:
             try:
                 self._env.sync(True)
             except lmdb.Error as exc:
-                if _is_disk_full(exc, self.path, 0):
+                if is_disk_full(exc, self.path, 0):
                     raise StorageFull(f"table {self.table!r}: disk full syncing {self.file}: {exc}") from exc
                 raise StorageError(f"table {self.table!r}: cannot sync {self.file}: {exc}") from exc
 
