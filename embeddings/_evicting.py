@@ -27,7 +27,8 @@ class Evicting(TableFields):
     """TTL and capacity eviction; see the module docstring."""
 
     def evict(self) -> int:
-        """Run TTL and capacity eviction over every row now; returns rows evicted."""
+        """Run TTL and capacity eviction now over every resident row and a window of the spill tier (the
+        writes after it sweep the rest: module docstring); returns rows evicted."""
         with self._lock:
             self._check_open()
             return self._evict(ttl=True)
@@ -63,7 +64,7 @@ class Evicting(TableFields):
         if len(self._spilled):  # spilled rows are candidates too; their metadata lives in the store
             need = len(self) - eviction.capacity_target(ev.max_rows) if resident and ev.max_rows is not None else 0
             sp, read = self._spill_window(max(SPILL_WINDOW if resident else SPILL_SWEEP, need))
-            if resident and ttl:
+            if resident and ttl and (ev.ttl_steps or ev.ttl_seconds):
                 self._sweep_left = len(self._spilled) - read  # the rest of the tier, after later writes
             elif not resident:
                 self._sweep_left -= max(read, 1)

@@ -71,5 +71,3 @@ def is_disk_full(exc: BaseException, directory: Path, need: int) -> bool:
             return False
         return st.f_bavail * st.f_frsize < need + (1 << 20)
     return False
-
-
