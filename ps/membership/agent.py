@@ -3,10 +3,9 @@
 The ``Agent`` runs one thread: it asks the core which call to make (register, then a heartbeat every
 ``heartbeat_interval_s``, sent without waiting for the earlier ones' answers), makes it, installs any newer
 map that comes back and hands the outcome to the core. It also carries the service's reports (a copy failed,
-a copy caught up, a hand-over ready) and map
-refreshes. Refreshes asked for by requests (``refresh_soon``) are coalesced by the core: one refresher thread,
-started on first use, fetches the map while the highest epoch wanted is above ours. While the scheduler is
-down the server keeps serving on the map it holds.
+a copy caught up, a hand-over ready) and map refreshes. Refreshes asked for by requests (``refresh_soon``) are
+coalesced by the core: one refresher thread, started on first use, fetches the map while the highest epoch
+wanted is above ours. While the scheduler is down the server keeps serving on the map it holds.
 """
 
 from __future__ import annotations
