@@ -57,7 +57,8 @@ def copy_counts(copies: np.ndarray, num_servers: int) -> tuple[np.ndarray, np.nd
     return prim.astype(np.int64), total.astype(np.int64)
 
 
-def _widen(copies: np.ndarray, states: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+def widen(copies: np.ndarray, states: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Copies of ``copies`` and ``states`` with at least ``width`` columns (new ones empty)."""
     if copies.shape[1] >= width:
         return copies.copy(), states.copy()
     extra = width - copies.shape[1]
@@ -76,7 +77,7 @@ def repair(copies: np.ndarray, states: np.ndarray, alive: np.ndarray, replicas: 
     placeable = alive if placeable is None else np.asarray(placeable, bool) & alive
     n = alive.shape[0]
     want = 1 + replicas
-    c, s = _widen(np.asarray(copies, np.int32), np.asarray(states, np.uint8), want)
+    c, s = widen(np.asarray(copies, np.int32), np.asarray(states, np.uint8), want)
     gone = (c >= 0) & ~alive[np.clip(c, 0, None)]
     c[gone] = NO_SERVER
     s[gone] = 0
@@ -349,7 +350,7 @@ def step_toward(copies: np.ndarray, states: np.ndarray, target: np.ndarray, *, m
 
     Slots without a primary are left alone (nothing can copy from them)."""
     width = max(copies.shape[1], target.shape[1]) * 2
-    c, s = _widen(np.asarray(copies, np.int32), np.asarray(states, np.uint8), width)
+    c, s = widen(np.asarray(copies, np.int32), np.asarray(states, np.uint8), width)
     started = 0
     for slot in np.flatnonzero(_differs(c, target)):
         if c[slot, 0] < 0:

@@ -192,8 +192,7 @@ class SchedulerCore(Liveness, Moves):
         free = copies[orphans] < 0
         free[:, 0] = False  # the primary's place stays empty for the election
         if not free.any(axis=1).all():  # a full row: one more column
-            copies = np.concatenate([copies, np.full((copies.shape[0], 1), NO_SERVER, np.int32)], 1)
-            states = np.concatenate([states, np.zeros((states.shape[0], 1), np.uint8)], 1)
+            copies, states = placement.widen(copies, states, copies.shape[1] + 1)
             free = copies[orphans] < 0
             free[:, 0] = False
         col = free.argmax(axis=1)
