@@ -81,29 +81,6 @@ if AVAILABLE:
     def _home(key, cap):
         return np.int64(((mix64_scalar(key) >> _S32) * cap) >> _S32)
 
-    _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-    _S11 = np.uint64(11)
-    _TWO_POW_M53 = 1.0 / (1 << 53)
-
-    @njit(nogil=True, cache=True)
-    def initial_rows(kind, seed_key, second_salt, ids, a, b, out):
-        """Deterministic init, bit for bit the numpy code of initializers.py. kind 1: uniform [a, b);
-        kind 2: normal (mean a, std b) by Box-Muller. ``ids`` as uint64 bits; ``out`` (n, dim) float32."""
-        dim = out.shape[1]
-        span = b - a
-        for i in range(ids.shape[0]):
-            base = mix64_scalar(ids[i] ^ seed_key)
-            for j in range(dim):
-                x = mix64_scalar(base + np.uint64(j + 1) * _GOLDEN)
-                u = np.float64(x >> _S11) * _TWO_POW_M53
-                if kind == 1:
-                    out[i, j] = np.float32(a + span * u)
-                else:
-                    u1 = 1.0 - u
-                    u2 = np.float64(mix64_scalar(x ^ second_salt) >> _S11) * _TWO_POW_M53
-                    z = math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
-                    out[i, j] = np.float32(a + b * z)
-
     @njit(nogil=True, cache=True)
     def probe(keys, vals, queries, out_pos, out_val):
         """For each query: bucket position and value (a row's slab position) if present, else -1 and -1."""
@@ -133,11 +110,17 @@ if AVAILABLE:
 
     @njit(nogil=True, cache=True)
     def insert(keys, vals, new_keys, new_vals):
-        """Insert unique keys known to be absent; returns how many EMPTY buckets were consumed."""
+        """Insert unique keys known to be absent; returns how many EMPTY buckets were consumed. Each home bucket
+        is prefetched a fixed distance ahead (a random insert is a cache miss: about 2x faster)."""
         cap = keys.shape[0]
         ucap = np.uint64(cap)
         consumed = 0
-        for i in range(new_keys.shape[0]):
+        n = new_keys.shape[0]
+        for i in range(n):
+            if i + _PREFETCH_DISTANCE < n:
+                h = _home(new_keys[i + _PREFETCH_DISTANCE], ucap)
+                _prefetch1(keys, h)
+                _prefetch1(vals, h)
             p = _home(new_keys[i], ucap)
             while vals[p] >= 0:
                 p += 1
@@ -148,6 +131,32 @@ if AVAILABLE:
             keys[p] = new_keys[i]
             vals[p] = new_vals[i]
         return consumed
+
+    @njit(nogil=True, cache=True)
+    def rehash(keys, vals, new_keys, new_vals):
+        """Insert every live bucket of (keys, vals) into the empty (new_keys, new_vals); returns live keys.
+        One pass over the old buckets, no intermediate arrays, homes prefetched ahead."""
+        cap = new_keys.shape[0]
+        ucap = np.uint64(cap)
+        n = keys.shape[0]
+        live = 0
+        for i in range(n):
+            ahead = i + _PREFETCH_DISTANCE
+            if ahead < n and vals[ahead] >= 0:
+                h = _home(keys[ahead], ucap)
+                _prefetch1(new_keys, h)
+                _prefetch1(new_vals, h)
+            if vals[i] < 0:
+                continue
+            p = _home(keys[i], ucap)
+            while new_vals[p] >= 0:
+                p += 1
+                if p == cap:
+                    p = 0
+            new_keys[p] = keys[i]
+            new_vals[p] = vals[i]
+            live += 1
+        return live
 
     @njit(nogil=True, cache=True)
     def lookup_gather(keys, vals, weights, last_access, clock, queries, out_rows, out_positions):

@@ -170,11 +170,13 @@ class HashIndex:
             cap = int(cap * _GROWTH) + 1
         if need <= 0.5 * _MAX_LOAD * cap and cap > _MIN_CAPACITY:  # mostly tombstones: stay small
             cap = max(_MIN_CAPACITY, int(need / (0.5 * _MAX_LOAD)) + 1)
-        live = self._vals >= 0
-        keys, vals = self._keys[live], self._vals[live]
-        new_keys = np.zeros(cap, np.uint64)
+        new_keys = np.empty(cap, np.uint64)  # a bucket's key is read only where its value is >= 0
         new_vals = np.full(cap, EMPTY, np.int32)
-        used = self._insert_raw(new_keys, new_vals, keys, vals)
+        if self.backend == "numba":
+            used = int(_kernels.rehash(self._keys, self._vals, new_keys, new_vals))
+        else:
+            live = self._vals >= 0
+            used = self._insert_raw(new_keys, new_vals, self._keys[live], self._vals[live])
         self._keys, self._vals, self._used = new_keys, new_vals, used
 
     def _insert_raw(self, keys: np.ndarray, vals: np.ndarray, q: np.ndarray, v: np.ndarray) -> int:

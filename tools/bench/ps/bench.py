@@ -18,6 +18,7 @@ from tigana.embeddings import EmbeddingTable, TableConfig
 from tigana.ps.allocator import tune_allocator
 from tigana.ps.channels import channel_options
 from tigana.tools.bench.ps.echo import EchoServers, _echo_main, _message_plan
+from tigana.tools.bench.ps.inserts import bench_inserts
 from tigana.tools.bench.ps.redis_peer import RedisPeer, _redis_cases
 from tigana.tools.bench.ps.replication import _bench_replication
 from tigana.tools.bench.ps.workload import _Cycle, interleaved_rates, zipf_batches
@@ -37,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with N > 0: push rows/s of sync and async replication (a scheduler, 2 shards, N "
                              "replicas) against no replication (a static 2-shard list), in one run; dims from "
                              "--dims (default here: 64), fp32 wire")
+    parser.add_argument("--inserts", type=int, default=0, metavar="ROWS",
+                        help="with ROWS > 0: first-sight pulls (ROWS fresh random ids, each inserted) against pushes "
+                             "of resident rows through one daemon, and its RSS per row (issue figures: 20M)")
+    parser.add_argument("--insert-dim", type=int, default=16, help="dim of the --inserts table (default 16)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     tune_allocator()  # the client does it too (ClientConfig.tune_allocator); the Redis client shares it
     if args.replicas > 0:
         return _bench_replication(args)
+    if args.inserts > 0:
+        return bench_inserts(args)
     repeats = args.repeats or (5 if args.quick else 9)
     dims = [int(d) for d in args.dims.split(",")]
     codecs = [c.strip() for c in args.wire.split(",")]
