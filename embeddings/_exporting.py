@@ -116,7 +116,7 @@ class Exporting(TableFields):
 
     def _import(self, b: RowBatch) -> None:
         """Write checked rows; the caller holds the lock."""
-        self._clock += 1
+        self._tick()
         if len(self._spilled):
             sp_ids = b.ids[self._spilled.lookup(b.ids) >= 0]
             if sp_ids.size:

@@ -21,7 +21,7 @@ from tigana.embeddings.config import TableConfig
 from tigana.embeddings.errors import InvalidArgument
 from tigana.embeddings.hashtable import HashIndex
 from tigana.embeddings.rows import RowBatch
-from tigana.embeddings.slab import Slab
+from tigana.embeddings.slab import ACCESS_MAX, Slab
 
 if TYPE_CHECKING:
     from tigana.embeddings import admission
@@ -43,7 +43,7 @@ class TableFields:
     _admission: admission.AdmissionFilter
     _open_admission: bool
     _step: int
-    _clock: int  # access clock: +1 per pull/push, stamped into last_access
+    _clock: int  # access clock: +1 per pull/push (``_tick``), stamped into last_access
     _deleted: list[np.ndarray]  # ids removed since the last tracked snapshot (only while there is one)
     _pending_marks: tuple[int, ...]  # marks, besides the current one, of rows a failed snapshot gave back
     _spill: RowStore | None
@@ -100,6 +100,14 @@ class TableFields:
     def step(self) -> int:
         """Table step: +1 per push, or the ``step=`` a push gave."""
         return self._step
+
+    def _tick(self) -> None:
+        """Advance the access clock (under the lock). Rows hold it as uint32: at ``ACCESS_MAX`` the clock and
+        every row's copy of it are halved, which keeps their order (once per 2**31 calls)."""
+        self._clock += 1
+        if self._clock > ACCESS_MAX:
+            self._slab.halve_access()
+            self._clock >>= 1
 
     # --- checks --------------------------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -3,7 +3,8 @@
 Layout: ``keys`` uint64[cap] holds the ids' bits, ``vals`` int32[cap] holds a value >= 0 or the bucket state
 (EMPTY -1, TOMBSTONE -2), so no id value is reserved as a sentinel. The home bucket is fastrange of a
 splitmix64 hash, probing is linear. Capacity is any integer (not a power of two), grown by 1.5x past a load of
-0.7 (tombstones count as load and are dropped by the rehash): 12 bytes per bucket, 17-26 bytes per live key.
+0.8 (tombstones count as load and are dropped by the rehash): 12 bytes per bucket, 15-23 bytes per live key.
+Linear probing stays short at 0.8 (a hit reads 3 buckets on average, a miss 13, in two or three cache lines).
 
 Every operation takes a whole batch (duplicates allowed) and runs either a numba kernel or a vectorized numpy
 fallback (``backend="numpy"``, also used when numba is missing); both give identical results.
@@ -22,7 +23,7 @@ from tigana.embeddings.mixing import mix64
 
 Backend = Literal["auto", "numba", "numpy"]
 
-_MAX_LOAD = 0.7
+_MAX_LOAD = 0.8
 _GROWTH = 1.5
 _MIN_CAPACITY = 64
 

@@ -3,14 +3,16 @@
 A row's position is its index in these arrays (an int >= 0, what the table's HashIndex maps its id to); it is
 unrelated to the routing slots of ``tigana.ps.routing``. Per row: weights (dim, storage dtype: float32, float16,
 or bfloat16 kept as uint16 bits), optimizer state (width, float32), update_count uint32, last_step int64,
-last_time float64, last_access int64 (the table's access clock, for LRU and spilling), dirty uint8 (the
-snapshot mark current when the row last changed: ``mark`` at a write, 0 for never; a row belongs to the next
-incremental snapshot when its mark is the current one). That is 29 bytes of metadata, 97 bytes per row at dim
+last_time float64, last_access uint32 (the table's access clock, for LRU and spilling: only the order of its
+values matters, so when the clock reaches ``ACCESS_MAX`` every value is halved, ``halve_access``), dirty uint8
+(the snapshot mark current when the row last changed: ``mark`` at a write, 0 for never; a row belongs to the next
+incremental snapshot when its mark is the current one). That is 25 bytes of metadata, 93 bytes per row at dim
 16 with row-wise Adagrad.
 Positions of deleted rows go to a free list and are reused first.
 
-Arrays grow by 2x up to 65,536 rows, then by 1.125x, through ``ndarray.resize``: glibc's realloc moves
-large blocks with mremap, so growth neither copies nor doubles the peak, and capacity slack stays under 12.5%.
+Arrays grow by 2x up to 65,536 rows, by 1.125x up to 1M rows, then by 1/16, through ``ndarray.resize``: glibc's
+realloc moves large blocks with mremap, so growth neither copies nor doubles the peak, and capacity slack stays
+under 6.25% past 1M rows.
 Not thread-safe: the owning table holds its lock around every call, and no view of the arrays escapes it.
 """
 
@@ -23,7 +25,8 @@ from tigana.embeddings.rows import RowBatch
 
 _MIN_ROWS = 64
 _META = (("update_count", np.uint32), ("last_step", np.int64), ("last_time", np.float64),
-         ("last_access", np.int64), ("dirty", np.uint8))
+         ("last_access", np.uint32), ("dirty", np.uint8))
+ACCESS_MAX = (1 << 32) - 1  # the largest access clock a row can hold
 
 
 def to_float32(w: np.ndarray) -> np.ndarray:
@@ -136,12 +139,17 @@ class Slab:
     def _grow(self, need: int) -> None:
         cap = self.capacity
         while cap < need:
-            cap = cap * 2 if cap < (1 << 16) else cap + cap // 8
+            cap = cap * 2 if cap < (1 << 16) else cap + cap // (8 if cap < (1 << 20) else 16)
         self._weights.resize(cap)
         self._state.resize(cap)
         self.weights, self.state = self._weights.array, self._state.array
         for name, _ in _META:
             getattr(self, name).resize(cap, refcheck=False)
+
+    def halve_access(self) -> None:
+        """Halve every row's access clock (the table halves its clock with it): the order of rows by last
+        access, all LRU and spilling read, is kept, and the clock has room again."""
+        self.last_access >>= np.uint32(1)
 
     # --- whole rows ----------------------------------------------------------------------------------------
     def read_weights(self, positions: np.ndarray) -> np.ndarray:

@@ -102,7 +102,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         ids = self._check_ids(ids)
         with self._lock, self._recording(changes):
             self._check_open()
-            self._clock += 1
+            self._tick()
             self._counters["pulls"] += 1
             n = ids.shape[0]
             out = np.empty((n, self.dim), np.float32)
@@ -167,7 +167,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
                 keep, update = update.without_bad()
                 ids, positions, skipped = ids[keep], positions[keep], skipped + int((~keep).sum())
             self._counters["nonfinite_rows_skipped"] += skipped
-            self._clock += 1
+            self._tick()
             self._counters["pushes"] += 1
             miss = np.flatnonzero(positions < 0)
             if miss.size:

@@ -215,6 +215,25 @@ def test_admission_probability_is_deterministic() -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_lru_order_survives_the_access_clock_halving(backend: str) -> None:
+    """Rows hold the access clock as uint32; when it runs out, clock and rows are halved and LRU still
+    evicts the least recently used row (the clock is set near its end rather than run 2**32 times)."""
+    from tigana.embeddings.slab import ACCESS_MAX
+
+    lru = emb.EmbeddingTable(emb.TableConfig("t", dim=DIM, backend=backend,
+                                             eviction=emb.Eviction(max_rows=10, policy="lru")))
+    lru._clock = ACCESS_MAX - 12
+    for i in range(25):  # the clock passes ACCESS_MAX halfway through
+        lru.pull(np.array([i]))
+        lru.push(np.array([i]), np.zeros((1, DIM), np.float32))
+    assert lru._clock < ACCESS_MAX // 2 + 64
+    assert len(lru) == 10 and lru.contains(np.arange(15, 25)).all()
+    lru.pull(np.array([15]))
+    lru.pull(np.array([100]))
+    assert len(lru) == 10 and not lru.contains(np.array([16]))[0] and lru.contains(np.array([15, 100])).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_capacity_eviction_lru_and_lfu(backend: str) -> None:
     lru = emb.EmbeddingTable(emb.TableConfig("t", dim=DIM, backend=backend,
                                              eviction=emb.Eviction(max_rows=10, policy="lru")))
@@ -284,7 +303,7 @@ def test_stats_and_bytes_per_row() -> None:
         assert key in s
     assert s["rows_resident"] == 100_000 and s["rows_spilled"] == 0
     assert s["hit_rate"] == pytest.approx(50_000 / 150_000)
-    assert s["row_bytes"] == 64 + 4 + 29
+    assert s["row_bytes"] == 64 + 4 + 25  # weights, row-wise state, metadata (slab docstring)
     assert s["slot_bytes"] == s["row_bytes"]  # the old key, kept for tools/bench
     assert s["bytes_per_row"] <= 160
 
