@@ -25,6 +25,15 @@ def test_bench_ps_prints_one_json_line_per_case(bench_lines):
         assert d["transport"] == "stream"
 
 
+def test_bench_ps_inserts_against_pushes_through_one_daemon(bench_lines):
+    assert cli.main(["bench", "ps", "--inserts", "20000", "--batch", "4096", "--insert-dim", "8"]) == 0
+    insert, memory = bench_lines()
+    assert insert["case"] == "insert" and insert["unit"] == "rows/s" and insert["value"] > 0
+    assert insert["peer"].startswith("push") and insert["peer_value"] > 0 and insert["rows"] == 4 * 4096
+    assert memory["case"] == "insert.memory" and memory["rows_resident"] == 4 * 4096
+    assert memory["engine_bytes_per_row"] > 8 * 4 and memory["value"] > memory["engine_bytes_per_row"]
+
+
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
 def test_redis_peer_retries_when_its_port_is_taken(monkeypatch):
     """Another process can take the probed free port before redis binds it: the peer starts on a new port,

@@ -24,3 +24,15 @@ def _round(x: float) -> float:
 def log(msg: str) -> None:
     """Progress for humans goes to stderr; stdout carries only the JSON lines."""
     print(msg, file=sys.stderr, flush=True)
+
+
+def parse_counts(text: str) -> list[int]:
+    """"1M,10M,20M" or "100k, 2_000_000" -> [1000000, 10000000, 20000000]; suffixes k, M, B."""
+    out = []
+    for part in str(text).split(","):
+        part = part.strip().lower().replace("_", "")
+        if not part:
+            continue
+        scale = {"k": 1_000, "m": 1_000_000, "b": 1_000_000_000}.get(part[-1], 1)
+        out.append(int(float(part[:-1] if scale > 1 else part) * scale))
+    return out

@@ -3,12 +3,13 @@
 Cases (one JSON line each, for dim 16 and 64):
   lookup   EmbeddingTable.pull (hash lookup + gather) of batches whose ids are all stored, vs
            torch.index_select on pre-mapped indices into a dense tensor holding the same rows (the limit).
-  lookup_or_insert  the same pulls on first sight: new ids are hashed in and initialized (new_ids_per_batch).
+  lookup_or_insert  the same pulls on first sight: new ids are hashed in and initialized (new_ids_per_batch),
+           vs the dense limit of the same work (new rows drawn and written, then every row gathered).
   update   EmbeddingTable.push with row-wise Adagrad (lookup, dedup + segment sum, update) vs the same update
            in torch on pre-mapped indices (torch.unique + index_add_ + row-wise Adagrad + index_copy_).
   hashtable.lookup  the numba hash lookup vs the numpy fallback on the same index (why numba is used).
-  capacity rows resident and bytes per resident row after inserting ``--rows`` ids (dim 16, row-wise
-           Adagrad) against the 160 bytes/row target (100 M rows in 16 GiB).
+  capacity bytes per resident row after inserting ``--rows`` ids (1 M, 10 M, 20 M; dim 16, row-wise Adagrad):
+           the engine's count and the RSS growth, against the same rows in a Python dict + numpy arrays.
   push_during_snapshot  p99 latency of pushes (4,096 Zipf ids, dim 16) while a full snapshot of the table is
            written (through a copy-on-write cut) against the same pushes with none running; ``snapshot_s`` is
            how long the snapshot took, ``max_ms_snapshot_under_lock`` how long one push waits behind a
@@ -23,6 +24,8 @@ limits run with one thread unless --torch-threads says otherwise.
 from __future__ import annotations
 
 import argparse
+import gc
+import os
 import shutil
 import statistics
 import tempfile
@@ -33,13 +36,14 @@ import numpy as np
 
 from tigana import embeddings as emb
 from tigana.embeddings.mixing import mix64
-from tigana.tools.bench.report import emit, log
+from tigana.tools.bench.report import emit, log, parse_counts
+from tigana.tools.bench.scale.resources import _rss_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes; finishes in under a minute")
-    parser.add_argument("--rows", type=int, default=None,
-                        help="rows to insert for the capacity case (default 10M; quick 1M)")
+    parser.add_argument("--rows", default=None,
+                        help="comma-separated row counts of the capacity case (default 1M,10M,20M; quick 1M)")
     parser.add_argument("--distinct", type=int, default=None,
                         help="distinct ids the Zipf batches draw from (default 10M; quick 1M)")
     parser.add_argument("--batch", type=int, default=65536, help="ids per batch")
@@ -95,6 +99,31 @@ def _torch_limits(table: emb.EmbeddingTable, batches: list[np.ndarray], lr: floa
     return gather, update
 
 
+def _first_sight(table: emb.EmbeddingTable, batches: list[np.ndarray], warm: int, dim: int
+                 ) -> tuple[list[float], list[float]]:
+    """ids/s of each timed batch's first pull (hits plus inserts of its new ids), each followed by the dense
+    limit of the same work: a tensor pre-sized for every id of the run, the batch's ids pre-mapped to rows, its
+    new rows drawn (``torch.randn``) and written (``index_copy_``), then every row gathered."""
+    import torch
+
+    every = np.unique(np.concatenate(batches))
+    dense = torch.zeros(every.shape[0], dim)
+    ours, theirs = [], []
+    for b in batches[warm:]:
+        pos = np.searchsorted(every, b)
+        new_pos = torch.from_numpy(np.unique(pos[~table.contains(b)]))  # untimed: what the limit must insert
+        idx = torch.from_numpy(pos)
+        t0 = time.perf_counter()
+        table.pull(b)
+        t1 = time.perf_counter()
+        dense.index_copy_(0, new_pos, torch.randn(new_pos.shape[0], dim) * 0.01)
+        torch.index_select(dense, 0, idx)
+        t2 = time.perf_counter()
+        ours.append(b.shape[0] / (t1 - t0))
+        theirs.append(b.shape[0] / (t2 - t1))
+    return ours, theirs
+
+
 def _paired(ours, theirs, count: int, warmup: int) -> tuple[float, float]:
     """Median rates of ``ours(i)`` and ``theirs(i)`` (each returns items done) run alternately on the same
     inputs, so load from other processes hits both alike. The first ``warmup`` rounds are not timed (torch's
@@ -130,11 +159,8 @@ def _bench_dim(args, dim: int, distinct: int, repeats: int) -> None:
     params = dict(dim=dim, batch=batch, ids=f"zipf(1.05) over {distinct}", repeats=repeats,
                   backend=table.backend, quick=bool(args.quick), torch_threads=torch.get_num_threads())
 
-    rows_before, fresh_rates = len(table), []
-    for b in timed:  # first sight of these batches: lookups plus inserts of their new ids
-        t0 = time.perf_counter()
-        table.pull(b)
-        fresh_rates.append(b.shape[0] / (time.perf_counter() - t0))
+    rows_before = len(table)
+    fresh_rates, dense_fresh_rates = _first_sight(table, batches, warm, dim)
     new_per_batch = (len(table) - rows_before) / len(timed)
     gather, update = _torch_limits(table, timed, lr, eps)  # a dense copy of the same rows
 
@@ -147,8 +173,8 @@ def _bench_dim(args, dim: int, distinct: int, repeats: int) -> None:
     emit("table.lookup", "ids/s", hits, "torch.index_select (pre-mapped, dense)", limit,
          rows=len(table), **params)
     emit("table.lookup_or_insert", "ids/s", statistics.median(fresh_rates[1:]),
-         "torch.index_select (pre-mapped, dense)", limit, rows=len(table),
-         new_ids_per_batch=round(new_per_batch), **params)
+         "torch randn + index_copy_ of the new rows, index_select (pre-mapped, dense, pre-sized)",
+         statistics.median(dense_fresh_rates[1:]), rows=len(table), new_ids_per_batch=round(new_per_batch), **params)
 
     rng = np.random.default_rng(args.seed + 1)
     grads = [rng.standard_normal((batch, dim), dtype=np.float32) * 0.01 for _ in range(2)]
@@ -188,22 +214,52 @@ def _bench_hash(args, distinct: int, repeats: int) -> None:
          keys=distinct, batch=args.batch, ids=f"zipf(1.05) over {distinct}", quick=bool(args.quick))
 
 
-def _bench_capacity(args, rows: int) -> None:
+def _bench_capacity(args, sizes: list[int]) -> None:
+    """Bytes per resident row (dim 16, row-wise Adagrad) at each size: the engine's own count and this process's
+    RSS growth, against the same ids and rows held the plain Python way (a dict id -> row number and numpy
+    rows), measured the same way in the same run."""
     dim = 16
-    table = emb.EmbeddingTable(emb.TableConfig("capacity", dim=dim, optimizer=emb.RowWiseAdagrad(),
-                                               initializer=emb.Uniform(), backend=args.backend))
-    t0 = time.perf_counter()
-    chunk = 1 << 20
-    for start in range(0, rows, chunk):
-        ids = mix64(np.arange(start, min(rows, start + chunk), dtype=np.uint64)).view(np.int64)
-        table.pull(ids)
-    secs = time.perf_counter() - t0
-    st = table.stats()
-    emit("table.capacity", "bytes/row", st["bytes_per_row"], "target (100M rows in 16 GiB)", 160.0,
-         dim=dim, optimizer="rowwise_adagrad", rows_resident=int(st["rows_resident"]),
-         bytes_resident=int(st["bytes_resident"]), slot_bytes=int(st["slot_bytes"]),
-         insert_rate=round(rows / secs), quick=bool(args.quick))
-    table.close()
+    for rows in sizes:
+        gc.collect()
+        rss0 = _rss_bytes(os.getpid())
+        table = emb.EmbeddingTable(emb.TableConfig("capacity", dim=dim, optimizer=emb.RowWiseAdagrad(),
+                                                   initializer=emb.Uniform(), backend=args.backend))
+        t0 = time.perf_counter()
+        for start in range(0, rows, _CHUNK):
+            table.pull(_capacity_ids(start, min(rows, start + _CHUNK)))
+        secs = time.perf_counter() - t0
+        st = table.stats()
+        rss = _rss_bytes(os.getpid()) - rss0
+        table.close()
+        del table
+        peer = _dict_peer_bytes(rows, dim)
+        emit("table.capacity", "bytes/row", st["bytes_per_row"], "python dict id->row + numpy rows (RSS growth)",
+             peer, dim=dim, optimizer="rowwise_adagrad", rows_resident=int(st["rows_resident"]),
+             bytes_resident=int(st["bytes_resident"]), rss_bytes_per_row=round(rss / rows, 1),
+             slot_bytes=int(st["slot_bytes"]), insert_rate=round(rows / secs), quick=bool(args.quick))
+
+
+_CHUNK = 1 << 20
+
+
+def _capacity_ids(start: int, stop: int) -> np.ndarray:
+    return mix64(np.arange(start, stop, dtype=np.uint64)).view(np.int64)
+
+
+def _dict_peer_bytes(rows: int, dim: int) -> float:
+    """RSS growth per row of the same ids in a dict (id -> row number) beside numpy weights and state."""
+    gc.collect()
+    rss0 = _rss_bytes(os.getpid())
+    index: dict[int, int] = {}
+    for start in range(0, rows, _CHUNK):
+        ids = _capacity_ids(start, min(rows, start + _CHUNK)).tolist()
+        index.update(zip(ids, range(start, start + len(ids)), strict=True))
+    weights = np.ones((rows, dim), np.float32)  # touched, as stored rows are
+    state = np.ones(rows, np.float32)
+    grown = _rss_bytes(os.getpid()) - rss0
+    del index, weights, state
+    gc.collect()
+    return grown / rows
 
 
 def _bench_snapshot_stall(args, rows: int) -> None:
@@ -282,14 +338,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         quick = bool(args.quick)
         distinct = args.distinct or (1_000_000 if quick else 10_000_000)
-        rows = args.rows or (1_000_000 if quick else 10_000_000)
+        rows = parse_counts(args.rows) if args.rows else ([1_000_000] if quick else [1_000_000, 10_000_000, 20_000_000])
         repeats = args.repeats or (11 if quick else 21)
         for dim in (int(d) for d in args.dims.split(",") if d.strip()):  # --dims "": capacity only
             _bench_dim(args, dim, distinct, repeats)
         if args.dims.strip():
             _bench_hash(args, distinct, repeats)
         _bench_capacity(args, rows)
-        _bench_snapshot_stall(args, args.snapshot_rows or args.rows or (200_000 if quick else 2_000_000))
+        _bench_snapshot_stall(args, args.snapshot_rows or (rows[0] if args.rows else (200_000 if quick else 2_000_000)))
     finally:
         torch.set_num_threads(saved_threads)
     return 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from tigana.tools.bench.report import log
+from tigana.tools.bench.report import log, parse_counts
 from tigana.tools.bench.scale.clients import _Worker, _worker_main
 from tigana.tools.bench.scale.cluster import _Cluster
 from tigana.tools.bench.scale.figure import _require_matplotlib, plot
@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shards", default="1,2,4", help="shard counts of the shards curve")
     parser.add_argument("--clients", default="1,2,4", help="client processes of the clients curve")
     parser.add_argument("--rows", default=None,
-                        help="resident rows of the rows curve (default 1M,10M; quick 100k,1M; full adds 100M)")
+                        help="resident rows of the rows curve (default 1M,10M,20M; quick 100k,1M; full adds 100M)")
     parser.add_argument("--batches", default="4096,16384,65536,262144", help="batch sizes of the batch curve")
     parser.add_argument("--base-rows", type=int, default=1_000_000,
                         help="resident rows of the shards, clients and batch curves")
@@ -42,27 +42,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # --- sizes ------------------------------------------------------------------------------------------------
-def _ints(text: str) -> list[int]:
-    out = []
-    for part in text.split(","):
-        part = part.strip().lower().replace("_", "")
-        if not part:
-            continue
-        scale = {"k": 1_000, "m": 1_000_000, "b": 1_000_000_000}.get(part[-1], 1)
-        out.append(int(float(part[:-1] if scale > 1 else part) * scale))
-    return out
-
-
 def _sizes(args: argparse.Namespace) -> dict[str, list[int]]:
     if args.rows is not None:
-        rows = _ints(args.rows)
+        rows = parse_counts(args.rows)
     elif args.quick:
         rows = [100_000, 1_000_000]
     else:
-        rows = [1_000_000, 10_000_000]
+        rows = [1_000_000, 10_000_000, 20_000_000]
     if args.full and args.rows is None:
         rows.append(100_000_000)
-    return {"shards": _ints(args.shards), "clients": _ints(args.clients), "rows": rows, "batch": _ints(args.batches)}
+    return {"shards": parse_counts(args.shards), "clients": parse_counts(args.clients), "rows": rows, "batch": parse_counts(args.batches)}
 
 
 def run(args: argparse.Namespace) -> int:
