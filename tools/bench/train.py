@@ -16,7 +16,9 @@ Cases, one JSON line each (samples/s, the best of the rounds; the trainers take 
 - ``train_ps_vs_torchrec``: ``train_ps`` against TorchRec's ``EmbeddingBagCollection`` trained locally
   (only when torchrec is importable; it is never a dependency).
 
-Each line also says what the run did, measured rather than assumed: ``samples_per_round`` (every trainer trains
+Each line also gives the CPU it cost: ``cpu_us_per_sample`` and ``peer_cpu_us_per_sample`` (median over rounds) count
+every process, this one and the shard daemons, since the PS case uses the daemons' cores, which the in-process
+peers never get. Each line also says what the run did, measured rather than assumed: ``samples_per_round`` (every trainer trains
 every batch once a round), ``round_seconds`` (the best round's), and for the PS cases the client's pulls and
 pushes per step (``pulls_per_step``, ``pushes_per_step``: 1 fused, one per table unfused), the PS tables the
 collection used (``ps_tables``) and the rows they hold at the end (``ps_rows``: every id the batches touched).
@@ -36,6 +38,7 @@ from torch.nn import functional as F
 from tigana import ps
 from tigana.ps.allocator import ALLOCATOR_ENV, tune_allocator
 from tigana.tools.bench.report import emit, log
+from tigana.tools.bench.scale.resources import _self_cpu_s, process_cpu_s
 from tigana.trainer.data import SyntheticCriteo
 from tigana.trainer.data.synthetic import CRITEO_KAGGLE_CARDINALITIES
 from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
@@ -85,8 +88,13 @@ class _Trainer:
         return n
 
 
-def _torchrec_collection(features: list[FeatureSpec], cards: dict[str, int]) -> nn.Module | None:
-    """TorchRec's fused EmbeddingBagCollection as an EmbeddingCollection, or None when torchrec is absent."""
+def _torchrec_collection(features: list[FeatureSpec], cards: dict[str, int], batches: list[Batch]
+                         ) -> nn.Module | None:
+    """TorchRec's fused EmbeddingBagCollection as an EmbeddingCollection, or None when torchrec is absent.
+
+    TorchRec's idiomatic path: each batch's ``KeyedJaggedTensor`` is made once, with its ids already bounded by
+    each table's size, as a data pipeline hands them over (untimed, like our batches); a step is the EBC's
+    forward and ``KeyedTensor.values().view(B, F, D)``, no per-step copy."""
     try:
         import torchrec  # noqa: F401
         from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -101,6 +109,12 @@ def _torchrec_collection(features: list[FeatureSpec], cards: dict[str, int]) -> 
     ebc = FusedEmbeddingBagCollection(tables=configs, optimizer_type=torch.optim.Adagrad,
                                       optimizer_kwargs={"lr": 0.05}, device=torch.device("cpu"))
     sizes = torch.tensor([cards[n] for n in names])
+    kjts = {}
+    for batch in batches:
+        sparse = batch.sparse
+        per_feature = sparse.lengths.view(len(names), sparse.batch_size).sum(1)
+        values = torch.remainder(sparse.values, sizes.repeat_interleave(per_feature))
+        kjts[id(sparse)] = KeyedJaggedTensor(keys=names, values=values, lengths=sparse.lengths)
 
     class _TorchRec(nn.Module):
         def __init__(self) -> None:
@@ -108,12 +122,7 @@ def _torchrec_collection(features: list[FeatureSpec], cards: dict[str, int]) -> 
             self.ebc, self.feature_names, self.dim = ebc, names, DIM
 
         def forward(self, sparse) -> torch.Tensor:
-            b = sparse.batch_size
-            per_feature = sparse.lengths.view(len(names), b).sum(1)
-            values = torch.remainder(sparse.values, sizes.repeat_interleave(per_feature))
-            kjt = KeyedJaggedTensor(keys=names, values=values, lengths=sparse.lengths)
-            out = self.ebc(kjt).to_dict()
-            return torch.stack([out[n] for n in names], 1)
+            return self.ebc(kjts[id(sparse)]).values().view(sparse.batch_size, len(names), DIM)
 
     return _TorchRec()
 
@@ -144,10 +153,10 @@ def run(args: argparse.Namespace) -> int:
                 coll = PSEmbeddingCollection(client, specs, DIM, fused_table=fused,
                                              options=TableOptions(optimizer=ps.Adagrad(lr=0.05), staleness=1))
                 trainers[case] = _Trainer(coll, batches, collection=coll)
-            peer = _torchrec_collection(features, cards)
+            peer = _torchrec_collection(features, cards, batches)
             if peer is not None:
                 trainers["torchrec"] = _Trainer(peer, batches)
-            rates, samples, calls = _interleaved(trainers, repeats, client)
+            rates, samples, calls, cpu = _interleaved(trainers, repeats, client, [p.pid for p in cluster.procs])
             ps_figures = {}
             for case in ("train_ps", "train_ps_unfused"):
                 coll = trainers[case].collection
@@ -164,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
         emit(case, "samples/s", best[ours], peer_name, best[peer], fused_tables=fused, **params,
              value_median=round(median[ours], 1), peer_value_median=round(median[peer], 1),
              ratio_median=round(median[ours] / median[peer], 4), samples_per_round=samples[ours],
+             cpu_us_per_sample=round(statistics.median(cpu[ours]), 1),
+             peer_cpu_us_per_sample=round(statistics.median(cpu[peer]), 1),
              round_seconds=round(samples[ours] / best[ours], 4), **ps_figures[ours])
 
     for case, fused in (("train_ps", True), ("train_ps_unfused", False)):
@@ -173,23 +184,28 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _interleaved(trainers: dict[str, _Trainer], repeats: int, client: ps.Client
-                 ) -> tuple[dict[str, list[float]], dict[str, int], dict[str, dict[str, int]]]:
+def _interleaved(trainers: dict[str, _Trainer], repeats: int, client: ps.Client, daemons: list[int]
+                 ) -> tuple[dict[str, list[float]], dict[str, int], dict[str, dict[str, int]], dict[str, list[float]]]:
     """(samples/s of each trainer in each of ``repeats`` rounds, its samples per round, the pulls and pushes
-    ``client`` made while it trained, warm-up included). The trainers take turns in every round (one untimed
+    ``client`` made while it trained, warm-up included, and the CPU microseconds per sample of each round over
+    every process: this one and the shard ``daemons``, whose CPU only the PS cases use, so in-process peers are
+    not flattered by the cores they leave idle). The trainers take turns in every round (one untimed
     warm-up round first), so the client's counters move for one trainer at a time. The lines report the best
     round: on a shared machine other processes only ever slow a round down. The medians come along
     (``value_median``, ``ratio_median``), since the best of a few noisy rounds favours whichever case spreads
     more."""
     timings: dict[str, list[float]] = {name: [] for name in trainers}
+    cpu: dict[str, list[float]] = {name: [] for name in trainers}
     samples: dict[str, int] = {}
     calls = {name: {"pulls": 0, "pushes": 0} for name in trainers}
     for round_ in range(repeats + 1):
         for name, trainer in trainers.items():
             before = client.stats()
+            cpu0 = _self_cpu_s() + sum(process_cpu_s(pid) for pid in daemons)
             t0 = time.perf_counter()
             n = trainer.epoch()
             elapsed = time.perf_counter() - t0
+            cpu_s = _self_cpu_s() + sum(process_cpu_s(pid) for pid in daemons) - cpu0
             after = client.stats()
             for k in calls[name]:
                 calls[name][k] += after[k] - before[k]
@@ -197,9 +213,10 @@ def _interleaved(trainers: dict[str, _Trainer], repeats: int, client: ps.Client
                 raise RuntimeError(f"bench train: {name} trained {n} samples in a round, {samples[name]} before")
             if round_:
                 timings[name].append(n / elapsed)
+                cpu[name].append(cpu_s / n * 1e6)
         if round_:
             log("  round " + str(round_) + ": " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in timings.items()))
-    return timings, samples, calls
+    return timings, samples, calls, cpu
 
 
 if __name__ == "__main__":
