@@ -43,7 +43,7 @@ def test_bench_cache_reports_every_staleness(bench_lines) -> None:
     lines = bench_lines()
     assert [d["staleness"] for d in lines] == [0, 1, 4, 16]
     for d in lines:
-        assert d["case"] == "cache" and d["unit"] == "pulled bytes" and d["peer"] == "no cache (same staleness)"
+        assert d["case"] == "cache" and d["unit"] == "pulled bytes" and d["peer"] == "no cache (same client bound)"
         assert d["value"] > 0 and d["peer_value"] > 0 and d["zipf"] == 1.05
         assert d["pulled_bytes_saved"] == pytest.approx(1 - d["value"] / d["peer_value"], abs=1e-3)
         assert 0 <= d["auc"] <= 1 and "auc_delta" in d and 0 <= d["hit_rate"] < 1

@@ -6,14 +6,19 @@ A scheduler and 2 shard daemons (``ps.LocalCluster``, no replicas), a table of `
 
 - ``serving_sync.lag_p50`` / ``serving_sync.lag_p95`` (s): from an acknowledged push of a new id (one every
   ``--push-every`` s for ``--duration`` s) to the first lookup of ``tigana serve`` that finds it (the bench
-  looks up every pending id every 5 ms). Peer: the export interval (p50) and interval + serve poll (p95), the
-  design's mean and worst wait. ``export_s_mean``: the follower's mean time to write an entry.
+  looks up every pending id every 5 ms). Peer, measured in the same loop: the same pushes seen by a second
+  training client's pull from the shard daemons (the training tier's own freshness, what serving trails).
+  ``interval_s`` and ``poll_s`` are the design's wait; ``export_s_mean``: the follower's mean time to write an
+  entry.
 - ``serving_sync.delta_throughput`` (rows/s): one push updating ``--delta-rows`` existing rows, then the
-  delta carrying them: rows / (the follower's export-and-write seconds + the server's read-and-apply seconds).
-  Peer: a one-shot full export of the same table (``tigana admin export``, the same ``ExportRows``), rows/s.
+  delta carrying them: rows / wall-clock seconds from the first carrying delta's cut to the moment ``tigana
+  serve`` is seen to have applied it (export, write, poll, read, apply). Peer: a one-shot full export of the same
+  table (``tigana admin export``, the same ``ExportRows``), rows / wall-clock seconds. The follower's and the
+  server's own seconds come along (``export_s``, ``apply_s``).
 - ``serving_sync.lookup_p50`` / ``serving_sync.lookup_p99`` (ms): ``Serving/Lookup`` of 100 ids (90 held,
   10 unknown), ``--lookups`` sequential requests from one client. Peer: a training client's pull of the same
-  100 ids from the shard daemons (``insert=False``).
+  100 ids from the shard daemons (``insert=False``), each request interleaved with the lookup of the same ids
+  (alternating which goes first), so both see the same machine load.
 
 Every child process (cluster, follower, server) is stopped by its own handle, also on failure. The helpers
 ``spawn_follow``, ``spawn_serve`` and ``wait_serving`` are what the tests use too.
@@ -116,24 +121,34 @@ def _percentile(xs: list[float], q: float) -> float:
 
 
 def measure_lag(client: ps.Client, serving: ServingClient, dim: int, *, duration: float, push_every: float,
-                first_id: int) -> list[float]:
-    """Push one new id every ``push_every`` s for ``duration`` s; seconds from each push's acknowledgement to
-    the first lookup that finds it."""
+                first_id: int, reader: ps.Client) -> tuple[list[float], list[float]]:
+    """Push one new id every ``push_every`` s for ``duration`` s (rows start at zero, each push moves its row
+    off zero); seconds from each push's acknowledgement to the first lookup that finds it, and to the first pull
+    of ``reader`` (a second client of the training tier, ``insert=False``) that shows it, in the same loop."""
     pending: dict[int, float] = {}
+    pending_train: dict[int, float] = {}
     lags: list[float] = []
+    train_lags: list[float] = []
     lock = threading.Lock()
     done = threading.Event()
 
     def check() -> None:
-        while not (done.is_set() and not pending):
+        while not (done.is_set() and not pending and not pending_train):
             with lock:
                 ids = np.fromiter(pending, np.int64, len(pending))
+                train_ids = np.fromiter(pending_train, np.int64, len(pending_train))
             if ids.size:
                 _, found = serving.lookup(ids)
                 now = time.monotonic()
                 with lock:
                     for i in ids[found].tolist():
                         lags.append(now - pending.pop(i))
+            if train_ids.size:
+                seen = np.asarray(reader.pull(TABLE, train_ids, insert=False)).any(axis=1)
+                now = time.monotonic()
+                with lock:
+                    for i in train_ids[seen].tolist():
+                        train_lags.append(now - pending_train.pop(i))
             time.sleep(0.005)
 
     checker = threading.Thread(target=check, name="bench-lag-check", daemon=True)
@@ -144,15 +159,16 @@ def measure_lag(client: ps.Client, serving: ServingClient, dim: int, *, duration
             started = time.monotonic()
             client.push(TABLE, np.array([next_id]), -np.ones((1, dim), np.float32)).result()
             with lock:
-                pending[next_id] = time.monotonic()
+                pending[next_id] = pending_train[next_id] = time.monotonic()
             next_id += 1
             time.sleep(max(0.0, started + push_every - time.monotonic()))
     finally:
         done.set()
         checker.join(timeout=duration + 30)
-    if checker.is_alive() or pending:
-        raise TimeoutError(f"{len(pending)} pushed id(s) never became visible in tigana serve")
-    return lags
+    if checker.is_alive() or pending or pending_train:
+        raise TimeoutError(f"{len(pending)} pushed id(s) never became visible in tigana serve, "
+                           f"{len(pending_train)} not in the training tier")
+    return lags, train_lags
 
 
 def run(args: argparse.Namespace) -> int:
@@ -168,10 +184,10 @@ def run(args: argparse.Namespace) -> int:
     procs: list[subprocess.Popen] = []
     try:
         with ps.LocalCluster(2, replicas=0, data_dir=work / "cluster") as cluster, \
-                ps.connect(cluster.target) as client:
+                ps.connect(cluster.target) as client, ps.connect(cluster.target) as reader:
             try:
-                _measure(args, cluster, client, work, procs, rows=rows, interval=interval, duration=duration,
-                         delta_rows=delta_rows, lookups=lookups, params=params)
+                _measure(args, cluster, client, reader, work, procs, rows=rows, interval=interval,
+                         duration=duration, delta_rows=delta_rows, lookups=lookups, params=params)
             finally:  # stopped before the cluster, by their own handles
                 for proc in procs:
                     stop_process(proc)
@@ -186,8 +202,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measure(args: argparse.Namespace, cluster: ps.LocalCluster, client: ps.Client, work: Path,
-             procs: list[subprocess.Popen], *, rows: int, interval: float, duration: float, delta_rows: int,
+def _measure(args: argparse.Namespace, cluster: ps.LocalCluster, client: ps.Client, reader: ps.Client,
+             work: Path, procs: list[subprocess.Popen], *, rows: int, interval: float, duration: float, delta_rows: int,
              lookups: int, params: dict[str, Any]) -> None:
     dim = args.dim
     log(f"serving-sync: cluster up; loading {rows} rows of dim {dim}")
@@ -205,15 +221,15 @@ def _measure(args: argparse.Namespace, cluster: ps.LocalCluster, client: ps.Clie
     with ServingClient(address) as serving:
         # 1. lag from an acknowledged push to a visible row
         log(f"serving-sync: lag phase, {duration:g}s")
-        lags = measure_lag(client, serving, dim, duration=duration, push_every=args.push_every,
-                           first_id=10 * rows + 1)
+        lags, train_lags = measure_lag(client, serving, dim, duration=duration, push_every=args.push_every,
+                                       first_id=10 * rows + 1, reader=reader)
         m = read_manifest(out) or {}
         export_s = [float(e["seconds"]) for e in m.get("deltas", [])]
         lag = {"samples": len(lags), "push_every_s": args.push_every,
                "export_s_mean": round(float(np.mean(export_s)), 4) if export_s else None}
-        emit("serving_sync.lag_p50", "s", _percentile(lags, 50), "export interval", interval, **lag, **params)
-        emit("serving_sync.lag_p95", "s", _percentile(lags, 95), "export interval + serve poll",
-             interval + args.poll, **lag, **params)
+        peer = "training tier (a second client's pull of the same pushes)"
+        emit("serving_sync.lag_p50", "s", _percentile(lags, 50), peer, _percentile(train_lags, 50), **lag, **params)
+        emit("serving_sync.lag_p95", "s", _percentile(lags, 95), peer, _percentile(train_lags, 95), **lag, **params)
 
         # 2. delta throughput: one push of delta_rows existing rows, then the delta(s) carrying them
         log(f"serving-sync: delta phase, {delta_rows} rows")
@@ -223,16 +239,19 @@ def _measure(args: argparse.Namespace, cluster: ps.LocalCluster, client: ps.Clie
         client.push(TABLE, ids, np.ones((ids.size, dim), np.float32)).result()
         acked = time.time()
         m, after = _wait_cut_applied(out, serving, acked, timeout=60 + 10 * interval)
+        applied_at = time.time()
         carried = [e for e in m["deltas"] if seq_before < int(e["seq"]) <= after.seq]
+        wall_s = applied_at - min(float(e["time"]) for e in carried)
         export_s = sum(float(e["seconds"]) for e in carried)
         apply_s = after.apply_seconds - before.apply_seconds
         delta_total = sum(int(e["rows"]) for e in carried)
         t = time.perf_counter()
         full = client.export(TABLE, str(work / "full"))
         full_s = time.perf_counter() - t
-        emit("serving_sync.delta_throughput", "rows/s", delta_total / (export_s + apply_s),
+        emit("serving_sync.delta_throughput", "rows/s", delta_total / wall_s,
              "full export of the table (tigana admin export), rows/s", full["rows"] / full_s,
-             delta_rows=delta_total, rows_pushed=delta_rows, deltas=len(carried), export_s=round(export_s, 4),
+             delta_rows=delta_total, rows_pushed=delta_rows, deltas=len(carried), wall_s=round(wall_s, 4),
+             export_s=round(export_s, 4),
              apply_s=round(apply_s, 4), full_export_s=round(full_s, 4), **params)
 
         # 3. lookup latency, 100 ids
@@ -240,14 +259,12 @@ def _measure(args: argparse.Namespace, cluster: ps.LocalCluster, client: ps.Clie
         queries = [np.concatenate([rng.choice(rows, 90), 10 * rows + 10**9 + rng.integers(0, 10**6, 10)])
                    .astype(np.int64) for _ in range(lookups)]
         serve_ms, pull_ms = [], []
-        for q in queries:
-            t = time.perf_counter()
-            serving.lookup(q)
-            serve_ms.append(1000 * (time.perf_counter() - t))
-        for q in queries:
-            t = time.perf_counter()
-            client.pull(TABLE, q, insert=False)
-            pull_ms.append(1000 * (time.perf_counter() - t))
+        calls = ((serve_ms, lambda q: serving.lookup(q)), (pull_ms, lambda q: client.pull(TABLE, q, insert=False)))
+        for k, q in enumerate(queries):
+            for times, call in calls[k % 2:] + calls[:k % 2]:  # interleaved, alternating which goes first
+                t = time.perf_counter()
+                call(q)
+                times.append(1000 * (time.perf_counter() - t))
         look = {"ids_per_request": 100, "unknown_per_request": 10, "requests": lookups}
         peer = "ps client pull of the same ids (training path)"
         emit("serving_sync.lookup_p50", "ms", _percentile(serve_ms, 50), peer, _percentile(pull_ms, 50), **look,
