@@ -541,19 +541,21 @@ class ImportRowsResponse(_message.Message):
     def __init__(self, rows: _Optional[int] = ...) -> None: ...
 
 class ExchangeRequest(_message.Message):
-    __slots__ = ("id", "pull", "push", "timeout_ms")
+    __slots__ = ("id", "pull", "push", "timeout_ms", "bundle")
     ID_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_FIELD_NUMBER: _ClassVar[int]
     id: int
     pull: PullRequest
     push: PushRequest
     timeout_ms: int
-    def __init__(self, id: _Optional[int] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., push: _Optional[_Union[PushRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    bundle: _containers.RepeatedCompositeFieldContainer[ExchangeRequest]
+    def __init__(self, id: _Optional[int] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., push: _Optional[_Union[PushRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., bundle: _Optional[_Iterable[_Union[ExchangeRequest, _Mapping]]] = ...) -> None: ...
 
 class ExchangeResponse(_message.Message):
-    __slots__ = ("id", "pull", "push", "code", "message", "error", "epoch")
+    __slots__ = ("id", "pull", "push", "code", "message", "error", "epoch", "bundle")
     ID_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
@@ -561,6 +563,7 @@ class ExchangeResponse(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_FIELD_NUMBER: _ClassVar[int]
     id: int
     pull: PullResponse
     push: PushResponse
@@ -568,4 +571,5 @@ class ExchangeResponse(_message.Message):
     message: str
     error: str
     epoch: int
-    def __init__(self, id: _Optional[int] = ..., pull: _Optional[_Union[PullResponse, _Mapping]] = ..., push: _Optional[_Union[PushResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., error: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    bundle: _containers.RepeatedCompositeFieldContainer[ExchangeResponse]
+    def __init__(self, id: _Optional[int] = ..., pull: _Optional[_Union[PullResponse, _Mapping]] = ..., push: _Optional[_Union[PushResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., error: _Optional[str] = ..., epoch: _Optional[int] = ..., bundle: _Optional[_Iterable[_Union[ExchangeResponse, _Mapping]]] = ...) -> None: ...

@@ -5,7 +5,8 @@ thread settles each frame's callback exactly once: with its answer, its error, `
 deadline passes first, or ``Unavailable`` (unanswered) when the stream breaks or is cancelled. The frames
 carry the same requests as the unary calls, so everything that keeps a pull or push correct stays where it
 was: (client id, seq) for exactly-once, the routed epoch for fencing, the client's re-routing of failed
-parts, its push permits. A broken stream is opened again by the next frame. (The server's side is
+parts, its push permits. A broken stream is opened again by the next frame. Frames queued while the stream
+was sending go out together as one bundle (``frames.bundle``), each under its own id. (The server's side is
 ``tigana.ps.shard.streams``.)
 
 Invariant (the same as the unary path's): a frame whose callback got an error may still have been applied by
@@ -33,6 +34,8 @@ from tigana.ps.wire.frames import EXCHANGE
 
 Done = Callable[[Any, "PSError | None"], None]
 _END = object()
+_BUNDLE_FRAMES = 64  # at most this many frames in one bundle
+_BUNDLE_BYTES = 4 << 20  # and no more once it holds this many bytes
 
 class _Pending:
     __slots__ = ("done", "generation")
@@ -95,6 +98,7 @@ class Exchange:
         self._closed = False
         self._answered = False  # some frame of some stream was answered: the server has Exchange
         self.supported = True
+        self.bundled = 0  # frames sent inside bundles (with others queued at the same time)
 
     def send(self, kind: int, parts: list, timeout_s: float, done: Done) -> None:
         """Send one frame (a pull or push request in pieces, ``wire.*_request_parts``)."""
@@ -146,11 +150,27 @@ class Exchange:
         q: queue.SimpleQueue = queue.SimpleQueue()
 
         def outgoing() -> Iterator[bytes]:
+            # Frames queued meanwhile go as one bundle (``frames.bundle``): one message instead of many.
             while True:
                 item = q.get()
                 if item is _END:
                     return
-                yield item
+                batch, size, end = [item], len(item), False
+                while len(batch) < _BUNDLE_FRAMES and size < _BUNDLE_BYTES:
+                    try:
+                        more = q.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is _END:
+                        end = True
+                        break
+                    batch.append(more)
+                    size += len(more)
+                if len(batch) > 1:
+                    self.bundled += len(batch)
+                yield batch[0] if len(batch) == 1 else frames.bundle(batch)
+                if end:
+                    return
 
         call = self._method(outgoing())
         self._queue, self._call = q, call
@@ -163,13 +183,14 @@ class Exchange:
         try:
             for raw in call:
                 try:
-                    answer = frames.read_answer(raw, self.address)
+                    answers = frames.read_answers(raw, self.address)
                 except PSError as exc:  # a reply we cannot read: fail the stream's frames
                     error = Internal(f"{self.address}: unreadable stream answer: {exc}")
                     call.cancel()
                     break
                 self._answered = True
-                self._settle(answer.id, answer.reply, answer.error)
+                for answer in answers:
+                    self._settle(answer.id, answer.reply, answer.error)
         except grpc.RpcError as err:
             code = err.code() if hasattr(err, "code") else None
             if code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED) and not self._answered:

@@ -193,27 +193,44 @@ class ShardService(Ownership, Writes, Exports, Persistence, Hosting, shard_pb2_g
             with self._streams_lock:
                 self._streams -= 1
 
-    def _answer_frame(self, frame: frames.Frame, received: float) -> bytes:
-        """One frame of an ``Exchange`` stream, answered as the unary call would be (never raises)."""
+    def _answer_frame(self, frame: frames.Frame, received: float) -> bytes | Callable[[], bytes]:
+        """One frame of an ``Exchange`` stream, answered as the unary call would be (never raises). Handled on
+        the stream's reader thread: a pull, an async push or a sync push with no copy to wait for returns its
+        answer; a sync push returns, once applied, the wait for its copies' acknowledgements (a callable the
+        stream runs on the frame pool), so a stream's frames never queue behind a replication round trip."""
+        return self._frame_step(frame, time.perf_counter(), lambda: self._apply_frame(frame, received))
+
+    def _apply_frame(self, frame: frames.Frame, received: float) -> bytes | Callable[[], bytes]:
         method = frames.KINDS[frame.kind]
-        start = time.perf_counter()
+        rpc.check(frame.request)
+        check_serving(self, method)
+        if frame.timeout_ms and time.monotonic() - received > frame.timeout_ms / 1000:
+            raise DeadlineExceeded(f"table {frame.request.table!r}: {method} frame waited past its "
+                                   f"deadline ({frame.timeout_ms} ms) before it was handled; not applied")
+        if frame.kind == frames.PULL:
+            _, rows, codec = self._pull(frame.request)
+            return frames.pull_answer(frame.id, rows, codec)
+        pushed = self._push_apply(frame.request)
+        if not pushed.marks:
+            return frames.push_answer(frame.id, self._push_ack(pushed, self.config.ack_timeout_s))
+        return lambda: frames.push_answer(frame.id, self._push_ack(pushed, self.config.ack_timeout_s))
+
+    def _frame_step(self, frame: frames.Frame, start: float, step: Callable[[], bytes | Callable[[], bytes]]
+                    ) -> bytes | Callable[[], bytes]:
+        """Run one step of a frame: its answer (an error becomes the frame's error answer, and the frame's
+        time is observed), or the next step, wrapped the same way."""
+        method = frames.KINDS[frame.kind]
         status: grpc.StatusCode | None = None
         try:
-            try:
-                rpc.check(frame.request)
-                check_serving(self, method)
-                if frame.timeout_ms and time.monotonic() - received > frame.timeout_ms / 1000:
-                    raise DeadlineExceeded(f"table {frame.request.table!r}: {method} frame waited past its "
-                                           f"deadline ({frame.timeout_ms} ms) before it was handled; not applied")
-                if frame.kind == frames.PULL:
-                    _, rows, codec = self._pull(frame.request)
-                    return frames.pull_answer(frame.id, rows, codec)
-                return frames.push_answer(frame.id, self._push(frame.request))
-            except Exception as exc:  # noqa: BLE001 - a frame never takes the stream or the daemon down
-                status = rpc.answer_status(exc, f"{method} frame", log)[0]
-                return frames.error_answer(frame.id, exc, self._view.epoch)
-        finally:
-            self.metrics.observe(method, status.name if status else "OK", time.perf_counter() - start)
+            out = step()
+        except Exception as exc:  # noqa: BLE001 - a frame never takes the stream or the daemon down
+            status = rpc.answer_status(exc, f"{method} frame", log)[0]
+            out = frames.error_answer(frame.id, exc, self._view.epoch)
+        if not isinstance(out, bytes):
+            later = out
+            return lambda: self._frame_step(frame, start, later)  # type: ignore[return-value]
+        self.metrics.observe(method, status.name if status else "OK", time.perf_counter() - start)
+        return out
 
     @_rpc("Snapshot")
     def Snapshot(self, request: pb.SnapshotRequest, context: grpc.ServicerContext) -> pb.SnapshotResponse:

@@ -4,6 +4,11 @@ An ``ExchangeRequest`` is a frame id, a ``PullRequest`` or ``PushRequest`` and t
 an ``ExchangeResponse`` repeats the id and carries the ``PullResponse``/``PushResponse`` or an error (status
 code, message, error class, epoch). As on the unary path (``wire``), ids and rows are copied once on the way
 out (one join of header and payload) and read as views of the received message on the way in.
+
+Bundles: frames queued together travel as one message, an ``ExchangeRequest`` whose ``bundle`` holds them
+(``bundle``), and the answers ready together go back the same way (``bundle_answer``). A gRPC message costs
+more CPU on both sides than a small pull's table work, and a step of a model with many tables sends one frame
+per table and server at once. Each frame in a bundle keeps its own id, deadline and answer.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from tigana.ps.wire import data as wire
 
 EXCHANGE = "/tigana.v1.Shard/Exchange"  # the stream's method
 PULL, PUSH = 2, 3  # the oneof field numbers of both frames
+BUNDLE, BUNDLE_ANSWER = 5, 8  # ExchangeRequest.bundle, ExchangeResponse.bundle
 KINDS = {PULL: "Pull", PUSH: "Push"}
 _STATUS = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -43,23 +49,42 @@ class Frame:
         self.id, self.kind, self.request, self.timeout_ms = frame_id, kind, req, timeout_ms
 
 
-def read_request(raw: bytes) -> Frame | Malformed:
-    """A serialized ``ExchangeRequest`` -> ``Frame``. A frame whose id parses but whose request does not is a
-    ``Frame`` holding ``Malformed`` (answered INVALID_ARGUMENT under its id); one that does not parse at all
-    is ``Malformed`` (the stream is ended with INVALID_ARGUMENT: there is no id to answer)."""
+def bundle(raws: list[bytes]) -> bytes:
+    """Serialized frames as one ``ExchangeRequest`` (its ``bundle``)."""
+    return b"".join([p for raw in raws for p in wire.len_field_parts(BUNDLE, [raw])])
+
+
+def bundle_answer(answers: list[bytes]) -> bytes:
+    """Serialized answers as one ``ExchangeResponse`` (its ``bundle``)."""
+    return b"".join([p for raw in answers for p in wire.len_field_parts(BUNDLE_ANSWER, [raw])])
+
+
+def read_request(raw: bytes | memoryview, *, nested: bool = False) -> Frame | Malformed | list[Frame | Malformed]:
+    """A serialized ``ExchangeRequest`` -> ``Frame``, or the list of its frames for a bundle. A frame whose id
+    parses but whose request does not is a ``Frame`` holding ``Malformed`` (answered INVALID_ARGUMENT under
+    its id); one that does not parse at all is ``Malformed`` (the stream is ended with INVALID_ARGUMENT:
+    there is no id to answer)."""
     try:
         frame_id, kind, body, timeout_ms = 0, 0, None, 0
+        parts: list[memoryview] = []
         for field_no, value in wire.message_fields(memoryview(raw), "ExchangeRequest"):
-            if field_no == 1 and isinstance(value, int):
+            if field_no == BUNDLE and isinstance(value, memoryview) and not nested:
+                parts.append(value)
+            elif field_no == 1 and isinstance(value, int):
                 frame_id = value & 0xFFFFFFFFFFFFFFFF
             elif field_no in (PULL, PUSH) and isinstance(value, memoryview):
                 kind, body = field_no, value
             elif field_no == 4 and isinstance(value, int):
                 timeout_ms = value & 0xFFFFFFFF
-            elif field_no in (1, PULL, PUSH, 4):
-                raise ValueError(f"field {field_no} has the wrong wire type")
+            elif field_no in (1, PULL, PUSH, 4, BUNDLE):
+                raise ValueError(f"field {field_no} has the wrong wire type" if not nested or field_no != BUNDLE
+                                 else "a bundle inside a bundle")
+        if parts and (frame_id or body is not None):
+            raise ValueError("a bundle carries frames only")
     except (PSError, ValueError) as exc:
         return Malformed("Exchange", str(exc))
+    if parts:
+        return [read_request(part, nested=True) for part in parts]  # type: ignore[misc]
     if body is None:
         return Frame(frame_id, PULL, Malformed("Exchange", "frame carries neither pull nor push"), timeout_ms)
     try:
@@ -97,7 +122,16 @@ class Answer:
         self.id, self.reply, self.error = frame_id, reply, error
 
 
-def read_answer(raw: bytes, address: str = "") -> Answer:
+def read_answers(raw: bytes, address: str = "") -> list[Answer]:
+    """A serialized ``ExchangeResponse``, one answer or a bundle of them -> its answers
+    (``InvalidArgument`` when it does not parse)."""
+    parts = [v for f, v in wire.message_fields(memoryview(raw), "ExchangeResponse") if f == BUNDLE_ANSWER]
+    if not parts:
+        return [read_answer(raw, address)]
+    return [read_answer(part, address) for part in parts]
+
+
+def read_answer(raw: bytes | memoryview, address: str = "") -> Answer:
     """A serialized ``ExchangeResponse`` -> ``Answer`` (``InvalidArgument`` when it does not parse)."""
     frame_id, kind, body, code, message, error, epoch = 0, 0, None, 0, "", "", 0
     for field_no, value in wire.message_fields(memoryview(raw), "ExchangeResponse"):

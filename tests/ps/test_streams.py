@@ -56,6 +56,31 @@ def test_frames_round_trip() -> None:
     assert isinstance(frames.read_request(b"\xff\xff\xff"), Malformed)
 
 
+def test_bundles_round_trip() -> None:
+    """Frames queued together travel as one message and come apart as they went in; the answers likewise."""
+    pull = frames.request(3, 100, frames.PULL, wire.pull_request_parts("t", np.arange(4)))
+    grads = np.ones((2, 2), np.float32)
+    data, scales = wire.encode_block(grads, pb.CODEC_FP32)
+    push = frames.request(4, 0, frames.PUSH,
+                          wire.push_request_parts("u", np.array([5, 6]), pb.CODEC_FP32, 2, data, scales, "me", 1, 0, 0))
+    raw = frames.bundle([pull, push])
+    assert len(pb.ExchangeRequest.FromString(raw).bundle) == 2  # the hand codec writes the proto's wire
+    got = frames.read_request(raw)
+    assert [(f.id, f.kind, f.timeout_ms) for f in got] == [(3, frames.PULL, 100), (4, frames.PUSH, 0)]
+    assert got[0].request.table == "t" and got[1].request.table == "u" and got[1].request.seq == 1
+    rows = np.arange(8, dtype=np.float32).reshape(4, 2)
+    answers = frames.read_answers(frames.bundle_answer([
+        frames.pull_answer(3, rows, pb.CODEC_FP32),
+        frames.error_answer(4, NotEnoughReplicas("table 'u': slot 1 short", epoch=3), 3)]))
+    assert [a.id for a in answers] == [3, 4] and answers[0].error is None
+    np.testing.assert_array_equal(wire.decode_block(answers[0].reply, 4, 2, table="t"), rows)
+    assert isinstance(answers[1].error, NotEnoughReplicas)
+    assert [a.id for a in frames.read_answers(frames.push_answer(7, pb.PushResponse()))] == [7]
+    # a bundle inside a bundle, or a bundle that also carries a frame of its own, ends the stream
+    assert isinstance(frames.read_request(frames.bundle([raw]))[0], Malformed)
+    assert isinstance(frames.read_request(raw + wire.varint_field(1, 9)), Malformed)
+
+
 def test_malformed_frames_are_answered_and_the_server_lives_on(shard_server) -> None:
     with ps.connect([shard_server.address]) as client:
         client.create_table("m", dim=4)
@@ -89,6 +114,8 @@ def test_stream_and_unary_give_the_same_rows(shard_servers) -> None:
             client.flush()
             results.append(client.pull(f"same_{transport}", ids))
             assert (client._servers[0].exchange is not None) == (transport == "stream")
+            if transport == "stream":  # chunks sent together went as bundles
+                assert sum(s.exchange.bundled for s in client._servers) > 0
     np.testing.assert_array_equal(results[0], results[1])
 
 
@@ -164,7 +191,8 @@ def test_a_frame_for_slots_the_server_does_not_lead_is_fenced(shard_servers) -> 
 
 def test_serve_holds_at_most_window_frames_in_progress() -> None:
     """Back-pressure on the server: with a window of 2, a third frame is not taken off the stream until one of
-    the two in progress is answered; every frame is answered once."""
+    the two waiting (a frame's step that waits, as a sync push for its copies, runs on the pool) is answered;
+    every frame is answered once."""
     lock = threading.Lock()
     now, peak, read = [0], [0], []
 
@@ -174,16 +202,38 @@ def test_serve_holds_at_most_window_frames_in_progress() -> None:
             yield frames.Frame(i, frames.PULL, None, 0)
 
     def handle(frame, received):
-        with lock:
-            now[0] += 1
-            peak[0] = max(peak[0], now[0])
-            assert len(read) <= frame.id + 3  # never more than the window read ahead of the oldest in progress
-        time.sleep(0.01)
-        with lock:
-            now[0] -= 1
-        return frame.id.to_bytes(8, "little")
+        def wait():
+            with lock:
+                now[0] += 1
+                peak[0] = max(peak[0], now[0])
+                assert len(read) <= frame.id + 3  # never more than the window read ahead of the oldest in progress
+            time.sleep(0.01)
+            with lock:
+                now[0] -= 1
+            return frame.id.to_bytes(8, "little")
+        return wait
 
     with cf.ThreadPoolExecutor(8) as pool:
         answers = list(serve(requests(), handle, pool, 2, lambda item: None))
     assert sorted(int.from_bytes(a, "little") for a in answers) == list(range(12))
     assert peak[0] == 2
+
+
+def test_serve_answers_a_bundle_at_once_and_its_waiting_frames_later() -> None:
+    """The frames of a bundle are handled in order on the reader; the answers ready at its end go back as one
+    bundle, more of them than the window; a frame that waits is answered alone when it is done."""
+    bundle = [frames.Frame(i, frames.PULL, None, 0) for i in range(6)]
+    order = []
+
+    def handle(frame, received):
+        order.append(frame.id)
+        if frame.id == 2:
+            return lambda: frames.push_answer(2, pb.PushResponse(applied_rows=1))
+        return frames.push_answer(frame.id, pb.PushResponse())
+
+    with cf.ThreadPoolExecutor(2) as pool:
+        out = list(serve(iter([bundle]), handle, pool, 2, lambda item: None))
+    assert order == list(range(6))
+    answers = [frames.read_answers(raw) for raw in out]
+    assert sorted(len(a) for a in answers) == [1, 5]
+    assert sorted(a.id for batch in answers for a in batch) == list(range(6))
