@@ -115,30 +115,49 @@ def slot_info(server_address: str, table: str = "", *, checksums: bool = True, s
     return out
 
 
-def verify(scheduler: str, table: str = "", timeout_s: float = 120.0, security: Security = NONE) -> dict[str, Any]:
-    """Compare every in-sync copy's per-slot checksum with its primary's.
+def verify(scheduler: str, table: str = "", timeout_s: float = 120.0, security: Security = NONE,
+           settle_s: float = 30.0) -> dict[str, Any]:
+    """Compare every in-sync copy's per-slot checksum with its primary's, at the same log position.
 
-    Returns {epoch, slots_checked, copies_checked, differing: [{table, slot, primary, copy}], unreachable}."""
-    m = shard_map(scheduler, security=security)
-    infos: dict[int, dict[str, dict[str, np.ndarray]]] = {}
-    unreachable = []
-    for i, s in enumerate(m.servers):
-        if not s.up or not m.holds(i).any():
-            continue
-        try:
-            infos[i] = slot_info(s.address, table, checksums=True, timeout_s=timeout_s, security=security)
-        except Unavailable:
-            unreachable.append(s.id)
-    differing = []
+    Each server reads a slot's checksum and its log position (epoch, index) at one moment. A copy at the
+    primary's position must have the primary's checksum (else it ``differs``); a copy at another position has not
+    applied the primary's last items yet (asynchronous replication, or a write in flight), so it is read again
+    until it has, for up to ``settle_s`` seconds; copies still elsewhere then are reported as ``behind``, not
+    compared. Returns {epoch, copies_checked, differing: [{table, slot, primary, copy}], behind: [...],
+    unreachable}."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        m = shard_map(scheduler, security=security)
+        infos: dict[int, dict[str, dict[str, np.ndarray]]] = {}
+        unreachable = []
+        for i, s in enumerate(m.servers):
+            if not s.up or not m.holds(i).any():
+                continue
+            try:
+                infos[i] = slot_info(s.address, table, checksums=True, timeout_s=timeout_s, security=security)
+            except Unavailable:
+                unreachable.append(s.id)
+        checked, differing, behind = _compare_copies(m, infos, [table] if table else sorted(m.tables))
+        if not behind or time.monotonic() > deadline:
+            return {"epoch": m.epoch, "copies_checked": checked, "differing": differing, "behind": behind,
+                    "unreachable": unreachable}
+        time.sleep(0.5)
+
+
+def _compare_copies(m: ShardMap, infos: dict[int, dict[str, dict[str, np.ndarray]]], tables: list[str]
+                    ) -> tuple[int, list[dict[str, Any]], list[dict[str, Any]]]:
+    """(copies compared, copies that differ at the primary's log position, copies at another position)."""
+    differing: list[dict[str, Any]] = []
+    behind: list[dict[str, Any]] = []
     checked = 0
-    tables = [table] if table else sorted(m.tables)
     for name in tables:
-        sums = {}
+        sums: dict[int, dict[int, tuple[int, int, int]]] = {}
         for i, per_table in infos.items():
             t = per_table.get(name)
             if t is None:
                 continue
-            sums[i] = dict(zip(t["slots"].tolist(), t["checksums"].tolist(), strict=True))
+            sums[i] = dict(zip(t["slots"].tolist(), zip(t["checksums"].tolist(), t["lsn_epochs"].tolist(),
+                                                        t["lsn_indexes"].tolist(), strict=True), strict=True))
         for slot in range(m.num_slots):
             primary = int(m.copies[slot, 0])
             if primary < 0 or primary not in sums:
@@ -147,11 +166,15 @@ def verify(scheduler: str, table: str = "", timeout_s: float = 120.0, security: 
                 c = int(m.copies[slot, j])
                 if c < 0 or m.states[slot, j] != IN_SYNC or c not in sums:
                     continue
+                mine, theirs = sums[primary].get(slot), sums[c].get(slot)
+                where = {"table": name, "slot": slot, "primary": m.servers[primary].id, "copy": m.servers[c].id}
+                if mine is not None and theirs is not None and mine[1:] != theirs[1:]:
+                    behind.append({**where, "primary_lsn": list(mine[1:]), "copy_lsn": list(theirs[1:])})
+                    continue
                 checked += 1
-                if sums[c].get(slot) != sums[primary].get(slot):
-                    differing.append({"table": name, "slot": slot, "primary": m.servers[primary].id,
-                                      "copy": m.servers[c].id})
-    return {"epoch": m.epoch, "copies_checked": checked, "differing": differing, "unreachable": unreachable}
+                if (mine or (None,))[0] != (theirs or (None,))[0]:
+                    differing.append(where)
+    return checked, differing, behind
 
 
 # --- placement operations ------------------------------------------------------------------------------------

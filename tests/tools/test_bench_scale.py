@@ -104,3 +104,22 @@ def test_a_size_that_does_not_fit_is_refused_before_anything_starts(monkeypatch)
     with pytest.raises(SystemExit, match=r"100,000,000 resident rows at dim 64 need about 57\.6 GB"):
         cli.main(["bench", "scale", "--full", "--curves", "rows"])
     assert _children() == before
+
+
+def test_bench_scale_tiered_spills_most_rows_and_stays_within_its_budget(bench_lines) -> None:
+    """``--tiered`` at toy size: a 4 MiB budget per daemon holds about a third of 200k rows, the rest live in
+    LMDB; every case has its measured peer, the RSS line names the budget, and nothing is left running."""
+    before = _children()
+    argv = ["bench", "scale", "--tiered", "--tiered-rows", "200k", "--memory-budget", "4MiB", "--ram-rows", "50k",
+            "--tiered-dim", "8", "--quick", "--repeats", "1"]
+    assert cli.main(argv) == 0
+    by = {d["case"]: d for d in bench_lines()}
+    assert set(by) == {"scale.tiered.insert", "scale.tiered.pull", "scale.tiered.push", "scale.tiered.rss",
+                       "scale.tiered.disk"}
+    for d in by.values():
+        assert d["value"] > 0 and d["peer_value"] > 0 and d["rows"] == 200_000 and d["memory_budget"] == 4 << 20
+    disk = by["scale.tiered.disk"]
+    assert disk["rows_spilled"] > disk["rows_resident"] > 0
+    assert disk["rows_spilled"] + disk["rows_resident"] == 200_000
+    assert 0 < by["scale.tiered.pull"]["ram_hit_rate"] < 1
+    assert _children() <= before

@@ -28,6 +28,7 @@ import gc
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -215,9 +216,9 @@ def _bench_hash(args, distinct: int, repeats: int) -> None:
 
 
 def _bench_capacity(args, sizes: list[int]) -> None:
-    """Bytes per resident row (dim 16, row-wise Adagrad) at each size: the engine's own count and this process's
-    RSS growth, against the same ids and rows held the plain Python way (a dict id -> row number and numpy
-    rows), measured the same way in the same run."""
+    """Bytes per resident row (dim 16, row-wise Adagrad) at each size: the engine's own count (and this
+    process's RSS growth), against the same ids and rows held the plain Python way (a dict id -> row number and
+    numpy rows), counted the same way in the same run."""
     dim = 16
     for rows in sizes:
         gc.collect()
@@ -232,10 +233,11 @@ def _bench_capacity(args, sizes: list[int]) -> None:
         rss = _rss_bytes(os.getpid()) - rss0
         table.close()
         del table
-        peer = _dict_peer_bytes(rows, dim)
-        emit("table.capacity", "bytes/row", st["bytes_per_row"], "python dict id->row + numpy rows (RSS growth)",
-             peer, dim=dim, optimizer="rowwise_adagrad", rows_resident=int(st["rows_resident"]),
+        peer, peer_rss = _dict_peer_bytes(rows, dim)
+        emit("table.capacity", "bytes/row", st["bytes_per_row"], "python dict id->row + numpy rows", peer,
+             dim=dim, optimizer="rowwise_adagrad", rows_resident=int(st["rows_resident"]),
              bytes_resident=int(st["bytes_resident"]), rss_bytes_per_row=round(rss / rows, 1),
+             peer_rss_bytes_per_row=round(peer_rss, 1),
              slot_bytes=int(st["slot_bytes"]), insert_rate=round(rows / secs), quick=bool(args.quick))
 
 
@@ -246,8 +248,10 @@ def _capacity_ids(start: int, stop: int) -> np.ndarray:
     return mix64(np.arange(start, stop, dtype=np.uint64)).view(np.int64)
 
 
-def _dict_peer_bytes(rows: int, dim: int) -> float:
-    """RSS growth per row of the same ids in a dict (id -> row number) beside numpy weights and state."""
+def _dict_peer_bytes(rows: int, dim: int) -> tuple[float, float]:
+    """Bytes per row of the same ids in a dict (id -> row number) beside numpy weights and state: as Python
+    counts them (the dict, its int objects, the arrays; what the engine's own count is set against) and as
+    this process's RSS grew (noisy at small sizes, where freed memory is reused)."""
     gc.collect()
     rss0 = _rss_bytes(os.getpid())
     index: dict[int, int] = {}
@@ -257,9 +261,11 @@ def _dict_peer_bytes(rows: int, dim: int) -> float:
     weights = np.ones((rows, dim), np.float32)  # touched, as stored rows are
     state = np.ones(rows, np.float32)
     grown = _rss_bytes(os.getpid()) - rss0
+    counted = (sys.getsizeof(index) + sum(map(sys.getsizeof, index)) + sum(map(sys.getsizeof, index.values()))
+               + weights.nbytes + state.nbytes)
     del index, weights, state
     gc.collect()
-    return grown / rows
+    return counted / rows, grown / rows
 
 
 def _bench_snapshot_stall(args, rows: int) -> None:

@@ -7,6 +7,7 @@ import argparse
 import time
 
 from tigana.tools.bench.report import log, parse_counts
+from tigana.tools.bench.scale import tiered
 from tigana.tools.bench.scale.clients import _Worker, _worker_main
 from tigana.tools.bench.scale.cluster import _Cluster
 from tigana.tools.bench.scale.figure import _require_matplotlib, plot
@@ -39,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unit-rows", type=int, default=None,
                         help="ids per client per timed repeat, at least 2 batches (default 1M, quick 256k)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a client process (internal)
+    tiered.add_arguments(parser)
 
 
 # --- sizes ------------------------------------------------------------------------------------------------
@@ -57,6 +59,8 @@ def _sizes(args: argparse.Namespace) -> dict[str, list[int]]:
 def run(args: argparse.Namespace) -> int:
     if args.worker:
         return _worker_main()
+    if args.tiered:
+        return tiered.run_tiered(args)
     plt = _require_matplotlib() if args.plot else None  # fail before minutes of measuring, not after
     curves = [c.strip() for c in args.curves.split(",") if c.strip()]
     unknown = sorted(set(curves) - set(CURVES))

@@ -1,0 +1,195 @@
+"""``tigana bench scale --tiered``: a table past RAM, most of its rows in the LMDB tier.
+
+``--tiered-rows`` distinct ids (default 250 M) of dim ``--tiered-dim`` (16, row-wise Adagrad) through
+``--tiered-shards`` daemons (2), each started with ``--memory-budget`` (4 GiB): past the budget a daemon
+spills its coldest rows to LMDB. Beside it, in the same run, a reference cluster of as many daemons without a
+budget holds ``--ram-rows`` (10 M) rows in RAM. One JSON line per case:
+
+- ``scale.tiered.insert`` (rows/s): first-sight pulls of the ids (65,536 a batch, two batches in flight),
+  against the same inserts into the reference cluster. Progress (rate, RSS, resident and spilled rows) is
+  logged every 5 %, so a run stopped early still says how it went.
+- ``scale.tiered.pull`` / ``scale.tiered.push`` (rows/s): batches of Zipf(``--zipf``) ids over every row once
+  all are in, against the same workload over the reference cluster's rows, interleaved; with the RAM tier's hit
+  rate over the timed pulls (``ram_hit_rate``: ids found resident / ids looked up) and the rows that came back
+  from LMDB meanwhile.
+- ``scale.tiered.rss`` (bytes): the largest daemon RSS seen, against its budget (it must stay within the budget
+  plus the process's own memory, ``rss_at_start``).
+- ``scale.tiered.disk`` (bytes/row): the clusters' data directories over the rows, against the engine's bytes a
+  resident row.
+
+A benchmark, not a test: it needs disk (about 200 bytes a spilled row) and time. The machine's figures go in
+the README's capacity model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tigana import ps
+from tigana.embeddings.mixing import mix64
+from tigana.tools.bench.ps.workload import _Cycle, interleaved_rates, zipf_batches
+from tigana.tools.bench.report import emit, log, parse_counts
+from tigana.tools.bench.scale.resources import _rss_bytes
+
+TABLE = "tiered"
+_BATCH = 1 << 16
+_DISK_BYTES_PER_ROW = 200  # the disk check's estimate; the run measures the real figure
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tiered", action="store_true",
+                        help="run the tiered case instead of the curves: a table past RAM, most rows in LMDB")
+    parser.add_argument("--tiered-rows", default="250M", help="distinct ids of the tiered table (default 250M)")
+    parser.add_argument("--memory-budget", default="4GiB", help="each tiered daemon's --memory-budget (4GiB)")
+    parser.add_argument("--ram-rows", default="10M", help="rows of the in-RAM reference cluster (default 10M)")
+    parser.add_argument("--tiered-shards", type=int, default=2, help="daemons of each cluster (default 2)")
+    parser.add_argument("--tiered-dim", type=int, default=16, help="embedding dim of the tiered case (default 16)")
+    parser.add_argument("--tiered-dir", default=None,
+                        help="where the clusters keep their data (default: a temporary directory)")
+
+
+def run_tiered(args: argparse.Namespace) -> int:
+    rows, ram_rows = parse_counts(args.tiered_rows)[0], parse_counts(args.ram_rows)[0]
+    budget = ps.parse_bytes(args.memory_budget, field="--memory-budget")
+    shards, dim = args.tiered_shards, args.tiered_dim
+    work = Path(tempfile.mkdtemp(prefix="tigana-bench-tiered-", dir=args.tiered_dir))
+    free = shutil.disk_usage(work).free
+    if rows * _DISK_BYTES_PER_ROW > free:
+        shutil.rmtree(work, ignore_errors=True)
+        raise SystemExit(f"bench scale --tiered: {rows:,} rows need about {rows * _DISK_BYTES_PER_ROW / 1e9:.0f} GB "
+                         f"of disk in {work.parent}; {free / 1e9:.0f} GB free (lower --tiered-rows)")
+    params = {"rows": rows, "dim": dim, "shards": shards, "memory_budget": budget, "ram_rows": ram_rows,
+              "optimizer": "rowwise_adagrad", "zipf": args.zipf, "batch": _BATCH}
+    env = dict(os.environ, TIGANA_SNAPSHOT_ON_SHUTDOWN="0")
+    tiered = ram = None
+    clients: list[ps.Client] = []
+    try:
+        tiered = ps.LocalCluster(shards, replicas=None, env=env, memory_budget=str(budget),
+                                 data_dir=work / "tiered")
+        ram = ps.LocalCluster(shards, replicas=None, env=env, data_dir=work / "ram")
+        for cluster in (tiered, ram):
+            client = ps.connect(cluster.addresses)
+            client.wait_ready(60)
+            client.create_table(TABLE, dim=dim, optimizer=ps.RowWiseAdagrad(lr=0.01), staleness=1)
+            clients.append(client)
+        pids = [p.pid for p in tiered.procs]
+        rss0 = max(_rss_bytes(pid) for pid in pids)
+        ram_rate, _ = _insert(clients[1], ram_rows, [p.pid for p in ram.procs], "reference")
+        rate, rss_max = _insert(clients[0], rows, pids, "tiered")
+        emit("scale.tiered.insert", "rows/s", rate, f"the same inserts into RAM ({ram_rows:,} rows, no budget)",
+             ram_rate, **params)
+        _zipf_phase(args, clients, rows, ram_rows, params)
+        rss_max = max(rss_max, *(_rss_bytes(pid) for pid in pids))
+        emit("scale.tiered.rss", "bytes", rss_max, "memory budget", budget, rss_at_start=rss0, **params)
+        stats = _stats(clients[0])
+        disk = _du(work / "tiered")
+        emit("scale.tiered.disk", "bytes/row", disk / rows, "engine bytes a resident row",
+             stats["bytes_resident"] / max(1.0, stats["rows_resident"]), disk_bytes=disk,
+             rows_resident=int(stats["rows_resident"]), rows_spilled=int(stats["rows_spilled"]), **params)
+    finally:
+        for client in clients:
+            with contextlib.suppress(ps.PSError):
+                client.close()
+        for cluster in (tiered, ram):
+            if cluster is not None:
+                cluster.close(timeout=120)
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def _ids(start: int, stop: int) -> np.ndarray:
+    """The run's distinct ids: splitmix of their rank, so they are spread like hashed features."""
+    return mix64(np.arange(start, stop, dtype=np.uint64)).view(np.int64)
+
+
+def _insert(client: ps.Client, rows: int, pids: list[int], what: str) -> tuple[float, int]:
+    """First-sight pulls of ids 0 .. rows-1 (by rank), two batches in flight; (rows/s, largest RSS seen)."""
+    t0 = time.perf_counter()
+    pending: list = []
+    rss_max, step, next_log = 0, max(_BATCH, rows // 20), 0
+    for start in range(0, rows, _BATCH):
+        pending.append(client.pull_async(TABLE, _ids(start, min(rows, start + _BATCH))))
+        if len(pending) >= 2:
+            pending.pop(0).result()
+        if start >= next_log:
+            rss = [_rss_bytes(pid) for pid in pids]
+            rss_max = max(rss_max, *rss)
+            if start:
+                st = _stats(client)
+                log(f"bench scale --tiered ({what}): {start / 1e6:.1f} M rows in {time.perf_counter() - t0:.0f}s "
+                    f"({start / (time.perf_counter() - t0) / 1e6:.2f} M rows/s), resident "
+                    f"{st['rows_resident'] / 1e6:.1f} M, spilled {st['rows_spilled'] / 1e6:.1f} M, RSS "
+                    f"{', '.join(f'{r / 2**30:.2f}' for r in rss)} GiB")
+            next_log += step
+    for fut in pending:
+        fut.result()
+    return rows / (time.perf_counter() - t0), rss_max
+
+
+def _zipf_phase(args: argparse.Namespace, clients: list[ps.Client], rows: int, ram_rows: int, params: dict) -> None:
+    """Pull and push rows/s under Zipf ids over every row, tiered against in RAM, interleaved."""
+    count = 4 if args.quick else 8
+    repeats = args.repeats or (3 if args.quick else 7)
+    workloads = []
+    for client, n in zip(clients, (rows, ram_rows), strict=True):
+        ranks = zipf_batches(count, _BATCH, n, args.zipf, seed=3)  # ranks in [0, n), scattered
+        workloads.append((client, _Cycle([_ids_of_ranks(r) for r in ranks])))
+    rng = np.random.default_rng(5)
+    grads = _Cycle([rng.normal(0, 0.01, (_BATCH, args.tiered_dim)).astype(np.float32) for _ in range(count)])
+
+    def puller(client: ps.Client, batches: _Cycle):
+        def fn() -> int:
+            client.pull(TABLE, batches())
+            return _BATCH
+        return fn
+
+    def pusher(client: ps.Client, batches: _Cycle):
+        def fn() -> int:
+            for _ in range(4):
+                client.push(TABLE, batches(), grads())
+            client.flush()
+            return 4 * _BATCH
+        return fn
+
+    before = _stats(clients[0])
+    pulls = interleaved_rates({"tiered": puller(*workloads[0]), "ram": puller(*workloads[1])}, repeats)
+    after = _stats(clients[0])
+    lookups = after["lookups"] - before["lookups"]
+    hit_rate = (after["hits"] - before["hits"]) / lookups if lookups else 0.0
+    pushes = interleaved_rates({"tiered": pusher(*workloads[0]), "ram": pusher(*workloads[1])}, repeats)
+    peer = f"the same workload in RAM ({ram_rows:,} rows)"
+    emit("scale.tiered.pull", "rows/s", pulls["tiered"], peer, pulls["ram"], ram_hit_rate=round(hit_rate, 4),
+         unspilled_rows=int(after["unspills"] - before["unspills"]), repeats=repeats, **params)
+    emit("scale.tiered.push", "rows/s", pushes["tiered"], peer, pushes["ram"], repeats=repeats, **params)
+
+
+def _ids_of_ranks(ranks: np.ndarray) -> np.ndarray:
+    return mix64(ranks.astype(np.uint64)).view(np.int64)
+
+
+def _stats(client: ps.Client) -> dict[str, float]:
+    """The table's counters summed over the cluster's servers."""
+    total: dict[str, float] = {}
+    for per in client.server_stats(TABLE).values():
+        for k, v in per[TABLE].items():
+            total[k] = total.get(k, 0.0) + float(v)
+    return total
+
+
+def _du(path: Path) -> int:
+    """Bytes the files under ``path`` occupy on disk (allocated blocks, as ``du`` counts them)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.stat(os.path.join(root, name)).st_blocks * 512
+    return total
+
