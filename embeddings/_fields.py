@@ -49,6 +49,7 @@ class TableFields:
     _spill: RowStore | None
     _spilled: HashIndex  # ids living only in the spill store -> the dirty mark they had when they spilled
     _budget_rows: int
+    _budget_bytes: int
     _spill_path: Path
     _last_snapshot: Path | None
     _finalizer: weakref.finalize | None

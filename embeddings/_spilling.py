@@ -1,5 +1,6 @@
 """The spill tier of a table: resident rows past the memory budget move to an LMDB ``RowStore``, coldest (least
-recently accessed) first, down to 90% of the budget, and come back on access.
+recently accessed) first, down to 90% of the budget, and come back on access. The budget covers the resident
+rows and the in-memory index of spilled ids, which grows with the tier.
 
 ``_spilled`` indexes the spilled ids; its value is the row's dirty mark (``Slab.dirty``) when it spilled, so a
 row changed since the last snapshot stays in the next increment. Every move tells the open cuts (``cut``)
@@ -39,8 +40,20 @@ class SpillTier(TableFields):
         self._spill = RowStore(self._spill_path, table=self.name, dim=self.dim, state_width=self._width,
                                map_size=min(1 << 26, cap or 1 << 26), max_map_size=cap)
         self._finalizer = weakref.finalize(self, _close_spill, self._spill, self._spill_path)
+        self._budget_bytes = int(self.config.memory_budget)
+        self._budget_rows = self._rows_in_budget()
+
+    def _rows_in_budget(self) -> int:
+        """Resident rows the budget holds: its bytes, less the index of spilled ids (it lives in RAM and grows
+        with the tier), over a resident row's bytes (its slab columns and its share of the hash index)."""
         per_row = self._slab.row_nbytes + _INDEX_BYTES_PER_ROW
-        self._budget_rows = max(1, int(self.config.memory_budget // per_row))
+        rows = int((self._budget_bytes - self._spilled.nbytes) // per_row)
+        if rows < 1 and not getattr(self, "_budget_warned", False):
+            self._budget_warned = True
+            _log.warning("table %r: the index of its %d spilled ids (%d bytes) alone fills its memory budget (%d "
+                         "bytes); every row spills (raise memory_budget)", self.name, len(self._spilled),
+                         self._spilled.nbytes, self._budget_bytes)
+        return max(1, rows)
 
     def set_memory_budget(self, nbytes: int) -> None:
         """Change the resident-row budget (bytes) while serving: a daemon shares one budget among its tables and
@@ -52,20 +65,24 @@ class SpillTier(TableFields):
             if self._spill is None:
                 self.config = dataclasses.replace(self.config, memory_budget=int(nbytes))
                 self._open_spill()
-            per_row = self._slab.row_nbytes + _INDEX_BYTES_PER_ROW
-            self._budget_rows = max(1, int(nbytes // per_row))
+            self._budget_bytes = int(nbytes)
             self._maybe_spill()
 
     def _maybe_spill(self) -> None:
         """Spill at the end of a call that already changed the table: a full disk must not turn that call
         into an error (it was applied), so the table stays over budget, counts it, and retries next call."""
-        if self._spill is None or len(self._index) <= self._budget_rows:
+        if self._spill is None:
             return
-        try:
-            self._spill_coldest()
-        except StorageFull as exc:
-            self._counters["spill_failures"] += 1
-            _log.warning("%s", exc)
+        for _ in range(3):  # a spill grows the index of spilled ids, which the budget covers: check again
+            self._budget_rows = self._rows_in_budget()
+            if len(self._index) <= self._budget_rows:
+                return
+            try:
+                self._spill_coldest()
+            except StorageFull as exc:
+                self._counters["spill_failures"] += 1
+                _log.warning("%s", exc)
+                return
 
     def _spill_coldest(self, hold: np.ndarray | None = None) -> None:
         """Spill the least recently used rows down to 90% of the budget, never the positions in ``hold``."""

@@ -118,6 +118,7 @@ def test_bench_scale_tiered_spills_most_rows_and_stays_within_its_budget(bench_l
                        "scale.tiered.disk"}
     for d in by.values():
         assert d["value"] > 0 and d["peer_value"] > 0 and d["rows"] == 200_000 and d["memory_budget"] == 4 << 20
+    assert by["scale.tiered.rss"]["rss_with_file_pages"] >= by["scale.tiered.rss"]["value"]
     disk = by["scale.tiered.disk"]
     assert disk["rows_spilled"] > disk["rows_resident"] > 0
     assert disk["rows_spilled"] + disk["rows_resident"] == 200_000
