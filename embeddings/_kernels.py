@@ -81,6 +81,14 @@ if AVAILABLE:
     def _home(key, cap):
         return np.int64(((mix64_scalar(key) >> _S32) * cap) >> _S32)
 
+    @njit(nogil=True, cache=True, inline="always")
+    def _prefetch_ahead(keys, vals, queries, i, n, ucap):
+        """Prefetch the home bucket of the query a fixed distance ahead of ``i`` (a random bucket is a miss)."""
+        if i + _PREFETCH_DISTANCE < n:
+            h = _home(queries[i + _PREFETCH_DISTANCE], ucap)
+            _prefetch1(keys, h)
+            _prefetch1(vals, h)
+
     @njit(nogil=True, cache=True)
     def probe(keys, vals, queries, out_pos, out_val):
         """For each query: bucket position and value (a row's slab position) if present, else -1 and -1."""
@@ -88,10 +96,7 @@ if AVAILABLE:
         ucap = np.uint64(cap)
         n = queries.shape[0]
         for i in range(n):
-            if i + _PREFETCH_DISTANCE < n:
-                h = _home(queries[i + _PREFETCH_DISTANCE], ucap)
-                _prefetch1(keys, h)
-                _prefetch1(vals, h)
+            _prefetch_ahead(keys, vals, queries, i, n, ucap)
             q = queries[i]
             p = _home(q, ucap)
             while True:
@@ -117,10 +122,7 @@ if AVAILABLE:
         consumed = 0
         n = new_keys.shape[0]
         for i in range(n):
-            if i + _PREFETCH_DISTANCE < n:
-                h = _home(new_keys[i + _PREFETCH_DISTANCE], ucap)
-                _prefetch1(keys, h)
-                _prefetch1(vals, h)
+            _prefetch_ahead(keys, vals, new_keys, i, n, ucap)
             p = _home(new_keys[i], ucap)
             while vals[p] >= 0:
                 p += 1
@@ -170,10 +172,7 @@ if AVAILABLE:
         n = queries.shape[0]
         misses = 0
         for i in range(n):
-            if i + _PREFETCH_DISTANCE < n:
-                h = _home(queries[i + _PREFETCH_DISTANCE], ucap)
-                _prefetch1(keys, h)
-                _prefetch1(vals, h)
+            _prefetch_ahead(keys, vals, queries, i, n, ucap)
             q = queries[i]
             p = _home(q, ucap)
             s = -1
