@@ -50,6 +50,7 @@ class TableFields:
     _spilled: HashIndex  # ids living only in the spill store -> the dirty mark they had when they spilled
     _budget_rows: int
     _budget_bytes: int
+    _budget_warned: bool  # the spilled-id index overran the budget and was logged once
     _spill_path: Path
     _last_snapshot: Path | None
     _finalizer: weakref.finalize | None

@@ -41,6 +41,7 @@ class SpillTier(TableFields):
                                map_size=min(1 << 26, cap or 1 << 26), max_map_size=cap)
         self._finalizer = weakref.finalize(self, _close_spill, self._spill, self._spill_path)
         self._budget_bytes = int(self.config.memory_budget)
+        self._budget_warned = False
         self._budget_rows = self._rows_in_budget()
 
     def _rows_in_budget(self) -> int:
@@ -48,7 +49,7 @@ class SpillTier(TableFields):
         with the tier), over a resident row's bytes (its slab columns and its share of the hash index)."""
         per_row = self._slab.row_nbytes + _INDEX_BYTES_PER_ROW
         rows = int((self._budget_bytes - self._spilled.nbytes) // per_row)
-        if rows < 1 and not getattr(self, "_budget_warned", False):
+        if rows < 1 and not self._budget_warned:
             self._budget_warned = True
             _log.warning("table %r: the index of its %d spilled ids (%d bytes) alone fills its memory budget (%d "
                          "bytes); every row spills (raise memory_budget)", self.name, len(self._spilled),

@@ -41,7 +41,18 @@ def _self_cpu_s() -> float:
 
 
 def _rss_bytes(pid: int) -> int:
+    """A process's resident memory (``VmRSS``), 0 when it is gone."""
+    return _status_bytes(pid, "VmRSS")
+
+
+def _rss_anon(pid: int) -> int:
+    """A process's anonymous resident memory (``RssAnon``): its heap and arrays, not mapped file pages."""
+    return _status_bytes(pid, "RssAnon")
+
+
+def _status_bytes(pid: int, key: str) -> int:
+    """A size field of ``/proc/<pid>/status`` in bytes, 0 when the process is gone."""
     with contextlib.suppress(OSError, ValueError, StopIteration):
-        line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS:"))
+        line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith(f"{key}:"))
         return int(line.split()[1]) * 1024
     return 0

@@ -39,7 +39,7 @@ from tigana import ps
 from tigana.embeddings.mixing import mix64
 from tigana.tools.bench.ps.workload import _Cycle, interleaved_rates, zipf_batches
 from tigana.tools.bench.report import emit, log, parse_counts
-from tigana.tools.bench.scale.resources import _rss_bytes
+from tigana.tools.bench.scale.resources import _rss_anon, _rss_bytes
 
 TABLE = "tiered"
 _BATCH = 1 << 16
@@ -112,8 +112,8 @@ def run_tiered(args: argparse.Namespace) -> int:
 
 
 def _ids(start: int, stop: int) -> np.ndarray:
-    """The run's distinct ids: splitmix of their rank, so they are spread like hashed features."""
-    return mix64(np.arange(start, stop, dtype=np.uint64)).view(np.int64)
+    """The run's distinct ids of ranks start .. stop-1."""
+    return _ids_of_ranks(np.arange(start, stop, dtype=np.uint64))
 
 
 def _insert(client: ps.Client, rows: int, pids: list[int], what: str) -> tuple[float, int, int]:
@@ -181,6 +181,7 @@ def _zipf_phase(args: argparse.Namespace, clients: list[ps.Client], rows: int, r
 
 
 def _ids_of_ranks(ranks: np.ndarray) -> np.ndarray:
+    """The ids of ``ranks``: splitmix of the rank, so they are spread like hashed features."""
     return mix64(ranks.astype(np.uint64)).view(np.int64)
 
 
@@ -191,14 +192,6 @@ def _stats(client: ps.Client) -> dict[str, float]:
         for k, v in per[TABLE].items():
             total[k] = total.get(k, 0.0) + float(v)
     return total
-
-
-def _rss_anon(pid: int) -> int:
-    """A process's anonymous resident memory (``RssAnon``): its heap and arrays, not mapped file pages."""
-    with contextlib.suppress(OSError, ValueError, StopIteration):
-        line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("RssAnon:"))
-        return int(line.split()[1]) * 1024
-    return 0
 
 
 def _du(path: Path) -> int:
