@@ -78,20 +78,31 @@ def _group_of_key(key, group_of_slot, num_slots):
 
 
 @njit(nogil=True, cache=True)
-def _dedup_grouped(ids, group_of_slot, num_groups):
+def _dedup_grouped(ids, group_of_slot, num_groups, unique=False):
     """Shared first pass: (position of each id's unique in the grouped order, grouped unique ids,
-    starts). Groups are in group order; within a group, first-seen order."""
+    starts). Groups are in group order; within a group, first-seen order. ``unique``: the caller has
+    deduplicated ``ids`` already (a trainer's plan), so the hash pass is skipped and only the counting sort
+    by group runs (duplicates would then travel twice, which every server still handles correctly)."""
     n = ids.shape[0]
     num_slots = np.uint64(group_of_slot.shape[0])
-    cap = _capacity(n)
-    mask = cap - 1
-    index = np.full(cap, -1, np.int64)
     first = np.empty(n, np.int64)  # unique k -> its key
     group = np.empty(n, np.int64)  # unique k -> its group
     inverse = np.empty(n, np.int64)
     starts = np.zeros(num_groups + 1, np.int64)
     k = 0
-    for i in range(n):
+    if unique:
+        for i in range(n):
+            key = ids[i]
+            first[i] = key
+            o = _group_of_key(key, group_of_slot, num_slots)
+            group[i] = o
+            starts[o + 1] += 1
+            inverse[i] = i
+        k = n
+    cap = _capacity(0 if unique else n)
+    mask = cap - 1
+    index = np.full(cap, -1, np.int64)
+    for i in range(0 if unique else n):
         key = ids[i]
         p = _bucket(key, mask)
         while True:
@@ -149,9 +160,15 @@ def dedup_sum_grouped(ids, grads, group_of_slot, num_groups):
     with a second moment would write Inf; always False when grads has a NaN or Inf). Each server's rows are
     one contiguous slice, so a push message is built from views without a gather copy."""
     src, uniq, starts = _dedup_grouped(ids, group_of_slot, num_groups)
-    n = ids.shape[0]
+    sums, in_range = _sum_rows(src, grads, uniq.shape[0])
+    return uniq, sums, starts, in_range
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _sum_rows(src, grads, k):
+    """(k, dim) sums of ``grads`` rows by ``src`` (batch order, float32) and whether every sum is in range."""
+    n = src.shape[0]
     dim = grads.shape[1]
-    k = uniq.shape[0]
     sums = np.empty((k, dim), np.float32)
     seen = np.zeros(k, np.bool_)
     for i in range(n):
@@ -171,7 +188,53 @@ def dedup_sum_grouped(ids, grads, group_of_slot, num_groups):
     bad = np.uint32(0)
     for i in range(bits.shape[0]):  # an integer or-reduction: vectorizes
         bad |= np.uint32((bits[i] & exp) >= limit)
-    return uniq, sums, starts, bad == 0
+    return sums, bad == 0
+
+
+@njit(nogil=True, cache=True)
+def dedup_grouped_many(ids, bounds, group_of_slot, num_groups, unique):
+    """Several tables' pulls grouped in one call: segment t is ``ids[bounds[t]:bounds[t + 1]]``, grouped as
+    ``dedup_grouped`` (``unique``: already deduplicated, see ``_dedup_grouped``). Returns (uniq, ubounds,
+    starts, src): segment t's grouped unique ids are ``uniq[ubounds[t]:ubounds[t + 1]]`` with group starts
+    ``starts[t]`` (relative to that block), and ``src`` maps each id to its row in its own segment's block."""
+    t_count = bounds.shape[0] - 1
+    uniq = np.empty(ids.shape[0], np.int64)
+    src = np.empty(ids.shape[0], np.int64)
+    ubounds = np.zeros(t_count + 1, np.int64)
+    starts = np.empty((t_count, num_groups + 1), np.int64)
+    for t in range(t_count):
+        lo, hi = bounds[t], bounds[t + 1]
+        s, u, st = _dedup_grouped(ids[lo:hi], group_of_slot, num_groups, unique)
+        k = u.shape[0]
+        uniq[ubounds[t]:ubounds[t] + k] = u
+        ubounds[t + 1] = ubounds[t] + k
+        starts[t] = st
+        src[lo:hi] = s
+    return uniq[:ubounds[t_count]], ubounds, starts, src
+
+
+@njit(nogil=True, cache=True)
+def dedup_sum_grouped_many(ids, grads, bounds, group_of_slot, num_groups, unique):
+    """Several tables' pushes grouped in one call, segments as ``dedup_grouped_many``: (uniq, sums, ubounds,
+    starts, in_range), segment t's sums at ``sums[ubounds[t]:ubounds[t + 1]]`` and ``in_range[t]`` as
+    ``dedup_sum_grouped``'s."""
+    t_count = bounds.shape[0] - 1
+    uniq = np.empty(ids.shape[0], np.int64)
+    sums = np.empty((ids.shape[0], grads.shape[1]), np.float32)
+    ubounds = np.zeros(t_count + 1, np.int64)
+    starts = np.empty((t_count, num_groups + 1), np.int64)
+    in_range = np.empty(t_count, np.bool_)
+    for t in range(t_count):
+        lo, hi = bounds[t], bounds[t + 1]
+        s, u, st = _dedup_grouped(ids[lo:hi], group_of_slot, num_groups, unique)
+        k = u.shape[0]
+        block, ok = _sum_rows(s, grads[lo:hi], k)
+        uniq[ubounds[t]:ubounds[t] + k] = u
+        sums[ubounds[t]:ubounds[t] + k] = block
+        ubounds[t + 1] = ubounds[t] + k
+        starts[t] = st
+        in_range[t] = ok
+    return uniq[:ubounds[t_count]], sums[:ubounds[t_count]], ubounds, starts, in_range
 
 
 

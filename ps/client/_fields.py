@@ -50,6 +50,7 @@ class ClientFields:
     _route: Route  # the routing snapshot new operations take
     _parts: SentParts  # parts in flight, given up when a newer map moves their slots
     _servers: list[Server]  # the static list, or the servers up in the current map
+    _hold: threading.local  # .frames: a calling thread's parts held to go out together (``DataPath``)
 
     if TYPE_CHECKING:  # the methods one room calls in another
         @property

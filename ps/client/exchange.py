@@ -102,6 +102,11 @@ class Exchange:
 
     def send(self, kind: int, parts: list, timeout_s: float, done: Done) -> None:
         """Send one frame (a pull or push request in pieces, ``wire.*_request_parts``)."""
+        self.send_many([(kind, parts, done)], timeout_s)
+
+    def send_many(self, items: list[tuple[int, list, Done]], timeout_s: float) -> None:
+        """Send frames (kind, request in pieces, done) made together, e.g. every table's part of a step for
+        this server: they go out as one message (a bundle, cut only at the bundle limits)."""
         with self._lock:
             if self._closed:
                 err: PSError | None = Unavailable(f"{self.address}: client closed")
@@ -109,21 +114,28 @@ class Exchange:
                 err = None
                 if self._queue is None:
                     self._open()
-                self._next_id += 1
-                frame_id = self._next_id
-                self._pending[frame_id] = _Pending(done, self._generation)
+                ids = list(range(self._next_id + 1, self._next_id + 1 + len(items)))
+                self._next_id += len(items)
+                for frame_id, (_, _, done) in zip(ids, items, strict=True):
+                    self._pending[frame_id] = _Pending(done, self._generation)
                 q = self._queue
         if err is not None:
-            done(None, err)
+            for _, _, done in items:
+                done(None, err)
             return
-        try:
-            raw = frames.request(frame_id, max(1, int(timeout_s * 1000)), kind, parts)
-        except Exception as exc:  # noqa: BLE001 - settle the frame, never leave it pending
-            self._settle(frame_id, None, Internal(f"{self.address}: frame encoding: {exc}"))
-            return
-        _DEADLINES.add(time.monotonic() + timeout_s, functools.partial(self._expire, frame_id, timeout_s))
+        raws = []
+        budget_ms = max(1, int(timeout_s * 1000))
+        expires = time.monotonic() + timeout_s
+        for frame_id, (kind, parts, _) in zip(ids, items, strict=True):
+            try:
+                raws.append(frames.request(frame_id, budget_ms, kind, parts))
+            except Exception as exc:  # noqa: BLE001 - settle the frame, never leave it pending
+                self._settle(frame_id, None, Internal(f"{self.address}: frame encoding: {exc}"))
+                continue
+            _DEADLINES.add(expires, functools.partial(self._expire, frame_id, timeout_s))
         assert q is not None
-        q.put(raw)
+        if raws:
+            q.put(raws[0] if len(raws) == 1 else raws)
 
     def cancel_all(self) -> int:
         """Give up on every frame in flight (the server was declared dead): they get ``Unavailable``."""
@@ -150,27 +162,32 @@ class Exchange:
         q: queue.SimpleQueue = queue.SimpleQueue()
 
         def outgoing() -> Iterator[bytes]:
-            # Frames queued meanwhile go as one bundle (``frames.bundle``): one message instead of many.
-            while True:
-                item = q.get()
-                if item is _END:
-                    return
-                batch, size, end = [item], len(item), False
-                while len(batch) < _BUNDLE_FRAMES and size < _BUNDLE_BYTES:
+            # Frames queued meanwhile go as one bundle (``frames.bundle``): one message instead of many. An item
+            # is a frame, or a list of frames made together (``send_many``); a bundle is cut at its limits.
+            carry: list[bytes] = []
+            end = False
+            while not (end and not carry):
+                if not carry:
+                    item = q.get()
+                    if item is _END:
+                        return
+                    carry = item if isinstance(item, list) else [item]
+                while not end and len(carry) < _BUNDLE_FRAMES:  # whatever else is queued already
                     try:
                         more = q.get_nowait()
                     except queue.Empty:
                         break
                     if more is _END:
                         end = True
-                        break
-                    batch.append(more)
-                    size += len(more)
+                    else:
+                        carry.extend(more if isinstance(more, list) else [more])
+                batch, size = [], 0
+                while carry and len(batch) < _BUNDLE_FRAMES and (not batch or size + len(carry[0]) <= _BUNDLE_BYTES):
+                    size += len(carry[0])
+                    batch.append(carry.pop(0))
                 if len(batch) > 1:
                     self.bundled += len(batch)
                 yield batch[0] if len(batch) == 1 else frames.bundle(batch)
-                if end:
-                    return
 
         call = self._method(outgoing())
         self._queue, self._call = q, call

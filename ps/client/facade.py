@@ -78,6 +78,7 @@ class Client(DataPath, Tables, Operations):
         self._maps: MapFollower | None = None
         self._waiters: list[tuple[int, Callable[[], None]]] = []
         self._waiters_lock = threading.Lock()
+        self._hold = threading.local()
         self._parts = SentParts(lambda: self._route, lambda n: self._count(parts_rerouted_by_map=n))
         if scheduler is not None:
             self._maps = MapFollower(scheduler, self._on_map, self._options, self.config.map_poll_s,

@@ -107,6 +107,10 @@ class _Op:
             if tracked is None:  # a newer map moved it before it was sent: routed again already
                 return
             done = tracked
+        held = getattr(c._hold, "frames", None)
+        if held is not None:  # made with the other tables' parts of a step: sent together (``DataPath``)
+            held.append((server, kind, request, done))
+            return
         server.send(kind, request, c.config.timeout_s, done, c._note_retry)
 
     def _retry_or_fail(self, error: PSError, server: Server | None, again: Callable[[Attempt], cf.Future],
@@ -159,9 +163,10 @@ class PullOp(_Op):
     (fp32: views of the received bytes) and gathered into the batch's rows by ``src`` when the last arrives."""
 
     def __init__(self, client: Any, st: Any, fut: cf.Future, ids: np.ndarray, shape: tuple[int, ...],
-                 attempt: Attempt, read_only: bool = False) -> None:
+                 attempt: Attempt, read_only: bool = False, grouped: tuple | None = None) -> None:
         super().__init__(client, st, fut, attempt)
         self.ids, self.shape, self.read_only = ids, shape, read_only
+        self.grouped = grouped  # (route, uniq, starts, src) when the caller grouped the ids already
         self.codec, self.dim = st.pull_codec, st.dim
         self.blocks: list[np.ndarray | None] = []
 
@@ -174,9 +179,13 @@ class PullOp(_Op):
 
     def _start(self) -> None:
         c, st = self.client, self.st
-        route = c._route
+        grouped, self.grouped = self.grouped, None
+        if grouped is not None and grouped[0] is c._route:  # (a pull held back by the staleness bound may
+            route, self.uniq, starts, self.src = grouped     # start after a newer map: then it groups again)
+        else:
+            route = c._route
+            self.uniq, starts, self.src = route.group(self.ids)
         self.routed_epoch = route.epoch
-        self.uniq, starts, self.src = route.group(self.ids)
         parts = route.parts(starts, wire.rows_nbytes(1, self.dim, self.codec), c.config.chunk_bytes)
         self.fanout = Fanout(len(parts))
         self.blocks = [None] * len(parts)
@@ -277,8 +286,9 @@ class PushOp(_Op):
 
     def __init__(self, client: Any, st: Any, fut: cf.Future, uniq: np.ndarray, summed: np.ndarray,
                  starts: np.ndarray | None, route: Route | None, seq: int, attempt: Attempt,
-                 *, top: bool = True, client_id: str | None = None) -> None:
+                 *, top: bool = True, client_id: str | None = None, permit: bool = True) -> None:
         super().__init__(client, st, fut, attempt)
+        self.permit = permit  # False: the caller holds one permit for a whole bundle (``DataPath.push_many``)
         self.uniq, self.summed, self.starts, self.route, self.seq = uniq, summed, starts, route, seq
         self.client_id: str = client_id if client_id is not None else client.client_id
         self.top = top
@@ -322,7 +332,8 @@ class PushOp(_Op):
             del data, scales
             with st.lock:
                 st.bytes["sent"]["push"] += wire.parts_nbytes(request)
-            s.permits.acquire()  # back-pressure: at most max_pushes_in_flight messages per server
+            if self.permit:
+                s.permits.acquire()  # back-pressure: at most max_pushes_in_flight messages per server
             self._send(s, frames.PUSH, request, route, self.uniq[lo:hi], self._done_for(s, lo, hi))
 
     def _again(self, lo: int, hi: int, client_id: str | None = None) -> Callable[[Attempt], cf.Future]:
@@ -377,7 +388,7 @@ class PushOp(_Op):
                 self.fut.set_exception(self.fanout.error)
 
         def done(response: pb.PushResponse | None, error: PSError | None) -> None:
-            if server is not None:
+            if server is not None and self.permit:
                 server.permits.release()
             if error is None:
                 with self.st.lock:

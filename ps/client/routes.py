@@ -74,6 +74,15 @@ class Server:
             self.calls.add(call)
         call.start()
 
+    def send_many(self, items: list[tuple[int, list, Callable[[Any, PSError | None], None]]], timeout_s: float,
+                  on_retry: Callable[[], None]) -> None:
+        """Requests (kind, pieces, done) made together: one message on the stream (a bundle), or unary calls."""
+        if self.exchange is not None and self.exchange.supported:
+            self.exchange.send_many(items, timeout_s)
+            return
+        for kind, parts, done in items:
+            self.send(kind, parts, timeout_s, done, on_retry)
+
     def cancel_all(self) -> int:
         """Cancel the calls and frames in flight (the map declared this server dead: a paused one would hold
         them until their deadline); they are routed again by the new map."""

@@ -183,13 +183,13 @@ def test_prefetch_gives_the_same_rows_without_a_second_pull(client, monkeypatch:
     coll = PSEmbeddingCollection(client, features, DIM, options=TableOptions(staleness=1))
     sparse = _batch(np.random.default_rng(2), prefix, 32)
     issued: list[str] = []  # every pull the collection sends, by table
-    pull_async = client.pull_async
+    pull_many = client.pull_many
 
-    def counted(table: str, ids, **kw):
-        issued.append(table)
-        return pull_async(table, ids, **kw)
+    def counted(tables, ids, **kw):
+        issued.extend(tables)
+        return pull_many(tables, ids, **kw)
 
-    monkeypatch.setattr(client, "pull_async", counted)
+    monkeypatch.setattr(client, "pull_many", counted)
     with torch.no_grad():
         direct = coll(sparse)
         per_batch = len(issued)  # one pull per physical table

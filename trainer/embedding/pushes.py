@@ -46,7 +46,7 @@ class _PushSide:
         if self.fused_table is not None and self._aggregate_group is None:
             # the gradient rows are already stacked in the order of the fused ids: no split and join
             if grad.shape[0]:
-                self._send(self.fused_table, self._ps_ids(plan)[0], grad.numpy())
+                self._send(self.fused_table, self._ps_ids(plan)[0], grad.numpy(), unique=True)
             return
         ids = [torch.from_numpy(u) for u in plan.unique]
         if self._aggregate_group is not None:
@@ -57,9 +57,9 @@ class _PushSide:
                     self._fused_ids([t.numpy() for t in ids])
                 self._send(self.fused_table, fused, torch.cat(grads).numpy())
             return
-        for table, t_ids, t_grads in zip(self.tables, ids, grads, strict=True):
-            if t_ids.numel():
-                self._send(table, t_ids.numpy(), t_grads.numpy())
+        self._send_all([(table, t_ids.numpy(), t_grads.numpy())
+                        for table, t_ids, t_grads in zip(self.tables, ids, grads, strict=True) if t_ids.numel()],
+                       unique=self._aggregate_group is None)
 
     def _note_push(self, table: str, ids: np.ndarray) -> None:
         """One own push of ``ids`` to ``table``: counted by its cache and remembered for the lag of pulls in
@@ -70,15 +70,28 @@ class _PushSide:
             cache.pushed(ids)
             self._push_log[table].append((self._push_no[table], np.sort(ids)))
 
-    def _send(self, table: str, ids: np.ndarray, grads: np.ndarray) -> None:
+    def _send(self, table: str, ids: np.ndarray, grads: np.ndarray, unique: bool = False) -> None:
         """Push ``grads`` of ``ids`` to PS table ``table`` (through its compressor when it has one)."""
-        comp = self.compressors.get(table)
-        if comp is not None:
-            plan = comp.plan_push(ids, grads)
-            ids, grads = plan.ids, plan.grads
-            self._set_codecs(table, push=plan.codec)
-        if ids.shape[0]:
-            start = time.perf_counter()
-            self._timed("push", self.client.push(table, ids, np.ascontiguousarray(grads, dtype=np.float32)), start,
-                        ids.shape[0])
+        self._send_all([(table, ids, grads)], unique=unique)
+
+    def _send_all(self, pushes: list[tuple[str, np.ndarray, np.ndarray]], unique: bool) -> None:
+        """Push each (table, ids, grads), through the table's compressor when it has one, in one client call:
+        one message to each server for every table's part. ``unique``: each ids array is distinct (a plan's)."""
+        tables, all_ids, all_grads = [], [], []
+        for table, ids, grads in pushes:
+            comp = self.compressors.get(table)
+            if comp is not None:
+                plan = comp.plan_push(ids, grads)
+                ids, grads = plan.ids, plan.grads
+                self._set_codecs(table, push=plan.codec)
+            if ids.shape[0]:
+                tables.append(table)
+                all_ids.append(ids)
+                all_grads.append(np.ascontiguousarray(grads, dtype=np.float32))
+        if not tables:
+            return
+        start = time.perf_counter()
+        futs = self.client.push_many(tables, all_ids, all_grads, unique=unique)
+        for table, ids, fut in zip(tables, all_ids, futs, strict=True):
+            self._timed("push", fut, start, ids.shape[0])
             self.pushed_rows += ids.shape[0]
