@@ -24,7 +24,7 @@ import numpy as np
 from tigana.ps import _kernels
 from tigana.ps.client._fields import ClientFields
 from tigana.ps.client.inflight import Attempt, PullOp, PushOp, new_future
-from tigana.ps.client.tablestate import after_own_pushes
+from tigana.ps.client.tablestate import after_all_own_pushes, after_own_pushes
 from tigana.ps.errors import InvalidArgument, PSError
 from tigana.ps.session import client_stamp, new_client_id
 
@@ -92,15 +92,20 @@ class DataPath(ClientFields):
         route = self._route
         grouped = _group_many(route, flat, None, unique)
         attempt = self._attempt()
-        with self._frames_held():
-            for t, (st, a, fut) in enumerate(zip(states, arrays, futs, strict=True)):
-                if a.size == 0:
-                    fut.set_result(np.empty(a.shape + (st.dim,), np.float32))
-                    continue
-                uniq, ub, starts, src, bounds = grouped
-                parts = (route, uniq[ub[t]:ub[t + 1]], starts[t], src[bounds[t]:bounds[t + 1]])
-                op = PullOp(self, st, fut, flat[t], a.shape, attempt, read_only=not insert, grouped=parts)
-                after_own_pushes(st, op.start)
+        ops = []
+        uniq, ub, starts, src, bounds = grouped
+        for t, (st, a, fut) in enumerate(zip(states, arrays, futs, strict=True)):
+            if a.size == 0:
+                fut.set_result(np.empty(a.shape + (st.dim,), np.float32))
+                continue
+            parts = (route, uniq[ub[t]:ub[t + 1]], starts[t], src[bounds[t]:bounds[t + 1]])
+            ops.append(PullOp(self, st, fut, flat[t], a.shape, attempt, read_only=not insert, grouped=parts))
+
+        def start() -> None:  # here, or in the thread that completes the last push the bound waits for
+            with self._frames_held():
+                for op in ops:
+                    op.start()
+        after_all_own_pushes([op.st for op in ops], start)
         return futs
 
     def push_many(self, tables: Sequence[str], ids: Sequence[Any], grads: Sequence[Any], *,

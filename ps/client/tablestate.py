@@ -60,15 +60,23 @@ class Countdown:
 def after_own_pushes(st: TableState, fn: Callable[[], None]) -> None:
     """Run ``fn`` once this client's pushes to ``st`` from more than ``staleness`` steps back are done (at
     once, in this thread, when none is outstanding; else in the thread that completes the last)."""
-    k = st.staleness
-    if k is None:
-        fn()
-        return
-    with st.lock:
-        threshold = st.step - k
-        waits = [f for s, f in st.pending.items() if s <= threshold]
-        if waits:
-            st.stale_waits += 1
+    after_all_own_pushes([st], fn)
+
+
+def after_all_own_pushes(states: Sequence[TableState], fn: Callable[[], None]) -> None:
+    """``after_own_pushes`` for several tables at once: ``fn`` runs once the pushes every one of them waits
+    for are done (so a many-table pull still leaves as one message per server)."""
+    waits = []
+    for st in states:
+        k = st.staleness
+        if k is None:
+            continue
+        with st.lock:
+            threshold = st.step - k
+            mine = [f for s, f in st.pending.items() if s <= threshold]
+            if mine:
+                st.stale_waits += 1
+        waits += mine
     if waits:
         Countdown(waits, fn)
     else:
