@@ -68,6 +68,19 @@ class Fanout:
             return self.left == 0
 
 
+def retry_plan(error: PSError, routed_epoch: int, attempt: int, clustered: bool, initial_backoff_s: float,
+               max_backoff_s: float) -> tuple[float, int]:
+    """When a failed part goes again: (backoff in seconds, the map epoch to go at as soon as the client has it;
+    0: only the backoff). Backoff doubles with the attempts. A server that refused a part routed by a map
+    newer than its own (``WrongShard`` at a lower epoch: it is installing that map, and was told to fetch it)
+    is asked again soon, by the same map: waiting for a map newer than the client's, or a backoff grown over the
+    attempts of a long rebalance, would hold the part for seconds after the last map of the rebalance."""
+    if clustered and isinstance(error, WrongShard) and error.epoch < routed_epoch:
+        return initial_backoff_s, 0
+    delay = min(max_backoff_s, initial_backoff_s * (2 ** (attempt - 1)))
+    return delay, (max(error.epoch, routed_epoch + 1) if clustered else 0)
+
+
 # Answers that prove the server applied nothing of the request (refused before applying).
 _NOTHING_APPLIED = (WrongShard, NotEnoughReplicas, UnknownClient)
 
@@ -127,11 +140,12 @@ class _Op:
             settle(None, error)
             return
         c._note_retry()
-        delay = min(c.config.max_backoff_s, c.config.initial_backoff_s * (2 ** (a.number - 1)))
+        delay, wanted = retry_plan(error, self.routed_epoch, a.number, clustered, c.config.initial_backoff_s,
+                                   c.config.max_backoff_s)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("table %r: a part to %s failed at attempt %d (%s: %s); routed again by epoch >= %d or in "
+            log.debug("table %r: a part to %s failed at attempt %d (%s: %s); routed again by epoch >= %s or in "
                       "%.2fs", self.st.name, server.address if server is not None else "-", a.number,
-                      type(error).__name__, str(error)[:200], max(error.epoch, self.routed_epoch + 1), delay)
+                      type(error).__name__, str(error)[:200], wanted if wanted else "-", delay)
         child = Attempt(a.number + 1, a.deadline, error, a.refused and isinstance(error, _NOTHING_APPLIED))
         once = threading.Lock()
 
@@ -149,10 +163,9 @@ class _Op:
         if clustered:
             if isinstance(error, Unavailable) and server is not None and not error.answered:
                 c._maps.report_unreachable(server.address)  # the connection failed: perhaps it died
-            # A map newer than the one this part was routed by may route it elsewhere: go as soon as one is here.
-            wanted = max(error.epoch, self.routed_epoch + 1)
-            c._maps.refresh(wanted)
-            c._when_epoch(wanted, fire)
+            if wanted:  # a map newer than the one this part was routed by may route it elsewhere: go as soon
+                c._maps.refresh(wanted)  # as one is here
+                c._when_epoch(wanted, fire)
         timer = threading.Timer(delay, fire)
         timer.daemon = True
         timer.start()

@@ -256,7 +256,9 @@ def encode_pull_response(rows: np.ndarray, codec: int = pb.CODEC_FP32) -> bytes:
 
 
 def parts_nbytes(parts: list) -> int:
-    return sum(memoryview(p).nbytes for p in parts)
+    """Bytes of a message in pieces (bytes, memoryviews, numpy buffers), without a view made per piece."""
+    return sum([len(p) if type(p) is bytes else (p.nbytes if hasattr(p, "nbytes") else memoryview(p).nbytes)
+                for p in parts])
 
 
 def len_field_parts(field_no: int, parts: list) -> list:
