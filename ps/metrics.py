@@ -163,6 +163,8 @@ class ServerMetrics(MetricsEndpoint):
                                 ["method", "code"], registry=r)
         self.latency = Histogram("tigana_request_seconds", "RPC latency in the server, by method", ["method"],
                                  buckets=LATENCY_BUCKETS, registry=r)
+        self._children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}  # observe's labelled children
+        self._labelled: dict[tuple[int, tuple[str, ...]], Any] = {}  # labelled's
         self.auth_rejected = Counter("tigana_auth_rejected", "Calls refused by the credential check, by method and "
                                      "reason (missing, invalid, expired, role)", ["method", "reason"], registry=r)
         self.rows_pulled = Counter("tigana_rows_pulled", "Rows returned by Pull, by table", ["table"], registry=r)
@@ -191,12 +193,26 @@ class ServerMetrics(MetricsEndpoint):
         """A call refused by the credential check (reason: missing, invalid, role); never the token itself."""
         self.auth_rejected.labels(method.rsplit("/", 1)[-1], reason).inc()
 
+    def labelled(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, kept: the data path counts a few of them for every frame."""
+        key = (id(metric), values)
+        child = self._labelled.get(key)
+        if child is None:
+            child = self._labelled[key] = metric.labels(*values)
+        return child
+
     def observe(self, method: str, code: str, seconds: float) -> None:
-        """Count one answered RPC."""
-        self.requests.labels(method, code).inc()
-        self.latency.labels(method).observe(seconds)
-        if code != "OK":
-            self.rejected.labels(method, code).inc()
+        """Count one answered RPC (or stream frame). The labelled children are kept per (method, code): a
+        ``labels()`` lookup costs more than the count itself, and every data-path frame comes here."""
+        key = (method, code)
+        children = self._children.get(key)
+        if children is None:
+            children = self._children[key] = (self.requests.labels(method, code), self.latency.labels(method),
+                                               self.rejected.labels(method, code) if code != "OK" else None)
+        children[0].inc()
+        children[1].observe(seconds)
+        if children[2] is not None:
+            children[2].inc()
 
 
 class ClientCollector:

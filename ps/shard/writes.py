@@ -79,11 +79,11 @@ class Writes(ShardFields):
             else:
                 rows = hosted.table.pull(ids)
             hosted.pulled += np.bincount(slots, minlength=self.num_slots)
-        self.metrics.rows_pulled.labels(name).inc(len(ids))
-        self.metrics.bytes_in.labels("Pull").inc(len(raw_ids))
-        self.metrics.bytes_out.labels("Pull").inc(reply_bytes)
-        self.metrics.row_bytes_raw.labels("Pull").inc(len(ids) * hosted.table.config.dim * 4)
-        self.metrics.row_bytes_wire.labels("Pull").inc(reply_bytes)
+        self.metrics.labelled(self.metrics.rows_pulled, name).inc(len(ids))
+        self.metrics.labelled(self.metrics.bytes_in, "Pull").inc(len(raw_ids))
+        self.metrics.labelled(self.metrics.bytes_out, "Pull").inc(reply_bytes)
+        self.metrics.labelled(self.metrics.row_bytes_raw, "Pull").inc(len(ids) * hosted.table.config.dim * 4)
+        self.metrics.labelled(self.metrics.row_bytes_wire, "Pull").inc(reply_bytes)
         return name, rows, codec
 
     def _push(self, request: pb.PushRequest | wire.RawPush) -> pb.PushResponse:
@@ -109,9 +109,9 @@ class Writes(ShardFields):
                                       f"field 'ids' has {len(ids)} ids")
         grads = wire.decode_rows(grads_rows, len(ids), dim, table=name, field="grads")
         epoch = getattr(request, "epoch", 0)
-        self.metrics.bytes_in.labels("Push").inc(memoryview(raw_ids).nbytes + nbytes + memoryview(scales).nbytes)
-        self.metrics.row_bytes_raw.labels("Push").inc(len(ids) * dim * 4)
-        self.metrics.row_bytes_wire.labels("Push").inc(nbytes + memoryview(scales).nbytes)
+        self.metrics.labelled(self.metrics.bytes_in, "Push").inc(memoryview(raw_ids).nbytes + nbytes + memoryview(scales).nbytes)
+        self.metrics.labelled(self.metrics.row_bytes_raw, "Push").inc(len(ids) * dim * 4)
+        self.metrics.labelled(self.metrics.row_bytes_wire, "Push").inc(nbytes + memoryview(scales).nbytes)
         cid, seq = request.client_id, request.seq
         self._wait_for_room(name)
         with hosted.lock:
@@ -157,16 +157,16 @@ class Writes(ShardFields):
                                   epoch=self._view.epoch)
             self._check_unmoved(name, view, uslots)
         if p.duplicate:
-            self.metrics.duplicate_pushes.labels(name).inc()
+            self.metrics.labelled(self.metrics.duplicate_pushes, name).inc()
         else:
-            self.metrics.rows_pushed.labels(name).inc(p.rows)
+            self.metrics.labelled(self.metrics.rows_pushed, name).inc(p.rows)
         applied, duplicate = p.applied, p.duplicate
         now = self._view
         # Not silent: a sync push acknowledged while a slot of it has fewer in-sync copies than the cluster
         # keeps says so (the client counts and logs it; ``min_copies`` refuses it instead).
         under = bool(sync and self.clustered and (now.in_sync[uslots] < now.want).any())
         if under:
-            self.metrics.under_replicated_pushes.labels(name).inc()
+            self.metrics.labelled(self.metrics.under_replicated_pushes, name).inc()
         return pb.PushResponse(applied_rows=int(applied), duplicate=duplicate, epoch=now.epoch,
                                under_replicated=under)
 
