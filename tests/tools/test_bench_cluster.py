@@ -41,3 +41,5 @@ def test_bench_reshard_moves_drains_and_leaves_every_copy_equal(bench_lines):
     assert 0 < lines["reshard.move"]["rows_moved"] <= 20000  # the 4th server's share was copied to it
     assert lines["reshard.drain"]["copies_differing"] == 0 and lines["reshard.drain"]["rows_held"] > 0
     assert lines["reshard.balance"]["servers"] == 4
+    p99 = lines["reshard.push_p99"]  # the samples behind each p99 are reported with it
+    assert p99["pushes_during"] >= 1 and p99["pushes_before"] >= 1

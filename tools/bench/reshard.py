@@ -63,8 +63,12 @@ class _Traffic:
             i += 1
 
     def p99(self, t0: float, t1: float) -> float:
-        xs = [d for t, d in self.latencies if t0 <= t < t1]
+        xs = self.between(t0, t1)
         return float(np.percentile(xs, 99)) if xs else float("nan")
+
+    def between(self, t0: float, t1: float) -> list[float]:
+        """Latencies of the pushes started in [t0, t1) (how many there are says what a p99 of them means)."""
+        return [d for t, d in self.latencies if t0 <= t < t1]
 
     def stop(self) -> None:
         self._stop.set()
@@ -126,7 +130,9 @@ def run(args: argparse.Namespace) -> int:
             traffic.stop()
         emit("reshard.move", "rows/s", moved / move_s, "pull of every row (read limit)", total / read_s,
              rows_moved=moved, seconds=round(move_s, 3), **params)
-        emit("reshard.push_p99", "s", p99_move, "push p99 before the move", p99_idle, batch=args.batch, **params)
+        emit("reshard.push_p99", "s", p99_move, "push p99 before the move", p99_idle, batch=args.batch,
+             pushes_during=len(traffic.between(start, start + move_s)),
+             pushes_before=len(traffic.between(before_move - 3.0, before_move)), **params)
         emit("reshard.balance", "max/mean", balance_after, "max/mean before rebalance", balance_before,
              servers=4, traffic="zipf(1.05) pull+push", **params)
         # drain one of the original servers (no traffic): the time it takes against reading its rows
