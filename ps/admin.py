@@ -157,7 +157,8 @@ def _compare_copies(m: ShardMap, infos: dict[int, dict[str, dict[str, np.ndarray
             if t is None:
                 continue
             sums[i] = dict(zip(t["slots"].tolist(), zip(t["checksums"].tolist(), t["lsn_epochs"].tolist(),
-                                                        t["lsn_indexes"].tolist(), strict=True), strict=True))
+                                                        t["lsn_indexes"].tolist(), t["rows"].tolist(), strict=True),
+                               strict=True))
         for slot in range(m.num_slots):
             primary = int(m.copies[slot, 0])
             if primary < 0 or primary not in sums:
@@ -168,12 +169,15 @@ def _compare_copies(m: ShardMap, infos: dict[int, dict[str, dict[str, np.ndarray
                     continue
                 mine, theirs = sums[primary].get(slot), sums[c].get(slot)
                 where = {"table": name, "slot": slot, "primary": m.servers[primary].id, "copy": m.servers[c].id}
-                if mine is not None and theirs is not None and mine[1:] != theirs[1:]:
-                    behind.append({**where, "primary_lsn": list(mine[1:]), "copy_lsn": list(theirs[1:])})
+                if mine is not None and theirs is not None and mine[1:3] != theirs[1:3]:
+                    behind.append({**where, "primary_lsn": list(mine[1:3]), "copy_lsn": list(theirs[1:3])})
                     continue
                 checked += 1
-                if (mine or (None,))[0] != (theirs or (None,))[0]:
-                    differing.append(where)
+                if (mine or (None,))[0] != (theirs or (None,))[0]:  # what differs, for whoever looks into it
+                    differing.append({**where, "primary_lsn": list(mine[1:3]) if mine else None,
+                                      "copy_lsn": list(theirs[1:3]) if theirs else None,
+                                      "primary_rows": mine[3] if mine else None,
+                                      "copy_rows": theirs[3] if theirs else None})
     return checked, differing, behind
 
 

@@ -320,7 +320,8 @@ def _export_follow(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
 def _verify(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     result = admin.verify(args.scheduler, args.table, security=args.security)
     for d in result["differing"][:50]:
-        _say(args, f"slot {d['slot']} of {d['table']!r}: copy on {d['copy']} differs from the primary {d['primary']}")
+        _say(args, f"slot {d['slot']} of {d['table']!r}: copy on {d['copy']} differs from the primary {d['primary']} "
+                   f"at log position {d['primary_lsn']} (rows: primary {d['primary_rows']}, copy {d['copy_rows']})")
     behind = result["behind"]
     if behind:  # still written, or replication lagging, after the settle time: not compared, not a difference
         _say(args, f"{len(behind)} cop(ies) still behind their primary's log position (replication in flight), "
