@@ -92,6 +92,6 @@ class _PushSide:
             return
         start = time.perf_counter()
         futs = self.client.push_many(tables, all_ids, all_grads, unique=unique)
-        for table, ids, fut in zip(tables, all_ids, futs, strict=True):
+        for ids, fut in zip(all_ids, futs, strict=True):
             self._timed("push", fut, start, ids.shape[0])
             self.pushed_rows += ids.shape[0]
