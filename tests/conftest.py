@@ -5,7 +5,7 @@ In-process (fast; gRPC on a free loopback port, tables in this process):
 - ``shard_server``          one ``ServerHandle`` owning all slots, data dir under ``tmp_path``; ready to serve.
 - ``make_shard_server``     factory ``make_shard_server(**ServerConfig fields) -> ServerHandle`` (ready); defaults
                             port=0 and a fresh data dir; all closed at teardown.
-- ``shard_servers``         two ready in-process handles; server i owns ``routing.slot_range(i, 2)`` (the same
+- ``shard_servers``         two ready in-process handles (``three_shards``: three, the same way); server i owns ``routing.slot_range(i, 2)`` (the same
                             static assignment the client uses for a shard list), so ``[h.address for h in ...]``
                             works as a ``ps.connect`` list.
 
@@ -80,13 +80,22 @@ def shard_server(make_shard_server: Callable[..., ServerHandle]) -> ServerHandle
     return make_shard_server()
 
 
-@pytest.fixture
-def shard_servers(make_shard_server: Callable[..., ServerHandle]) -> list[ServerHandle]:
+def _static_shards(make_shard_server: Callable[..., ServerHandle], n: int) -> list[ServerHandle]:
     handles = []
-    for i in range(2):
-        start, stop = slot_range(i, 2)
+    for i in range(n):
+        start, stop = slot_range(i, n)
         handles.append(make_shard_server(slots=f"{start}-{stop - 1}"))
     return handles
+
+
+@pytest.fixture
+def shard_servers(make_shard_server: Callable[..., ServerHandle]) -> list[ServerHandle]:
+    return _static_shards(make_shard_server, 2)
+
+
+@pytest.fixture
+def three_shards(make_shard_server: Callable[..., ServerHandle]) -> list[ServerHandle]:
+    return _static_shards(make_shard_server, 3)
 
 
 @pytest.fixture

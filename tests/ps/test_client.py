@@ -25,15 +25,6 @@ OPTIMIZERS = [ps.SGD(lr=0.1), ps.Adagrad(lr=0.05), ps.RowWiseAdagrad(lr=0.05), p
 
 
 @pytest.fixture
-def three_shards(make_shard_server):
-    handles = []
-    for i in range(3):
-        start, stop = routing.slot_range(i, 3)
-        handles.append(make_shard_server(slots=f"{start}-{stop - 1}"))
-    return handles
-
-
-@pytest.fixture
 def client(shard_servers):
     c = ps.connect([h.address for h in shard_servers], timeout_s=20)
     try:

@@ -15,15 +15,6 @@ from tigana.embeddings import EmbeddingTable, TableConfig
 from tigana.ps import _kernels, routing
 
 
-@pytest.fixture
-def three_shards(make_shard_server):
-    handles = []
-    for i in range(3):
-        start, stop = routing.slot_range(i, 3)
-        handles.append(make_shard_server(slots=f"{start}-{stop - 1}"))
-    return handles
-
-
 def _segments(draw_sizes: list[int], ids: np.ndarray) -> np.ndarray:
     bounds = np.zeros(len(draw_sizes) + 1, np.int64)
     np.cumsum(draw_sizes, out=bounds[1:])
