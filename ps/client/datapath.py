@@ -24,7 +24,7 @@ import numpy as np
 from tigana.ps import _kernels
 from tigana.ps.client._fields import ClientFields
 from tigana.ps.client.inflight import Attempt, PullOp, PushOp, new_future
-from tigana.ps.client.tablestate import after_all_own_pushes, after_own_pushes
+from tigana.ps.client.tablestate import after_own_pushes
 from tigana.ps.errors import InvalidArgument, PSError
 from tigana.ps.session import client_stamp, new_client_id
 
@@ -43,17 +43,7 @@ class DataPath(ClientFields):
 
     def pull_async(self, table: str, ids: Any, *, insert: bool = True) -> cf.Future:
         """Like ``pull`` but returns at once a future of the rows (to prefetch the next batch)."""
-        self._raise_stored()
-        st = self._state(table)
-        ids = _as_ids(ids, table)
-        fut = new_future()
-        if ids.size == 0:
-            fut.set_result(np.empty(ids.shape + (st.dim,), np.float32))
-            return fut
-        op = PullOp(self, st, fut, np.ascontiguousarray(ids.reshape(-1)), ids.shape, self._attempt(),
-                    read_only=not insert)
-        after_own_pushes(st, op.start)
-        return fut
+        return self.pull_many([table], [ids], insert=insert)[0]
 
     def push(self, table: str, ids: Any, grads: Any) -> cf.Future:
         """Send gradients of ``ids`` ((n,) ints) as ``grads`` ((n, dim) float, numpy or torch; duplicates are
@@ -105,7 +95,7 @@ class DataPath(ClientFields):
             with self._frames_held():
                 for op in ops:
                     op.start()
-        after_all_own_pushes([op.st for op in ops], start)
+        after_own_pushes([op.st for op in ops], start)
         return futs
 
     def push_many(self, tables: Sequence[str], ids: Sequence[Any], grads: Sequence[Any], *,

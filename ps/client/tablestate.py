@@ -57,15 +57,10 @@ class Countdown:
             self._fn()
 
 
-def after_own_pushes(st: TableState, fn: Callable[[], None]) -> None:
-    """Run ``fn`` once this client's pushes to ``st`` from more than ``staleness`` steps back are done (at
-    once, in this thread, when none is outstanding; else in the thread that completes the last)."""
-    after_all_own_pushes([st], fn)
-
-
-def after_all_own_pushes(states: Sequence[TableState], fn: Callable[[], None]) -> None:
-    """``after_own_pushes`` for several tables at once: ``fn`` runs once the pushes every one of them waits
-    for are done (so a many-table pull still leaves as one message per server)."""
+def after_own_pushes(states: Sequence[TableState], fn: Callable[[], None]) -> None:
+    """Run ``fn`` once this client's pushes to each of ``states`` from more than its ``staleness`` steps back
+    are done (at once, in this thread, when none is outstanding; else in the thread that completes the last):
+    one wait for every table of a call, so a many-table pull still leaves as one message per server."""
     waits = []
     for st in states:
         k = st.staleness
