@@ -126,6 +126,19 @@ class Primary:
             s.held, s.in_sync = held, in_sync
             s.required = in_sync | pending
             s.excluded &= held  # a copy no longer held is no longer refused
+            emptied = _emptied(s, in_sync)
+            if emptied.size:
+                # A slot copy still sending rows over copies this map has in sync (an earlier copy's report went
+                # in while this one restarted): its SNAPSHOT_BEGIN emptied them on the target, which may now lack
+                # rows. They are refused and reported, and the scheduler has them built again (I1).
+                s.exclude(emptied, self.slot_of)
+                reason = "a slot copy was started again over copies this map has in sync: they may lack rows"
+                s.last_error = reason
+                log.warning("replication from %s to %s at epoch %d: %s (slots %s); reporting them", self.server_id,
+                            s.target_id, m.epoch, reason, slots_text(emptied),
+                            extra=event("replication_failing", slots=emptied, epoch=m.epoch, server=s.target_id,
+                                        source=self.server_id, reason=reason))
+                actions.append(ReportFailure(s.target_id, emptied.astype(np.int32), reason))
             new_copy = cut_to_catching(s, catching)
             if new_copy.any():
                 slots = np.flatnonzero(new_copy).astype(np.int32)
@@ -351,3 +364,12 @@ class Primary:
                 "slot_copy_rows_total": float(sum(x.rows_total for x in live)),
                 "replication_copies_refused": float(sum(int(s.excluded.sum()) for s in streams))}
 
+
+def _emptied(s: Stream, in_sync: np.ndarray) -> np.ndarray:
+    """Slots of ``s``'s slot copies still sending rows (their SNAPSHOT_BEGIN emptied the target's copy) that the
+    map has in sync."""
+    out = np.zeros(in_sync.shape[0], bool)
+    for sess in s.sessions:
+        if sess.state in (COPYING, ROWS_SENT):
+            out[sess.slots[in_sync[sess.slots]]] = True
+    return np.flatnonzero(out)

@@ -315,6 +315,13 @@ class SchedulerCore(Liveness, Moves):
         if hit is None or not self.map.servers[t].up:
             return False, "unknown or dead server"
         if hit[0].size == 0:
+            # A repeated report of copies already in sync (the first was committed but its answer was lost, or
+            # came late to a starved primary) is answered yes: a "no" would make the primary start the copy
+            # again, and its SNAPSHOT_BEGIN would empty an in-sync copy on a target that has not installed this
+            # map yet (the new copy is then cut short when both install it: an in-sync copy missing rows).
+            done = self._primary_copies(reporter, target, slots, IN_SYNC)
+            if done is not None and done[0].size:
+                return True, "already in sync"
             return False, "no such catching-up copy (the map changed)"
         stale = np.array([self.catching_since.get((int(r), t), 0) > since_epoch for r in hit[0]], bool)
         if stale.any():

@@ -280,3 +280,38 @@ def test_the_apply_side_applies_each_seq_once_in_order_and_asks_for_a_newer_map(
     assert receive(req(4, ["d"], epoch=5), may_refresh=False).reject == pb.REJECT_BEHIND
     view.epoch = 5
     assert receive(req(4, ["d"], epoch=5)).applied_through == 4 and applied == ["a", "b", "c", "d"]
+
+
+def test_a_copy_the_map_puts_in_sync_while_a_new_slot_copy_of_it_is_running_is_refused_and_reported() -> None:
+    """An earlier copy's report went in while the primary had started the copy again (its answer was lost,
+    the scheduler starved): the new copy's SNAPSHOT_BEGIN emptied the target, so when the map now has those
+    copies in sync, the primary refuses and reports them instead of cutting the new copy short (which left
+    an in-sync copy missing rows: copies differing at the same log position in ``bench reshard``)."""
+    p = _primary()
+    actions = _install(p, _map(1, [CATCHING_UP] * 3 + [None] * 5))
+    s, sess = actions[1].stream, actions[1].session
+    assert sess.slots.tolist() == [0, 1, 2] and sess.state not in (FAILED, REPORTED)
+    # the map now has slots 0 and 1 in sync (the earlier copy's report); slot 2 still catching up
+    actions = _install(p, _map(2, [IN_SYNC, IN_SYNC, CATCHING_UP] + [None] * 5))
+    failures = [a for a in actions if isinstance(a, ReportFailure)]
+    assert len(failures) == 1 and failures[0].target == "b" and failures[0].slots.tolist() == [0, 1]
+    assert sess.state == FAILED and s.excluded[[0, 1]].all() and not s.excluded[2]
+    # a write to the refused copies waits for the map to take them out of the in-sync set, never for b
+    assert all(m.seq >= (1 << 62) for m in p.enqueue(_write([0])))
+    # slot 2 gets a new slot copy of its own (the failed one covered it)
+    starts = [a for a in actions if isinstance(a, StartCopy)]
+    assert len(starts) == 1 and starts[0].session.slots.tolist() == [2]
+    # the retry timer reports the refused in-sync copies again until the map demotes them
+    assert any(isinstance(a, ReportFailure) and a.slots.tolist() == [0, 1] for a in p.retry())
+
+
+def test_a_copy_already_reported_is_not_refused_when_the_map_puts_it_in_sync() -> None:
+    p = _primary()
+    actions = _install(p, _map(1, [CATCHING_UP] * 2 + [None] * 6))
+    s, sess = actions[1].stream, actions[1].session
+    p.rows_copied(s, sess, now=1.0)
+    p.answered(s, _reply(s.next_seq - 1), now=1.1)
+    p.answered(s, _reply(s.next_seq - 1), now=3.0)  # switched, then its switch acknowledged: reported
+    assert sess.state == REPORTED
+    actions = _install(p, _map(2, [IN_SYNC, IN_SYNC] + [None] * 6))
+    assert not [a for a in actions if isinstance(a, ReportFailure)] and not s.excluded.any()
