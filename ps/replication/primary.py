@@ -213,9 +213,17 @@ class Primary:
     def enqueue_rows(self, s: Stream, sess: Session, item: Item) -> bool:
         """A SNAPSHOT_ROWS item of ``sess`` (under the table's write lock). False: the session is over."""
         if not self.session_active(s, sess):
-            return False
-        if not s.sendable()[item.slots].all():
-            return False  # a slot of it was refused meanwhile: the copy starts again
+            return False  # over (a slot of it refused meanwhile fails it: the copy starts again)
+        keep = np.zeros(self.num_slots, bool)
+        keep[sess.slots] = True
+        keep &= s.sendable()
+        if not keep[item.slots].all():
+            # Slots cut from the session meanwhile (the map no longer has them catching up on the target): their
+            # rows are left out and the copy goes on. Stopping the export here instead, as it did, let the session
+            # end with the rows of its later chunks never sent: an in-sync copy without them.
+            item = restrict(item, keep, self.slot_of)
+            if not item.slots.size:
+                return True
         self._push(s, item)
         sess.rows_sent += 0 if item.rows is None else len(item.rows)
         return True

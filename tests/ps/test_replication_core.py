@@ -315,3 +315,24 @@ def test_a_copy_already_reported_is_not_refused_when_the_map_puts_it_in_sync() -
     assert sess.state == REPORTED
     actions = _install(p, _map(2, [IN_SYNC, IN_SYNC] + [None] * 6))
     assert not [a for a in actions if isinstance(a, ReportFailure)] and not s.excluded.any()
+
+
+def test_a_slot_copy_cut_to_fewer_slots_goes_on_exporting_the_rest() -> None:
+    """The map drops one of a running slot copy's target copies: the session is cut to the slots still catching
+    up, and a chunk of rows that also holds the dropped slot's rows is sent without them. Refusing the chunk
+    stopped the export, and the session ended with its later chunks never sent (an in-sync copy missing rows:
+    ``bench reshard``'s copies differing at the same log position)."""
+    from tigana.ps.wire.cluster import SNAPSHOT_ROWS
+
+    p = _primary()
+    actions = _install(p, _map(1, [CATCHING_UP] * 3 + [None] * 5))
+    s, sess = actions[1].stream, actions[1].session
+    _install(p, _map(2, [CATCHING_UP, None, CATCHING_UP] + [None] * 5))  # slot 1's copy on b is dropped
+    assert sess.slots.tolist() == [0, 2] and p.session_active(s, sess)
+    chunk = Item(SNAPSHOT_ROWS, "t", np.array([0, 1, 2], np.int32), prev=np.zeros((0, 2), np.uint64))
+    assert p.enqueue_rows(s, sess, chunk)  # the copy goes on
+    assert s.queue[-1].item.kind == SNAPSHOT_ROWS and s.queue[-1].item.slots.tolist() == [0, 2]
+    only_dropped = Item(SNAPSHOT_ROWS, "t", np.array([1], np.int32), prev=np.zeros((0, 2), np.uint64))
+    queued = len(s.queue)
+    assert p.enqueue_rows(s, sess, only_dropped) and len(s.queue) == queued  # nothing of it is sent
+    assert p.rows_copied(s, sess, now=1.0) == [] and sess.state == ROWS_SENT
