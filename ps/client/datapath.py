@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent import futures as cf
@@ -24,7 +23,7 @@ import numpy as np
 from tigana.ps import _kernels
 from tigana.ps.client._fields import ClientFields
 from tigana.ps.client.inflight import Attempt, PullOp, PushOp, new_future
-from tigana.ps.client.tablestate import after_own_pushes
+from tigana.ps.client.tablestate import Countdown, after_own_pushes
 from tigana.ps.errors import InvalidArgument, PSError
 from tigana.ps.session import client_stamp, new_client_id
 
@@ -240,16 +239,11 @@ def _group_many(route: Any, ids: list[np.ndarray], grads: list[np.ndarray] | Non
 
 def _release_when_answered(server: Any, items: list) -> list:
     """``items`` whose ``done`` callbacks free one of ``server``'s push permits once all have run."""
-    left = [len(items)]
-    lock = threading.Lock()
+    countdown = Countdown(len(items), server.permits.release)
 
     def wrap(done: Any) -> Any:
         def once(reply: Any, error: PSError | None) -> None:
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                server.permits.release()
+            countdown.one()
             done(reply, error)
         return once
     return [(kind, request, wrap(done)) for kind, request, done in items]

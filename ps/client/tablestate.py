@@ -40,16 +40,15 @@ class TableState:
 
 
 class Countdown:
-    """Calls ``fn`` once after ``n`` futures are done (in the thread that completes the last)."""
+    """Calls ``fn`` once after ``n`` calls of ``one`` (in the thread that makes the last): the join of a
+    step's futures, or of a bundle's answers."""
 
-    def __init__(self, futs: Sequence[cf.Future], fn: Callable[[], None]) -> None:
-        self._left = len(futs)
+    def __init__(self, n: int, fn: Callable[[], None]) -> None:
+        self._left = n
         self._lock = threading.Lock()
         self._fn = fn
-        for f in futs:
-            f.add_done_callback(self._one)
 
-    def _one(self, _: cf.Future) -> None:
+    def one(self, *_: Any) -> None:
         with self._lock:
             self._left -= 1
             fire = self._left == 0
@@ -73,7 +72,9 @@ def after_own_pushes(states: Sequence[TableState], fn: Callable[[], None]) -> No
                 st.stale_waits += 1
         waits += mine
     if waits:
-        Countdown(waits, fn)
+        countdown = Countdown(len(waits), fn)
+        for f in waits:
+            f.add_done_callback(countdown.one)
     else:
         fn()
 
