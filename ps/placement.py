@@ -343,16 +343,26 @@ def step_toward(copies: np.ndarray, states: np.ndarray, target: np.ndarray, *, m
     """One safe step from (copies, states) toward ``target``, for every slot at once:
 
     1. add each target copy the slot lacks, catching up (at most ``max_new_copies`` slots start copying);
-    2. where every target copy is in sync and the primary differs, start handing the primary role to the
-       target's primary (an in-sync copy): the primary is marked ``HANDING_OVER`` (it refuses writes and
-       drains its stream); ``hand_over`` completes the step when it reports (the old primary stays a replica);
-    3. where the primary is the target's and every target copy is in sync, drop the copies not in target.
+    2. once no slot of the move has a target copy still to make or catching up, start handing every primary
+       role that moves to the target's primary (an in-sync copy): the primary is marked ``HANDING_OVER`` (it
+       refuses writes and drains its stream); ``hand_over`` completes the step when it reports (the old
+       primary stays a replica);
+    3. once, besides, no primary role of the move is still to hand over, drop the copies not in target.
 
-    Slots without a primary are left alone (nothing can copy from them)."""
+    Hand-overs wait for the copies (2) because a fenced slot refuses writes until the new primary's map is
+    out, and a write touches most slots: hand-overs spread over the copies' completions would stall every
+    write once per completion, and a primary drains its stream behind the rows it is still copying. Held
+    back, they are one fence, over idle streams. Drops wait for the hand-overs (3) so that deleting the
+    dropped rows does not take the CPU from the servers in the fence. Slots without a primary are left
+    alone (nothing can copy from them), and hold nothing back."""
     width = max(copies.shape[1], target.shape[1]) * 2
     c, s = widen(np.asarray(copies, np.int32), np.asarray(states, np.uint8), width)
+    moving = np.flatnonzero(_differs(c, target))
+    moving = moving[c[moving, 0] >= 0]
+    copying = any(_copying(c[slot], s[slot], target[slot]) for slot in moving)
+    handing = bool(((c[moving, 0] != target[moving, 0]) & (target[moving, 0] >= 0)).any())
     started = 0
-    for slot in np.flatnonzero(_differs(c, target)):
+    for slot in moving:
         if c[slot, 0] < 0:
             continue
         tgt = [int(x) for x in target[slot] if x >= 0]
@@ -372,12 +382,25 @@ def step_toward(copies: np.ndarray, states: np.ndarray, target: np.ndarray, *, m
         if row[0] != tgt[0]:
             # A planned hand-over takes two maps: here the primary is told to refuse writes and drain its
             # stream (HANDING_OVER); ``hand_over`` names the new primary once it reported that it did.
-            s[slot, 0] = HANDING_OVER
+            if not copying:
+                s[slot, 0] = HANDING_OVER
+            continue
+        if handing:
             continue
         for j in range(1, c.shape[1]):
             if c[slot, j] >= 0 and int(c[slot, j]) not in tgt:
                 c[slot, j], s[slot, j] = NO_SERVER, 0
     return c, s
+
+
+def _copying(row: np.ndarray, states: np.ndarray, target_row: np.ndarray) -> bool:
+    """Whether a slot (its copies ``row`` and their ``states``) lacks a copy of ``target_row`` or has one
+    still catching up."""
+    for x in target_row[target_row >= 0]:
+        j = np.flatnonzero(row == x)
+        if not j.size or states[j[0]] == CATCHING_UP:
+            return True
+    return False
 
 
 def hand_over(copies: np.ndarray, states: np.ndarray, slots: np.ndarray, target: np.ndarray

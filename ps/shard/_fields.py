@@ -53,6 +53,9 @@ class ShardFields:
     _inbound: dict[str, tuple[Inbound, threading.Lock]]
     _inbound_lock: threading.Lock
     _handover_wake: threading.Event
+    _drop_lock: threading.Lock
+    _drop_wanted: bool
+    _drop_running: bool
     _handover_started: bool
     _last_decay: float
     _streams: int

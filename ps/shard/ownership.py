@@ -178,10 +178,7 @@ class Ownership(ShardFields):
                     except StorageError as exc:  # a cache of the map's tables: written again at the next change
                         log.warning("saving the table registry failed: %s", exc)
         if new.valid and (not old.valid or dropped.size):
-            if self.replicator is not None:
-                self.replicator.spawn("tigana-drop-slots", self._drop_unheld)
-            else:
-                threading.Thread(target=self._drop_unheld, name="tigana-drop-slots", daemon=True).start()
+            self._request_drop()
         if new.fenced.any():
             self._start_hand_over()
         if self.on_install is not None:
@@ -219,6 +216,34 @@ class Ownership(ShardFields):
         for name in [n for n in self._tables if n not in m.tables]:
             self._drop_local(name)
             log.info("dropped table %r (not in the shard map)", name)
+
+    def _request_drop(self) -> None:
+        """Have the rows of slots no longer held deleted: by one worker at a time, which goes over the tables
+        again while maps came in during its pass (a rebalance drops copies in many maps; a pass per map, each
+        reading every stored id, would compete with the writes and the hand-overs for the CPU)."""
+        with self._drop_lock:
+            self._drop_wanted = True
+            if self._drop_running:
+                return
+            self._drop_running = True
+        if self.replicator is not None:
+            self.replicator.spawn("tigana-drop-slots", self._drop_loop)
+        else:
+            threading.Thread(target=self._drop_loop, name="tigana-drop-slots", daemon=True).start()
+
+    def _drop_loop(self) -> None:
+        while True:
+            with self._drop_lock:  # the check and the end of the worker are one step: no request is missed
+                if not self._drop_wanted or self.state == "closed":
+                    self._drop_running = False
+                    return
+                self._drop_wanted = False
+            try:
+                self._drop_unheld()
+            except BaseException:
+                with self._drop_lock:
+                    self._drop_running = False
+                raise
 
     def _drop_unheld(self) -> None:
         """Delete the rows of slots this server no longer holds, checked against the map current at each step:

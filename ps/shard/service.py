@@ -83,6 +83,8 @@ class ShardService(Ownership, Writes, Exports, Persistence, Hosting, shard_pb2_g
         self._inbound: dict[str, tuple[Inbound, threading.Lock]] = {}
         self._inbound_lock = threading.Lock()
         self._handover_wake = threading.Event()
+        self._drop_lock = threading.Lock()
+        self._drop_wanted = self._drop_running = False  # rows of slots no longer held to delete; a worker at it
         self._handover_started = False
         self._last_decay = time.monotonic()
         self._streams = 0  # Exchange streams open

@@ -397,6 +397,37 @@ def test_step_toward_example():
     assert placement.moves(c, target) == []
 
 
+def test_step_toward_hands_over_once_every_copy_is_made():
+    """A hand-over fences its slot (writes refused until the next map): none starts while another slot of the
+    move still copies, so the fences of a move come together, over streams no longer busy with copied rows."""
+    copies = np.array([[0, 1], [0, 1]], np.int32)
+    states = np.array([[IN_SYNC, IN_SYNC]] * 2, np.uint8)
+    target = np.array([[1, 0], [2, 1]], np.int32)  # slot 0: a role swap only; slot 1: a copy to make first
+    c, s = placement.step_toward(copies, states, target)
+    assert s[0, 0] == IN_SYNC and s[1, present(c[1]).index(2)] == CATCHING_UP  # slot 0 waits for slot 1's copy
+    c2, s2 = placement.step_toward(c, s, target)
+    np.testing.assert_array_equal(s2[:, :s.shape[1]], s)  # still copying: nothing is fenced
+    s[1, present(c[1]).index(2)] = IN_SYNC
+    c, s = placement.step_toward(c, s, target)
+    assert s[0, 0] == HANDING_OVER and s[1, 0] == HANDING_OVER  # both fenced in one map
+
+
+def test_step_toward_drops_copies_after_the_hand_overs():
+    """Copies leave once no primary role of the move is still to hand over: deleting their rows does not
+    compete with the servers in the fence."""
+    copies = np.array([[0, 1], [0, 1]], np.int32)
+    states = np.array([[IN_SYNC, IN_SYNC]] * 2, np.uint8)
+    target = np.array([[1, 0], [0, 2]], np.int32)  # slot 0: a role swap; slot 1: copy on 1 moves to 2
+    c, s = placement.step_toward(copies, states, target)
+    s[c == 2] = IN_SYNC  # slot 1's new copy caught up
+    c, s = placement.step_toward(c, s, target)
+    assert s[0, 0] == HANDING_OVER and sorted(present(c[1])) == [0, 1, 2]  # slot 1 keeps its old copy
+    c, s, done = placement.hand_over(c, s, np.array([0]), target)
+    assert done.tolist() == [0]
+    c, s = placement.step_toward(c, s, target)
+    assert sorted(present(c[1])) == [0, 2] and placement.moves(c, target) == []
+
+
 def test_step_toward_leaves_slots_without_primary():
     copies = np.array([[NO_SERVER, 1]], np.int32)
     states = np.array([[0, CATCHING_UP]], np.uint8)
