@@ -27,7 +27,7 @@ from tigana.ps.routing import ShardMap, format_slots, slot_of
 from tigana.ps.shard._fields import ShardFields
 
 log = logging.getLogger("tigana.ps.server")  # one logger for the whole shard server
-_COPY_CHUNK = 16384  # rows per SNAPSHOT_ROWS item of a slot copy
+_COPY_CHUNK = 16384  # rows per SNAPSHOT_ROWS item of a slot copy (and per lock hold of a drop: ~2 ms)
 _RATE_HALF_LIFE_S = 10.0
 
 
@@ -258,8 +258,8 @@ class Ownership(ShardFields):
                 continue
             gone = ids[~self._view.holds[slot_of(ids, self.num_slots)]]
             deleted = 0
-            for lo in range(0, gone.size, _COPY_CHUNK * 4):
-                chunk = gone[lo:lo + _COPY_CHUNK * 4]
+            for lo in range(0, gone.size, _COPY_CHUNK):
+                chunk = gone[lo:lo + _COPY_CHUNK]
                 with hosted.lock:
                     view = self._view
                     if not view.valid or self._tables.get(name) is not hosted:
@@ -267,6 +267,7 @@ class Ownership(ShardFields):
                     chunk = chunk[~view.holds[slot_of(chunk, self.num_slots)]]  # not taken back meanwhile
                     if chunk.size:
                         deleted += hosted.table.delete(chunk)
+                time.sleep(0)  # the lock is not fair: a push waiting for it goes before the next chunk
             if deleted:
                 view = self._view
                 slots = unique(slot_of(gone, self.num_slots))

@@ -14,6 +14,7 @@ slots' copies did not change meanwhile.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import numpy as np
@@ -258,3 +259,4 @@ class Writes(ShardFields):
                                 rows=rows, table_epoch=hosted.spec.created_epoch)
                     if not self.replicator.enqueue_rows(stream, sess, item):
                         return
+                time.sleep(0)  # the lock is not fair: a push waiting for it goes before the next chunk
