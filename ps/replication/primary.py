@@ -125,7 +125,7 @@ class Primary:
             was_in_sync = s.in_sync & s.held
             s.held, s.in_sync = held, in_sync
             s.required = in_sync | pending
-            s.excluded &= held  # a copy no longer held is no longer refused
+            s.readmit(np.flatnonzero(~held))  # a copy no longer held is no longer refused
             emptied = _emptied(s, in_sync)
             if emptied.size:
                 # A slot copy still sending rows over copies this map has in sync (an earlier copy's report went
@@ -136,7 +136,7 @@ class Primary:
             new_copy = cut_to_catching(s, catching)
             if new_copy.any():
                 slots = np.flatnonzero(new_copy).astype(np.int32)
-                s.excluded[slots] = False  # SNAPSHOT_BEGIN starts the target's copy again from ours
+                s.readmit(slots)  # SNAPSHOT_BEGIN starts the target's copy again from ours
                 sess = Session(slots, list(tables), epoch=m.epoch, started=now)
                 for name in tables:
                     self._push(s, Item(SNAPSHOT_BEGIN, name, slots, prev=positions(name, slots),
@@ -186,7 +186,7 @@ class Primary:
         """Whether a write may stop waiting for ``m``: acknowledged, or its stream no longer needs to
         acknowledge its slots (the map took the copy out of the in-sync set: I1)."""
         s = m.stream
-        if s.acked >= m.seq:
+        if s.covers(m):
             return True
         live = self.streams.get(s.key)
         # a stream replaced or closed only when nothing acknowledged depends on it (on_map)

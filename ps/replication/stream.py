@@ -51,7 +51,10 @@ class Stream:
     held: slots this server leads and the target holds a copy of (items for them go to it);
     in_sync: held slots whose copy on the target the map has in the in-sync set;
     required: slots whose items the target must acknowledge before a sync push is (in sync, or switched);
-    excluded: held slots the target refused; their items are no longer sent until a new slot copy starts."""
+    excluded: held slots the target refused; their items are no longer sent until a new slot copy starts;
+    cut_after: per slot, the last seq whose items reached the target whole (the acknowledged seq when the slot
+    was excluded; NEVER while it is not): items after it lost the slot's part, so their acknowledgement says
+    nothing of the slot's writes."""
 
     def __init__(self, target_id: str, address: str, num_slots: int, generation: int, now: float) -> None:
         self.target_id, self.address = target_id, address
@@ -61,6 +64,7 @@ class Stream:
         self.in_sync = np.zeros(num_slots, bool)
         self.required = np.zeros(num_slots, bool)
         self.excluded = np.zeros(num_slots, bool)
+        self.cut_after = np.full(num_slots, NEVER, np.int64)
         self.queue: deque[Queued] = deque()
         self.queued_bytes = 0
         self.next_seq = 1
@@ -104,7 +108,9 @@ class Stream:
         return out
 
     def exclude(self, slots: np.ndarray, slot_of: Callable[[np.ndarray], np.ndarray]) -> None:
-        """Stop sending ``slots``: cut them out of every queued item; fail the slot copies that hold them."""
+        """Stop sending ``slots``: cut them out of every queued item; fail the slot copies that hold them. A
+        write waiting on an item after the acknowledged seq no longer gets its acknowledgement (``covers``)."""
+        self.cut_after[slots] = np.minimum(self.cut_after[slots], self.acked)
         self.excluded[slots] = True
         keep = ~self.excluded
         for q in self.queue:
@@ -113,6 +119,16 @@ class Stream:
         for sess in self.sessions:
             if self.excluded[sess.slots].any():
                 sess.fail()
+
+    def readmit(self, slots: np.ndarray) -> None:
+        """Send ``slots`` again (a new slot copy starts them over, or the target no longer holds them)."""
+        self.excluded[slots] = False
+        self.cut_after[slots] = NEVER
+
+    def covers(self, m: Mark) -> bool:
+        """Whether the target acknowledged mark ``m``'s item with every slot of the mark still in it: an item cut
+        by ``exclude`` before it was acknowledged never stands in for the writes it lost (I1)."""
+        return self.acked >= m.seq and bool((self.cut_after[m.slots] >= m.seq).all())
 
     def acknowledge(self, applied_through: int, now: float) -> bool:
         """The target applied everything through ``applied_through``: drop it from the queue. True when that

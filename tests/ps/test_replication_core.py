@@ -124,6 +124,25 @@ def test_a_refusal_cuts_only_its_slots_and_reports_only_in_sync_copies() -> None
     assert p.mark_done(marks[0])
 
 
+def test_an_item_cut_by_a_refusal_does_not_acknowledge_the_writes_it_lost() -> None:
+    """A sync write queued before the target refused one of its slots: the refusal cuts the slot's part out of
+    the queued item, and the target's acknowledgement of what is left says nothing of that part. The write
+    waits for the map to take the copy out of the in-sync set (bench sim seeds 23, 24 and 28: a deposed primary,
+    refused by its old replica after a partition, acknowledged sync writes that only it had applied)."""
+    p = _primary()
+    _install(p, _map(1, [IN_SYNC] * 4 + [None] * 4))
+    s = p.streams["b@b:1"]
+    before = p.enqueue(_write([0, 1]))  # waits for its seq, slots 0 and 1
+    other = p.enqueue(_write([2]))      # waits for its seq, slot 2 only
+    assert p.answered(s, _reply(0, pb.REJECT_STALE, [1]), now=1.0)  # slot 1 refused: reported
+    assert [q.item.slots.tolist() for q in s.queue][-2:] == [[0], [2]]  # the first write was cut to slot 0
+    assert p.answered(s, _reply(s.next_seq - 1), now=2.0) == []  # all applied (what is left of them)
+    assert p.mark_done(other[0])  # a write the cut did not touch: acknowledged
+    assert not p.mark_done(before[0])  # slot 1's part never reached the target
+    _install(p, _map(2, [IN_SYNC, None, IN_SYNC, IN_SYNC] + [None] * 4))
+    assert p.mark_done(before[0])  # the map took the copy of slot 1 out of the in-sync set (I1)
+
+
 def test_a_refusal_about_slots_led_elsewhere_now_demotes_nothing() -> None:
     p = _primary()
     _install(p, _map(1, [CATCHING_UP] * 2 + [None] * 6))

@@ -190,6 +190,7 @@ class _Run:
                 break
             if not busy and converged_at is None and self._converged():
                 converged_at = w.now
+                self._check_copies_equal(heal_by)
                 break
         if converged_at is None and not self.out.violations:
             self.out.violations.append(f"liveness: not converged {s.converge_s:.0f}s after the busy phase "
@@ -279,6 +280,44 @@ class _Run:
                             f"{name} id {int(short[0])} at {values[short[0]]}, {acked[short[0]]} acknowledged")
         if self.out.violations:
             self.world.log(f"VIOLATION {self.out.violations[0]}")
+
+    def _check_copies_equal(self, deadline: float) -> None:
+        """At convergence, once the primaries' streams are drained (async ones lag behind the pushes): every
+        in-sync copy holds its primary's rows, every id of the universe, in both ledgers (``admin verify``'s
+        check, S3). A copy missing rows at its primary's log position fails only here until its primary dies."""
+        w, m = self.world, self.scheduler.core.map
+        alive = [srv for srv in self.servers.values() if srv.alive and srv.svc is not None]
+        while w.now < deadline and any(srv.svc.cluster_figures().get("replication_lag_items", 0) for srv in alive):
+            w.run_until(w.now + STEP_S)
+            for srv in alive:
+                srv.step()
+        ids = np.arange(self.s.ids + 64, dtype=np.int64)  # every id pushed or pulled (pulls reach 64 beyond)
+        slot = slot_of(ids, m.num_slots)
+        for name in LEDGERS:
+            values = {}
+            for i, entry in enumerate(m.servers):
+                srv = self.servers.get(entry.id)
+                hosted = None if srv is None or srv.svc is None else srv.svc._tables.get(name)
+                if hosted is not None and srv.alive and srv.svc.boot == entry.boot:
+                    with hosted.lock:  # a row's presence too: a missing row reads as its initial values
+                        values[i] = np.column_stack([hosted.table.pull(ids, insert=False),
+                                                     hosted.table.contains(ids)])
+            for copy_col in range(1, m.copies.shape[1]):
+                for i, vals in values.items():
+                    mine = (m.copies[slot, copy_col] == i) & (m.states[slot, copy_col] == IN_SYNC)
+                    primary = m.copies[slot, 0]
+                    for p in np.unique(primary[mine]):
+                        if int(p) not in values:
+                            continue
+                        sel = mine & (primary == p)
+                        differ = np.flatnonzero(sel & (values[int(p)] != vals).any(axis=1))
+                        if differ.size:
+                            k = int(differ[0])
+                            self.out.violations.append(
+                                f"S3: {m.servers[i].id}, in sync for slot {int(slot[k])} at epoch {m.epoch}, holds "
+                                f"{name} id {k} at {vals[k].tolist()}, its primary {m.servers[int(p)].id} at "
+                                f"{values[int(p)][k].tolist()} (values, then 1 when the row is stored)")
+                            return
 
     def _converged(self) -> bool:
         m = self.scheduler.core.map
