@@ -82,9 +82,9 @@ class Exporting(TableFields):
         """Every stored id (resident and spilled), (k,) int64 in no set order."""
         with self._lock:
             self._check_open()
-            ids = self._index.items()[0]
+            ids = self._index.keys()
             if len(self._spilled):
-                ids = np.concatenate([ids, self._spilled.items()[0]])
+                ids = np.concatenate([ids, self._spilled.keys()])
             return ids
 
     def _iter_sorted(self, ids: np.ndarray, predicate: Callable[[np.ndarray], np.ndarray] | None = None,

@@ -127,6 +127,11 @@ class HashIndex:
         live = self._vals >= 0
         return self._keys[live].view(np.int64), self._vals[live].astype(np.int64)
 
+    def keys(self) -> np.ndarray:
+        """All live ids (int64), in bucket order: ``items()[0]`` at half its cost (a slot copy or a drop lists
+        every stored id under the table's lock)."""
+        return self._keys[self._vals >= 0].view(np.int64)
+
     # --- updates ------------------------------------------------------------------------------------------
     def insert(self, ids: np.ndarray, values: np.ndarray) -> None:
         """Insert ids that are unique and absent (the caller guarantees both) with values >= 0."""

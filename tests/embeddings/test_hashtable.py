@@ -43,6 +43,7 @@ def test_matches_dict(backend: str, ops: list[tuple[str, list[int]]]) -> None:
         assert len(index) == len(ref)
     keys, vals = index.items()
     assert dict(zip(keys.tolist(), vals.tolist(), strict=True)) == ref
+    np.testing.assert_array_equal(index.keys(), keys)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
