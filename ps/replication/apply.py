@@ -4,9 +4,10 @@
 applied, so a retried request is applied once and a gap is refused. ``apply_item`` applies one item:
 
 - an item of a table this server no longer has, in an incarnation its map dropped, is moot: skipped;
-- slots this server no longer holds (the map removed the copy) are moot: skipped;
-- slots it holds whose primary, in its map, is not the source are refused (``REJECT_STALE``, nothing
-  applied): the source was deposed, and its late writes must not land;
+- slots this server no longer holds while the source still leads them (the map removed the copy) are moot:
+  skipped;
+- slots whose primary, in its map, is not the source are refused (``REJECT_STALE``, nothing applied), held
+  here or not: the source was deposed, and its late writes must neither land nor be acknowledged;
 - CHANGES and BARRIER apply only where the slot's log position equals the item's ``prev`` (``REJECT_DIVERGED``
   naming the slots otherwise, nothing applied).
 
@@ -126,10 +127,14 @@ def apply_item(msg: Any, source: str, request_epoch: int, hosted_of: Callable[[s
         src = m.index_of(source) if m is not None else -1
         held = view.holds[slots]
         leads = (m.copies[slots, 0] == src) if m is not None else np.zeros(slots.shape[0], bool)
-        stale = held & ~leads
+        # Whether held here or not: a slot the source does not lead in this map is refused. Skipping a slot this
+        # server no longer holds is right only while the source still leads it (the map removed this copy);
+        # from a deposed primary (paused, declared dead, back with writes still waiting for this copy) the
+        # skip was acknowledged as if applied and released those writes (bench sim seed 244: S1 lost).
+        stale = ~leads
         if stale.any():
             return (pb.REJECT_STALE, f"table {name!r}: server {source} does not lead slot(s) "
-                    f"{format_slots(slots[stale][:20])} held here at epoch {view.epoch}", slots[stale])
+                    f"{format_slots(slots[stale][:20])} at epoch {view.epoch}", slots[stale])
         if not held.all():  # copies the map removed from this server: moot, skipped
             keep = np.zeros(num_slots, bool)
             keep[slots[held]] = True
