@@ -131,8 +131,8 @@ class Primary:
                 # A slot copy still sending rows over copies this map has in sync (an earlier copy's report went
                 # in while this one restarted): its SNAPSHOT_BEGIN emptied them on the target, which may now lack
                 # rows. They are refused and reported, and the scheduler has them built again (I1).
-                s.last_error = "a slot copy was started again over copies this map has in sync: they may lack rows"
-                actions += self._refuse(s, emptied)
+                actions += self._refuse(s, emptied, "a slot copy was started again over copies this map has in "
+                                                    "sync: they may lack rows")
             new_copy = cut_to_catching(s, catching)
             if new_copy.any():
                 slots = np.flatnonzero(new_copy).astype(np.int32)
@@ -286,21 +286,22 @@ class Primary:
         if reject in (pb.REJECT_STALE, pb.REJECT_DIVERGED) and slots.size:
             # A refusal names its slots: only those stop, and only those this server still leads with an
             # in-sync copy on the target are reported (a map change with items in flight demotes nothing).
-            return self._refuse(s, slots[(slots >= 0) & (slots < s.held.shape[0])])
+            return self._refuse(s, slots[(slots >= 0) & (slots < s.held.shape[0])], reason)
         return [*self.send_failed(s, reason, now, report_now=True), Pause(0.2)]
 
-    def _refuse(self, s: Stream, slots: np.ndarray) -> list[Action]:
-        """Stop replicating ``slots`` to ``s``'s target (for ``s.last_error``); those of them the map has in sync
-        on it are reported to the scheduler, which builds them again (I1). A slot merely in flight stays quiet."""
+    def _refuse(self, s: Stream, slots: np.ndarray, reason: str) -> list[Action]:
+        """Stop replicating ``slots`` to ``s``'s target for ``reason``; those of them the map has in sync on it
+        are reported to the scheduler, which builds them again (I1). A slot merely in flight stays quiet."""
+        s.last_error = reason
         s.exclude(slots, self.slot_of)
         report = slots[s.in_sync[slots]]
         if not report.size:
             return []
         log.warning("replication from %s to %s refused at epoch %d (slots %s): %s; reporting them", self.server_id,
-                    s.target_id, self.epoch, slots_text(report), s.last_error,
+                    s.target_id, self.epoch, slots_text(report), reason,
                     extra=event("replication_failing", slots=report, epoch=self.epoch, server=s.target_id,
-                                source=self.server_id, reason=s.last_error))
-        return [ReportFailure(s.target_id, report.astype(np.int32), s.last_error)]
+                                source=self.server_id, reason=reason))
+        return [ReportFailure(s.target_id, report.astype(np.int32), reason)]
 
     def send_failed(self, s: Stream, reason: str, now: float, *, report_now: bool = False) -> list[Action]:
         """A failed send; after ``failure_timeout_s`` (or at once for a rejection) the target's copies are
