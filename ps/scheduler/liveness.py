@@ -3,7 +3,9 @@
 A server silent for ``heartbeat_timeout_s``, or whose port a probe finds closed, is declared dead: its
 copies leave the map and, for every slot it led, the first in-sync copy is promoted (only an in-sync copy has
 every acknowledged update). A server silent for a third of the timeout is probed. A scheduler that was
-itself paused or starved gives every server a full timeout again (the silence was its own).
+itself paused or starved gives every server a full timeout again (the silence was its own), and still probes
+those that looked silent: a closed port does not depend on the scheduler's own silence, so a scheduler
+starved at every tick still sees a killed server die.
 
 A slot left with no in-sync copy at all gets a primary again by an unclean election (``_elect``) among the
 servers that registered with rows of it, by their log positions (newest wins). While slots lack copies the
@@ -36,7 +38,9 @@ class Liveness(CoreFields):
         server gets a full timeout again."""
         self.now = now
         timeout = self.config.heartbeat_timeout_s
+        overdue: set[str] = set()
         if stalled or waited_s > timeout / 3:  # heartbeats were waiting on us, not missing
+            overdue = {sid for sid, seen in self.last_seen.items() if now - seen > timeout / 3}
             for sid in self.last_seen:
                 self.last_seen[sid] = max(self.last_seen[sid], now)
             log.warning("scheduler stalled (%s); every server gets a full heartbeat timeout again",
@@ -47,7 +51,11 @@ class Liveness(CoreFields):
             silent = now - self.last_seen.get(s.id, self.started)
             if silent > timeout:
                 self._declare_dead(i, f"no heartbeat for {silent:.1f}s")
-            elif silent > timeout / 3 and s.id in self.heard and s.id not in self._probing:
+            elif ((silent > timeout / 3 or s.id in overdue) and s.id in self.heard
+                  and s.id not in self._probing):
+                # a stall forgives the silence but still probes: a closed port is the server's own answer,
+                # whatever our silence was (a scheduler starved at every tick would otherwise never see a
+                # killed server die)
                 self._probe(s.id, s.address, s.boot)
         self._reconcile()
         self._warn_under_replicated(now)

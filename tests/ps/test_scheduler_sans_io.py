@@ -81,6 +81,27 @@ def test_the_tick_forgives_the_silence_of_a_stalled_scheduler() -> None:
     assert not any(s.up for s in core.map.servers)
 
 
+def test_a_scheduler_stalled_at_every_tick_still_probes_and_sees_a_killed_server_die() -> None:
+    """Seen on a loaded 2-core machine: the scheduler's ticks came 2 s apart, each a stall that forgave every
+    silence, and a server killed with ``kill -9`` stayed up for over 60 s. A stall forgives the silence but
+    still probes the servers that looked silent; the probe's closed port declares the dead one dead."""
+    core = _core()
+    for s in "abc":
+        core.register(s, f"h{s}:1", f"{s}1", now=0.0)
+    core.take_ready()
+    now = 0.0
+    for _ in range(5):  # every tick a stall; a and b beat between ticks, c is gone
+        now += TIMEOUT / 2
+        for s in "ab":
+            core.heartbeat(s, f"{s}1", core.map.epoch, now=now - 0.1)
+        core.tick(now=now, stalled=True)
+    assert all(s.up for s in core.map.servers)  # nobody declared dead by the silence alone
+    probes = core.take_ready().probes
+    assert probes == (Probe("c", "hc:1", "c1"),)  # one probe, only of the silent one
+    core.probe_answered("c", "c1", True, now=now)
+    assert [s.up for s in core.map.servers] == [True, True, False]
+
+
 class _Store(FileMapStore):
     """A file store that records what was published when each state was saved, and refuses on demand."""
 
