@@ -59,7 +59,7 @@ class Evicting(TableFields):
         else:
             ids, positions = np.empty(0, np.int64), np.empty(0, np.int64)
         meta = {"last_step": self._slab.last_step[positions], "last_time": self._slab.last_time[positions],
-                "last_access": self._slab.last_access[positions],
+                "last_access": self._slab.access_of(positions),
                 "update_count": self._slab.update_count[positions].astype(np.int64)}
         if len(self._spilled):  # spilled rows are candidates too; their metadata lives in the store
             need = len(self) - eviction.capacity_target(ev.max_rows) if resident and ev.max_rows is not None else 0

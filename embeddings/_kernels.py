@@ -162,8 +162,8 @@ if AVAILABLE:
 
     @njit(nogil=True, cache=True)
     def lookup_gather(keys, vals, weights, last_access, clock, queries, out_rows, out_positions):
-        """Lookup, then row copy, for float32 storage; hit rows get ``last_access = clock``; misses get
-        position -1 and an untouched output row.
+        """Lookup, then row copy, for float32 storage; hit rows get ``last_access = clock`` (when the table
+        keeps the clock: ``last_access`` is empty otherwise); misses get position -1 and an untouched output row.
 
         Two passes (all probes, then all copies), each prefetching a fixed distance ahead.
         Returns the number of misses."""
@@ -190,6 +190,7 @@ if AVAILABLE:
             if s < 0:
                 misses += 1
         dim = weights.shape[1]
+        track = last_access.shape[0] > 0
         for i in range(n):
             if i + _ROW_PREFETCH_DISTANCE < n:
                 t = out_positions[i + _ROW_PREFETCH_DISTANCE]
@@ -197,7 +198,8 @@ if AVAILABLE:
                     _prefetch_row(weights, t)
             s = out_positions[i]
             if s >= 0:
-                last_access[s] = clock
+                if track:
+                    last_access[s] = clock
                 for j in range(dim):
                     out_rows[i, j] = weights[s, j]
         return misses
@@ -261,13 +263,16 @@ if AVAILABLE:
 
     @njit(nogil=True, cache=True)
     def touch(rows, update_count, last_step, last_time, last_access, dirty, step, now, clock, mark):
-        """Stamp an update on unique ``rows``: count +1, step, time, access clock, snapshot mark."""
+        """Stamp an update on unique ``rows``: count +1, step, time,
+        access clock (when kept: ``last_access`` is empty otherwise), snapshot mark."""
+        track = last_access.shape[0] > 0
         for i in range(rows.shape[0]):
             r = rows[i]
             update_count[r] += np.uint32(1)
             last_step[r] = step
             last_time[r] = now
-            last_access[r] = clock
+            if track:
+                last_access[r] = clock
             dirty[r] = mark
 
     # Reassociation lets the row reductions (row-wise Adagrad's mean of g²) vectorize: about 5x faster.

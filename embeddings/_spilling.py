@@ -65,6 +65,7 @@ class SpillTier(TableFields):
             self._check_open()
             if self._spill is None:
                 self.config = dataclasses.replace(self.config, memory_budget=int(nbytes))
+                self._slab.track_access(self._clock)  # spilling picks the coldest rows by it
                 self._open_spill()
             self._budget_bytes = int(nbytes)
             self._maybe_spill()
@@ -95,7 +96,7 @@ class SpillTier(TableFields):
             ids, positions = ids[free], positions[free]
         if k <= 0 or not ids.size:
             return
-        cold = np.argpartition(self._slab.last_access[positions], k - 1)[:k] if k < ids.shape[0] else \
+        cold = np.argpartition(self._slab.access_of(positions), k - 1)[:k] if k < ids.shape[0] else \
             np.arange(ids.shape[0])
         ids, positions = ids[cold], positions[cold]
         batch = self._slab.read(ids, positions)

@@ -3,11 +3,14 @@
 A row's position is its index in these arrays (an int >= 0, what the table's HashIndex maps its id to); it is
 unrelated to the routing slots of ``tigana.ps.routing``. Per row: weights (dim, storage dtype: float32, float16,
 or bfloat16 kept as uint16 bits), optimizer state (width, float32), update_count uint32, last_step int64,
-last_time float64, last_access uint32 (the table's access clock, for LRU and spilling: only the order of its
-values matters, so when the clock reaches ``ACCESS_MAX`` every value is halved, ``halve_access``), dirty uint8
-(the snapshot mark current when the row last changed: ``mark`` at a write, 0 for never; a row belongs to the next
-incremental snapshot when its mark is the current one). That is 25 bytes of metadata, 93 bytes per row at dim
-16 with row-wise Adagrad.
+last_time float64 (unix time: exports of the rows changed since a time are exact, which whole seconds would
+not be), last_access uint32 (the table's access clock, for LRU and spilling: only the order of its values
+matters, so when the clock reaches ``ACCESS_MAX`` every value is halved, ``halve_access``), dirty uint8 (the
+snapshot mark current when the row last changed: ``mark`` at a write, 0 for never; a row belongs to the next
+incremental snapshot when its mark is the current one).
+The access clock is kept only for tables that read it (LRU eviction by ``max_rows``, a memory budget:
+``track_access``); the others hold an empty column. That is 21 or 25 bytes of metadata, 89 or 93 bytes per row
+at dim 16 with row-wise Adagrad.
 Positions of deleted rows go to a free list and are reused first.
 
 Arrays grow by 2x up to 65,536 rows, by 1.125x up to 1M rows, then by 1/16, through ``ndarray.resize``: glibc's
@@ -82,14 +85,15 @@ class _AlignedRows:
 class Slab:
     """Growable per-row columns, indexed by position; see the module docstring."""
 
-    def __init__(self, dim: int, state_width: int, storage: str = "float32") -> None:
+    def __init__(self, dim: int, state_width: int, storage: str = "float32", *, track_access: bool = False) -> None:
         self.dim, self.state_width = dim, state_width
+        self.tracks_access = track_access
         self.storage_dtype = STORAGE_DTYPES[storage]
         self._weights = _AlignedRows(_MIN_ROWS, dim, self.storage_dtype)
         self._state = _AlignedRows(_MIN_ROWS, state_width, np.dtype(np.float32))
         self.weights, self.state = self._weights.array, self._state.array
         for name, dt in _META:
-            setattr(self, name, np.zeros(_MIN_ROWS, dt))
+            setattr(self, name, np.zeros(_MIN_ROWS if self._kept(name) else 0, dt))
         self._free = np.empty(0, np.int64)
         self._n_free = 0
         self.high_water = 0  # positions [0, high_water) were handed out at least once
@@ -108,7 +112,26 @@ class Slab:
     def row_nbytes(self) -> int:
         """Bytes one row occupies across all columns."""
         return int(self.dim * self.storage_dtype.itemsize + 4 * self.state_width
-                   + sum(np.dtype(dt).itemsize for _, dt in _META))
+                   + sum(np.dtype(dt).itemsize for name, dt in _META if self._kept(name)))
+
+    def _kept(self, column: str) -> bool:
+        return column != "last_access" or self.tracks_access
+
+    def track_access(self, clock: int) -> None:
+        """Start keeping the access clock (a memory budget or LRU eviction now reads it): every row gets
+        ``clock``, as if all were used now; the clock orders them from here on."""
+        if not self.tracks_access:
+            self.tracks_access = True
+            self.last_access = np.full(self.capacity, clock, np.uint32)
+
+    def stamp_access(self, positions: np.ndarray, clock: int) -> None:
+        """Rows at ``positions`` were used at ``clock`` (nothing when the clock is not kept)."""
+        if self.tracks_access:
+            self.last_access[positions] = clock
+
+    def access_of(self, positions: np.ndarray) -> np.ndarray:
+        """The access clock of rows at ``positions`` (all 0 when it is not kept)."""
+        return self.last_access[positions] if self.tracks_access else np.zeros(len(positions), np.uint32)
 
     def allocate(self, k: int) -> np.ndarray:
         """k free positions (reused ones first); their contents are undefined until written."""
@@ -134,7 +157,7 @@ class Slab:
         self.dirty[positions] = 0
 
     def clear(self) -> None:
-        self.__init__(self.dim, self.state_width, _storage_name(self.storage_dtype))
+        self.__init__(self.dim, self.state_width, _storage_name(self.storage_dtype), track_access=self.tracks_access)
 
     def _grow(self, need: int) -> None:
         cap = self.capacity
@@ -144,7 +167,8 @@ class Slab:
         self._state.resize(cap)
         self.weights, self.state = self._weights.array, self._state.array
         for name, _ in _META:
-            getattr(self, name).resize(cap, refcheck=False)
+            if self._kept(name):
+                getattr(self, name).resize(cap, refcheck=False)
 
     def halve_access(self) -> None:
         """Halve every row's access clock (the table halves its clock with it): the order of rows by last
@@ -177,7 +201,7 @@ class Slab:
         self.update_count[positions] = np.minimum(batch.update_count, np.iinfo(np.uint32).max)
         self.last_step[positions] = batch.last_step
         self.last_time[positions] = batch.last_time
-        self.last_access[positions] = access
+        self.stamp_access(positions, access)
         self.dirty[positions] = self.mark
 
 

@@ -65,7 +65,8 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         self._snapshot_turn = threading.RLock()
         self._width = optimizers.state_width(config.optimizer, config.dim)
         self._index = HashIndex(backend=self._backend)
-        self._slab = Slab(config.dim, self._width, config.dtype)
+        self._slab = Slab(config.dim, self._width, config.dtype,
+                          track_access=config.memory_budget is not None or config.eviction.max_rows is not None)
         self._admission = admission.AdmissionFilter(config.admission, config.seed, backend=self._backend)
         self._open_admission = admission.is_open(config.admission)
         self._step = 0
@@ -124,13 +125,13 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
                 if gathered:  # fill in what the fused kernel could not
                     got = miss[positions[miss] >= 0]
                     out[got] = self._slab.read_weights(positions[got])
-                    self._slab.last_access[positions[got]] = self._clock
+                    self._slab.stamp_access(positions[got], self._clock)
                     none = miss[positions[miss] < 0]
                     out[none] = self._initial(ids[none])
             if not gathered:
                 have = positions >= 0
                 out[have] = self._slab.read_weights(positions[have])
-                self._slab.last_access[positions[have]] = self._clock
+                self._slab.stamp_access(positions[have], self._clock)
                 if misses:
                     none = ~have
                     out[none] = self._initial(ids[none])
@@ -183,14 +184,15 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
             self._step = self._step + 1 if step is None else int(step)
             self._cow_update(rows)  # open cuts keep the rows as they were, before the first change
             slab = self._slab
+            now = time.time()
             if self._backend == "numba":
                 _kernels.touch(rows, slab.update_count, slab.last_step, slab.last_time, slab.last_access,
-                               slab.dirty, self._step, time.time(), self._clock, slab.mark)
+                               slab.dirty, self._step, now, self._clock, slab.mark)
             else:
                 slab.update_count[rows] += np.uint32(1)
                 slab.last_step[rows] = self._step
-                slab.last_time[rows] = time.time()
-                slab.last_access[rows] = self._clock
+                slab.last_time[rows] = now
+                slab.stamp_access(rows, self._clock)
                 slab.dirty[rows] = slab.mark
             self._write_update(update, rows, stored)
             self._counters["rows_updated"] += int(rows.shape[0])

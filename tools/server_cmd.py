@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tigana.embeddings.files import atomic_write
 from tigana.ps import settings
-from tigana.ps.allocator import tune_allocator
+from tigana.ps.allocator import SERVER_ARENAS, tune_allocator
 from tigana.ps.config import ServerConfig, load_server_config_sources
 from tigana.ps.daemon import start_server
 from tigana.ps.errors import InvalidArgument
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     stop = StopSignal()
 
-    tune_allocator()
+    tune_allocator(arena_max=SERVER_ARENAS)
     try:
         handle = start_server(config)
     except (OSError, InvalidArgument) as exc:

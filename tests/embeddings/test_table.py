@@ -303,7 +303,7 @@ def test_stats_and_bytes_per_row() -> None:
         assert key in s
     assert s["rows_resident"] == 100_000 and s["rows_spilled"] == 0
     assert s["hit_rate"] == pytest.approx(50_000 / 150_000)
-    assert s["row_bytes"] == 64 + 4 + 25  # weights, row-wise state, metadata (slab docstring)
+    assert s["row_bytes"] == 64 + 4 + 21  # weights, row-wise state, metadata (slab docstring: no access clock)
     assert s["slot_bytes"] == s["row_bytes"]  # the old key, kept for tools/bench
     assert s["bytes_per_row"] <= 160
 
@@ -359,3 +359,26 @@ print(t.pull(ids).tobytes().hex())
     here.push(ids, np.full((4, 4), 0.5, np.float32))
     assert out.stdout.strip() == here.pull(ids).tobytes().hex()
     assert emb.EmbeddingTable.restore(tmp_path).checksum() == here.checksum()
+
+
+def test_the_access_clock_is_kept_only_for_tables_that_read_it(tmp_path) -> None:
+    """LRU eviction and spilling order rows by their access clock; other tables keep no clock (4 bytes a
+    row). A memory budget set on a running table starts the clock, and spilling then picks cold rows."""
+    plain = emb.EmbeddingTable(emb.TableConfig("t", dim=DIM))
+    plain.pull(np.arange(100))
+    plain.push(np.arange(10), np.zeros((10, DIM), np.float32))
+    assert plain._slab.last_access.size == 0 and plain.stats()["row_bytes"] == 4 * DIM + 21
+    lru = emb.EmbeddingTable(emb.TableConfig("t", dim=DIM, eviction=emb.Eviction(max_rows=50)))
+    assert lru._slab.tracks_access and lru.stats()["row_bytes"] == 4 * DIM + 25
+    t = emb.EmbeddingTable(emb.TableConfig("t", dim=DIM, spill_dir=str(tmp_path / "spill")))
+    t.pull(np.arange(1000))
+    t.set_memory_budget(10**9)  # the clock starts: every row as if used now
+    assert (t._slab.last_access[:1000] == t._clock).all()
+    t.pull(np.arange(500, 1000))  # the hot half
+    t.set_memory_budget(600 * (t._slab.row_nbytes + 20))
+    assert t.stats()["rows_spilled"] > 0 and t.contains(np.arange(1000)).all()
+    hot_resident = t._index.lookup(np.arange(500, 1000)) >= 0
+    cold_resident = t._index.lookup(np.arange(500)) >= 0
+    assert hot_resident.mean() > cold_resident.mean()
+    for table in (plain, lru, t):
+        table.close()
