@@ -2,9 +2,8 @@
 
 Layout: ``keys`` uint64[cap] holds the ids' bits, ``vals`` int32[cap] holds a value >= 0 or the bucket state
 (EMPTY -1, TOMBSTONE -2), so no id value is reserved as a sentinel. The home bucket is fastrange of a
-splitmix64 hash, probing is linear. Capacity is any integer (not a power of two), grown past a load of 0.8
-(tombstones count as load and are dropped by the rehash) by 1.5x up to 1M buckets and by 1.25x beyond, where
-memory counts: 12 bytes per bucket, 15-19 bytes per live key past 1M keys (15-23 below).
+splitmix64 hash, probing is linear. Capacity is any integer (not a power of two), grown by 1.5x past a load of
+0.8 (tombstones count as load and are dropped by the rehash): 12 bytes per bucket, 15-23 bytes per live key.
 Linear probing stays short at 0.8 (a hit reads 3 buckets on average, a miss 13, in two or three cache lines).
 
 Every operation takes a whole batch (duplicates allowed) and runs either a numba kernel or a vectorized numpy
@@ -26,8 +25,6 @@ Backend = Literal["auto", "numba", "numpy"]
 
 _MAX_LOAD = 0.8
 _GROWTH = 1.5
-_LARGE_GROWTH = 1.25  # past _LARGE buckets: each key is rehashed ~5 times over a table's growth instead of ~3
-_LARGE = 1 << 20
 _MIN_CAPACITY = 64
 
 
@@ -176,7 +173,7 @@ class HashIndex:
         need = self._size + n_new
         cap = self.capacity
         while need > _MAX_LOAD * cap:
-            cap = int(cap * (_GROWTH if cap < _LARGE else _LARGE_GROWTH)) + 1
+            cap = int(cap * _GROWTH) + 1
         if need <= 0.5 * _MAX_LOAD * cap and cap > _MIN_CAPACITY:  # mostly tombstones: stay small
             cap = max(_MIN_CAPACITY, int(need / (0.5 * _MAX_LOAD)) + 1)
         new_keys = np.empty(cap, np.uint64)  # a bucket's key is read only where its value is >= 0
