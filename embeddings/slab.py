@@ -87,13 +87,12 @@ class Slab:
 
     def __init__(self, dim: int, state_width: int, storage: str = "float32", *, track_access: bool = False) -> None:
         self.dim, self.state_width = dim, state_width
-        self.tracks_access = track_access
         self.storage_dtype = STORAGE_DTYPES[storage]
         self._weights = _AlignedRows(_MIN_ROWS, dim, self.storage_dtype)
         self._state = _AlignedRows(_MIN_ROWS, state_width, np.dtype(np.float32))
         self.weights, self.state = self._weights.array, self._state.array
         for name, dt in _META:
-            setattr(self, name, np.zeros(_MIN_ROWS if self._kept(name) else 0, dt))
+            setattr(self, name, np.zeros(_MIN_ROWS if name != "last_access" or track_access else 0, dt))
         self._free = np.empty(0, np.int64)
         self._n_free = 0
         self.high_water = 0  # positions [0, high_water) were handed out at least once
@@ -114,6 +113,11 @@ class Slab:
         return int(self.dim * self.storage_dtype.itemsize + 4 * self.state_width
                    + sum(np.dtype(dt).itemsize for name, dt in _META if self._kept(name)))
 
+    @property
+    def tracks_access(self) -> bool:
+        """Whether the access clock is kept: an untracked slab holds an empty column (what the kernels test)."""
+        return self.last_access.shape[0] > 0
+
     def _kept(self, column: str) -> bool:
         return column != "last_access" or self.tracks_access
 
@@ -121,7 +125,6 @@ class Slab:
         """Start keeping the access clock (a memory budget or LRU eviction now reads it): every row gets
         ``clock``, as if all were used now; the clock orders them from here on."""
         if not self.tracks_access:
-            self.tracks_access = True
             self.last_access = np.full(self.capacity, clock, np.uint32)
 
     def stamp_access(self, positions: np.ndarray, clock: int) -> None:
