@@ -263,11 +263,12 @@ class SchedulerCore(Liveness, Moves):
         self.heard.add(server_id)
         if stats:
             self.stats[server_id] = dict(stats)
-        if not m.servers[i].up:  # declared dead, yet alive (a pause or a partition): back, empty
-            self._commit(m.evolve(servers=m.replace_server(i, up=True)),
-                         f"server {server_id} is back after being declared dead",
-                         event("server_back", server=server_id))
-            self._reconcile()
+        if not m.servers[i].up:
+            # Declared dead, yet alive (a pause, a partition, or a new leader that did not hear it in time): it
+            # registers again, with the log positions of the rows it holds now. Its rows may be the newest of a
+            # slot that lost every in-sync copy meanwhile; brought back by a heartbeat, with no copy in the map,
+            # it deleted them and the election found no rows anywhere (a fault test lost every update so).
+            return None, True
         return (self.map if self.map.epoch > epoch else None), False
 
     # --- reports from primaries ------------------------------------------------------------------------

@@ -2,7 +2,10 @@
 
 A server silent for ``heartbeat_timeout_s``, or whose port a probe finds closed, is declared dead: its
 copies leave the map and, for every slot it led, the first in-sync copy is promoted (only an in-sync copy has
-every acknowledged update). A server silent for a third of the timeout is probed. A scheduler that was
+every acknowledged update). A server silent for a third of the timeout is probed, also one not heard since
+this scheduler started (a new leader: the servers' heartbeats may still be on the old one); a health answer
+counts as hearing from it. A server declared dead that turns out alive registers again, with its rows' log
+positions (``SchedulerCore.heartbeat``), and keeps its rows meanwhile. A scheduler that was
 itself paused or starved gives every server a full timeout again (the silence was its own), and still probes
 those that looked silent: a closed port does not depend on the scheduler's own silence, so a scheduler
 starved at every tick still sees a killed server die.
@@ -51,11 +54,12 @@ class Liveness(CoreFields):
             silent = now - self.last_seen.get(s.id, self.started)
             if silent > timeout:
                 self._declare_dead(i, f"no heartbeat for {silent:.1f}s")
-            elif ((silent > timeout / 3 or s.id in overdue) and s.id in self.heard
-                  and s.id not in self._probing):
+            elif (silent > timeout / 3 or s.id in overdue) and s.id not in self._probing:
                 # a stall forgives the silence but still probes: a closed port is the server's own answer,
                 # whatever our silence was (a scheduler starved at every tick would otherwise never see a
-                # killed server die)
+                # killed server die). Servers not heard since this scheduler started are probed too: after a
+                # leader change their heartbeats may still be timing out on the old leader, and a health
+                # answer keeps them from being declared dead for the hand-over's silence (L6)
                 self._probe(s.id, s.address, s.boot)
         self._reconcile()
         self._warn_under_replicated(now)

@@ -56,6 +56,14 @@ class _View:
         before = old.held_since if old.held_since is not None else np.zeros(self.holds.shape[0], np.int64)
         return dataclasses.replace(self, held_since=np.where(kept, before, self.epoch).astype(np.int64))
 
+    def kept_while_down(self, old: _View) -> _View:
+        """This view for a map that declares this very process dead while it runs (a pause, a partition, a new
+        scheduler that did not hear it in time): it leads nothing, yet keeps every row and log position it held
+        until it registers again, as the scheduler then asks it to. Its rows may be the newest of a slot that
+        lost every in-sync copy meanwhile: the election needs them (invariant S10)."""
+        none = np.zeros_like(self.leads)
+        return dataclasses.replace(self, leads=none, fenced=none, holds=old.holds.copy() if old.valid else none)
+
     @classmethod
     def static(cls, owned: np.ndarray) -> _View:
         return cls(0, None, -1, owned, owned, True, np.ones(owned.shape[0], np.int64), np.zeros_like(owned))
@@ -151,13 +159,15 @@ class Ownership(ShardFields):
                 return False
             me = m.index_of(self.server_id)
             valid = me >= 0 and m.servers[me].boot == self.boot
+            down = valid and not m.servers[me].up  # declared dead, yet running: keep everything (S10)
             with self._registry_lock:
                 self._sync_tables(m)
                 hosted_all = sorted(self._tables.items())
                 for _, h in hosted_all:
                     h.lock.acquire()
                 try:
-                    new = _View.of(m, me, valid).held_from(old)
+                    new = _View.of(m, me, valid)
+                    new = (new.kept_while_down(old) if down else new).held_from(old)
                     dropped = np.flatnonzero(old.holds & ~new.holds) if old.valid else np.empty(0, np.int64)
                     self._view = new
                     for _, h in hosted_all:
@@ -177,7 +187,7 @@ class Ownership(ShardFields):
                         self._save_registry()
                     except StorageError as exc:  # a cache of the map's tables: written again at the next change
                         log.warning("saving the table registry failed: %s", exc)
-        if new.valid and (not old.valid or dropped.size):
+        if new.valid and not down and (not old.valid or dropped.size):
             self._request_drop()
         if new.fenced.any():
             self._start_hand_over()
@@ -190,7 +200,8 @@ class Ownership(ShardFields):
         log.info("server %s installed map epoch %d: leads %d slot(s) (new: %s; no longer: %s), holds %d (new copies: "
                  "%s; dropped: %s)%s", self.server_id, m.epoch, int(new.leads.sum()), slots_text(gained),
                  slots_text(lost), int(new.holds.sum()), slots_text(added), slots_text(dropped),
-                 "" if valid else " (this process is not in it yet)",
+                 "" if valid and not down else " (this process is not in it yet)" if not valid else
+                 " (it declares this server dead: its rows are kept until it registers again)",
                  extra=event("map_installed", slots=np.union1d(np.union1d(gained, lost), np.union1d(added, dropped)),
                              epoch=m.epoch, server=self.server_id, leads_gained=format_slots(gained),
                              leads_lost=format_slots(lost), copies_added=format_slots(added),

@@ -300,6 +300,38 @@ def test_unclean_election_keeps_at_most_one_plus_replicas_copies(tmp_path):
     assert ((c.map.copies >= 0).sum(axis=1) <= 1).all(), c.map.copies.tolist()
 
 
+def test_servers_declared_dead_yet_running_register_again_and_their_rows_win_the_election(tmp_path):
+    """Seen in a fault test on a loaded machine: a new scheduler leader did not hear the servers within the
+    heartbeat timeout (their heartbeats were still timing out on the paused old leader) and declared both dead,
+    so every slot lost its in-sync copies. Each server, still running, was brought back by its next heartbeat
+    with no copy in the map, deleted its rows, and the election found rows nowhere: every slot started empty.
+    A server declared dead is told to register again, with the log positions of what it holds now, and the
+    election gives every slot to the server with its newest rows."""
+    c = started(tmp_path, ("a", "b"))
+    c.core.create_table(spec(), exist_ok=False)
+    c.catch_up_all()
+    led_by_a = c.map.copies[:, 0] == c.idx("a")
+    c.advance(TIMEOUT + 1, alive=())  # neither heard: both declared dead, no copy left in the map
+    assert not any(s.up for s in c.map.servers) and (c.map.copies < 0).all()
+    for s in ("a", "b"):
+        assert c.core.heartbeat(s, c.boots[s], c.map.epoch) == (None, True)  # not back by a heartbeat
+    assert not any(s.up for s in c.map.servers)
+    every = np.arange(SLOTS)
+    # each kept leading its own slots meanwhile (it never saw the maps that declared it dead): its rows of
+    # them are the newest, the other's copies one write behind
+    pos = {s: {"emb": {int(k): (1, 10 if led_by_a[k] == (s == "a") else 9) for k in every}} for s in ("a", "b")}
+    c.register("a", positions=pos["a"])
+    m = c.map
+    assert m.servers[c.idx("a")].up and (m.copies[:, 0] < 0).all()  # b not back yet: no election yet
+    assert m.holds(c.idx("a")).all()  # it holds every orphan, so it keeps those rows until the election
+    c.register("b", positions=pos["b"])
+    m = c.map
+    assert_valid(m)
+    np.testing.assert_array_equal(m.copies[:, 0], np.where(led_by_a, c.idx("a"), c.idx("b")))
+    assert ((m.copies >= 0).sum(axis=1) == 2).all()  # the other keeps its copy, catching up
+    assert m.summary()["unavailable_slots"] == 0
+
+
 # --- heartbeats ---------------------------------------------------------------------------------------------
 def test_heartbeat_answers(tmp_path):
     c = started(tmp_path, ("a", "b"))
@@ -321,8 +353,10 @@ def test_paused_server_comes_back_empty_and_is_used(tmp_path):
     m = c.map
     assert not m.servers[1].up and (m.copies[:, 0] == 0).all() and m.width == 1
     epoch = m.epoch
-    got, again = c.core.heartbeat("b", c.boots["b"], 0)  # same boot: it was paused
-    assert not again and got is c.map
+    # same boot (it was paused): it registers again, with the rows it holds, before it is back
+    assert c.core.heartbeat("b", c.boots["b"], 0) == (None, True)
+    assert c.map.epoch == epoch and not c.map.servers[1].up
+    c.register("b")
     m = c.map
     assert m.servers[1].up and m.epoch >= epoch + 2
     assert_valid(m)

@@ -102,6 +102,25 @@ def test_a_scheduler_stalled_at_every_tick_still_probes_and_sees_a_killed_server
     assert [s.up for s in core.map.servers] == [True, True, False]
 
 
+def test_a_new_leader_probes_the_servers_it_has_not_heard_and_a_health_answer_keeps_them_up() -> None:
+    """A scheduler that starts leading (a standby elected, or a restart) has heard no server yet: their
+    heartbeats may still be timing out on the old leader. Seen in a fault test on a loaded machine: the new
+    leader declared both servers dead 3.2 s after it took over, without a probe (only servers heard since the
+    start were probed). It probes them like any silent server; a health answer counts as hearing from them."""
+    core = _core()
+    for s in "abc":
+        core.register(s, f"h{s}:1", f"{s}1", now=0.0)
+    core.take_ready()
+    leader = SchedulerCore(core.config, core.state(), now=100.0)  # took over from the state: heard nobody
+    leader.tick(now=100.0 + TIMEOUT / 3 + 0.1)
+    assert sorted(p.server_id for p in leader.take_ready().probes) == ["a", "b", "c"]
+    for s in "ab":  # running: their health service answers; c's port is closed
+        leader.probe_answered(s, f"{s}1", False, now=100.0 + TIMEOUT / 2)
+    leader.probe_answered("c", "c1", True, now=100.0 + TIMEOUT / 2)
+    leader.tick(now=100.0 + TIMEOUT + 0.5)  # past the timeout since the take-over, no heartbeat yet
+    assert [s.up for s in leader.map.servers] == [True, True, False]
+
+
 class _Store(FileMapStore):
     """A file store that records what was published when each state was saved, and refuses on demand."""
 
