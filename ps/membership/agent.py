@@ -37,8 +37,7 @@ class Agent:
         self.addresses = [a.strip() for a in scheduler.split(",") if a.strip()]
         self.address = address
         self.interval = heartbeat_interval_s
-        self.core = Membership(heartbeat_interval_s, lease_s)
-        self._which = 0
+        self.core = Membership(heartbeat_interval_s, lease_s, schedulers=len(self.addresses))
         options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
                    *reconnect_options()]
         self._security, self._options = security, options
@@ -54,11 +53,11 @@ class Agent:
 
     @property
     def stub(self) -> spb_grpc.SchedulerStub:
-        return self._stubs[self._which % len(self._stubs)]
+        return self._stubs[self.core.current]
 
     def _next(self) -> None:
         """The next scheduler; with one address (a Service over a leader and standbys), a new connection."""
-        self._which += 1
+        self.core.next_scheduler()
         if len(self.addresses) == 1:  # the old channel is not closed: calls in flight on it finish or fail
             self._channels[0] = self._security.channel(self.addresses[0], self._options)
             self._stubs[0] = spb_grpc.SchedulerStub(self._channels[0])
@@ -102,25 +101,27 @@ class Agent:
                                                        positions=s.positions()), timeout=5.0)
         s.install(cluster_wire.map_from_pb(reply.map))
         self.core.registered_ok(sent)
-        log.info("registered with the scheduler at %s as %s (boot %s)", self.addresses[self._which % len(
-            self.addresses)], s.server_id, s.boot)
+        log.info("registered with the scheduler at %s as %s (boot %s)", self.addresses[self.core.current],
+                 s.server_id, s.boot)
 
     def _heartbeat(self) -> None:
         """Send a heartbeat without waiting for its answer (``_answers_in`` takes it): heartbeats keep their
         cadence over a slow link, and the lease with them (``core``). The deadline is the lease: a slow link
-        (a round trip under the scheduler's timeout) must not fail heartbeats."""
+        (a round trip under the scheduler's timeout) must not fail heartbeats. While the core searches for the
+        leader, the heartbeat goes to every scheduler at once."""
         s = self.service
         stats = {**s.cluster_figures(), **s.load_figures()}
-        which, sent = self._which, time.monotonic()
-        future = self.stub.Heartbeat.future(spb.HeartbeatRequest(server_id=s.server_id, boot=s.boot, epoch=s.epoch,
-                                                                 stats=stats), timeout=max(1.0, self.core.lease_s))
-        self.core.beat_sent(sent)
+        request = spb.HeartbeatRequest(server_id=s.server_id, boot=s.boot, epoch=s.epoch, stats=stats)
+        targets, sent = self.core.targets(), time.monotonic()
+        self.core.beat_sent(sent, len(targets))
+        for which in targets:
+            future = self._stubs[which].Heartbeat.future(request, timeout=max(1.0, self.core.lease_s))
 
-        def answered(f: grpc.Future) -> None:  # on a gRPC thread: hand it to the agent's loop
-            self._answers.put((f, sent, which))
-            self._wake.set()
+            def answered(f: grpc.Future, which: int = which) -> None:  # on a gRPC thread: to the agent's loop
+                self._answers.put((f, sent, which))
+                self._wake.set()
 
-        future.add_done_callback(answered)
+            future.add_done_callback(answered)
 
     def _answers_in(self) -> None:
         """Take the heartbeats' answers in the order they came: install each map, then renew the lease (it
@@ -134,17 +135,18 @@ class Agent:
                 reply = future.result()
             except (grpc.RpcError, grpc.FutureCancelledError) as err:
                 code = err.code().name if isinstance(err, grpc.RpcError) else "CANCELLED"
-                log.debug("heartbeat failed: %s", code)
-                self.core.heartbeat_failed(time.monotonic())
-                if which == self._which:  # a call on a scheduler we already left says nothing new
+                log.debug("heartbeat to %s failed: %s", self.addresses[which], code)
+                current = which == self.core.current
+                self.core.heartbeat_failed(time.monotonic(), which)
+                if current and len(self.addresses) == 1:  # one address: a new connection
                     self._next()
                 continue
             if reply.reregister:
-                self.core.heartbeat_answered(sent, True)
+                self.core.heartbeat_answered(sent, True, which)
                 continue
             if reply.HasField("map"):
                 self.service.install(cluster_wire.map_from_pb(reply.map))
-            self.core.heartbeat_answered(sent, False)
+            self.core.heartbeat_answered(sent, False, which)
 
     # --- calls from the service ---------------------------------------------------------------------------
     def refresh(self, epoch: int = 0, wait_s: float = 0.0) -> None:

@@ -67,8 +67,16 @@ def test_leader_kill_9_a_paused_leader_then_a_shard_kill_9_lose_nothing(make_sha
             c.kill_scheduler(signal.SIGSTOP, which=paused)
             try:
                 leader = c.leading_scheduler(timeout=30)
+                led_at = time.monotonic()
                 assert leader != paused
-                time.sleep(3.5)
+                # the servers find the new leader within a few heartbeat intervals: once a heartbeat to the
+                # paused one ran out, they send to every scheduler (they used to go back to the paused one
+                # after each standby refusal, for another whole deadline)
+                admin.wait_for(lambda: all(0 <= s["last_heartbeat_s"] < 1.0 for s in admin.cluster_status(
+                    c.scheduler, timeout_s=5.0)["servers"]), 10, "the servers to heartbeat the new leader")
+                heard_after = time.monotonic() - led_at
+                assert heard_after < 2.0, f"the new leader heard every server only {heard_after:.2f}s after it led"
+                time.sleep(max(0.0, 3.5 - heard_after))
             finally:
                 c.scheduler_procs[paused].send_signal(signal.SIGCONT)
             time.sleep(1.5)

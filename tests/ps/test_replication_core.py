@@ -250,6 +250,33 @@ def test_heartbeats_keep_their_cadence_without_waiting_for_answers() -> None:
     assert m.heartbeat_failed(now=12.0) == 0.1 and m.in_flight == m.max_in_flight - 3
 
 
+def test_a_failed_heartbeat_searches_every_scheduler_and_keeps_the_one_that_answers() -> None:
+    """A leader paused: its heartbeats hang until their deadline, the standby refuses until it leads. Going
+    round the schedulers one at a time sent the server back to the paused one after every refusal, for another
+    whole deadline (seen: a new leader heard no server for 3.2 s and declared both dead). Once the current one
+    fails, every heartbeat goes to all of them until one answers; that one is kept."""
+    m = Membership(interval_s=0.5, lease_s=2.0, schedulers=3)
+    m.registered_ok(sent=10.0)
+    assert m.targets() == [0]
+    m.beat_sent(10.5)
+    m.heartbeat_failed(now=12.5, which=0)  # the paused leader: the deadline ran out
+    assert m.searching and m.targets() == [0, 1, 2]
+    m.beat_sent(12.6, calls=3)
+    assert m.beat_due(12.6) > 0 and m.in_flight == 3
+    m.heartbeat_failed(now=12.61, which=1)  # a standby refuses at once: still searching, all of them
+    assert m.targets() == [0, 1, 2]
+    assert m.heartbeat_answered(sent=12.6, reregister=False, which=2) is False  # the new leader
+    assert not m.searching and m.targets() == [2] and m.lease_ok(14.5)
+    m.heartbeat_failed(now=14.6, which=0)  # a late failure on the old leader says nothing new
+    assert not m.searching and m.targets() == [2]
+    one = Membership(interval_s=0.5, lease_s=2.0)  # one address (a Service): nothing to search
+    one.registered_ok(sent=0.0)
+    one.heartbeat_failed(now=2.0, which=0)
+    assert not one.searching and one.targets() == [0]
+    m.next_scheduler()  # a register or report failed: the next one
+    assert m.targets() == [0]
+
+
 def test_refreshes_coalesce_to_the_highest_epoch_wanted() -> None:
     m = Membership()
     assert m.want(5) and not m.want(5) and not m.want(3) and m.want(6)
