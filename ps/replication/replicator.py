@@ -12,9 +12,11 @@ answers to ``answered`` / ``send_failed``.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -36,6 +38,21 @@ from tigana.ps.replication.primary import Primary
 from tigana.ps.replication.stream import Mark, Stream
 from tigana.ps.routing import ShardMap
 from tigana.ps.wire.cluster import Item
+
+log = logging.getLogger("tigana.ps.replication")
+
+SLOW_ACK_S = 1.0  # a sync acknowledgement slower than this is explained in the log (at most every 5 s)
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """A write waiting for its marks (``when_done``): called back, not a thread blocked."""
+
+    marks: list[Mark]
+    deadline: float
+    callback: Callable[[bool], None]
+    since: float
+    told: bool = field(default=False)  # its slowness was logged
 
 
 class Replicator:
@@ -73,6 +90,10 @@ class Replicator:
         self.spawn = spawn or _thread
         self.cond = threading.Condition()
         self._links: dict[Stream, tuple[grpc.Channel, Callable]] = {}
+        self._waiters: list[_Waiter] = []  # under ``cond``; settled by the events that complete their marks
+        self._sweeping = False  # the deadline sweeper runs (started with the first waiter)
+        self._slow_logged = float("-inf")
+        self._closed = threading.Event()
 
     @property
     def streams(self) -> dict[str, Stream]:
@@ -98,6 +119,8 @@ class Replicator:
                     with self.cond:
                         self.core.report_refused(a.stream, a.session)
                         self.cond.notify_all()
+                        settled = self._settle()
+                    _fire(settled)
             elif isinstance(a, RefreshMap):
                 self.refresh_map(a.epoch)
             elif isinstance(a, Pause):
@@ -109,6 +132,8 @@ class Replicator:
         with self.cond:
             actions = event()
             self.cond.notify_all()
+            settled = self._settle()
+        _fire(settled)
         return self._do(actions)
 
     def _open(self, s: Stream) -> None:
@@ -219,6 +244,84 @@ class Replicator:
                     return False
                 self.cond.wait(min(left, 0.5))
 
+    def when_done(self, marks: list[Mark], timeout_s: float, callback: Callable[[bool], None]) -> None:
+        """Call ``callback(True)`` once every mark is done (``Primary.mark_done``), ``callback(False)`` when
+        ``timeout_s`` passes first or the replicator closes: on the thread of the event that settled it (an
+        acknowledgement, a map), of the deadline sweeper, or this one when it is settled already. No thread
+        waits meanwhile: a sync push waiting for its copies held one of the server's frame-pool threads for up
+        to ``ack_timeout_s``, so a few dozen waiting on a paused copy held every other sync acknowledgement of
+        the server behind them. The callback must not block."""
+        with self.cond:
+            if self.core.closed or all(self.core.mark_done(m) for m in marks):
+                done = not self.core.closed
+            else:
+                now = self.clock()
+                self._waiters.append(_Waiter(marks, now + timeout_s, callback, now))
+                if not self._sweeping and self.threaded:
+                    self._sweeping = True
+                    self.spawn("tigana-ack-deadlines", self._sweep)
+                return
+        callback(done)
+
+    def _settle(self) -> list[tuple[Callable[[bool], None], bool]]:
+        """The waiters an event settled (``cond`` held): every mark done, past the deadline, or closed; taken
+        out, to be called once the lock is released (``_fire``)."""
+        if not self._waiters:
+            return []
+        now, closed = self.clock(), self.core.closed
+        out, keep = [], []
+        for w in self._waiters:
+            if not closed and all(self.core.mark_done(m) for m in w.marks):
+                out.append((w.callback, True))
+            elif closed or now >= w.deadline:
+                out.append((w.callback, False))
+            else:
+                keep.append(w)
+        self._waiters = keep
+        return out
+
+    def _sweep(self) -> None:
+        """Settle the waiters whose deadline passed (nothing else would: their copies stopped answering), and
+        explain in the log the first waiter past ``SLOW_ACK_S`` (at most every 5 s)."""
+        while True:
+            self._closed.wait(0.1)  # not the condition: that wakes at every write
+            with self.cond:
+                settled = self._settle()
+                closed = self.core.closed
+                slow = None
+                now = self.clock()
+                if now - self._slow_logged >= 5.0:
+                    slow = next((w for w in self._waiters if not w.told and now - w.since >= SLOW_ACK_S), None)
+                    if slow is not None:
+                        slow.told = True
+                        self._slow_logged = now
+            _fire(settled)
+            if slow is not None:
+                log.info("a sync write has waited %.1fs for its copies (%d waiting): %s", now - slow.since,
+                         len(self._waiters), self.waiting_on(slow.marks))
+            if closed:
+                return
+
+    def waiting_on(self, marks: list[Mark]) -> str:
+        """The marks not done yet, as a line for a log: per stream, the seq waited for, the seq acknowledged, what
+        is queued ahead and since when the stream is broken (a slow sync acknowledgement, explained)."""
+        with self.cond:
+            now = self.clock()
+            out = []
+            for m in marks:
+                if self.core.mark_done(m):
+                    continue
+                s = m.stream
+                ahead = sum(1 for q in s.queue if q.seq <= m.seq)
+                out.append(f"{s.target_id}: seq {m.seq} (acknowledged {s.acked}, {ahead} item(s) ahead, "
+                           f"{s.queued_bytes} B queued, {len(s.sessions)} slot cop(ies), last ack "
+                           f"{now - s.acked_time:.1f}s ago"
+                           + (f", broken for {now - s.broken_since:.1f}s: {s.last_error[:120]}"
+                              if s.broken_since is not None else "")
+                           + (f", {int(s.excluded[m.slots].sum())} slot(s) excluded" if s.excluded[m.slots].any()
+                              else "") + ")")
+            return "; ".join(out)
+
     def wait_for_room(self, s: Stream, timeout_s: float = 30.0) -> None:
         """Block while ``s`` holds more than ``copy_window_bytes`` unacknowledged: a slot copy's rows share the
         stream with the writes of in-sync copies, and a sync push waits for its item, so the copy keeps only a
@@ -249,10 +352,22 @@ class Replicator:
         with self.cond:
             actions = self.core.close()
             self.cond.notify_all()
+            settled = self._settle()
+        self._closed.set()
+        _fire(settled)
         for a in actions:
             link = self._links.pop(a.stream, None) if isinstance(a, CloseStream) else None
             if link is not None:
                 link[0].close()
+
+
+def _fire(settled: list[tuple[Callable[[bool], None], bool]]) -> None:
+    """Call the settled waiters (no lock held); one failing never keeps the others from their answer."""
+    for callback, ok in settled:
+        try:
+            callback(ok)
+        except Exception:  # noqa: BLE001 - a waiter's answer is its own business
+            log.exception("a sync acknowledgement callback failed")
 
 
 def _identity(raw: bytes) -> bytes:

@@ -213,9 +213,15 @@ class ShardService(Ownership, Writes, Exports, Persistence, Hosting, shard_pb2_g
             _, rows, codec = self._pull(frame.request)
             return frames.pull_answer(frame.id, rows, codec)
         pushed = self._push_apply(frame.request)
-        if not pushed.marks:
+        if not pushed.marks or self.replicator is None:
             return frames.push_answer(frame.id, self._push_ack(pushed, self.config.ack_timeout_s))
-        return lambda: frames.push_answer(frame.id, self._push_ack(pushed, self.config.ack_timeout_s))
+        replicator = self.replicator
+
+        def start(finish: Callable[[Callable[[], bytes]], None]) -> None:
+            # the answer is made by whoever settles the wait (an acknowledgement, a map, the deadline)
+            replicator.when_done(pushed.marks, self.config.ack_timeout_s, lambda done: finish(
+                lambda: frames.push_answer(frame.id, self._push_answer(pushed, done))))
+        return streams.Deferred(start)
 
     def _frame_step(self, frame: frames.Frame, start: float, step: Callable[[], bytes | Callable[[], bytes]]
                     ) -> bytes | Callable[[], bytes]:
@@ -228,6 +234,10 @@ class ShardService(Ownership, Writes, Exports, Persistence, Hosting, shard_pb2_g
         except Exception as exc:  # noqa: BLE001 - a frame never takes the stream or the daemon down
             status = rpc.answer_status(exc, f"{method} frame", log)[0]
             out = frames.error_answer(frame.id, exc, self._view.epoch)
+        if isinstance(out, streams.Deferred):
+            inner = out
+            return streams.Deferred(lambda finish: inner.start(
+                lambda step: finish(lambda: self._frame_step(frame, start, step))))  # type: ignore[arg-type,return-value]
         if not isinstance(out, bytes):
             later = out
             return lambda: self._frame_step(frame, start, later)  # type: ignore[return-value]

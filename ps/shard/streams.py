@@ -3,7 +3,8 @@
 
 ``serve``: a reader thread takes frames off the stream and handles each at once (a thread hand-off per frame
 cost more CPU than a pull's table work); a step that must wait (a sync push waiting for its copies) comes back
-as a callable and runs on the server's frame pool. Answers are written back as they finish. At most ``window``
+as a callable and runs on the server's frame pool, or as a ``Deferred`` that whoever settles it answers
+(a sync push's wait for its copies: no thread waits). Answers are written back as they finish. At most ``window``
 frames of one stream are read and not yet answered: past that the reader stops reading, and HTTP/2 flow
 control holds the client back. The frames of a bundle are handled in order and the answers ready at its end
 go back as one bundle.
@@ -25,6 +26,17 @@ from typing import Any
 from tigana.ps.wire import frames
 
 _END = object()
+
+
+class Deferred:
+    """A frame's answer that comes later from whoever completes it, not from a pool thread waiting for it:
+    ``start(finish)`` arranges for ``finish(step)`` to be called exactly once, ``step()`` making the answer (a
+    sync push waiting for its copies' acknowledgements: ``Replicator.when_done``)."""
+
+    __slots__ = ("start",)
+
+    def __init__(self, start: Callable[[Callable[[Callable[[], bytes]], None]], None]) -> None:
+        self.start = start
 
 
 def serve(requests: Iterator[Any], handle: Callable[[frames.Frame, float], bytes | Callable[[], bytes]],
@@ -68,6 +80,8 @@ def serve(requests: Iterator[Any], handle: Callable[[frames.Frame, float], bytes
                     if isinstance(out, bytes):
                         ready.append(out)
                         permits.release()  # answered: out of hand (a bundle may hold more than the window)
+                    elif isinstance(out, Deferred):
+                        out.start(finish)
                     else:
                         pool.submit(finish, out)
                 if ready:

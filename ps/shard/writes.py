@@ -148,10 +148,15 @@ class Writes(ShardFields):
 
     def _push_ack(self, p: _Pushed, timeout_s: float) -> pb.PushResponse:
         """Wait (up to ``timeout_s``) until the copies the push waits for have it (I1), then answer."""
+        done = not p.marks or self.replicator is None or self.replicator.wait(p.marks, timeout_s)
+        return self._push_answer(p, done)
+
+    def _push_answer(self, p: _Pushed, done: bool) -> pb.PushResponse:
+        """The answer to push ``p`` once its wait for its copies ended: ``done`` when every copy it waited for
+        has it (I1), else ``Unavailable`` (applied here, so a retry applies nothing twice)."""
         name, view, uslots, marks, sync = p.name, p.view, p.uslots, p.marks, p.sync
         if marks:
-            assert self.replicator is not None
-            if not self.replicator.wait(marks, timeout_s):
+            if not done:
                 late = sorted({m.stream.target_id for m in marks})
                 raise Unavailable(f"table {name!r}: push applied here but not yet by the in-sync copies on {late} "
                                   f"within {self.config.ack_timeout_s}s; retry it (it is applied once)",

@@ -7,6 +7,8 @@ nothing listens, holds their copies: nothing it queues is ever acknowledged."""
 from __future__ import annotations
 
 import socket
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -63,3 +65,30 @@ def test_writers_wait_past_the_bound_then_are_refused_with_nothing_applied(servi
         service._push(_push(ids, 2))
     np.testing.assert_array_equal(service._tables["t"].table.pull(ids, insert=False), before)
     np.testing.assert_array_equal(before, np.ones((ids.size, 4)))  # the first push, once
+
+
+
+def test_writes_waiting_for_a_silent_copy_hold_no_thread_and_are_answered_at_their_deadline(service) -> None:
+    """``Replicator.when_done``: a sync write waiting for its copies is called back by the event that settles it
+    (or the deadline sweeper), with no thread blocked meanwhile. Each such wait used to hold one of the server's
+    16 frame-pool threads for up to ``ack_timeout_s``: a few dozen writes waiting on a paused copy held every
+    other sync acknowledgement of the server behind them (``bench nemesis`` stalls)."""
+    rep = service.replicator
+    service._push(_push(np.array([3], np.int64), 1))  # queued for the copy that never answers
+    marks = rep.tail_marks(np.array([3]))
+    assert marks, "the copy never answers: a write of slot 3 waits for it"
+    answers: list[tuple[bool, str]] = []
+    threads_before = threading.active_count()
+    started = time.monotonic()
+    for _ in range(200):
+        rep.when_done(marks, 0.5, lambda ok: answers.append((ok, threading.current_thread().name)))
+    assert time.monotonic() - started < 0.5 and answers == []  # nobody waited in when_done
+    assert threading.active_count() <= threads_before + 1  # at most the deadline sweeper
+    deadline = time.monotonic() + 10
+    while len(answers) < 200:
+        assert time.monotonic() < deadline, f"{len(answers)} of 200 answered"
+        time.sleep(0.05)
+    assert answers == [(False, "tigana-ack-deadlines")] * 200  # past the deadline: not acknowledged by the copy
+    done: list[bool] = []
+    rep.when_done([], 0.5, done.append)  # nothing to wait for: answered at once, on the caller's thread
+    assert done == [True]
