@@ -364,11 +364,19 @@ class Ownership(ShardFields):
         if self.replicator is None or self.agent is None or not view.valid or not view.fenced.any():
             return False
         fenced = np.flatnonzero(view.fenced)
-        if self.replicator.wait(self.replicator.tail_marks(fenced), timeout_s) and self._view is view \
-                and self.state != "closed":
-            self.agent.handover_ready(fenced.astype(np.int32), view.epoch)
-            return True
-        return False
+        if not self.replicator.wait(self.replicator.tail_marks(fenced), timeout_s) or self.state == "closed":
+            return False
+        # Maps installed during the wait (a failover or a rebalance sends one every ~0.1 s) do not void it for
+        # the slots still fenced: they refused every write since ``view``, and the scheduler takes the report
+        # only for slots whose copies and states did not change after ``view.epoch`` (their ``slot_epochs``),
+        # so a slot fenced again meanwhile is refused. Requiring the very same map kept slots fenced, every
+        # write to them refused, until the maps stopped (2.7 s in a ``bench nemesis`` run).
+        now = self._view
+        ready = fenced if now is view else fenced[now.fenced[fenced]] if now.valid else fenced[:0]
+        if not ready.size:
+            return False
+        self.agent.handover_ready(ready.astype(np.int32), view.epoch)
+        return True
 
     def positions(self) -> list[pb.SlotTableInfo]:
         """Per table, the log positions of every slot with data (for registering after a restart)."""

@@ -6,6 +6,8 @@ scheduler would have sent)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -13,7 +15,7 @@ from tigana.embeddings import SGD, TableConfig, Zeros
 from tigana.proto import shard_pb2 as pb
 from tigana.ps.config import ServerConfig
 from tigana.ps.errors import WrongShard
-from tigana.ps.routing import IN_SYNC, NO_SERVER, ServerEntry, ShardMap, TableDef
+from tigana.ps.routing import HANDING_OVER, IN_SYNC, NO_SERVER, ServerEntry, ShardMap, TableDef
 from tigana.ps.shard import ShardService
 from tigana.ps.wire import data as wire
 
@@ -36,13 +38,17 @@ def service():
         svc.close_tables()
 
 
-def _map(svc: ShardService, epoch: int, *, up: bool, holds: bool) -> ShardMap:
+def _map(svc: ShardService, epoch: int, *, up: bool, holds: bool, handing_over: np.ndarray | None = None,
+         slot_epochs: np.ndarray | None = None) -> ShardMap:
     spec = TableDef(TableConfig("t", dim=4, optimizer=SGD(lr=1.0), initializer=Zeros()), durability="sync",
                     created_epoch=1)
     servers = (ServerEntry(svc.server_id, "127.0.0.1:2", svc.boot, up),)
     copies = np.full((SLOTS, 1), 0 if holds else NO_SERVER, np.int32)
-    return ShardMap(epoch, SLOTS, 0, servers, copies, np.full(copies.shape, IN_SYNC, np.uint8),
-                    np.ones(SLOTS, np.uint64), {"t": spec})
+    states = np.full(copies.shape, IN_SYNC, np.uint8)
+    if handing_over is not None:
+        states[handing_over, 0] = HANDING_OVER
+    return ShardMap(epoch, SLOTS, 0, servers, copies, states,
+                    np.ones(SLOTS, np.uint64) if slot_epochs is None else slot_epochs, {"t": spec})
 
 
 def _positions(svc: ShardService) -> dict[int, tuple[int, int]]:
@@ -73,3 +79,24 @@ def test_a_map_that_declares_this_server_dead_keeps_its_rows_and_positions(servi
     service.install(_map(service, 4, up=True, holds=False))
     service._drop_unheld()
     assert not service._tables["t"].table.stored_ids().size
+
+
+def test_a_hand_over_is_reported_for_the_slots_still_fenced_when_maps_came_during_its_wait(service) -> None:
+    """Seen in ``bench nemesis``: a failover during a rebalance sent a map every ~0.2 s, and the primary's
+    report that its fenced slots were drained needed the very map it waited under, so it was never made until
+    the maps stopped: its slots refused every write for 2.7 s. The wait stands for the slots still fenced in
+    the newer map (they refused writes all along); the scheduler takes it only for slots unchanged since."""
+    reports: list[tuple[list[int], int]] = []
+    service.agent = SimpleNamespace(handover_ready=lambda slots, epoch: reports.append((slots.tolist(), epoch)))
+    fenced = np.arange(8)
+    service._handover_started = True  # this test makes the tries itself, not the daemon's hand-over thread
+    service.install(_map(service, 2, up=True, holds=True, handing_over=fenced))
+    wait = service.replicator.wait
+
+    def wait_while_a_map_comes(marks, timeout_s):  # the copies acknowledge while a newer map is installed
+        service.install(_map(service, 3, up=True, holds=True, handing_over=fenced[:4]))
+        return wait(marks, timeout_s)
+
+    service.replicator.wait = wait_while_a_map_comes
+    assert service.hand_over(1.0)
+    assert reports == [(list(range(4)), 2)]  # the slots still fenced, at the epoch the wait began under
