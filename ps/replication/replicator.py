@@ -298,11 +298,11 @@ class Replicator:
             _fire(settled)
             if slow is not None:
                 log.info("a sync write has waited %.1fs for its copies (%d waiting): %s", now - slow.since,
-                         len(self._waiters), self.waiting_on(slow.marks))
+                         len(self._waiters), self._waiting_on(slow.marks))
             if closed:
                 return
 
-    def waiting_on(self, marks: list[Mark]) -> str:
+    def _waiting_on(self, marks: list[Mark]) -> str:
         """The marks not done yet, as a line for a log: per stream, the seq waited for, the seq acknowledged, what
         is queued ahead and since when the stream is broken (a slow sync acknowledgement, explained)."""
         with self.cond:

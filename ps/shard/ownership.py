@@ -193,6 +193,8 @@ class Ownership(ShardFields):
             self._start_hand_over()
         if self.on_install is not None:
             self.on_install()
+        note = (" (this process is not in it yet)" if not valid else
+                " (it declares this server dead: its rows are kept until it registers again)" if down else "")
         was_leading = old.leads if old.valid else np.zeros(self.num_slots, bool)
         was_holding = old.holds if old.valid else np.zeros(self.num_slots, bool)
         gained, lost = np.flatnonzero(new.leads & ~was_leading), np.flatnonzero(was_leading & ~new.leads)
@@ -200,8 +202,7 @@ class Ownership(ShardFields):
         log.info("server %s installed map epoch %d: leads %d slot(s) (new: %s; no longer: %s), holds %d (new copies: "
                  "%s; dropped: %s)%s", self.server_id, m.epoch, int(new.leads.sum()), slots_text(gained),
                  slots_text(lost), int(new.holds.sum()), slots_text(added), slots_text(dropped),
-                 "" if valid and not down else " (this process is not in it yet)" if not valid else
-                 " (it declares this server dead: its rows are kept until it registers again)",
+                 note,
                  extra=event("map_installed", slots=np.union1d(np.union1d(gained, lost), np.union1d(added, dropped)),
                              epoch=m.epoch, server=self.server_id, leads_gained=format_slots(gained),
                              leads_lost=format_slots(lost), copies_added=format_slots(added),
