@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -52,7 +52,7 @@ class _Waiter:
     deadline: float
     callback: Callable[[bool], None]
     since: float
-    told: bool = field(default=False)  # its slowness was logged
+    told: bool = False  # its slowness was logged
 
 
 class Replicator:

@@ -38,8 +38,8 @@ def service():
         svc.close_tables()
 
 
-def _map(svc: ShardService, epoch: int, *, up: bool, holds: bool, handing_over: np.ndarray | None = None,
-         slot_epochs: np.ndarray | None = None) -> ShardMap:
+def _map(svc: ShardService, epoch: int, *, up: bool, holds: bool, handing_over: np.ndarray | None = None
+         ) -> ShardMap:
     spec = TableDef(TableConfig("t", dim=4, optimizer=SGD(lr=1.0), initializer=Zeros()), durability="sync",
                     created_epoch=1)
     servers = (ServerEntry(svc.server_id, "127.0.0.1:2", svc.boot, up),)
@@ -47,8 +47,7 @@ def _map(svc: ShardService, epoch: int, *, up: bool, holds: bool, handing_over: 
     states = np.full(copies.shape, IN_SYNC, np.uint8)
     if handing_over is not None:
         states[handing_over, 0] = HANDING_OVER
-    return ShardMap(epoch, SLOTS, 0, servers, copies, states,
-                    np.ones(SLOTS, np.uint64) if slot_epochs is None else slot_epochs, {"t": spec})
+    return ShardMap(epoch, SLOTS, 0, servers, copies, states, np.ones(SLOTS, np.uint64), {"t": spec})
 
 
 def _positions(svc: ShardService) -> dict[int, tuple[int, int]]:

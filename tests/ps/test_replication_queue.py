@@ -67,7 +67,6 @@ def test_writers_wait_past_the_bound_then_are_refused_with_nothing_applied(servi
     np.testing.assert_array_equal(before, np.ones((ids.size, 4)))  # the first push, once
 
 
-
 def test_writes_waiting_for_a_silent_copy_hold_no_thread_and_are_answered_at_their_deadline(service) -> None:
     """``Replicator.when_done``: a sync write waiting for its copies is called back by the event that settles it
     (or the deadline sweeper), with no thread blocked meanwhile. Each such wait used to hold one of the server's
