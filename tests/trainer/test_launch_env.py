@@ -61,6 +61,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _signal_masks(pid: int) -> str:
+    """The signal masks of a process (/proc/PID/status: blocked, ignored, caught), as hex."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    wanted = ("SigBlk", "SigIgn", "SigCgt")
+    return ", ".join(line.replace("\t", " ") for line in status.splitlines() if line.startswith(wanted))
+
+
 def test_ctrl_c_while_waiting_for_peers_prints_one_line(tmp_path: Path) -> None:
     # rank 1 of 2 whose rank 0 never starts: it waits for the rendezvous until Ctrl-C
     env = _clean_env(WORLD_SIZE="2", RANK="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="1",
@@ -75,9 +82,15 @@ def test_ctrl_c_while_waiting_for_peers_prints_one_line(tmp_path: Path) -> None:
                 break
         assert proc.poll() is None, "".join(lines)[-3000:]
         time.sleep(1)
+        masks = _signal_masks(proc.pid)  # what SIGINT meets in the trainer, said if it does not stop
         proc.send_signal(signal.SIGINT)
-        rest = proc.stderr.read()
-        proc.wait(60)
+        try:
+            rest = proc.communicate(timeout=60)[1]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rest = proc.communicate()[1]
+            said = ("".join(lines) + rest)[-3000:]
+            raise AssertionError(f"SIGINT did not stop the trainer in 60 s ({masks})\n{said}") from None
         err = "".join(lines) + rest
     finally:
         if proc.poll() is None:
