@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -51,6 +52,20 @@ from tigana.ps.local import LocalCluster
 from tigana.ps.routing import slot_range
 
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+def _children_meet_ctrl_c_as_at_a_terminal() -> None:
+    """A suite started as a background job of a non-interactive shell (``make test &``, a CI step run that
+    way) has SIGINT and SIGQUIT ignored, and every process a test starts inherits that: Ctrl-C tests would then
+    test the shell's choice, not ours. The test processes (and pytest-xdist's workers, which import this file)
+    restore what a terminal gives; exec resets a Python handler to the default in the children."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGQUIT) is signal.SIG_IGN:
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
+_children_meet_ctrl_c_as_at_a_terminal()
 _READY_TIMEOUT = 60.0
 
 
