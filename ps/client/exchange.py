@@ -123,7 +123,7 @@ class Exchange:
             for _, _, done in items:
                 done(None, err)
             return
-        raws = []
+        raws, sent = [], []
         budget_ms = max(1, int(timeout_s * 1000))
         expires = time.monotonic() + timeout_s
         for frame_id, (kind, parts, _) in zip(ids, items, strict=True):
@@ -132,7 +132,9 @@ class Exchange:
             except Exception as exc:  # noqa: BLE001 - settle the frame, never leave it pending
                 self._settle(frame_id, None, Internal(f"{self.address}: frame encoding: {exc}"))
                 continue
-            _DEADLINES.add(expires, functools.partial(self._expire, frame_id, timeout_s))
+            sent.append(frame_id)
+        if sent:  # one deadline for the frames made together (they share it), not one each
+            _DEADLINES.add(expires, functools.partial(self._expire, sent, timeout_s))
         assert q is not None
         if raws:
             q.put(raws[0] if len(raws) == 1 else raws)
@@ -231,9 +233,13 @@ class Exchange:
             for k in lost:
                 self._settle(k, None, error or Unavailable(f"{self.address}: stream ended"))
 
-    def _expire(self, frame_id: int, timeout_s: float) -> None:
-        self._settle(frame_id, None, DeadlineExceeded(
-            f"{self.address}: no answer within {timeout_s:g}s (deadline exceeded)"))
+    def _expire(self, frame_ids: list[int], timeout_s: float) -> None:
+        """The deadline of frames sent together: those still unanswered fail (the others are settled)."""
+        with self._lock:
+            late = [k for k in frame_ids if k in self._pending]
+        for k in late:
+            self._settle(k, None, DeadlineExceeded(
+                f"{self.address}: no answer within {timeout_s:g}s (deadline exceeded)"))
 
     def _settle(self, frame_id: int, reply: Any, error: PSError | None) -> None:
         with self._lock:

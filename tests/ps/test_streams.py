@@ -166,6 +166,31 @@ def test_deadline_on_a_paused_server_applies_a_push_once_or_not_at_all(make_shar
         np.testing.assert_allclose(client.pull("d", ids), before - 1.0)
 
 
+def test_frames_sent_together_to_a_paused_server_each_fail_at_their_shared_deadline(make_shard_cluster) -> None:
+    """Every table's part of a step goes out as one bundle under one deadline: with the server stopped, each
+    table's pull fails by it (none is left pending), and after SIGCONT the same pulls are answered."""
+    cluster = make_shard_cluster(1, replicas=None)
+    tables = [f"bundle{i}" for i in range(5)]
+    with ps.connect(cluster.addresses, timeout_s=0.5, max_attempts=1, initial_backoff_s=0.05) as client:
+        for t in tables:
+            client.create_table(t, dim=4, seed=3, staleness=None)
+        ids = [np.arange(i, i + 8) for i in range(len(tables))]
+        expected = [f.result(30) for f in client.pull_many(tables, ids)]
+        pid = cluster.procs[0].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            futs = client.pull_many(tables, ids)
+            for fut in futs:
+                with pytest.raises((ps.DeadlineExceeded, ps.Unavailable)):
+                    fut.result(timeout=30)
+            assert time.monotonic() - start < 10
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        for got, want in zip([f.result(30) for f in client.pull_many(tables, ids)], expected, strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
 def test_a_frame_for_slots_the_server_does_not_lead_is_fenced(shard_servers) -> None:
     """The ownership check is the same on a frame as on a unary push: WrongShard with the server's epoch,
     under the frame's id, nothing applied; the stream carries on."""
