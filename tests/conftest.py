@@ -52,6 +52,7 @@ from tigana.ps.local import LocalCluster
 from tigana.ps.routing import slot_range
 
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+_READY_TIMEOUT = 60.0
 
 
 def _children_meet_ctrl_c_as_at_a_terminal() -> None:
@@ -66,7 +67,6 @@ def _children_meet_ctrl_c_as_at_a_terminal() -> None:
 
 
 _children_meet_ctrl_c_as_at_a_terminal()
-_READY_TIMEOUT = 60.0
 
 
 @pytest.fixture
