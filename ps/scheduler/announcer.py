@@ -64,11 +64,15 @@ class Announcer:
             futures.wait(calls, timeout=3.0)
             sent = m.epoch
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop announcing. The calls in flight end first (each within its 2 s deadline), then the channels
+        close: a daemon exiting with a gRPC call still running on another thread can abort in gRPC's C++
+        teardown ("terminate called without an active exception")."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._thread.join(timeout_s)
+        self._pool.shutdown(wait=True, cancel_futures=True)
         for ch in self._channels.values():
             ch.close()
 

@@ -229,6 +229,12 @@ class SchedulerHandle:
         if core is not None:
             core.close()  # wake the long polls: their threads would hold the process up to 30 s
         self._server.stop(grace).wait()
+        # No gRPC call may outlive the handle: the tick's probes and the announcer's InstallMaps end first
+        # (a daemon exiting under a call in flight can abort in gRPC's teardown: exit status 134).
+        if self._ticker.is_alive():
+            self._ticker.join(5.0)
+        if core is not None:
+            core.wait_probes(5.0)
         self.announcer.close()
         self.metrics.close()
         if self.electing:

@@ -50,6 +50,7 @@ class SchedulerDriver:
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
         self.closing = False  # set when the service stops: long polls (``wait_map``) return at once
+        self._probes: set[threading.Thread] = set()  # probes in flight (``wait_probes``)
         state = store.load()
         if state is None:
             state = new_state(config, cluster_id or uuid.uuid4().hex[:12])
@@ -96,7 +97,9 @@ class SchedulerDriver:
                 if self.probe is None:  # no prober: every probe answers "unknown" at once (its Ready next)
                     self.core.probe_answered(p.server_id, p.boot, None, now=self.clock())
                 else:
-                    threading.Thread(target=self._run_probe, args=(p,), name="tigana-probe", daemon=True).start()
+                    thread = threading.Thread(target=self._run_probe, args=(p,), name="tigana-probe", daemon=True)
+                    self._probes.add(thread)
+                    thread.start()
 
     def _reload(self) -> None:
         try:
@@ -114,7 +117,17 @@ class SchedulerDriver:
         try:
             closed = self.probe(p.address) if self.probe is not None else None
         finally:
-            self._event(lambda now: self.core.probe_answered(p.server_id, p.boot, closed, now=now))
+            try:
+                self._event(lambda now: self.core.probe_answered(p.server_id, p.boot, closed, now=now))
+            finally:
+                self._probes.discard(threading.current_thread())
+
+    def wait_probes(self, timeout_s: float) -> None:
+        """Wait for the probes in flight (each a gRPC health check with a short deadline), so that a scheduler
+        that stops leaves no gRPC call running behind it."""
+        deadline = time.monotonic() + timeout_s
+        for thread in list(self._probes):
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     # --- the events ----------------------------------------------------------------------------------------
     def register(self, server_id: str, address: str, boot: str,
