@@ -171,11 +171,14 @@ def test_frames_sent_together_to_a_paused_server_each_fail_at_their_shared_deadl
     table's pull fails by it (none is left pending), and after SIGCONT the same pulls are answered."""
     cluster = make_shard_cluster(1, replicas=None)
     tables = [f"bundle{i}" for i in range(5)]
-    with ps.connect(cluster.addresses, timeout_s=0.5, max_attempts=1, initial_backoff_s=0.05) as client:
+    ids = [np.arange(i, i + 8) for i in range(len(tables))]
+    with ps.connect(cluster.addresses) as client:  # the default deadlines: set-up on a busy machine
         for t in tables:
             client.create_table(t, dim=4, seed=3, staleness=None)
-        ids = [np.arange(i, i + 8) for i in range(len(tables))]
         expected = [f.result(30) for f in client.pull_many(tables, ids)]
+    with ps.connect(cluster.addresses, timeout_s=2.0, max_attempts=1, initial_backoff_s=0.05) as client:
+        for fut in client.pull_many(tables, ids):  # this client knows the tables (their dims) and has its stream
+            fut.result(30)
         pid = cluster.procs[0].pid
         os.kill(pid, signal.SIGSTOP)
         try:
@@ -187,6 +190,7 @@ def test_frames_sent_together_to_a_paused_server_each_fail_at_their_shared_deadl
             assert time.monotonic() - start < 10
         finally:
             os.kill(pid, signal.SIGCONT)
+    with ps.connect(cluster.addresses) as client:
         for got, want in zip([f.result(30) for f in client.pull_many(tables, ids)], expected, strict=True):
             np.testing.assert_array_equal(got, want)
 
