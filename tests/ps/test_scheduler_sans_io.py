@@ -3,6 +3,9 @@ persisted before its map is shown to anyone, and a refused write leaves nothing 
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 from scheduler_harness import TIMEOUT, spec
@@ -196,3 +199,32 @@ def test_a_refused_write_with_the_store_unreadable_keeps_the_last_saved_state(tm
         driver.create_table(spec("emb"), exist_ok=False)
     assert driver.core.draining == {"c"} and driver.map.epoch == saved.map.epoch
     np.testing.assert_array_equal(driver.core.state().target, saved.target)
+
+
+def test_wait_probes_holds_until_the_probes_in_flight_have_answered(tmp_path) -> None:
+    """A stopping scheduler must leave no gRPC call behind it (its exit would abort in gRPC's teardown):
+    ``wait_probes`` returns once every probe thread has answered, or at its timeout."""
+    release, asked = threading.Event(), []
+
+    def probe(address: str) -> bool | None:
+        asked.append(address)
+        release.wait(10)
+        return False  # a health check answered: the server is up
+
+    t = [0.0]
+    driver = SchedulerDriver(SchedulerConfig(num_slots=12, replicas=1, expect_servers=3), FileMapStore(tmp_path / "s"),
+                             probe=probe, clock=lambda: t[0])
+    for s in "abc":
+        driver.register(s, f"h{s}:1", f"{s}1")
+    t[0] = 1.5  # every server silent past a third of the heartbeat timeout: each is probed
+    driver.tick()
+    deadline = time.monotonic() + 10
+    while len(asked) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(asked) == ["ha:1", "hb:1", "hc:1"]
+    start = time.monotonic()
+    driver.wait_probes(0.2)  # the probes still wait: it gives up at its timeout
+    assert 0.15 < time.monotonic() - start < 5
+    release.set()
+    driver.wait_probes(10)
+    assert not driver._probes  # every probe answered and was counted out
