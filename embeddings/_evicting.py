@@ -3,10 +3,10 @@ LFU), run cheaply after writes and fully by ``evict()``. Only the rows ``set_evi
 (a copy leaves the decision to the primary of the rows). Not thread-safe on its own: the table holds its lock.
 
 A spill tier is never read whole under the lock: a pass reads one window of it (``SPILL_WINDOW`` records, or
-the capacity victims it needs if more), from a cursor that goes round the tier in id order. Spilled rows are
+the capacity victims it needs if more), from a cursor that goes round the spilled ids' index bucket by bucket. Spilled rows are
 the least recently accessed, so LRU takes its victims there first; LFU and TTL judge the window's rows. A TTL
 pass starts a sweep of the rest of the tier, ``SPILL_SWEEP`` records after each later write, so every spilled
-row is judged within a round; at most one window's worth of LMDB reads ever happens under the lock at once.
+row is judged within a round; at most one window's worth of disk reads ever happens under the lock at once.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import numpy as np
 
 from tigana.embeddings import eviction
 from tigana.embeddings._fields import TableFields
+from tigana.embeddings._spilling import spilled_slots
 from tigana.embeddings.rows import RowBatch
 
 SPILL_WINDOW = 1 << 16  # spilled records one eviction pass reads (besides the capacity victims it needs)
@@ -103,17 +104,29 @@ class Evicting(TableFields):
         return n
 
     def _spill_window(self, n: int) -> tuple[RowBatch, int]:
-        """Up to ``n`` spilled rows from the cursor on, going round to the smallest id at the end (every
+        """Up to ``n`` spilled rows from the cursor on, going round to the first bucket at the end (every
         spilled row when ``n`` covers the tier); (the rows whose records check out, records read)."""
         assert self._spill is not None
-        corrupt: list[int] = []
         if n >= len(self._spilled):
             rows = self._spill_rows(self._spilled.items()[0], skip_corrupt=True)
             return rows, len(self._spilled)
-        rows, read, self._spill_cursor = self._spill.read_from(self._spill_cursor, n, corrupt=corrupt)
-        if read < n and self._spill_cursor is None:  # the end of the tier: on from its start
-            more, extra, self._spill_cursor = self._spill.read_from(None, n - read, corrupt=corrupt)
-            fresh = ~np.isin(more.ids, rows.ids)  # a tier smaller than n: no row twice
-            rows, read = RowBatch.concat([rows, more.take(np.flatnonzero(fresh))]), read + extra
+        keys, vals = self._spilled.buckets()
+        buckets = keys.shape[0]
+        start = self._spill_cursor if 0 <= self._spill_cursor < buckets else 0
+        taken: list[np.ndarray] = []
+        got, at, scanned = 0, start, 0
+        while got < n and scanned < buckets:  # a few times n buckets at a time (the index is ~70% full)
+            hi = min(buckets, at + 2 * (n - got) + 64)
+            live = at + np.flatnonzero(vals[at:hi] >= 0)[:n - got]
+            taken.append(live)
+            got += live.shape[0]
+            scanned += hi - at
+            at = int(live[-1]) + 1 if got == n and live.size else hi
+            if at >= buckets:
+                at = 0
+        self._spill_cursor = at
+        picked = np.concatenate(taken) if taken else np.empty(0, np.int64)
+        corrupt: list[int] = []
+        rows = self._spill.read(spilled_slots(vals[picked]), keys[picked].view(np.int64), corrupt=corrupt)
         self._note_corrupt(corrupt)
-        return rows, read
+        return rows, int(picked.shape[0])

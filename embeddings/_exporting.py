@@ -118,12 +118,10 @@ class Exporting(TableFields):
         """Write checked rows; the caller holds the lock."""
         self._tick()
         if len(self._spilled):
-            sp_ids = b.ids[self._spilled.lookup(b.ids) >= 0]
+            sp_ids = np.unique(b.ids[self._spilled.lookup(b.ids) >= 0])
             if sp_ids.size:
-                assert self._spill is not None
                 self._cow_unspill(sp_ids)
-                self._spilled.delete(sp_ids)
-                self._spill.delete(sp_ids)
+                self._drop_spilled(sp_ids)
         positions = self._index.lookup(b.ids)
         new = positions < 0
         self._cow_update(positions[~new])

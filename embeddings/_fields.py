@@ -26,7 +26,7 @@ from tigana.embeddings.slab import ACCESS_MAX, Slab
 if TYPE_CHECKING:
     from tigana.embeddings import admission
     from tigana.embeddings.cut import Cut
-    from tigana.embeddings.lmdbstore import RowStore
+    from tigana.embeddings.spillfile import SpillFile
 
 _INT64_MAX = np.iinfo(np.int64).max
 
@@ -46,8 +46,8 @@ class TableFields:
     _clock: int  # access clock: +1 per pull/push (``_tick``), stamped into last_access
     _deleted: list[np.ndarray]  # ids removed since the last tracked snapshot (only while there is one)
     _pending_marks: tuple[int, ...]  # marks, besides the current one, of rows a failed snapshot gave back
-    _spill: RowStore | None
-    _spilled: HashIndex  # ids living only in the spill store -> the dirty mark they had when they spilled
+    _spill: SpillFile | None
+    _spilled: HashIndex  # ids living only in the spill file -> slot << 8 | the dirty mark they spilled with
     _budget_rows: int
     _budget_bytes: int
     _budget_warned: bool  # the spilled-id index overran the budget and was logged once
@@ -59,7 +59,7 @@ class TableFields:
     _changes: Changes | None
     _evictable: Callable[[np.ndarray], np.ndarray] | None
     _protected: int
-    _spill_cursor: int | None
+    _spill_cursor: int  # the spilled index's bucket the eviction's next window of the tier starts at
     _sweep_left: int
     _counters: dict[str, int]
     _corrupt: np.ndarray
@@ -70,6 +70,7 @@ class TableFields:
         def _remove(self, ids: np.ndarray) -> int: ...
         def _maybe_spill(self) -> None: ...
         def _spill_rows(self, ids: np.ndarray, *, skip_corrupt: bool = False) -> RowBatch: ...
+        def _drop_spilled(self, ids: np.ndarray, vals: np.ndarray | None = None) -> None: ...
         def _note_corrupt(self, corrupt: list[int]) -> None: ...
         def _import(self, b: RowBatch) -> None: ...
         def _cow_update(self, positions: np.ndarray) -> None: ...

@@ -1,10 +1,11 @@
-"""The spill tier of a table: resident rows past the memory budget move to an LMDB ``RowStore``, coldest (least
-recently accessed) first, down to 90% of the budget, and come back on access. The budget covers the resident
-rows and the in-memory index of spilled ids, which grows with the tier.
+"""The spill tier of a table: resident rows past the memory budget move to a ``SpillFile`` on disk, coldest
+(least recently accessed) first, down to 90% of the budget, and come back on access. The budget covers the
+resident rows and the in-memory index of spilled ids, which grows with the tier.
 
-``_spilled`` indexes the spilled ids; its value is the row's dirty mark (``Slab.dirty``) when it spilled, so a
-row changed since the last snapshot stays in the next increment. Every move tells the open cuts (``cut``)
-first. Not thread-safe on its own: the table holds its lock around every call.
+``_spilled`` indexes the spilled ids; its value is ``slot << 8 | mark``: the row's record in the file and its
+dirty mark (``Slab.dirty``, 0..255) when it spilled, so a row changed since the last snapshot stays in the next
+increment (``spilled_marks``, ``spilled_slots``). Every move tells the open cuts (``cut``) first. Not
+thread-safe on its own: the table holds its lock around every call.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import numpy as np
 
 from tigana.embeddings._fields import TableFields
 from tigana.embeddings.errors import CorruptStore, StorageFull
-from tigana.embeddings.lmdbstore import RowStore
 from tigana.embeddings.rows import RowBatch
+from tigana.embeddings.spillfile import SpillFile
 
 _log = logging.getLogger("tigana.embeddings.table")
 _INDEX_BYTES_PER_ROW = 18  # a row's share of the hash index
@@ -36,9 +37,8 @@ class SpillTier(TableFields):
             Path(base).mkdir(parents=True, exist_ok=True)
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in self.name)[:40]
         self._spill_path = Path(tempfile.mkdtemp(prefix=f"tigana-spill-{safe}-", dir=base))
-        cap = self.config.spill_max_bytes
-        self._spill = RowStore(self._spill_path, table=self.name, dim=self.dim, state_width=self._width,
-                               map_size=min(1 << 26, cap or 1 << 26), max_map_size=cap)
+        self._spill = SpillFile(self._spill_path, table=self.name, dim=self.dim, state_width=self._width,
+                                max_bytes=self.config.spill_max_bytes)
         self._finalizer = weakref.finalize(self, _close_spill, self._spill, self._spill_path)
         self._budget_bytes = int(self.config.memory_budget)
         self._budget_warned = False
@@ -101,41 +101,53 @@ class SpillTier(TableFields):
         ids, positions = ids[cold], positions[cold]
         batch = self._slab.read(ids, positions)
         dirty = self._slab.dirty[positions].astype(np.int64)
-        self._spill.put(batch)  # may raise StorageFull: nothing has changed yet
+        slots = self._spill.write(batch)  # may raise StorageFull: nothing has changed yet
         self._cow_remove(ids, positions)
         self._index.delete(ids)
         self._slab.release(positions)
-        self._spilled.insert(ids, dirty)
+        self._spilled.insert(ids, slots << _MARK_BITS | dirty)
         self._cow_spilled(ids)
         self._counters["spills"] += int(ids.shape[0])
 
     def _unspill(self, ids: np.ndarray) -> None:
         """Bring unique spilled ids back into memory (they keep their dirty mark)."""
         assert self._spill is not None
-        found, batch = self._spill.pop(ids)
-        if not found.all():
-            raise CorruptStore(f"table {self.name!r}: spilled ids missing from the spill store "
-                               f"{self._spill.file}: {ids[~found][:5].tolist()}")
+        vals = self._spilled.lookup(ids)
+        if (vals < 0).any():
+            raise CorruptStore(f"table {self.name!r}: ids not in the spill tier {self._spill.file}: "
+                               f"{ids[vals < 0][:5].tolist()}")
+        batch = self._spill.read(spilled_slots(vals), ids)  # a bad record raises here: nothing has changed
         self._cow_unspill(batch.ids, batch)
-        flags = self._spilled.lookup(batch.ids)
-        self._spilled.delete(batch.ids)
+        self._drop_spilled(ids, vals)
         positions = self._slab.allocate(len(batch))
         self._cow_fresh(positions)
         self._slab.write(positions, batch, access=self._clock)
-        self._slab.dirty[positions] = np.maximum(flags, 0).astype(np.uint8)
+        self._slab.dirty[positions] = spilled_marks(vals).astype(np.uint8)
         self._index.insert(batch.ids, positions)
         self._counters["unspills"] += len(batch)
 
-    def _spill_rows(self, ids: np.ndarray, *, skip_corrupt: bool = False) -> RowBatch:
-        """Rows of spilled ids read from the store without bringing them back (ids[found] order). A record
-        failing its checks raises ``CorruptStore``; with ``skip_corrupt`` it is left out, counted once in
-        ``corrupt_rows`` and logged (it stays in the store: reading that id raises, and other copies of the
-        row may be good)."""
+    def _drop_spilled(self, ids: np.ndarray, vals: np.ndarray | None = None) -> None:
+        """Unique spilled ``ids`` leave the tier (``vals``: their index values when the caller has them); the
+        open cuts were told first."""
         assert self._spill is not None
+        vals = self._spilled.lookup(ids) if vals is None else vals
+        self._spilled.delete(ids)
+        self._spill.free(spilled_slots(vals))
+
+    def _spill_rows(self, ids: np.ndarray, *, skip_corrupt: bool = False) -> RowBatch:
+        """Rows of the spilled ones of ``ids`` read from the file without bringing them back (in ``ids``
+        order, ids not spilled left out). A record failing its checks raises ``CorruptStore``; with
+        ``skip_corrupt`` it is left out, counted once in ``corrupt_rows`` and logged (it stays in the file:
+        reading that id raises, and other copies of the row may be good)."""
+        assert self._spill is not None
+        vals = self._spilled.lookup(ids)
+        found = vals >= 0
+        if not found.all():
+            ids, vals = ids[found], vals[found]
         if not skip_corrupt:
-            return self._spill.get(ids)[1]
+            return self._spill.read(spilled_slots(vals), ids)
         corrupt: list[int] = []
-        _, batch = self._spill.get(ids, corrupt=corrupt)
+        batch = self._spill.read(spilled_slots(vals), ids, corrupt=corrupt)
         self._note_corrupt(corrupt)
         return batch
 
@@ -154,6 +166,19 @@ class SpillTier(TableFields):
                        new[:5].tolist())
 
 
-def _close_spill(store: RowStore, path: Path) -> None:
+_MARK_BITS = 8
+
+
+def spilled_slots(vals: np.ndarray) -> np.ndarray:
+    """The spill file slots in values of the spilled index."""
+    return vals >> _MARK_BITS
+
+
+def spilled_marks(vals: np.ndarray) -> np.ndarray:
+    """The dirty marks (``Slab.dirty``) in values of the spilled index; -1 stays -1 (not spilled)."""
+    return np.where(vals >= 0, vals & 0xFF, vals)
+
+
+def _close_spill(store: SpillFile, path: Path) -> None:
     store.close()
     shutil.rmtree(path, ignore_errors=True)

@@ -11,14 +11,14 @@ for time proportional to the table (copy-on-write).
            spilled row leaving the tier     id and row move to the removed rows       (``spilled_done[b]``)
            id spilled                       its bucket is never the cut's             (``spilled_done[b]``)
     read   ``batches``: ``chunk`` buckets per short hold of the lock, first of the resident index (rows from
-           the slab or saved), then of the spilled index (rows from the LMDB tier), then the removed rows.
+           the slab or saved), then of the spilled index (rows from the spill file), then the removed rows.
 
 Why the rows read are exactly the rows at the open: a hash index changes a bucket in place only from live to
 tombstone (a removal, seen by the hooks first) or from empty/tombstone to live (an insert, whose slab position or
 spilled bucket is marked as not the cut's); a rehash builds new arrays and leaves the ones the cut holds as they
 were. So the held arrays list every id stored at the open that was not removed since, beside ids stored since,
 which the cut skips. A resident row stays at its slab position until removed, and its contents change only
-through the hooks' callers, which save the row first; a spilled row's LMDB record changes only when it leaves
+through the hooks' callers, which save the row first; a spilled row's record changes only when it leaves
 the tier. Each id stored at the open is thus read once: from its bucket, or from the removed rows.
 
 Cost while a cut is open: per write, a gather of the cut's state at the batch's positions (and a probe of the
@@ -45,6 +45,7 @@ import numpy as np
 
 from tigana.embeddings._checksum import row_digests
 from tigana.embeddings._fields import TableFields
+from tigana.embeddings._spilling import spilled_marks
 from tigana.embeddings.errors import CorruptStore
 from tigana.embeddings.hashtable import HashIndex
 from tigana.embeddings.rows import RowBatch
@@ -161,7 +162,7 @@ class Cut:
                     mine[mine] = ~self._sp_done[buckets[mine]]
                     self._sp_done[buckets[mine]] = True
                     if dirty_only:
-                        mine &= np.isin(sp_marks, self.marks)
+                        mine &= np.isin(spilled_marks(sp_marks), self.marks)
                     if mine.any():
                         rows = RowBatch.concat([rows, self._read_spilled(rest[mine])])
             if len(rows):
@@ -236,18 +237,19 @@ class Cut:
         live = (vals >= 0) & ~self._sp_done[lo:hi]
         self._sp_done[lo:hi] = True
         if dirty_only:
-            live &= np.isin(vals, self.marks)
+            live &= np.isin(spilled_marks(vals), self.marks)
         if not live.any():
             return None
         return self._read_spilled(self._sp_keys[lo:hi][live].view(np.int64))
 
     def _read_spilled(self, ids: np.ndarray) -> RowBatch:
+        """Rows of spilled ``ids`` still the cut's: unmoved since the cut opened (a move tells the cut first)."""
         table = self._table
-        assert table._spill is not None
-        found, rows = table._spill.get(ids)
-        if not found.all():
-            raise CorruptStore(f"table {table.name!r}: spilled ids missing from the spill store "
-                               f"{table._spill.file}: {ids[~found][:5].tolist()}")
+        rows = table._spill_rows(ids)
+        if len(rows) != ids.shape[0]:
+            assert table._spill is not None
+            raise CorruptStore(f"table {table.name!r}: spilled ids missing from the spill tier "
+                               f"{table._spill.file}: {ids[~np.isin(ids, rows.ids)][:5].tolist()}")
         return rows
 
     # --- what writes tell the cut (the table holds its lock) -------------------------------------------------
@@ -296,10 +298,10 @@ class Cut:
     def spilled_unread(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Of unique spilled ``ids`` about to leave the tier, those the cut has not read: (buckets in the held
         spilled arrays, ids, marks). The caller keeps their rows (``keep_removed``) and marks the buckets done."""
-        buckets, marks = HashIndex.over(self._sp_keys, self._sp_vals, self._table.backend).positions(ids)
+        buckets, vals = HashIndex.over(self._sp_keys, self._sp_vals, self._table.backend).positions(ids)
         mine = buckets >= 0
         mine[mine] = ~self._sp_done[buckets[mine]]
-        return buckets[mine], ids[mine], marks[mine]
+        return buckets[mine], ids[mine], spilled_marks(vals[mine])
 
     def keep_removed(self, buckets: np.ndarray, ids: np.ndarray, marks: np.ndarray, rows: RowBatch) -> None:
         """Keep ``rows`` (the rows of ``ids``, in any order) as removed before read; their buckets are done."""
@@ -343,7 +345,7 @@ class CutHooks(TableFields):
 
     def _cow_unspill(self, ids: np.ndarray, rows: RowBatch | None = None) -> None:
         """Unique spilled ``ids`` are about to leave the tier; ``rows``: their rows when the caller has them
-        (otherwise they are read from the store, before anything changes: a bad record raises here)."""
+        (otherwise they are read from the spill file, before anything changes: a bad record raises here)."""
         for cut in self._cuts:
             buckets, need, marks = cut.spilled_unread(ids)
             if need.size:

@@ -1,7 +1,7 @@
 """EmbeddingTable: a growable sparse table of rows keyed by arbitrary int64 ids.
 
     ids ──HashIndex──► position ──Slab──► weights, optimizer state, metadata    (resident rows)
-     └──────────────── spilled ids ──► LMDB RowStore                             (past the memory budget)
+     └──────────────── spilled ids ──► slot ──SpillFile──► records on disk      (past the memory budget)
 
 ``pull`` gathers rows (inserting missing ids, subject to admission, with their deterministic initial row);
 ``push`` validates a gradient batch, sums duplicate ids and applies the optimizer where the rows live.
@@ -9,7 +9,7 @@ A call either applies wholly and returns, or raises having changed nothing: the 
 (eviction, spilling) counts and logs its failures instead of raising them.
 
 The class is assembled from one room per concept: this module (pull, push, insert, delete, replication
-support, stats), ``_spilling`` (the LMDB tier past ``TableConfig.memory_budget``), ``_evicting`` (TTL and
+support, stats), ``_spilling`` (the disk tier past ``TableConfig.memory_budget``), ``_evicting`` (TTL and
 capacity), ``_exporting`` (export, import, checksums), ``_persisting`` (snapshots and restore) and ``cut``
 (consistent reads of the whole table without holding its lock for O(table) time).
 """
@@ -43,7 +43,7 @@ _log = logging.getLogger(__name__)
 
 
 class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updating):
-    """One table: rows, optimizer state, metadata; hash index; admission, eviction, LMDB spill, snapshots.
+    """One table: rows, optimizer state, metadata; hash index; admission, eviction, spill to disk, snapshots.
 
     Thread-safety: every public method takes the table's lock; the numeric kernels release the GIL, so
     threads working on different tables run in parallel. Whole-table reads (snapshot, full export,
@@ -82,7 +82,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         self._changes = None  # set for the duration of a pull/push given ``changes``
         self._evictable = None
         self._protected = 0  # rows the evictable predicate excluded at the last eviction pass
-        self._spill_cursor = None  # the spilled id eviction's next window of the spill tier starts at
+        self._spill_cursor = 0  # the spilled index's bucket the eviction's next window of the tier starts at
         self._sweep_left = 0  # spilled records the TTL sweep under way still has to read (a window per write)
         self._cuts = []
         self._counters = dict.fromkeys(("pulls", "pushes", "lookups", "hits", "inserts", "admissions",
@@ -244,8 +244,8 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
 
     def _check_room(self, k: int, hold: np.ndarray) -> None:
         """The memory ceiling: a table with a budget may run past it by a quarter while its spill tier works;
-        when spilling fails (disk or LMDB map full), inserting ``k`` new rows past that ceiling is refused
-        with ``StorageFull`` before anything changed. Updates of stored rows go on; inserts resume once
+        when spilling fails (disk full, or the spill file at its cap), inserting ``k`` new rows past that
+        ceiling is refused with ``StorageFull`` before anything changed. Updates of stored rows go on; inserts resume once
         space is freed and a spill succeeds."""
         if self._spill is None or len(self._index) + k <= self._budget_rows + self._budget_rows // 4:
             return
@@ -307,13 +307,11 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
 
     def _remove(self, ids: np.ndarray) -> int:
         gone = []
-        if len(self._spilled):  # the store first: if LMDB fails, nothing in memory has changed yet
+        if len(self._spilled):
             spilled = np.unique(ids[self._spilled.lookup(ids) >= 0])
             if spilled.size:
-                assert self._spill is not None
-                self._cow_unspill(spilled)  # may read them from the store: before anything changes
-                self._spill.delete(spilled)
-                self._spilled.delete(spilled)
+                self._cow_unspill(spilled)  # may read them from the file (a bad record raises): before any change
+                self._drop_spilled(spilled)
             gone.append(spilled)
         removed_ids, positions = self._index.delete(ids)
         self._cow_remove(removed_ids, positions)

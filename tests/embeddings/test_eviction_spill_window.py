@@ -26,21 +26,16 @@ def _table(tmp_path: Path, **eviction) -> emb.EmbeddingTable:
 
 
 def _count_reads(table: emb.EmbeddingTable, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Records each read of the spill tier asks for (``get`` ids or a ``read_from`` window)."""
+    """Records how many records each read of the spill tier asks for."""
     sizes: list[int] = []
     store = table._spill
-    get, read_from = store.get, store.read_from
+    read = store.read
 
-    def counted_get(ids, **kw):
+    def counted_read(slots, ids, **kw):
         sizes.append(len(ids))
-        return get(ids, **kw)
+        return read(slots, ids, **kw)
 
-    def counted_read_from(start, n, **kw):
-        sizes.append(n)
-        return read_from(start, n, **kw)
-
-    monkeypatch.setattr(store, "get", counted_get)
-    monkeypatch.setattr(store, "read_from", counted_read_from)
+    monkeypatch.setattr(store, "read", counted_read)
     return sizes
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from spill_records import corrupt_spilled
 
 from tigana import embeddings as emb
-from tigana.embeddings.lmdbstore import ids_to_keys
 
 DIM = 4
 
@@ -24,14 +24,7 @@ def _table(tmp_path: Path, **eviction) -> emb.EmbeddingTable:
 
 def _corrupt_one_spilled(table: emb.EmbeddingTable) -> int:
     """Flip bits inside one spilled record (its CRC then fails); returns its id."""
-    victim = int(np.sort(table._spilled.items()[0])[0])
-    store = table._spill
-    key = ids_to_keys(np.array([victim])).tobytes()
-    with store._env.begin(write=True, db=store._rows_db) as txn:
-        value = bytearray(txn.get(key))
-        value[30] ^= 0xFF
-        txn.put(key, bytes(value))
-    return victim
+    return corrupt_spilled(table)
 
 
 def test_push_that_meets_a_bad_spilled_record_while_evicting_applies_and_returns(tmp_path: Path) -> None:
@@ -84,9 +77,9 @@ def test_failing_upkeep_is_counted_not_raised(tmp_path: Path, monkeypatch: pytes
     table.push(np.arange(100, dtype=np.int64), np.ones((100, DIM), np.float32))
 
     def broken(*args, **kwargs):
-        raise emb.CorruptStore("LMDB file is corrupt: MDB_CORRUPTED")
+        raise emb.CorruptStore("spill file is corrupt")
 
-    monkeypatch.setattr(table._spill, "put", broken)
+    monkeypatch.setattr(table._spill, "write", broken)
     assert table.push(np.arange(200, 260, dtype=np.int64), np.ones((60, DIM), np.float32)) == 60
     assert table.stats()["upkeep_failures"] >= 1
     table.close()

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from spill_records import corrupt_spilled
 
 from tigana import embeddings as emb
 from tigana.embeddings import _kernels
@@ -163,7 +164,7 @@ def test_full_disk_while_spilling_keeps_the_applied_push(tmp_path: Path, monkeyp
     def full(batch):
         raise emb.StorageFull("table 'clicks': disk full writing spill store")
 
-    monkeypatch.setattr(table._spill, "put", full)
+    monkeypatch.setattr(table._spill, "write", full)
     ids = np.arange(100)
     grads = np.ones((100, DIM), np.float32)
     for t in (table, reference):
@@ -181,19 +182,11 @@ def test_corrupt_spilled_row_raises_naming_file_and_id(tmp_path: Path) -> None:
     budget = 20 * _row_bytes("auto")
     table = emb.EmbeddingTable(_config("auto", memory_budget=budget, spill_dir=str(tmp_path)))
     table.pull(np.arange(100))
-    spilled = int(table._spilled.items()[0][0])
-    store = table._spill
-    from tigana.embeddings.lmdbstore import ids_to_keys
-
-    key = ids_to_keys(np.array([spilled])).tobytes()
-    with store._env.begin(write=True, db=store._rows_db) as txn:
-        value = bytearray(txn.get(key))
-        value[30] ^= 0xFF  # flip bits inside the row
-        txn.put(key, bytes(value))
+    spilled = corrupt_spilled(table, int(table._spilled.items()[0][0]))
     before = len(table)
     with pytest.raises(emb.CorruptStore) as err:
         table.pull(np.array([spilled, 1]))
-    assert str(spilled) in str(err.value) and "data.mdb" in str(err.value)
+    assert str(spilled) in str(err.value) and str(table._spill.file) in str(err.value)
     assert len(table) == before and table.contains(np.array([spilled]))[0]
     with pytest.raises(emb.CorruptStore):
         table.checksum()

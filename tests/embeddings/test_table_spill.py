@@ -32,6 +32,7 @@ from tigana.embeddings import (
     Zeros,
 )
 from tigana.embeddings.snapshot import latest_snapshot, list_snapshots
+from tigana.embeddings.spillfile import FILE_NAME as SPILL_FILE
 
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 DIM = 4
@@ -176,7 +177,7 @@ def test_corrupt_spilled_row_raises_naming_file_and_id_and_changes_nothing():
             table.push(ids, -(ids[:, None] + np.arange(DIM) / 8).astype(np.float32))  # unique rows
             victim = int(ids[3])
             assert table.contains(np.array([victim])).all()
-            files = list(Path(d).glob("*/data.mdb"))
+            files = list(Path(d).glob(f"*/{SPILL_FILE}"))
             assert len(files) == 1 and table.stats()["rows_spilled"] > 50
             data = bytearray(files[0].read_bytes())
             needle = (victim + np.arange(DIM) / 8).astype("<f4").tobytes()

@@ -4,9 +4,9 @@ once: the engine never raises after applying (issue 16)."""
 from __future__ import annotations
 
 import numpy as np
+from spill_records import corrupt_spilled
 
 from tigana.embeddings import SGD, Eviction, TableConfig, Zeros
-from tigana.embeddings.lmdbstore import ids_to_keys
 from tigana.proto import shard_pb2 as pb
 from tigana.ps.wire import data as wire
 
@@ -27,12 +27,7 @@ def test_push_meeting_a_bad_spilled_record_is_acknowledged_once(make_shard_serve
 
     push(np.arange(100, dtype=np.int64), 1)
     table = handle.service._tables["clicks"].table
-    victim = int(np.sort(table._spilled.items()[0])[0])
-    key = ids_to_keys(np.array([victim])).tobytes()
-    with table._spill._env.begin(write=True, db=table._spill._rows_db) as txn:
-        value = bytearray(txn.get(key))
-        value[30] ^= 0xFF
-        txn.put(key, bytes(value))
+    victim = corrupt_spilled(table)
 
     fresh = np.arange(1000, 1100, dtype=np.int64)
     first = push(fresh, 2)  # over max_rows: the eviction pass reads the spilled rows
