@@ -2,7 +2,7 @@
 
 A table maps ids to rows (float32, or float16/bfloat16 storage) through a growable hash index, initializes
 missing rows deterministically from (seed, id), applies sparse optimizers to deduplicated gradient batches,
-admits and evicts rows, spills cold rows to an LMDB tier past a memory budget, and writes crash-safe full and
+admits and evicts rows, spills cold rows to a file on disk past a memory budget, and writes crash-safe full and
 incremental snapshots. Whole-table reads (snapshots, full exports, checksums) go through a ``Cut``
 (``table.cut()``): the rows at one point in the write order, read in chunks while writes go on. No networking:
 ``tigana.ps`` serves these tables.

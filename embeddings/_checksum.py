@@ -1,8 +1,8 @@
 """CRC-32 (the zlib/IEEE polynomial) of every row of a 2-D byte array, in one call.
 
 ``crc32_rows(buf)`` with ``buf`` an ``(n, L)`` uint8 array returns ``(n,)`` uint32, equal row by row to
-``zlib.crc32(buf[i].tobytes())``. The LMDB tier stamps every stored record with it, so a batch of records is
-checksummed without a Python call per record: a numba slicing-by-8 kernel (releases the GIL, about 2 GB/s
+``zlib.crc32(buf[i].tobytes())``. The snapshot store and the spill file stamp every stored record with it, so a
+batch of records is checksummed without a Python call per record: a numba slicing-by-8 kernel (releases the GIL, about 2 GB/s
 here against about 0.6 GB/s for ``zlib.crc32`` called per 300-byte row), and a pure-numpy fallback that
 walks the byte columns vectorized over rows (used when numba is unavailable or ``backend="numpy"``).
 Thread-safe: pure functions.

@@ -17,7 +17,6 @@ import numpy as np
 
 from tigana.embeddings import eviction
 from tigana.embeddings._fields import TableFields
-from tigana.embeddings._spilling import spilled_slots
 from tigana.embeddings.rows import RowBatch
 
 SPILL_WINDOW = 1 << 16  # spilled records one eviction pass reads (besides the capacity victims it needs)
@@ -127,6 +126,6 @@ class Evicting(TableFields):
         self._spill_cursor = at
         picked = np.concatenate(taken) if taken else np.empty(0, np.int64)
         corrupt: list[int] = []
-        rows = self._spill.read(spilled_slots(vals[picked]), keys[picked].view(np.int64), corrupt=corrupt)
+        rows = self._spill.read(vals[picked], keys[picked].view(np.int64), corrupt=corrupt)
         self._note_corrupt(corrupt)
         return rows, int(picked.shape[0])

@@ -2,10 +2,12 @@
 (least recently accessed) first, down to 90% of the budget, and come back on access. The budget covers the
 resident rows and the in-memory index of spilled ids, which grows with the tier.
 
-``_spilled`` indexes the spilled ids; its value is ``slot << 8 | mark``: the row's record in the file and its
-dirty mark (``Slab.dirty``, 0..255) when it spilled, so a row changed since the last snapshot stays in the next
-increment (``spilled_marks``, ``spilled_slots``). Every move tells the open cuts (``cut``) first. Not
-thread-safe on its own: the table holds its lock around every call.
+``_spilled`` indexes the spilled ids; its value is the row's slot in the file (the index holds int32 values: up
+to 2**31 spilled rows a table). ``_spill_marks[slot]`` keeps the row's dirty mark (``Slab.dirty``) from when it
+spilled, so a row changed since the last snapshot stays in the next increment; a spilled row's slot and mark
+change only when it leaves the tier, and every move tells the open cuts (``cut``) first, so a cut may read the
+marks of the rows still its own at any time. Not thread-safe on its own: the table holds its lock around every
+call.
 """
 
 from __future__ import annotations
@@ -48,17 +50,17 @@ class SpillTier(TableFields):
         """Resident rows the budget holds: its bytes, less the index of spilled ids (it lives in RAM and grows
         with the tier), over a resident row's bytes (its slab columns and its share of the hash index)."""
         per_row = self._slab.row_nbytes + _INDEX_BYTES_PER_ROW
-        rows = int((self._budget_bytes - self._spilled.nbytes) // per_row)
+        rows = int((self._budget_bytes - self._spilled.nbytes - self._spill_marks.nbytes) // per_row)
         if rows < 1 and not self._budget_warned:
             self._budget_warned = True
             _log.warning("table %r: the index of its %d spilled ids (%d bytes) alone fills its memory budget (%d "
                          "bytes); every row spills (raise memory_budget)", self.name, len(self._spilled),
-                         self._spilled.nbytes, self._budget_bytes)
+                         self._spilled.nbytes + self._spill_marks.nbytes, self._budget_bytes)
         return max(1, rows)
 
     def set_memory_budget(self, nbytes: int) -> None:
         """Change the resident-row budget (bytes) while serving: a daemon shares one budget among its tables and
-        re-splits it as tables come and go. Rows past it spill to the LMDB tier (opened on first use)."""
+        re-splits it as tables come and go. Rows past it spill to disk (the spill file, opened on first use)."""
         if nbytes < 1:
             raise self._bad("memory_budget", f"must be >= 1 byte, got {nbytes}")
         with self._lock:
@@ -105,7 +107,8 @@ class SpillTier(TableFields):
         self._cow_remove(ids, positions)
         self._index.delete(ids)
         self._slab.release(positions)
-        self._spilled.insert(ids, slots << _MARK_BITS | dirty)
+        self._spilled.insert(ids, slots)
+        self._set_spill_marks(slots, dirty)
         self._cow_spilled(ids)
         self._counters["spills"] += int(ids.shape[0])
 
@@ -116,15 +119,31 @@ class SpillTier(TableFields):
         if (vals < 0).any():
             raise CorruptStore(f"table {self.name!r}: ids not in the spill tier {self._spill.file}: "
                                f"{ids[vals < 0][:5].tolist()}")
-        batch = self._spill.read(spilled_slots(vals), ids)  # a bad record raises here: nothing has changed
+        batch = self._spill.read(vals, ids)  # a bad record raises here: nothing has changed
         self._cow_unspill(batch.ids, batch)
         self._drop_spilled(ids, vals)
         positions = self._slab.allocate(len(batch))
         self._cow_fresh(positions)
         self._slab.write(positions, batch, access=self._clock)
-        self._slab.dirty[positions] = spilled_marks(vals).astype(np.uint8)
+        self._slab.dirty[positions] = self._spill_marks[vals]
         self._index.insert(batch.ids, positions)
         self._counters["unspills"] += len(batch)
+
+    def _set_spill_marks(self, slots: np.ndarray, marks: np.ndarray) -> None:
+        need = int(slots.max()) + 1 if slots.size else 0
+        if need > self._spill_marks.shape[0]:
+            grown = np.zeros(max(need, 2 * self._spill_marks.shape[0], 1024), np.uint8)
+            grown[:self._spill_marks.shape[0]] = self._spill_marks
+            self._spill_marks = grown
+        self._spill_marks[slots] = marks
+
+    def _spill_marks_of(self, vals: np.ndarray) -> np.ndarray:
+        """The dirty marks of spilled rows by their values in the spilled index (-1 where a value is negative:
+        not spilled)."""
+        out = np.full(vals.shape[0], -1, np.int64)
+        live = vals >= 0
+        out[live] = self._spill_marks[vals[live]]
+        return out
 
     def _drop_spilled(self, ids: np.ndarray, vals: np.ndarray | None = None) -> None:
         """Unique spilled ``ids`` leave the tier (``vals``: their index values when the caller has them); the
@@ -132,7 +151,7 @@ class SpillTier(TableFields):
         assert self._spill is not None
         vals = self._spilled.lookup(ids) if vals is None else vals
         self._spilled.delete(ids)
-        self._spill.free(spilled_slots(vals))
+        self._spill.free(vals)
 
     def _spill_rows(self, ids: np.ndarray, *, skip_corrupt: bool = False) -> RowBatch:
         """Rows of the spilled ones of ``ids`` read from the file without bringing them back (in ``ids``
@@ -145,9 +164,9 @@ class SpillTier(TableFields):
         if not found.all():
             ids, vals = ids[found], vals[found]
         if not skip_corrupt:
-            return self._spill.read(spilled_slots(vals), ids)
+            return self._spill.read(vals, ids)
         corrupt: list[int] = []
-        batch = self._spill.read(spilled_slots(vals), ids, corrupt=corrupt)
+        batch = self._spill.read(vals, ids, corrupt=corrupt)
         self._note_corrupt(corrupt)
         return batch
 
@@ -164,19 +183,6 @@ class SpillTier(TableFields):
             _log.error("table %r: %d spilled row(s) failed their checks in %s and are left out of eviction "
                        "(reading them raises CorruptStore): ids %s", self.name, new.size, self._spill.file,
                        new[:5].tolist())
-
-
-_MARK_BITS = 8
-
-
-def spilled_slots(vals: np.ndarray) -> np.ndarray:
-    """The spill file slots in values of the spilled index."""
-    return vals >> _MARK_BITS
-
-
-def spilled_marks(vals: np.ndarray) -> np.ndarray:
-    """The dirty marks (``Slab.dirty``) in values of the spilled index; -1 stays -1 (not spilled)."""
-    return np.where(vals >= 0, vals & 0xFF, vals)
 
 
 def _close_spill(store: SpillFile, path: Path) -> None:

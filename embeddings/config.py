@@ -177,9 +177,9 @@ class TableConfig:
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     admission: Admission = field(default_factory=Admission)
     eviction: Eviction = field(default_factory=Eviction)
-    memory_budget: int | None = None  # bytes of resident rows; past it cold rows spill to LMDB
-    spill_dir: str | None = None  # where the LMDB tier lives (a temp dir when None and a budget is set)
-    spill_max_bytes: int | None = None  # cap on the LMDB tier's map (None: grows until the disk is full)
+    memory_budget: int | None = None  # bytes of resident rows; past it cold rows spill to disk
+    spill_dir: str | None = None  # where the spill file lives (a temp dir when None and a budget is set)
+    spill_max_bytes: int | None = None  # cap on the spill file's bytes (None: grows until the disk is full)
     nonfinite_grads: Literal["reject", "skip_rows"] = "reject"  # NaN/Inf in a push: reject it, or drop those rows
     backend: Literal["auto", "numba", "numpy"] = "auto"  # kernels: numba when importable, or the numpy fallback
 

@@ -45,7 +45,6 @@ import numpy as np
 
 from tigana.embeddings._checksum import row_digests
 from tigana.embeddings._fields import TableFields
-from tigana.embeddings._spilling import spilled_marks
 from tigana.embeddings.errors import CorruptStore
 from tigana.embeddings.hashtable import HashIndex
 from tigana.embeddings.rows import RowBatch
@@ -157,12 +156,12 @@ class Cut:
                     rows = rows.take(np.isin(marks, self.marks))
                 rest = part[~found]
                 if rest.size and len(self._sp_keys):
-                    buckets, sp_marks = spilled_index.positions(rest)
+                    buckets, sp_vals = spilled_index.positions(rest)
                     mine = buckets >= 0
                     mine[mine] = ~self._sp_done[buckets[mine]]
                     self._sp_done[buckets[mine]] = True
                     if dirty_only:
-                        mine &= np.isin(spilled_marks(sp_marks), self.marks)
+                        mine &= np.isin(table._spill_marks_of(sp_vals), self.marks)
                     if mine.any():
                         rows = RowBatch.concat([rows, self._read_spilled(rest[mine])])
             if len(rows):
@@ -237,7 +236,7 @@ class Cut:
         live = (vals >= 0) & ~self._sp_done[lo:hi]
         self._sp_done[lo:hi] = True
         if dirty_only:
-            live &= np.isin(spilled_marks(vals), self.marks)
+            live &= np.isin(self._table._spill_marks_of(vals), self.marks)
         if not live.any():
             return None
         return self._read_spilled(self._sp_keys[lo:hi][live].view(np.int64))
@@ -301,7 +300,7 @@ class Cut:
         buckets, vals = HashIndex.over(self._sp_keys, self._sp_vals, self._table.backend).positions(ids)
         mine = buckets >= 0
         mine[mine] = ~self._sp_done[buckets[mine]]
-        return buckets[mine], ids[mine], spilled_marks(vals[mine])
+        return buckets[mine], ids[mine], self._table._spill_marks_of(vals[mine])
 
     def keep_removed(self, buckets: np.ndarray, ids: np.ndarray, marks: np.ndarray, rows: RowBatch) -> None:
         """Keep ``rows`` (the rows of ``ids``, in any order) as removed before read; their buckets are done."""

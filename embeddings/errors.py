@@ -2,7 +2,7 @@
 
     EmbeddingError
     ├── InvalidArgument      bad ids/grads dtype or shape, dim mismatch, NaN/Inf gradients, bad config
-    └── StorageError         the LMDB tier or a snapshot
+    └── StorageError         the spill file or a snapshot
         ├── StorageFull      LMDB map full or disk full; nothing of the write is visible
         ├── CorruptStore     checksum mismatch or truncated data; names the file and the key
         └── SnapshotNotFound no snapshot (or a broken chain of increments) at a path
@@ -22,7 +22,7 @@ class InvalidArgument(EmbeddingError, ValueError):
 
 
 class StorageError(EmbeddingError):
-    """The persistent tier (LMDB spill store or snapshot) failed."""
+    """The disk tier (spill file or snapshot store) failed."""
 
 
 class StorageFull(StorageError):

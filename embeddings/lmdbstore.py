@@ -1,4 +1,4 @@
-"""RowStore: the LMDB tier that holds complete rows of one table (spilled rows, or a snapshot's rows).
+"""RowStore: the LMDB store that holds complete rows of one table (a snapshot's rows).
 
 Public API (all ids are ``(n,)`` int64 over the full signed range; duplicates allowed)::
 

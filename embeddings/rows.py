@@ -1,6 +1,6 @@
 """RowBatch: a batch of complete rows (weights, optimizer state, metadata) as moved between tiers.
 
-The one currency of snapshots, the LMDB spill tier, and slot copies (replication, failover, resharding).
+The one currency of snapshots, the spill tier, and slot copies (replication, failover, resharding).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from tigana.embeddings.rows import RowBatch
 
 FILE_NAME = "records"
 _MIN_GROW = 64 << 20  # bytes: the file grows by at least this much (or half its size) at a time
+MAX_RECORDS = 2**31 - 1  # the table keeps each spilled row's slot in its HashIndex, whose values are int32
 
 
 class SpillFile:
@@ -76,6 +77,9 @@ class SpillFile:
             return np.empty(0, np.int64)
         reuse = min(n, self._nfree)
         fresh = n - reuse
+        if self._high + fresh > MAX_RECORDS:
+            raise StorageFull(f"table {self.table!r}: spill file {self.file} holds at most {MAX_RECORDS} records; "
+                              "nothing was spilled (raise the memory budget, or add servers)")
         if self._high + fresh > self._capacity:
             self._grow(self._high + fresh)
         slots = np.empty(n, np.int64)

@@ -75,6 +75,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         self._pending_marks = ()
         self._spill = None  # set by _open_spill when a memory budget is configured
         self._spilled = HashIndex(backend=self._backend)
+        self._spill_marks = np.zeros(0, np.uint8)
         self._last_snapshot = None
         self._finalizer = None
         self._last_ttl_scan = (0, time.time())
@@ -329,7 +330,8 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         """Counters and sizes: rows_resident, rows_spilled, bytes_per_row, admissions, evictions, hit_rate..."""
         with self._lock:
             resident = len(self._index)
-            nbytes = self._slab.nbytes + self._index.nbytes + self._spilled.nbytes + self._admission.nbytes
+            nbytes = (self._slab.nbytes + self._index.nbytes + self._spilled.nbytes + self._spill_marks.nbytes
+                      + self._admission.nbytes)
             lookups = self._counters["lookups"]
             out: dict[str, float] = {k: float(v) for k, v in self._counters.items()}
             out.update(
@@ -408,6 +410,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
                 self._spill = None
             self._index.clear()
             self._spilled.clear()
+            self._spill_marks = np.zeros(0, np.uint8)
             self._slab.clear()
 
     def __enter__(self) -> EmbeddingTable:

@@ -8,7 +8,7 @@ Layout under ``data_dir``::
     snapshots/<table>/...      the storage engine's snapshot chain of each table; every snapshot holds, as
                                extra files written atomically with its rows, the exactly-once window
                                (``dedup``) and the slots' log positions (``positions``)
-    spill/<table>/             the LMDB tier of tables with a memory budget (never restored: rows are)
+    spill/<table>/             the spill files of tables with a memory budget (never restored: rows are)
     quarantine/<table>-<time>/ snapshots found corrupt at start (a clustered server moves them here and
                                rebuilds the table from its replicas)
     LOCK                       held by the running server

@@ -57,7 +57,7 @@ class ServerConfig(SecuritySettings):
     off and -1 picks a free port. ``slots``: the slots this server leads, as text (``"all"`` or
     ``"0-2047,4000"``, inclusive ranges over ``num_slots`` virtual slots). ``memory_budget`` (bytes) caps the resident rows of the whole
     daemon: tables with no budget of their own share what tables with one leave (at least 1 MiB each); past
-    its share a table spills cold rows to LMDB under ``data_dir``, each table's spill tier capped at
+    its share a table spills cold rows to a spill file under ``data_dir``, each table's spill tier capped at
     ``spill_max_bytes`` (None: until the disk is full); when spilling fails, new rows past 1.25x a table's
     share are refused with RESOURCE_EXHAUSTED (stored rows still update). ``data_dir`` None keeps
     everything in memory (no snapshots on shutdown, Snapshot/Restore RPCs refused). ``keep_snapshots``: full

@@ -56,7 +56,7 @@ class _TableCollector:
 
     _GAUGES = (("rows", "tigana_table_rows", "Rows held per table (resident and spilled)"),
                ("bytes", "tigana_table_bytes", "Bytes of memory held per table (rows, index, admission state)"),
-               ("rows_spilled", "tigana_table_rows_spilled", "Rows per table moved to the LMDB spill tier"))
+               ("rows_spilled", "tigana_table_rows_spilled", "Rows per table moved to the spill tier on disk"))
     _COUNTERS = (("admissions", "tigana_table_admissions", "Rows admitted into the table (inserted)"),
                  ("rejected_admissions", "tigana_table_rejected_admissions",
                   "Row insertions refused by the admission policy (not seen often enough yet)"),

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--memory-budget", default=None,
       help="resident row bytes of the whole daemon, shared by its tables, before cold rows spill, e.g. 8GiB")
     a("--spill-max-bytes", default=None,
-      help="cap on each table's LMDB spill tier, e.g. 64GiB; past it new rows are refused (none: the disk)")
+      help="cap on each table's spill file, e.g. 64GiB; past it new rows are refused (none: the disk)")
     add_metrics_flags(parser, "requests, latency, rows, tables, replication lag")
     a("--slots", default=None, help="owned virtual slots, e.g. 0-2047 (inclusive ranges); default all")
     a("--num-slots", type=int, default=None, help="number of virtual slots")

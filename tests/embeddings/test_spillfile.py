@@ -130,3 +130,15 @@ def test_a_full_disk_refuses_a_write_and_changes_nothing(tmp_path: Path, monkeyp
         assert len(store) == 100 + capacity and int(more.max()) >= capacity
     finally:
         store.close()
+
+
+def test_past_the_slots_an_index_value_holds_a_write_is_refused(tmp_path: Path) -> None:
+    store = SpillFile(tmp_path, table="clicks", dim=DIM, state_width=SW)
+    try:
+        store.write(make_rows(np.arange(10), 0))
+        store._high = spillfile_module.MAX_RECORDS - 5  # as if the file held that many (a sparse test)
+        with pytest.raises(StorageFull, match="at most"):
+            store.write(make_rows(np.arange(100, 110), 0))
+        assert store.stats()["file_bytes"] < 1 << 30  # refused before growing
+    finally:
+        store.close()

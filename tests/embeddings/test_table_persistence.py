@@ -1,4 +1,4 @@
-"""Table-level persistence: spill to the LMDB tier past a memory budget, snapshots and restore, against a
+"""Table-level persistence: spill to disk past a memory budget, snapshots and restore, against a
 table that keeps everything in memory (itself checked against a dict model in test_table.py)."""
 
 from __future__ import annotations

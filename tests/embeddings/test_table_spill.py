@@ -36,7 +36,7 @@ from tigana.embeddings.spillfile import FILE_NAME as SPILL_FILE
 
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 DIM = 4
-BUDGET = 600  # bytes: room for only a handful of resident rows, so most rows live in the LMDB tier
+BUDGET = 600  # bytes: room for only a handful of resident rows, so most rows live in the spill file
 
 ids_strategy = st.lists(st.one_of(st.sampled_from([0, -1, I64_MAX, I64_MIN]), st.integers(-25, 25)),
                         max_size=12)

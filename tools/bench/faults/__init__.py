@@ -30,7 +30,7 @@ FAULTS: dict[str, tuple[str, str, bool, str]] = {
     "partition": ("network", "partition", True, "a primary cut off from the scheduler and its replicas"),
     "slow_link": ("network", "slow_link", False, "a slow link (delaying TCP proxy) under the timeout"),
     "disk_full": ("storage", "disk_full", True, "a full disk (small tmpfs) under snapshots and the spill tier"),
-    "lmdb_map_full": ("storage", "lmdb_map_full", False, "a full LMDB map in the spill tier"),
+    "lmdb_map_full": ("storage", "lmdb_map_full", False, "the spill tier at its --spill-max-bytes cap"),
     "corrupt_store": ("storage", "corrupt_store", False, "truncated or flipped snapshot files, resync"),
     "malformed": ("requests", "malformed", False, "random bytes to every method of every service"),
     "invalid": ("requests", "invalid", False, "well-formed but invalid requests"),

@@ -227,7 +227,7 @@ def disk_full(trials: int, quick: bool, **_: Any) -> Report:
 
 def lmdb_map_full(trials: int, quick: bool, **_: Any) -> Report:
     """A standalone daemon with a 4 MiB memory budget and its spill tier capped at 1 MiB: inserting rows
-    until the map is full must end in RESOURCE_EXHAUSTED that changes nothing while stored rows still
+    until the spill file is at its cap (the case's name is from when the tier was an LMDB map) must end in RESOURCE_EXHAUSTED that changes nothing while stored rows still
     update; restarted with a larger cap (the space freed), the rows are intact and inserts resume."""
     t = _Trial()
     with tempfile.TemporaryDirectory(prefix="tigana-mapfull-") as tmp:
@@ -255,7 +255,7 @@ def lmdb_map_full(trials: int, quick: bool, **_: Any) -> Report:
                     t.resumed += 1
                 except ps.PSError as exc:
                     log(f"  map-full trial {trial + 1}: did not resume: {exc}")
-            log(f"  map-full trial {trial + 1}/{trials}: {end} rows stored before the map was full")
+            log(f"  map-full trial {trial + 1}/{trials}: {end} rows stored before the spill file was full")
     f = t.figures(trials) | {"memory_budget": "4MiB", "spill_max_bytes": "1MiB"}
     return Report("pct", f["rejected_pct"], "target", 100.0, t.ok(trials), f)
 
