@@ -74,9 +74,12 @@ def run_tiered(args: argparse.Namespace) -> int:
     tiered = ram = None
     clients: list[ps.Client] = []
     try:
+        # No periodic snapshots in either cluster: this measures the tier. A full snapshot of a table mostly on
+        # disk reads every spilled row in id order (docs/benchmarks.md: it stalled a 250 M-row run's inserts).
+        quiet = ["--snapshot-every", "0"]
         tiered = ps.LocalCluster(shards, replicas=None, env=env, memory_budget=str(budget),
-                                 data_dir=work / "tiered")
-        ram = ps.LocalCluster(shards, replicas=None, env=env, data_dir=work / "ram")
+                                 data_dir=work / "tiered", server_args=quiet)
+        ram = ps.LocalCluster(shards, replicas=None, env=env, data_dir=work / "ram", server_args=quiet)
         for cluster in (tiered, ram):
             client = ps.connect(cluster.addresses)
             client.wait_ready(60)
