@@ -142,3 +142,19 @@ def test_past_the_slots_an_index_value_holds_a_write_is_refused(tmp_path: Path) 
         assert store.stats()["file_bytes"] < 1 << 30  # refused before growing
     finally:
         store.close()
+
+
+def test_a_large_gather_split_over_the_reader_threads_reads_what_one_gather_reads(tmp_path: Path) -> None:
+    store = SpillFile(tmp_path, table="clicks", dim=DIM, state_width=SW)
+    try:
+        ids = np.arange(3 * spillfile_module._SPLIT_AT, dtype=np.int64) * 7919 - 10**9
+        slots = store.write(make_rows(ids, 2))
+        order = np.random.default_rng(1).permutation(ids.shape[0])
+        got = store.read(slots[order], ids[order])
+        assert store._readers is not None  # the split path ran
+        assert as_dict(got) == as_dict(make_rows(ids, 2)) and np.array_equal(got.ids, ids[order])
+        small = store.read(slots[order[:10]], ids[order[:10]])
+        assert np.array_equal(small.weights, got.weights[:10])
+    finally:
+        store.close()
+    assert store._readers is None
