@@ -3,10 +3,11 @@ LFU), run cheaply after writes and fully by ``evict()``. Only the rows ``set_evi
 (a copy leaves the decision to the primary of the rows). Not thread-safe on its own: the table holds its lock.
 
 A spill tier is never read whole under the lock: a pass reads one window of it (``SPILL_WINDOW`` records, or
-the capacity victims it needs if more), from a cursor that goes round the spilled ids' index bucket by bucket. Spilled rows are
-the least recently accessed, so LRU takes its victims there first; LFU and TTL judge the window's rows. A TTL
-pass starts a sweep of the rest of the tier, ``SPILL_SWEEP`` records after each later write, so every spilled
-row is judged within a round; at most one window's worth of disk reads ever happens under the lock at once.
+the capacity victims it needs if more), from a cursor that goes round the spilled ids' index bucket by bucket.
+Spilled rows are the least recently accessed, so LRU takes its victims there first; LFU and TTL judge the
+window's rows. A TTL pass starts a sweep of the rest of the tier, ``SPILL_SWEEP`` records after each later
+write, so every spilled row is judged within a round; at most one window's worth of disk reads ever happens
+under the lock at once.
 """
 
 from __future__ import annotations

@@ -46,16 +46,19 @@ from typing import Any, TypeVar
 import lmdb
 import numpy as np
 
-from tigana.embeddings._checksum import crc32_rows
 from tigana.embeddings._lmdbformat import (
     CORRUPTION_ERRORS,
     KEY_BYTES,
+    bad_crc,
+    encode_records,
     ids_to_keys,
     is_disk_full,
     key_after,
     key_list,
     keys_to_ids,
+    record_bytes,
     record_dtype,
+    records_batch,
 )
 from tigana.embeddings.errors import CorruptStore, InvalidArgument, StorageError, StorageFull
 from tigana.embeddings.rows import RowBatch
@@ -206,16 +209,7 @@ class RowStore:
                         out["last_time"])
 
     def _encode(self, batch: RowBatch) -> tuple[list[bytes], list[bytes]]:
-        n = len(batch)
-        rec = np.empty(n, self._dtype)
-        rec["key"] = ids_to_keys(batch.ids)
-        rec["update_count"] = batch.update_count
-        rec["last_step"] = batch.last_step
-        rec["last_time"] = batch.last_time
-        rec["weights"] = batch.weights
-        rec["state"] = batch.state
-        raw = rec.view(np.uint8).reshape(n, self._dtype.itemsize)
-        rec["crc"] = crc32_rows(raw[:, :-4])
+        raw = record_bytes(encode_records(batch, self._dtype))
         keys = np.ascontiguousarray(raw[:, :KEY_BYTES]).view("V8").ravel().tolist()
         values = np.ascontiguousarray(raw[:, KEY_BYTES:]).view(f"V{self._value_bytes}").ravel().tolist()
         return keys, values
@@ -245,7 +239,7 @@ class RowStore:
         raw[:, :KEY_BYTES] = np.frombuffer(b"".join(keys), np.uint8).reshape(n, KEY_BYTES)
         raw[:, KEY_BYTES:] = np.frombuffer(b"".join(values), np.uint8).reshape(n, self._value_bytes)
         rec = raw.view(self._dtype).ravel()
-        bad = np.flatnonzero(crc32_rows(raw[:, :-4]) != rec["crc"])
+        bad = np.flatnonzero(bad_crc(rec))
         if bad.size and corrupt is not None:
             corrupt.extend(self._key_id(bytes(keys[i])) for i in bad.tolist())
             keep = np.ones(n, bool)
@@ -256,14 +250,7 @@ class RowStore:
             raise CorruptStore(
                 f"table {self.table!r}: corrupt record in {self.file}: id {self._key_id(bytes(keys[i]))} "
                 f"(key {bytes(keys[i]).hex()}) failed its CRC-32 check; {bad.size} bad record(s) in this batch")
-        return RowBatch(
-            ids=keys_to_ids(rec["key"]),
-            weights=np.ascontiguousarray(rec["weights"], np.float32),
-            state=np.ascontiguousarray(rec["state"], np.float32).reshape(n, self.state_width),
-            update_count=rec["update_count"].astype(np.int64),
-            last_step=rec["last_step"].astype(np.int64),
-            last_time=rec["last_time"].astype(np.float64),
-        )
+        return records_batch(rec, self.state_width)
 
     @staticmethod
     def _key_id(key: bytes) -> int:

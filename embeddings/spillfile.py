@@ -18,9 +18,10 @@ Running out of space: the file grows by ``posix_fallocate`` before a record is w
 the mapping.
 
 Reading rows back is a gather from the mapping: one page fault per record not in the page cache, and a fault
-waits for its read. A large gather is split over ``READERS`` threads (numpy's gather runs without the GIL), so
-that many reads are in flight at once: 4x the records per second with 16 against one, from a file past the page
-cache on this machine's disk. Not thread-safe: the table holds its lock around every call.
+waits for its read. A large gather is split over ``READERS`` threads of one pool per process (numpy's gather
+runs without the GIL), so that many reads are in flight at once: 2-3.5x the records per second with 16 against
+one, read cold from a 4 GB file on this machine's disk. Not thread-safe: the table holds its lock around every
+call.
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import threading
 from concurrent import futures as cf
 from pathlib import Path
 
 import numpy as np
 
-from tigana.embeddings._checksum import crc32_rows
-from tigana.embeddings._lmdbformat import ids_to_keys, keys_to_ids, record_dtype
+from tigana.embeddings._lmdbformat import bad_crc, encode_records, ids_to_keys, record_dtype, records_batch
 from tigana.embeddings.errors import CorruptStore, InvalidArgument, StorageError, StorageFull
 from tigana.embeddings.rows import RowBatch
 
@@ -43,6 +44,17 @@ _MIN_GROW = 64 << 20  # bytes: the file grows by at least this much (or half its
 MAX_RECORDS = 2**31 - 1  # the table keeps each spilled row's slot in its HashIndex, whose values are int32
 READERS = 16  # threads a large gather is split over (they wait on the disk, not on a core)
 _SPLIT_AT = 8192  # records: a smaller gather is read on the caller's thread
+
+
+_READERS: list[cf.ThreadPoolExecutor] = []  # one pool for every spill file of the process, made at first use
+_READERS_LOCK = threading.Lock()
+
+
+def _readers() -> cf.ThreadPoolExecutor:
+    with _READERS_LOCK:
+        if not _READERS:
+            _READERS.append(cf.ThreadPoolExecutor(READERS, thread_name_prefix="tigana-spill-read"))
+        return _READERS[0]
 
 
 class SpillFile:
@@ -71,7 +83,6 @@ class SpillFile:
         self._high = 0       # records ever written (slots below it are live or free)
         self._free = np.empty(0, np.int64)  # a stack of freed slots
         self._nfree = 0
-        self._readers: cf.ThreadPoolExecutor | None = None  # made at the first large gather
 
     def __len__(self) -> int:
         return self._high - self._nfree
@@ -94,7 +105,7 @@ class SpillFile:
         slots = np.empty(n, np.int64)
         slots[:reuse] = self._free[self._nfree - reuse:self._nfree]
         slots[reuse:] = np.arange(self._high, self._high + fresh, dtype=np.int64)
-        self._records[slots] = self._encode(batch)
+        self._records[slots] = encode_records(batch, self._dtype)
         self._nfree -= reuse
         self._high += fresh
         return slots
@@ -146,19 +157,6 @@ class SpillFile:
         self._capacity = nbytes // self.record_bytes
         self._records = np.frombuffer(self._map, self._dtype, count=self._capacity)
 
-    def _encode(self, batch: RowBatch) -> np.ndarray:
-        n = len(batch)
-        rec = np.empty(n, self._dtype)
-        rec["key"] = ids_to_keys(np.asarray(batch.ids, np.int64))
-        rec["update_count"] = batch.update_count
-        rec["last_step"] = batch.last_step
-        rec["last_time"] = batch.last_time
-        rec["weights"] = batch.weights
-        rec["state"] = np.asarray(batch.state).reshape(n, self.state_width)
-        raw = rec.view(np.uint8).reshape(n, self.record_bytes)
-        rec["crc"] = crc32_rows(raw[:, :-4])
-        return rec
-
     # --- reading ---------------------------------------------------------------------------------------------
     def read(self, slots: np.ndarray, ids: np.ndarray, *, corrupt: list[int] | None = None) -> RowBatch:
         """The rows of ``ids`` stored at ``slots`` (aligned), in that order. A record that fails its CRC or holds
@@ -170,8 +168,7 @@ class SpillFile:
             raise CorruptStore(f"table {self.table!r}: spill slots outside {self.file} for ids "
                                f"{ids[(slots < 0) | (slots >= self._high)][:5].tolist()}")
         rec = self._gather(slots)
-        raw = rec.view(np.uint8).reshape(rec.shape[0], self.record_bytes)
-        bad = (crc32_rows(raw[:, :-4]) != rec["crc"]) | (rec["key"] != ids_to_keys(ids))
+        bad = bad_crc(rec) | (rec["key"] != ids_to_keys(ids))
         if bad.any():
             if corrupt is None:
                 first = np.flatnonzero(bad)
@@ -180,19 +177,14 @@ class SpillFile:
                                    "record(s) in this read")
             corrupt.extend(ids[bad].tolist())
             rec = rec[~bad]
-        n = rec.shape[0]
-        return RowBatch(ids=keys_to_ids(rec["key"]), weights=np.ascontiguousarray(rec["weights"], np.float32),
-                        state=np.ascontiguousarray(rec["state"], np.float32).reshape(n, self.state_width),
-                        update_count=rec["update_count"].astype(np.int64),
-                        last_step=rec["last_step"].astype(np.int64), last_time=rec["last_time"].astype(np.float64))
+        return records_batch(rec, self.state_width)
 
     def _gather(self, slots: np.ndarray) -> np.ndarray:
         """Copies of the records at ``slots``, a large gather split over the reader threads (the caller holds
         the table's lock, so the mapping is not replaced meanwhile)."""
         if slots.shape[0] < _SPLIT_AT:
             return self._records[slots]
-        if self._readers is None:
-            self._readers = cf.ThreadPoolExecutor(READERS, thread_name_prefix="tigana-spill-read")
+        readers = _readers()
         out = np.empty(slots.shape[0], self._dtype)
         records = self._records
         bounds = np.linspace(0, slots.shape[0], READERS + 1).astype(np.int64)
@@ -201,7 +193,7 @@ class SpillFile:
             lo, hi = bounds[i], bounds[i + 1]
             np.take(records, slots[lo:hi], out=out[lo:hi])
 
-        for done in [self._readers.submit(part, i) for i in range(READERS)]:
+        for done in [readers.submit(part, i) for i in range(READERS)]:
             done.result()
         return out
 
@@ -219,9 +211,6 @@ class SpillFile:
         """Unmap and close the file (idempotent); the caller removes it."""
         if self._fd is None:
             return
-        if self._readers is not None:
-            self._readers.shutdown(wait=True)
-            self._readers = None
         self._records = np.empty(0, self._dtype)
         if self._map is not None:
             self._map.close()

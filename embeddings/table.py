@@ -246,8 +246,8 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
     def _check_room(self, k: int, hold: np.ndarray) -> None:
         """The memory ceiling: a table with a budget may run past it by a quarter while its spill tier works;
         when spilling fails (disk full, or the spill file at its cap), inserting ``k`` new rows past that
-        ceiling is refused with ``StorageFull`` before anything changed. Updates of stored rows go on; inserts resume once
-        space is freed and a spill succeeds."""
+        ceiling is refused with ``StorageFull`` before anything changed. Updates of stored rows go on; inserts
+        resume once space is freed and a spill succeeds."""
         if self._spill is None or len(self._index) + k <= self._budget_rows + self._budget_rows // 4:
             return
         if len(self._index) <= max(1, int(0.9 * self._budget_rows)):
