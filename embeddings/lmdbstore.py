@@ -46,15 +46,12 @@ from typing import Any, TypeVar
 import lmdb
 import numpy as np
 
-from tigana.embeddings._lmdbformat import (
-    CORRUPTION_ERRORS,
+from tigana.embeddings._lmdbformat import CORRUPTION_ERRORS, is_disk_full, key_after, key_list
+from tigana.embeddings._records import (
     KEY_BYTES,
     bad_crc,
     encode_records,
     ids_to_keys,
-    is_disk_full,
-    key_after,
-    key_list,
     keys_to_ids,
     record_bytes,
     record_dtype,

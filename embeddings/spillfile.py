@@ -8,7 +8,7 @@ the file), and py-lmdb took records one Python object at a time; the tier cost 3
 and inserted at 0.065 M rows/s (docs/benchmarks.md). Here a record costs its own bytes: a spill is one
 vectorized write of the batch into freed slots and the file's end, a read is a gather by slot.
 
-Layout: record ``i`` at byte ``i * record_bytes``, the ``RowStore`` record format (``_lmdbformat.record_dtype``:
+Layout: record ``i`` at byte ``i * record_bytes``, the stored-row format (``_records.record_dtype``:
 the id as its key, metadata, weights, optimizer state, a CRC-32 of the rest). A read checks every record's CRC
 and that its key is the id asked for, so a damaged or misplaced record raises ``CorruptStore`` naming the file
 and the id. Freed slots are reused before the file grows; the file keeps its high-water mark.
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tigana.embeddings._lmdbformat import bad_crc, encode_records, ids_to_keys, record_dtype, records_batch
+from tigana.embeddings._records import bad_crc, encode_records, ids_to_keys, record_dtype, records_batch
 from tigana.embeddings.errors import CorruptStore, InvalidArgument, StorageError, StorageFull
 from tigana.embeddings.rows import RowBatch
 
