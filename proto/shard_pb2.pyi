@@ -46,6 +46,7 @@ class ReplicateReject(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECT_DIVERGED: _ClassVar[ReplicateReject]
     REJECT_GAP: _ClassVar[ReplicateReject]
     REJECT_BEHIND: _ClassVar[ReplicateReject]
+    REJECT_WAIT: _ClassVar[ReplicateReject]
 CODEC_FP32: Codec
 CODEC_FP16: Codec
 CODEC_BF16: Codec
@@ -68,6 +69,7 @@ REJECT_STALE: ReplicateReject
 REJECT_DIVERGED: ReplicateReject
 REJECT_GAP: ReplicateReject
 REJECT_BEHIND: ReplicateReject
+REJECT_WAIT: ReplicateReject
 
 class Rows(_message.Message):
     __slots__ = ("codec", "dim", "data", "scales")
@@ -380,7 +382,7 @@ class DedupRecord(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., seq: _Optional[int] = ..., slots: _Optional[bytes] = ...) -> None: ...
 
 class ReplicationItem(_message.Message):
-    __slots__ = ("kind", "table", "lsn_epoch", "lsn_index", "slots", "prev_epochs", "prev_indexes", "rows", "deletes", "sighting_ids", "sighting_counts", "step", "dedup", "table_epoch")
+    __slots__ = ("kind", "table", "lsn_epoch", "lsn_index", "slots", "prev_epochs", "prev_indexes", "rows", "deletes", "sighting_ids", "sighting_counts", "step", "dedup", "table_epoch", "copy_id", "after_seq")
     KIND_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     LSN_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -395,6 +397,8 @@ class ReplicationItem(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     DEDUP_FIELD_NUMBER: _ClassVar[int]
     TABLE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    COPY_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
     kind: ItemKind
     table: str
     lsn_epoch: int
@@ -409,23 +413,27 @@ class ReplicationItem(_message.Message):
     step: int
     dedup: _containers.RepeatedCompositeFieldContainer[DedupRecord]
     table_epoch: int
-    def __init__(self, kind: _Optional[_Union[ItemKind, str]] = ..., table: _Optional[str] = ..., lsn_epoch: _Optional[int] = ..., lsn_index: _Optional[int] = ..., slots: _Optional[bytes] = ..., prev_epochs: _Optional[bytes] = ..., prev_indexes: _Optional[bytes] = ..., rows: _Optional[_Union[RowBlock, _Mapping]] = ..., deletes: _Optional[bytes] = ..., sighting_ids: _Optional[bytes] = ..., sighting_counts: _Optional[bytes] = ..., step: _Optional[int] = ..., dedup: _Optional[_Iterable[_Union[DedupRecord, _Mapping]]] = ..., table_epoch: _Optional[int] = ...) -> None: ...
+    copy_id: int
+    after_seq: int
+    def __init__(self, kind: _Optional[_Union[ItemKind, str]] = ..., table: _Optional[str] = ..., lsn_epoch: _Optional[int] = ..., lsn_index: _Optional[int] = ..., slots: _Optional[bytes] = ..., prev_epochs: _Optional[bytes] = ..., prev_indexes: _Optional[bytes] = ..., rows: _Optional[_Union[RowBlock, _Mapping]] = ..., deletes: _Optional[bytes] = ..., sighting_ids: _Optional[bytes] = ..., sighting_counts: _Optional[bytes] = ..., step: _Optional[int] = ..., dedup: _Optional[_Iterable[_Union[DedupRecord, _Mapping]]] = ..., table_epoch: _Optional[int] = ..., copy_id: _Optional[int] = ..., after_seq: _Optional[int] = ...) -> None: ...
 
 class ReplicateRequest(_message.Message):
-    __slots__ = ("source", "source_boot", "generation", "epoch", "first_seq", "items")
+    __slots__ = ("source", "source_boot", "generation", "epoch", "first_seq", "items", "lane")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_BOOT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     source: str
     source_boot: str
     generation: int
     epoch: int
     first_seq: int
     items: _containers.RepeatedCompositeFieldContainer[ReplicationItem]
-    def __init__(self, source: _Optional[str] = ..., source_boot: _Optional[str] = ..., generation: _Optional[int] = ..., epoch: _Optional[int] = ..., first_seq: _Optional[int] = ..., items: _Optional[_Iterable[_Union[ReplicationItem, _Mapping]]] = ...) -> None: ...
+    lane: int
+    def __init__(self, source: _Optional[str] = ..., source_boot: _Optional[str] = ..., generation: _Optional[int] = ..., epoch: _Optional[int] = ..., first_seq: _Optional[int] = ..., items: _Optional[_Iterable[_Union[ReplicationItem, _Mapping]]] = ..., lane: _Optional[int] = ...) -> None: ...
 
 class ReplicateResponse(_message.Message):
     __slots__ = ("applied_through", "reject", "message", "slots", "epoch")

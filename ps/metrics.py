@@ -100,6 +100,7 @@ class _ClusterCollector:
         "replication_streams": "Outgoing replication streams",
         "replication_streams_broken": "Outgoing replication streams failing to deliver",
         "slot_copies_in_progress": "Slot copies this server is sending",
+        "slot_copy_queued_bytes": "Bytes of copied rows queued on the copy lanes, not yet applied by their targets",
     }
     _NAMES: dict[str, str] = {"replication_lag_s": "replication_lag_seconds"}
     _PREFIX = "tigana_"

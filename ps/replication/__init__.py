@@ -8,9 +8,11 @@ thread and gRPC adapter that drives ``Primary`` in the daemon; the simulator (``
 same core on its own clock. Items
 (see ``ReplicationItem`` in proto/shard.proto) carry rows and optimizer state as written, removals, admission
 sightings and the exactly-once keys, never gradients; the target applies them in stream order (``apply``).
-The slot copy is the same stream: ``SNAPSHOT_BEGIN`` (the slots' starting log positions and exactly-once
-keys), then ``SNAPSHOT_ROWS`` chunks, each exported under the table's write lock and so ordered with the
-writes around it, then ``SNAPSHOT_END``. Replica creation after a failure and slot moves both use it.
+The slot copy is the same stream: ``SNAPSHOT_BEGIN`` on its change lane (the slots' starting log positions and
+exactly-once keys), then ``SNAPSHOT_ROWS`` chunks and ``SNAPSHOT_END`` on its copy lane, each chunk exported
+under the table's write lock and applied by the target after the changes queued before it, to the rows no later
+change wrote or removed (``intake``), so writes never queue behind copied rows. Replica creation after a failure
+and slot moves both use it.
 
 Log positions (``log``): per table and slot every server keeps the position (epoch, index) of the last
 write it holds; a target applies an item only when its positions equal the item's ``prev``.
@@ -19,13 +21,15 @@ The invariants that make "no acknowledged update is lost" true are written out, 
 and which test checks it, in docs/replication.md (I1-I7 there).
 """
 
-from tigana.ps.replication.apply import Inbound, apply_item
+from tigana.ps.replication.apply import Inbound, apply_item, copy_lane_ready
 from tigana.ps.replication.copy import Session
+from tigana.ps.replication.intake import CopyIntake
 from tigana.ps.replication.log import NO_POSITION, SlotLog
 from tigana.ps.replication.primary import Primary
 from tigana.ps.replication.replicator import Replicator
 from tigana.ps.replication.stream import Mark, Stream
 from tigana.ps.wire.cluster import BARRIER, CHANGES, SNAPSHOT_BEGIN, SNAPSHOT_END, SNAPSHOT_ROWS
 
-__all__ = ["BARRIER", "CHANGES", "Inbound", "Mark", "NO_POSITION", "Primary", "Replicator", "SNAPSHOT_BEGIN", "SNAPSHOT_END",
-           "SNAPSHOT_ROWS", "Session", "SlotLog", "Stream", "apply_item"]
+__all__ = ["BARRIER", "CHANGES", "CopyIntake", "Inbound", "Mark", "NO_POSITION", "Primary", "Replicator", "SNAPSHOT_BEGIN", "SNAPSHOT_END",
+           "SNAPSHOT_ROWS", "Session", "SlotLog", "Stream", "apply_item",
+           "copy_lane_ready"]

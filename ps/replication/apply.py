@@ -9,7 +9,9 @@ applied, so a retried request is applied once and a gap is refused. ``apply_item
 - slots whose primary, in its map, is not the source are refused (``REJECT_STALE``, nothing applied), held
   here or not: the source was deposed, and its late writes must neither land nor be acknowledged;
 - CHANGES and BARRIER apply only where the slot's log position equals the item's ``prev`` (``REJECT_DIVERGED``
-  naming the slots otherwise, nothing applied).
+  naming the slots otherwise, nothing applied);
+- a slot copy's rows and its end come on the copy lane, each once the change lane was applied through the seq
+  the rows were read after (``REJECT_WAIT`` before), and land only where ``intake`` admits them.
 
 A refusal names its slots; the primary stops sending those slots and reports only the ones it still leads
 with an in-sync copy here (``stream``), so a map change with items in flight demotes nothing.
@@ -27,10 +29,11 @@ from tigana.proto import shard_pb2 as pb
 from tigana.ps.errors import PSError
 from tigana.ps.logs import event, slots_text
 from tigana.ps.replication.actions import RefreshMap
+from tigana.ps.replication.intake import copy_token
 from tigana.ps.replication.stream import restrict
 from tigana.ps.routing import IN_SYNC, format_slots, slot_of
 from tigana.ps.wire import cluster as cluster_wire
-from tigana.ps.wire.cluster import BARRIER, CHANGES, SNAPSHOT_BEGIN, SNAPSHOT_ROWS
+from tigana.ps.wire.cluster import BARRIER, CHANGES, SNAPSHOT_BEGIN, SNAPSHOT_END, SNAPSHOT_ROWS
 
 log = logging.getLogger("tigana.ps.replication")
 
@@ -91,7 +94,8 @@ class Inbound:
                 ) -> pb.ReplicateResponse:
         epoch, name = view.epoch, pb.ReplicateReject.Name(code)
         listed = np.empty(0, np.int64) if slots is None else np.asarray(slots)
-        level = logging.INFO if code in (pb.REJECT_BEHIND, pb.REJECT_STALE) else logging.WARNING
+        level = logging.DEBUG if code == pb.REJECT_WAIT else \
+            logging.INFO if code in (pb.REJECT_BEHIND, pb.REJECT_STALE) else logging.WARNING
         log.log(level, "replication stream from %s to %s refused at epoch %d (slots %s): %s: %s", self.source,
                 server_id, epoch, slots_text(listed), name, message,
                 extra=event("replication_rejected", slots=listed, epoch=epoch, server=server_id, source=self.source,
@@ -102,12 +106,28 @@ class Inbound:
         return out
 
 
+def copy_lane_ready(change: Inbound, boot: str, generation: int) -> Callable[[int], Reject | None]:
+    """For the copy lane of stream (``boot``, ``generation``): whether its change lane (``change``) was applied
+    through a seq here (None), or the refusal that says to resend later (``REJECT_WAIT``). Read without the
+    change lane's lock: its applied seq only grows within a stream, and a stream replaced meanwhile never
+    matches."""
+    def ready(after: int) -> Reject | None:
+        if change.boot == boot and change.generation == generation and change.applied >= after:
+            return None
+        return (pb.REJECT_WAIT, f"the change lane is at seq {change.applied} (generation {change.generation}), "
+                                f"the copied rows follow seq {after}", None)
+    return ready
+
+
 def apply_item(msg: Any, source: str, request_epoch: int, hosted_of: Callable[[str], Any], view_of: Callable[[], Any],
-               num_slots: int) -> Reject | None:
+               num_slots: int, *, generation: int = 0, copy_ready: Callable[[int], Reject | None] | None = None
+               ) -> Reject | None:
     """Apply one item (a view of the request or a protobuf message); a refusal (code, text, slots) or None.
 
-    ``hosted_of(name)``: the table as served (``table``, ``dedup``, ``log``, ``lock``, ``spec``) or None;
-    ``view_of()``: the server's current view of the map (``epoch``, ``map``, ``holds``, ``valid``)."""
+    ``hosted_of(name)``: the table as served (``table``, ``dedup``, ``log``, ``lock``, ``spec``, ``intake``) or
+    None; ``view_of()``: the server's current view of the map (``epoch``, ``map``, ``holds``, ``valid``).
+    ``generation``: the stream's; ``copy_ready``: given for an item of the copy lane, the refusal (WAIT) while
+    the change lane has not been applied through the seq it names, or None."""
     name, table_epoch = cluster_wire.item_header(msg)
     hosted = hosted_of(name)
     if hosted is None or hosted.spec.created_epoch != table_epoch:
@@ -121,6 +141,14 @@ def apply_item(msg: Any, source: str, request_epoch: int, hosted_of: Callable[[s
     slots = item.slots.astype(np.int64)
     if slots.size and (slots.min() < 0 or slots.max() >= num_slots):
         return pb.REJECT_DIVERGED, f"table {name!r}: item slots out of range", None
+    if (item.kind in (SNAPSHOT_ROWS, SNAPSHOT_END)) != (copy_ready is not None):
+        lane = "copy" if copy_ready is not None else "change"
+        return pb.REJECT_DIVERGED, f"table {name!r}: a {cluster_wire.KIND_NAMES.get(item.kind)} item on the {lane} " \
+                                   "lane", None
+    if copy_ready is not None and item.kind == SNAPSHOT_ROWS:
+        wait = copy_ready(item.after)
+        if wait is not None:
+            return wait
     with hosted.lock:
         view = view_of()
         m = view.map
@@ -160,13 +188,22 @@ def apply_item(msg: Any, source: str, request_epoch: int, hosted_of: Callable[[s
                 hosted.table.apply_changes(item.rows, item.deletes, item.sightings, item.step, check_values=False)
                 hosted.dedup.merge(item.dedup)
                 hosted.log.advance(slots, item.lsn)
+                hosted.intake.removed(item.deletes)
             elif item.kind == SNAPSHOT_BEGIN:
                 drop_rows(hosted, slots, num_slots)
                 hosted.dedup.forget_slots(slots)
                 hosted.dedup.merge(item.dedup)
                 hosted.log.reset(slots, item.prev)
+                hosted.intake.begin(slots, copy_token(source, generation, item.copy_id))
             elif item.kind == SNAPSHOT_ROWS and item.rows is not None and len(item.rows):
-                hosted.table.import_rows(item.rows)
+                # Only rows no change wrote or removed since the copy began (``intake``): those are newer.
+                rows = item.rows
+                land = hosted.intake.admit(rows.ids, copy_token(source, generation, item.copy_id),
+                                           hosted.table.contains(rows.ids))
+                if land.any():
+                    hosted.table.import_rows(rows if land.all() else rows.take(land))
+            elif item.kind == SNAPSHOT_END:
+                hosted.intake.end(slots, copy_token(source, generation, item.copy_id))
         except PSError as exc:
             return pb.REJECT_DIVERGED, f"table {name!r}: cannot apply item: {exc}", slots
         except Exception as exc:  # noqa: BLE001 - engine validation errors and bugs alike break the stream

@@ -3,10 +3,13 @@
 Pure state and decisions (no lock, thread or clock: ``now`` comes in with each event). A ``Session`` is one
 slot copy to one target. Its steps, each marked by a stream seq:
 
-1. COPYING: ``SNAPSHOT_BEGIN`` is queued (under the table locks, so it precedes every later write), then the
-   rows, chunk by chunk, each exported under the table's write lock and so ordered with the writes around it;
-2. ROWS_SENT: ``SNAPSHOT_END`` queued (``end_seq``);
-3. SWITCHED: the target has applied every row (``end_seq`` acknowledged) and the stream is nearly drained,
+1. COPYING: ``SNAPSHOT_BEGIN`` is queued on the change lane (under the table locks, so it precedes every later
+   write; its seq names the copy: ``copy_id``), then the rows on the copy lane, chunk by chunk, each exported
+   under the table's write lock and stamped with the change-lane seq it was read after (``Item.after``): the
+   target applies a chunk once its change lane got there, to the rows no change since the copy began wrote
+   or removed (``replication.intake``), so writes never wait behind copied rows;
+2. ROWS_SENT: ``SNAPSHOT_END`` queued on the copy lane (``end_seq``, a copy-lane seq);
+3. SWITCHED: the target has applied every row (``end_seq`` acknowledged) and the change lane is nearly drained,
    or a second has passed since: sync writes to the slots now wait for the target (``required``), and
    everything queued before ``switch_seq`` must be applied before the copy may join the in-sync set;
 4. REPORTED: ``switch_seq`` acknowledged; the primary reports the copy caught up (invariant I5). The
@@ -37,6 +40,7 @@ class Session:
     slots: np.ndarray
     tables: list[str]
     epoch: int = 0
+    copy_id: int = 0  # the change-lane seq of its first SNAPSHOT_BEGIN: names the copy on both lanes
     state: int = COPYING
     end_seq: int = 0
     switch_seq: int = 0
@@ -79,7 +83,7 @@ def advance(stream: Any, now: float, switch_after_s: float) -> list[Session]:
     sessions that just reached REPORTED (to be reported caught up)."""
     report = []
     for sess in stream.sessions:
-        if sess.state == ROWS_SENT and stream.acked >= sess.end_seq and sess.rows_acked_at is None:
+        if sess.state == ROWS_SENT and stream.copy_acked >= sess.end_seq and sess.rows_acked_at is None:
             sess.rows_acked_at = now
         if sess.state == ROWS_SENT and sess.rows_acked_at is not None and \
                 (stream.lag <= SWITCH_LAG or now - sess.rows_acked_at >= switch_after_s):

@@ -12,6 +12,7 @@ The events:
 - ``enqueue``: a write applied (queued to every stream holding its slots; the marks a sync write waits for);
 - ``enqueue_rows`` / ``rows_copied`` / ``copy_failed``: a slot copy's rows exported, or its export failed;
 - ``answered`` / ``send_failed``: a target's answer to a batch, or a failed send (timer: the failure timeout);
+- ``copy_answered`` / ``copy_send_failed``: the same on a stream's copy lane (a slot copy's rows, ``stream``);
 - ``report_refused``: the scheduler refused a caught-up report as stale;
 - ``retry``: the upkeep timer (what the scheduler may have missed is reported again).
 
@@ -56,6 +57,7 @@ from tigana.ps.wire import cluster as cluster_wire
 from tigana.ps.wire.cluster import BARRIER, SNAPSHOT_BEGIN, SNAPSHOT_END, Item
 
 log = logging.getLogger("tigana.ps.replication")
+COPY_BATCH_BYTES = 4 << 20  # a copy-lane batch: the target applies it under its tables' locks, a few ms at most
 
 
 class Primary:
@@ -137,10 +139,10 @@ class Primary:
             if new_copy.any():
                 slots = np.flatnonzero(new_copy).astype(np.int32)
                 s.readmit(slots)  # SNAPSHOT_BEGIN starts the target's copy again from ours
-                sess = Session(slots, list(tables), epoch=m.epoch, started=now)
+                sess = Session(slots, list(tables), epoch=m.epoch, started=now, copy_id=s.next_seq)
                 for name in tables:
                     self._push(s, Item(SNAPSHOT_BEGIN, name, slots, prev=positions(name, slots),
-                                       dedup=dedup_records(name, slots)))
+                                       dedup=dedup_records(name, slots), copy_id=sess.copy_id))
                 s.sessions.append(sess)
                 actions.append(StartCopy(s, sess))
                 log.info("slot copy from %s to %s at epoch %d started (slots %s)", self.server_id, s.target_id,
@@ -205,7 +207,8 @@ class Primary:
         return not s.closed and sess in s.sessions and sess.state == COPYING
 
     def enqueue_rows(self, s: Stream, sess: Session, item: Item) -> bool:
-        """A SNAPSHOT_ROWS item of ``sess`` (under the table's write lock). False: the session is over."""
+        """A SNAPSHOT_ROWS item of ``sess`` (exported under the table's write lock), queued on the copy lane
+        after every change-lane item queued so far (``after``). False: the session is over."""
         if not self.session_active(s, sess):
             return False  # over (a slot of it refused meanwhile fails it: the copy starts again)
         keep = np.zeros(self.num_slots, bool)
@@ -218,7 +221,8 @@ class Primary:
             item = restrict(item, keep, self.slot_of)
             if not item.slots.size:
                 return True
-        self._push(s, item)
+        item.copy_id, item.after = sess.copy_id, s.next_seq - 1
+        s.push_copy(item, item.table_epoch or self.table_epochs.get(item.table, 0))
         sess.rows_sent += 0 if item.rows is None else len(item.rows)
         return True
 
@@ -228,7 +232,8 @@ class Primary:
         if not self.session_active(s, sess):
             return []
         for name in sess.tables:
-            sess.end_seq = self._push(s, Item(SNAPSHOT_END, name, sess.slots))
+            sess.end_seq = s.push_copy(Item(SNAPSHOT_END, name, sess.slots, copy_id=sess.copy_id),
+                                       self.table_epochs.get(name, 0))
         sess.state = ROWS_SENT
         log.info("slot copy from %s to %s at epoch %d: %d slot(s) (slots %s), %d rows sent", self.server_id,
                  s.target_id, self.epoch, sess.slots.size, slots_text(sess.slots), sess.rows_sent,
@@ -259,9 +264,10 @@ class Primary:
         s.required[sess.slots] = s.in_sync[sess.slots]
 
     # --- events of the transport --------------------------------------------------------------------------
-    def request(self, s: Stream) -> bytes | None:
-        """The next batch for ``s`` (None: nothing queued, or closed)."""
-        return s.request(self.server_id, self.boot, self.epoch, self.batch_bytes)
+    def request(self, s: Stream, lane: int = 0) -> bytes | None:
+        """The next batch for ``s`` on ``lane`` (0: changes, 1: copied rows; None: nothing queued, or closed)."""
+        return s.request(self.server_id, self.boot, self.epoch,
+                         min(self.batch_bytes, COPY_BATCH_BYTES) if lane else self.batch_bytes, lane)
 
     def newer_map(self, reply: pb.ReplicateResponse) -> list[Action]:
         """The first step of an answer: a refusal from a target with a newer map means ours may be the stale
@@ -288,6 +294,40 @@ class Primary:
             # in-sync copy on the target are reported (a map change with items in flight demotes nothing).
             return self._refuse(s, slots[(slots >= 0) & (slots < s.held.shape[0])], reason)
         return [*self.send_failed(s, reason, now, report_now=True), Pause(0.2)]
+
+    def copy_answered(self, s: Stream, reply: pb.ReplicateResponse, now: float) -> list[Action]:
+        """A target's answer on ``s``'s copy lane. Waiting for the change lane (WAIT) or a newer map (BEHIND) is
+        a pause, not a failure; a refusal of slots stops them as on the change lane; a gap (the target restarted)
+        is the stream's failure."""
+        reject = reply.reject
+        if s.acknowledge_copy(int(reply.applied_through)):
+            s.copy_broken_since = None
+        if reject == pb.REJECT_NONE:
+            s.copy_broken_since = None
+            return self._advance(s, now)
+        reason = f"copy lane: {pb.ReplicateReject.Name(reject)}: {reply.message}"
+        if reject == pb.REJECT_WAIT:
+            return [Pause(0.01)]
+        if reject == pb.REJECT_BEHIND:
+            return [Pause(0.05)]
+        slots = cluster_wire.array(reply.slots, "<i4", field="ReplicateResponse.slots").astype(np.int64)
+        if reject in (pb.REJECT_STALE, pb.REJECT_DIVERGED) and slots.size:
+            return self._refuse(s, slots[(slots >= 0) & (slots < s.held.shape[0])], reason)
+        return [*self.send_failed(s, reason, now, report_now=True), Pause(0.2)]
+
+    def copy_send_failed(self, s: Stream, reason: str, now: float) -> list[Action]:
+        """A failed send on the copy lane: retried; past ``failure_timeout_s`` of failures the slot copies still
+        sending rows fail (the upkeep starts them again). Never a report: the change lane, or the scheduler's
+        heartbeats, tell a dead target, and a copy not yet switched holds nothing a write waits for."""
+        s.last_error = f"copy lane: {reason}"
+        if s.copy_broken_since is None:
+            s.copy_broken_since = now
+        if now - s.copy_broken_since >= self.failure_timeout_s:
+            s.copy_broken_since = None
+            for sess in s.sessions:
+                if sess.state in (COPYING, ROWS_SENT):
+                    self.copy_failed(s, sess)
+        return []
 
     def _refuse(self, s: Stream, slots: np.ndarray, reason: str) -> list[Action]:
         """Stop replicating ``slots`` to ``s``'s target for ``reason``; those of them the map has in sync on it
@@ -364,6 +404,7 @@ class Primary:
                 "replication_lag_bytes": float(max((s.queued_bytes for s in streams), default=0)),
                 "replication_lag_s": float(max(((now - s.acked_time) if s.lag else 0.0 for s in streams),
                                                default=0.0)),
+                "slot_copy_queued_bytes": float(sum(s.copy_bytes for s in streams)),
                 "replication_streams": float(len(streams)),
                 "slot_copies_in_progress": float(sum(len(s.sessions) for s in streams)),
                 "replication_streams_broken": float(sum(1 for s in streams if s.broken_since is not None)),

@@ -3,11 +3,12 @@
 ``Replicator`` holds one lock (a condition) around every call into the core, carries out the actions it
 returns after releasing it, and gives the waits the server needs: a sync write's acknowledgements
 (``wait``), room in a full queue (``room``), a slot copy's window (``wait_for_room``). It owns the transport:
-a gRPC channel and a sender thread per stream. Nothing here decides anything the protocol depends on.
+a gRPC channel per stream and a sender thread per lane of it (changes, copied rows). Nothing here decides
+anything the protocol depends on.
 
 Seams for a simulator: ``clock``, and ``spawn(name, fn)`` (run ``fn`` on a thread of its own): a simulator
-passes its clock, runs what is spawned when it chooses, drives each stream with ``core.request`` and hands the
-answers to ``answered`` / ``send_failed``.
+passes its clock, runs what is spawned when it chooses, drives each stream's lanes with ``core.request`` and
+hands the answers to ``answered`` / ``send_failed`` (lane 0) and ``copy_answered`` / ``copy_send_failed``.
 """
 
 from __future__ import annotations
@@ -141,7 +142,8 @@ class Replicator:
         call = channel.unary_unary("/tigana.v1.Shard/Replicate", request_serializer=_identity,
                                    response_deserializer=pb.ReplicateResponse.FromString)
         self._links[s] = (channel, call)
-        self.spawn(f"tigana-repl-{s.target_id[:8]}", lambda: self._send_loop(s))
+        self.spawn(f"tigana-repl-{s.target_id[:8]}", lambda: self._send_loop(s, 0))
+        self.spawn(f"tigana-copy-{s.target_id[:8]}", lambda: self._send_loop(s, 1))
 
     # --- events -------------------------------------------------------------------------------------------
     def on_map(self, m: ShardMap, me: int, tables: list[str], positions: Callable[[str, np.ndarray], np.ndarray],
@@ -170,15 +172,21 @@ class Replicator:
         with self.cond:
             return self.core.session_active(s, sess)
 
-    def answered(self, s: Stream, reply: pb.ReplicateResponse) -> float:
-        """A target's answer: a newer map first, then the answer itself; the pause before the next send."""
+    def answered(self, s: Stream, reply: pb.ReplicateResponse, lane: int = 0) -> float:
+        """A target's answer on ``lane``: a newer map first, then the answer itself; the pause before the next
+        send."""
         with self.cond:
             first = self.core.newer_map(reply)
         self._do(first)
+        if lane:
+            return self._call(lambda: self.core.copy_answered(s, reply, self.clock()))
         return self._call(lambda: self.core.answered(s, reply, self.clock()))
 
-    def send_failed(self, s: Stream, reason: str) -> None:
-        self._call(lambda: self.core.send_failed(s, reason, self.clock()))
+    def send_failed(self, s: Stream, reason: str, lane: int = 0) -> None:
+        if lane:
+            self._call(lambda: self.core.copy_send_failed(s, reason, self.clock()))
+        else:
+            self._call(lambda: self.core.send_failed(s, reason, self.clock()))
 
     def retry_reports(self) -> None:
         self._call(self.core.retry)
@@ -198,15 +206,15 @@ class Replicator:
         self._call(lambda: self.core.rows_copied(s, sess, self.clock()))
 
     # --- the sender of one stream -------------------------------------------------------------------------
-    def _send_loop(self, s: Stream) -> None:
-        """Send the queue's head, hand the answer (or the failure) to the core, pause when it says so."""
+    def _send_loop(self, s: Stream, lane: int) -> None:
+        """Send the head of one lane, hand the answer (or the failure) to the core, pause when it says so."""
         backoff = 0.05
         try:
             while True:
                 with self.cond:
-                    while not s.closed and not s.queue:
+                    while not s.closed and not (s.copy_ready() if lane else s.queue):
                         self.cond.wait()
-                    request = self.core.request(s)
+                    request = self.core.request(s, lane)
                 link = self._links.get(s)
                 if request is None or link is None:
                     return
@@ -215,12 +223,12 @@ class Replicator:
                 except grpc.RpcError as err:
                     if s.closed:
                         return
-                    self.send_failed(s, f"{err.code().name}: {err.details()}")
+                    self.send_failed(s, f"{err.code().name}: {err.details()}", lane)
                     self._pause(s, backoff)
                     backoff = min(1.0, backoff * 2)
                     continue
                 backoff = 0.05
-                self._pause(s, self.answered(s, reply))
+                self._pause(s, self.answered(s, reply, lane))
         except ValueError:  # the channel was closed under a call: the stream is closing
             return
 
@@ -323,12 +331,12 @@ class Replicator:
             return "; ".join(out)
 
     def wait_for_room(self, s: Stream, timeout_s: float = 30.0) -> None:
-        """Block while ``s`` holds more than ``copy_window_bytes`` unacknowledged: a slot copy's rows share the
-        stream with the writes of in-sync copies, and a sync push waits for its item, so the copy keeps only a
-        small window ahead of them (head-of-line delay stays a few MiB, not the whole copy)."""
+        """Block while ``s``'s copy lane holds more than ``copy_window_bytes`` unacknowledged: the export runs
+        only a window ahead of what the target applied (the rows are read under the table's lock, and a window
+        bounds the memory they take while queued)."""
         deadline = time.monotonic() + timeout_s
         with self.cond:
-            while not s.closed and s.queued_bytes > self.core.copy_window_bytes and time.monotonic() < deadline:
+            while not s.closed and s.copy_bytes > self.core.copy_window_bytes and time.monotonic() < deadline:
                 self.cond.wait(0.05)
 
     def room(self, slots: np.ndarray | None, timeout_s: float) -> Stream | None:

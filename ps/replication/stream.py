@@ -7,6 +7,13 @@ A stream queues items, each with a stream seq; the adapter sends the queue's hea
 with ``Shard/Replicate``, and the target answers the last seq it applied. Items are enqueued under the
 table's write lock (so stream order is write order); sends and waits happen outside it.
 
+A stream has two lanes, each with seqs of its own and its own sender: the change lane (writes, a slot copy's
+``SNAPSHOT_BEGIN``, barriers) and the copy lane (a slot copy's rows and its ``SNAPSHOT_END``), so that writes,
+and the sync pushes waiting for them, never queue behind copied rows. A copy-lane item names the change-lane seq
+its rows were read after (``Item.after``); the target applies it once its change lane got there, and only to
+rows no change since the copy's ``SNAPSHOT_BEGIN`` wrote or removed (``replication.intake``): a change always
+carries the whole row as written, so a row it wrote is newer than any copied one.
+
 A target's refusal names the slots it is about (``ReplicateResponse.slots``). The stream then stops sending
 those slots (``exclude``): their parts are cut out of every queued item and of every later one, and the rest
 of the stream goes on. A write that must be acknowledged by an excluded copy waits until the map takes that
@@ -75,6 +82,11 @@ class Stream:
         self.closed = False
         self.last_error = ""
         self.acked_time = now
+        self.copies: deque[Queued] = deque()  # the copy lane
+        self.copy_bytes = 0
+        self.copy_next_seq = 1
+        self.copy_acked = 0
+        self.copy_broken_since: float | None = None  # the copy lane's sends fail since (``copy_send_failed``)
 
     def push(self, item: Item, table_epoch: int | None = None) -> int:
         """Queue ``item``; its stream seq. ``table_epoch``: the incarnation of its table this primary serves."""
@@ -85,6 +97,17 @@ class Stream:
         nbytes = item.nbytes or _item_bytes(item)
         self.queue.append(Queued(seq, item, nbytes))
         self.queued_bytes += nbytes
+        return seq
+
+    def push_copy(self, item: Item, table_epoch: int | None = None) -> int:
+        """Queue ``item`` on the copy lane; its copy-lane seq."""
+        seq = self.copy_next_seq
+        self.copy_next_seq += 1
+        if table_epoch is not None:
+            item.table_epoch = table_epoch
+        nbytes = item.nbytes or _item_bytes(item)
+        self.copies.append(Queued(seq, item, nbytes))
+        self.copy_bytes += nbytes
         return seq
 
     @property
@@ -113,7 +136,7 @@ class Stream:
         self.cut_after[slots] = np.minimum(self.cut_after[slots], self.acked)
         self.excluded[slots] = True
         keep = ~self.excluded
-        for q in self.queue:
+        for q in (*self.queue, *self.copies):
             if self.excluded[q.item.slots].any():
                 q.item = restrict(q.item, keep, slot_of)
         for sess in self.sessions:
@@ -145,6 +168,15 @@ class Stream:
         self.reported = False
         return True
 
+    def acknowledge_copy(self, applied_through: int) -> bool:
+        """The target applied the copy lane through ``applied_through``. True when that moved it on."""
+        if applied_through <= self.copy_acked:
+            return False
+        self.copy_acked = int(applied_through)
+        while self.copies and self.copies[0].seq <= self.copy_acked:
+            self.copy_bytes -= self.copies.popleft().nbytes
+        return True
+
     def reported_mask(self) -> np.ndarray:
         m = np.zeros(self.held.shape[0], bool)
         for sess in self.sessions:
@@ -152,23 +184,31 @@ class Stream:
                 m[sess.slots] = True
         return m
 
-    def batch(self, batch_bytes: int) -> list[Queued]:
-        """The next batch from the head of the queue: at most ``batch_bytes`` (one item at least), 256 items."""
+    def batch(self, batch_bytes: int, lane: int = 0) -> list[Queued]:
+        """The next batch from the head of a lane: at most ``batch_bytes`` (one item at least), 256 items. On
+        the copy lane, only items whose change-lane seq (``after``) the target has acknowledged: it would
+        answer WAIT to the others."""
         batch, size = [], 0
-        for q in self.queue:
+        for q in (self.copies if lane else self.queue):
+            if lane and q.item.after > self.acked:
+                break
             if batch and (size + q.nbytes > batch_bytes or len(batch) >= 256):
                 break
             batch.append(q)
             size += q.nbytes
         return batch
 
-    def request(self, source: str, boot: str, epoch: int, batch_bytes: int) -> bytes | None:
-        """The next batch as a serialized ``ReplicateRequest`` (None: nothing queued, or closed)."""
-        if self.closed or not self.queue:
+    def copy_ready(self) -> bool:
+        """Whether the copy lane has an item to send now (its ``after`` acknowledged on the change lane)."""
+        return bool(self.copies) and self.copies[0].item.after <= self.acked
+
+    def request(self, source: str, boot: str, epoch: int, batch_bytes: int, lane: int = 0) -> bytes | None:
+        """The next batch of a lane as a serialized ``ReplicateRequest`` (None: nothing to send, or closed)."""
+        if self.closed or not (self.copy_ready() if lane else self.queue):
             return None
-        batch = self.batch(batch_bytes)
+        batch = self.batch(batch_bytes, lane)
         return cluster_wire.encode_replicate_request(source, boot, self.generation, epoch, batch[0].seq,
-                                                     [q.item for q in batch])
+                                                     [q.item for q in batch], lane)
 
 
 def _item_bytes(item: Item) -> int:
@@ -192,4 +232,5 @@ def restrict(item: Item, held: np.ndarray, slot_of_id: Callable[[np.ndarray], np
         sightings = (sightings[0][m], sightings[1][m])
     dedup = [(cid, seq, sl[held[sl]]) for cid, seq, sl in item.dedup]
     return Item(item.kind, item.table, item.slots[keep], item.lsn, item.prev[keep] if item.prev.size else item.prev,
-                rows, deletes, sightings, item.step, [d for d in dedup if d[2].size], table_epoch=item.table_epoch)
+                rows, deletes, sightings, item.step, [d for d in dedup if d[2].size], table_epoch=item.table_epoch,
+                copy_id=item.copy_id, after=item.after)

@@ -17,7 +17,7 @@ import numpy as np
 from tigana.embeddings import EmbeddingTable, TableConfig
 from tigana.ps.dedup import DedupWindow
 from tigana.ps.errors import InvalidArgument, TableNotFound
-from tigana.ps.replication import SlotLog
+from tigana.ps.replication import CopyIntake, SlotLog
 from tigana.ps.routing import TableDef, slot_of
 from tigana.ps.shard._fields import ShardFields
 
@@ -33,8 +33,8 @@ def checksum_value(digest: str) -> float:
 
 @dataclasses.dataclass(eq=False)
 class _Hosted:
-    """A table as served: its definition, the engine table, its write lock, exactly-once window, log positions
-    and per-slot request counters (decayed into rates)."""
+    """A table as served: its definition, the engine table, its write lock, exactly-once window, log positions,
+    the slot copies it is receiving and per-slot request counters (decayed into rates)."""
 
     spec: TableDef
     table: EmbeddingTable
@@ -45,9 +45,11 @@ class _Hosted:
     pushed: np.ndarray | None = None
     pull_rate: np.ndarray | None = None
     push_rate: np.ndarray | None = None
+    intake: CopyIntake | None = None  # the slot copies this table is receiving (``replication.intake``)
 
     def __post_init__(self) -> None:
         n = self.log.positions.shape[0]
+        self.intake = CopyIntake(n)
         self.pulled, self.pushed = np.zeros(n), np.zeros(n)
         self.pull_rate, self.push_rate = np.zeros(n), np.zeros(n)
 

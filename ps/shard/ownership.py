@@ -265,6 +265,8 @@ class Ownership(ShardFields):
             hosted = self._tables.get(name)
             if hosted is None or not self._view.valid:
                 continue
+            with hosted.lock:  # no slot copy builds a copy the map removed from here (``replication.intake``)
+                hosted.intake.drop(np.flatnonzero(~self._view.holds))
             ids = hosted.table.stored_ids()
             if not ids.size:
                 continue

@@ -29,7 +29,7 @@ from tigana.ps.catalog import Catalog
 from tigana.ps.config import ServerConfig
 from tigana.ps.errors import DeadlineExceeded, InvalidArgument, TableExists
 from tigana.ps.metrics import ServerMetrics
-from tigana.ps.replication import Inbound, Replicator, apply_item
+from tigana.ps.replication import Inbound, Replicator, apply_item, copy_lane_ready
 from tigana.ps.replication.actions import RefreshMap
 from tigana.ps.security import NONE, Security
 from tigana.ps.shard import streams
@@ -266,12 +266,19 @@ class ShardService(Ownership, Writes, Exports, Persistence, Hosting, shard_pb2_g
     @_rpc("Replicate")
     def Replicate(self, request: pb.ReplicateRequest | cluster_wire.RawReplicate, context: grpc.ServicerContext
                   ) -> pb.ReplicateResponse:
-        """Apply a primary's stream in order (``replication.apply``: invariant I3)."""
+        """Apply a primary's stream in order (``replication.apply``: invariant I3), one lane at a time: the
+        change lane, and the copy lane (a slot copy's rows), whose items wait for the change lane (S11)."""
+        source, lane = request.source, int(getattr(request, "lane", 0))
         with self._inbound_lock:
-            st, lock = self._inbound.setdefault(request.source, (Inbound(request.source), threading.Lock()))
+            change = self._inbound.setdefault(source, (Inbound(source), threading.Lock()))[0]
+            st, lock = self._inbound.setdefault(f"{source}\0copy" if lane else source,
+                                                (Inbound(source), threading.Lock()))
+
+        ready = copy_lane_ready(change, request.source_boot, request.generation)
 
         def apply_one(msg: Any, epoch: int) -> Any:
-            return apply_item(msg, request.source, epoch, self._tables.get, lambda: self._view, self.num_slots)
+            return apply_item(msg, source, epoch, self._tables.get, lambda: self._view, self.num_slots,
+                              generation=request.generation, copy_ready=ready if lane else None)
 
         with lock:  # one stream's requests apply one at a time, in order
             out = st.receive(request, self.server_id, lambda: self._view, apply_one)

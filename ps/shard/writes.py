@@ -241,8 +241,9 @@ class Writes(ShardFields):
                               f"{view.epoch} -> {now.epoch}); retry it (it is applied once)", epoch=now.epoch)
 
     def _copy_rows(self, stream: Stream, sess: Any) -> None:
-        """The rows of a slot copy: each chunk exported and enqueued under the table's write lock, so it sits
-        in the stream after every write it reflects and before every later one."""
+        """The rows of a slot copy: each chunk exported and enqueued on the copy lane under the table's write
+        lock, so it names the last change-lane item it reflects (the target applies it after that one, and
+        under every later write: S11)."""
         assert self.replicator is not None
         want = np.zeros(self.num_slots, bool)
         want[sess.slots] = True

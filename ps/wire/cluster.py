@@ -129,6 +129,8 @@ class Item:
     dedup: list[tuple[str, int, np.ndarray]] = field(default_factory=list)
     nbytes: int = 0  # payload size, for batching
     table_epoch: int = 0  # the table incarnation's created_epoch (set when the item is queued)
+    copy_id: int = 0  # SNAPSHOT_*: the slot copy it belongs to (its first SNAPSHOT_BEGIN's change-lane seq)
+    after: int = 0  # SNAPSHOT_ROWS: the change lane's last seq when its rows were read (``after_seq``)
 
     def to_pb(self) -> pb.ReplicationItem:
         msg = pb.ReplicationItem(kind=self.kind, table=self.table, lsn_epoch=self.lsn[0], lsn_index=self.lsn[1],
@@ -146,6 +148,7 @@ class Item:
         for cid, seq, slots in self.dedup:
             msg.dedup.add(client_id=cid, seq=seq, slots=packed(slots, "<i4"))
         msg.table_epoch = self.table_epoch
+        msg.copy_id, msg.after_seq = self.copy_id, self.after
         return msg
 
 
@@ -168,7 +171,7 @@ def item_from_pb(msg: pb.ReplicationItem, *, dim: int, state_width: int) -> Item
              for d in msg.dedup]
     return Item(msg.kind, t, slots, (int(msg.lsn_epoch), int(msg.lsn_index)), prev, rows,
                 array(msg.deletes, "<i8", field=f"table {t!r}: item.deletes"), sightings, int(msg.step), dedup,
-                table_epoch=int(msg.table_epoch))
+                table_epoch=int(msg.table_epoch), copy_id=int(msg.copy_id), after=int(msg.after_seq))
 
 
 # --- the replication stream, encoded and decoded without protobuf objects -----------------------------------
@@ -208,28 +211,34 @@ def _item_parts(item: Item) -> list:
         parts += _msg_field(13, [*wire._len_field(1, cid.encode()), v(2, seq), *_bytes_field(3, slots, "<i4")])
     if item.table_epoch:
         parts.append(v(14, item.table_epoch))
+    if item.copy_id:
+        parts.append(v(15, item.copy_id))
+    if item.after:
+        parts.append(v(16, item.after))
     return parts
 
 
 def encode_replicate_request(source: str, boot: str, generation: int, epoch: int, first_seq: int,
-                             items: list[Item]) -> bytes:
-    """A serialized ``ReplicateRequest`` (one copy of the rows)."""
+                             items: list[Item], lane: int = 0) -> bytes:
+    """A serialized ``ReplicateRequest`` (one copy of the rows) of ``lane`` (0: changes, 1: a slot copy's)."""
     v = wire._varint_field
     parts: list = [*wire._len_field(1, source.encode()), *wire._len_field(2, boot.encode()), v(3, generation),
                    v(4, epoch), v(5, first_seq)]
     for item in items:
         parts += _msg_field(6, _item_parts(item))
+    if lane:
+        parts.append(v(7, lane))
     return b"".join(p for p in parts if memoryview(p).nbytes)
 
 
 class RawReplicate:
     """A ``ReplicateRequest`` parsed into its header and the items' undecoded views (``decode_item``)."""
 
-    __slots__ = ("source", "source_boot", "generation", "epoch", "first_seq", "items")
+    __slots__ = ("source", "source_boot", "generation", "epoch", "first_seq", "items", "lane")
 
     def __init__(self) -> None:
         self.source, self.source_boot = "", ""
-        self.generation = self.epoch = self.first_seq = 0
+        self.generation = self.epoch = self.first_seq = self.lane = 0
         self.items: list = []
 
 
@@ -251,6 +260,8 @@ def decode_replicate_request(raw: bytes) -> RawReplicate | pb.ReplicateRequest:
                 out.first_seq = wire._int_value(value, 5)
             elif field_no == 6:
                 out.items.append(wire._len_value(value, 6))
+            elif field_no == 7:
+                out.lane = wire._int_value(value, 7)
     except (wire._NotCanonical, InvalidArgument, UnicodeDecodeError):
         return pb.ReplicateRequest.FromString(raw)
     return out
@@ -266,7 +277,7 @@ def decode_item(view: memoryview | pb.ReplicationItem, *, dim: int, state_width:
     read-only views of the message where aligned."""
     if not isinstance(view, memoryview):
         return item_from_pb(view, dim=dim, state_width=state_width)
-    kind, table, lsn_e, lsn_i, step, table_epoch = 0, "", 0, 0, 0, 0
+    kind, table, lsn_e, lsn_i, step, table_epoch, copy_id, after = 0, "", 0, 0, 0, 0, 0, 0
     f: dict[int, memoryview] = {}
     rows_view = None
     dedup = []
@@ -285,6 +296,10 @@ def decode_item(view: memoryview | pb.ReplicationItem, *, dim: int, state_width:
             step = wire._int_value(value, 12)
         elif field_no == 14:
             table_epoch = wire._int_value(value, 14)
+        elif field_no == 15:
+            copy_id = wire._int_value(value, 15)
+        elif field_no == 16:
+            after = wire._int_value(value, 16)
         elif field_no == 13:
             cid, seq, slots = "", 0, memoryview(b"")
             for g, w in wire.message_fields(wire._len_value(value, 13), "DedupRecord"):
@@ -333,7 +348,7 @@ def decode_item(view: memoryview | pb.ReplicationItem, *, dim: int, state_width:
         sightings = (sid, array(f.get(11, empty), "<i8", field=f"{where}.sighting_counts", count=sid.shape[0]))
     return Item(kind, table, slots, (int(lsn_e), int(lsn_i)), prev, rows,
                 array(f.get(9, empty), "<i8", field=f"{where}.deletes"), sightings, int(step), dedup,
-                table_epoch=int(table_epoch))
+                table_epoch=int(table_epoch), copy_id=int(copy_id), after=int(after))
 
 
 def item_header(view: memoryview | pb.ReplicationItem) -> tuple[str, int]:

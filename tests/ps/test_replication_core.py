@@ -73,13 +73,15 @@ def test_a_slot_copy_steps_through_its_states_and_reports_once_its_switch_is_ack
     s, sess = actions[1].stream, actions[1].session
     assert sess.slots.tolist() == [0, 1] and s.queue[0].item.kind == SNAPSHOT_BEGIN
     assert p.request(s) is not None  # SNAPSHOT_BEGIN is sendable at once
-    # rows exported (none here): SNAPSHOT_END queued; nothing acknowledged yet, so nothing to report
+    # rows exported (none here): SNAPSHOT_END queued on the copy lane; nothing acknowledged yet, nothing to report
     assert p.rows_copied(s, sess, now=1.0) == []
-    assert sess.state == ROWS_SENT and s.queue[-1].item.kind == SNAPSHOT_END
+    assert sess.state == ROWS_SENT and s.copies[-1].item.kind == SNAPSHOT_END and s.queue[-1].item.kind != SNAPSHOT_END
+    assert sess.end_seq == s.copies[-1].seq and p.request(s, 1) is not None
     # a write to slot 0 meanwhile: sent to the copy, but not yet required (the copy is not in sync)
     assert p.enqueue(_write([0])) == []
-    # everything through SNAPSHOT_END applied, lag small: the copy switches and, its switch seq acknowledged
-    # in the same answer, reports caught up
+    # the copy lane applied through SNAPSHOT_END, the change lane's lag small: the copy switches; its switch
+    # seq acknowledged on the change lane, it reports caught up
+    assert p.copy_answered(s, _reply(sess.end_seq), now=2.0) == [] and sess.state == SWITCHED
     out = p.answered(s, _reply(s.next_seq - 1), now=2.0)
     assert [type(a) for a in out] == [ReportCaughtUp] and out[0].session is sess and sess.state == REPORTED
     assert s.required[[0, 1]].all() and not s.required[2:].any()
@@ -97,8 +99,8 @@ def test_a_copy_switches_a_second_after_its_rows_were_applied_whatever_the_lag()
     end = sess.end_seq
     for _ in range(20):  # writes faster than the target applies them
         p.enqueue(_write([0]))
-    assert p.answered(s, _reply(end), now=0.5) == [] and sess.state == ROWS_SENT  # lag 20 > 8: not yet
-    assert p.answered(s, _reply(end + 1), now=1.6) == []  # a second after the rows: switched
+    assert p.copy_answered(s, _reply(end), now=0.5) == [] and sess.state == ROWS_SENT  # lag 21 > 8: not yet
+    assert p.answered(s, _reply(2), now=1.6) == []  # a second after the rows: switched
     assert sess.state == SWITCHED and sess.switch_seq == s.next_seq - 1
     out = p.answered(s, _reply(sess.switch_seq), now=1.7)
     assert [type(a) for a in out] == [ReportCaughtUp]
@@ -200,6 +202,7 @@ def test_a_stale_caught_up_report_restarts_the_copy() -> None:
     s = _install(p, _map(1, [CATCHING_UP] + [None] * 7))[0].stream
     sess = s.sessions[0]
     p.rows_copied(s, sess, 0.0)
+    p.copy_answered(s, _reply(sess.end_seq), now=0.1)
     (report,) = p.answered(s, _reply(s.next_seq - 1), now=0.1)
     p.report_refused(report.stream, report.session)
     assert sess.state == FAILED and not s.required[0] and p.needs_restart()
@@ -356,6 +359,7 @@ def test_a_copy_already_reported_is_not_refused_when_the_map_puts_it_in_sync() -
     actions = _install(p, _map(1, [CATCHING_UP] * 2 + [None] * 6))
     s, sess = actions[1].stream, actions[1].session
     p.rows_copied(s, sess, now=1.0)
+    p.copy_answered(s, _reply(sess.end_seq), now=1.1)
     p.answered(s, _reply(s.next_seq - 1), now=1.1)
     p.answered(s, _reply(s.next_seq - 1), now=3.0)  # switched, then its switch acknowledged: reported
     assert sess.state == REPORTED
@@ -377,8 +381,8 @@ def test_a_slot_copy_cut_to_fewer_slots_goes_on_exporting_the_rest() -> None:
     assert sess.slots.tolist() == [0, 2] and p.session_active(s, sess)
     chunk = Item(SNAPSHOT_ROWS, "t", np.array([0, 1, 2], np.int32), prev=np.zeros((0, 2), np.uint64))
     assert p.enqueue_rows(s, sess, chunk)  # the copy goes on
-    assert s.queue[-1].item.kind == SNAPSHOT_ROWS and s.queue[-1].item.slots.tolist() == [0, 2]
+    assert s.copies[-1].item.kind == SNAPSHOT_ROWS and s.copies[-1].item.slots.tolist() == [0, 2]
     only_dropped = Item(SNAPSHOT_ROWS, "t", np.array([1], np.int32), prev=np.zeros((0, 2), np.uint64))
-    queued = len(s.queue)
-    assert p.enqueue_rows(s, sess, only_dropped) and len(s.queue) == queued  # nothing of it is sent
+    queued = len(s.copies)
+    assert p.enqueue_rows(s, sess, only_dropped) and len(s.copies) == queued  # nothing of it is sent
     assert p.rows_copied(s, sess, now=1.0) == [] and sess.state == ROWS_SENT

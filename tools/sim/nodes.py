@@ -202,7 +202,7 @@ class SimServer:
         if self.svc is not None:
             self.svc.close_tables()
         self.tasks: list[Callable[[], None]] = []
-        self.in_flight: set[int] = set()
+        self.in_flight: set[tuple[int, int]] = set()  # (stream, lane) with a batch on the wire
         self.acks: list[tuple[Any, Deferred, float]] = []
         self.boots = getattr(self, "boots", 0) + 1  # boot ids and stream generations from the seed, not uuid4/clock
         self.svc = ShardService(self.config, security=_Security(), clock=self.clock, spawn=self._spawn,
@@ -226,8 +226,8 @@ class SimServer:
     def _spawn(self, name: str, fn: Callable[[], None]) -> None:
         if name in ("tigana-slot-copy", "tigana-drop-slots"):
             self.tasks.append(fn)  # run by ``step``, as its thread would
-        # a stream's sender is driven by ``step`` (``core.request``, then ``answered`` or ``send_failed``);
-        # closing a stream's channel is nothing here
+        # a stream's two senders (its lanes) are driven by ``step`` (``core.request``, then ``answered`` or
+        # ``send_failed``); closing a stream's channel is nothing here
 
     def install(self, m: ShardMap) -> None:
         if self.up:
@@ -242,18 +242,20 @@ class SimServer:
             task()
         rep = self.svc.replicator
         for s in list(rep.streams.values()):
-            if id(s) in self.in_flight:
-                continue
-            with rep.cond:
-                request = rep.core.request(s)
-            if request is None:
-                continue
-            target = self.servers.get(s.target_id)
-            if target is None:
-                continue
-            self.in_flight.add(id(s))
-            self.net.call(self.name, s.target_id, lambda t=target, r=request: t.receive(self.name, r),
-                          lambda reply, error, s=s, svc=self.svc: self._answered(svc, s, reply, error))
+            for lane in (0, 1):
+                if (id(s), lane) in self.in_flight:
+                    continue
+                with rep.cond:
+                    request = rep.core.request(s, lane)
+                if request is None:
+                    continue
+                target = self.servers.get(s.target_id)
+                if target is None:
+                    continue
+                self.in_flight.add((id(s), lane))
+                self.net.call(self.name, s.target_id, lambda t=target, r=request: t.receive(self.name, r),
+                              lambda reply, error, s=s, lane=lane, svc=self.svc:
+                              self._answered(svc, s, lane, reply, error))
         self.svc.hand_over(0.0)
         self._settle_acks()
 
@@ -280,15 +282,15 @@ class SimServer:
                 keep.append((pushed, answer, deadline))
         self.acks = keep
 
-    def _answered(self, svc: ShardService, s: Any, reply: pb.ReplicateResponse | None, error: BaseException | None
-                  ) -> None:
-        self.in_flight.discard(id(s))
+    def _answered(self, svc: ShardService, s: Any, lane: int, reply: pb.ReplicateResponse | None,
+                  error: BaseException | None) -> None:
+        self.in_flight.discard((id(s), lane))
         if svc is not self.svc or not self.up or s.closed:
             return  # an answer to a process that is gone, or to a stream replaced meanwhile
         if error is not None:
-            svc.replicator.send_failed(s, f"{type(error).__name__}: {error}")
+            svc.replicator.send_failed(s, f"{type(error).__name__}: {error}", lane)
         else:
-            svc.replicator.answered(s, reply)
+            svc.replicator.answered(s, reply, lane)
 
     def receive(self, source: str, request: bytes) -> pb.ReplicateResponse:
         """The ``Replicate`` handler (the gRPC wrapper's body, without its context)."""
