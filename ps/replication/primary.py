@@ -79,6 +79,7 @@ class Primary:
         self.epoch = 0
         self.closed = False
         self._generation = generation
+        self._installs = 0  # map installs that started slot copies (``Session.install``)
 
     def slot_of(self, ids: np.ndarray) -> np.ndarray:
         return slot_of(ids, self.num_slots)
@@ -97,6 +98,7 @@ class Primary:
         ``positions`` and ``dedup_records`` read the tables' log positions and exactly-once keys."""
         leads = m.leads(me) if me >= 0 else np.zeros(self.num_slots, bool)
         actions: list[Action] = []
+        self._installs += 1
         self.epoch = m.epoch
         self.table_epochs = {name: spec.created_epoch for name, spec in m.tables.items()}
         seen = set()
@@ -139,7 +141,8 @@ class Primary:
             if new_copy.any():
                 slots = np.flatnonzero(new_copy).astype(np.int32)
                 s.readmit(slots)  # SNAPSHOT_BEGIN starts the target's copy again from ours
-                sess = Session(slots, list(tables), epoch=m.epoch, started=now, copy_id=s.next_seq)
+                sess = Session(slots, list(tables), epoch=m.epoch, started=now, copy_id=s.next_seq,
+                               install=self._installs)
                 for name in tables:
                     self._push(s, Item(SNAPSHOT_BEGIN, name, slots, prev=positions(name, slots),
                                        dedup=dedup_records(name, slots), copy_id=sess.copy_id))
