@@ -225,7 +225,7 @@ class Primary:
             if not item.slots.size:
                 return True
         item.copy_id, item.after = sess.copy_id, s.next_seq - 1
-        s.push_copy(item, item.table_epoch or self.table_epochs.get(item.table, 0))
+        s.push(item, item.table_epoch or self.table_epochs.get(item.table, 0), lane=1)
         sess.rows_sent += 0 if item.rows is None else len(item.rows)
         return True
 
@@ -235,8 +235,8 @@ class Primary:
         if not self.session_active(s, sess):
             return []
         for name in sess.tables:
-            sess.end_seq = s.push_copy(Item(SNAPSHOT_END, name, sess.slots, copy_id=sess.copy_id),
-                                       self.table_epochs.get(name, 0))
+            sess.end_seq = s.push(Item(SNAPSHOT_END, name, sess.slots, copy_id=sess.copy_id),
+                                  self.table_epochs.get(name, 0), lane=1)
         sess.state = ROWS_SENT
         log.info("slot copy from %s to %s at epoch %d: %d slot(s) (slots %s), %d rows sent", self.server_id,
                  s.target_id, self.epoch, sess.slots.size, slots_text(sess.slots), sess.rows_sent,
@@ -303,10 +303,9 @@ class Primary:
         a pause, not a failure; a refusal of slots stops them as on the change lane; a gap (the target restarted)
         is the stream's failure."""
         reject = reply.reject
-        if s.acknowledge_copy(int(reply.applied_through)):
-            s.copy_broken_since = None
+        s.acknowledge_copy(int(reply.applied_through))
+        s.copy_broken_since = None  # any answer: the lane's transport works (``copy_send_failed`` counts none)
         if reject == pb.REJECT_NONE:
-            s.copy_broken_since = None
             return self._advance(s, now)
         reason = f"copy lane: {pb.ReplicateReject.Name(reject)}: {reply.message}"
         if reject == pb.REJECT_WAIT:

@@ -88,26 +88,20 @@ class Stream:
         self.copy_acked = 0
         self.copy_broken_since: float | None = None  # the copy lane's sends fail since (``copy_send_failed``)
 
-    def push(self, item: Item, table_epoch: int | None = None) -> int:
-        """Queue ``item``; its stream seq. ``table_epoch``: the incarnation of its table this primary serves."""
-        seq = self.next_seq
-        self.next_seq += 1
+    def push(self, item: Item, table_epoch: int | None = None, lane: int = 0) -> int:
+        """Queue ``item`` on ``lane`` (0: changes, 1: copied rows); its seq on that lane. ``table_epoch``: the
+        incarnation of its table this primary serves."""
         if table_epoch is not None:
             item.table_epoch = table_epoch
         nbytes = item.nbytes or _item_bytes(item)
-        self.queue.append(Queued(seq, item, nbytes))
-        self.queued_bytes += nbytes
-        return seq
-
-    def push_copy(self, item: Item, table_epoch: int | None = None) -> int:
-        """Queue ``item`` on the copy lane; its copy-lane seq."""
-        seq = self.copy_next_seq
-        self.copy_next_seq += 1
-        if table_epoch is not None:
-            item.table_epoch = table_epoch
-        nbytes = item.nbytes or _item_bytes(item)
-        self.copies.append(Queued(seq, item, nbytes))
-        self.copy_bytes += nbytes
+        if lane:
+            seq, self.copy_next_seq = self.copy_next_seq, self.copy_next_seq + 1
+            self.copies.append(Queued(seq, item, nbytes))
+            self.copy_bytes += nbytes
+        else:
+            seq, self.next_seq = self.next_seq, self.next_seq + 1
+            self.queue.append(Queued(seq, item, nbytes))
+            self.queued_bytes += nbytes
         return seq
 
     @property
