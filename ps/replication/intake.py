@@ -34,7 +34,7 @@ class CopyIntake:
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
         self.token = np.zeros(num_slots, np.int64)
-        self._removed: list[np.ndarray] = []  # ids removed by changes in copying slots (kept in slot order of arrival)
+        self._removed = np.empty(0, np.int64)  # ids removed by changes in copying slots since their copy began
 
     def active(self) -> bool:
         return bool(self.token.any())
@@ -49,14 +49,14 @@ class CopyIntake:
         if ids.size and self.active():
             keep = ids[self.token[slot_of(ids, self.num_slots)] != 0]
             if keep.size:
-                self._removed.append(np.array(keep, np.int64))
+                self._removed = np.concatenate([self._removed, keep.astype(np.int64)])
 
     def admit(self, ids: np.ndarray, token: int, present: np.ndarray) -> np.ndarray:
         """(n,) bool: which copied rows of copy ``token`` land: their slot is still built by it, the table does not
         hold the id (``present``: a change wrote it, newer), and no change removed it since the copy began."""
         ok = (self.token[slot_of(ids, self.num_slots)] == token) & ~present
-        if ok.any() and self._removed:
-            ok &= ~np.isin(ids, np.concatenate(self._removed))
+        if ok.any() and self._removed.size:
+            ok &= ~np.isin(ids, self._removed)
         return ok
 
     def end(self, slots: np.ndarray, token: int) -> None:
@@ -72,10 +72,8 @@ class CopyIntake:
         self.token[slots] = 0
 
     def _forget(self, slots: np.ndarray) -> None:
-        if not self._removed or not slots.size:
+        if not self._removed.size or not slots.size:
             return
-        gone = np.concatenate(self._removed)
         mask = np.zeros(self.num_slots, bool)
         mask[slots] = True
-        rest = gone[~mask[slot_of(gone, self.num_slots)]]
-        self._removed = [rest] if rest.size else []
+        self._removed = self._removed[~mask[slot_of(self._removed, self.num_slots)]]
