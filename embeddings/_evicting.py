@@ -59,7 +59,7 @@ class Evicting(TableFields):
             ids, positions = self._index.items()
         else:
             ids, positions = np.empty(0, np.int64), np.empty(0, np.int64)
-        meta = {"last_step": self._slab.last_step[positions], "last_time": self._slab.last_time[positions],
+        meta = {"last_step": self._slab.steps_of(positions), "last_time": self._slab.times_of(positions),
                 "last_access": self._slab.access_of(positions),
                 "update_count": self._slab.update_count[positions].astype(np.int64)}
         if len(self._spilled):  # spilled rows are candidates too; their metadata lives in the store

@@ -56,7 +56,7 @@ class Exporting(TableFields):
     def _updated_since(self, since: float) -> np.ndarray:
         """Ids of the stored rows whose last update is at or after ``since`` (under the lock)."""
         ids, positions = self._index.items()
-        out = ids[self._slab.last_time[positions] >= since]
+        out = ids[self._slab.times_of(positions) >= since]  # times are rounded up to a tick: never a row missed
         if len(self._spilled):  # their update times live in the store
             sp = self._spill_rows(self._spilled.items()[0])
             out = np.concatenate([out, sp.ids[sp.last_time >= since]])

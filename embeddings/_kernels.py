@@ -263,7 +263,7 @@ if AVAILABLE:
 
     @njit(nogil=True, cache=True)
     def touch(rows, update_count, last_step, last_time, last_access, dirty, step, now, clock, mark):
-        """Stamp an update on unique ``rows``: count +1, step, time,
+        """Stamp an update on unique ``rows``: count +1, step and time (their uint32 codes, ``Slab.step_codes``),
         access clock (when kept: ``last_access`` is empty otherwise), snapshot mark."""
         track = last_access.shape[0] > 0
         for i in range(rows.shape[0]):

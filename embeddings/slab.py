@@ -2,15 +2,28 @@
 
 A row's position is its index in these arrays (an int >= 0, what the table's HashIndex maps its id to); it is
 unrelated to the routing slots of ``tigana.ps.routing``. Per row: weights (dim, storage dtype: float32, float16,
-or bfloat16 kept as uint16 bits), optimizer state (width, float32), update_count uint32, last_step int64,
-last_time float64 (unix time: exports of the rows changed since a time are exact, which whole seconds would
-not be), last_access uint32 (the table's access clock, for LRU and spilling: only the order of its values
+or bfloat16 kept as uint16 bits), optimizer state (width, float32), update_count uint32, last_step uint32 and
+last_time uint32 (both relative to a base the slab keeps, see below), last_access uint32 (the table's access clock, for LRU and spilling: only the order of its values
 matters, so when the clock reaches ``ACCESS_MAX`` every value is halved, ``halve_access``), dirty uint8 (the
 snapshot mark current when the row last changed: ``mark`` at a write, 0 for never; a row belongs to the next
 incremental snapshot when its mark is the current one).
 The access clock is kept only for tables that read it (LRU eviction by ``max_rows``, a memory budget:
-``track_access``); the others hold an empty column. That is 21 or 25 bytes of metadata, 89 or 93 bytes per row
+``track_access``); the others hold an empty column. That is 13 or 17 bytes of metadata, 81 or 85 bytes per row
 at dim 16 with row-wise Adagrad.
+
+Step and time are kept in 32 bits each (8 bytes a row less than int64 and float64); rows read and write them
+as int64 steps and float64 unix times (``RowBatch``), converted here:
+- ``last_step`` is the step minus ``step_base`` (0 at first). A step past ``step_base + 2**32 - 1`` moves the
+  base to that step minus ``2**31``.
+- ``last_time`` counts ticks of 1/128 s (``TIME_TICKS``) after ``time_base``, whole seconds set at the first time
+  written to about 194 days (``2**31`` ticks) before it. A time past the range moves the base the same way. A
+  time is rounded up to the next tick: a power of two, so ``base + ticks / 128`` is exact in float64 and a time
+  read from one slab is written into another (a replica, a snapshot, a cut) bit for bit. Rounding up means
+  ``last_time`` is at most 1/128 s later than the write: an export of the rows changed since a time may add rows
+  written within 1/128 s before it, never miss one, and a TTL in seconds never expires a row early.
+- When a base moves, the values it leaves behind are clamped to the new base: a step or time older than the
+  range (``2**31`` steps, about 194 days) reads back as the base, so such a row looks younger than it is
+  (TTLs beyond that range expire it late, never early).
 Positions of deleted rows go to a free list and are reused first.
 
 Arrays grow by 2x up to 65,536 rows, by 1.125x up to 1M rows, then by 1/16, through ``ndarray.resize``: glibc's
@@ -21,15 +34,20 @@ Not thread-safe: the owning table holds its lock around every call, and no view 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from tigana.embeddings import _kernels
 from tigana.embeddings.rows import RowBatch
 
 _MIN_ROWS = 64
-_META = (("update_count", np.uint32), ("last_step", np.int64), ("last_time", np.float64),
+_META = (("update_count", np.uint32), ("last_step", np.uint32), ("last_time", np.uint32),
          ("last_access", np.uint32), ("dirty", np.uint8))
 ACCESS_MAX = (1 << 32) - 1  # the largest access clock a row can hold
+TIME_TICKS = 128  # ticks of ``last_time`` a second (a power of two: base + ticks / 128 is exact in float64)
+_CODE_MAX = (1 << 32) - 1  # the largest step or time code a row holds
+_BACK = 1 << 31  # codes a moved base leaves below the value that moved it
 
 
 def to_float32(w: np.ndarray) -> np.ndarray:
@@ -97,6 +115,8 @@ class Slab:
         self._n_free = 0
         self.high_water = 0  # positions [0, high_water) were handed out at least once
         self.mark = 1  # the snapshot mark written into ``dirty`` by a write (1..255)
+        self.step_base = 0  # last_step holds step - step_base
+        self.time_base: int | None = None  # last_time holds (time - time_base) * TIME_TICKS; set at the first time
 
     @property
     def capacity(self) -> int:
@@ -178,6 +198,53 @@ class Slab:
         access, all LRU and spilling read, is kept, and the clock has room again."""
         self.last_access >>= np.uint32(1)
 
+    # --- step and time codes (see the module docstring) -------------------------------------------------
+    def step_codes(self, steps: np.ndarray | int) -> np.ndarray:
+        """int64 steps -> their uint32 codes, moving ``step_base`` first when one is past its range."""
+        steps = np.asarray(steps, np.int64)
+        if steps.size and int(steps.max()) - self.step_base > _CODE_MAX:
+            self._move_base("last_step", int(steps.max()) - _BACK - self.step_base)
+            self.step_base = int(steps.max()) - _BACK
+        return np.clip(steps - self.step_base, 0, _CODE_MAX).astype(np.uint32)
+
+    def time_codes(self, times: np.ndarray | float) -> np.ndarray:
+        """float64 unix times -> their uint32 tick codes, rounded up; moves ``time_base`` first when one is past
+        its range (or sets it, at the first time)."""
+        times = np.asarray(times, np.float64)
+        if not times.size:
+            return np.empty(times.shape, np.uint32)
+        hi = float(np.nanmax(times)) if np.isfinite(times).any() else 0.0
+        if self.time_base is None:
+            self.time_base = math.floor(hi) - _BACK // TIME_TICKS
+        elif (hi - self.time_base) * TIME_TICKS > _CODE_MAX:
+            base = math.floor(hi) - _BACK // TIME_TICKS
+            self._move_base("last_time", (base - self.time_base) * TIME_TICKS)
+            self.time_base = base
+        with np.errstate(invalid="ignore"):
+            codes = np.ceil((times - self.time_base) * TIME_TICKS)
+        return np.clip(np.nan_to_num(codes, nan=0.0), 0, _CODE_MAX).astype(np.uint32)
+
+    def _move_base(self, column: str, by: int) -> None:
+        """Codes of ``column`` now count from a base ``by`` codes later: shift them, clamping at the new base."""
+        a = getattr(self, column)
+        if by > _CODE_MAX:
+            a[:] = 0
+            return
+        low = a < np.uint32(by)
+        a -= np.uint32(by)  # wraps for the codes below the new base, which the next line clamps
+        a[low] = 0
+
+    def steps_of(self, positions: np.ndarray) -> np.ndarray:
+        """int64 last steps of the rows at ``positions``."""
+        return self.last_step[positions].astype(np.int64) + self.step_base
+
+    def times_of(self, positions: np.ndarray) -> np.ndarray:
+        """float64 last times (unix seconds, whole ticks) of the rows at ``positions``."""
+        codes = self.last_time[positions]
+        if self.time_base is None:  # nothing written yet: every code is 0
+            return np.zeros(codes.shape, np.float64)
+        return codes.astype(np.float64) / TIME_TICKS + self.time_base
+
     # --- whole rows ----------------------------------------------------------------------------------------
     def read_weights(self, positions: np.ndarray) -> np.ndarray:
         """(k,) positions -> (k, dim) float32."""
@@ -193,8 +260,8 @@ class Slab:
         """Complete rows at ``positions`` labelled with ``ids``."""
         return RowBatch(
             ids=np.asarray(ids, np.int64), weights=self.read_weights(positions), state=_gather(self.state, positions),
-            update_count=self.update_count[positions].astype(np.int64), last_step=self.last_step[positions],
-            last_time=self.last_time[positions],
+            update_count=self.update_count[positions].astype(np.int64), last_step=self.steps_of(positions),
+            last_time=self.times_of(positions),
         )
 
     def write(self, positions: np.ndarray, batch: RowBatch, *, access: int) -> None:
@@ -202,8 +269,8 @@ class Slab:
         self.write_weights(positions, batch.weights)
         _scatter(self.state, positions, np.asarray(batch.state, np.float32))
         self.update_count[positions] = np.minimum(batch.update_count, np.iinfo(np.uint32).max)
-        self.last_step[positions] = batch.last_step
-        self.last_time[positions] = batch.last_time
+        self.last_step[positions] = self.step_codes(batch.last_step)
+        self.last_time[positions] = self.time_codes(batch.last_time)
         self.stamp_access(positions, access)
         self.dirty[positions] = self.mark
 

@@ -185,14 +185,14 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
             self._step = self._step + 1 if step is None else int(step)
             self._cow_update(rows)  # open cuts keep the rows as they were, before the first change
             slab = self._slab
-            now = time.time()
+            step_code, time_code = np.uint32(slab.step_codes(self._step)), np.uint32(slab.time_codes(time.time()))
             if self._backend == "numba":
                 _kernels.touch(rows, slab.update_count, slab.last_step, slab.last_time, slab.last_access,
-                               slab.dirty, self._step, now, self._clock, slab.mark)
+                               slab.dirty, step_code, time_code, self._clock, slab.mark)
             else:
                 slab.update_count[rows] += np.uint32(1)
-                slab.last_step[rows] = self._step
-                slab.last_time[rows] = now
+                slab.last_step[rows] = step_code
+                slab.last_time[rows] = time_code
                 slab.stamp_access(rows, self._clock)
                 slab.dirty[rows] = slab.mark
             self._write_update(update, rows, stored)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
@@ -19,7 +20,9 @@ from tigana.embeddings import cut
 from tigana.embeddings import snapshot as snapshot_module
 
 DIM = 4
-ROW_BYTES = DIM * 4 + 29 + 18  # SGD: no optimizer state; + the row's share of the index
+# an hour ago in whole ticks of 1/128 s: a time a slab keeps bit for bit (embeddings/slab.py)
+IMPORTED_AT = float(int(time.time()) - 3600) + 0.5
+ROW_BYTES = DIM * 4 + 21 + 18  # SGD: no optimizer state; + the row's share of the index
 
 ids_st = st.lists(st.integers(0, 40), max_size=10)
 op_st = st.one_of(
@@ -79,7 +82,7 @@ def apply(table: emb.EmbeddingTable, op: str, ids: list[int] | None, arg: int | 
         u = np.unique(a)
         w = np.full((u.size, DIM), float(arg), np.float32)
         table.import_rows(emb.RowBatch(u, w, np.zeros((u.size, table.state_width), np.float32),
-                                       np.full(u.size, 7), np.full(u.size, 9), np.full(u.size, 1.5)))
+                                       np.full(u.size, 7), np.full(u.size, 9), np.full(u.size, IMPORTED_AT)))
     elif op == "evict":
         table.evict()
 

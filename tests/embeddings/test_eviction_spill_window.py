@@ -20,7 +20,7 @@ INDEX = 12 * 97  # the budget also holds the index of spilled ids (97 buckets of
 
 def _table(tmp_path: Path, **eviction) -> emb.EmbeddingTable:
     config = emb.TableConfig("clicks", dim=DIM, optimizer=emb.SGD(lr=1.0), initializer=emb.Zeros(),
-                             memory_budget=RESIDENT * (DIM * 4 + 25 + 18) + INDEX, spill_dir=str(tmp_path),
+                             memory_budget=RESIDENT * (DIM * 4 + 17 + 18) + INDEX, spill_dir=str(tmp_path),
                              eviction=emb.Eviction(**eviction))
     return emb.EmbeddingTable(config)
 

@@ -21,7 +21,7 @@ def test_export_since_selects_the_rows_written_after_a_cut(tmp_path: Path, spill
     try:
         rng = np.random.default_rng(3)
         table.push(np.arange(200), np.ones((200, DIM), np.float32))
-        time.sleep(0.01)
+        time.sleep(0.02)  # past the 1/128 s a row's time is rounded up to (embeddings/slab.py)
         cut = time.time()
         changed = np.unique(rng.integers(0, 400, 60))  # some stored, some new (inserted by the push)
         table.push(changed, np.ones((changed.size, DIM), np.float32))

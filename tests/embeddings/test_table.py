@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -259,8 +261,8 @@ def test_capacity_eviction_lru_and_lfu(backend: str) -> None:
 
 def test_ttl_seconds_and_automatic_ttl() -> None:
     t = emb.EmbeddingTable(emb.TableConfig("t", dim=DIM, eviction=emb.Eviction(ttl_seconds=1000, ttl_steps=8)))
-    t.push(np.array([1, 2]), np.zeros((2, DIM), np.float32))
-    t._slab.last_time[:] -= 2000  # pretend both rows were last updated long ago
+    with mock.patch("time.time", return_value=time.time() - 2000):  # both rows were last updated long ago
+        t.push(np.array([1, 2]), np.zeros((2, DIM), np.float32))
     t.push(np.array([3]), np.zeros((1, DIM), np.float32))  # the automatic pass on push catches them
     t.evict()
     assert t.stats()["evictions"] == 2 and t.contains(np.array([1, 2, 3])).tolist() == [False, False, True]
@@ -303,7 +305,7 @@ def test_stats_and_bytes_per_row() -> None:
         assert key in s
     assert s["rows_resident"] == 100_000 and s["rows_spilled"] == 0
     assert s["hit_rate"] == pytest.approx(50_000 / 150_000)
-    assert s["row_bytes"] == 64 + 4 + 21  # weights, row-wise state, metadata (slab docstring: no access clock)
+    assert s["row_bytes"] == 64 + 4 + 13  # weights, row-wise state, metadata (slab docstring: no access clock)
     assert s["slot_bytes"] == s["row_bytes"]  # the old key, kept for tools/bench
     assert s["bytes_per_row"] <= 160
 
@@ -367,9 +369,9 @@ def test_the_access_clock_is_kept_only_for_tables_that_read_it(tmp_path) -> None
     plain = emb.EmbeddingTable(emb.TableConfig("t", dim=DIM))
     plain.pull(np.arange(100))
     plain.push(np.arange(10), np.zeros((10, DIM), np.float32))
-    assert plain._slab.last_access.size == 0 and plain.stats()["row_bytes"] == 4 * DIM + 21
+    assert plain._slab.last_access.size == 0 and plain.stats()["row_bytes"] == 4 * DIM + 13
     lru = emb.EmbeddingTable(emb.TableConfig("t", dim=DIM, eviction=emb.Eviction(max_rows=50)))
-    assert lru._slab.tracks_access and lru.stats()["row_bytes"] == 4 * DIM + 25
+    assert lru._slab.tracks_access and lru.stats()["row_bytes"] == 4 * DIM + 17
     t = emb.EmbeddingTable(emb.TableConfig("t", dim=DIM, spill_dir=str(tmp_path / "spill")))
     t.pull(np.arange(1000))
     t.set_memory_budget(10**9)  # the clock starts: every row as if used now
