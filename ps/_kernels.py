@@ -239,6 +239,21 @@ def dedup_sum_grouped_many(ids, grads, bounds, group_of_slot, num_groups, unique
 
 
 @njit(nogil=True, cache=True)
+def slots_of(ids, num_slots, out):
+    """out[i] = the slot of ids[i] (``routing.slot_of``: mix64 modulo ``num_slots``), in one pass without the GIL;
+    a power-of-two count masks instead of dividing. Lists and maps of whole tables (a slot copy's listing, a
+    replica emptying slots) map millions of ids at once: numpy's five passes and 64-bit modulo took ~27 ns an id."""
+    n = np.uint64(num_slots)
+    if n & (n - np.uint64(1)) == np.uint64(0):
+        m = n - np.uint64(1)
+        for i in range(ids.shape[0]):
+            out[i] = np.int64(mix64_scalar(ids[i]) & m)
+    else:
+        for i in range(ids.shape[0]):
+            out[i] = np.int64(mix64_scalar(ids[i]) % n)
+
+
+@njit(nogil=True, cache=True)
 def first_foreign(ids, leads):
     """(count, first position) of the ids whose slot (``routing.slot_of`` over ``len(leads)`` slots) this
     server does not lead (``leads[slot]`` False); position -1 when it leads them all. One pass, no temporaries

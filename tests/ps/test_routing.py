@@ -19,7 +19,9 @@ from tigana.ps.routing import (
     TableDef,
     format_slots,
     group_keys,
+    mix64,
     parse_slots,
+    slot_of,
 )
 from tigana.ps.wire import cluster as cluster_wire
 
@@ -296,3 +298,18 @@ def test_map_from_pb_rejects_bad_maps():
     bad.copies = copies.tobytes()
     with pytest.raises(InvalidArgument, match="out of range"):
         cluster_wire.map_from_pb(bad)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=200),
+       num_slots=st.one_of(st.sampled_from([1, 2, 4096, 1 << 16]), st.integers(1, 100_000)))
+def test_slot_of_is_mix64_modulo_the_slot_count(ids, num_slots):
+    """The compiled ``slot_of`` against its definition (numpy's mix64, then modulo), for int64 and uint64 ids,
+    power-of-two counts (masked) and others (divided), and any shape."""
+    a = np.array(ids, np.int64)
+    want = (mix64(a) % np.uint64(num_slots)).astype(np.int64)
+    np.testing.assert_array_equal(slot_of(a, num_slots), want)
+    np.testing.assert_array_equal(slot_of(a.view(np.uint64), num_slots), want)
+    if a.size % 2 == 0:
+        np.testing.assert_array_equal(slot_of(a.reshape(2, -1), num_slots), want.reshape(2, -1))
+    np.testing.assert_array_equal(slot_of(a[::2], num_slots), want[::2])  # not contiguous
