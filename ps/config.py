@@ -76,7 +76,11 @@ class ServerConfig(SecuritySettings):
     scheduler; ``ack_timeout_s``: how long a sync push waits for its copies
     before answering UNAVAILABLE (the client retries; exactly-once makes that safe). ``lease_s``: an async
     push is acknowledged only while the last successful heartbeat was sent less than this ago (keep it below the
-    scheduler's heartbeat timeout: it bounds what a paused, deposed primary can acknowledge).
+    scheduler's heartbeat timeout: it bounds what a paused, deposed primary can acknowledge). ``copy_rate``: bytes a
+    second the slot copies of planned moves (rebalance, drain, hand-over) that this server sends may use, all
+    together (None, 0 or ``unlimited``: no cap); a copy restoring a missing replica is never paced. 32 MiB/s is
+    CockroachDB's default for rebalance snapshots: a move at full speed made sync pushes' p99 several times its
+    usual value on a busy server (``tigana.ps.replication.pacing``).
 
     Security (``tigana.ps.security``): ``tls_cert``/``tls_key`` serve TLS, ``tls_ca`` verifies peers (and,
     with ``require_client_cert``, clients' certificates); ``auth_token_file`` holds the trainers' token,
@@ -114,6 +118,7 @@ class ServerConfig(SecuritySettings):
     replication_timeout_s: float = 2.0
     ack_timeout_s: float = 10.0
     replication_queue_bytes: int = 512 * MiB  # per outgoing stream; writers wait past it (back-pressure)
+    copy_rate: int | None = 32 * MiB
     lease_s: float = 2.0
     max_rows_per_request: int = 4_000_000
     max_concurrent_requests: int = 256
@@ -138,6 +143,8 @@ class ServerConfig(SecuritySettings):
             raise bad("dedup_window", f"must be >= 1, got {self.dedup_window}")
         if self.memory_budget is not None and self.memory_budget < 0:
             raise bad("memory_budget", f"must be >= 0, got {self.memory_budget}")
+        if self.copy_rate is not None and self.copy_rate < (1 << 16):
+            raise bad("copy_rate", f"must be >= 64KiB (bytes a second) or none, got {self.copy_rate}")
         if self.spill_max_bytes is not None and self.spill_max_bytes < (1 << 20):
             raise bad("spill_max_bytes", f"must be >= 1MiB, got {self.spill_max_bytes}")
         if self.keep_snapshots < 0:
@@ -171,13 +178,13 @@ class ServerConfig(SecuritySettings):
         return parse_slots(self.slots, self.num_slots)
 
 
-_SIZES = ("memory_budget", "spill_max_bytes", "max_message_bytes")
+_SIZES = ("memory_budget", "spill_max_bytes", "max_message_bytes", "copy_rate")
 
 
 def _size(name: str) -> Callable[[Any, str], int | None]:
     def parse(value: Any, where: str) -> int | None:
         empty = value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "unlimited", "0"))
-        if empty and name in ("memory_budget", "spill_max_bytes"):
+        if empty and name in ("memory_budget", "spill_max_bytes", "copy_rate"):
             return None
         return parse_bytes(value, field=f"{where}: field {name!r}")
     return parse

@@ -101,8 +101,10 @@ class _ClusterCollector:
         "replication_streams_broken": "Outgoing replication streams failing to deliver",
         "slot_copies_in_progress": "Slot copies this server is sending",
         "slot_copy_queued_bytes": "Bytes of copied rows queued on the copy lanes, not yet applied by their targets",
+        "slot_copy_paced_s": "Seconds slot copies of planned moves waited for the server's copy rate (--copy-rate)",
     }
-    _NAMES: dict[str, str] = {"replication_lag_s": "replication_lag_seconds"}
+    _NAMES: dict[str, str] = {"replication_lag_s": "replication_lag_seconds",
+                              "slot_copy_paced_s": "slot_copy_paced_seconds"}
     _PREFIX = "tigana_"
 
     def __init__(self, source: Callable[[], dict[str, float]]) -> None:

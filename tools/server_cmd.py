@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "costs (docs/durability.md); 0 turns them off")
     a("--replication-timeout", dest="replication_timeout_s", type=float, default=None,
       help="seconds a copy may fail to apply the stream before it is reported")
+    a("--copy-rate", default=None,
+      help="bytes a second the slot copies of planned moves (rebalance, drain, hand-over) sent by this server may "
+           "use, e.g. 64MiB (none or unlimited: no cap); copies restoring a missing replica are never paced")
     add_security_flags(parser, "server", "every operation; this server also sends it to the scheduler and peers")
     a("--max-rows-per-request", type=int, default=None, help="ids in one pull or push")
     a("--max-concurrent-requests", type=int, default=None,
@@ -68,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
     a("--log-format", default="text", choices=FORMATS, help="text lines, or one JSON object per line (default: text)")
     settings.describe_defaults(parser, ServerConfig, shown={"max_message_bytes": "64MiB", "metrics_port": "0 (off)",
+                                                            "copy_rate": "32MiB",
                                                             "data_dir": "none (in memory only)"})
 
 

@@ -49,6 +49,9 @@ class Session:
     rows_total: int = 0
     rows_acked_at: float | None = None  # when the target had applied every row (SNAPSHOT_END acknowledged)
     started: float = 0.0
+    # a planned move's copy, paced by the server's copy rate (``pacing``); False for one that restores a
+    # missing replica (a slot had fewer in-sync copies than the cluster keeps when it started)
+    paced: bool = True
 
     def fail(self) -> None:
         self.state = FAILED

@@ -97,6 +97,7 @@ class Primary:
         server newly leads (I4), release writes whose copies the map took out of the in-sync set.
         ``positions`` and ``dedup_records`` read the tables' log positions and exactly-once keys."""
         leads = m.leads(me) if me >= 0 else np.zeros(self.num_slots, bool)
+        degraded = m.in_sync_count() < 1 + m.replicas  # a copy of these restores a missing replica: unpaced
         actions: list[Action] = []
         self._installs += 1
         self.epoch = m.epoch
@@ -142,14 +143,15 @@ class Primary:
                 slots = np.flatnonzero(new_copy).astype(np.int32)
                 s.readmit(slots)  # SNAPSHOT_BEGIN starts the target's copy again from ours
                 sess = Session(slots, list(tables), epoch=m.epoch, started=now, copy_id=s.next_seq,
-                               install=self._installs)
+                               install=self._installs, paced=not degraded[slots].any())
                 for name in tables:
                     self._push(s, Item(SNAPSHOT_BEGIN, name, slots, prev=positions(name, slots),
                                        dedup=dedup_records(name, slots), copy_id=sess.copy_id))
                 s.sessions.append(sess)
                 actions.append(StartCopy(s, sess))
-                log.info("slot copy from %s to %s at epoch %d started (slots %s)", self.server_id, s.target_id,
-                         m.epoch, slots_text(slots), extra=event("slot_copy_started", slots=slots, epoch=m.epoch,
+                log.info("slot copy from %s to %s at epoch %d started (%s; slots %s)", self.server_id, s.target_id,
+                         m.epoch, "a move, paced" if sess.paced else "restoring a replica, unpaced",
+                         slots_text(slots), extra=event("slot_copy_started", slots=slots, epoch=m.epoch,
                                                                  server=s.target_id, source=self.server_id))
             # I4: in-sync copies of slots this server newly leads get a barrier before anything else.
             barrier = in_sync & ~was_in_sync & ~s.excluded

@@ -35,8 +35,9 @@ from tigana.ps.replication.actions import (
     StartCopy,
 )
 from tigana.ps.replication.copy import Session
+from tigana.ps.replication.pacing import CopyPacer
 from tigana.ps.replication.primary import Primary
-from tigana.ps.replication.stream import Mark, Stream
+from tigana.ps.replication.stream import Mark, Stream, item_bytes
 from tigana.ps.routing import ShardMap
 from tigana.ps.wire.cluster import Item
 
@@ -70,6 +71,7 @@ class Replicator:
                  copy_rows: Callable[[Stream, Session], None],
                  failure_timeout_s: float = 2.0, send_timeout_s: float = 10.0, batch_bytes: int = 24 << 20,
                  max_queue_bytes: int = 512 << 20, copy_window_bytes: int = 16 << 20,
+                 copy_rate: float | None = None,
                  channel: Callable[[str, list], grpc.Channel] | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  spawn: Callable[[str, Callable[[], None]], None] | None = None,
@@ -84,6 +86,7 @@ class Replicator:
         self.max_message_bytes = max_message_bytes
         self.refresh_map, self.report_failure, self.caught_up = refresh_map, report_failure, caught_up
         self.copy_rows = copy_rows
+        self.pacer = CopyPacer(copy_rate)  # under ``cond``
         self.send_timeout_s = send_timeout_s
         self.channel = channel or (lambda address, options: grpc.insecure_channel(address, options=options))
         self.clock = clock
@@ -339,6 +342,16 @@ class Replicator:
             while not s.closed and s.copy_bytes > self.core.copy_window_bytes and time.monotonic() < deadline:
                 self.cond.wait(0.05)
 
+    def pace(self, sess: Session, item: Item) -> None:
+        """After a chunk of a paced slot copy was queued: wait as long as the server's copy rate asks
+        (``pacing``), outside every lock. A copy restoring a missing replica is never held back."""
+        if not sess.paced:
+            return
+        with self.cond:
+            wait = self.pacer.delay(self.clock(), item_bytes(item))
+        if wait > 0:
+            self._closed.wait(wait)  # a closing server stops waiting
+
     def room(self, slots: np.ndarray | None, timeout_s: float) -> Stream | None:
         """Wait (up to ``timeout_s``) until every stream that a write of ``slots`` (None: any) goes to holds at
         most ``max_queue_bytes`` unacknowledged; the stream still over it, or None. Called before a write takes
@@ -354,7 +367,7 @@ class Replicator:
 
     def stats(self) -> dict[str, float]:
         with self.cond:
-            return self.core.stats(self.clock())
+            return {**self.core.stats(self.clock()), "slot_copy_paced_s": self.pacer.paced_s}
 
     def close(self) -> None:
         with self.cond:

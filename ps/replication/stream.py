@@ -93,7 +93,7 @@ class Stream:
         incarnation of its table this primary serves."""
         if table_epoch is not None:
             item.table_epoch = table_epoch
-        nbytes = item.nbytes or _item_bytes(item)
+        nbytes = item.nbytes or item_bytes(item)
         if lane:
             seq, self.copy_next_seq = self.copy_next_seq, self.copy_next_seq + 1
             self.copies.append(Queued(seq, item, nbytes))
@@ -205,7 +205,8 @@ class Stream:
                                                      [q.item for q in batch], lane)
 
 
-def _item_bytes(item: Item) -> int:
+def item_bytes(item: Item) -> int:
+    """Bytes an item takes in memory (about what it takes on the wire): the queues' and the pacer's measure."""
     n = 64 + item.slots.nbytes * 3 + item.deletes.nbytes
     if item.rows is not None:
         n += sum(getattr(item.rows, f).nbytes for f in ("ids", "weights", "state", "update_count", "last_step",

@@ -99,7 +99,8 @@ class ShardService(Ownership, Writes, Exports, Persistence, Hosting, shard_pb2_g
                 self.server_id, self.boot, self.num_slots, max_message_bytes=config.max_message_bytes,
                 refresh_map=self._refresh, report_failure=self._report_failure, caught_up=self._caught_up,
                 copy_rows=self._copy_rows, failure_timeout_s=config.replication_timeout_s,
-                max_queue_bytes=config.replication_queue_bytes, channel=security.channel, clock=clock, spawn=spawn,
+                max_queue_bytes=config.replication_queue_bytes, copy_rate=config.copy_rate,
+                channel=security.channel, clock=clock, spawn=spawn,
                 generation=generation)
         else:
             self._view = _View.static(config.owned_slots())

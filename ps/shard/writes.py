@@ -273,4 +273,5 @@ class Writes(ShardFields):
                                 rows=rows, table_epoch=hosted.spec.created_epoch)
                     if not self.replicator.enqueue_rows(stream, sess, item):
                         return
+                self.replicator.pace(sess, item)  # a planned move's copy keeps to the server's copy rate
                 time.sleep(0)  # the lock is not fair: a push waiting for it goes before the next chunk

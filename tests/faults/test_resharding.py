@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -140,5 +142,43 @@ def test_planned_hand_overs_and_moves_lose_no_async_update_and_demote_nothing(ma
             assert (result.lost, result.doubled, result.failed_pushes) == (0, 0, 0), (loop.table, result)
     demoted, declared_dead = scrape(cluster.scheduler_metrics_ports[0])
     assert sum(demoted.values()) == 0 and declared_dead == 0
+    check = admin.verify(cluster.scheduler)
+    assert check["differing"] == [], check
+
+
+def _paced_seconds(metrics_port: int) -> float:
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+        m = re.search(r"^tigana_slot_copy_paced_seconds ([0-9.e+-]+)$", r.read().decode(), re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_rebalance_keeps_to_the_copy_rate(make_shard_cluster) -> None:
+    """``tigana server --copy-rate``: a planned move's copies send at most the rate (plus a quarter second's
+    burst) from each server, and the rows arrive whole. 40,000 rows of dim 16 (at least 90 bytes each on the
+    wire), a third of them moved at 256 KiB/s from each of 2 servers: at least ~2.2 s of copying, most
+    of it paced."""
+    rate = 256 << 10
+    cluster = make_shard_cluster(2, replicas=1, metrics=True, server_args=["--copy-rate", "256KiB"],
+                                 scheduler_args=["--no-auto-rebalance"])  # the rebalance below moves the slots
+    with ps.connect(scheduler=cluster.scheduler) as client:
+        client.create_table("paced", dim=16, optimizer=ps.SGD(lr=0.1), initializer=ps.Zeros())
+        client.push("paced", np.arange(40_000), np.ones((40_000, 16), np.float32)).result()
+        new = cluster.add_server()
+        load = admin.slot_load(cluster.scheduler)
+        start = time.monotonic()
+        plan = admin.rebalance(cluster.scheduler, load=load)
+        admin.wait_for(lambda: admin.settled(cluster.scheduler), what="the rebalance")
+        elapsed = time.monotonic() - start
+        rows = np.frombuffer(load.rows, "<i8")
+        moved = sum(int(rows[m.slot]) * len(m.add) for m in plan.moves)
+        assert moved > 10_000 and _held(cluster.scheduler, cluster.server_id(new)) > 0
+        # each of the 2 sources sends its share at the rate at most, after a burst of a quarter second
+        assert elapsed >= moved * 90 / (2 * rate) - 2 * 0.25, (elapsed, moved)
+        paced = sum(_paced_seconds(p) for p in cluster.metrics_ports[:2])
+        assert paced > 0.5, paced
+        np.testing.assert_allclose(client.pull("paced", np.arange(40_000), insert=False), -0.1, rtol=1e-6)
     check = admin.verify(cluster.scheduler)
     assert check["differing"] == [], check

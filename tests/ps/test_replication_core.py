@@ -291,7 +291,7 @@ def test_refreshes_coalesce_to_the_highest_epoch_wanted() -> None:
 def test_the_cores_hold_no_thread_socket_or_clock() -> None:
     """Sans-IO: the cores import nothing that blocks, sleeps, reads a clock or opens a socket."""
     forbidden = {"threading", "time", "socket", "grpc", "asyncio", "concurrent", "selectors", "random", "uuid"}
-    cores = ["ps/replication/primary.py", "ps/replication/stream.py", "ps/replication/copy.py",
+    cores = ["ps/replication/primary.py", "ps/replication/stream.py", "ps/replication/copy.py", "ps/replication/pacing.py",
              "ps/replication/actions.py", "ps/membership/core.py", "ps/scheduler/core.py",
              "ps/scheduler/liveness.py", "ps/scheduler/moves.py", "ps/scheduler/actions.py",
              "ps/scheduler/_fields.py", "ps/placement.py"]

@@ -5,7 +5,9 @@ row-wise Adagrad). Cases, one JSON line each:
 
 - ``reshard.move``: a 4th server joins and ``rebalance`` moves its share of the slots to it while a push loop
   runs; rows copied per second (peer: pulling every row of the table once, the read limit of the data path);
-- ``reshard.push_p99``: push latency p99 during that move (peer: p99 of the same push loop before it);
+- ``reshard.push_p99``: push latency p99 during that move (peer: p99 of the same push loop before it), with the
+  medians of both, the slowest push during the move and when it started (seconds into the move); the servers
+  pace the move's copies at their ``--copy-rate`` (32MiB by default; ``--copy-rate`` here sets theirs);
 - ``reshard.drain``: seconds to drain one server (peer: the time to pull the rows it held), with the slots whose
   copies differ afterwards (``copies_differing``; any makes the exit status 1);
 - ``reshard.balance``: max/mean server load (rows held + request rate led, the planner's cost model) under
@@ -34,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="1M rows instead of 10M")
     parser.add_argument("--rows", type=int, default=None, help="rows in the table (default 10M, quick 1M)")
     parser.add_argument("--batch", type=int, default=65536, help="ids per push of the traffic (default 65536)")
+    parser.add_argument("--copy-rate", default=None,
+                        help="the servers' --copy-rate (default: theirs, 32MiB; 'unlimited' for none)")
 
 
 class _Traffic:
@@ -98,10 +102,12 @@ def run(args: argparse.Namespace) -> int:
     total = args.rows or (1_000_000 if args.quick else 10_000_000)
     env = {**ALLOCATOR_ENV, **os.environ}
     params = {"rows": total, "dim": DIM, "optimizer": "rowwise_adagrad", "replicas": 1, "durability": "sync",
-              "quick": bool(args.quick)}
+              "copy_rate": args.copy_rate or "32MiB (default)", "quick": bool(args.quick)}
+    server_args = ["--copy-rate", args.copy_rate] if args.copy_rate else []
     # No automatic rebalance: it would start moving slots to the 4th server as it joins, before the measured
     # window, and the rebalance below would then re-plan a move already half done.
-    with ps.LocalCluster(3, replicas=1, env=env, scheduler_args=["--no-auto-rebalance"]) as cluster, \
+    with ps.LocalCluster(3, replicas=1, env=env, server_args=server_args,
+                         scheduler_args=["--no-auto-rebalance"]) as cluster, \
             ps.connect(scheduler=cluster.scheduler) as client:
         client.create_table("reshard", dim=DIM, optimizer=ps.RowWiseAdagrad(lr=0.01), staleness=None)
         ids = np.arange(total, dtype=np.int64) * 2654435761 % (1 << 62)
@@ -127,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
             moved = int(sum(int(rows_of_slot[m.slot]) * len(m.add) for m in plan.moves))  # rows copied
             log(f"bench reshard: {len(plan.moves)} slot move(s) onto server {new}, {moved} rows copied")
             p99_idle, p99_move = traffic.p99(before_move - 3.0, before_move), traffic.p99(start, start + move_s)
+            during, before = traffic.between(start, start + move_s), traffic.between(before_move - 3.0, before_move)
+            slowest = max(((d, t - start) for t, d in traffic.latencies if start <= t < start + move_s), default=(0, 0))
             time.sleep(3.0)  # rates settle on the new placement
             balance_after = _measured_balance(cluster.scheduler)
         finally:
@@ -134,8 +142,10 @@ def run(args: argparse.Namespace) -> int:
         emit("reshard.move", "rows/s", moved / move_s, "pull of every row (read limit)", total / read_s,
              rows_moved=moved, seconds=round(move_s, 3), **params)
         emit("reshard.push_p99", "s", p99_move, "push p99 before the move", p99_idle, batch=args.batch,
-             pushes_during=len(traffic.between(start, start + move_s)),
-             pushes_before=len(traffic.between(before_move - 3.0, before_move)), **params)
+             pushes_during=len(during),
+             pushes_before=len(before), push_p50_during=round(float(np.median(during)), 4),
+             push_p50_before=round(float(np.median(before)), 4), push_max_during=round(slowest[0], 4),
+             push_max_at_s=round(slowest[1], 2), **params)
         emit("reshard.balance", "max/mean", balance_after, "max/mean before rebalance", balance_before,
              servers=4, traffic="zipf(1.05) pull+push", **params)
         # drain one of the original servers (no traffic): the time it takes against reading its rows

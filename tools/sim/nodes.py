@@ -184,6 +184,9 @@ class SimServer:
         self.config = ServerConfig(num_slots=num_slots, scheduler=SCHEDULER, server_id=name, ack_timeout_s=5.0,
                                    replication_timeout_s=2.0, lease_s=2.0, snapshot_every_s=0.0,
                                    snapshot_on_shutdown=False, keep_snapshots=2,
+                                   # copy tasks run on the world's clock, where a pacing sleep would stall every
+                                   # node; pacing only delays a copy, which the world's schedules explore anyway
+                                   copy_rate=None,
                                    data_dir=None if data_dir is None else str(data_dir))
         self.snapshots: list[tuple[float, dict[str, np.ndarray], np.ndarray]] = []  # (time, acked, complete)
         self.alive = False
