@@ -87,6 +87,26 @@ class Exporting(TableFields):
                 ids = np.concatenate([ids, self._spilled.keys()])
             return ids
 
+    def stored_ids_in_slots(self, num_slots: int, wanted: np.ndarray) -> np.ndarray:
+        """The stored ids (resident and spilled, int64, in no set order) whose slot, ``mix64(id) % num_slots``
+        (what ``tigana.ps.routing.slot_of`` routes by), is marked in ``wanted`` (bool, one per slot): one pass
+        over the index under the lock, no list of every id."""
+        with self._lock:
+            self._check_open()
+            ids = self._index.keys_in_slots(num_slots, wanted)
+            if len(self._spilled):
+                ids = np.concatenate([ids, self._spilled.keys_in_slots(num_slots, wanted)])
+            return ids
+
+    def rows_per_slot(self, num_slots: int) -> np.ndarray:
+        """(num_slots,) int64: stored rows (resident and spilled) per slot, ``mix64(id) % num_slots``."""
+        with self._lock:
+            self._check_open()
+            counts = self._index.slot_counts(num_slots)
+            if len(self._spilled):
+                counts += self._spilled.slot_counts(num_slots)
+            return counts
+
     def _iter_sorted(self, ids: np.ndarray, predicate: Callable[[np.ndarray], np.ndarray] | None = None,
                      chunk: int = _CHUNK) -> Iterator[RowBatch]:
         """Stored rows among ``ids`` in id order, ``chunk`` at a time; restricted to ``predicate``."""

@@ -132,6 +132,27 @@ class HashIndex:
         every stored id under the table's lock)."""
         return self._keys[self._vals >= 0].view(np.int64)
 
+    def keys_in_slots(self, num_slots: int, wanted: np.ndarray) -> np.ndarray:
+        """Live ids (int64, bucket order) whose slot, ``mix64(id) % num_slots`` (``tigana.ps.routing.slot_of``),
+        is marked in ``wanted`` (bool, one per slot): one pass over the buckets, without listing every id first
+        (a replica emptying the slots a new copy starts over lists them under the table's lock)."""
+        wanted = np.ascontiguousarray(wanted, bool)
+        if self.backend == "numba":
+            out = np.empty(self._size, np.uint64)  # its pages are touched only where written
+            k = int(_kernels.keys_in_slots(self._keys, self._vals, num_slots, wanted, out))
+            out.resize(k, refcheck=False)
+            return out.view(np.int64)
+        keys = self.keys()
+        return keys[wanted[(mix64(keys) % np.uint64(num_slots)).astype(np.int64)]]
+
+    def slot_counts(self, num_slots: int) -> np.ndarray:
+        """(num_slots,) int64: live ids per slot (as ``keys_in_slots``), in one pass over the buckets."""
+        if self.backend == "numba":
+            counts = np.zeros(num_slots, np.int64)
+            _kernels.count_slots(self._keys, self._vals, num_slots, counts)
+            return counts
+        return np.bincount((mix64(self.keys()) % np.uint64(num_slots)).astype(np.int64), minlength=num_slots)
+
     # --- updates ------------------------------------------------------------------------------------------
     def insert(self, ids: np.ndarray, values: np.ndarray) -> None:
         """Insert ids that are unique and absent (the caller guarantees both) with values >= 0."""

@@ -67,7 +67,7 @@ class Exports(ShardFields):
         if cut is not None:
             sums, counts = cut.checksums_by(lambda ids: slot_of(ids, self.num_slots), self.num_slots)
         if counts is None:
-            counts = np.bincount(slot_of(hosted.table.stored_ids(), self.num_slots), minlength=self.num_slots)
+            counts = hosted.table.rows_per_slot(self.num_slots)
         msg = pb.SlotTableInfo(table=name, slots=held.astype("<i4").tobytes(),
                                rows=counts[held].astype("<i8").tobytes(),
                                lsn_epochs=positions[:, 0].astype("<u8").tobytes(),

@@ -267,10 +267,7 @@ class Ownership(ShardFields):
                 continue
             with hosted.lock:  # no slot copy builds a copy the map removed from here (``replication.intake``)
                 hosted.intake.drop(np.flatnonzero(~self._view.holds))
-            ids = hosted.table.stored_ids()
-            if not ids.size:
-                continue
-            gone = ids[~self._view.holds[slot_of(ids, self.num_slots)]]
+            gone = hosted.table.stored_ids_in_slots(self.num_slots, ~self._view.holds)
             deleted = 0
             for lo in range(0, gone.size, _COPY_CHUNK):
                 chunk = gone[lo:lo + _COPY_CHUNK]

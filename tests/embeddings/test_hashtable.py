@@ -66,3 +66,25 @@ def test_growth_and_churn(backend: str) -> None:
     assert index.lookup(probe).tolist() == [ref[i] for i in probe.tolist()]
     assert index.capacity * 0.7 >= len(index)
     assert index.nbytes / len(index) < 30  # 12 bytes per bucket at a load of 0.47-0.7
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=100, deadline=None)
+@given(ids=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=300, unique=True),
+       gone=st.integers(0, 300), num_slots=st.sampled_from([1, 7, 64, 4096, 1000]), data=st.data())
+def test_keys_in_slots_and_slot_counts_match_a_reference(backend: str, ids: list[int], gone: int, num_slots: int,
+                                                         data) -> None:
+    """The one-pass listing of the ids of some slots, and the count per slot, against mix64 % num_slots over the
+    live ids (deleted ones, whose buckets hold tombstones, excluded); powers of two masked, others divided."""
+    from tigana.embeddings.mixing import mix64
+
+    index = HashIndex(backend=backend)
+    a = np.array(ids, np.int64)
+    index.insert(a, np.arange(a.size))
+    index.delete(a[:gone])
+    live = a[gone:]
+    wanted = np.array(data.draw(st.lists(st.booleans(), min_size=num_slots, max_size=num_slots)), bool)
+    slots = (mix64(live) % np.uint64(num_slots)).astype(np.int64)
+    got = index.keys_in_slots(num_slots, wanted)
+    assert got.dtype == np.int64 and sorted(got.tolist()) == sorted(live[wanted[slots]].tolist())
+    np.testing.assert_array_equal(index.slot_counts(num_slots), np.bincount(slots, minlength=num_slots))

@@ -313,3 +313,26 @@ def test_slot_of_is_mix64_modulo_the_slot_count(ids, num_slots):
     if a.size % 2 == 0:
         np.testing.assert_array_equal(slot_of(a.reshape(2, -1), num_slots), want.reshape(2, -1))
     np.testing.assert_array_equal(slot_of(a[::2], num_slots), want[::2])  # not contiguous
+
+
+def test_the_engine_lists_and_counts_rows_by_the_routing_slot() -> None:
+    """``EmbeddingTable.stored_ids_in_slots`` / ``rows_per_slot`` (one pass over the index: a replica emptying the
+    slots a copy starts over, ``SlotInfo``) use the slot ``slot_of`` routes by, resident and spilled rows alike."""
+    import tempfile
+
+    from tigana import embeddings as emb
+
+    ids = np.random.default_rng(5).integers(-(2**63), 2**63 - 1, 5000, dtype=np.int64)
+    wanted = np.zeros(4096, bool)
+    wanted[::3] = True
+    with tempfile.TemporaryDirectory() as spill:
+        for kw in ({}, {"memory_budget": 200 * 64, "spill_dir": spill}):  # the second spills most rows
+            table = emb.EmbeddingTable(emb.TableConfig("t", dim=4, **kw))
+            try:
+                table.pull(ids)
+                assert table.stats()["rows_spilled"] > 0 if kw else True
+                slots = slot_of(ids)
+                assert sorted(table.stored_ids_in_slots(4096, wanted).tolist()) == sorted(ids[wanted[slots]].tolist())
+                np.testing.assert_array_equal(table.rows_per_slot(4096), np.bincount(slots, minlength=4096))
+            finally:
+                table.close()

@@ -87,6 +87,14 @@ def _pull_all(client: ps.Client, table: str, ids: np.ndarray) -> float:
     return time.monotonic() - t
 
 
+def _replication_drained(client: ps.Client, table: str) -> bool:
+    stats = client.server_stats(table)
+    lag = {a: int(v[table].get("replication_lag_items", 0)) for a, v in stats.items() if table in v}
+    if any(lag.values()):
+        log(f"bench reshard: replication still queued: {lag}")
+    return not any(lag.values())
+
+
 def _measured_balance(scheduler: str) -> float:
     """Max/mean server load under the planner's cost model, from the servers' own per-slot figures."""
     m = admin.shard_map(scheduler)
@@ -116,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
             client.pull("reshard", ids[lo:lo + 65536])
         log(f"bench reshard: {total} rows inserted in {time.monotonic() - t:.1f}s")
         read_s = _pull_all(client, "reshard", ids)
+        # the inserts' replication may still be queued: the pushes measured before the move would wait behind it
+        admin.wait_for(lambda: _replication_drained(client, "reshard"), 600, "the load's replication")
         traffic = _Traffic(client, "reshard", total, args.batch).start()
         try:
             time.sleep(3.0)
