@@ -154,13 +154,17 @@ class Agent:
         least as new as ``epoch``)."""
         with self._refresh_lock:
             s = self.service
-            if epoch and s.epoch >= epoch:
+            if (epoch and s.epoch >= epoch) or self._stop.is_set():
                 return
             try:
                 reply = self.stub.GetMap(spb.GetMapRequest(known_epoch=s.epoch, wait_s=wait_s),
                                          timeout=wait_s + 2.0)
             except grpc.RpcError:
                 self._next()
+                return
+            except ValueError:  # grpc's "closed channel": a call from a handler raced ``close``
+                if not self._stop.is_set():
+                    raise
                 return
             if reply.HasField("map"):
                 s.install(cluster_wire.map_from_pb(reply.map))
@@ -219,11 +223,17 @@ class Agent:
                                                                         reporter=self.service.server_id))
 
     def _report(self, method: str, request) -> spb.ReportResponse | None:
+        if self._stop.is_set():
+            return None  # stopping: not answered (the channels are being closed)
         try:
             reply = getattr(self.stub, method)(request, timeout=5.0)
         except grpc.RpcError as err:
             log.warning("%s to the scheduler failed (%s); it is retried", method, err.code().name)
             self._next()
+            return None
+        except ValueError:  # grpc's "closed channel": a call from a handler raced ``close``
+            if not self._stop.is_set():
+                raise
             return None
         if reply.epoch > self.service.epoch:
             self.refresh(reply.epoch)

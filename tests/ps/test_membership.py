@@ -89,3 +89,41 @@ def test_close_stops_the_refresher(agent) -> None:
     assert not refresher.is_alive()
     agent.refresh_soon(50)  # after close: nothing starts
     assert agent._refresher is refresher
+
+
+class _ClosedStub:
+    """What grpc does once the agent's channel is closed: every call raises ValueError."""
+
+    def __getattr__(self, name: str):
+        def call(*args, **kwargs):
+            raise ValueError("Cannot invoke RPC on closed channel!")
+        return call
+
+
+def test_calls_from_handlers_racing_close_return_quietly(agent) -> None:
+    """Regression: a Replicate handler asking for a newer map while the server stopped logged "Replicate failed
+    with a bug" and a traceback (the agent's channel was closed under the call). Once the agent is closing, a
+    refresh or a report is not answered, quietly; before that, a closed channel is a bug and raises."""
+    agent._stubs = [_ClosedStub()]
+    with pytest.raises(ValueError):
+        agent.refresh(50)
+    with pytest.raises(ValueError):
+        agent.handover_ready([1], 3)
+
+    class _ClosingStub(_ClosedStub):  # ``close`` runs while the call is in flight
+        def __getattr__(self, name: str):
+            def call(*args, **kwargs):
+                agent._stop.set()
+                raise ValueError("Cannot invoke RPC on closed channel!")
+            return call
+
+    agent._stubs = [_ClosingStub()]
+    agent.refresh(50)
+    agent._stop.clear()
+    assert agent.copy_caught_up("t", [1, 2], 3) is None
+    agent._stubs = [_ClosedStub()]
+    agent.close()
+    agent.refresh(50)  # nothing raised: the server is stopping
+    assert agent.copy_caught_up("t", [1, 2], 3) is None
+    agent.handover_ready([1], 3)
+    assert agent.service.epoch == 1
