@@ -41,7 +41,6 @@ class Session:
     tables: list[str]
     epoch: int = 0
     copy_id: int = 0  # the change-lane seq of its first SNAPSHOT_BEGIN: names the copy on both lanes
-    install: int = 0  # the map install that started it (its copies all queued SNAPSHOT_BEGIN before any export)
     state: int = COPYING
     end_seq: int = 0
     switch_seq: int = 0

@@ -79,7 +79,6 @@ class Primary:
         self.epoch = 0
         self.closed = False
         self._generation = generation
-        self._installs = 0  # map installs that started slot copies (``Session.install``)
 
     def slot_of(self, ids: np.ndarray) -> np.ndarray:
         return slot_of(ids, self.num_slots)
@@ -99,7 +98,6 @@ class Primary:
         leads = m.leads(me) if me >= 0 else np.zeros(self.num_slots, bool)
         degraded = m.in_sync_count() < 1 + m.replicas  # a copy of these restores a missing replica: unpaced
         actions: list[Action] = []
-        self._installs += 1
         self.epoch = m.epoch
         self.table_epochs = {name: spec.created_epoch for name, spec in m.tables.items()}
         seen = set()
@@ -143,7 +141,7 @@ class Primary:
                 slots = np.flatnonzero(new_copy).astype(np.int32)
                 s.readmit(slots)  # SNAPSHOT_BEGIN starts the target's copy again from ours
                 sess = Session(slots, list(tables), epoch=m.epoch, started=now, copy_id=s.next_seq,
-                               install=self._installs, paced=not degraded[slots].any())
+                               paced=not degraded[slots].any())
                 for name in tables:
                     self._push(s, Item(SNAPSHOT_BEGIN, name, slots, prev=positions(name, slots),
                                        dedup=dedup_records(name, slots), copy_id=sess.copy_id))

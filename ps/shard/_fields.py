@@ -25,7 +25,6 @@ from tigana.ps.metrics import ServerMetrics
 from tigana.ps.replication import Inbound, Replicator, SlotLog
 from tigana.ps.routing import TableDef
 from tigana.ps.security import Security
-from tigana.ps.shard.copylisting import SharedListings
 
 if TYPE_CHECKING:
     from tigana.ps.shard.hosted import _Hosted
@@ -53,7 +52,6 @@ class ShardFields:
     _install_lock: threading.Lock
     _inbound: dict[str, tuple[Inbound, threading.Lock]]
     _inbound_lock: threading.Lock
-    _copy_listings: SharedListings
     _handover_wake: threading.Event
     _drop_lock: threading.Lock
     _drop_wanted: bool

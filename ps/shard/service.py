@@ -34,7 +34,6 @@ from tigana.ps.replication.actions import RefreshMap
 from tigana.ps.security import NONE, Security
 from tigana.ps.shard import streams
 from tigana.ps.shard._guard import _rpc, check_serving
-from tigana.ps.shard.copylisting import SharedListings
 from tigana.ps.shard.export import Exports
 from tigana.ps.shard.hosted import Hosting, _Hosted
 from tigana.ps.shard.ownership import Ownership, _View
@@ -83,7 +82,6 @@ class ShardService(Ownership, Writes, Exports, Persistence, Hosting, shard_pb2_g
         self._install_lock = threading.Lock()
         self._inbound: dict[str, tuple[Inbound, threading.Lock]] = {}
         self._inbound_lock = threading.Lock()
-        self._copy_listings = SharedListings()  # the stored ids the slot copies of one map install share
         self._handover_wake = threading.Event()
         self._drop_lock = threading.Lock()
         self._drop_wanted = self._drop_running = False  # rows of slots no longer held to delete; a worker at it
