@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from tigana.embeddings.mixing import mix64_scalar
+from tigana.embeddings.mixing import mix64_scalar, slot_of_key
 
 EMPTY = -1
 TOMBSTONE = -2
@@ -449,17 +449,12 @@ if AVAILABLE:
             for c in range(w):
                 out[i, c] = src[r, c]
 
-    @njit(nogil=True, cache=True, inline="always")
-    def _slot(key, n):
-        m = mix64_scalar(key)
-        return np.int64(m & (n - np.uint64(1)) if n & (n - np.uint64(1)) == np.uint64(0) else m % n)
-
     @njit(nogil=True, cache=True)
     def keys_in_slots(keys, vals, num_slots, wanted, out):
         """Live keys whose slot (``HashIndex.keys_in_slots``) is marked in ``wanted``, into ``out``; how many."""
         n, k = np.uint64(num_slots), 0
         for b in range(keys.shape[0]):
-            if vals[b] >= 0 and wanted[_slot(keys[b], n)]:
+            if vals[b] >= 0 and wanted[slot_of_key(keys[b], n)]:
                 out[k] = keys[b]
                 k += 1
         return k
@@ -470,7 +465,7 @@ if AVAILABLE:
         n = np.uint64(num_slots)
         for b in range(keys.shape[0]):
             if vals[b] >= 0:
-                counts[_slot(keys[b], n)] += 1
+                counts[slot_of_key(keys[b], n)] += 1
 
     @njit(nogil=True, cache=True)
     def scatter_rows(dst, index, src):

@@ -1,5 +1,6 @@
 """splitmix64's finalizer: the one 64-bit mix of the project, over whole numpy arrays (``mix64``) and, for the
-numba kernels, over one key (``mix64_scalar``, inlined into the kernel that calls it).
+numba kernels, over one key (``mix64_scalar``, inlined into the kernel that calls it), and the routing slot of one
+key (``slot_of_key``: mix64 modulo the slot count, masked for a power of two).
 
 A bijection on 64-bit integers with good avalanche, identical on every machine and run. It keys initial rows
 and admission draws, places ids in hash buckets, routes ids to slots (``tigana.ps.routing``), groups a batch's
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["mix64", "mix64_scalar"]
+__all__ = ["mix64", "mix64_scalar", "slot_of_key"]
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -43,10 +44,19 @@ def _mix64_scalar(key):  # compiled below for any integer type
     return z ^ (z >> _S31)
 
 
+def _slot_of_key(key, num_slots):  # compiled below
+    """The routing slot of one key, ``mix64(key) % num_slots`` (``tigana.ps.routing.slot_of``) as an int64, for
+    numba kernels: a power-of-two count (``num_slots`` a uint64) masks instead of dividing."""
+    m = mix64_scalar(key)
+    return np.int64(m & (num_slots - np.uint64(1)) if num_slots & (num_slots - np.uint64(1)) == np.uint64(0)
+                    else m % num_slots)
+
+
 try:  # pragma: no cover - exercised by whichever path the machine has
     from numba import njit
 except ImportError:  # pragma: no cover - the kernels' numpy fallbacks use ``mix64``
     mix64_scalar = _mix64_scalar
+    slot_of_key = _slot_of_key
 else:
     # Every kernel module imports this one before it compiles anything: key numba's disk cache by all kernel
     # sources at once (a kernel inlines this function; a change here must recompile it).
@@ -54,3 +64,4 @@ else:
 
     _install_kernel_cache()
     mix64_scalar = njit(nogil=True, cache=True, inline="always")(_mix64_scalar)
+    slot_of_key = njit(nogil=True, cache=True, inline="always")(_slot_of_key)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from tigana.embeddings.mixing import mix64_scalar
+from tigana.embeddings.mixing import mix64_scalar, slot_of_key
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -244,13 +244,8 @@ def slots_of(ids, num_slots, out):
     a power-of-two count masks instead of dividing. Lists and maps of whole tables (a slot copy's listing, a
     replica emptying slots) map millions of ids at once: numpy's five passes and 64-bit modulo took ~27 ns an id."""
     n = np.uint64(num_slots)
-    if n & (n - np.uint64(1)) == np.uint64(0):
-        m = n - np.uint64(1)
-        for i in range(ids.shape[0]):
-            out[i] = np.int64(mix64_scalar(ids[i]) & m)
-    else:
-        for i in range(ids.shape[0]):
-            out[i] = np.int64(mix64_scalar(ids[i]) % n)
+    for i in range(ids.shape[0]):
+        out[i] = slot_of_key(ids[i], n)
 
 
 @njit(nogil=True, cache=True)

@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import re
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -147,9 +149,6 @@ def test_planned_hand_overs_and_moves_lose_no_async_update_and_demote_nothing(ma
 
 
 def _paced_seconds(metrics_port: int) -> float:
-    import re
-    import urllib.request
-
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
         m = re.search(r"^tigana_slot_copy_paced_seconds ([0-9.e+-]+)$", r.read().decode(), re.M)
     return float(m.group(1)) if m else 0.0
