@@ -19,7 +19,7 @@ import numpy as np
 
 from tigana.embeddings import _kernels
 from tigana.embeddings._kernels import EMPTY, TOMBSTONE
-from tigana.embeddings.mixing import mix64
+from tigana.embeddings.mixing import mix64, slots_of_keys
 
 Backend = Literal["auto", "numba", "numpy"]
 
@@ -143,7 +143,7 @@ class HashIndex:
             out.resize(k, refcheck=False)
             return out.view(np.int64)
         keys = self.keys()
-        return keys[wanted[(mix64(keys) % np.uint64(num_slots)).astype(np.int64)]]
+        return keys[wanted[slots_of_keys(keys, num_slots)]]
 
     def slot_counts(self, num_slots: int) -> np.ndarray:
         """(num_slots,) int64: live ids per slot (as ``keys_in_slots``), in one pass over the buckets."""
@@ -151,7 +151,7 @@ class HashIndex:
             counts = np.zeros(num_slots, np.int64)
             _kernels.count_slots(self._keys, self._vals, num_slots, counts)
             return counts
-        return np.bincount((mix64(self.keys()) % np.uint64(num_slots)).astype(np.int64), minlength=num_slots)
+        return np.bincount(slots_of_keys(self.keys(), num_slots), minlength=num_slots)
 
     # --- updates ------------------------------------------------------------------------------------------
     def insert(self, ids: np.ndarray, values: np.ndarray) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["mix64", "mix64_scalar", "slot_of_key"]
+__all__ = ["mix64", "mix64_scalar", "slot_of_key", "slots_of_keys"]
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -34,6 +34,11 @@ def mix64(x: np.ndarray) -> np.ndarray:
         z *= _M2
         z ^= z >> _S31
         return z
+
+
+def slots_of_keys(keys: np.ndarray, num_slots: int) -> np.ndarray:
+    """The routing slot of every key, ``mix64(key) % num_slots`` as int64 (numpy; ``slot_of_key`` in kernels)."""
+    return (mix64(keys) % np.uint64(num_slots)).astype(np.int64)
 
 
 def _mix64_scalar(key):  # compiled below for any integer type

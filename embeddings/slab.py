@@ -202,9 +202,10 @@ class Slab:
     def step_codes(self, steps: np.ndarray | int) -> np.ndarray:
         """int64 steps -> their uint32 codes, moving ``step_base`` first when one is past its range."""
         steps = np.asarray(steps, np.int64)
-        if steps.size and int(steps.max()) - self.step_base > _CODE_MAX:
-            self._move_base("last_step", int(steps.max()) - _BACK - self.step_base)
-            self.step_base = int(steps.max()) - _BACK
+        hi = int(steps.max()) if steps.size else self.step_base
+        if hi - self.step_base > _CODE_MAX:
+            self._move_base("last_step", hi - _BACK - self.step_base)
+            self.step_base = hi - _BACK
         return np.clip(steps - self.step_base, 0, _CODE_MAX).astype(np.uint32)
 
     def time_codes(self, times: np.ndarray | float) -> np.ndarray:

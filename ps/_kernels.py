@@ -74,7 +74,7 @@ def f16_to_f32(bits: np.ndarray) -> np.ndarray:
 
 @njit(nogil=True, cache=True, inline="always")
 def _group_of_key(key, group_of_slot, num_slots):
-    return group_of_slot[np.int64(mix64_scalar(key) % num_slots)]
+    return group_of_slot[slot_of_key(key, num_slots)]
 
 
 @njit(nogil=True, cache=True)
@@ -257,7 +257,7 @@ def first_foreign(ids, leads):
     count = 0
     first = -1
     for i in range(ids.shape[0]):
-        if not leads[np.int64(mix64_scalar(ids[i]) % num_slots)]:
+        if not leads[slot_of_key(ids[i], num_slots)]:
             if first < 0:
                 first = i
             count += 1
@@ -310,7 +310,7 @@ def slots_foreign(ids, leads):
     count = 0
     first = -1
     for i in range(n):
-        s = np.int64(mix64_scalar(ids[i]) % num_slots)
+        s = slot_of_key(ids[i], num_slots)
         slots[i] = s
         if not leads[s]:
             if first < 0:

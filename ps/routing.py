@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tigana.embeddings.config import TableConfig
-from tigana.embeddings.mixing import mix64, mix64_scalar  # both re-exported for the trainer
+from tigana.embeddings.mixing import mix64, mix64_scalar, slots_of_keys  # mix64* re-exported for the trainer
 from tigana.ps import _kernels
 
 __all__ = ["DEFAULT_NUM_SLOTS", "IN_SYNC", "CATCHING_UP", "HANDING_OVER", "NO_SERVER", "ServerEntry", "ShardMap", "TableDef",
@@ -37,7 +37,7 @@ def slot_of(ids: np.ndarray, num_slots: int = DEFAULT_NUM_SLOTS) -> np.ndarray:
     """Slot of each id, int64 in [0, num_slots): mix64 of the id (its 64 bits) modulo ``num_slots``."""
     ids = np.asarray(ids)
     if ids.dtype not in (np.int64, np.uint64):
-        return (mix64(ids) % np.uint64(num_slots)).astype(np.int64)
+        return slots_of_keys(ids, num_slots)
     out = np.empty(ids.shape, np.int64)
     _kernels.slots_of(np.ascontiguousarray(ids).reshape(-1), num_slots, out.reshape(-1))
     return out
