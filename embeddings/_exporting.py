@@ -12,9 +12,12 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from tigana.embeddings._fields import TableFields
+from tigana.embeddings.changes import sorted_unique
+from tigana.embeddings.hashtable import HashIndex
 from tigana.embeddings.rows import RowBatch
 
 _CHUNK = 1 << 16  # rows per chunk when reading rows by id
+SCAN_BUCKETS = 1 << 19  # index buckets a pass over slots reads per hold of the lock (about 4 ms)
 
 
 class Exporting(TableFields):
@@ -90,27 +93,57 @@ class Exporting(TableFields):
     def stored_ids_in_slots(self, num_slots: int, wanted: np.ndarray) -> np.ndarray:
         """The stored ids (resident and spilled, int64, in no set order) whose slot, ``mix64(id) % num_slots``
         (what ``tigana.ps.routing.slot_of`` routes by), is marked in ``wanted`` (bool, one per slot): one pass
-        over the index under the lock, no list of every id."""
-        with self._lock:
-            self._check_open()
-            ids = self._index.keys_in_slots(num_slots, wanted)
-            if len(self._spilled):
-                ids = np.concatenate([ids, self._spilled.keys_in_slots(num_slots, wanted)])
-            return ids
+        over the indexes, no list of every id, holding the lock per ``SCAN_BUCKETS`` buckets (``_scan``).
+        Every id stored when the call begins and not removed before it returns is listed; an id stored or
+        removed meanwhile may be listed or not, and one removed and stored again may be listed twice (a slot
+        copy sends what changes after its listing began on its change lane anyway, and reads each listed id
+        again when it sends its row)."""
+        parts = self._scan(lambda index, lo, hi: index.keys_in_slots(num_slots, wanted, lo, hi))
+        return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
     def rows_per_slot(self, num_slots: int) -> np.ndarray:
-        """(num_slots,) int64: stored rows (resident and spilled) per slot, ``mix64(id) % num_slots``."""
+        """(num_slots,) int64: stored rows (resident and spilled) per slot, ``mix64(id) % num_slots``: one pass
+        over the indexes holding the lock per ``SCAN_BUCKETS`` buckets (rows stored or removed meanwhile may be
+        counted or not, as in ``stored_ids_in_slots``)."""
+        counts = np.zeros(num_slots, np.int64)
+        for part in self._scan(lambda index, lo, hi: index.slot_counts(num_slots, lo, hi)):
+            counts += part
+        return counts
+
+    def _scan(self, visit: Callable[[HashIndex, int, int | None], np.ndarray]) -> list[np.ndarray]:
+        """``visit(index, lo, hi)`` over the buckets of both indexes as they are at the call, ``SCAN_BUCKETS``
+        per hold of the lock: a pass over a table of millions of rows under one hold had pushes waiting 0.1-0.3 s
+        at a slot move's start (every source lists its copies' ids at once). Why an id stored at the start and
+        not removed is seen: an index changes a bucket in place only from live to tombstone or from
+        empty/tombstone to live, and a rehash builds new arrays and leaves the held ones as they were (``Cut``).
+        A row moving between the tiers meanwhile (spilled or brought back) could leave a bucket not yet read
+        for one already read: then the pass runs again under one hold."""
         with self._lock:
             self._check_open()
-            counts = self._index.slot_counts(num_slots)
+            moves = self._tier_moves()
+            indexes = [HashIndex.over(*self._index.buckets(), self._backend)]
             if len(self._spilled):
-                counts += self._spilled.slot_counts(num_slots)
-            return counts
+                indexes.append(HashIndex.over(*self._spilled.buckets(), self._backend))
+        parts = []
+        for index in indexes:
+            for lo in range(0, index.capacity, SCAN_BUCKETS):
+                with self._lock:
+                    self._check_open()
+                    parts.append(visit(index, lo, lo + SCAN_BUCKETS))
+        with self._lock:
+            self._check_open()
+            if self._tier_moves() == moves:
+                return parts
+            return [visit(index, 0, None) for index in (self._index, self._spilled) if len(index)]
+
+    def _tier_moves(self) -> int:
+        """Rows spilled or brought back so far (under the lock)."""
+        return self._counters["spills"] + self._counters["unspills"]
 
     def _iter_sorted(self, ids: np.ndarray, predicate: Callable[[np.ndarray], np.ndarray] | None = None,
                      chunk: int = _CHUNK) -> Iterator[RowBatch]:
         """Stored rows among ``ids`` in id order, ``chunk`` at a time; restricted to ``predicate``."""
-        sel = np.unique(ids)
+        sel = sorted_unique(ids)
         if predicate is not None and sel.size:
             sel = sel[self._selected(predicate, sel)]
         for start in range(0, sel.shape[0], chunk):
@@ -138,7 +171,7 @@ class Exporting(TableFields):
         """Write checked rows; the caller holds the lock."""
         self._tick()
         if len(self._spilled):
-            sp_ids = np.unique(b.ids[self._spilled.lookup(b.ids) >= 0])
+            sp_ids = sorted_unique(b.ids[self._spilled.lookup(b.ids) >= 0])
             if sp_ids.size:
                 self._cow_unspill(sp_ids)
                 self._drop_spilled(sp_ids)

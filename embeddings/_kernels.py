@@ -450,20 +450,21 @@ if AVAILABLE:
                 out[i, c] = src[r, c]
 
     @njit(nogil=True, cache=True)
-    def keys_in_slots(keys, vals, num_slots, wanted, out):
-        """Live keys whose slot (``HashIndex.keys_in_slots``) is marked in ``wanted``, into ``out``; how many."""
+    def keys_in_slots(keys, vals, num_slots, wanted, out, start, stop):
+        """Live keys of buckets [start, stop) whose slot (``HashIndex.keys_in_slots``) is marked in ``wanted``,
+        into ``out``; how many."""
         n, k = np.uint64(num_slots), 0
-        for b in range(keys.shape[0]):
+        for b in range(start, stop):
             if vals[b] >= 0 and wanted[slot_of_key(keys[b], n)]:
                 out[k] = keys[b]
                 k += 1
         return k
 
     @njit(nogil=True, cache=True)
-    def count_slots(keys, vals, num_slots, counts):
-        """counts[s] += live keys in slot s."""
+    def count_slots(keys, vals, num_slots, counts, start, stop):
+        """counts[s] += live keys of buckets [start, stop) in slot s."""
         n = np.uint64(num_slots)
-        for b in range(keys.shape[0]):
+        for b in range(start, stop):
             if vals[b] >= 0:
                 counts[slot_of_key(keys[b], n)] += 1
 

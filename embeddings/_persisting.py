@@ -27,6 +27,7 @@ import numpy as np
 
 from tigana.embeddings import snapshot as _snapshot
 from tigana.embeddings._fields import TableFields
+from tigana.embeddings.changes import sorted_unique
 from tigana.embeddings.config import TableConfig
 from tigana.embeddings.cut import Cut
 from tigana.embeddings.errors import InvalidArgument, SnapshotNotFound
@@ -59,7 +60,7 @@ class PendingSnapshot:
             raise InvalidArgument(f"table {self._table.name!r}: snapshot already written or closed")
         path: Path | None = None
         try:
-            deleted = np.unique(np.concatenate(self._deleted)) if self._deleted else np.empty(0, np.int64)
+            deleted = sorted_unique(np.concatenate(self._deleted)) if self._deleted else np.empty(0, np.int64)
             rows = self._cut.batches(dirty_only=self.incremental, in_order=True)  # LMDB writes sorted keys fastest
             path = _snapshot.write_snapshot(self._root, rows=rows, deleted_ids=deleted if self.incremental else None,
                                             incremental=self.incremental, **self._common)

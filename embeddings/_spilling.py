@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from tigana.embeddings._fields import TableFields
+from tigana.embeddings.changes import sorted_unique
 from tigana.embeddings.errors import CorruptStore, StorageFull
 from tigana.embeddings.rows import RowBatch
 from tigana.embeddings.spillfile import SpillFile
@@ -175,7 +176,7 @@ class SpillTier(TableFields):
         if not corrupt:
             return
         assert self._spill is not None
-        bad = np.unique(np.array(corrupt, np.int64))
+        bad = sorted_unique(np.array(corrupt, np.int64))
         new = bad[~np.isin(bad, self._corrupt)]
         if new.size:
             self._corrupt = np.union1d(self._corrupt, new)

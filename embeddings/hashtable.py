@@ -132,26 +132,38 @@ class HashIndex:
         every stored id under the table's lock)."""
         return self._keys[self._vals >= 0].view(np.int64)
 
-    def keys_in_slots(self, num_slots: int, wanted: np.ndarray) -> np.ndarray:
-        """Live ids (int64, bucket order) whose slot, ``mix64(id) % num_slots`` (``tigana.ps.routing.slot_of``),
-        is marked in ``wanted`` (bool, one per slot): one pass over the buckets, without listing every id first
-        (a replica emptying the slots a new copy starts over lists them under the table's lock)."""
+    def keys_in_slots(self, num_slots: int, wanted: np.ndarray, start: int = 0, stop: int | None = None
+                      ) -> np.ndarray:
+        """Live ids (int64, bucket order) of buckets [start, stop) (all by default) whose slot,
+        ``mix64(id) % num_slots`` (``tigana.ps.routing.slot_of``), is marked in ``wanted`` (bool, one per slot):
+        one pass over the buckets, without listing every id first (a slot copy lists its ids while pushes go on:
+        the table reads a range of buckets per hold of its lock)."""
         wanted = np.ascontiguousarray(wanted, bool)
+        start, stop = self._bucket_range(start, stop)
         if self.backend == "numba":
-            out = np.empty(self._size, np.uint64)  # its pages are touched only where written
-            k = int(_kernels.keys_in_slots(self._keys, self._vals, num_slots, wanted, out))
+            room = stop - start if self._size < 0 else min(stop - start, self._size)  # a view does not know its size
+            out = np.empty(room, np.uint64)  # its pages are touched only where written
+            k = int(_kernels.keys_in_slots(self._keys, self._vals, num_slots, wanted, out, start, stop))
             out.resize(k, refcheck=False)
             return out.view(np.int64)
-        keys = self.keys()
+        keys = self._keys[start:stop][self._vals[start:stop] >= 0].view(np.int64)
         return keys[wanted[slots_of_keys(keys, num_slots)]]
 
-    def slot_counts(self, num_slots: int) -> np.ndarray:
-        """(num_slots,) int64: live ids per slot (as ``keys_in_slots``), in one pass over the buckets."""
+    def slot_counts(self, num_slots: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """(num_slots,) int64: live ids per slot (as ``keys_in_slots``) among buckets [start, stop) (all by
+        default), in one pass over them."""
+        start, stop = self._bucket_range(start, stop)
         if self.backend == "numba":
             counts = np.zeros(num_slots, np.int64)
-            _kernels.count_slots(self._keys, self._vals, num_slots, counts)
+            _kernels.count_slots(self._keys, self._vals, num_slots, counts, start, stop)
             return counts
-        return np.bincount(slots_of_keys(self.keys(), num_slots), minlength=num_slots)
+        keys = self._keys[start:stop][self._vals[start:stop] >= 0].view(np.int64)
+        return np.bincount(slots_of_keys(keys, num_slots), minlength=num_slots)
+
+    def _bucket_range(self, start: int, stop: int | None) -> tuple[int, int]:
+        cap = self.capacity
+        stop = cap if stop is None else min(int(stop), cap)
+        return min(max(0, int(start)), stop), stop
 
     # --- updates ------------------------------------------------------------------------------------------
     def insert(self, ids: np.ndarray, values: np.ndarray) -> None:

@@ -57,6 +57,7 @@ from tigana.embeddings._records import (
     record_dtype,
     records_batch,
 )
+from tigana.embeddings.changes import sorted_unique
 from tigana.embeddings.errors import CorruptStore, InvalidArgument, StorageError, StorageFull
 from tigana.embeddings.rows import RowBatch
 
@@ -338,7 +339,7 @@ class RowStore:
 
             def body(txn: Any) -> tuple[np.ndarray, RowBatch]:
                 found, rows = self._found(keys, [txn.get(k, db=self._rows_db) for k in keys])
-                for key in key_list(np.unique(rows.ids)):  # only after every record checked out
+                for key in key_list(sorted_unique(rows.ids)):  # only after every record checked out
                     txn.delete(key, db=self._rows_db)
                 return found, rows
 
@@ -348,7 +349,7 @@ class RowStore:
         """Delete the rows of ``ids``; returns how many distinct ids were present."""
         with self._lock:
             self._check_open()
-            keys = key_list(np.unique(self._ids(ids)))
+            keys = key_list(sorted_unique(self._ids(ids)))
             if not keys:
                 return 0
             return self._write(lambda txn: sum(txn.delete(k, db=self._rows_db) for k in keys))

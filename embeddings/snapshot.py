@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from tigana.embeddings import config as _config
+from tigana.embeddings.changes import sorted_unique
 from tigana.embeddings.errors import CorruptStore, InvalidArgument, SnapshotNotFound, StorageFull
 from tigana.embeddings.files import publish_folder
 from tigana.embeddings.lmdbstore import RowStore
@@ -203,7 +204,7 @@ def write_snapshot(root: str | Path, *, table: str, config: dict[str, Any],
                               f"got {deleted.dtype} with shape {deleted.shape}")
     if deleted.size and not incremental:
         raise InvalidArgument(f"table {table!r}: field 'deleted_ids' is only valid for an incremental snapshot")
-    deleted = np.unique(deleted.astype(np.int64))
+    deleted = sorted_unique(deleted.astype(np.int64))
     extra_files = dict(extra_files or {})
     for name, data in extra_files.items():
         # fullmatch: ``$`` would also match before a trailing newline; "." and ".." name directories
@@ -387,7 +388,7 @@ def iter_snapshot_rows(path: str | Path, batch_size: int = 65536) -> Iterator[Ro
         finally:
             store.close()
         if manifest["kind"] == "incremental":
-            shadow = np.unique(np.concatenate([shadow, _read_deleted(snap, manifest), *seen]))
+            shadow = sorted_unique(np.concatenate([shadow, _read_deleted(snap, manifest), *seen]))
 
 
 def read_extra(path: str | Path, name: str) -> bytes | None:

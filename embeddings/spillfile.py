@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from tigana.embeddings._records import bad_crc, encode_records, ids_to_keys, record_dtype, records_batch
+from tigana.embeddings.changes import sorted_unique
 from tigana.embeddings.errors import CorruptStore, InvalidArgument, StorageError, StorageFull
 from tigana.embeddings.rows import RowBatch
 
@@ -113,7 +114,7 @@ class SpillFile:
     def free(self, slots: np.ndarray) -> None:
         """The records at ``slots`` are no longer needed; their slots are written again before the file grows."""
         self._check_open()
-        slots = np.unique(np.asarray(slots, np.int64))
+        slots = sorted_unique(np.asarray(slots, np.int64))
         if slots.size and (slots[0] < 0 or slots[-1] >= self._high):
             raise InvalidArgument(f"table {self.table!r}: spill slots out of range [0, {self._high}): "
                                   f"{slots[(slots < 0) | (slots >= self._high)][:5].tolist()}")

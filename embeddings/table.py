@@ -30,7 +30,7 @@ from tigana.embeddings._exporting import Exporting
 from tigana.embeddings._persisting import Persisting
 from tigana.embeddings._spilling import SpillTier
 from tigana.embeddings._updating import Updating
-from tigana.embeddings.changes import Changes
+from tigana.embeddings.changes import Changes, sorted_unique
 from tigana.embeddings.config import TableConfig
 from tigana.embeddings.cut import CutHooks
 from tigana.embeddings.errors import InvalidArgument, StorageError, StorageFull
@@ -309,7 +309,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
     def _remove(self, ids: np.ndarray) -> int:
         gone = []
         if len(self._spilled):
-            spilled = np.unique(ids[self._spilled.lookup(ids) >= 0])
+            spilled = sorted_unique(ids[self._spilled.lookup(ids) >= 0])
             if spilled.size:
                 self._cow_unspill(spilled)  # may read them from the file (a bad record raises): before any change
                 self._drop_spilled(spilled)
@@ -323,7 +323,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         if gone_ids.size and self._last_snapshot is not None:  # only increments need them
             self._deleted.append(gone_ids)
             if len(self._deleted) > 64:
-                self._deleted = [np.unique(np.concatenate(self._deleted))]
+                self._deleted = [sorted_unique(np.concatenate(self._deleted))]
         return int(gone_ids.shape[0])
 
     def stats(self) -> dict[str, float]:

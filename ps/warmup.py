@@ -35,12 +35,15 @@ __all__ = ["warm_kernels"]
 
 
 def warm_kernels(num_slots: int = 4096) -> float:
-    """Run every hot kernel once on a few rows (in memory, no I/O): the tables' pull, push, changes and
-    export for each optimizer, the wire codecs, the slot and dedup kernels. Returns the seconds it took."""
+    """Run every hot kernel once on a few rows (in memory, no I/O): the tables' pull, push, changes, export,
+    import and listing by slot for each optimizer, the wire codecs, the slot and dedup kernels (a kernel's first
+    call under a table's lock held pushes while it loaded: ``SlotInfo`` at a move's start). Returns the seconds
+    it took."""
     started = time.perf_counter()
     rng = np.random.default_rng(0)
     ids = rng.integers(-(2**62), 2**62, size=64, dtype=np.int64)
     ids = np.concatenate([ids, ids[:8]])
+    wanted = np.arange(num_slots) % 2 == 0
     for optimizer in (SGD(lr=0.1), Adagrad(lr=0.1), RowWiseAdagrad(lr=0.1), Adam(lr=0.01), FTRL(alpha=0.1)):
         table = EmbeddingTable(TableConfig("warm", dim=8, optimizer=optimizer, initializer=Normal(std=0.01)))
         try:
@@ -50,6 +53,12 @@ def warm_kernels(num_slots: int = 4096) -> float:
             rows = table.rows_of(changes.written_ids())
             table.apply_changes(rows, None, None, table.step, check_values=False)
             table.export_rows(ids=ids)
+            # a slot copy's ends: the target's contains/import, the source's listing by slot, the drop after
+            table.contains(ids)
+            table.import_rows(rows)
+            table.stored_ids_in_slots(num_slots, wanted)
+            table.rows_per_slot(num_slots)
+            table.delete(ids[:8])
         finally:
             table.close()
     grads = rng.normal(size=(ids.size, 8)).astype(np.float32)

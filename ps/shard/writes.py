@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from tigana.embeddings import Changes
-from tigana.embeddings.changes import unique
+from tigana.embeddings.changes import sorted_unique, unique
 from tigana.proto import shard_pb2 as pb
 from tigana.ps.errors import InvalidArgument, NotEnoughReplicas, ResourceExhausted, Unavailable
 from tigana.ps.replication import Stream
@@ -254,8 +254,9 @@ class Writes(ShardFields):
             # The copy's ids, in one pass over the table's index under its lock (no list of every id: a listing
             # of the whole table held the lock for 0.6 s in a profiled move, the pushes waiting). Sorted by id,
             # not in bucket order: a target inserting ids in the bucket order of a table hashed the same way piles
-            # them into long probe runs (its lookups ran for minutes).
-            ids = np.sort(hosted.table.stored_ids_in_slots(self.num_slots, want))
+            # them into long probe runs (its lookups ran for minutes). Unique: an id removed and stored again
+            # during the listing may be listed twice.
+            ids = sorted_unique(hosted.table.stored_ids_in_slots(self.num_slots, want))
             sess.rows_total += int(ids.size)  # progress of the copy (heartbeats carry it to the scheduler)
             for start in range(0, ids.shape[0], _COPY_CHUNK):
                 self.replicator.wait_for_room(stream)
@@ -264,7 +265,7 @@ class Writes(ShardFields):
                     rows = hosted.table.rows_of(chunk)  # the chunk is sorted and unique: no second sort
                     if not len(rows):
                         continue
-                    item = Item(SNAPSHOT_ROWS, name, np.unique(slot_of(rows.ids, self.num_slots)).astype(np.int32),
+                    item = Item(SNAPSHOT_ROWS, name, sorted_unique(slot_of(rows.ids, self.num_slots)).astype(np.int32),
                                 rows=rows, table_epoch=hosted.spec.created_epoch)
                     if not self.replicator.enqueue_rows(stream, sess, item):
                         return

@@ -211,3 +211,21 @@ def test_apply_changes_never_lowers_the_step_and_accepts_nothing() -> None:
     t.apply_changes(rows=emb.RowBatch.empty(DIM, DIM), deleted=np.array([], np.int64),
                     sightings=(np.array([], np.int64), np.array([], np.int64)), step=5)
     assert t.step == 20 and t.checksum() == before
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.integers(-(2**63), 2**63 - 1) | st.integers(-3, 3), max_size=200),
+       dtype=st.sampled_from([np.int64, np.int32, np.uint64]))
+def test_the_distinct_ids_match_numpy(values: list[int], dtype) -> None:
+    """``sorted_unique`` (sort + one pass, not NumPy 2.4's slower hash path) is ``np.unique``; ``unique`` has the
+    same ids in first-seen order."""
+    from tigana.embeddings.changes import sorted_unique, unique
+
+    info = np.iinfo(dtype)
+    a = np.array([v for v in values if info.min <= v <= info.max], dtype)
+    got = sorted_unique(a)
+    assert got.dtype == a.dtype and got.tolist() == np.unique(a).tolist()
+    ids = a.astype(np.int64) if dtype != np.uint64 else a.view(np.int64)
+    first = unique(ids)
+    assert sorted(first.tolist()) == np.unique(ids).tolist()
+    assert first.tolist() == list(dict.fromkeys(ids.tolist()))
