@@ -149,7 +149,8 @@ def apply_item(msg: Any, source: str, request_epoch: int, hosted_of: Callable[[s
         wait = copy_ready(item.after)
         if wait is not None:
             return wait
-    with hosted.lock:
+    # a copy lane's rows after the change-lane items and pushes waiting for the lock (sync pushes wait on those)
+    with hosted.lock if copy_ready is None else hosted.lock.yielding():
         view = view_of()
         m = view.map
         src = m.index_of(source) if m is not None else -1

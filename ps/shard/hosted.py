@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import threading
 
 import numpy as np
 
@@ -20,6 +19,7 @@ from tigana.ps.errors import InvalidArgument, TableNotFound
 from tigana.ps.replication import CopyIntake, SlotLog
 from tigana.ps.routing import TableDef, slot_of
 from tigana.ps.shard._fields import ShardFields
+from tigana.ps.shard.tablelock import TableLock
 
 log = logging.getLogger("tigana.ps.server")  # one logger for the whole shard server
 _TABLE_COUNTERS = ("rows_spilled", "admissions", "rejected_admissions", "evictions", "spills")
@@ -40,7 +40,7 @@ class _Hosted:
     table: EmbeddingTable
     dedup: DedupWindow
     log: SlotLog
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    lock: TableLock = dataclasses.field(default_factory=TableLock)
     pulled: np.ndarray | None = None  # rows pulled per slot since the last decay
     pushed: np.ndarray | None = None
     pull_rate: np.ndarray | None = None

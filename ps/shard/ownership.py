@@ -271,14 +271,13 @@ class Ownership(ShardFields):
             deleted = 0
             for lo in range(0, gone.size, _COPY_CHUNK):
                 chunk = gone[lo:lo + _COPY_CHUNK]
-                with hosted.lock:
+                with hosted.lock.yielding():  # after the pushes waiting for the lock
                     view = self._view
                     if not view.valid or self._tables.get(name) is not hosted:
                         break
                     chunk = chunk[~view.holds[slot_of(chunk, self.num_slots)]]  # not taken back meanwhile
                     if chunk.size:
                         deleted += hosted.table.delete(chunk)
-                time.sleep(0)  # the lock is not fair: a push waiting for it goes before the next chunk
             if deleted:
                 view = self._view
                 slots = unique(slot_of(gone, self.num_slots))

@@ -14,7 +14,6 @@ slots' copies did not change meanwhile.
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any
 
 import numpy as np
@@ -261,7 +260,7 @@ class Writes(ShardFields):
             for start in range(0, ids.shape[0], _COPY_CHUNK):
                 self.replicator.wait_for_room(stream)
                 chunk = ids[start:start + _COPY_CHUNK]
-                with hosted.lock:
+                with hosted.lock.yielding():  # after the pushes waiting for the lock
                     rows = hosted.table.rows_of(chunk)  # the chunk is sorted and unique: no second sort
                     if not len(rows):
                         continue
@@ -270,4 +269,3 @@ class Writes(ShardFields):
                     if not self.replicator.enqueue_rows(stream, sess, item):
                         return
                 self.replicator.pace(sess, item)  # a planned move's copy keeps to the server's copy rate
-                time.sleep(0)  # the lock is not fair: a push waiting for it goes before the next chunk

@@ -5,7 +5,8 @@ row-wise Adagrad). Cases, one JSON line each:
 
 - ``reshard.move``: a 4th server joins and ``rebalance`` moves its share of the slots to it while a push loop
   runs; rows copied per second (peer: pulling every row of the table once, the read limit of the data path);
-- ``reshard.push_p99``: push latency p99 during that move (peer: p99 of the same push loop before it), with the
+- ``reshard.push_p99``: push latency p99 during that move (peer: p99 of the same push loop over the 8 s before
+  it, about as many pushes as the move sees), with the
   medians of both, the slowest push during the move and when it started (seconds into the move); the servers
   pace the move's copies at their ``--copy-rate`` (32MiB by default; ``--copy-rate`` here sets theirs);
 - ``reshard.drain``: seconds to drain one server (peer: the time to pull the rows it held), with the slots whose
@@ -30,6 +31,7 @@ from tigana.tools.bench.ps import zipf_batches
 from tigana.tools.bench.report import emit, log
 
 DIM = 16
+BEFORE_S = 8.0  # seconds of pushes measured before the move (the peer): about a move's length
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,7 +130,9 @@ def run(args: argparse.Namespace) -> int:
         admin.wait_for(lambda: _replication_drained(client, "reshard"), 600, "the load's replication")
         traffic = _Traffic(client, "reshard", total, args.batch).start()
         try:
-            time.sleep(3.0)
+            # the window before the move as long as a move (about as many pushes): a p99 of 40 pushes swung
+            # 0.03-0.07 s between runs, and the ratio with it
+            time.sleep(BEFORE_S)
             before_move = time.monotonic()
             # a 4th server joins; rebalance moves its share to it while the traffic runs
             new = cluster.add_server()
@@ -142,8 +146,9 @@ def run(args: argparse.Namespace) -> int:
             rows_of_slot = np.frombuffer(load.rows, "<i8")
             moved = int(sum(int(rows_of_slot[m.slot]) * len(m.add) for m in plan.moves))  # rows copied
             log(f"bench reshard: {len(plan.moves)} slot move(s) onto server {new}, {moved} rows copied")
-            p99_idle, p99_move = traffic.p99(before_move - 3.0, before_move), traffic.p99(start, start + move_s)
-            during, before = traffic.between(start, start + move_s), traffic.between(before_move - 3.0, before_move)
+            p99_idle, p99_move = traffic.p99(before_move - BEFORE_S, before_move), traffic.p99(start, start + move_s)
+            during = traffic.between(start, start + move_s)
+            before = traffic.between(before_move - BEFORE_S, before_move)
             slowest = max(((d, t - start) for t, d in traffic.latencies if start <= t < start + move_s), default=(0, 0))
             time.sleep(3.0)  # rates settle on the new placement
             balance_after = _measured_balance(cluster.scheduler)
