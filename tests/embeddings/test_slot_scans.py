@@ -12,6 +12,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cut import apply, make_table
+from test_cut import op_st as cut_op_st
 
 from tigana import embeddings as emb
 from tigana.embeddings import _exporting
@@ -19,14 +20,9 @@ from tigana.embeddings.hashtable import HashIndex
 from tigana.embeddings.mixing import slots_of_keys
 
 NUM_SLOTS = 16
-ids_st = st.lists(st.integers(0, 200), max_size=40)
-# no eviction: an id evicted and pulled again was removed meanwhile, which the property leaves open
-op_st = st.one_of(
-    st.tuples(st.just("push"), ids_st, st.integers(-3, 3)),
-    st.tuples(st.just("pull"), ids_st, st.none()),
-    st.tuples(st.just("delete"), ids_st, st.none()),
-    st.tuples(st.just("import"), ids_st, st.integers(-3, 3)),
-)
+# test_cut's writes, without eviction (an id evicted and pulled again was removed meanwhile, which the property
+# leaves open) and without its cut reads
+op_st = cut_op_st.filter(lambda op: op[0] not in ("evict", "read"))
 
 
 def stored(table: emb.EmbeddingTable) -> set[int]:
