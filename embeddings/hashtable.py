@@ -128,8 +128,7 @@ class HashIndex:
         return self._keys[live].view(np.int64), self._vals[live].astype(np.int64)
 
     def keys(self) -> np.ndarray:
-        """All live ids (int64), in bucket order: ``items()[0]`` at half its cost (a slot copy or a drop lists
-        every stored id under the table's lock)."""
+        """All live ids (int64), in bucket order: ``items()[0]`` at half its cost."""
         return self._keys[self._vals >= 0].view(np.int64)
 
     def keys_in_slots(self, num_slots: int, wanted: np.ndarray, start: int = 0, stop: int | None = None

@@ -222,9 +222,8 @@ class Exports(ShardFields):
             values["checksum"] = checksum_value(cut.checksum())
             if self.clustered:  # rows counted once cluster-wide: at their primary
                 values["rows_led"] = float(counts[leads].sum())
-        elif self.clustered:
-            ids = hosted.table.stored_ids()
-            values["rows_led"] = float(np.count_nonzero(leads[slot_of(ids, self.num_slots)])) if ids.size else 0.0
+        elif self.clustered:  # one pass over the index, the lock held per range of buckets (no list of every id)
+            values["rows_led"] = float(hosted.table.rows_per_slot(self.num_slots)[leads].sum())
         values["dedup_keys"] = float(len(hosted.dedup))
         values["epoch"] = float(self._view.epoch)
         if self.replicator is not None:

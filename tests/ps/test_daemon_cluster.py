@@ -112,3 +112,19 @@ def _running(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"
     except (FileNotFoundError, IndexError):
         return False
+
+
+def test_a_replicated_tables_rows_are_counted_once_at_their_primaries(make_shard_cluster) -> None:
+    """``describe_table`` on a cluster with a replica of every slot: each server reports the rows of the slots it
+    leads (``rows_led``, one pass over its index), so the total is the table's rows, not twice them."""
+    from tigana import ps
+
+    cluster = make_shard_cluster(2)
+    with ps.connect(scheduler=cluster.scheduler) as client:
+        client.wait_ready(60)
+        client.create_table("counted", dim=4)
+        ids = np.random.default_rng(4).integers(-(1 << 62), 1 << 62, 3000)
+        client.pull("counted", ids)
+        info = client.describe_table("counted")
+        assert info.rows == np.unique(ids).size
+        assert sum(s["rows_led"] for s in info.shards.values()) == np.unique(ids).size
