@@ -9,11 +9,13 @@ Not thread-safe: filled under the table's lock by the one call it was passed to.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from tigana.embeddings import _kernels
+from tigana.embeddings.rows import RowBatch
 
 __all__ = ["Changes", "sorted_unique", "unique"]
 
@@ -42,14 +44,35 @@ def sorted_unique(values: np.ndarray) -> np.ndarray:
 
 @dataclass
 class Changes:
-    """Ids written and removed, and admission sightings ((ids, counts) in the order counted)."""
+    """Ids written and removed, and admission sightings ((ids, counts) in the order counted).
+
+    ``rows``: the complete rows of every id written so far, as the call left them, when the call exported them
+    itself (a push: the optimizer's output rows, so nothing is looked up and gathered again to replicate them);
+    None once a write they do not cover is recorded."""
 
     written: list[np.ndarray] = field(default_factory=list)
     deleted: list[np.ndarray] = field(default_factory=list)
     sightings: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    rows: RowBatch | None = None
 
     def __bool__(self) -> bool:
         return bool(self.written or self.deleted or self.sightings)
+
+    def wrote(self, ids: np.ndarray, rows: RowBatch | None = None) -> None:
+        """Record ``ids`` written; ``rows``, when given, are the complete rows of these ids as the call leaves
+        them and cover every id recorded before them (a push's rows include the ids it inserted)."""
+        self.written.append(ids)
+        self.rows = rows
+
+    def written_rows(self, read: Callable[[np.ndarray], RowBatch]) -> RowBatch | None:
+        """The complete rows of the ids written, as the call left them: the call's own export when it made one
+        (``rows``), else ``read(written_ids())`` (which skips ids no longer stored). None: nothing written."""
+        if not self.written:
+            return None
+        if self.rows is not None:
+            return self.rows
+        ids = self.written_ids()
+        return read(ids) if ids.size else None
 
     def written_ids(self) -> np.ndarray:
         """Unique ids written, (k,) int64 (first-seen order)."""

@@ -246,6 +246,10 @@ class Slab:
             return np.zeros(codes.shape, np.float64)
         return codes.astype(np.float64) / TIME_TICKS + self.time_base
 
+    def time_of_code(self, code: int) -> float:
+        """The unix time (whole ticks) a time code stands for, as ``times_of`` reads it."""
+        return 0.0 if self.time_base is None else float(np.float64(code) / TIME_TICKS + self.time_base)
+
     # --- whole rows ----------------------------------------------------------------------------------------
     def read_weights(self, positions: np.ndarray) -> np.ndarray:
         """(k,) positions -> (k, dim) float32."""

@@ -175,9 +175,6 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
             if miss.size:
                 positions[miss] = self._materialize(ids[miss], insert=self._open_admission, count=False,
                                                     hold=positions)
-            keep = positions >= 0
-            if self._changes is not None:
-                self._changes.written.append(ids[keep] if not keep.all() else ids)
             rows = self._rows_of(update)
             stored = rows >= 0
             if not stored.all():
@@ -196,6 +193,8 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
                 slab.stamp_access(rows, self._clock)
                 slab.dirty[rows] = slab.mark
             self._write_update(update, rows, stored)
+            if self._changes is not None:  # the rows as written, from the update itself: nothing read back
+                self._changes.wrote(ids[positions >= 0], self._exported(ids, update, rows, stored, time_code))
             self._counters["rows_updated"] += int(rows.shape[0])
             self._upkeep(self._maybe_evict)
             self._upkeep(self._maybe_spill)
@@ -275,7 +274,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         self._slab.write(positions, batch, access=self._clock)
         self._index.insert(ids, positions)
         if self._changes is not None:
-            self._changes.written.append(ids)
+            self._changes.wrote(ids)
         self._counters["inserts"] += k
         self._counters["admissions"] += k
 

@@ -50,7 +50,7 @@ def warm_kernels(num_slots: int = 4096) -> float:
             changes = Changes()
             table.pull(ids, changes=changes)
             table.push(ids, rng.normal(size=(ids.size, 8)).astype(np.float32), changes=changes)
-            rows = table.rows_of(changes.written_ids())
+            rows = changes.written_rows(table.rows_of)
             table.apply_changes(rows, None, None, table.step, check_values=False)
             table.export_rows(ids=ids)
             # a slot copy's ends: the target's contains/import, the source's listing by slot, the drop after

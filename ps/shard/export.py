@@ -197,7 +197,7 @@ class Exports(ShardFields):
             if request.step:
                 hosted.table.apply_changes(step=int(request.step))
             if changes is not None:
-                changes.written.append(rows.ids)
+                changes.wrote(rows.ids)
             marks = self._replicate(hosted, view, changes, uslots, None)
         if marks and self.replicator is not None and not self.replicator.wait(marks, self.config.ack_timeout_s):
             raise Unavailable(f"table {name!r}: rows written here but not yet by the in-sync copies; retry",

@@ -198,8 +198,7 @@ class Writes(ShardFields):
                 hosted.log.stamp(slots, view.epoch)
             return []
         table = hosted.table
-        written = changes.written_ids()
-        rows = table.rows_of(written) if written.size else None  # absent ids (evicted) are skipped
+        rows = changes.written_rows(table.rows_of)  # a push's own export, or read back (absent ids skipped)
         deleted = changes.deleted_ids()
         if deleted.size:
             deleted = deleted[~table.contains(deleted)]

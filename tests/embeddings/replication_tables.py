@@ -47,19 +47,36 @@ def admission_counts(table: emb.EmbeddingTable) -> dict[int, int]:
 
 
 def rows_by_id(table: emb.EmbeddingTable) -> dict[int, tuple]:
-    rows = table.export_rows()
-    return {i: (rows.weights[k].tobytes(), rows.state[k].tobytes(), int(rows.update_count[k]),
-                int(rows.last_step[k]), float(rows.last_time[k])) for k, i in enumerate(rows.ids.tolist())}
+    return rows_of_batch(table.export_rows())
 
 
 def replicate(primary: emb.EmbeddingTable, replica: emb.EmbeddingTable, changes: emb.Changes) -> None:
-    """Ship what one call on ``primary`` changed to ``replica``, as tigana.ps does."""
-    written = changes.written_ids()
-    present = written[primary.contains(written)]
+    """Ship what one call on ``primary`` changed to ``replica``, as tigana.ps does: the rows a push exported
+    as it wrote them (checked against the rows read back), else the written rows read back."""
     deleted = changes.deleted_ids()
     deleted = deleted[~primary.contains(deleted)]
-    replica.apply_changes(rows=primary.export_rows(ids=present), deleted=deleted,
-                          sightings=changes.sighting_arrays(), step=primary.step)
+    rows = changes.written_rows(primary.rows_of)
+    if changes.rows is not None:
+        check_export(primary, changes, deleted)
+    replica.apply_changes(rows=rows, deleted=deleted, sightings=changes.sighting_arrays(), step=primary.step)
+
+
+def check_export(table: emb.EmbeddingTable, changes: emb.Changes, deleted: np.ndarray) -> None:
+    """A call's own export of its rows is what reading them back gives, bit for bit, metadata included; it
+    names every id written once, and the ids it holds that are no longer stored are among the removals."""
+    exported = changes.rows
+    written = changes.written_ids()
+    assert exported is not None and np.unique(exported.ids).size == len(exported)
+    assert set(exported.ids.tolist()) == set(written.tolist())
+    back = rows_of_batch(table.rows_of(written))
+    mine = rows_of_batch(exported)
+    assert {i: mine[i] for i in back} == back
+    assert set(mine) - set(back) <= set(deleted.tolist())
+
+
+def rows_of_batch(rows: emb.RowBatch) -> dict[int, tuple]:
+    return {i: (rows.weights[k].tobytes(), rows.state[k].tobytes(), int(rows.update_count[k]),
+                int(rows.last_step[k]), float(rows.last_time[k])) for k, i in enumerate(rows.ids.tolist())}
 
 
 def zeros(n: int) -> np.ndarray:
