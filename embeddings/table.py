@@ -37,7 +37,7 @@ from tigana.embeddings.errors import InvalidArgument, StorageError, StorageFull
 from tigana.embeddings.hashtable import HashIndex, resolve_backend
 from tigana.embeddings.initializers import initial_rows
 from tigana.embeddings.rows import RowBatch
-from tigana.embeddings.slab import Slab
+from tigana.embeddings.slab import Slab, from_float32, to_float32
 
 _log = logging.getLogger(__name__)
 
@@ -273,10 +273,19 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
                          np.zeros(k, np.int64), np.full(k, self._step, np.int64), np.full(k, time.time()))
         self._slab.write(positions, batch, access=self._clock)
         self._index.insert(ids, positions)
-        if self._changes is not None:
-            self._changes.wrote(ids)
+        if self._changes is not None:  # the first write of the call: its rows, as stored, are all it wrote
+            self._changes.wrote(ids, None if self._changes.written else self._as_stored(batch, positions))
         self._counters["inserts"] += k
         self._counters["admissions"] += k
+
+    def _as_stored(self, batch: RowBatch, positions: np.ndarray) -> RowBatch:
+        """``batch`` as the slab holds it once written at ``positions``: the weights rounded to the storage
+        dtype, the step and time read back from their codes (no gather of the weights and state)."""
+        slab = self._slab
+        weights = batch.weights if slab.storage_dtype == np.float32 else \
+            to_float32(from_float32(batch.weights, slab.storage_dtype))
+        return RowBatch(batch.ids, weights, batch.state, batch.update_count, slab.steps_of(positions),
+                        slab.times_of(positions))
 
     # --- membership, delete --------------------------------------------------------------------------------
     def contains(self, ids: np.ndarray) -> np.ndarray:

@@ -124,20 +124,24 @@ OPTIMIZERS = {"sgd": emb.SGD(lr=0.1), "adagrad": emb.Adagrad(lr=0.1), "rowwise":
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @settings(max_examples=12, deadline=None)
-@given(pushes=st.lists(st.tuples(ids_st, st.integers(-3, 3), st.sampled_from([0.0, np.nan, 3e19])), min_size=1,
-                      max_size=6))
-def test_a_push_exports_the_rows_it_wrote(backend: str, optimizer: str, dtype: str, pushes) -> None:
-    """A push records its rows as it wrote them (no read back): the same bits as the rows read back after it,
-    whatever the optimizer, the storage dtype, new ids, duplicates, or rows dropped for a non-finite update."""
+@given(writes=st.lists(st.tuples(st.sampled_from(["pull", "push"]), ids_st, st.integers(-3, 3),
+                                 st.sampled_from([0.0, np.nan, 3e19])), min_size=1, max_size=6))
+def test_a_write_exports_the_rows_it_wrote(backend: str, optimizer: str, dtype: str, writes) -> None:
+    """A push, or a pull that inserts, records its rows as it wrote them (no read back): the same bits as the
+    rows read back after it, whatever the optimizer, the storage dtype, new ids, duplicates, or rows a push
+    dropped for a non-finite update."""
     cfg = config(backend, optimizer=OPTIMIZERS[optimizer], dtype=dtype, nonfinite_grads="skip_rows")
     primary, replica = emb.EmbeddingTable(cfg), emb.EmbeddingTable(cfg)
-    for id_list, g, poison in pushes:
+    for op, id_list, g, poison in writes:
         ids = np.array(id_list, np.int64)
-        grads = np.full((ids.size, DIM), g, np.float32) + np.arange(DIM, dtype=np.float32)
-        if poison and ids.size:  # NaN is screened out before the update, 3e19 overflows in it: skipped either way
-            grads[0, 0] = poison
         changes = emb.Changes()
-        primary.push(ids, grads, changes=changes)
+        if op == "pull":
+            primary.pull(ids, changes=changes)
+        else:
+            grads = np.full((ids.size, DIM), g, np.float32) + np.arange(DIM, dtype=np.float32)
+            if poison and ids.size:  # NaN is screened out before the update, 3e19 overflows in it: skipped either way
+                grads[0, 0] = poison
+            primary.push(ids, grads, changes=changes)
         assert (changes.rows is not None) == bool(changes.written)
         replicate(primary, replica, changes)  # checks the export against the rows read back
         assert rows_by_id(replica) == rows_by_id(primary)
