@@ -169,13 +169,13 @@ class Updating:
         return rows
 
     def _exported(self, ids: np.ndarray, update: Update, rows: np.ndarray, stored: np.ndarray,
-                  time_code: np.uint32) -> RowBatch | None:
+                  step_code: np.uint32, time_code: np.uint32) -> RowBatch | None:
         """The complete rows a push just stored (``rows``: the slab positions of the update's groups
         ``stored``), made from the update itself: its weights and state are what the slab now holds (the
-        storage dtype's rounding included), the step and time are the push's, so replicating them needs no
-        lookup or gather of what was just written. ``ids`` are the batch's (aligned with ``update.keys``): their
-        first-seen distinct values are the groups' ids, as keys and ids correspond one to one (None if they do not:
-        then the rows are read back)."""
+        storage dtype's rounding included), the step and time are the push's codes read back, so replicating
+        them needs no lookup or gather of what was just written. ``ids`` are the batch's (aligned with
+        ``update.keys``): their first-seen distinct values are the groups' ids, as keys and ids correspond one
+        to one (None if they do not: then the rows are read back)."""
         gids = _kernels.unique_first_seen(ids) if _kernels.AVAILABLE else _first_seen_numpy(ids)
         if gids.shape[0] != update.groups.shape[0]:  # not expected; the push stands, its rows are read back
             return None
@@ -184,10 +184,10 @@ class Updating:
         weights = update.weights.copy() if every else update.weights[stored]
         state = update.state.copy() if every else update.state[stored]
         slab, n = self._slab, rows.shape[0]
-        # the stamps the push wrote: its step (a code against a base at or below it reads back as the step) and
-        # its time code, read back as ``times_of`` reads it
+        # the stamps the push wrote, read back as ``steps_of`` and ``times_of`` read them
         return RowBatch(gids if every else gids[stored], weights, state, slab.update_count[rows].astype(np.int64),
-                        np.full(n, self._step, np.int64), np.full(n, slab.time_of_code(time_code)))
+                        np.full(n, slab.step_base + int(step_code), np.int64),
+                        np.full(n, slab.time_of_code(time_code)))
 
 
 def _first_seen_numpy(ids: np.ndarray) -> np.ndarray:

@@ -47,8 +47,8 @@ class Changes:
     """Ids written and removed, and admission sightings ((ids, counts) in the order counted).
 
     ``rows``: the complete rows of every id written so far, as the call left them, when the call exported them
-    itself (a push: the optimizer's output rows, so nothing is looked up and gathered again to replicate them);
-    None once a write they do not cover is recorded."""
+    itself (a push: the optimizer's output rows; a pull's inserts: the rows it stored), so nothing is looked up
+    and gathered again to replicate them; None once a write they do not cover is recorded."""
 
     written: list[np.ndarray] = field(default_factory=list)
     deleted: list[np.ndarray] = field(default_factory=list)

@@ -194,7 +194,8 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
                 slab.dirty[rows] = slab.mark
             self._write_update(update, rows, stored)
             if self._changes is not None:  # the rows as written, from the update itself: nothing read back
-                self._changes.wrote(ids[positions >= 0], self._exported(ids, update, rows, stored, time_code))
+                exported = self._exported(ids, update, rows, stored, step_code, time_code)
+                self._changes.wrote(ids[positions >= 0], exported)
             self._counters["rows_updated"] += int(rows.shape[0])
             self._upkeep(self._maybe_evict)
             self._upkeep(self._maybe_spill)
