@@ -179,6 +179,12 @@ class HashIndex:
         """Overwrite the values of live buckets at ``positions`` (from ``positions()``)."""
         self._vals[positions] = values
 
+    def values_at_least(self, threshold: int) -> tuple[np.ndarray, np.ndarray]:
+        """(bucket positions, values), both int64, of the live buckets whose value is ``threshold`` or more: one
+        pass over the buckets (``set_values`` then moves them)."""
+        at = np.flatnonzero(self._vals >= threshold)
+        return at, self._vals[at].astype(np.int64)
+
     def fill_values(self, value: int) -> None:
         """Set the value of every live key."""
         self._vals[self._vals >= 0] = value

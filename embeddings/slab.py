@@ -90,8 +90,9 @@ class _AlignedRows:
         return self.buf[self.offset:self.offset + n].view(self.dtype).reshape(rows, self.cols)
 
     def resize(self, rows: int) -> None:
-        """Grow to ``rows``; contents are kept, new rows are zero. Invalidates earlier ``array`` views."""
-        used = self.array.nbytes
+        """Grow or shrink to ``rows``; the rows kept keep their contents, new rows are zero. Invalidates earlier
+        ``array`` views."""
+        used = min(self.array.nbytes, rows * self.cols * self.dtype.itemsize)
         old = self.offset
         self.buf.resize(rows * self.cols * self.dtype.itemsize + self._ALIGN, refcheck=False)
         self.offset = self._offset()
@@ -186,12 +187,45 @@ class Slab:
         cap = self.capacity
         while cap < need:
             cap = cap * 2 if cap < (1 << 16) else cap + cap // (8 if cap < (1 << 20) else 16)
+        self._resize(cap)
+
+    def _resize(self, cap: int) -> None:
         self._weights.resize(cap)
         self._state.resize(cap)
         self.weights, self.state = self._weights.array, self._state.array
         for name, _ in _META:
             if self._kept(name):
                 getattr(self, name).resize(cap, refcheck=False)
+
+    def compact(self, capacity: int, moving: np.ndarray) -> np.ndarray:
+        """Shrink to ``capacity`` rows, giving the memory past it back (a shrinking realloc): ``moving`` must be
+        every position at or past ``capacity`` that holds a row; those rows move, every column, to free positions
+        below it, returned in the same order (the caller points its index at them). A slab only grows otherwise,
+        so one whose budget shrank (a spilling table's, as its index of spilled ids grows) held on to the
+        high-water mark of a larger budget. Positions below ``capacity`` that hold rows do not move."""
+        if capacity < _MIN_ROWS:
+            raise ValueError(f"a slab holds at least {_MIN_ROWS} rows, asked to shrink to {capacity}")
+        free = self._free[:self._n_free]
+        below = free[free < capacity]
+        k = int(moving.shape[0])
+        if below.shape[0] < k:
+            raise ValueError(f"{k} rows past position {capacity} and only {below.shape[0]} free positions below it")
+        dest = below[below.shape[0] - k:]  # the end of the free list: the positions it hands out next anyway
+        if k:
+            moving = np.ascontiguousarray(moving, np.int64)
+            _scatter(self.weights, dest, _gather(self.weights, moving))
+            if self.state_width:
+                _scatter(self.state, dest, _gather(self.state, moving))
+            for name, _ in _META:
+                if self._kept(name):
+                    column = getattr(self, name)
+                    column[dest] = column[moving]
+        rest = below[:below.shape[0] - k]
+        self._free = rest.copy()
+        self._n_free = int(rest.shape[0])
+        self.high_water = min(self.high_water, capacity)
+        self._resize(capacity)
+        return dest
 
     def halve_access(self) -> None:
         """Halve every row's access clock (the table halves its clock with it): the order of rows by last

@@ -89,7 +89,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         self._counters = dict.fromkeys(("pulls", "pushes", "lookups", "hits", "inserts", "admissions",
                                         "rejected_admissions", "evictions", "spills", "unspills",
                                         "rows_updated", "nonfinite_rows_skipped", "spill_failures",
-                                        "refused_inserts", "corrupt_rows", "upkeep_failures"), 0)
+                                        "refused_inserts", "corrupt_rows", "upkeep_failures", "compactions"), 0)
         self._corrupt = np.empty(0, np.int64)  # spilled ids whose record failed its checks (sorted)
         if config.memory_budget is not None:
             self._open_spill()
