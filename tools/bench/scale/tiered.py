@@ -2,7 +2,7 @@
 
 ``--tiered-rows`` distinct ids (default 250 M) of dim ``--tiered-dim`` (16, row-wise Adagrad) through
 ``--tiered-shards`` daemons (2), each started with ``--memory-budget`` (4 GiB): past the budget a daemon
-spills its coldest rows to LMDB. Beside it, in the same run, a reference cluster of as many daemons without a
+spills its coldest rows to its spill file. Beside it, in the same run, a reference cluster of as many daemons without a
 budget holds ``--ram-rows`` (10 M) rows in RAM. One JSON line per case:
 
 - ``scale.tiered.insert`` (rows/s): first-sight pulls of the ids (65,536 a batch, two batches in flight),
@@ -11,10 +11,10 @@ budget holds ``--ram-rows`` (10 M) rows in RAM. One JSON line per case:
 - ``scale.tiered.pull`` / ``scale.tiered.push`` (rows/s): batches of Zipf(``--zipf``) ids over every row once
   all are in, against the same workload over the reference cluster's rows, interleaved; with the RAM tier's hit
   rate over the timed pulls (``ram_hit_rate``: ids found resident / ids looked up) and the rows that came back
-  from LMDB meanwhile.
+  from the spill file meanwhile.
 - ``scale.tiered.rss`` (bytes): the largest anonymous RSS of a daemon (``RssAnon``: its own memory, what the
   budget governs), against its budget plus the process's memory at start (``rss_at_start``); the whole RSS
-  comes along (``rss_with_file_pages``: it also counts the LMDB pages the daemon has mapped and touched, page
+  comes along (``rss_with_file_pages``: it also counts the spill file's pages the daemon has mapped and touched, page
   cache the kernel may take back).
 - ``scale.tiered.disk`` (bytes/row): the spill tiers' files over the spilled rows, against the engine's bytes a
   resident row; ``data_dir_bytes_per_row`` is everything in the data directories (snapshots too) over all rows.
@@ -48,7 +48,7 @@ _DISK_BYTES_PER_ROW = 120  # the disk check's estimate (a 104-byte record and sl
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiered", action="store_true",
-                        help="run the tiered case instead of the curves: a table past RAM, most rows in LMDB")
+                        help="run the tiered case instead of the curves: a table past RAM, most rows in the spill tier on disk")
     parser.add_argument("--tiered-rows", default="250M", help="distinct ids of the tiered table (default 250M)")
     parser.add_argument("--memory-budget", default="4GiB", help="each tiered daemon's --memory-budget (4GiB)")
     parser.add_argument("--ram-rows", default="10M", help="rows of the in-RAM reference cluster (default 10M)")
