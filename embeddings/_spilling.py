@@ -1,6 +1,7 @@
 """The spill tier of a table: resident rows past the memory budget move to a ``SpillFile`` on disk, coldest
 (least recently accessed) first, down to 90% of the budget, and come back on access. The budget covers the
-resident rows and the in-memory index of spilled ids, which grows with the tier.
+resident rows and the in-memory index of spilled ids, which grows with the tier; as the budget left for resident
+rows shrinks, the slab gives back the positions it no longer needs (``_maybe_compact``).
 
 ``_spilled`` indexes the spilled ids; its value is the row's slot in the file (the index holds int32 values: up
 to 2**31 spilled rows a table). ``_spill_marks[slot]`` keeps the row's dirty mark (``Slab.dirty``) from when it

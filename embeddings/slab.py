@@ -24,7 +24,8 @@ as int64 steps and float64 unix times (``RowBatch``), converted here:
 - When a base moves, the values it leaves behind are clamped to the new base: a step or time older than the
   range (``2**31`` steps, about 194 days) reads back as the base, so such a row looks younger than it is
   (TTLs beyond that range expire it late, never early).
-Positions of deleted rows go to a free list and are reused first.
+Positions of deleted rows go to a free list and are reused first. The slab shrinks only when told to
+(``compact``: a spilling table whose budget shrank moves the rows past a smaller capacity below it).
 
 Arrays grow by 2x up to 65,536 rows, by 1.125x up to 1M rows, then by 1/16, through ``ndarray.resize``: glibc's
 realloc moves large blocks with mremap, so growth neither copies nor doubles the peak, and capacity slack stays
