@@ -51,9 +51,12 @@ class SpillTier(TableFields):
 
     def _rows_in_budget(self) -> int:
         """Resident rows the budget holds: its bytes, less the index of spilled ids (it lives in RAM and grows
-        with the tier), over a resident row's bytes (its slab columns and its share of the hash index)."""
-        per_row = self._slab.row_nbytes + _INDEX_BYTES_PER_ROW
-        rows = int((self._budget_bytes - self._spilled.nbytes - self._spill_marks.nbytes) // per_row)
+        with the tier), over a resident row's bytes: its slab columns and its share of the hash index, or what
+        the index takes now where that is more (it grows by half at a time, and shrinks only when a rehash finds
+        it mostly empty)."""
+        free = self._budget_bytes - self._spilled.nbytes - self._spill_marks.nbytes
+        row = self._slab.row_nbytes
+        rows = int(min(free // (row + _INDEX_BYTES_PER_ROW), (free - self._index.nbytes) // row))
         if rows < 1 and not self._budget_warned:
             self._budget_warned = True
             _log.warning("table %r: the index of its %d spilled ids (%d bytes) alone fills its memory budget (%d "
@@ -99,9 +102,10 @@ class SpillTier(TableFields):
         200 M rows held its 41 M-row high-water mark, 1.6x its budget in all. The rows past the target move
         to free positions below it (``Slab.compact``) and the index follows them."""
         slab, live = self._slab, len(self._index)
-        # a call may insert a quarter of the budget past it before it spills (``_check_room``), and the slab
-        # grows by steps: up to this capacity the budget itself put the rows there
-        need = self._budget_rows + self._budget_rows // 4
+        # a call's inserts may pass the budget by a batch before the call ends (``_check_room`` spills before
+        # inserting past it, unless one batch is larger than the budget, or the spill tier is full: then by a
+        # quarter), and the slab grows by steps: up to this capacity the budget itself put the rows there
+        need = self._budget_rows + min(self._budget_rows // 4, 1 << 16)
         room = 2 * need if need < (1 << 16) else need + need // (8 if need < (1 << 20) else 16)
         target = max(live + live // 16 + 1, _COMPACT_MIN_ROWS)
         if self._cuts or slab.capacity <= room + _COMPACT_MIN_ROWS or target >= slab.capacity:

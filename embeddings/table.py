@@ -244,11 +244,12 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         return self._index.lookup(ids)
 
     def _check_room(self, k: int, hold: np.ndarray) -> None:
-        """The memory ceiling: a table with a budget may run past it by a quarter while its spill tier works;
-        when spilling fails (disk full, or the spill file at its cap), inserting ``k`` new rows past that
-        ceiling is refused with ``StorageFull`` before anything changed. Updates of stored rows go on; inserts
-        resume once space is freed and a spill succeeds."""
-        if self._spill is None or len(self._index) + k <= self._budget_rows + self._budget_rows // 4:
+        """Room for ``k`` new rows within the budget: cold rows spill before the inserts would pass it (down to
+        90% of it, so spills come in batches). The memory ceiling: when spilling fails (disk full, or the spill
+        file at its cap), a table may still run past its budget by a quarter; inserting past that ceiling is
+        refused with ``StorageFull`` before anything changed. Updates of stored rows go on; inserts resume once
+        space is freed and a spill succeeds."""
+        if self._spill is None or len(self._index) + k <= self._budget_rows:
             return
         if len(self._index) <= max(1, int(0.9 * self._budget_rows)):
             return  # nothing to spill: one batch larger than the budget (bounded by the request limits)
@@ -256,6 +257,9 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
             self._spill_coldest(hold)
         except StorageFull as exc:
             self._counters["spill_failures"] += 1
+            if len(self._index) + k <= self._budget_rows + self._budget_rows // 4:
+                _log.warning("%s", exc)
+                return
             self._counters["refused_inserts"] += k
             raise StorageFull(f"table {self.name!r}: {len(self._index)} rows in memory, past its memory budget "
                               f"of {self._budget_rows} rows, and the spill tier is full ({exc}); {k} new rows "
