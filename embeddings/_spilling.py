@@ -57,7 +57,7 @@ class SpillTier(TableFields):
         free = self._budget_bytes - self._spilled.nbytes - self._spill_marks.nbytes
         row = self._slab.row_nbytes
         rows = int(min(free // (row + _INDEX_BYTES_PER_ROW), (free - self._index.nbytes) // row))
-        if rows < 1 and not self._budget_warned:
+        if free < row + _INDEX_BYTES_PER_ROW and not self._budget_warned:
             self._budget_warned = True
             _log.warning("table %r: the index of its %d spilled ids (%d bytes) alone fills its memory budget (%d "
                          "bytes); every row spills (raise memory_budget)", self.name, len(self._spilled),
