@@ -26,11 +26,11 @@ from tigana.embeddings._fields import TableFields
 from tigana.embeddings.changes import sorted_unique
 from tigana.embeddings.errors import CorruptStore, StorageFull
 from tigana.embeddings.rows import RowBatch
+from tigana.embeddings.slab import MIN_ROWS, room_for
 from tigana.embeddings.spillfile import SpillFile
 
 _log = logging.getLogger("tigana.embeddings.table")
 _INDEX_BYTES_PER_ROW = 18  # a row's share of the hash index
-_COMPACT_MIN_ROWS = 64  # a slab compacts to no fewer positions than this (``slab._MIN_ROWS``)
 
 
 class SpillTier(TableFields):
@@ -105,10 +105,9 @@ class SpillTier(TableFields):
         # a call's inserts may pass the budget by a batch before the call ends (``_check_room`` spills before
         # inserting past it, unless one batch is larger than the budget, or the spill tier is full: then by a
         # quarter), and the slab grows by steps: up to this capacity the budget itself put the rows there
-        need = self._budget_rows + min(self._budget_rows // 4, 1 << 16)
-        room = 2 * need if need < (1 << 16) else need + need // (8 if need < (1 << 20) else 16)
-        target = max(live + live // 16 + 1, _COMPACT_MIN_ROWS)
-        if self._cuts or slab.capacity <= room + _COMPACT_MIN_ROWS or target >= slab.capacity:
+        room = room_for(self._budget_rows + min(self._budget_rows // 4, 1 << 16))
+        target = max(live + live // 16 + 1, MIN_ROWS)
+        if self._cuts or slab.capacity <= room + MIN_ROWS or target >= slab.capacity:
             return
         buckets, moving = self._index.values_at_least(target)
         self._index.set_values(buckets, slab.compact(target, moving))

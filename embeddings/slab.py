@@ -42,7 +42,7 @@ import numpy as np
 from tigana.embeddings import _kernels
 from tigana.embeddings.rows import RowBatch
 
-_MIN_ROWS = 64
+MIN_ROWS = 64  # the fewest positions a slab holds
 _META = (("update_count", np.uint32), ("last_step", np.uint32), ("last_time", np.uint32),
          ("last_access", np.uint32), ("dirty", np.uint8))
 ACCESS_MAX = (1 << 32) - 1  # the largest access clock a row can hold
@@ -108,11 +108,11 @@ class Slab:
     def __init__(self, dim: int, state_width: int, storage: str = "float32", *, track_access: bool = False) -> None:
         self.dim, self.state_width = dim, state_width
         self.storage_dtype = STORAGE_DTYPES[storage]
-        self._weights = _AlignedRows(_MIN_ROWS, dim, self.storage_dtype)
-        self._state = _AlignedRows(_MIN_ROWS, state_width, np.dtype(np.float32))
+        self._weights = _AlignedRows(MIN_ROWS, dim, self.storage_dtype)
+        self._state = _AlignedRows(MIN_ROWS, state_width, np.dtype(np.float32))
         self.weights, self.state = self._weights.array, self._state.array
         for name, dt in _META:
-            setattr(self, name, np.zeros(_MIN_ROWS if name != "last_access" or track_access else 0, dt))
+            setattr(self, name, np.zeros(MIN_ROWS if name != "last_access" or track_access else 0, dt))
         self._free = np.empty(0, np.int64)
         self._n_free = 0
         self.high_water = 0  # positions [0, high_water) were handed out at least once
@@ -187,7 +187,7 @@ class Slab:
     def _grow(self, need: int) -> None:
         cap = self.capacity
         while cap < need:
-            cap = cap * 2 if cap < (1 << 16) else cap + cap // (8 if cap < (1 << 20) else 16)
+            cap = _grown(cap)
         self._resize(cap)
 
     def _resize(self, cap: int) -> None:
@@ -204,8 +204,8 @@ class Slab:
         below it, returned in the same order (the caller points its index at them). A slab only grows otherwise,
         so one whose budget shrank (a spilling table's, as its index of spilled ids grows) held on to the
         high-water mark of a larger budget. Positions below ``capacity`` that hold rows do not move."""
-        if capacity < _MIN_ROWS:
-            raise ValueError(f"a slab holds at least {_MIN_ROWS} rows, asked to shrink to {capacity}")
+        if capacity < MIN_ROWS:
+            raise ValueError(f"a slab holds at least {MIN_ROWS} rows, asked to shrink to {capacity}")
         free = self._free[:self._n_free]
         below = free[free < capacity]
         k = int(moving.shape[0])
@@ -313,6 +313,17 @@ class Slab:
         self.last_time[positions] = self.time_codes(batch.last_time)
         self.stamp_access(positions, access)
         self.dirty[positions] = self.mark
+
+
+def _grown(cap: int) -> int:
+    """The capacity after one growth step from ``cap`` (see the module docstring)."""
+    return cap * 2 if cap < (1 << 16) else cap + cap // (8 if cap < (1 << 20) else 16)
+
+
+def room_for(rows: int) -> int:
+    """The most capacity a slab grown to hold ``rows`` rows can have: growth stops at the first step that reaches
+    them, and a step from below ``rows`` ends at most one step past them."""
+    return max(MIN_ROWS, _grown(rows))
 
 
 _WORDS = {2: np.uint16, 4: np.uint32, 8: np.uint64}

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from replication_tables import rows_by_id
 
 from tigana import embeddings as emb
 from tigana.embeddings._spilling import _INDEX_BYTES_PER_ROW
@@ -35,9 +36,7 @@ def test_the_index_of_spilled_ids_counts_against_the_budget(tmp_path: Path) -> N
 
 def _rows(table: emb.EmbeddingTable) -> dict[int, tuple]:
     """Each stored row's weights, state, update count and step (not its time: twins stamp their own clocks)."""
-    rows = table.export_rows()
-    return {i: (rows.weights[k].tobytes(), rows.state[k].tobytes(), int(rows.update_count[k]), int(rows.last_step[k]))
-            for k, i in enumerate(rows.ids.tolist())}
+    return {i: row[:4] for i, row in rows_by_id(table).items()}
 
 
 def _check_slab(table: emb.EmbeddingTable) -> None:
