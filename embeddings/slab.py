@@ -276,14 +276,16 @@ class Slab:
 
     def times_of(self, positions: np.ndarray) -> np.ndarray:
         """float64 last times (unix seconds, whole ticks) of the rows at ``positions``."""
-        codes = self.last_time[positions]
-        if self.time_base is None:  # nothing written yet: every code is 0
-            return np.zeros(codes.shape, np.float64)
-        return codes.astype(np.float64) / TIME_TICKS + self.time_base
+        return self._times(self.last_time[positions])
 
     def time_of_code(self, code: int) -> float:
         """The unix time (whole ticks) a time code stands for, as ``times_of`` reads it."""
-        return 0.0 if self.time_base is None else float(np.float64(code) / TIME_TICKS + self.time_base)
+        return float(self._times(np.array([code], np.uint32))[0])
+
+    def _times(self, codes: np.ndarray) -> np.ndarray:
+        if self.time_base is None:  # nothing written yet: every code is 0
+            return np.zeros(codes.shape, np.float64)
+        return codes.astype(np.float64) / TIME_TICKS + self.time_base
 
     # --- whole rows ----------------------------------------------------------------------------------------
     def read_weights(self, positions: np.ndarray) -> np.ndarray:

@@ -256,10 +256,9 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         try:
             self._spill_coldest(hold)
         except StorageFull as exc:
-            self._counters["spill_failures"] += 1
             if len(self._index) + k <= self._budget_rows + self._budget_rows // 4:
-                _log.warning("%s", exc)
-                return
+                return  # within the ceiling: the call goes on, and its end spills again (counted, logged there)
+            self._counters["spill_failures"] += 1
             self._counters["refused_inserts"] += k
             raise StorageFull(f"table {self.name!r}: {len(self._index)} rows in memory, past its memory budget "
                               f"of {self._budget_rows} rows, and the spill tier is full ({exc}); {k} new rows "
