@@ -110,23 +110,27 @@ class Evicting(TableFields):
         if n >= len(self._spilled):
             rows = self._spill_rows(self._spilled.items()[0], skip_corrupt=True)
             return rows, len(self._spilled)
-        keys, vals = self._spilled.buckets()
-        buckets = keys.shape[0]
+        view = self._spilled.view()  # global bucket numbers over the partitions
+        buckets = view.size
         start = self._spill_cursor if 0 <= self._spill_cursor < buckets else 0
-        taken: list[np.ndarray] = []
+        taken_keys: list[np.ndarray] = []
+        taken_vals: list[np.ndarray] = []
         got, at, scanned = 0, start, 0
         while got < n and scanned < buckets:  # a few times n buckets at a time (the index is ~70% full)
-            hi = min(buckets, at + 2 * (n - got) + 64)
-            live = at + np.flatnonzero(vals[at:hi] >= 0)[:n - got]
-            taken.append(live)
+            hi = min(view.segment_end(at), at + 2 * (n - got) + 64)
+            keys, vals = view.slice(at, hi)
+            live = np.flatnonzero(vals >= 0)[:n - got]
+            taken_keys.append(keys[live])
+            taken_vals.append(vals[live])
             got += live.shape[0]
             scanned += hi - at
-            at = int(live[-1]) + 1 if got == n and live.size else hi
+            at = at + int(live[-1]) + 1 if got == n and live.size else hi
             if at >= buckets:
                 at = 0
         self._spill_cursor = at
-        picked = np.concatenate(taken) if taken else np.empty(0, np.int64)
+        picked_keys = np.concatenate(taken_keys) if taken_keys else np.empty(0, np.uint64)
+        picked_vals = np.concatenate(taken_vals) if taken_vals else np.empty(0, np.int32)
         corrupt: list[int] = []
-        rows = self._spill.read(vals[picked], keys[picked].view(np.int64), corrupt=corrupt)
+        rows = self._spill.read(picked_vals, picked_keys.view(np.int64), corrupt=corrupt)
         self._note_corrupt(corrupt)
-        return rows, int(picked.shape[0])
+        return rows, int(picked_keys.shape[0])

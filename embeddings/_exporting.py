@@ -123,7 +123,7 @@ class Exporting(TableFields):
             moves = self._tier_moves()
             indexes = [HashIndex.over(*self._index.buckets(), self._backend)]
             if len(self._spilled):
-                indexes.append(HashIndex.over(*self._spilled.buckets(), self._backend))
+                indexes.extend(self._spilled.view().indexes())
         parts = []
         for index in indexes:
             for lo in range(0, index.capacity, SCAN_BUCKETS):
@@ -134,7 +134,7 @@ class Exporting(TableFields):
             self._check_open()
             if self._tier_moves() == moves:
                 return parts
-            return [visit(index, 0, None) for index in (self._index, self._spilled) if len(index)]
+            return [visit(index, 0, None) for index in (self._index, *self._spilled.partitions()) if len(index)]
 
     def _tier_moves(self) -> int:
         """Rows spilled or brought back so far (under the lock)."""

@@ -19,7 +19,7 @@ import numpy as np
 from tigana.embeddings.changes import Changes, unique
 from tigana.embeddings.config import TableConfig
 from tigana.embeddings.errors import InvalidArgument
-from tigana.embeddings.hashtable import HashIndex
+from tigana.embeddings.hashtable import HashIndex, PartitionedIndex
 from tigana.embeddings.rows import RowBatch
 from tigana.embeddings.slab import ACCESS_MAX, Slab
 
@@ -47,7 +47,7 @@ class TableFields:
     _deleted: list[np.ndarray]  # ids removed since the last tracked snapshot (only while there is one)
     _pending_marks: tuple[int, ...]  # marks, besides the current one, of rows a failed snapshot gave back
     _spill: SpillFile | None
-    _spilled: HashIndex  # ids living only in the spill file -> their slot in it
+    _spilled: PartitionedIndex  # ids living only in the spill file -> their slot in it (grows a part at a time)
     _spill_marks: np.ndarray  # uint8 per spill slot: the dirty mark its row spilled with
     _budget_rows: int
     _budget_bytes: int

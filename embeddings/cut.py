@@ -1,7 +1,8 @@
 """Cut: a consistent read of a whole table at one point in its write order, without holding the table's lock
 for time proportional to the table (copy-on-write).
 
-    open   (under the table's lock, O(1))   keep the bucket arrays of both hash indexes as they are, the slab's
+    open   (under the table's lock, O(1))   keep the bucket arrays of both hash indexes as they are (each
+                                            partition's of the spilled one: ``IndexView``), the slab's
                                             high water, the step and the snapshot mark; allocate the cut's state
                                             arrays zero-filled (calloc: the OS zeroes the pages on first touch)
     writes (under the lock, O(batch), vectorized, before they change anything the cut has not read)
@@ -46,7 +47,7 @@ import numpy as np
 from tigana.embeddings._checksum import row_digests
 from tigana.embeddings._fields import TableFields
 from tigana.embeddings.errors import CorruptStore
-from tigana.embeddings.hashtable import HashIndex
+from tigana.embeddings.hashtable import HashIndex, PartitionedIndex
 from tigana.embeddings.rows import RowBatch
 from tigana.embeddings.slab import Slab
 
@@ -79,8 +80,8 @@ class Cut:
         self._high_water = table._slab.high_water
         self._where = np.zeros(self._high_water, np.int32)  # per slab position: 0, -1 or saved index + 1
         self._saved = Slab(table.dim, table.state_width, table.config.dtype)
-        self._sp_keys, self._sp_vals = table._spilled.buckets()
-        self._sp_done = np.zeros(self._sp_keys.shape[0], bool)
+        self._sp = table._spilled.view()  # the spilled index's partitions, global bucket numbers
+        self._sp_done = np.zeros(self._sp.size, bool)
         self._removed: list[tuple[RowBatch, np.ndarray]] = []  # (rows, their marks) removed before read
         self._digest: tuple[int, int] | None = None  # (rows, digest sum) once a pass has run
         self._open = True
@@ -114,12 +115,19 @@ class Cut:
         finally:
             self.close()
 
+    def _segments(self) -> list[tuple[int, int, bool]]:
+        """(first bucket, end, spilled) of the resident index, then of each partition of the spilled one (a
+        chunk of buckets never crosses a partition)."""
+        spilled = [(off, off + keys.shape[0], True) for off, keys, _ in self._sp.segments()]
+        return [(0, self._keys.shape[0], False), *spilled]
+
     def _walk(self, chunk: int, dirty_only: bool) -> Iterator[RowBatch]:
-        for buckets, read in ((self._keys.shape[0], self._resident), (self._sp_keys.shape[0], self._spilled)):
-            for lo in range(0, buckets, chunk):
+        for first, end, spilled in self._segments():
+            read = self._spilled if spilled else self._resident
+            for lo in range(first, end, chunk):
                 with self._table._lock:
                     self._check()
-                    batch = read(lo, min(lo + chunk, buckets), dirty_only)
+                    batch = read(lo, min(lo + chunk, end), dirty_only)
                 if batch is not None and len(batch):
                     yield batch
 
@@ -128,23 +136,24 @@ class Cut:
         meanwhile is no longer found (its row is among the removed rows), one read is no longer the cut's."""
         table = self._table
         parts = []
-        for keys, vals, spilled in ((self._keys, self._vals, False), (self._sp_keys, self._sp_vals, True)):
-            for lo in range(0, keys.shape[0], chunk):
+        for first, end, spilled in self._segments():
+            for lo in range(first, end, chunk):
+                hi = min(lo + chunk, end)
                 with table._lock:
                     self._check()
-                    v = vals[lo:lo + chunk]
                     if spilled:
-                        live = (v >= 0) & ~self._sp_done[lo:lo + chunk]
+                        keys, v = self._sp.slice(lo, hi)
+                        live = (v >= 0) & ~self._sp_done[lo:hi]
                     else:
+                        keys, v = self._keys[lo:hi], self._vals[lo:hi]
                         live = v >= 0
                         pos = v[live]
                         live[live] = pos < self._high_water
                         live[live] = self._where[v[live]] != -1
-                    parts.append(keys[lo:lo + chunk][live].view(np.int64))
+                    parts.append(keys[live].view(np.int64))
         ids = np.sort(np.concatenate(parts)) if parts else np.empty(0, np.int64)
         ids = ids[np.r_[True, ids[1:] != ids[:-1]]] if ids.size else ids  # (np.unique hashes: far slower here)
         resident = HashIndex.over(self._keys, self._vals, table.backend)
-        spilled_index = HashIndex.over(self._sp_keys, self._sp_vals, table.backend)
         for lo in range(0, ids.shape[0], ORDERED_ROWS):
             part = ids[lo:lo + ORDERED_ROWS]
             with table._lock:
@@ -155,8 +164,8 @@ class Cut:
                 if dirty_only:
                     rows = rows.take(np.isin(marks, self.marks))
                 rest = part[~found]
-                if rest.size and len(self._sp_keys):
-                    buckets, sp_vals = spilled_index.positions(rest)
+                if rest.size and self._sp.size:
+                    buckets, sp_vals = self._sp.positions(rest)
                     mine = buckets >= 0
                     mine[mine] = ~self._sp_done[buckets[mine]]
                     self._sp_done[buckets[mine]] = True
@@ -232,14 +241,14 @@ class Cut:
         return rows.take(np.isin(marks, self.marks)) if dirty_only else rows
 
     def _spilled(self, lo: int, hi: int, dirty_only: bool) -> RowBatch | None:
-        vals = self._sp_vals[lo:hi]
+        keys, vals = self._sp.slice(lo, hi)
         live = (vals >= 0) & ~self._sp_done[lo:hi]
         self._sp_done[lo:hi] = True
         if dirty_only:
             live &= np.isin(self._table._spill_marks_of(vals), self.marks)
         if not live.any():
             return None
-        return self._read_spilled(self._sp_keys[lo:hi][live].view(np.int64))
+        return self._read_spilled(keys[live].view(np.int64))
 
     def _read_spilled(self, ids: np.ndarray) -> RowBatch:
         """Rows of spilled ``ids`` still the cut's: unmoved since the cut opened (a move tells the cut first)."""
@@ -297,7 +306,7 @@ class Cut:
     def spilled_unread(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Of unique spilled ``ids`` about to leave the tier, those the cut has not read: (buckets in the held
         spilled arrays, ids, marks). The caller keeps their rows (``keep_removed``) and marks the buckets done."""
-        buckets, vals = HashIndex.over(self._sp_keys, self._sp_vals, self._table.backend).positions(ids)
+        buckets, vals = self._sp.positions(ids)
         mine = buckets >= 0
         mine[mine] = ~self._sp_done[buckets[mine]]
         return buckets[mine], ids[mine], self._table._spill_marks_of(vals[mine])
@@ -309,12 +318,11 @@ class Cut:
         self._removed.append((rows, marks[at]))
         self._sp_done[buckets] = True
 
-    def spilled_inserted(self, index: HashIndex, ids: np.ndarray) -> None:
-        """``ids`` were just inserted into the spilled index: their buckets (if still the held arrays) are not
-        the cut's."""
-        if index.buckets()[0] is self._sp_keys:
-            buckets, _ = index.positions(ids)
-            self._sp_done[buckets[buckets >= 0]] = True
+    def spilled_inserted(self, index: PartitionedIndex, ids: np.ndarray) -> None:
+        """``ids`` were just inserted into the spilled index: their buckets (in the partitions whose arrays are
+        still the held ones) are not the cut's."""
+        buckets, _ = self._sp.positions(ids, current=index)
+        self._sp_done[buckets[buckets >= 0]] = True
 
 
 class CutHooks(TableFields):

@@ -6,6 +6,10 @@ splitmix64 hash, probing is linear. Capacity is any integer (not a power of two)
 0.8 (tombstones count as load and are dropped by the rehash): 12 bytes per bucket, 15-23 bytes per live key.
 Linear probing stays short at 0.8 (a hit reads 3 buckets on average, a miss 13, in two or three cache lines).
 
+``PartitionedIndex`` splits one map into ``PARTS`` such indexes that grow one at a time (the index of a table's
+spilled ids, where a whole-index rehash would break the memory budget); ``IndexView`` numbers its buckets
+globally for the readers that hold them (cuts, scans).
+
 Every operation takes a whole batch (duplicates allowed) and runs either a numba kernel or a vectorized numpy
 fallback (``backend="numpy"``, also used when numba is missing); both give identical results.
 Not thread-safe on its own: the owning table holds its lock around every call.
@@ -26,6 +30,7 @@ Backend = Literal["auto", "numba", "numpy"]
 _MAX_LOAD = 0.8
 _GROWTH = 1.5
 _MIN_CAPACITY = 64
+_BUCKET_BYTES = 12  # a key (uint64) and a value (int32)
 
 
 def resolve_backend(backend: Backend) -> Literal["numba", "numpy"]:
@@ -53,9 +58,11 @@ def _home_np(keys: np.ndarray, cap: int) -> np.ndarray:
 class HashIndex:
     """Map of int64 id -> int32 value >= 0 for whole batches; see the module docstring."""
 
-    def __init__(self, capacity: int = _MIN_CAPACITY, *, backend: Backend = "auto") -> None:
+    def __init__(self, capacity: int = _MIN_CAPACITY, *, backend: Backend = "auto",
+                 min_capacity: int = _MIN_CAPACITY) -> None:
         self.backend = resolve_backend(backend)
-        cap = max(_MIN_CAPACITY, int(capacity))
+        self._min_capacity = max(2, int(min_capacity))  # it never shrinks below this
+        cap = max(self._min_capacity, int(capacity))
         self._keys = np.zeros(cap, np.uint64)
         self._vals = np.full(cap, EMPTY, np.int32)
         self._size = 0  # live keys
@@ -201,8 +208,8 @@ class HashIndex:
         return removed_ids, removed_vals
 
     def clear(self) -> None:
-        self._keys = np.zeros(_MIN_CAPACITY, np.uint64)
-        self._vals = np.full(_MIN_CAPACITY, EMPTY, np.int32)
+        self._keys = np.zeros(self._min_capacity, np.uint64)
+        self._vals = np.full(self._min_capacity, EMPTY, np.int32)
         self._size = self._used = 0
 
     def _reserve(self, n_new: int) -> None:
@@ -212,8 +219,8 @@ class HashIndex:
         cap = self.capacity
         while need > _MAX_LOAD * cap:
             cap = int(cap * _GROWTH) + 1
-        if need <= 0.5 * _MAX_LOAD * cap and cap > _MIN_CAPACITY:  # mostly tombstones: stay small
-            cap = max(_MIN_CAPACITY, int(need / (0.5 * _MAX_LOAD)) + 1)
+        if need <= 0.5 * _MAX_LOAD * cap and cap > self._min_capacity:  # mostly tombstones: stay small
+            cap = max(self._min_capacity, int(need / (0.5 * _MAX_LOAD)) + 1)
         new_keys = np.empty(cap, np.uint64)  # a bucket's key is read only where its value is >= 0
         new_vals = np.full(cap, EMPTY, np.int32)
         if self.backend == "numba":
@@ -246,3 +253,160 @@ class HashIndex:
             nxt[nxt == cap] = 0
             cur[active] = nxt
         return consumed
+
+
+# --- partitioned: an index whose growth never holds two copies of the whole ------------------------------------
+PARTS = 16  # partitions of a PartitionedIndex; a power of two (a mask picks one)
+_PART_MIN = 8  # buckets of an empty partition: an empty index takes 1.5 KB
+_PART_SHIFT = np.uint64(27)  # below the 32 bits a partition's home bucket takes, away from routing's low bits
+
+
+def parts_of(q: np.ndarray) -> np.ndarray:
+    """The partition (uint8, in [0, PARTS)) of each uint64 key: bits 27-30 of its mix, which neither the home
+    bucket inside a partition (the top 32 bits) nor a power-of-two routing slot (the low bits) reads."""
+    return ((mix64(q) >> _PART_SHIFT) & np.uint64(PARTS - 1)).astype(np.uint8)
+
+
+def _split(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(order, bounds): ``q[order[bounds[p]:bounds[p + 1]]]`` are the keys of partition ``p``."""
+    parts = parts_of(q)
+    order = np.argsort(parts, kind="stable")  # a radix sort for uint8
+    bounds = np.zeros(PARTS + 1, np.int64)
+    np.cumsum(np.bincount(parts, minlength=PARTS), out=bounds[1:])
+    return order, bounds
+
+
+class PartitionedIndex:
+    """A map of int64 id -> int32 value >= 0 as ``PARTS`` ``HashIndex`` partitions, each growing on its own.
+
+    Why: a growing ``HashIndex`` holds its old and new arrays at once, 2.5x its bytes for the rehash. The index
+    of a table's spilled ids is most of a spilling table's memory at scale (125 M spilled ids hold ~2.3 GB), and
+    such a spike broke the table's memory budget. Here a growth rehashes one partition, so the spike is at most
+    ``growth_bytes``: the new arrays of one partition (about 1.5/``PARTS`` of the index). Keys split by bits of
+    their mix (``parts_of``), so the partitions fill evenly and a batch costs one mix and one radix sort more
+    than a ``HashIndex`` call. Bucket numbers (``view``) are global: a partition's buckets follow those of the
+    partitions before it. Not thread-safe on its own, as ``HashIndex``."""
+
+    def __init__(self, *, backend: Backend = "auto") -> None:
+        self.backend = resolve_backend(backend)
+        self._parts = [HashIndex(_PART_MIN, backend=self.backend, min_capacity=_PART_MIN) for _ in range(PARTS)]
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self._parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self._parts)
+
+    @property
+    def growth_bytes(self) -> int:
+        """The most bytes one growth allocates before it frees the arrays it replaces (a partition's next size)."""
+        return max((int(p.capacity * _GROWTH) + 1) * _BUCKET_BYTES for p in self._parts)
+
+    def partitions(self) -> list[HashIndex]:
+        """The partitions themselves (a full pass over the index under the owner's lock)."""
+        return list(self._parts)
+
+    def view(self) -> IndexView:
+        """The partitions' bucket arrays as they are now (not copies; see ``HashIndex.buckets``)."""
+        return IndexView([p.buckets() for p in self._parts], self.backend)
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """(n,) ids -> (n,) int64 values, -1 where absent."""
+        q = as_id_bits(ids)
+        out = np.full(q.shape[0], -1, np.int64)
+        order, bounds = _split(q)
+        for p, part in enumerate(self._parts):
+            if bounds[p] < bounds[p + 1] and len(part):
+                at = order[bounds[p]:bounds[p + 1]]
+                out[at] = part.lookup(q[at].view(np.int64))
+        return out
+
+    def insert(self, ids: np.ndarray, values: np.ndarray) -> None:
+        """Insert ids that are unique and absent (the caller guarantees both) with values >= 0."""
+        q = as_id_bits(ids)
+        v = np.ascontiguousarray(values, dtype=np.int32)
+        order, bounds = _split(q)
+        for p, part in enumerate(self._parts):
+            if bounds[p] < bounds[p + 1]:
+                at = order[bounds[p]:bounds[p + 1]]
+                part.insert(q[at].view(np.int64), v[at])
+
+    def delete(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Remove ids (duplicates and absent ids allowed). Returns (removed ids, their values), unique."""
+        q = as_id_bits(ids)
+        order, bounds = _split(q)
+        got = [part.delete(q[order[bounds[p]:bounds[p + 1]]].view(np.int64))
+               for p, part in enumerate(self._parts) if bounds[p] < bounds[p + 1] and len(part)]
+        if not got:
+            return np.empty(0, np.int64), np.empty(0, np.int64)
+        return np.concatenate([g[0] for g in got]), np.concatenate([g[1] for g in got])
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """All live (ids int64, values int64), in bucket order."""
+        got = [p.items() for p in self._parts]
+        return np.concatenate([g[0] for g in got]), np.concatenate([g[1] for g in got])
+
+    def keys(self) -> np.ndarray:
+        """All live ids (int64), in bucket order."""
+        return np.concatenate([p.keys() for p in self._parts])
+
+    def clear(self) -> None:
+        for p in self._parts:
+            p.clear()
+
+
+class IndexView:
+    """The bucket arrays of a ``PartitionedIndex`` at one moment, numbered globally (partition 0's buckets, then
+    partition 1's, ...): what a cut or a scan holds to read the index as of that moment while writes go on."""
+
+    def __init__(self, parts: list[tuple[np.ndarray, np.ndarray]], backend: Backend = "auto") -> None:
+        self.parts = parts
+        self.backend = resolve_backend(backend)
+        self.offsets = np.zeros(len(parts) + 1, np.int64)
+        np.cumsum([k.shape[0] for k, _ in parts], out=self.offsets[1:])
+
+    @property
+    def size(self) -> int:
+        """Buckets in all."""
+        return int(self.offsets[-1])
+
+    def segments(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """(first global bucket, keys, values) of each partition."""
+        return [(int(self.offsets[p]), k, v) for p, (k, v) in enumerate(self.parts)]
+
+    def segment_end(self, bucket: int) -> int:
+        """The global bucket just past the partition holding ``bucket``."""
+        return int(self.offsets[np.searchsorted(self.offsets, bucket, side="right")])
+
+    def slice(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, values) of global buckets [lo, hi), which lie in one partition."""
+        p = int(np.searchsorted(self.offsets, lo, side="right")) - 1
+        off = int(self.offsets[p])
+        assert hi <= self.offsets[p + 1], "a bucket range crosses partitions"
+        keys, vals = self.parts[p]
+        return keys[lo - off:hi - off], vals[lo - off:hi - off]
+
+    def indexes(self) -> list[HashIndex]:
+        """One read-only ``HashIndex`` over each partition's arrays (for ``keys_in_slots`` and ``slot_counts``)."""
+        return [HashIndex.over(k, v, self.backend) for k, v in self.parts]
+
+    def positions(self, ids: np.ndarray, current: PartitionedIndex | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+        """(n,) ids -> (global buckets, values), both int64, -1 where absent. ``current``: only in the partitions
+        whose arrays are still that index's (an id inserted into a partition grown since is not in this view)."""
+        q = as_id_bits(ids)
+        pos = np.full(q.shape[0], -1, np.int64)
+        val = np.full(q.shape[0], -1, np.int64)
+        order, bounds = _split(q)
+        for p, (keys, vals) in enumerate(self.parts):
+            if bounds[p] == bounds[p + 1]:
+                continue
+            if current is not None and current._parts[p].buckets()[0] is not keys:
+                continue
+            at = order[bounds[p]:bounds[p + 1]]
+            b, v = HashIndex.over(keys, vals, self.backend).positions(q[at].view(np.int64))
+            found = b >= 0
+            b[found] += self.offsets[p]
+            pos[at], val[at] = b, v
+        return pos, val

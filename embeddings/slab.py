@@ -43,6 +43,7 @@ from tigana.embeddings import _kernels
 from tigana.embeddings.rows import RowBatch
 
 MIN_ROWS = 64  # the fewest positions a slab holds
+_MOVE_CHUNK = 1 << 18  # rows a compaction moves at a time (their copy is transient memory past the budget)
 _META = (("update_count", np.uint32), ("last_step", np.uint32), ("last_time", np.uint32),
          ("last_access", np.uint32), ("dirty", np.uint8))
 ACCESS_MAX = (1 << 32) - 1  # the largest access clock a row can hold
@@ -212,15 +213,16 @@ class Slab:
         if below.shape[0] < k:
             raise ValueError(f"{k} rows past position {capacity} and only {below.shape[0]} free positions below it")
         dest = below[below.shape[0] - k:]  # the end of the free list: the positions it hands out next anyway
-        if k:
-            moving = np.ascontiguousarray(moving, np.int64)
-            _scatter(self.weights, dest, _gather(self.weights, moving))
+        moving = np.ascontiguousarray(moving, np.int64)
+        for lo in range(0, k, _MOVE_CHUNK):  # a copy of the rows moving at a time: a chunk's, not all of them
+            src, to = moving[lo:lo + _MOVE_CHUNK], dest[lo:lo + _MOVE_CHUNK]
+            _scatter(self.weights, to, _gather(self.weights, src))
             if self.state_width:
-                _scatter(self.state, dest, _gather(self.state, moving))
+                _scatter(self.state, to, _gather(self.state, src))
             for name, _ in _META:
                 if self._kept(name):
                     column = getattr(self, name)
-                    column[dest] = column[moving]
+                    column[to] = column[src]
         rest = below[:below.shape[0] - k]
         self._free = rest.copy()
         self._n_free = int(rest.shape[0])
@@ -320,12 +322,6 @@ class Slab:
 def _grown(cap: int) -> int:
     """The capacity after one growth step from ``cap`` (see the module docstring)."""
     return cap * 2 if cap < (1 << 16) else cap + cap // (8 if cap < (1 << 20) else 16)
-
-
-def room_for(rows: int) -> int:
-    """The most capacity a slab grown to hold ``rows`` rows can have: growth stops at the first step that reaches
-    them, and a step from below ``rows`` ends at most one step past them."""
-    return max(MIN_ROWS, _grown(rows))
 
 
 _WORDS = {2: np.uint16, 4: np.uint32, 8: np.uint64}

@@ -34,7 +34,7 @@ from tigana.embeddings.changes import Changes, sorted_unique
 from tigana.embeddings.config import TableConfig
 from tigana.embeddings.cut import CutHooks
 from tigana.embeddings.errors import InvalidArgument, StorageError, StorageFull
-from tigana.embeddings.hashtable import HashIndex, resolve_backend
+from tigana.embeddings.hashtable import HashIndex, PartitionedIndex, resolve_backend
 from tigana.embeddings.initializers import initial_rows
 from tigana.embeddings.rows import RowBatch
 from tigana.embeddings.slab import Slab, from_float32, to_float32
@@ -74,7 +74,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         self._deleted = []
         self._pending_marks = ()
         self._spill = None  # set by _open_spill when a memory budget is configured
-        self._spilled = HashIndex(backend=self._backend)
+        self._spilled = PartitionedIndex(backend=self._backend)
         self._spill_marks = np.zeros(0, np.uint8)
         self._last_snapshot = None
         self._finalizer = None

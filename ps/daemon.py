@@ -27,7 +27,7 @@ from grpc_health.v1 import health, health_pb2
 
 from tigana.embeddings.files import hold_lock
 from tigana.ps import rpc
-from tigana.ps.allocator import TRIM_EVERY_S, release_free_memory
+from tigana.ps.allocator import BUDGET_TRIM_EVERY_S, TRIM_EVERY_S, release_free_memory
 from tigana.ps.config import ServerConfig
 from tigana.ps.membership import Agent
 from tigana.ps.metrics import ServerMetrics
@@ -155,13 +155,14 @@ class ServerHandle:
             self._ready.set()
 
     def _periodic(self) -> None:
-        """About once a second: the service's upkeep (rates, streams); every ``TRIM_EVERY_S`` the heap's free
-        pages back to the kernel; with ``snapshot_every_s``, a snapshot of every table on schedule (incremental,
-        a full one every ``full_snapshot_every``)."""
+        """About once a second: the service's upkeep (rates, streams); every ``TRIM_EVERY_S`` (under a memory
+        budget ``BUDGET_TRIM_EVERY_S``) the heap's free pages back to the kernel; with ``snapshot_every_s``, a
+        snapshot of every table on schedule (incremental, a full one every ``full_snapshot_every``)."""
         taken = 0
         every = self.config.snapshot_every_s
         next_upkeep = next_snapshot = time.monotonic()
-        next_trim = next_upkeep + TRIM_EVERY_S
+        trim_every = BUDGET_TRIM_EVERY_S if self.config.memory_budget else TRIM_EVERY_S
+        next_trim = next_upkeep + trim_every
         next_snapshot += every
         while not self._stopping.wait(max(0.0, min(next_upkeep, next_snapshot if every else next_upkeep)
                                           - time.monotonic())):
@@ -173,7 +174,7 @@ class ServerHandle:
                 except Exception:  # noqa: BLE001 - upkeep must go on
                     log.exception("periodic upkeep failed")
                 if now >= next_trim:
-                    next_trim = now + TRIM_EVERY_S
+                    next_trim = now + trim_every
                     release_free_memory()
             if every and self.service.catalog is not None and now >= next_snapshot:
                 next_snapshot = now + every  # the interval runs from each snapshot's start

@@ -25,11 +25,14 @@ IMPORTED_AT = float(int(time.time()) - 3600) + 0.5
 ROW_BYTES = DIM * 4 + 21 + 18  # SGD: no optimizer state; + the row's share of the index
 
 ids_st = st.lists(st.integers(0, 40), max_size=10)
-op_st = st.one_of(
+write_op_st = st.one_of(  # the writes a table takes from its callers
     st.tuples(st.just("push"), ids_st, st.integers(-3, 3)),
     st.tuples(st.just("pull"), ids_st, st.none()),
     st.tuples(st.just("delete"), ids_st, st.none()),
     st.tuples(st.just("import"), ids_st, st.integers(-3, 3)),
+)
+op_st = st.one_of(
+    write_op_st,
     st.tuples(st.just("evict"), st.none(), st.none()),
     st.tuples(st.just("read"), st.none(), st.integers(1, 3)),
 )

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tigana.embeddings import _kernels
-from tigana.embeddings.hashtable import HashIndex
+from tigana.embeddings.hashtable import PARTS, HashIndex, PartitionedIndex, parts_of
 
 BACKENDS = ["numpy"] + (["numba"] if _kernels.AVAILABLE else [])
 EDGES = [0, -1, 1, 2**63 - 1, -(2**63), 2**62, -(2**62) + 7]
@@ -25,11 +25,12 @@ def _insert(index: HashIndex, ref: dict[int, int], batch: list[int], next_val: l
     ref.update(zip(fresh, vals, strict=True))
 
 
+@pytest.mark.parametrize("kind", [HashIndex, PartitionedIndex])
 @pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=60, deadline=None)
 @given(ops=st.lists(op_st, min_size=1, max_size=25))
-def test_matches_dict(backend: str, ops: list[tuple[str, list[int]]]) -> None:
-    index, ref, next_val = HashIndex(backend=backend), {}, [0]
+def test_matches_dict(kind, backend: str, ops: list[tuple[str, list[int]]]) -> None:
+    index, ref, next_val = kind(backend=backend), {}, [0]
     for op, batch in ops:
         arr = np.array(batch, np.int64)
         if op == "insert":
@@ -88,3 +89,58 @@ def test_keys_in_slots_and_slot_counts_match_a_reference(backend: str, ids: list
     got = index.keys_in_slots(num_slots, wanted)
     assert got.dtype == np.int64 and sorted(got.tolist()) == sorted(live[wanted[slots]].tolist())
     np.testing.assert_array_equal(index.slot_counts(num_slots), np.bincount(slots, minlength=num_slots))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=40, deadline=None)
+@given(ids=st.lists(ids_st, max_size=200, unique=True), later=st.lists(ids_st, max_size=200, unique=True),
+       probe=batch_st)
+def test_a_partitioned_view_numbers_buckets_globally_and_keeps_the_arrays_it_saw(backend: str, ids: list[int],
+                                                                                later: list[int],
+                                                                                probe: list[int]) -> None:
+    """A view's global bucket of an id holds that id; it keeps reading the index as of the view while inserts
+    grow partitions; ``current`` finds only ids in partitions whose arrays are still the index's."""
+    index = PartitionedIndex(backend=backend)
+    index.insert(np.array(ids, np.int64), np.arange(len(ids)))
+    view = index.view()
+    keys = np.concatenate([k for _, k, _ in view.segments()])
+    vals = np.concatenate([v for _, _, v in view.segments()])
+    assert keys.shape[0] == view.size
+    arr = np.array(ids + probe, np.int64)
+    pos, val = view.positions(arr)
+    known = {i: n for n, i in enumerate(ids)}
+    assert val.tolist() == [known.get(i, -1) for i in arr.tolist()]
+    assert (keys[pos[pos >= 0]].view(np.int64) == arr[pos >= 0]).all() and (vals[pos[pos >= 0]] == val[val >= 0]).all()
+    fresh = np.array([i for i in later if i not in known], np.int64)
+    index.insert(fresh, np.arange(fresh.size) + len(ids))
+    now, _ = view.positions(fresh, current=index)  # only where the partition did not grow: the insert wrote there
+    grown = np.array([index.partitions()[p].buckets()[0] is not view.parts[p][0] for p in range(PARTS)])
+    part = parts_of(fresh.view(np.uint64)) if fresh.size else np.empty(0, np.uint8)
+    assert ((now >= 0) == ~grown[part]).all()
+    assert view.positions(np.array(ids, np.int64))[1].tolist() == list(range(len(ids)))  # as of the view
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_partitioned_index_grows_a_partition_at_a_time(backend: str) -> None:
+    """The point of the partitions: a growth allocates one partition's new arrays (``growth_bytes``), never a
+    second copy of the whole index; the partitions fill evenly."""
+    rng = np.random.default_rng(5)
+    index = PartitionedIndex(backend=backend)
+    assert index.nbytes <= 4096  # an empty index is small: tables with small budgets keep their rows
+    done = growths = 0
+    for n in [100_000] + [10_000] * 30:  # then batches of ~300 ids a partition, under half of what each holds
+        ids = np.unique(rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64))
+        ids = ids[index.lookup(ids) < 0]
+        before = [p.buckets()[0] for p in index.partitions()]
+        step = index.growth_bytes
+        index.insert(ids, np.arange(done, done + ids.size))
+        done += ids.size
+        grown = [p for p, b in zip(index.partitions(), before, strict=True) if p.buckets()[0] is not b]
+        if done > n:
+            assert all(p.nbytes <= step for p in grown)  # one step each, at most the size the bound said
+            growths += len(grown)
+    sizes = np.array([len(p) for p in index.partitions()])
+    assert sizes.sum() == len(index) == done
+    assert sizes.max() < 1.15 * sizes.mean()
+    assert growths >= PARTS  # every partition grew at least once along the way
+    assert index.growth_bytes < 0.1 * index.nbytes  # the room a growth needs: a small share of the index

@@ -12,7 +12,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cut import apply, make_table
-from test_cut import op_st as cut_op_st
+from test_cut import write_op_st as op_st
 
 from tigana import embeddings as emb
 from tigana.embeddings import _exporting
@@ -20,9 +20,8 @@ from tigana.embeddings.hashtable import HashIndex
 from tigana.embeddings.mixing import slots_of_keys
 
 NUM_SLOTS = 16
-# test_cut's writes, without eviction (an id evicted and pulled again was removed meanwhile, which the property
-# leaves open) and without its cut reads
-op_st = cut_op_st.filter(lambda op: op[0] not in ("evict", "read"))
+# ``op_st``: test_cut's writes, without eviction (an id evicted and pulled again was removed meanwhile, which the
+# property leaves open) and without its cut reads
 
 
 def stored(table: emb.EmbeddingTable) -> set[int]:

@@ -4,15 +4,19 @@ engine's memory stays within the budget however many rows spill."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from replication_tables import rows_by_id
 
 from tigana import embeddings as emb
+from tigana.embeddings import _spilling, slab
 from tigana.embeddings._spilling import _INDEX_BYTES_PER_ROW
 
 
@@ -56,11 +60,32 @@ op_st = st.one_of(
 )
 
 
+def _chunks(n: int | None):
+    """The spill's, the coldest-row pass's and the compaction's steps at ``n`` rows/buckets (None: as shipped),
+    so that small tables take several steps too."""
+    if n is None:
+        return contextlib.nullcontext()
+    return _patched(n)
+
+
+@contextlib.contextmanager
+def _patched(n: int):
+    with mock.patch.object(_spilling, "_SPILL_CHUNK", n), mock.patch.object(_spilling, "_COLD_CHUNK", n), \
+            mock.patch.object(slab, "_MOVE_CHUNK", n):
+        yield
+
+
 @settings(max_examples=40, deadline=None)
-@given(ops=st.lists(op_st, min_size=1, max_size=12))
-def test_a_slab_compacted_as_its_budget_shrinks_keeps_every_row(ops, tmp_path_factory) -> None:
+@given(ops=st.lists(op_st, min_size=1, max_size=12), chunk=st.sampled_from([None, 7, 100]))
+def test_a_slab_compacted_as_its_budget_shrinks_keeps_every_row(ops, chunk, tmp_path_factory) -> None:
     """Rows spill and come back, the budget grows and shrinks, and a slab whose capacity the budget no longer
-    needs gives it back (``Slab.compact``): every row reads as in a twin that never spills."""
+    needs gives it back (``Slab.compact``): every row reads as in a twin that never spills. Spills, the pass
+    that picks the coldest rows and compactions work a chunk at a time (``chunk``: smaller than shipped)."""
+    with _chunks(chunk):
+        _compacted_twins(ops, tmp_path_factory)
+
+
+def _compacted_twins(ops, tmp_path_factory) -> None:
     cfg = emb.TableConfig("t", dim=4, optimizer=emb.Adagrad(lr=0.1), initializer=emb.Uniform(-1, 1))
     twin = emb.EmbeddingTable(cfg)
     tiered = emb.EmbeddingTable(dataclasses.replace(cfg, memory_budget=3000 * 80,
@@ -85,9 +110,15 @@ def test_a_slab_compacted_as_its_budget_shrinks_keeps_every_row(ops, tmp_path_fa
         twin.close()
 
 
-def test_a_shrinking_budget_gives_the_slab_memory_back(tmp_path: Path) -> None:
+@pytest.mark.parametrize("chunk", [None, 1000])
+def test_a_shrinking_budget_gives_the_slab_memory_back(chunk: int | None, tmp_path: Path) -> None:
     """A table that held 200 k rows in RAM and is then given a budget of 2 k keeps about 2 k positions, not its
-    high-water mark; its rows are unchanged."""
+    high-water mark; its rows are unchanged (also when the spill and the compaction take many chunks)."""
+    with _chunks(chunk):
+        _shrunk(tmp_path)
+
+
+def _shrunk(tmp_path: Path) -> None:
     cfg = emb.TableConfig("t", dim=8, optimizer=emb.RowWiseAdagrad(), initializer=emb.Normal(std=0.1))
     twin = emb.EmbeddingTable(cfg)
     t = emb.EmbeddingTable(dataclasses.replace(cfg, memory_budget=64 << 20, spill_dir=str(tmp_path)))

@@ -108,7 +108,7 @@ def test_a_size_that_does_not_fit_is_refused_before_anything_starts(monkeypatch)
 
 def test_bench_scale_tiered_spills_most_rows_and_stays_within_its_budget(bench_lines) -> None:
     """``--tiered`` at toy size: a 4 MiB budget per daemon holds about a third of 200k rows, the rest live in
-    LMDB; every case has its measured peer, the RSS line names the budget, and nothing is left running."""
+    the spill files; every case has its measured peer, the RSS line names the budget, and nothing is left running."""
     before = _children()
     argv = ["bench", "scale", "--tiered", "--tiered-rows", "200k", "--memory-budget", "4MiB", "--ram-rows", "50k",
             "--tiered-dim", "8", "--quick", "--repeats", "1"]
@@ -118,7 +118,9 @@ def test_bench_scale_tiered_spills_most_rows_and_stays_within_its_budget(bench_l
                        "scale.tiered.disk"}
     for d in by.values():
         assert d["value"] > 0 and d["peer_value"] > 0 and d["rows"] == 200_000 and d["memory_budget"] == 4 << 20
-    assert by["scale.tiered.rss"]["rss_with_file_pages"] >= by["scale.tiered.rss"]["value"]
+    rss = by["scale.tiered.rss"]
+    assert rss["rss_with_file_pages"] >= rss["value"] >= rss["anon_median"] > rss["anon_at_start"] > 0
+    assert rss["rss_samples"] > 10 and rss["peer_value"] == pytest.approx((4 << 20) + rss["anon_at_start"], rel=1e-3)
     disk = by["scale.tiered.disk"]
     assert disk["rows_spilled"] > disk["rows_resident"] > 0
     assert disk["rows_spilled"] + disk["rows_resident"] == 200_000

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import statistics
+import threading
 from pathlib import Path
 
 # Engine overhead per resident row beyond weights and optimizer state (slot header, hash index, slack): the
@@ -56,3 +58,45 @@ def _status_bytes(pid: int, key: str) -> int:
         line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith(f"{key}:"))
         return int(line.split()[1]) * 1024
     return 0
+
+
+class RssPeaks:
+    """The largest memory of some processes over a stretch of time, sampled every ``every`` seconds on a thread
+    (``with RssPeaks(pids) as peaks: ...``): the largest anonymous RSS of any of them (``anon_max``), the
+    median along the run of the largest at each sample (``anon_median``), and the largest whole RSS
+    (``rss_max``). A few samples a run miss the short spikes a budget must also hold (a rehash, a spill's
+    listing), so this samples often: two reads of ``/proc/<pid>/status`` a process, about 0.1 ms."""
+
+    def __init__(self, pids: list[int], every: float = 0.02) -> None:
+        self._pids, self._every = list(pids), every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-peaks", daemon=True)
+        self._anon: list[int] = []
+        self.rss_max = 0
+
+    def __enter__(self) -> RssPeaks:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            self._anon.append(max(_rss_anon(pid) for pid in self._pids))
+            self.rss_max = max(self.rss_max, *(_rss_bytes(pid) for pid in self._pids))
+            if self._stop.wait(self._every):
+                return
+
+    @property
+    def anon_max(self) -> int:
+        return max(self._anon, default=0)
+
+    @property
+    def anon_median(self) -> int:
+        return int(statistics.median(self._anon)) if self._anon else 0
+
+    @property
+    def samples(self) -> int:
+        return len(self._anon)

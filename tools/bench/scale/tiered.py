@@ -13,9 +13,11 @@ budget holds ``--ram-rows`` (10 M) rows in RAM. One JSON line per case:
   rate over the timed pulls (``ram_hit_rate``: ids found resident / ids looked up) and the rows that came back
   from the spill file meanwhile.
 - ``scale.tiered.rss`` (bytes): the largest anonymous RSS of a daemon (``RssAnon``: its own memory, what the
-  budget governs), against its budget plus the process's memory at start (``rss_at_start``); the whole RSS
-  comes along (``rss_with_file_pages``: it also counts the spill file's pages the daemon has mapped and touched, page
-  cache the kernel may take back).
+  budget governs) from the tiered inserts to the end of the Zipf phase, sampled every 20 ms (``RssPeaks``: a
+  spike that lasts a rehash counts), against its budget plus the daemon's anonymous RSS at start
+  (``anon_at_start``); with the median along the run (``anon_median``, ``median_ratio``) and the whole RSS
+  (``rss_with_file_pages``: it also counts the spill file's pages the daemon has mapped and touched, page cache
+  the kernel may take back).
 - ``scale.tiered.disk`` (bytes/row): the spill tiers' files over the spilled rows, against the engine's bytes a
   resident row; ``data_dir_bytes_per_row`` is everything in the data directories (snapshots too) over all rows.
 
@@ -39,7 +41,7 @@ from tigana import ps
 from tigana.embeddings.mixing import mix64
 from tigana.tools.bench.ps.workload import _Cycle, interleaved_rates, zipf_batches
 from tigana.tools.bench.report import emit, log, parse_counts
-from tigana.tools.bench.scale.resources import _rss_anon, _rss_bytes
+from tigana.tools.bench.scale.resources import RssPeaks, _rss_anon, _rss_bytes
 
 TABLE = "tiered"
 _BATCH = 1 << 16
@@ -87,15 +89,17 @@ def run_tiered(args: argparse.Namespace) -> int:
             clients.append(client)
         pids = [p.pid for p in tiered.procs]
         rss0 = max(_rss_bytes(pid) for pid in pids)
-        ram_rate, _, _ = _insert(clients[1], ram_rows, [p.pid for p in ram.procs], "reference")
-        rate, rss_max, anon_max = _insert(clients[0], rows, pids, "tiered")
-        emit("scale.tiered.insert", "rows/s", rate, f"the same inserts into RAM ({ram_rows:,} rows, no budget)",
-             ram_rate, **params)
-        _zipf_phase(args, clients, rows, ram_rows, params)
-        rss_max = max(rss_max, *(_rss_bytes(pid) for pid in pids))
-        anon_max = max(anon_max, *(_rss_anon(pid) for pid in pids))
-        emit("scale.tiered.rss", "bytes", anon_max, "memory budget + RSS at start", budget + rss0,
-             rss_at_start=rss0, rss_with_file_pages=rss_max, **params)
+        anon0 = max(_rss_anon(pid) for pid in pids)
+        ram_rate = _insert(clients[1], ram_rows, [p.pid for p in ram.procs], "reference")
+        with RssPeaks(pids) as peaks:
+            rate = _insert(clients[0], rows, pids, "tiered")
+            emit("scale.tiered.insert", "rows/s", rate, f"the same inserts into RAM ({ram_rows:,} rows, no budget)",
+                 ram_rate, **params)
+            _zipf_phase(args, clients, rows, ram_rows, params)
+        emit("scale.tiered.rss", "bytes", peaks.anon_max, "memory budget + anonymous RSS at start", budget + anon0,
+             anon_at_start=anon0, rss_at_start=rss0, anon_median=peaks.anon_median,
+             median_ratio=round(peaks.anon_median / (budget + anon0), 3), rss_with_file_pages=peaks.rss_max,
+             rss_samples=peaks.samples, **params)
         stats = _stats(clients[0])
         spill = sum(_du(p) for p in (work / "tiered").glob("shard-*/spill"))
         disk = _du(work / "tiered")
@@ -119,12 +123,11 @@ def _ids(start: int, stop: int) -> np.ndarray:
     return _ids_of_ranks(np.arange(start, stop, dtype=np.uint64))
 
 
-def _insert(client: ps.Client, rows: int, pids: list[int], what: str) -> tuple[float, int, int]:
-    """First-sight pulls of ids 0 .. rows-1 (by rank), two batches in flight; (rows/s, largest RSS and
-    anonymous RSS seen)."""
+def _insert(client: ps.Client, rows: int, pids: list[int], what: str) -> float:
+    """First-sight pulls of ids 0 .. rows-1 (by rank), two batches in flight; rows/s."""
     t0 = time.perf_counter()
     pending: list = []
-    rss_max, anon_max, step, next_log = 0, 0, max(_BATCH, rows // 20), 0
+    step, next_log = max(_BATCH, rows // 20), 0
     for start in range(0, rows, _BATCH):
         pending.append(client.pull_async(TABLE, _ids(start, min(rows, start + _BATCH))))
         if len(pending) >= 2:
@@ -132,7 +135,6 @@ def _insert(client: ps.Client, rows: int, pids: list[int], what: str) -> tuple[f
         if start >= next_log:
             rss = [_rss_bytes(pid) for pid in pids]
             anon = [_rss_anon(pid) for pid in pids]
-            rss_max, anon_max = max(rss_max, *rss), max(anon_max, *anon)
             if start:
                 st = _stats(client)
                 log(f"bench scale --tiered ({what}): {start / 1e6:.1f} M rows in {time.perf_counter() - t0:.0f}s "
@@ -143,7 +145,7 @@ def _insert(client: ps.Client, rows: int, pids: list[int], what: str) -> tuple[f
             next_log += step
     for fut in pending:
         fut.result()
-    return rows / (time.perf_counter() - t0), rss_max, anon_max
+    return rows / (time.perf_counter() - t0)
 
 
 def _zipf_phase(args: argparse.Namespace, clients: list[ps.Client], rows: int, ram_rows: int, params: dict) -> None:
