@@ -5,11 +5,11 @@ rows shrinks, the slab gives back the positions it no longer needs (``_maybe_com
 
 ``_spilled`` indexes the spilled ids; its value is the row's slot in the file (the index holds int32 values: up
 to 2**31 spilled rows a table). It is partitioned (``PartitionedIndex``): at scale it is most of the table's
-memory, and a growth of one ``HashIndex`` would hold its old and new arrays at once, 2.5x its bytes. ``_spill_marks[slot]`` keeps the row's dirty mark (``Slab.dirty``) from when it
-spilled, so a row changed since the last snapshot stays in the next increment; a spilled row's slot and mark
-change only when it leaves the tier, and every move tells the open cuts (``cut``) first, so a cut may read the
-marks of the rows still its own at any time. Not thread-safe on its own: the table holds its lock around every
-call.
+memory, and a growth of one ``HashIndex`` would hold its old and new arrays at once, 2.5x its bytes.
+``_spill_marks[slot]`` keeps the row's dirty mark (``Slab.dirty``) from when it spilled, so a row changed since
+the last snapshot stays in the next increment; a spilled row's slot and mark change only when it leaves the
+tier, and every move tells the open cuts (``cut``) first, so a cut may read the marks of the rows still its own
+at any time. Not thread-safe on its own: the table holds its lock around every call.
 """
 
 from __future__ import annotations
@@ -142,38 +142,43 @@ class SpillTier(TableFields):
     def _coldest(self, k: int, hold: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(ids, positions) of the ``k`` resident rows least recently accessed (all when fewer), none of them at
         the positions in ``hold``. Two passes over the index, ``_COLD_CHUNK`` buckets at a time: a histogram of
-        the access clocks (65,536 bins), then the rows in the bins below the k-th row's, and the coldest of its
-        bin. Listing every resident row at once instead (ids, positions, clocks and an argpartition: ~30 bytes a
-        row) held a fifth of a 1 GiB budget beside it, at every spill."""
+        the access clocks (65,536 bins), then the rows in the bins below the bin of the (k + held)-th coldest
+        row, and the coldest of that bin; the held ones leave last (they are among the candidates only when
+        colder than the k-th other row, and a call holds the rows it just used: rarely). Listing every resident
+        row at once instead (ids, positions, clocks and an argpartition: ~30 bytes a row) held a fifth of a 1 GiB
+        budget beside it, at every spill."""
         keys, vals = self._index.buckets()
         shift = np.uint32(max(0, int(self._clock).bit_length() - 16))  # every clock <= self._clock
+        want = k + hold.shape[0]
 
         def chunks():
             for lo in range(0, vals.shape[0], _COLD_CHUNK):
-                v = vals[lo:lo + _COLD_CHUNK]
-                at = np.flatnonzero(v >= 0)
-                pos = v[at].astype(np.int64)
-                if hold.size:
-                    keep = ~np.isin(pos, hold)
-                    at, pos = at[keep], pos[keep]
-                yield lo + at, self._slab.access_of(pos) >> shift
+                at = np.flatnonzero(vals[lo:lo + _COLD_CHUNK] >= 0)
+                yield lo + at, self._slab.access_of(vals[lo + at].astype(np.int64)) >> shift
 
         counts = np.zeros(1 << 16, np.int64)
         for _, bins in chunks():
             counts += np.bincount(bins, minlength=1 << 16)
         below = np.cumsum(counts)
-        edge = int(np.searchsorted(below, k))  # the bin of the k-th coldest row (past the end: all rows go)
+        edge = int(np.searchsorted(below, want))  # the bin of the want-th coldest row (past the end: all go)
         taken, edge_rows = [], []
         for buckets, bins in chunks():
             taken.append(buckets[bins < edge])
             edge_rows.append(buckets[bins == edge])
-        rest = k - (int(below[edge - 1]) if edge else 0)
+        rest = want - (int(below[edge - 1]) if edge else 0)
         edge_buckets = np.concatenate(edge_rows)
         if 0 < rest < edge_buckets.size:
             clocks = self._slab.access_of(vals[edge_buckets].astype(np.int64))
             edge_buckets = edge_buckets[np.argpartition(clocks, rest - 1)[:rest]]
         picked = np.concatenate([*taken, edge_buckets])
-        return keys[picked].view(np.int64), vals[picked].astype(np.int64)
+        positions = vals[picked].astype(np.int64)
+        if hold.size:
+            keep = ~np.isin(positions, hold)
+            picked, positions = picked[keep], positions[keep]
+            if picked.shape[0] > k:
+                coldest = np.argpartition(self._slab.access_of(positions), k - 1)[:k]
+                picked, positions = picked[coldest], positions[coldest]
+        return keys[picked].view(np.int64), positions
 
     def _unspill(self, ids: np.ndarray) -> None:
         """Bring unique spilled ids back into memory (they keep their dirty mark)."""

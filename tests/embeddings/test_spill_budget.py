@@ -138,3 +138,32 @@ def _shrunk(tmp_path: Path) -> None:
     finally:
         t.close()
         twin.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(calls=st.lists(st.lists(st.integers(0, 400), min_size=1, max_size=60), min_size=1, max_size=12),
+       k=st.integers(1, 500), held=st.integers(0, 80), chunk=st.sampled_from([None, 5, 64]),
+       clock=st.sampled_from([0, 1 << 20, 1 << 28]))
+def test_the_rows_a_spill_picks_are_the_coldest_not_held(calls, k, held, chunk, clock, tmp_path_factory) -> None:
+    """``_coldest`` against a sort of every resident row by its access clock: the same clocks (ties may pick
+    either row), none of the held positions, ids and positions that belong together; also with a clock past
+    2**16, where a histogram bin holds many clocks."""
+    t = emb.EmbeddingTable(emb.TableConfig("t", dim=2, optimizer=emb.SGD(), memory_budget=1 << 30,
+                                           spill_dir=str(tmp_path_factory.mktemp("spill"))))
+    t._clock = clock
+    try:
+        for ids in calls:  # each call stamps its rows with the next clock
+            t.pull(np.array(ids, np.int64))
+        ids, positions = t._index.items()
+        clocks = t._slab.access_of(positions)
+        hold = positions[np.random.default_rng(k).permutation(positions.size)[:held]]
+        with _chunks(chunk):
+            got_ids, got_pos = t._coldest(k, hold)
+        free = ~np.isin(positions, hold)
+        expect = np.sort(clocks[free])[:k]
+        assert got_pos.size == min(k, int(free.sum())) == np.unique(got_pos).size
+        assert not np.isin(got_pos, hold).any()
+        np.testing.assert_array_equal(np.sort(t._slab.access_of(got_pos)), expect)
+        np.testing.assert_array_equal(t._index.lookup(got_ids), got_pos)
+    finally:
+        t.close()
