@@ -33,6 +33,11 @@ _MIN_CAPACITY = 64
 _BUCKET_BYTES = 12  # a key (uint64) and a value (int32)
 
 
+def _grown(cap: int) -> int:
+    """The capacity one growth step makes from ``cap``."""
+    return int(cap * _GROWTH) + 1
+
+
 def resolve_backend(backend: Backend) -> Literal["numba", "numpy"]:
     """'auto' means numba when it imports, else numpy."""
     if backend == "auto":
@@ -218,7 +223,7 @@ class HashIndex:
         need = self._size + n_new
         cap = self.capacity
         while need > _MAX_LOAD * cap:
-            cap = int(cap * _GROWTH) + 1
+            cap = _grown(cap)
         if need <= 0.5 * _MAX_LOAD * cap and cap > self._min_capacity:  # mostly tombstones: stay small
             cap = max(self._min_capacity, int(need / (0.5 * _MAX_LOAD)) + 1)
         new_keys = np.empty(cap, np.uint64)  # a bucket's key is read only where its value is >= 0
@@ -301,7 +306,7 @@ class PartitionedIndex:
     @property
     def growth_bytes(self) -> int:
         """The most bytes one growth allocates before it frees the arrays it replaces (a partition's next size)."""
-        return max((int(p.capacity * _GROWTH) + 1) * _BUCKET_BYTES for p in self._parts)
+        return max(_grown(p.capacity) * _BUCKET_BYTES for p in self._parts)
 
     def partitions(self) -> list[HashIndex]:
         """The partitions themselves (a full pass over the index under the owner's lock)."""
@@ -313,14 +318,7 @@ class PartitionedIndex:
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """(n,) ids -> (n,) int64 values, -1 where absent."""
-        q = as_id_bits(ids)
-        out = np.full(q.shape[0], -1, np.int64)
-        order, bounds = _split(q)
-        for p, part in enumerate(self._parts):
-            if bounds[p] < bounds[p + 1] and len(part):
-                at = order[bounds[p]:bounds[p + 1]]
-                out[at] = part.lookup(q[at].view(np.int64))
-        return out
+        return self.view().positions(ids)[1]
 
     def insert(self, ids: np.ndarray, values: np.ndarray) -> None:
         """Insert ids that are unique and absent (the caller guarantees both) with values >= 0."""

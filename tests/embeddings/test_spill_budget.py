@@ -60,16 +60,13 @@ op_st = st.one_of(
 )
 
 
+@contextlib.contextmanager
 def _chunks(n: int | None):
     """The spill's, the coldest-row pass's and the compaction's steps at ``n`` rows/buckets (None: as shipped),
     so that small tables take several steps too."""
     if n is None:
-        return contextlib.nullcontext()
-    return _patched(n)
-
-
-@contextlib.contextmanager
-def _patched(n: int):
+        yield
+        return
     with mock.patch.object(_spilling, "_SPILL_CHUNK", n), mock.patch.object(_spilling, "_COLD_CHUNK", n), \
             mock.patch.object(slab, "_MOVE_CHUNK", n):
         yield
