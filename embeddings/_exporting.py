@@ -121,7 +121,7 @@ class Exporting(TableFields):
         with self._lock:
             self._check_open()
             moves = self._tier_moves()
-            indexes = [HashIndex.over(*self._index.buckets(), self._backend)]
+            indexes = self._index.view().indexes()
             if len(self._spilled):
                 indexes.extend(self._spilled.view().indexes())
         parts = []
@@ -134,7 +134,8 @@ class Exporting(TableFields):
             self._check_open()
             if self._tier_moves() == moves:
                 return parts
-            return [visit(index, 0, None) for index in (self._index, *self._spilled.partitions()) if len(index)]
+            return [visit(index, 0, None) for index in (*self._index.partitions(), *self._spilled.partitions())
+                    if len(index)]
 
     def _tier_moves(self) -> int:
         """Rows spilled or brought back so far (under the lock)."""

@@ -19,7 +19,7 @@ import numpy as np
 from tigana.embeddings.changes import Changes, unique
 from tigana.embeddings.config import TableConfig
 from tigana.embeddings.errors import InvalidArgument
-from tigana.embeddings.hashtable import HashIndex, PartitionedIndex
+from tigana.embeddings.hashtable import PartitionedIndex
 from tigana.embeddings.rows import RowBatch
 from tigana.embeddings.slab import ACCESS_MAX, Slab
 
@@ -38,7 +38,7 @@ class TableFields:
     _backend: str
     _lock: threading.RLock
     _width: int
-    _index: HashIndex  # resident ids -> slab positions
+    _index: PartitionedIndex  # resident ids -> slab positions (grows a part at a time)
     _slab: Slab
     _admission: admission.AdmissionFilter
     _open_admission: bool

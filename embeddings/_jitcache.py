@@ -27,6 +27,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 KERNEL_SOURCES = (
     "embeddings/mixing.py",
     "embeddings/_kernels.py",
+    "embeddings/_part_kernels.py",
     "embeddings/_init_kernels.py",
     "embeddings/_checksum.py",
     "ps/_kernels.py",

@@ -1,4 +1,4 @@
-"""Compiled (numba) kernels of the storage engine: hash probing, fused lookup+gather, dedup+segment-sum, optimizers.
+"""Compiled (numba) kernels of the storage engine: hash probing, dedup+segment-sum, optimizers, row gathers.
 
 Every kernel is ``@njit(nogil=True, cache=True)``: it releases the GIL (a server's request threads overlap) and
 compiles once per machine. Each is called with one signature only (C-contiguous arrays of fixed dtypes), so a
@@ -159,50 +159,6 @@ if AVAILABLE:
             new_vals[p] = vals[i]
             live += 1
         return live
-
-    @njit(nogil=True, cache=True)
-    def lookup_gather(keys, vals, weights, last_access, clock, queries, out_rows, out_positions):
-        """Lookup, then row copy, for float32 storage; hit rows get ``last_access = clock`` (when the table
-        keeps the clock: ``last_access`` is empty otherwise); misses get position -1 and an untouched output row.
-
-        Two passes (all probes, then all copies), each prefetching a fixed distance ahead.
-        Returns the number of misses."""
-        cap = keys.shape[0]
-        ucap = np.uint64(cap)
-        n = queries.shape[0]
-        misses = 0
-        for i in range(n):
-            _prefetch_ahead(keys, vals, queries, i, n, ucap)
-            q = queries[i]
-            p = _home(q, ucap)
-            s = -1
-            while True:
-                v = vals[p]
-                if v == EMPTY:
-                    break
-                if v >= 0 and keys[p] == q:
-                    s = v
-                    break
-                p += 1
-                if p == cap:
-                    p = 0
-            out_positions[i] = s
-            if s < 0:
-                misses += 1
-        dim = weights.shape[1]
-        track = last_access.shape[0] > 0
-        for i in range(n):
-            if i + _ROW_PREFETCH_DISTANCE < n:
-                t = out_positions[i + _ROW_PREFETCH_DISTANCE]
-                if t >= 0:
-                    _prefetch_row(weights, t)
-            s = out_positions[i]
-            if s >= 0:
-                if track:
-                    last_access[s] = clock
-                for j in range(dim):
-                    out_rows[i, j] = weights[s, j]
-        return misses
 
     @njit(nogil=True, cache=True)
     def dedup_sum(positions, grads):

@@ -58,9 +58,11 @@ class SpillTier(TableFields):
         """Resident rows the budget holds: its bytes, less the index of spilled ids (it lives in RAM and grows
         with the tier), over a resident row's bytes: its slab columns and its share of the hash index, or what
         the index takes now where that is more (it grows by half at a time, and shrinks only when a rehash finds
-        it mostly empty). The spilled index grows a partition at a time: the budget keeps room for the new
-        arrays of one (``growth_bytes``), which the growth holds beside the old ones."""
-        free = self._budget_bytes - self._spilled.nbytes - self._spilled.growth_bytes - self._spill_marks.nbytes
+        it mostly empty). Both indexes grow a partition at a time (a rehash also clears the tombstones spills
+        leave): the budget keeps room for the new arrays of one partition (``growth_bytes``), which the growth
+        holds beside the old ones (one index grows at a time: the table's lock)."""
+        free = (self._budget_bytes - self._spilled.nbytes - self._spill_marks.nbytes
+                - max(self._spilled.growth_bytes, self._index.growth_bytes))
         row = self._slab.row_nbytes
         rows = int(min(free // (row + _INDEX_BYTES_PER_ROW), (free - self._index.nbytes) // row))
         if free < row + _INDEX_BYTES_PER_ROW and not self._budget_warned:
@@ -153,14 +155,15 @@ class SpillTier(TableFields):
         colder than the k-th other row, and a call holds the rows it just used: rarely). Listing every resident
         row at once instead (ids, positions, clocks and an argpartition: ~30 bytes a row) held a fifth of a 1 GiB
         budget beside it, at every spill."""
-        keys, vals = self._index.buckets()
+        view = self._index.view()  # global bucket numbers over the partitions
         shift = np.uint32(max(0, int(self._clock).bit_length() - 16))  # every clock <= self._clock
         want = k + hold.shape[0]
 
         def chunks():
-            for lo in range(0, vals.shape[0], _COLD_CHUNK):
-                at = np.flatnonzero(vals[lo:lo + _COLD_CHUNK] >= 0)
-                yield lo + at, self._slab.access_of(vals[lo + at].astype(np.int64)) >> shift
+            for first, _, vals in view.segments():
+                for lo in range(0, vals.shape[0], _COLD_CHUNK):
+                    at = np.flatnonzero(vals[lo:lo + _COLD_CHUNK] >= 0)
+                    yield first + lo + at, self._slab.access_of(vals[lo + at].astype(np.int64)) >> shift
 
         counts = np.zeros(1 << 16, np.int64)
         for _, bins in chunks():
@@ -174,17 +177,17 @@ class SpillTier(TableFields):
         rest = want - (int(below[edge - 1]) if edge else 0)
         edge_buckets = np.concatenate(edge_rows)
         if 0 < rest < edge_buckets.size:
-            clocks = self._slab.access_of(vals[edge_buckets].astype(np.int64))
+            clocks = self._slab.access_of(view.at(edge_buckets)[1].astype(np.int64))
             edge_buckets = edge_buckets[np.argpartition(clocks, rest - 1)[:rest]]
-        picked = np.concatenate([*taken, edge_buckets])
-        positions = vals[picked].astype(np.int64)
+        keys, vals = view.at(np.concatenate([*taken, edge_buckets]))
+        positions = vals.astype(np.int64)
         if hold.size:
             keep = ~np.isin(positions, hold)
-            picked, positions = picked[keep], positions[keep]
-            if picked.shape[0] > k:
+            keys, positions = keys[keep], positions[keep]
+            if positions.shape[0] > k:
                 coldest = np.argpartition(self._slab.access_of(positions), k - 1)[:k]
-                picked, positions = picked[coldest], positions[coldest]
-        return keys[picked].view(np.int64), positions
+                keys, positions = keys[coldest], positions[coldest]
+        return keys.view(np.int64), positions
 
     def _unspill(self, ids: np.ndarray) -> None:
         """Bring unique spilled ids back into memory (they keep their dirty mark)."""

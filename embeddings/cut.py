@@ -2,7 +2,7 @@
 for time proportional to the table (copy-on-write).
 
     open   (under the table's lock, O(1))   keep the bucket arrays of both hash indexes as they are (each
-                                            partition's of the spilled one: ``IndexView``), the slab's
+                                            partition's: ``IndexView``), the slab's
                                             high water, the step and the snapshot mark; allocate the cut's state
                                             arrays zero-filled (calloc: the OS zeroes the pages on first touch)
     writes (under the lock, O(batch), vectorized, before they change anything the cut has not read)
@@ -47,7 +47,7 @@ import numpy as np
 from tigana.embeddings._checksum import row_digests
 from tigana.embeddings._fields import TableFields
 from tigana.embeddings.errors import CorruptStore
-from tigana.embeddings.hashtable import HashIndex, PartitionedIndex
+from tigana.embeddings.hashtable import PartitionedIndex
 from tigana.embeddings.rows import RowBatch
 from tigana.embeddings.slab import Slab
 
@@ -76,7 +76,7 @@ class Cut:
         self.step = table._step
         self.marks: tuple[int, ...] = (table._slab.mark, *table._pending_marks)
         self.dim, self.state_width = table.dim, table.state_width
-        self._keys, self._vals = table._index.buckets()
+        self._res = table._index.view()  # the resident index's partitions, global bucket numbers
         self._high_water = table._slab.high_water
         self._where = np.zeros(self._high_water, np.int32)  # per slab position: 0, -1 or saved index + 1
         self._saved = Slab(table.dim, table.state_width, table.config.dtype)
@@ -116,10 +116,10 @@ class Cut:
             self.close()
 
     def _segments(self) -> list[tuple[int, int, bool]]:
-        """(first bucket, end, spilled) of the resident index, then of each partition of the spilled one (a
+        """(first bucket, end, spilled) of each partition of the resident index, then of the spilled one (a
         chunk of buckets never crosses a partition)."""
-        spilled = [(off, off + keys.shape[0], True) for off, keys, _ in self._sp.segments()]
-        return [(0, self._keys.shape[0], False), *spilled]
+        return [(off, off + keys.shape[0], spilled) for view, spilled in ((self._res, False), (self._sp, True))
+                for off, keys, _ in view.segments()]
 
     def _walk(self, chunk: int, dirty_only: bool) -> Iterator[RowBatch]:
         for first, end, spilled in self._segments():
@@ -145,7 +145,7 @@ class Cut:
                         keys, v = self._sp.slice(lo, hi)
                         live = (v >= 0) & ~self._sp_done[lo:hi]
                     else:
-                        keys, v = self._keys[lo:hi], self._vals[lo:hi]
+                        keys, v = self._res.slice(lo, hi)
                         live = v >= 0
                         pos = v[live]
                         live[live] = pos < self._high_water
@@ -153,12 +153,11 @@ class Cut:
                     parts.append(keys[live].view(np.int64))
         ids = np.sort(np.concatenate(parts)) if parts else np.empty(0, np.int64)
         ids = ids[np.r_[True, ids[1:] != ids[:-1]]] if ids.size else ids  # (np.unique hashes: far slower here)
-        resident = HashIndex.over(self._keys, self._vals, table.backend)
         for lo in range(0, ids.shape[0], ORDERED_ROWS):
             part = ids[lo:lo + ORDERED_ROWS]
             with table._lock:
                 self._check()
-                _, pos = resident.positions(part)
+                _, pos = self._res.positions(part)
                 found = pos >= 0
                 rows, marks = self._take(part[found], pos[found])
                 if dirty_only:
@@ -233,11 +232,11 @@ class Cut:
             raise self._table._bad("cut", "is closed (a cut is read once)")
 
     def _resident(self, lo: int, hi: int, dirty_only: bool) -> RowBatch | None:
-        vals = self._vals[lo:hi]
+        keys, vals = self._res.slice(lo, hi)
         live = vals >= 0
         if not live.any():
             return None
-        rows, marks = self._take(self._keys[lo:hi][live].view(np.int64), vals[live].astype(np.int64))
+        rows, marks = self._take(keys[live].view(np.int64), vals[live].astype(np.int64))
         return rows.take(np.isin(marks, self.marks)) if dirty_only else rows
 
     def _spilled(self, lo: int, hi: int, dirty_only: bool) -> RowBatch | None:

@@ -21,8 +21,9 @@ from typing import Literal
 
 import numpy as np
 
-from tigana.embeddings import _kernels
+from tigana.embeddings import _kernels, _part_kernels
 from tigana.embeddings._kernels import EMPTY, TOMBSTONE
+from tigana.embeddings._part_kernels import _PART_SHIFT, PARTS
 from tigana.embeddings.mixing import mix64, slots_of_keys
 
 Backend = Literal["auto", "numba", "numpy"]
@@ -261,9 +262,8 @@ class HashIndex:
 
 
 # --- partitioned: an index whose growth never holds two copies of the whole ------------------------------------
-PARTS = 16  # partitions of a PartitionedIndex; a power of two (a mask picks one)
 _PART_MIN = 8  # buckets of an empty partition: an empty index takes 1.5 KB
-_PART_SHIFT = np.uint64(27)  # below the 32 bits a partition's home bucket takes, away from routing's low bits
+_NO_OFFSETS = np.zeros(PARTS, np.int64)  # bucket numbers inside each partition (a lookup needs values only)
 
 
 def parts_of(q: np.ndarray) -> np.ndarray:
@@ -272,13 +272,60 @@ def parts_of(q: np.ndarray) -> np.ndarray:
     return ((mix64(q) >> _PART_SHIFT) & np.uint64(PARTS - 1)).astype(np.uint8)
 
 
-def _split(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(order, bounds): ``q[order[bounds[p]:bounds[p + 1]]]`` are the keys of partition ``p``."""
+def _split(q: np.ndarray, backend: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(order, bounds, sorted keys): ``sorted[bounds[p]:bounds[p + 1]]`` are the keys of partition ``p``, and
+    ``sorted == q[order]``."""
+    if backend == "numba":
+        n = q.shape[0]
+        order, sq, bounds = np.empty(n, np.int64), np.empty(n, np.uint64), np.empty(PARTS + 1, np.int64)
+        _part_kernels.split(q, order, sq, bounds)
+        return order, bounds, sq
     parts = parts_of(q)
     order = np.argsort(parts, kind="stable")  # a radix sort for uint8
     bounds = np.zeros(PARTS + 1, np.int64)
     np.cumsum(np.bincount(parts, minlength=PARTS), out=bounds[1:])
-    return order, bounds
+    return order, bounds, q[order]
+
+
+_Where = tuple[np.ndarray, np.ndarray, np.ndarray]  # partitions' keys and values addresses, capacities
+
+
+def _where_of(parts: list[tuple[np.ndarray, np.ndarray]]) -> _Where:
+    """What ``_part_kernels.probe`` reads the partitions by: valid while their arrays live."""
+    return (_part_kernels.addresses([k for k, _ in parts]), _part_kernels.addresses([v for _, v in parts]),
+            np.array([k.shape[0] for k, _ in parts], np.int64))
+
+
+def _probe_parts(parts: list[tuple[np.ndarray, np.ndarray]], q: np.ndarray, backend: str,
+                 offsets: np.ndarray | None = None, skip: np.ndarray | None = None, where: _Where | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(bucket positions, values), both int64, -1 where absent, of uint64 keys ``q`` in partitions' bucket arrays.
+    ``offsets``: add the partition's first global bucket to its positions; ``skip`` (bool, one per partition):
+    find nothing there; ``where``: ``_where_of(parts)`` when the caller keeps it."""
+    n = q.shape[0]
+    pos, val = np.empty(n, np.int64), np.empty(n, np.int64)
+    if backend == "numba":  # one pass over the batch (``_part_kernels.probe``), the partitions' arrays held here
+        keys_at, vals_at, caps = where if where is not None else _where_of(parts)
+        _part_kernels.probe(keys_at, vals_at, caps, _NO_OFFSETS if offsets is None else offsets, q, pos, val)
+        if skip is not None and skip.any():
+            gone = skip[parts_of(q)]
+            pos[gone], val[gone] = -1, -1
+        return pos, val
+    order, bounds, sq = _split(q, backend)
+    for p, (keys, vals) in enumerate(parts):
+        lo, hi = int(bounds[p]), int(bounds[p + 1])
+        if lo == hi:
+            continue
+        if skip is not None and skip[p]:
+            pos[lo:hi], val[lo:hi] = -1, -1
+            continue
+        pos[lo:hi], val[lo:hi] = HashIndex.over(keys, vals, backend)._probe(sq[lo:hi])
+        if offsets is not None:
+            at = pos[lo:hi]
+            at[at >= 0] += offsets[p]
+    out_pos, out_val = np.empty(n, np.int64), np.empty(n, np.int64)
+    out_pos[order], out_val[order] = pos, val
+    return out_pos, out_val
 
 
 class PartitionedIndex:
@@ -295,6 +342,8 @@ class PartitionedIndex:
     def __init__(self, *, backend: Backend = "auto") -> None:
         self.backend = resolve_backend(backend)
         self._parts = [HashIndex(_PART_MIN, backend=self.backend, min_capacity=_PART_MIN) for _ in range(PARTS)]
+        # the partitions' addresses for probes, and the arrays they are of (a growth or a clear replaces them)
+        self._where: tuple[list[np.ndarray], _Where] | None = None
 
     def __len__(self) -> int:
         return sum(len(p) for p in self._parts)
@@ -316,25 +365,54 @@ class PartitionedIndex:
         """The partitions' bucket arrays as they are now (not copies; see ``HashIndex.buckets``)."""
         return IndexView([p.buckets() for p in self._parts], self.backend)
 
+    @property
+    def capacity(self) -> int:
+        """Buckets in all partitions."""
+        return sum(p.capacity for p in self._parts)
+
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """(n,) ids -> (n,) int64 values, -1 where absent."""
-        return self.view().positions(ids)[1]
+        parts = [p.buckets() for p in self._parts]
+        where = None
+        if self.backend == "numba":
+            arrays = [a for kv in parts for a in kv]
+            if self._where is None or any(a is not b for a, b in zip(arrays, self._where[0], strict=True)):
+                self._where = (arrays, _where_of(parts))
+            where = self._where[1]
+        return _probe_parts(parts, as_id_bits(ids), self.backend, where=where)[1]
+
+    def values_at_least(self, threshold: int) -> tuple[np.ndarray, np.ndarray]:
+        """(global buckets, values), both int64, of the live buckets whose value is ``threshold`` or more, in
+        bucket order (``set_values`` then moves them)."""
+        got, base = [], 0
+        for part in self._parts:
+            at, vals = part.values_at_least(threshold)
+            got.append((at + base, vals))
+            base += part.capacity
+        return np.concatenate([g[0] for g in got]), np.concatenate([g[1] for g in got])
+
+    def set_values(self, buckets: np.ndarray, values: np.ndarray) -> None:
+        """Overwrite the values of live buckets (global numbers, from ``values_at_least`` or ``view``)."""
+        view = self.view()
+        part = np.searchsorted(view.offsets, buckets, side="right") - 1
+        for p, index in enumerate(self._parts):
+            mine = part == p
+            if mine.any():
+                index.set_values(buckets[mine] - view.offsets[p], values[mine])
 
     def insert(self, ids: np.ndarray, values: np.ndarray) -> None:
         """Insert ids that are unique and absent (the caller guarantees both) with values >= 0."""
-        q = as_id_bits(ids)
         v = np.ascontiguousarray(values, dtype=np.int32)
-        order, bounds = _split(q)
+        order, bounds, sq = _split(as_id_bits(ids), self.backend)
         for p, part in enumerate(self._parts):
-            if bounds[p] < bounds[p + 1]:
-                at = order[bounds[p]:bounds[p + 1]]
-                part.insert(q[at].view(np.int64), v[at])
+            lo, hi = int(bounds[p]), int(bounds[p + 1])
+            if lo < hi:
+                part.insert(sq[lo:hi].view(np.int64), v[order[lo:hi]])
 
     def delete(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Remove ids (duplicates and absent ids allowed). Returns (removed ids, their values), unique."""
-        q = as_id_bits(ids)
-        order, bounds = _split(q)
-        got = [part.delete(q[order[bounds[p]:bounds[p + 1]]].view(np.int64))
+        _, bounds, sq = _split(as_id_bits(ids), self.backend)
+        got = [part.delete(sq[bounds[p]:bounds[p + 1]].view(np.int64))
                for p, part in enumerate(self._parts) if bounds[p] < bounds[p + 1] and len(part)]
         if not got:
             return np.empty(0, np.int64), np.empty(0, np.int64)
@@ -389,22 +467,23 @@ class IndexView:
         """One read-only ``HashIndex`` over each partition's arrays (for ``keys_in_slots`` and ``slot_counts``)."""
         return [HashIndex.over(k, v, self.backend) for k, v in self.parts]
 
+    def at(self, buckets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(keys uint64, values int32) of global ``buckets`` (int64, any order)."""
+        keys, vals = np.empty(buckets.shape[0], np.uint64), np.empty(buckets.shape[0], np.int32)
+        part = np.searchsorted(self.offsets, buckets, side="right") - 1
+        for p, (k, v) in enumerate(self.parts):
+            mine = np.flatnonzero(part == p)
+            if mine.size:
+                local = buckets[mine] - self.offsets[p]
+                keys[mine], vals[mine] = k[local], v[local]
+        return keys, vals
+
     def positions(self, ids: np.ndarray, current: PartitionedIndex | None = None
                   ) -> tuple[np.ndarray, np.ndarray]:
         """(n,) ids -> (global buckets, values), both int64, -1 where absent. ``current``: only in the partitions
         whose arrays are still that index's (an id inserted into a partition grown since is not in this view)."""
-        q = as_id_bits(ids)
-        pos = np.full(q.shape[0], -1, np.int64)
-        val = np.full(q.shape[0], -1, np.int64)
-        order, bounds = _split(q)
-        for p, (keys, vals) in enumerate(self.parts):
-            if bounds[p] == bounds[p + 1]:
-                continue
-            if current is not None and current._parts[p].buckets()[0] is not keys:
-                continue
-            at = order[bounds[p]:bounds[p + 1]]
-            b, v = HashIndex.over(keys, vals, self.backend).positions(q[at].view(np.int64))
-            found = b >= 0
-            b[found] += self.offsets[p]
-            pos[at], val[at] = b, v
-        return pos, val
+        skip = None
+        if current is not None:
+            skip = np.array([now.buckets()[0] is not keys for now, (keys, _) in zip(current._parts, self.parts,
+                                                                                     strict=True)])
+        return _probe_parts(self.parts, as_id_bits(ids), self.backend, self.offsets, skip)

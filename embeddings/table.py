@@ -1,6 +1,6 @@
 """EmbeddingTable: a growable sparse table of rows keyed by arbitrary int64 ids.
 
-    ids ──HashIndex──► position ──Slab──► weights, optimizer state, metadata    (resident rows)
+    ids ──PartitionedIndex──► position ──Slab──► weights, optimizer state, metadata    (resident rows)
      └──────────────── spilled ids ──► slot ──SpillFile──► records on disk      (past the memory budget)
 
 ``pull`` gathers rows (inserting missing ids, subject to admission, with their deterministic initial row);
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from tigana.embeddings import _gradients, _kernels, admission, optimizers
+from tigana.embeddings import _gradients, _kernels, _part_kernels, admission, optimizers
 from tigana.embeddings._evicting import Evicting
 from tigana.embeddings._exporting import Exporting
 from tigana.embeddings._persisting import Persisting
@@ -34,7 +34,7 @@ from tigana.embeddings.changes import Changes, sorted_unique
 from tigana.embeddings.config import TableConfig
 from tigana.embeddings.cut import CutHooks
 from tigana.embeddings.errors import InvalidArgument, StorageError, StorageFull
-from tigana.embeddings.hashtable import HashIndex, PartitionedIndex, resolve_backend
+from tigana.embeddings.hashtable import PartitionedIndex, resolve_backend
 from tigana.embeddings.initializers import initial_rows
 from tigana.embeddings.rows import RowBatch
 from tigana.embeddings.slab import Slab, from_float32, to_float32
@@ -64,7 +64,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         self._lock = threading.RLock()
         self._snapshot_turn = threading.RLock()
         self._width = optimizers.state_width(config.optimizer, config.dim)
-        self._index = HashIndex(backend=self._backend)
+        self._index = PartitionedIndex(backend=self._backend)
         self._slab = Slab(config.dim, self._width, config.dtype,
                           track_access=config.memory_budget is not None or config.eviction.max_rows is not None)
         self._admission = admission.AdmissionFilter(config.admission, config.seed, backend=self._backend)
@@ -108,22 +108,17 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
             self._counters["pulls"] += 1
             n = ids.shape[0]
             out = np.empty((n, self.dim), np.float32)
-            positions = np.empty(n, np.int64)
-            if self._backend == "numba" and self._slab.storage_dtype == np.float32:
-                misses = int(_kernels.lookup_gather(self._index._keys, self._index._vals, self._slab.weights,
-                                                    self._slab.last_access, self._clock, ids.view(np.uint64),
-                                                    out, positions))
-                gathered = True
-            else:
-                positions = self._index.lookup(ids)
-                misses = int(np.count_nonzero(positions < 0))
-                gathered = False
+            positions = self._index.lookup(ids)
+            misses = int(np.count_nonzero(positions < 0))
+            gathered = self._backend == "numba" and self._slab.storage_dtype == np.float32
+            if gathered:  # the hits' rows in one pass (and their access clock)
+                _part_kernels.gather_hits(self._slab.weights, self._slab.last_access, self._clock, positions, out)
             self._counters["lookups"] += n
             self._counters["hits"] += n - misses
             if misses:
                 miss = np.flatnonzero(positions < 0)
                 positions[miss] = self._materialize(ids[miss], insert=insert, count=True, hold=positions)
-                if gathered:  # fill in what the fused kernel could not
+                if gathered:  # fill in what the gather could not
                     got = miss[positions[miss] >= 0]
                     out[got] = self._slab.read_weights(positions[got])
                     self._slab.stamp_access(positions[got], self._clock)

@@ -144,3 +144,26 @@ def test_a_partitioned_index_grows_a_partition_at_a_time(backend: str) -> None:
     assert sizes.max() < 1.15 * sizes.mean()
     assert growths >= PARTS  # every partition grew at least once along the way
     assert index.growth_bytes < 0.1 * index.nbytes  # the room a growth needs: a small share of the index
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=40, deadline=None)
+@given(ids=st.lists(ids_st, max_size=300, unique=True), gone=st.integers(0, 300), threshold=st.integers(0, 300))
+def test_a_partitioned_index_moves_values_by_global_bucket(backend: str, ids: list[int], gone: int,
+                                                           threshold: int) -> None:
+    """What a table's compaction does with its index: the live buckets holding a value >= a threshold
+    (``values_at_least``, global numbers: ``IndexView.at`` reads them back) get new values (``set_values``);
+    every other id keeps its value."""
+    index = PartitionedIndex(backend=backend)
+    a = np.array(ids, np.int64)
+    index.insert(a, np.arange(a.size))
+    index.delete(a[:gone])
+    ref = {int(i): n for n, i in enumerate(ids) if n >= gone}
+    buckets, vals = index.values_at_least(threshold)
+    assert sorted(vals.tolist()) == sorted(v for v in ref.values() if v >= threshold)
+    keys, at_vals = index.view().at(buckets)
+    assert dict(zip(keys.view(np.int64).tolist(), at_vals.tolist(), strict=True)) == \
+        {i: v for i, v in ref.items() if v >= threshold}
+    index.set_values(buckets, vals - threshold + 1000)
+    moved = {i: (v - threshold + 1000 if v >= threshold else v) for i, v in ref.items()}
+    assert index.lookup(a).tolist() == [moved.get(int(i), -1) for i in a]
