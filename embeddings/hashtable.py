@@ -17,6 +17,7 @@ Not thread-safe on its own: the owning table holds its lock around every call.
 
 from __future__ import annotations
 
+import mmap
 from typing import Literal
 
 import numpy as np
@@ -32,11 +33,27 @@ _MAX_LOAD = 0.8
 _GROWTH = 1.5
 _MIN_CAPACITY = 64
 _BUCKET_BYTES = 12  # a key (uint64) and a value (int32)
+_MAPPED_BYTES = 1 << 20  # bucket arrays from this size up are mappings of their own (``_bucket_arrays``)
 
 
 def _grown(cap: int) -> int:
     """The capacity one growth step makes from ``cap``."""
     return int(cap * _GROWTH) + 1
+
+
+def _bucket_arrays(cap: int) -> tuple[np.ndarray, np.ndarray]:
+    """Empty bucket arrays (keys, values all EMPTY) of ``cap`` buckets. From ``_MAPPED_BYTES`` up, each array is
+    a mapping of its own, given back to the kernel the moment it is freed: a daemon sets glibc to serve blocks
+    under 32 MiB from its heap (``tigana.ps.allocator``, for message buffers), where the arrays a rehash
+    replaces stayed resident until the next trim. A spilling 1 GiB daemon whose index partitions (10-30 MiB)
+    came from the heap peaked at 1.5x its budget, its heap holding 0.7-0.9 GiB."""
+    keys_bytes = cap * 8
+    if keys_bytes < _MAPPED_BYTES:
+        return np.zeros(cap, np.uint64), np.full(cap, EMPTY, np.int32)
+    keys = np.frombuffer(mmap.mmap(-1, keys_bytes), np.uint64)  # zero-filled by the kernel, page by page
+    vals = np.frombuffer(mmap.mmap(-1, cap * 4), np.int32)
+    vals.fill(EMPTY)
+    return keys, vals
 
 
 def resolve_backend(backend: Backend) -> Literal["numba", "numpy"]:
@@ -69,8 +86,7 @@ class HashIndex:
         self.backend = resolve_backend(backend)
         self._min_capacity = max(2, int(min_capacity))  # it never shrinks below this
         cap = max(self._min_capacity, int(capacity))
-        self._keys = np.zeros(cap, np.uint64)
-        self._vals = np.full(cap, EMPTY, np.int32)
+        self._keys, self._vals = _bucket_arrays(cap)
         self._size = 0  # live keys
         self._used = 0  # live keys + tombstones
 
@@ -214,8 +230,7 @@ class HashIndex:
         return removed_ids, removed_vals
 
     def clear(self) -> None:
-        self._keys = np.zeros(self._min_capacity, np.uint64)
-        self._vals = np.full(self._min_capacity, EMPTY, np.int32)
+        self._keys, self._vals = _bucket_arrays(self._min_capacity)
         self._size = self._used = 0
 
     def _reserve(self, n_new: int) -> None:
@@ -227,8 +242,7 @@ class HashIndex:
             cap = _grown(cap)
         if need <= 0.5 * _MAX_LOAD * cap and cap > self._min_capacity:  # mostly tombstones: stay small
             cap = max(self._min_capacity, int(need / (0.5 * _MAX_LOAD)) + 1)
-        new_keys = np.empty(cap, np.uint64)  # a bucket's key is read only where its value is >= 0
-        new_vals = np.full(cap, EMPTY, np.int32)
+        new_keys, new_vals = _bucket_arrays(cap)
         if self.backend == "numba":
             used = int(_kernels.rehash(self._keys, self._vals, new_keys, new_vals))
         else:
