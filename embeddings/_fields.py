@@ -19,7 +19,7 @@ import numpy as np
 from tigana.embeddings.changes import Changes, unique
 from tigana.embeddings.config import TableConfig
 from tigana.embeddings.errors import InvalidArgument
-from tigana.embeddings.hashtable import PartitionedIndex
+from tigana.embeddings.partitioned import PartitionedIndex
 from tigana.embeddings.rows import RowBatch
 from tigana.embeddings.slab import ACCESS_MAX, Slab
 

@@ -8,7 +8,8 @@ use their numpy fallbacks, which compute the same results.
 Hash layout shared with ``hashtable.py``: ``keys`` uint64[cap] (the int64 ids' bits), ``vals`` int32[cap] with
 ``EMPTY`` (-1) / ``TOMBSTONE`` (-2) / a value >= 0 (for a table's index: the row's position in its Slab). A
 bucket's state lives in ``vals``, so every 64-bit id is a valid key. Home bucket = fastrange(hash) =
-((hash >> 32) * cap) >> 32, linear probing with wrap-around.
+((hash >> 32) * cap) >> 32 with hash = mix64(key ^ salt), the index's own random salt (``hashtable``), linear
+probing with wrap-around.
 """
 
 from __future__ import annotations
@@ -78,27 +79,28 @@ if AVAILABLE:
     _S32 = np.uint64(32)
 
     @njit(nogil=True, cache=True, inline="always")
-    def _home(key, cap):
-        return np.int64(((mix64_scalar(key) >> _S32) * cap) >> _S32)
+    def _home(key, cap, salt):
+        """The home bucket of ``key`` in an index of ``cap`` buckets salted with ``salt`` (both uint64)."""
+        return np.int64(((mix64_scalar(key ^ salt) >> _S32) * cap) >> _S32)
 
     @njit(nogil=True, cache=True, inline="always")
-    def _prefetch_ahead(keys, vals, queries, i, n, ucap):
+    def _prefetch_ahead(keys, vals, queries, i, n, ucap, salt):
         """Prefetch the home bucket of the query a fixed distance ahead of ``i`` (a random bucket is a miss)."""
         if i + _PREFETCH_DISTANCE < n:
-            h = _home(queries[i + _PREFETCH_DISTANCE], ucap)
+            h = _home(queries[i + _PREFETCH_DISTANCE], ucap, salt)
             _prefetch1(keys, h)
             _prefetch1(vals, h)
 
     @njit(nogil=True, cache=True)
-    def probe(keys, vals, queries, out_pos, out_val):
+    def probe(keys, vals, queries, out_pos, out_val, salt):
         """For each query: bucket position and value (a row's slab position) if present, else -1 and -1."""
         cap = keys.shape[0]
         ucap = np.uint64(cap)
         n = queries.shape[0]
         for i in range(n):
-            _prefetch_ahead(keys, vals, queries, i, n, ucap)
+            _prefetch_ahead(keys, vals, queries, i, n, ucap, salt)
             q = queries[i]
-            p = _home(q, ucap)
+            p = _home(q, ucap, salt)
             while True:
                 v = vals[p]
                 if v == EMPTY:
@@ -114,7 +116,7 @@ if AVAILABLE:
                     p = 0
 
     @njit(nogil=True, cache=True)
-    def insert(keys, vals, new_keys, new_vals):
+    def insert(keys, vals, new_keys, new_vals, salt):
         """Insert unique keys known to be absent; returns how many EMPTY buckets were consumed. Each home bucket
         is prefetched a fixed distance ahead (a random insert is a cache miss: about 2x faster)."""
         cap = keys.shape[0]
@@ -122,8 +124,8 @@ if AVAILABLE:
         consumed = 0
         n = new_keys.shape[0]
         for i in range(n):
-            _prefetch_ahead(keys, vals, new_keys, i, n, ucap)
-            p = _home(new_keys[i], ucap)
+            _prefetch_ahead(keys, vals, new_keys, i, n, ucap, salt)
+            p = _home(new_keys[i], ucap, salt)
             while vals[p] >= 0:
                 p += 1
                 if p == cap:
@@ -135,7 +137,7 @@ if AVAILABLE:
         return consumed
 
     @njit(nogil=True, cache=True)
-    def rehash(keys, vals, new_keys, new_vals):
+    def rehash(keys, vals, new_keys, new_vals, salt):
         """Insert every live bucket of (keys, vals) into the empty (new_keys, new_vals); returns live keys.
         One pass over the old buckets, no intermediate arrays, homes prefetched ahead."""
         cap = new_keys.shape[0]
@@ -145,12 +147,12 @@ if AVAILABLE:
         for i in range(n):
             ahead = i + _PREFETCH_DISTANCE
             if ahead < n and vals[ahead] >= 0:
-                h = _home(keys[ahead], ucap)
+                h = _home(keys[ahead], ucap, salt)
                 _prefetch1(new_keys, h)
                 _prefetch1(new_vals, h)
             if vals[i] < 0:
                 continue
-            p = _home(keys[i], ucap)
+            p = _home(keys[i], ucap, salt)
             while new_vals[p] >= 0:
                 p += 1
                 if p == cap:

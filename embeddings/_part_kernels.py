@@ -2,7 +2,7 @@
 batch by partition (for inserts and deletes, which reserve room partition by partition), and the row gather of
 a table's pull after its lookup.
 
-A key's partition is bits 27-30 of its mix (``hashtable.parts_of``), which neither its home bucket inside the
+A key's partition is bits 27-30 of its salted mix (``hashtable.parts_of``), which neither its home bucket inside the
 partition (the top 32 bits, scaled onto its capacity as ``_kernels._home``) nor a power-of-two routing slot (the
 low bits) reads: one mix per key picks both. ``probe`` reads the partitions' bucket arrays through their
 addresses (``addresses``: int64 arrays the caller builds from arrays it keeps alive for the call), since numba
@@ -70,25 +70,25 @@ if AVAILABLE:
     _S32 = np.uint64(32)
 
     @njit(nogil=True, cache=True, inline="always")
-    def _where(q, caps):
-        """(partition, home bucket in it) of key ``q``."""
-        m = mix64_scalar(q)
+    def _where(q, caps, salt):
+        """(partition, home bucket in it) of key ``q`` in an index salted with ``salt``."""
+        m = mix64_scalar(q ^ salt)
         part = np.int64((m >> _PART_SHIFT) & _PART_MASK)
         return part, np.int64(((m >> _S32) * np.uint64(caps[part])) >> _S32)
 
     @njit(nogil=True, cache=True)
-    def probe(keys_at, vals_at, caps, offsets, queries, out_pos, out_val):
+    def probe(keys_at, vals_at, caps, offsets, queries, out_pos, out_val, salt):
         """For each uint64 query: its global bucket (``offsets[partition]`` + its bucket in the partition) and its
         value, else -1 and -1. ``keys_at``/``vals_at``: the addresses of each partition's keys (uint64) and
         values (int32) arrays (``addresses``), ``caps`` their lengths."""
         n = queries.shape[0]
         for i in range(n):
             if i + _AHEAD < n:
-                ahead, h = _where(queries[i + _AHEAD], caps)
+                ahead, h = _where(queries[i + _AHEAD], caps, salt)
                 _prefetch_addr(keys_at[ahead] + 8 * h)
                 _prefetch_addr(vals_at[ahead] + 4 * h)
             q = queries[i]
-            part, p = _where(q, caps)
+            part, p = _where(q, caps, salt)
             ka, va, cap = keys_at[part], vals_at[part], caps[part]
             while True:
                 v = _i32_at(va, p)
@@ -105,14 +105,14 @@ if AVAILABLE:
                     p = 0
 
     @njit(nogil=True, cache=True)
-    def split(keys, order, sorted_keys, bounds):
+    def split(keys, order, sorted_keys, bounds, salt):
         """Counting sort of uint64 ``keys`` by partition: ``sorted_keys[bounds[p]:bounds[p + 1]]`` are the keys of
         partition ``p`` (in batch order), ``order`` their places in ``keys``."""
         n = keys.shape[0]
         parts = np.empty(n, np.uint8)
         fill = np.zeros(PARTS, np.int64)
         for i in range(n):
-            p = np.int64((mix64_scalar(keys[i]) >> _PART_SHIFT) & _PART_MASK)
+            p = np.int64((mix64_scalar(keys[i] ^ salt) >> _PART_SHIFT) & _PART_MASK)
             parts[i] = p
             fill[p] += 1
         bounds[0] = 0

@@ -127,13 +127,9 @@ class SpillTier(TableFields):
         k = len(self._index) - max(1, int(0.9 * self._budget_rows))
         if k <= 0:
             return
+        # the coldest rows come in the resident index's bucket order; the spilled ids' index has a salt of its own,
+        # to which that order is random (a chunk of them piled into a few runs of buckets under one hash)
         coldest, where = self._coldest(k, hold[hold >= 0] if hold is not None else np.empty(0, np.int64))
-        # Shuffled, not in the index's bucket order the pass found them in: a chunk of ids in bucket order is a
-        # narrow range of the hash, and inserting it into the spilled ids' index (same hash) piles it into a few
-        # long runs of buckets (1.1 M ids in 65,536-id chunks: 8.9 s, against 0.11 s in random order). Not slab
-        # order either: a compaction hands out positions in bucket order.
-        order = np.random.default_rng(self._clock).permutation(coldest.shape[0])
-        coldest, where = coldest[order], where[order]
         for lo in range(0, coldest.shape[0], _SPILL_CHUNK):  # each chunk whole: its rows, then the next
             ids, positions = coldest[lo:lo + _SPILL_CHUNK], where[lo:lo + _SPILL_CHUNK]
             batch = self._slab.read(ids, positions)

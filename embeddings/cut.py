@@ -47,7 +47,7 @@ import numpy as np
 from tigana.embeddings._checksum import row_digests
 from tigana.embeddings._fields import TableFields
 from tigana.embeddings.errors import CorruptStore
-from tigana.embeddings.hashtable import PartitionedIndex
+from tigana.embeddings.partitioned import PartitionedIndex
 from tigana.embeddings.rows import RowBatch
 from tigana.embeddings.slab import Slab
 

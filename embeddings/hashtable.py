@@ -2,13 +2,18 @@
 
 Layout: ``keys`` uint64[cap] holds the ids' bits, ``vals`` int32[cap] holds a value >= 0 or the bucket state
 (EMPTY -1, TOMBSTONE -2), so no id value is reserved as a sentinel. The home bucket is fastrange of a
-splitmix64 hash, probing is linear. Capacity is any integer (not a power of two), grown by 1.5x past a load of
-0.8 (tombstones count as load and are dropped by the rehash): 12 bytes per bucket, 15-23 bytes per live key.
-Linear probing stays short at 0.8 (a hit reads 3 buckets on average, a miss 13, in two or three cache lines).
+splitmix64 hash of the id xor the index's salt, probing is linear. Capacity is any integer (not a power of two),
+grown by 1.5x past a load of 0.8 (tombstones count as load and are dropped by the rehash): 12 bytes per bucket,
+15-23 bytes per live key. Linear probing stays short at 0.8 (a hit reads 3 buckets on average, a miss 13, in
+two or three cache lines).
 
-``PartitionedIndex`` splits one map into ``PARTS`` such indexes that grow one at a time (the index of a table's
-spilled ids, where a whole-index rehash would break the memory budget); ``IndexView`` numbers its buckets
-globally for the readers that hold them (cuts, scans).
+Why a salt, random per index: ids listed in one index's bucket order (a cut's batches, ``keys()``, a spill's
+coldest rows) are sorted by their home; inserted a chunk at a time into another index of the same hash, each
+chunk piled into a narrow run of buckets and its probes grew with the chunk (4 M rows imported from a cut in
+16 k-bucket chunks: 349 s, against 5 s shuffled). Under its own salt an index sees any other's bucket order as
+random.
+
+``partitioned.PartitionedIndex`` splits one map into such indexes that grow one at a time.
 
 Every operation takes a whole batch (duplicates allowed) and runs either a numba kernel or a vectorized numpy
 fallback (``backend="numpy"``, also used when numba is missing); both give identical results.
@@ -18,13 +23,13 @@ Not thread-safe on its own: the owning table holds its lock around every call.
 from __future__ import annotations
 
 import mmap
+import os
 from typing import Literal
 
 import numpy as np
 
-from tigana.embeddings import _kernels, _part_kernels
+from tigana.embeddings import _kernels
 from tigana.embeddings._kernels import EMPTY, TOMBSTONE
-from tigana.embeddings._part_kernels import _PART_SHIFT, PARTS
 from tigana.embeddings.mixing import mix64, slots_of_keys
 
 Backend = Literal["auto", "numba", "numpy"]
@@ -72,18 +77,24 @@ def as_id_bits(ids: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(ids, dtype=np.int64).view(np.uint64)
 
 
-def _home_np(keys: np.ndarray, cap: int) -> np.ndarray:
-    """Home bucket of each key: the top 32 bits of its mix scaled onto [0, cap) (as the numba ``_home``)."""
+def new_salt() -> np.uint64:
+    """A fresh random salt for an index's hash (``HashIndex``, ``PartitionedIndex``)."""
+    return np.uint64(int.from_bytes(os.urandom(8), "little"))
+
+
+def _home_np(keys: np.ndarray, cap: int, salt: np.uint64) -> np.ndarray:
+    """Home bucket of each key: the top 32 bits of its salted mix scaled onto [0, cap) (as the numba ``_home``)."""
     with np.errstate(over="ignore"):
-        return (((mix64(keys) >> np.uint64(32)) * np.uint64(cap)) >> np.uint64(32)).astype(np.int64)
+        return (((mix64(keys ^ salt) >> np.uint64(32)) * np.uint64(cap)) >> np.uint64(32)).astype(np.int64)
 
 
 class HashIndex:
     """Map of int64 id -> int32 value >= 0 for whole batches; see the module docstring."""
 
     def __init__(self, capacity: int = _MIN_CAPACITY, *, backend: Backend = "auto",
-                 min_capacity: int = _MIN_CAPACITY) -> None:
+                 min_capacity: int = _MIN_CAPACITY, salt: np.uint64 | None = None) -> None:
         self.backend = resolve_backend(backend)
+        self.salt = new_salt() if salt is None else np.uint64(salt)  # fixed for the index's life
         self._min_capacity = max(2, int(min_capacity))  # it never shrinks below this
         cap = max(self._min_capacity, int(capacity))
         self._keys, self._vals = _bucket_arrays(cap)
@@ -91,10 +102,12 @@ class HashIndex:
         self._used = 0  # live keys + tombstones
 
     @classmethod
-    def over(cls, keys: np.ndarray, vals: np.ndarray, backend: Backend = "auto") -> HashIndex:
-        """A read-only view for probing bucket arrays taken earlier with ``buckets`` (no copy)."""
+    def over(cls, keys: np.ndarray, vals: np.ndarray, salt: np.uint64, backend: Backend = "auto") -> HashIndex:
+        """A read-only view for probing bucket arrays taken earlier with ``buckets`` (no copy), of an index
+        salted with ``salt``."""
         view = cls.__new__(cls)
         view.backend = resolve_backend(backend)
+        view.salt = np.uint64(salt)
         view._keys, view._vals = keys, vals
         view._size = view._used = -1  # a view is for ``lookup``/``positions`` only
         return view
@@ -131,12 +144,12 @@ class HashIndex:
         pos = np.empty(n, np.int64)
         val = np.empty(n, np.int64)
         if self.backend == "numba":
-            _kernels.probe(self._keys, self._vals, q, pos, val)
+            _kernels.probe(self._keys, self._vals, q, pos, val, self.salt)
             return pos, val
         pos.fill(-1)
         val.fill(-1)
         cap = self.capacity
-        cur = _home_np(q, cap)
+        cur = _home_np(q, cap, self.salt)
         active = np.arange(n)
         while active.size:
             p = cur[active]
@@ -244,7 +257,7 @@ class HashIndex:
             cap = max(self._min_capacity, int(need / (0.5 * _MAX_LOAD)) + 1)
         new_keys, new_vals = _bucket_arrays(cap)
         if self.backend == "numba":
-            used = int(_kernels.rehash(self._keys, self._vals, new_keys, new_vals))
+            used = int(_kernels.rehash(self._keys, self._vals, new_keys, new_vals, self.salt))
         else:
             live = self._vals >= 0
             used = self._insert_raw(new_keys, new_vals, self._keys[live], self._vals[live])
@@ -252,9 +265,9 @@ class HashIndex:
 
     def _insert_raw(self, keys: np.ndarray, vals: np.ndarray, q: np.ndarray, v: np.ndarray) -> int:
         if self.backend == "numba":
-            return int(_kernels.insert(keys, vals, q, v))
+            return int(_kernels.insert(keys, vals, q, v, self.salt))
         cap = keys.shape[0]
-        cur = _home_np(q, cap)
+        cur = _home_np(q, cap, self.salt)
         active = np.arange(q.shape[0])
         consumed = 0
         while active.size:
@@ -273,231 +286,3 @@ class HashIndex:
             nxt[nxt == cap] = 0
             cur[active] = nxt
         return consumed
-
-
-# --- partitioned: an index whose growth never holds two copies of the whole ------------------------------------
-_PART_MIN = 8  # buckets of an empty partition: an empty index takes 1.5 KB
-_NO_OFFSETS = np.zeros(PARTS, np.int64)  # bucket numbers inside each partition (a lookup needs values only)
-
-
-def parts_of(q: np.ndarray) -> np.ndarray:
-    """The partition (uint8, in [0, PARTS)) of each uint64 key: bits 27-30 of its mix, which neither the home
-    bucket inside a partition (the top 32 bits) nor a power-of-two routing slot (the low bits) reads."""
-    return ((mix64(q) >> _PART_SHIFT) & np.uint64(PARTS - 1)).astype(np.uint8)
-
-
-def _split(q: np.ndarray, backend: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(order, bounds, sorted keys): ``sorted[bounds[p]:bounds[p + 1]]`` are the keys of partition ``p``, and
-    ``sorted == q[order]``."""
-    if backend == "numba":
-        n = q.shape[0]
-        order, sq, bounds = np.empty(n, np.int64), np.empty(n, np.uint64), np.empty(PARTS + 1, np.int64)
-        _part_kernels.split(q, order, sq, bounds)
-        return order, bounds, sq
-    parts = parts_of(q)
-    order = np.argsort(parts, kind="stable")  # a radix sort for uint8
-    bounds = np.zeros(PARTS + 1, np.int64)
-    np.cumsum(np.bincount(parts, minlength=PARTS), out=bounds[1:])
-    return order, bounds, q[order]
-
-
-_Where = tuple[np.ndarray, np.ndarray, np.ndarray]  # partitions' keys and values addresses, capacities
-
-
-def _where_of(parts: list[tuple[np.ndarray, np.ndarray]]) -> _Where:
-    """What ``_part_kernels.probe`` reads the partitions by: valid while their arrays live."""
-    return (_part_kernels.addresses([k for k, _ in parts]), _part_kernels.addresses([v for _, v in parts]),
-            np.array([k.shape[0] for k, _ in parts], np.int64))
-
-
-def _probe_parts(parts: list[tuple[np.ndarray, np.ndarray]], q: np.ndarray, backend: str,
-                 offsets: np.ndarray | None = None, skip: np.ndarray | None = None, where: _Where | None = None
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    """(bucket positions, values), both int64, -1 where absent, of uint64 keys ``q`` in partitions' bucket arrays.
-    ``offsets``: add the partition's first global bucket to its positions; ``skip`` (bool, one per partition):
-    find nothing there; ``where``: ``_where_of(parts)`` when the caller keeps it."""
-    n = q.shape[0]
-    pos, val = np.empty(n, np.int64), np.empty(n, np.int64)
-    if backend == "numba":  # one pass over the batch (``_part_kernels.probe``), the partitions' arrays held here
-        keys_at, vals_at, caps = where if where is not None else _where_of(parts)
-        _part_kernels.probe(keys_at, vals_at, caps, _NO_OFFSETS if offsets is None else offsets, q, pos, val)
-        if skip is not None and skip.any():
-            gone = skip[parts_of(q)]
-            pos[gone], val[gone] = -1, -1
-        return pos, val
-    order, bounds, sq = _split(q, backend)
-    for p, (keys, vals) in enumerate(parts):
-        lo, hi = int(bounds[p]), int(bounds[p + 1])
-        if lo == hi:
-            continue
-        if skip is not None and skip[p]:
-            pos[lo:hi], val[lo:hi] = -1, -1
-            continue
-        pos[lo:hi], val[lo:hi] = HashIndex.over(keys, vals, backend)._probe(sq[lo:hi])
-        if offsets is not None:
-            at = pos[lo:hi]
-            at[at >= 0] += offsets[p]
-    out_pos, out_val = np.empty(n, np.int64), np.empty(n, np.int64)
-    out_pos[order], out_val[order] = pos, val
-    return out_pos, out_val
-
-
-class PartitionedIndex:
-    """A map of int64 id -> int32 value >= 0 as ``PARTS`` ``HashIndex`` partitions, each growing on its own.
-
-    Why: a growing ``HashIndex`` holds its old and new arrays at once, 2.5x its bytes for the rehash. The index
-    of a table's spilled ids is most of a spilling table's memory at scale (125 M spilled ids hold ~2.3 GB), and
-    such a spike broke the table's memory budget. Here a growth rehashes one partition, so the spike is at most
-    ``growth_bytes``: the new arrays of one partition (about 1.5/``PARTS`` of the index). Keys split by bits of
-    their mix (``parts_of``), so the partitions fill evenly and a batch costs one mix and one radix sort more
-    than a ``HashIndex`` call. Bucket numbers (``view``) are global: a partition's buckets follow those of the
-    partitions before it. Not thread-safe on its own, as ``HashIndex``."""
-
-    def __init__(self, *, backend: Backend = "auto") -> None:
-        self.backend = resolve_backend(backend)
-        self._parts = [HashIndex(_PART_MIN, backend=self.backend, min_capacity=_PART_MIN) for _ in range(PARTS)]
-        # the partitions' addresses for probes, and the arrays they are of (a growth or a clear replaces them)
-        self._where: tuple[list[np.ndarray], _Where] | None = None
-
-    def __len__(self) -> int:
-        return sum(len(p) for p in self._parts)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self._parts)
-
-    @property
-    def growth_bytes(self) -> int:
-        """The most bytes one growth allocates before it frees the arrays it replaces (a partition's next size)."""
-        return max(_grown(p.capacity) * _BUCKET_BYTES for p in self._parts)
-
-    def partitions(self) -> list[HashIndex]:
-        """The partitions themselves (a full pass over the index under the owner's lock)."""
-        return list(self._parts)
-
-    def view(self) -> IndexView:
-        """The partitions' bucket arrays as they are now (not copies; see ``HashIndex.buckets``)."""
-        return IndexView([p.buckets() for p in self._parts], self.backend)
-
-    @property
-    def capacity(self) -> int:
-        """Buckets in all partitions."""
-        return sum(p.capacity for p in self._parts)
-
-    def lookup(self, ids: np.ndarray) -> np.ndarray:
-        """(n,) ids -> (n,) int64 values, -1 where absent."""
-        parts = [p.buckets() for p in self._parts]
-        where = None
-        if self.backend == "numba":
-            arrays = [a for kv in parts for a in kv]
-            if self._where is None or any(a is not b for a, b in zip(arrays, self._where[0], strict=True)):
-                self._where = (arrays, _where_of(parts))
-            where = self._where[1]
-        return _probe_parts(parts, as_id_bits(ids), self.backend, where=where)[1]
-
-    def values_at_least(self, threshold: int) -> tuple[np.ndarray, np.ndarray]:
-        """(global buckets, values), both int64, of the live buckets whose value is ``threshold`` or more, in
-        bucket order (``set_values`` then moves them)."""
-        got, base = [], 0
-        for part in self._parts:
-            at, vals = part.values_at_least(threshold)
-            got.append((at + base, vals))
-            base += part.capacity
-        return np.concatenate([g[0] for g in got]), np.concatenate([g[1] for g in got])
-
-    def set_values(self, buckets: np.ndarray, values: np.ndarray) -> None:
-        """Overwrite the values of live buckets (global numbers, from ``values_at_least`` or ``view``)."""
-        view = self.view()
-        part = np.searchsorted(view.offsets, buckets, side="right") - 1
-        for p, index in enumerate(self._parts):
-            mine = part == p
-            if mine.any():
-                index.set_values(buckets[mine] - view.offsets[p], values[mine])
-
-    def insert(self, ids: np.ndarray, values: np.ndarray) -> None:
-        """Insert ids that are unique and absent (the caller guarantees both) with values >= 0."""
-        v = np.ascontiguousarray(values, dtype=np.int32)
-        order, bounds, sq = _split(as_id_bits(ids), self.backend)
-        for p, part in enumerate(self._parts):
-            lo, hi = int(bounds[p]), int(bounds[p + 1])
-            if lo < hi:
-                part.insert(sq[lo:hi].view(np.int64), v[order[lo:hi]])
-
-    def delete(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Remove ids (duplicates and absent ids allowed). Returns (removed ids, their values), unique."""
-        _, bounds, sq = _split(as_id_bits(ids), self.backend)
-        got = [part.delete(sq[bounds[p]:bounds[p + 1]].view(np.int64))
-               for p, part in enumerate(self._parts) if bounds[p] < bounds[p + 1] and len(part)]
-        if not got:
-            return np.empty(0, np.int64), np.empty(0, np.int64)
-        return np.concatenate([g[0] for g in got]), np.concatenate([g[1] for g in got])
-
-    def items(self) -> tuple[np.ndarray, np.ndarray]:
-        """All live (ids int64, values int64), in bucket order."""
-        got = [p.items() for p in self._parts]
-        return np.concatenate([g[0] for g in got]), np.concatenate([g[1] for g in got])
-
-    def keys(self) -> np.ndarray:
-        """All live ids (int64), in bucket order."""
-        return np.concatenate([p.keys() for p in self._parts])
-
-    def clear(self) -> None:
-        for p in self._parts:
-            p.clear()
-
-
-class IndexView:
-    """The bucket arrays of a ``PartitionedIndex`` at one moment, numbered globally (partition 0's buckets, then
-    partition 1's, ...): what a cut or a scan holds to read the index as of that moment while writes go on."""
-
-    def __init__(self, parts: list[tuple[np.ndarray, np.ndarray]], backend: Backend = "auto") -> None:
-        self.parts = parts
-        self.backend = resolve_backend(backend)
-        self.offsets = np.zeros(len(parts) + 1, np.int64)
-        np.cumsum([k.shape[0] for k, _ in parts], out=self.offsets[1:])
-
-    @property
-    def size(self) -> int:
-        """Buckets in all."""
-        return int(self.offsets[-1])
-
-    def segments(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        """(first global bucket, keys, values) of each partition."""
-        return [(int(self.offsets[p]), k, v) for p, (k, v) in enumerate(self.parts)]
-
-    def segment_end(self, bucket: int) -> int:
-        """The global bucket just past the partition holding ``bucket``."""
-        return int(self.offsets[np.searchsorted(self.offsets, bucket, side="right")])
-
-    def slice(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        """(keys, values) of global buckets [lo, hi), which lie in one partition."""
-        p = int(np.searchsorted(self.offsets, lo, side="right")) - 1
-        off = int(self.offsets[p])
-        assert hi <= self.offsets[p + 1], "a bucket range crosses partitions"
-        keys, vals = self.parts[p]
-        return keys[lo - off:hi - off], vals[lo - off:hi - off]
-
-    def indexes(self) -> list[HashIndex]:
-        """One read-only ``HashIndex`` over each partition's arrays (for ``keys_in_slots`` and ``slot_counts``)."""
-        return [HashIndex.over(k, v, self.backend) for k, v in self.parts]
-
-    def at(self, buckets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(keys uint64, values int32) of global ``buckets`` (int64, any order)."""
-        keys, vals = np.empty(buckets.shape[0], np.uint64), np.empty(buckets.shape[0], np.int32)
-        part = np.searchsorted(self.offsets, buckets, side="right") - 1
-        for p, (k, v) in enumerate(self.parts):
-            mine = np.flatnonzero(part == p)
-            if mine.size:
-                local = buckets[mine] - self.offsets[p]
-                keys[mine], vals[mine] = k[local], v[local]
-        return keys, vals
-
-    def positions(self, ids: np.ndarray, current: PartitionedIndex | None = None
-                  ) -> tuple[np.ndarray, np.ndarray]:
-        """(n,) ids -> (global buckets, values), both int64, -1 where absent. ``current``: only in the partitions
-        whose arrays are still that index's (an id inserted into a partition grown since is not in this view)."""
-        skip = None
-        if current is not None:
-            skip = np.array([now.buckets()[0] is not keys for now, (keys, _) in zip(current._parts, self.parts,
-                                                                                     strict=True)])
-        return _probe_parts(self.parts, as_id_bits(ids), self.backend, self.offsets, skip)

@@ -34,8 +34,9 @@ from tigana.embeddings.changes import Changes, sorted_unique
 from tigana.embeddings.config import TableConfig
 from tigana.embeddings.cut import CutHooks
 from tigana.embeddings.errors import InvalidArgument, StorageError, StorageFull
-from tigana.embeddings.hashtable import PartitionedIndex, resolve_backend
+from tigana.embeddings.hashtable import resolve_backend
 from tigana.embeddings.initializers import initial_rows
+from tigana.embeddings.partitioned import PartitionedIndex
 from tigana.embeddings.rows import RowBatch
 from tigana.embeddings.slab import Slab, from_float32, to_float32
 
