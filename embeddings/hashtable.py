@@ -55,10 +55,16 @@ def _bucket_arrays(cap: int) -> tuple[np.ndarray, np.ndarray]:
     keys_bytes = cap * 8
     if keys_bytes < _MAPPED_BYTES:
         return np.zeros(cap, np.uint64), np.full(cap, EMPTY, np.int32)
-    keys = np.frombuffer(mmap.mmap(-1, keys_bytes), np.uint64)  # zero-filled by the kernel, page by page
-    vals = np.frombuffer(mmap.mmap(-1, cap * 4), np.int32)
+    keys = np.frombuffer(_private_map(keys_bytes), np.uint64)  # zero-filled by the kernel, page by page
+    vals = np.frombuffer(_private_map(cap * 4), np.int32)
     vals.fill(EMPTY)
     return keys, vals
+
+
+def _private_map(nbytes: int) -> mmap.mmap:
+    """A private anonymous mapping (``mmap``'s default is a shared one: shmem pages, counted apart from the
+    process's anonymous memory and slower to fault in)."""
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 def resolve_backend(backend: Backend) -> Literal["numba", "numpy"]:

@@ -48,8 +48,10 @@ def _rss_bytes(pid: int) -> int:
 
 
 def _rss_anon(pid: int) -> int:
-    """A process's anonymous resident memory (``RssAnon``): its heap and arrays, not mapped file pages."""
-    return _status_bytes(pid, "RssAnon")
+    """A process's own resident memory, not mapped file pages: its private anonymous pages (``RssAnon``: heap,
+    arrays) and its shared anonymous ones (``RssShmem``: an array on a shared anonymous mapping counts there, and
+    would escape a measure of ``RssAnon`` alone)."""
+    return _status_bytes(pid, "RssAnon") + _status_bytes(pid, "RssShmem")
 
 
 def _status_bytes(pid: int, key: str) -> int:

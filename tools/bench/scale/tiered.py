@@ -12,7 +12,7 @@ budget holds ``--ram-rows`` (10 M) rows in RAM. One JSON line per case:
   all are in, against the same workload over the reference cluster's rows, interleaved; with the RAM tier's hit
   rate over the timed pulls (``ram_hit_rate``: ids found resident / ids looked up) and the rows that came back
   from the spill file meanwhile.
-- ``scale.tiered.rss`` (bytes): the largest anonymous RSS of a daemon (``RssAnon``: its own memory, what the
+- ``scale.tiered.rss`` (bytes): the largest anonymous RSS of a daemon (``RssAnon`` + ``RssShmem``: its own memory, what the
   budget governs) from the tiered inserts to the end of the Zipf phase, sampled every 20 ms (``RssPeaks``: a
   spike that lasts a rehash counts), against its budget plus the daemon's anonymous RSS at start
   (``anon_at_start``); with the median along the run (``anon_median``, ``median_ratio``) and the whole RSS
