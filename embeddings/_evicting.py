@@ -6,8 +6,9 @@ A spill tier is never read whole under the lock: a pass reads one window of it (
 the capacity victims it needs if more), from a cursor that goes round the spilled ids' index bucket by bucket.
 Spilled rows are the least recently accessed, so LRU takes its victims there first; LFU and TTL judge the
 window's rows. A TTL pass starts a sweep of the rest of the tier, ``SPILL_SWEEP`` records after each later
-write, so every spilled row is judged within a round; at most one window's worth of disk reads ever happens
-under the lock at once.
+write, so every spilled row is judged within a round (but for the few a partition's growth or rehash moves back
+across the cursor, which wait for a later round); at most one window's worth of disk reads ever happens under
+the lock at once.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 
 from tigana.embeddings import eviction
 from tigana.embeddings._fields import TableFields
+from tigana.embeddings.partitioned import IndexView
 from tigana.embeddings.rows import RowBatch
 
 SPILL_WINDOW = 1 << 16  # spilled records one eviction pass reads (besides the capacity victims it needs)
@@ -103,6 +105,24 @@ class Evicting(TableFields):
             self._counters["evictions"] += n
         return n
 
+    # The cursor is a place in the hash, not a bucket number: partition p and the fraction f of its buckets before
+    # it, as p + f. A partition that grows between two windows renumbers every bucket after it (and rescales its
+    # own), and a cursor kept as a global bucket skipped rows: a TTL sweep left expired spilled rows for rounds.
+    # Buckets are in order of their keys' homes, so the same fraction of a grown partition is the same place.
+    @staticmethod
+    def _cursor_place(view: IndexView, bucket: int) -> float:
+        p = int(np.searchsorted(view.offsets, bucket, side="right")) - 1
+        if p >= len(view.parts):
+            return 0.0
+        return p + (bucket - int(view.offsets[p])) / max(1, view.parts[p][0].shape[0])
+
+    def _cursor_bucket(self, view: IndexView) -> int:
+        p = int(self._spill_cursor)
+        if not 0 <= p < len(view.parts):
+            return 0
+        cap = view.parts[p][0].shape[0]
+        return int(view.offsets[p]) + min(cap - 1, int((self._spill_cursor - p) * cap)) if cap else 0
+
     def _spill_window(self, n: int) -> tuple[RowBatch, int]:
         """Up to ``n`` spilled rows from the cursor on, going round to the first bucket at the end (every
         spilled row when ``n`` covers the tier); (the rows whose records check out, records read)."""
@@ -112,7 +132,7 @@ class Evicting(TableFields):
             return rows, len(self._spilled)
         view = self._spilled.view()  # global bucket numbers over the partitions
         buckets = view.size
-        start = self._spill_cursor if 0 <= self._spill_cursor < buckets else 0
+        start = self._cursor_bucket(view)
         taken_keys: list[np.ndarray] = []
         taken_vals: list[np.ndarray] = []
         got, at, scanned = 0, start, 0
@@ -127,7 +147,7 @@ class Evicting(TableFields):
             at = at + int(live[-1]) + 1 if got == n and live.size else hi
             if at >= buckets:
                 at = 0
-        self._spill_cursor = at
+        self._spill_cursor = self._cursor_place(view, at)
         picked_keys = np.concatenate(taken_keys) if taken_keys else np.empty(0, np.uint64)
         picked_vals = np.concatenate(taken_vals) if taken_vals else np.empty(0, np.int32)
         corrupt: list[int] = []

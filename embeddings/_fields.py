@@ -60,7 +60,7 @@ class TableFields:
     _changes: Changes | None
     _evictable: Callable[[np.ndarray], np.ndarray] | None
     _protected: int
-    _spill_cursor: int  # the spilled index's bucket the eviction's next window of the tier starts at
+    _spill_cursor: float  # where in the spilled index the eviction's next window starts (``Evicting._cursor_place``)
     _sweep_left: int
     _counters: dict[str, int]
     _corrupt: np.ndarray

@@ -101,13 +101,13 @@ def _probe_parts(parts: list[tuple[np.ndarray, np.ndarray]], q: np.ndarray, back
 class PartitionedIndex:
     """A map of int64 id -> int32 value >= 0 as ``PARTS`` ``HashIndex`` partitions, each growing on its own.
 
-    Why: a growing ``HashIndex`` holds its old and new arrays at once, 2.5x its bytes for the rehash. The index
-    of a table's spilled ids is most of a spilling table's memory at scale (125 M spilled ids hold ~2.3 GB), and
-    such a spike broke the table's memory budget. Here a growth rehashes one partition, so the spike is at most
-    ``growth_bytes``: the new arrays of one partition (about 1.5/``PARTS`` of the index). Keys split by bits of
-    their mix (``parts_of``), so the partitions fill evenly and a batch costs one mix and one radix sort more
-    than a ``HashIndex`` call. Bucket numbers (``view``) are global: a partition's buckets follow those of the
-    partitions before it. Not thread-safe on its own, as ``HashIndex``."""
+    Why: a growing ``HashIndex`` holds its old and new arrays at once, 2.5x its bytes for the rehash. A table's
+    two indexes are much of a spilling table's memory (125 M spilled ids hold ~2.3 GB), and such a spike broke
+    its memory budget. Here a growth rehashes one partition, so the spike is at most ``growth_bytes``: the new
+    arrays of one partition (about 1.5/``PARTS`` of the index). Keys split by bits of their salted mix
+    (``parts_of``), so the partitions fill evenly; a lookup costs what a ``HashIndex`` lookup does (one pass, no
+    split), an insert or a delete one counting sort more. Bucket numbers (``view``) are global: a partition's
+    buckets follow those of the partitions before it. Not thread-safe on its own, as ``HashIndex``."""
 
     def __init__(self, *, backend: Backend = "auto") -> None:
         self.backend = resolve_backend(backend)

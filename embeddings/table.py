@@ -84,7 +84,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         self._changes = None  # set for the duration of a pull/push given ``changes``
         self._evictable = None
         self._protected = 0  # rows the evictable predicate excluded at the last eviction pass
-        self._spill_cursor = 0  # the spilled index's bucket the eviction's next window of the tier starts at
+        self._spill_cursor = 0.0  # where in the spilled index the eviction's next window starts (``_evicting``)
         self._sweep_left = 0  # spilled records the TTL sweep under way still has to read (a window per write)
         self._cuts = []
         self._counters = dict.fromkeys(("pulls", "pushes", "lookups", "hits", "inserts", "admissions",

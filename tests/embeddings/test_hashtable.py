@@ -144,7 +144,9 @@ def test_a_partitioned_index_grows_a_partition_at_a_time(backend: str) -> None:
     assert sizes.sum() == len(index) == done
     assert sizes.max() < 1.15 * sizes.mean()
     assert growths >= PARTS  # every partition grew at least once along the way
-    assert index.growth_bytes < 0.1 * index.nbytes  # the room a growth needs: a small share of the index
+    # the room a growth needs: one partition's next size, a small share of the index (the largest partition is at
+    # most a step of 1.5x ahead of the rest: 1.5 * 1.5 / 16 of it, 0.14)
+    assert index.growth_bytes < 0.15 * index.nbytes
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
