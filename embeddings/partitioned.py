@@ -217,6 +217,7 @@ class IndexView:
         self.backend = resolve_backend(backend)
         self.offsets = np.zeros(len(parts) + 1, np.int64)
         np.cumsum([k.shape[0] for k, _ in parts], out=self.offsets[1:])
+        self._where: _Where | None = None  # the held arrays' addresses, once a probe needs them (they live here)
 
     @property
     def size(self) -> int:
@@ -262,4 +263,6 @@ class IndexView:
         if current is not None:
             skip = np.array([now.buckets()[0] is not keys for now, (keys, _) in zip(current._parts, self.parts,
                                                                                      strict=True)])
-        return _probe_parts(self.parts, as_id_bits(ids), self.backend, self.salt, self.offsets, skip)
+        if self.backend == "numba" and self._where is None:
+            self._where = _where_of(self.parts)
+        return _probe_parts(self.parts, as_id_bits(ids), self.backend, self.salt, self.offsets, skip, self._where)
