@@ -43,6 +43,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from suite_order import HEAVIEST_FIRST
 
 from tigana import ps
 from tigana.proto import shard_pb2_grpc
@@ -67,6 +68,14 @@ def _children_meet_ctrl_c_as_at_a_terminal() -> None:
 
 
 _children_meet_ctrl_c_as_at_a_terminal()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Put the files of ``HEAVIEST_FIRST`` (tests/suite_order.py) first, in its order; the rest keep their
+    collection order."""
+    here = Path(__file__).parent
+    rank = {str(here / name): k for k, name in enumerate(HEAVIEST_FIRST)}
+    items.sort(key=lambda item: rank.get(str(item.path), len(rank)))
 
 
 @pytest.fixture
