@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ids", type=int, default=20_000, help="ids of each ledger table (default 20,000)")
     parser.add_argument("--ids-per-push", type=int, default=500, help="ids per ledger push (default 500)")
     parser.add_argument("--push-pause", type=float, default=None,
-                        help="seconds a ledger client waits after each push (default 0.005, quick 0.02)")
+                        help=f"seconds a ledger client waits after each push (default {Ledgers.pause_s}, quick 0.02)")
     parser.add_argument("--faults", action=argparse.BooleanOptionalAction, default=True,
                         help="kill -9, SIGSTOP and restarts after the clean round (default on)")
     parser.add_argument("--op-timeout", type=float, default=None,
@@ -57,13 +57,12 @@ def run(args: argparse.Namespace) -> int:
     # The quick form (a test of the suite) paces its clients: a closed loop at 5 ms takes every core it can
     # get, and on 2 cores shared with the rest of the suite it took 236 CPU-s there against 136 alone. At 20 ms
     # the sync clients push as often as before (they wait on their copies); the async ones about 2/3 as often.
-    push_pause = args.push_pause if args.push_pause is not None else (0.02 if args.quick else 0.005)
+    push_pause = args.push_pause if args.push_pause is not None else (0.02 if args.quick else Ledgers.pause_s)
     run_dir = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="tigana-nemesis-"))
     params = {"seed": args.seed, "duration_s": duration, "servers": args.servers, "replicas": args.replicas,
               "heartbeat_timeout_s": args.heartbeat_timeout, "clients_per_table": args.clients, "ids": args.ids,
               "ids_per_push": args.ids_per_push, "push_pause_s": push_pause, "faults": bool(args.faults),
-              "quick": bool(args.quick),
-              "dir": str(run_dir)}
+              "quick": bool(args.quick), "dir": str(run_dir)}
     log(f"bench nemesis: daemons, data and logs in {run_dir}")
     try:
         figures = _run(args, run_dir, duration, op_timeout, push_pause)
