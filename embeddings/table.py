@@ -406,6 +406,11 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
                 self._step = int(step)
 
     # --- lifecycle -----------------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` ran: the table serves no read or write any more."""
+        return self._closed
+
     def close(self) -> None:
         """Release memory and the spill tier; the table is unusable afterwards. Idempotent."""
         with self._lock:

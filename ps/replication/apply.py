@@ -131,12 +131,7 @@ def apply_item(msg: Any, source: str, request_epoch: int, hosted_of: Callable[[s
     name, table_epoch = cluster_wire.item_header(msg)
     hosted = hosted_of(name)
     if hosted is None or hosted.spec.created_epoch != table_epoch:
-        view = view_of()
-        spec = view.map.tables.get(name) if view.map is not None else None
-        if view.epoch >= request_epoch and (spec is None or spec.created_epoch > table_epoch):
-            return None  # the incarnation it belongs to was dropped (at an epoch this map has seen): moot
-        return pb.REJECT_BEHIND, f"table {name!r} (created at epoch {table_epoch}) is not in this server's map yet", \
-            None
+        return _not_served(name, table_epoch, request_epoch, view_of(), "is not in this server's map yet")
     item = cluster_wire.decode_item(msg, dim=hosted.table.dim, state_width=hosted.table.state_width)
     slots = item.slots.astype(np.int64)
     if slots.size and (slots.min() < 0 or slots.max() >= num_slots):
@@ -151,6 +146,11 @@ def apply_item(msg: Any, source: str, request_epoch: int, hosted_of: Callable[[s
             return wait
     # a copy lane's rows after the change-lane items and pushes waiting for the lock (sync pushes wait on those)
     with hosted.lock if copy_ready is None else hosted.lock.yielding():
+        if hosted.table.closed or hosted_of(name) is not hosted:
+            # Dropped (or closed by a stopping server) while this item waited for the lock: moot once the map
+            # that dropped it is installed, else resent later. Never DIVERGED: applying to the closed table
+            # failed, and the primary demoted this copy for a planned drop (nemesis, under a loaded machine).
+            return _not_served(name, table_epoch, request_epoch, view_of(), "was closed here before this item")
         view = view_of()
         m = view.map
         src = m.index_of(source) if m is not None else -1
@@ -215,6 +215,16 @@ def apply_item(msg: Any, source: str, request_epoch: int, hosted_of: Callable[[s
                                           table=name))
             return pb.REJECT_DIVERGED, f"table {name!r}: cannot apply item: {exc}", slots
     return None
+
+
+def _not_served(name: str, table_epoch: int, request_epoch: int, view: Any, why: str) -> Reject | None:
+    """An item of a table this server does not serve: moot (None) when the incarnation it belongs to was dropped
+    at an epoch this map has seen; else a refusal to resend it later (BEHIND, no slots: nothing is reported), as
+    the map that creates the table, or the one that dropped it, is not installed here yet."""
+    spec = view.map.tables.get(name) if view.map is not None else None
+    if view.epoch >= request_epoch and (spec is None or spec.created_epoch > table_epoch):
+        return None
+    return pb.REJECT_BEHIND, f"table {name!r} (created at epoch {table_epoch}) {why}", None
 
 
 def drop_rows(hosted: Any, slots: np.ndarray, num_slots: int) -> int:

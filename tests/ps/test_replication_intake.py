@@ -8,6 +8,8 @@ were read after (invariant S11 in docs/replication.md).
 
 from __future__ import annotations
 
+import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -184,3 +186,51 @@ def test_the_copy_lane_of_another_stream_generation_waits() -> None:
     reply = t.send(1, 1, [Item(SNAPSHOT_ROWS, "t", _slots(3), rows=_rows([x], 1.0), copy_id=1, after=1,
                                table_epoch=1)])
     assert reply.reject == pb.REJECT_WAIT and not t.contains(np.array([x]))[0]
+
+
+def _apply_while_dropped(view_after) -> tuple[pb.ReplicateResponse, bool]:
+    """A change-lane item waits for its table's lock while the table is dropped (taken out of the served tables
+    and closed, as ``_drop_local`` does); then ``view_after`` is the server's view. The reply, and whether the
+    item really waited for the lock (the race, not the check before it)."""
+    t = _Target()
+    served = {"t": t.hosted}
+    (x,) = _ids_of_slot(4, 1)
+    change = Item(CHANGES, "t", _slots(4), (3, 1), np.zeros((1, 2), np.uint64), _rows([x], 5.0), table_epoch=1)
+    raw = cluster_wire.encode_replicate_request("p", "boot", 7, 3, 1, [change], 0)
+    request = cluster_wire.decode_replicate_request(raw)
+    replies: list[pb.ReplicateResponse] = []
+
+    def apply_one(msg, epoch):
+        return apply_item(msg, "p", epoch, served.get, lambda: t.view, SLOTS, generation=7)
+
+    worker = threading.Thread(target=lambda: replies.append(t.change.receive(request, "t", lambda: t.view,
+                                                                             apply_one)))
+    with t.hosted.lock:
+        worker.start()
+        deadline = time.monotonic() + 10
+        while not t.hosted.lock.waiting and worker.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        waited = t.hosted.lock.waiting == 1
+        served.pop("t")
+        t.hosted.table.close()
+        t.view = view_after(t.view)
+    worker.join(10)
+    return replies[0], waited
+
+
+def test_an_item_that_waited_while_its_table_was_dropped_is_moot_never_diverged() -> None:
+    """The nemesis's planned drop under a loaded machine: the copy refused such an item as DIVERGED ("table
+    closed") and the primary demoted it. Once the map without the table is installed the item is moot (applied
+    through, nothing reported); before, or for a server closing its tables to stop, it is resent later (BEHIND,
+    no slots: the primary reports nothing)."""
+    def dropped(view):
+        gone = view.map.evolve(tables={})
+        return SimpleNamespace(**{**vars(view), "epoch": gone.epoch, "map": gone})
+
+    reply, waited = _apply_while_dropped(dropped)
+    assert waited
+    assert reply.reject == pb.REJECT_NONE and reply.applied_through == 1, reply
+    reply, waited = _apply_while_dropped(lambda view: view)  # the map dropping it not installed yet
+    assert waited
+    assert reply.reject == pb.REJECT_BEHIND and not reply.slots and reply.applied_through == 0, reply
+    assert "closed here" in reply.message
