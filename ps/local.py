@@ -387,7 +387,7 @@ class LocalEtcd:
         self._tmp = tempfile.TemporaryDirectory(prefix="tigana-etcd-") if data_dir is None else None
         self.data_dir = Path(self._tmp.name if self._tmp else data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        client, peer = _free_port(), _free_port()
+        client, peer = free_port(), free_port()
         self.url = f"etcd://127.0.0.1:{client}"
         cmd = [*_death_signal_wrapper(), exe, "--name", "tigana", "--data-dir", str(self.data_dir / "member"),
                "--listen-client-urls", f"http://127.0.0.1:{client}",
@@ -430,7 +430,8 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
             proc.wait()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on loopback right now (a daemon, a rendezvous or a peer of a local run binds it next)."""
     import socket
 
     with socket.socket() as s:

@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 
 # torch's C++ store logs every failed connection to a peer not up yet with a C++ stack trace: keep its warnings
 # out of the job's log unless asked for (our own messages say what is being waited for)
@@ -20,12 +21,16 @@ from tigana.ps.logs import FORMATS, setup_logging
 from tigana.tools.daemon_flags import say
 from tigana.trainer import config as train_config
 from tigana.trainer import launch, preemption
-from tigana.trainer.loop import check_inputs
+from tigana.trainer.inputs import check_inputs
 
-try:  # torch >= 2.2: the errors of the rendezvous store (DistStoreError, DistNetworkError, ...)
-    from torch.distributed import DistError as _DistError
-except ImportError:  # pragma: no cover - older torch
-    _DistError = RuntimeError
+
+def _rendezvous_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is an error of torch's rendezvous store (``DistError``: DistStoreError,
+    DistNetworkError, ...). torch is loaded only where a rank ran in this process: the ``--nproc N`` launcher
+    never imports it."""
+    dist = sys.modules.get("torch.distributed")
+    error = getattr(dist, "DistError", None)
+    return isinstance(error, type) and isinstance(exc, error)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +59,9 @@ def run(args: argparse.Namespace) -> int:
         say(args, "tigana train: interrupted (Ctrl-C); the trainers and any cluster they started are stopped",
             logging.WARNING)
         return 130
-    except _DistError as exc:  # the rendezvous with the other ranks failed (a peer never came, or went away)
+    except Exception as exc:  # the rendezvous with the other ranks failed (a peer never came, or went away)
+        if not _rendezvous_error(exc):
+            raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         say(args, f"tigana train: could not reach the other ranks of the job ({type(exc).__name__}: {first}). Under "
             "srun or torchrun, check that every rank started and MASTER_ADDR/MASTER_PORT are reachable; for "

@@ -23,22 +23,43 @@ Or the whole job from the command line: ``tigana train --config train.yaml`` (or
 ``torchrun --nproc-per-node N -m tigana.trainer ...``), whose last stdout line is a JSON result.
 """
 
-from tigana.trainer.allreduce import (
-    cross_node_bytes,
-    flat_all_reduce,
-    hierarchical_all_reduce,
-    hierarchical_hook,
-    register_hook,
-)
-from tigana.trainer.bag_collection import PSEmbeddingBagCollection
-from tigana.trainer.config import ConfigError, TrainConfig, add_arguments, config_from_args, load_config
-from tigana.trainer.distributed import DistEnv, Groups, init_distributed, read_env, shutdown
-from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
-from tigana.trainer.keyed import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor, PoolingType
-from tigana.trainer.launch import run
-from tigana.trainer.local import LocalEmbeddingCollection
-from tigana.trainer.loop import TrainData, evaluate, load_data, train
-from tigana.trainer.types import Batch, EmbeddingCollection, FeatureSpec, SparseFeatures
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {  # public name -> the module that defines it
+    "cross_node_bytes": "tigana.trainer.allreduce",
+    "flat_all_reduce": "tigana.trainer.allreduce",
+    "hierarchical_all_reduce": "tigana.trainer.allreduce",
+    "hierarchical_hook": "tigana.trainer.allreduce",
+    "register_hook": "tigana.trainer.allreduce",
+    "PSEmbeddingBagCollection": "tigana.trainer.bag_collection",
+    "ConfigError": "tigana.trainer.config",
+    "TrainConfig": "tigana.trainer.config",
+    "add_arguments": "tigana.trainer.config",
+    "config_from_args": "tigana.trainer.config",
+    "load_config": "tigana.trainer.config",
+    "DistEnv": "tigana.trainer.launcher_env",
+    "Groups": "tigana.trainer.distributed",
+    "init_distributed": "tigana.trainer.distributed",
+    "read_env": "tigana.trainer.launcher_env",
+    "shutdown": "tigana.trainer.distributed",
+    "PSEmbeddingCollection": "tigana.trainer.embedding",
+    "TableOptions": "tigana.trainer.embedding",
+    "EmbeddingBagConfig": "tigana.trainer.keyed",
+    "KeyedJaggedTensor": "tigana.trainer.keyed",
+    "KeyedTensor": "tigana.trainer.keyed",
+    "PoolingType": "tigana.trainer.keyed",
+    "run": "tigana.trainer.launch",
+    "LocalEmbeddingCollection": "tigana.trainer.local",
+    "TrainData": "tigana.trainer.loop",
+    "evaluate": "tigana.trainer.loop",
+    "load_data": "tigana.trainer.loop",
+    "train": "tigana.trainer.loop",
+    "Batch": "tigana.trainer.types",
+    "EmbeddingCollection": "tigana.trainer.types",
+    "FeatureSpec": "tigana.trainer.types",
+    "SparseFeatures": "tigana.trainer.types",
+}
 
 __all__ = [
     "Batch", "ConfigError", "DistEnv", "EmbeddingBagConfig", "EmbeddingCollection", "FeatureSpec", "Groups",
@@ -48,3 +69,38 @@ __all__ = [
     "hierarchical_hook", "init_distributed", "load_config", "load_data", "read_env", "register_hook", "run",
     "shutdown", "train",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The public names are imported on first use: ``tigana train``'s launcher reads the config and data checks
+    of this package without importing torch, which its trainer processes do."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tigana.trainer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # the names, for type checkers and editors
+    from tigana.trainer.allreduce import (
+        cross_node_bytes,
+        flat_all_reduce,
+        hierarchical_all_reduce,
+        hierarchical_hook,
+        register_hook,
+    )
+    from tigana.trainer.bag_collection import PSEmbeddingBagCollection
+    from tigana.trainer.config import ConfigError, TrainConfig, add_arguments, config_from_args, load_config
+    from tigana.trainer.distributed import Groups, init_distributed, shutdown
+    from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
+    from tigana.trainer.keyed import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor, PoolingType
+    from tigana.trainer.launch import run
+    from tigana.trainer.launcher_env import DistEnv, read_env
+    from tigana.trainer.local import LocalEmbeddingCollection
+    from tigana.trainer.loop import TrainData, evaluate, load_data, train
+    from tigana.trainer.types import Batch, EmbeddingCollection, FeatureSpec, SparseFeatures

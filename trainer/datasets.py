@@ -1,8 +1,8 @@
 """Which data a training run reads, and each rank's part of it: MovieLens-100K, seeded synthetic
 Criteo-format rows, or Criteo files (``--data``: one file, or a folder such as the Kaggle DAC download).
 
-``check_inputs`` (in ``trainer.loop``) calls ``movielens_root``/``criteo_files`` before any process starts, so
-a missing or unlabelled file fails the command at once rather than after an epoch of training.
+Where the files are (``movielens_root``, ``criteo_files``) is ``trainer.inputs``, which ``check_inputs`` reads
+before any process starts.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from tigana.trainer.config import TrainConfig
+from tigana.trainer.inputs import criteo_files, movielens_root
 from tigana.trainer.types import Batch, FeatureSpec, SparseFeatures
 
 __all__ = ["TrainData", "criteo_files", "load_data", "movielens_root"]
@@ -33,48 +34,6 @@ class TrainData:
     eval_batches: Callable[[], Iterator[Batch]]        # this rank's held-out batches
     description: str
     steps_per_epoch: int | None = None                 # this rank's training batches per epoch, when known
-
-
-def movielens_root(path: str | None) -> Path:
-    """The MovieLens-100K folder (holding ``u.user``) at or under ``path``."""
-    if path is None:
-        raise ValueError("data: the movielens-100k dataset needs --data (the ml-100k folder or its parent)")
-    root = Path(path)
-    for candidate in (root, root / "ml-100k", root / "movielens-100k" / "ml-100k"):
-        if (candidate / "u.user").is_file():
-            return candidate
-    raise FileNotFoundError(f"data: no MovieLens-100K files (u.user, u1.base...) under {root}")
-
-
-def criteo_files(path: str | None) -> tuple[Path, Path | None, list[Path]]:
-    """(training file, evaluation file or None, evaluation files passed over for having no labels) of
-    ``--data``: a file, or a folder whose ``test``/``valid``/``val``/``eval`` file is the evaluation set and
-    whose largest other (``train*`` first) file the training set. The Kaggle DAC download (``train.txt`` and a
-    ``test.txt`` without labels) evaluates on every 10th row of ``train.txt``: its ``test.txt`` is passed over.
-    Raises ValueError, before any training, when the training file has no labels."""
-    from tigana.trainer.data.criteo import has_labels
-
-    if path is None:
-        raise ValueError("data: the criteo dataset needs --data (a DAC/Kaggle file or a folder holding one)")
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"data: {p} does not exist")
-    evals: list[Path] = []
-    if p.is_file():
-        train = p
-    else:
-        files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in (".txt", ".csv", ".tsv"))
-        evals = [f for f in files if f.stem.split(".")[0] in ("test", "valid", "val", "eval")]
-        trains = [f for f in files if f not in evals and f.stem.startswith("train")] or \
-                 [f for f in files if f not in evals]
-        if not trains:
-            raise FileNotFoundError(f"data: no Criteo text file in {p}")
-        train = max(trains, key=lambda f: f.stat().st_size)
-    if not has_labels(train):
-        raise ValueError(f"data: {train} has no click labels (rows of 13 counts and 26 categories, like the Kaggle "
-                         "download's test.txt): train on a labelled file such as its train.txt")
-    labelled = [f for f in evals if has_labels(f)]
-    return train, (labelled[0] if labelled else None), [f for f in evals if f not in labelled]
 
 
 def _rows_of(batch: Batch, keep: torch.Tensor) -> Batch:

@@ -31,12 +31,13 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from tigana.embeddings.files import atomic_replace, atomic_write
+
+if TYPE_CHECKING:  # torch is imported where a state is saved or loaded: the launcher reads the names above only
+    import torch
+    from torch import nn
 
 __all__ = ["ElasticState", "Position", "elastic_state", "job_id", "restart_count"]
 
@@ -117,6 +118,8 @@ class ElasticState:
 
     def save(self, position: Position, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Rank 0: the dense state at ``position`` (ranks agree on the dense weights after every step)."""
+        import torch
+
         weights = f"dense-{position.step:09d}.pt"
         state = model.dense_state_dict() if hasattr(model, "dense_state_dict") else model.state_dict()
         with atomic_replace(self.folder / weights) as tmp:
@@ -178,6 +181,8 @@ class ElasticState:
         meta = self._meta()
         if meta is None:
             return None
+        import torch
+
         state = torch.load(self.folder / meta["weights"], weights_only=True)
         if hasattr(model, "load_dense_state_dict"):
             model.load_dense_state_dict(state["model"])

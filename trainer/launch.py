@@ -4,17 +4,22 @@
   is one rank; without ``--ps``, rank 0 starts an embedded local cluster and tells the others its addresses.
   SLURM's variables inherited by a shell (``salloc``, the batch script itself: no ``SLURM_STEP_ID``) do not
   make a launcher, and an explicit ``--nproc N`` > 1 outranks them.
-- Otherwise ``--nproc N`` spawns N trainer processes (torch.multiprocessing, spawn) that rendezvous on a
+- Otherwise ``--nproc N`` spawns N trainer processes (multiprocessing's spawn) that rendezvous on a
   free loopback port; without ``--ps`` this process starts the embedded cluster first and stops it after,
   so every process the job started is gone when ``run`` returns, also on failure.
+
+The launcher of ``--nproc N`` never imports torch (about 1.5 s of CPU a launch): what a rank runs is
+``trainer.rank``, imported by the ranks themselves.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import signal
+import sys
 import tempfile
 import time
 import uuid
@@ -22,17 +27,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
 from tigana import ps
-from tigana.ps.allocator import ALLOCATOR_ENV, tune_allocator
+from tigana.ps.allocator import ALLOCATOR_ENV
 from tigana.trainer import preemption
 from tigana.trainer.config import TrainConfig
-from tigana.trainer.distributed import DistEnv, free_port, init_distributed, read_env, shutdown
-from tigana.trainer.elastic import ELASTIC_DIR_ENV, JOB_ID_ENV, RESTART_ENV, under_torch_elastic
-from tigana.trainer.loop import check_inputs, nan_to_none, train
+from tigana.trainer.elastic import JOB_ID_ENV, under_torch_elastic
+from tigana.trainer.inputs import check_inputs
+from tigana.trainer.launcher_env import DistEnv, free_port, read_env
 
 log = logging.getLogger("tigana.trainer")
 
@@ -79,48 +80,16 @@ def _start_cluster(config: TrainConfig) -> ps.LocalCluster:
     return start_cluster(config.shards)
 
 
-def _threads(env: DistEnv) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(env.local_world_size, 1)))
-
-
-def run_rank(config: TrainConfig, env: DistEnv, addresses: list[str] | None) -> dict[str, Any]:
-    """This process's part of the job: join the process group, train, leave. ``addresses`` None: rank 0
-    starts an embedded cluster for the job."""
-    _threads(env)
-    preemption.install()  # SIGTERM: stop after the current step, checkpoint, return "preempted"
-    # glibc maps and unmaps every multi-MiB gRPC buffer by default, which costs several times the copy.
-    tune_allocator(top_pad=64 << 20)
-    groups = init_distributed(env, config.backend) if env.world_size > 1 else None
-    cluster = None
-    try:
-        if addresses is None:
-            box: list[Any] = [None]
-            if env.rank == 0:
-                cluster = _start_cluster(config)
-                box = [[cluster.target]]
-            if env.world_size > 1:
-                dist.broadcast_object_list(box, src=0)
-            addresses = box[0]
-        result = train(config, env, groups, list(addresses))
-        if env.world_size > 1:
-            dist.barrier()  # nobody leaves (and rank 0 stops no cluster) while others still use it
-        return nan_to_none(result)
-    finally:
-        if cluster is not None:
-            cluster.close()
-        shutdown()
-
-
 def _spawned(index: int, nproc: int, port: int, config: TrainConfig, addresses: list[str], out: str,
              elastic: tuple[str, int, str] | None = None) -> None:
-    os.environ.update(RANK=str(index), WORLD_SIZE=str(nproc), LOCAL_RANK=str(index),
-                      LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if elastic is not None:  # (the job's elastic state folder, this generation's restart count, the job's id)
-        os.environ.update({ELASTIC_DIR_ENV: elastic[0], RESTART_ENV: str(elastic[1]), JOB_ID_ENV: elastic[2]})
-    env = read_env(config.ranks_per_node)
-    result = run_rank(config, env, addresses)
-    if index == 0:
-        Path(out).write_text(json.dumps(result))
+    """A trainer process of ``--nproc N`` (multiprocessing's spawn): torch is imported here, not in the
+    launcher."""
+    from tigana.trainer.rank import run_spawned
+
+    try:
+        run_spawned(index, nproc, port, config, addresses, out, elastic)
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the group: the launcher says so, once
+        sys.exit(130)
 
 
 def run(config: TrainConfig, environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
@@ -137,6 +106,8 @@ def run(config: TrainConfig, environ: Mapping[str, str] | None = None) -> dict[s
         if under_torch_elastic(environ) and not config.ps:
             raise ValueError("ps: torchrun --max-restarts needs --ps (an embedded cluster would stop with the "
                              "rank that started it, and the tables with it)")
+        from tigana.trainer.rank import run_rank
+
         result = run_rank(config, env, list(config.ps) or None)
         return result if env.rank == 0 else None
     cluster = None
@@ -146,6 +117,8 @@ def run(config: TrainConfig, environ: Mapping[str, str] | None = None) -> dict[s
             cluster = _start_cluster(config)
             addresses = [cluster.target]
         if config.nproc == 1 and not config.max_restarts:
+            from tigana.trainer.rank import run_rank
+
             return run_rank(config, DistEnv(), addresses)
         with tempfile.TemporaryDirectory(prefix="tigana-train-") as tmp:
             out = os.path.join(tmp, "result.json")
@@ -154,13 +127,11 @@ def run(config: TrainConfig, environ: Mapping[str, str] | None = None) -> dict[s
             for restarts in range(config.max_restarts + 1):
                 folder = os.path.join(config.checkpoint_dir or tmp, "elastic")
                 elastic = (folder, restarts, job) if config.max_restarts else None
-                context = mp.start_processes(_spawned, args=(config.nproc, free_port(), config, addresses, out,
-                                                             elastic),
-                                             nprocs=config.nproc, join=False, start_method="spawn")
+                processes = _start(config, free_port(), addresses, out, elastic)
                 try:
-                    failed = _supervise(context.processes)
+                    failed = _supervise(processes)
                 except BaseException:  # Ctrl-C (KeyboardInterrupt) or a bug: no trainer outlives this process
-                    _stop(context.processes)
+                    _stop(processes)
                     raise
                 if failed is None:
                     return json.loads(Path(out).read_text())
@@ -173,6 +144,22 @@ def run(config: TrainConfig, environ: Mapping[str, str] | None = None) -> dict[s
     finally:
         if cluster is not None:
             cluster.close()
+
+
+def _start(config: TrainConfig, port: int, addresses: list[str], out: str, elastic: tuple[str, int, str] | None
+           ) -> list[multiprocessing.process.BaseProcess]:
+    """One generation of ``config.nproc`` trainer processes (spawned: a fresh interpreter each, no fork of this
+    one's threads), rendezvousing on loopback ``port``."""
+    spawn = multiprocessing.get_context("spawn")
+    processes = [spawn.Process(target=_spawned, args=(index, config.nproc, port, config, addresses, out, elastic),
+                               name=f"tigana-trainer-{index}") for index in range(config.nproc)]
+    try:
+        for p in processes:
+            p.start()
+    except BaseException:
+        _stop([p for p in processes if p.pid is not None])
+        raise
+    return processes
 
 
 def _without_ignored_slurm(environ: Mapping[str, str] | None) -> Mapping[str, str] | None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import shutil
 import sys
 import time
@@ -38,11 +37,12 @@ from tigana import ps
 from tigana.trainer import preemption
 from tigana.trainer.allreduce import register_hook
 from tigana.trainer.config import TrainConfig
-from tigana.trainer.datasets import TrainData, criteo_files, load_data, movielens_root
+from tigana.trainer.datasets import TrainData, load_data
 from tigana.trainer.distributed import DistEnv, Groups, collective_device
 from tigana.trainer.elastic import Position, elastic_state, restart_count, under_torch_elastic
 from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
-from tigana.trainer.metrics import TrainerMetrics, require_wandb, start_wandb
+from tigana.trainer.inputs import check_inputs, latest_checkpoint
+from tigana.trainer.metrics import TrainerMetrics, start_wandb
 from tigana.trainer.types import Batch, FeatureSpec
 
 __all__ = ["TrainData", "check_inputs", "evaluate", "load_data", "train"]
@@ -51,24 +51,6 @@ log = logging.getLogger("tigana.trainer")
 
 
 # ---------------------------------------------------------------------------------------------- inputs
-def check_inputs(config: TrainConfig) -> None:
-    """Fail fast, before a cluster or a trainer process starts, when the data set's files or the checkpoint to
-    resume from are missing or a Criteo training file has no labels (``FileNotFoundError``/``ValueError``
-    naming the path), or W&B is asked for and not installed (``ConfigError``)."""
-    if config.dataset == "movielens-100k":
-        movielens_root(config.data)
-    elif config.dataset == "criteo":
-        criteo_files(config.data)
-    if config.wandb_project:
-        require_wandb(config.wandb_project)
-    if config.resume is not None:
-        root = config.checkpoint_dir
-        path = (latest_checkpoint(root) if root is not None else None) if config.resume in ("latest", "auto") \
-            else Path(config.resume)
-        if (path is None and config.resume != "auto") or (path is not None and not (path / "meta.json").is_file()):
-            raise FileNotFoundError(f"resume: no checkpoint at {path if path is not None else root}")
-
-
 # ---------------------------------------------------------------------------------------------- model
 def _optimizer_of(config: TrainConfig) -> Any:
     lr = config.embedding_lr
@@ -138,16 +120,6 @@ def evaluate(model: nn.Module, batches: Iterator[Batch], collection: PSEmbedding
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
-def _checkpoint_dirs(root: Path) -> list[Path]:
-    return sorted((p for p in root.glob("step-*") if (p / "meta.json").is_file()),
-                  key=lambda p: int(p.name.split("-")[1]))
-
-
-def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    dirs = _checkpoint_dirs(Path(root))
-    return dirs[-1] if dirs else None
-
-
 def save_checkpoint(root: Path, *, step: int, epoch: int, batch_in_epoch: int, model: nn.Module,
                     optimizer: torch.optim.Optimizer, client: Any, config: TrainConfig) -> Path:
     """Rank 0 only, after every rank flushed its pushes: a cluster checkpoint of the PS tables (rows and

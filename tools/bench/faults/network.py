@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import itertools
 import os
-import socket
 import subprocess
 import threading
 import time
@@ -28,6 +27,7 @@ import numpy as np
 
 from tigana import ps
 from tigana.ps import admin
+from tigana.ps.local import free_port
 from tigana.tools.bench.faults.common import (
     Report,
     cluster,
@@ -116,12 +116,6 @@ class SlowProxy:
         asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def slow_link(trials: int, quick: bool, **_: Any) -> Report:

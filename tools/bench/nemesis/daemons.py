@@ -22,13 +22,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tigana.ps.local import free_port
 
 
 def tigana_command() -> list[str]:
@@ -40,12 +41,6 @@ def tigana_command() -> list[str]:
 def _death_signal() -> list[str]:
     """A prefix that kills the daemon if this process dies without closing it (``setpriv --pdeathsig``)."""
     return ["setpriv", "--pdeathsig", "KILL"] if shutil.which("setpriv") else []
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rss_mib(pid: int) -> float | None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -13,15 +12,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tigana.ps.local import stop_process
+from tigana.ps.local import free_port, stop_process
 from tigana.tools.bench.ps.workload import _Cycle
 from tigana.tools.bench.report import log
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisPeer:
@@ -35,7 +28,7 @@ class RedisPeer:
         # between fork and exec in a multi-threaded gRPC process can hang or crash the child).
         wrapper = ["setpriv", "--pdeathsig", "KILL"] if shutil.which("setpriv") else []
         for attempt in range(1, attempts + 1):
-            self.port = _free_port()
+            self.port = free_port()
             with tempfile.TemporaryFile() as output:  # redis logs to stdout; read only when it fails to start
                 self.proc = subprocess.Popen([*wrapper, binary, "--port", str(self.port), "--bind", "127.0.0.1",
                                               "--save", "", "--appendonly", "no", "--protected-mode", "no",
