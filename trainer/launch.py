@@ -75,11 +75,6 @@ def start_cluster(shards: int = 2, data_dir: str | os.PathLike | None = None, re
     return ps.LocalCluster(shards=shards, replicas=replicas, data_dir=data_dir, env={**ALLOCATOR_ENV, **os.environ})
 
 
-def _start_cluster(config: TrainConfig) -> ps.LocalCluster:
-    # The embedded cluster's data lives in a temp dir: a checkpoint holds the PS tables themselves.
-    return start_cluster(config.shards)
-
-
 def _spawned(index: int, nproc: int, port: int, config: TrainConfig, addresses: list[str], out: str,
              elastic: tuple[str, int, str] | None = None) -> None:
     """A trainer process of ``--nproc N`` (multiprocessing's spawn): torch is imported here, not in the
@@ -114,7 +109,7 @@ def run(config: TrainConfig, environ: Mapping[str, str] | None = None) -> dict[s
     try:
         addresses = list(config.ps)
         if not addresses:
-            cluster = _start_cluster(config)
+            cluster = start_cluster(config.shards)  # its data in a temp dir: a checkpoint holds the tables
             addresses = [cluster.target]
         if config.nproc == 1 and not config.max_restarts:
             from tigana.trainer.rank import run_rank
