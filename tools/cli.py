@@ -104,11 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as exc:
         if exc.name not in TRAIN_EXTRA:
             raise
-        command = " ".join(a for a in (known.command, getattr(known, "bench", None)) if a)
-        print(f"tigana {command}: needs {exc.name!r}, which this install lacks: it comes with the train extra, "
-              f"pip install 'tigana[train]' (a shard server, the scheduler, serve, local and admin need only "
-              f"'tigana')", file=sys.stderr)
-        return 2
+        return _lacks_train_extra(known, exc)
     parser = build_parser()
     selected = _attach(parser, argv, module)
     args, extra = parser.parse_known_args(argv)
@@ -116,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         _deepest(selected or parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(module.run(args) or 0)
+    except ModuleNotFoundError as exc:  # a command whose --help needs no torch (train) but whose work does
+        if exc.name not in TRAIN_EXTRA:
+            raise
+        return _lacks_train_extra(known, exc)
     except BrokenPipeError:  # the reader went away (``tigana ... | head``): not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
@@ -124,6 +124,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"tigana {known.command}: {exc}", file=sys.stderr)  # a bad flag, variable or file value
         return 2
+
+
+def _lacks_train_extra(known: argparse.Namespace, exc: ModuleNotFoundError) -> int:
+    """A command that needs a module of the train extra on an install without it: one line naming the extra."""
+    command = " ".join(a for a in (known.command, getattr(known, "bench", None)) if a)
+    print(f"tigana {command}: needs {exc.name!r}, which this install lacks: it comes with the train extra, "
+          f"pip install 'tigana[train]' (a shard server, the scheduler, serve, local and admin need only "
+          f"'tigana')", file=sys.stderr)
+    return 2
 
 
 def _settings_error(exc: BaseException) -> bool:

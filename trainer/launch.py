@@ -14,6 +14,7 @@ The launcher of ``--nproc N`` never imports torch (about 1.5 s of CPU a launch):
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import multiprocessing
@@ -105,15 +106,18 @@ def run(config: TrainConfig, environ: Mapping[str, str] | None = None) -> dict[s
 
         result = run_rank(config, env, list(config.ps) or None)
         return result if env.rank == 0 else None
+    in_process = config.nproc == 1 and not config.max_restarts
+    if in_process:  # imported before a cluster starts: an install without torch fails here, having started nothing
+        from tigana.trainer.rank import run_rank
+    elif importlib.util.find_spec("torch") is None:  # the spawned trainers would each fail on it
+        raise ModuleNotFoundError("No module named 'torch'", name="torch")
     cluster = None
     try:
         addresses = list(config.ps)
         if not addresses:
             cluster = start_cluster(config.shards)  # its data in a temp dir: a checkpoint holds the tables
             addresses = [cluster.target]
-        if config.nproc == 1 and not config.max_restarts:
-            from tigana.trainer.rank import run_rank
-
+        if in_process:
             return run_rank(config, DistEnv(), addresses)
         with tempfile.TemporaryDirectory(prefix="tigana-train-") as tmp:
             out = os.path.join(tmp, "result.json")

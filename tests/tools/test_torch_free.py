@@ -1,8 +1,8 @@
 """A torch-free install (``pip install tigana``, without the ``train`` extra) runs a cluster and ``tigana serve``.
 
 The daemons run as real processes in an environment where ``import torch`` (and the other modules of the
-``train`` extra) fails as it does when they are not installed: a folder of stand-ins that raise
-``ModuleNotFoundError`` comes first on ``PYTHONPATH``.
+``train`` extra) fails as it does when they are not installed: a ``sitecustomize`` first on ``PYTHONPATH``
+puts a finder that refuses them first on the import system's path.
 """
 
 from __future__ import annotations
@@ -28,13 +28,28 @@ ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "tigana.tools.cli"]
 
 
+# First on the import system's path: a finder that finds none of the train extra's modules, as in an install
+# without them (``import torch`` and ``importlib.util.find_spec("torch")`` both fail, in spawned processes too).
+_BLOCKER = """\
+import sys
+
+
+class _TrainExtraIsNotInstalled:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _TrainExtraIsNotInstalled())
+"""
+
+
 @pytest.fixture
 def no_torch_env(tmp_path: Path) -> dict[str, str]:
     blocker = tmp_path / "blocker"
-    for name in TRAIN_EXTRA:
-        (blocker / name).mkdir(parents=True)
-        (blocker / name / "__init__.py").write_text(
-            f"raise ModuleNotFoundError(\"No module named '{name}'\", name={name!r})\n")
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(_BLOCKER.format(blocked=sorted(TRAIN_EXTRA)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(blocker), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return env
@@ -71,6 +86,9 @@ def test_the_blocker_blocks(no_torch_env: dict[str, str]) -> None:
     out = subprocess.run([sys.executable, "-c", "import torch"], env=no_torch_env, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 1 and "No module named 'torch'" in out.stderr
+    out = subprocess.run([sys.executable, "-c", "import numpy, grpc"], env=no_torch_env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
 
 
 def test_torch_is_in_the_train_extra_only() -> None:
@@ -82,10 +100,16 @@ def test_torch_is_in_the_train_extra_only() -> None:
     assert "tigana[train]" in project["optional-dependencies"]["dev"]
 
 
-def test_train_without_torch_says_which_extra(no_torch_env: dict[str, str]) -> None:
+def test_train_without_torch_shows_its_help_and_says_which_extra_it_needs_to_run(no_torch_env: dict[str, str],
+                                                                                  tmp_path: Path) -> None:
+    # the launcher is torch-free: its help (and its flags) need no extra
     out = subprocess.run([*CLI, "train", "--help"], env=no_torch_env, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2, out.stderr
-    assert "tigana[train]" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 0 and "--nproc" in out.stdout, out.stderr
+    for nproc in ("1", "2"):
+        out = subprocess.run([*CLI, "train", "--data", "synthetic", "--max-steps", "1", "--nproc", nproc],
+                             env=no_torch_env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert out.returncode == 2, (nproc, out.stderr)
+        assert "tigana[train]" in out.stderr and "Traceback" not in out.stderr, (nproc, out.stderr)
 
 
 def test_cluster_admin_and_serve_run_without_torch(no_torch_env: dict[str, str], tmp_path: Path) -> None:
