@@ -352,7 +352,7 @@ class InstallMapResponse(_message.Message):
     def __init__(self, epoch: _Optional[int] = ...) -> None: ...
 
 class RowBlock(_message.Message):
-    __slots__ = ("ids", "weights", "state", "update_count", "last_step", "last_time", "dim", "state_width", "pad")
+    __slots__ = ("ids", "weights", "state", "update_count", "last_step", "last_time", "dim", "state_width")
     IDS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -361,7 +361,6 @@ class RowBlock(_message.Message):
     LAST_TIME_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     STATE_WIDTH_FIELD_NUMBER: _ClassVar[int]
-    PAD_FIELD_NUMBER: _ClassVar[int]
     ids: bytes
     weights: bytes
     state: bytes
@@ -370,8 +369,7 @@ class RowBlock(_message.Message):
     last_time: bytes
     dim: int
     state_width: int
-    pad: bytes
-    def __init__(self, ids: _Optional[bytes] = ..., weights: _Optional[bytes] = ..., state: _Optional[bytes] = ..., update_count: _Optional[bytes] = ..., last_step: _Optional[bytes] = ..., last_time: _Optional[bytes] = ..., dim: _Optional[int] = ..., state_width: _Optional[int] = ..., pad: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, ids: _Optional[bytes] = ..., weights: _Optional[bytes] = ..., state: _Optional[bytes] = ..., update_count: _Optional[bytes] = ..., last_step: _Optional[bytes] = ..., last_time: _Optional[bytes] = ..., dim: _Optional[int] = ..., state_width: _Optional[int] = ...) -> None: ...
 
 class DedupRecord(_message.Message):
     __slots__ = ("client_id", "seq", "slots")
@@ -384,7 +382,7 @@ class DedupRecord(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., seq: _Optional[int] = ..., slots: _Optional[bytes] = ...) -> None: ...
 
 class ReplicationItem(_message.Message):
-    __slots__ = ("kind", "table", "lsn_epoch", "lsn_index", "slots", "prev_epochs", "prev_indexes", "rows", "deletes", "sighting_ids", "sighting_counts", "step", "dedup", "table_epoch", "copy_id", "after_seq", "pad")
+    __slots__ = ("kind", "table", "lsn_epoch", "lsn_index", "slots", "prev_epochs", "prev_indexes", "rows", "deletes", "sighting_ids", "sighting_counts", "step", "dedup", "table_epoch", "copy_id", "after_seq")
     KIND_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     LSN_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -401,7 +399,6 @@ class ReplicationItem(_message.Message):
     TABLE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     COPY_ID_FIELD_NUMBER: _ClassVar[int]
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
-    PAD_FIELD_NUMBER: _ClassVar[int]
     kind: ItemKind
     table: str
     lsn_epoch: int
@@ -418,8 +415,7 @@ class ReplicationItem(_message.Message):
     table_epoch: int
     copy_id: int
     after_seq: int
-    pad: bytes
-    def __init__(self, kind: _Optional[_Union[ItemKind, str]] = ..., table: _Optional[str] = ..., lsn_epoch: _Optional[int] = ..., lsn_index: _Optional[int] = ..., slots: _Optional[bytes] = ..., prev_epochs: _Optional[bytes] = ..., prev_indexes: _Optional[bytes] = ..., rows: _Optional[_Union[RowBlock, _Mapping]] = ..., deletes: _Optional[bytes] = ..., sighting_ids: _Optional[bytes] = ..., sighting_counts: _Optional[bytes] = ..., step: _Optional[int] = ..., dedup: _Optional[_Iterable[_Union[DedupRecord, _Mapping]]] = ..., table_epoch: _Optional[int] = ..., copy_id: _Optional[int] = ..., after_seq: _Optional[int] = ..., pad: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[ItemKind, str]] = ..., table: _Optional[str] = ..., lsn_epoch: _Optional[int] = ..., lsn_index: _Optional[int] = ..., slots: _Optional[bytes] = ..., prev_epochs: _Optional[bytes] = ..., prev_indexes: _Optional[bytes] = ..., rows: _Optional[_Union[RowBlock, _Mapping]] = ..., deletes: _Optional[bytes] = ..., sighting_ids: _Optional[bytes] = ..., sighting_counts: _Optional[bytes] = ..., step: _Optional[int] = ..., dedup: _Optional[_Iterable[_Union[DedupRecord, _Mapping]]] = ..., table_epoch: _Optional[int] = ..., copy_id: _Optional[int] = ..., after_seq: _Optional[int] = ...) -> None: ...
 
 class ReplicateRequest(_message.Message):
     __slots__ = ("source", "source_boot", "generation", "epoch", "first_seq", "items", "lane")

@@ -191,95 +191,41 @@ def _bytes_field(field_no: int, a: np.ndarray | bytes, dtype: str | None = None)
     return wire._len_field(field_no, wire._buffer(np.ascontiguousarray(a, dtype)))
 
 
-# A replica reads a row block's arrays in place when each starts at a multiple of 8 bytes of the request (and
-# the received bytes object is 8-aligned, as CPython's are): the encoder puts a pad field before each array of a
-# ``RowBlock`` (aligned within the block) and one before the block in its item (aligning the block itself).
-# Unaligned arrays (another encoder, a protobuf fallback) are copied, as before.
-_ALIGN = 8
-_ROWS_PAD, _ITEM_PAD = 9, 17  # ``RowBlock.pad``, ``ReplicationItem.pad``: zeros that parsers skip
-
-
-def _pad(field_no: int, at: int, following: int) -> bytes:
-    """A pad field at offset ``at`` such that the ``following`` bytes after it end at a multiple of 8 (b"" when
-    they do already)."""
-    if (at + following) % _ALIGN == 0:
-        return b""
-    tag = wire._varint((field_no << 3) | 2)
-    size = len(tag) + 1  # the tag, a one-byte length, then ``size - len(tag) - 1`` zeros
-    while (at + size + following) % _ALIGN:
-        size += 1
-    return tag + wire._varint(size - len(tag) - 1) + bytes(size - len(tag) - 1)
-
-
-def _row_block(r: RowBatch) -> list:
-    """A ``RowBlock``'s parts, each array's payload at a multiple of 8 bytes from the block's start."""
-    parts: list = []
-    at = 0
-    for no, a, dtype in ((1, r.ids, "<i8"), (2, r.weights, "<f4"), (3, r.state, "<f4"), (4, r.update_count, "<i8"),
-                         (5, r.last_step, "<i8"), (6, r.last_time, "<f8")):
-        if a.size == 0:
-            continue
-        buf = wire._buffer(np.ascontiguousarray(a, dtype))
-        head = wire._varint((no << 3) | 2) + wire._varint(buf.nbytes)
-        pad = _pad(_ROWS_PAD, at, len(head))
-        parts += [pad, head, buf]
-        at += len(pad) + len(head) + buf.nbytes
+def _item_parts(item: Item) -> list:
     v = wire._varint_field
-    return parts + [v(7, int(r.weights.shape[1])), v(8, int(r.state.shape[1]))]
-
-
-def _item_parts(item: Item) -> tuple[list, list | None, list]:
-    """An item's parts before its row block, the block (None: no rows) and the parts after it."""
-    v = wire._varint_field
-    head: list = [v(1, item.kind), *wire._len_field(2, item.table.encode()), v(3, item.lsn[0]), v(4, item.lsn[1]),
-                  *_bytes_field(5, item.slots, "<i4")]
+    parts: list = [v(1, item.kind), *wire._len_field(2, item.table.encode()), v(3, item.lsn[0]), v(4, item.lsn[1]),
+                   *_bytes_field(5, item.slots, "<i4")]
     if item.prev.size:
-        head += _bytes_field(6, item.prev[:, 0], "<u8") + _bytes_field(7, item.prev[:, 1], "<u8")
-    block = _row_block(item.rows) if item.rows is not None and len(item.rows) else None
-    tail: list = list(_bytes_field(9, item.deletes, "<i8"))
+        parts += _bytes_field(6, item.prev[:, 0], "<u8") + _bytes_field(7, item.prev[:, 1], "<u8")
+    if item.rows is not None and len(item.rows):
+        r = item.rows
+        block = (_bytes_field(1, r.ids, "<i8") + _bytes_field(2, r.weights, "<f4") + _bytes_field(3, r.state, "<f4")
+                 + _bytes_field(4, r.update_count, "<i8") + _bytes_field(5, r.last_step, "<i8")
+                 + _bytes_field(6, r.last_time, "<f8") + [v(7, int(r.weights.shape[1])), v(8, int(r.state.shape[1]))])
+        parts += _msg_field(8, block)
+    parts += _bytes_field(9, item.deletes, "<i8")
     if item.sightings is not None and item.sightings[0].size:
-        tail += _bytes_field(10, item.sightings[0], "<i8") + _bytes_field(11, item.sightings[1], "<i8")
-    tail.append(v(12, item.step))
+        parts += _bytes_field(10, item.sightings[0], "<i8") + _bytes_field(11, item.sightings[1], "<i8")
+    parts.append(v(12, item.step))
     for cid, seq, slots in item.dedup:
-        tail += _msg_field(13, [*wire._len_field(1, cid.encode()), v(2, seq), *_bytes_field(3, slots, "<i4")])
+        parts += _msg_field(13, [*wire._len_field(1, cid.encode()), v(2, seq), *_bytes_field(3, slots, "<i4")])
     if item.table_epoch:
-        tail.append(v(14, item.table_epoch))
+        parts.append(v(14, item.table_epoch))
     if item.copy_id:
-        tail.append(v(15, item.copy_id))
+        parts.append(v(15, item.copy_id))
     if item.after:
-        tail.append(v(16, item.after))
-    return head, block, tail
-
-
-def _item_field(item: Item, at: int) -> list:
-    """Item ``item`` as field 6 of a request at offset ``at``, its row block's payload 8-aligned there."""
-    head, block, tail = _item_parts(item)
-    if block is None:
-        return _msg_field(6, head + tail)
-    head_n, block_n, tail_n = wire.parts_nbytes(head), wire.parts_nbytes(block), wire.parts_nbytes(tail)
-    block_head = wire._varint((8 << 3) | 2) + wire._varint(block_n)
-    pad = b""
-    for _ in range(3):  # the pad moves the item's length, whose varint moves the block: settles in one or two
-        body = head_n + len(pad) + len(block_head) + block_n + tail_n
-        start = at + 1 + len(wire._varint(body))  # the item's tag (field 6: one byte) and length
-        pad = _pad(_ITEM_PAD, start + head_n, len(block_head))
-        if len(wire._varint(head_n + len(pad) + len(block_head) + block_n + tail_n)) == len(wire._varint(body)):
-            break
-    return _msg_field(6, [*head, pad, block_head, *block, *tail])
+        parts.append(v(16, item.after))
+    return parts
 
 
 def encode_replicate_request(source: str, boot: str, generation: int, epoch: int, first_seq: int,
                              items: list[Item], lane: int = 0) -> bytes:
-    """A serialized ``ReplicateRequest`` (one copy of the rows) of ``lane`` (0: changes, 1: a slot copy's), the
-    rows' arrays 8-aligned in it (the replica reads them in place)."""
+    """A serialized ``ReplicateRequest`` (one copy of the rows) of ``lane`` (0: changes, 1: a slot copy's)."""
     v = wire._varint_field
     parts: list = [*wire._len_field(1, source.encode()), *wire._len_field(2, boot.encode()), v(3, generation),
                    v(4, epoch), v(5, first_seq)]
-    at = wire.parts_nbytes(parts)
     for item in items:
-        field = _item_field(item, at)
-        parts += field
-        at += wire.parts_nbytes(field)
+        parts += _msg_field(6, _item_parts(item))
     if lane:
         parts.append(v(7, lane))
     return b"".join(p for p in parts if memoryview(p).nbytes)
