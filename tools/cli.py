@@ -14,6 +14,8 @@ import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
+from tigana.trainer.extra import TRAIN_EXTRA  # torch-free: names the modules, imports none
+
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "server": ("tigana.tools.server_cmd", "run a shard server daemon"),
@@ -50,8 +52,6 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                                             "requests, a soak; a ledger counts what was lost"),
 }
 
-# The modules of the `train` extra: a command that imports one of them needs `pip install "tigana[train]"`.
-TRAIN_EXTRA = frozenset({"torch", "torchmetrics", "tensorboard", "tqdm"})
 
 
 def _available(table: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:

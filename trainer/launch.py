@@ -14,7 +14,6 @@ The launcher of ``--nproc N`` never imports torch (about 1.5 s of CPU a launch):
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import multiprocessing
@@ -33,6 +32,7 @@ from tigana.ps.allocator import ALLOCATOR_ENV
 from tigana.trainer import preemption
 from tigana.trainer.config import TrainConfig
 from tigana.trainer.elastic import JOB_ID_ENV, under_torch_elastic
+from tigana.trainer.extra import first_missing
 from tigana.trainer.inputs import check_inputs
 from tigana.trainer.launcher_env import DistEnv, free_port, read_env
 
@@ -106,11 +106,12 @@ def run(config: TrainConfig, environ: Mapping[str, str] | None = None) -> dict[s
 
         result = run_rank(config, env, list(config.ps) or None)
         return result if env.rank == 0 else None
+    lacking = first_missing(config)  # before a cluster or a trainer starts: the run would fail on it later
+    if lacking is not None:          # (torchmetrics only in the evaluation after the last step)
+        raise ModuleNotFoundError(f"No module named {lacking!r}", name=lacking)
     in_process = config.nproc == 1 and not config.max_restarts
-    if in_process:  # imported before a cluster starts: an install without torch fails here, having started nothing
+    if in_process:
         from tigana.trainer.rank import run_rank
-    elif importlib.util.find_spec("torch") is None:  # the spawned trainers would each fail on it
-        raise ModuleNotFoundError("No module named 'torch'", name="torch")
     cluster = None
     try:
         addresses = list(config.ps)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import tomllib
 
-from tigana.tools.cli import TRAIN_EXTRA
+from tigana.trainer.extra import TRAIN_EXTRA
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "tools" / "k8s"

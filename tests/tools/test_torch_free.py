@@ -22,7 +22,8 @@ import tomllib
 
 from tigana import ps
 from tigana.ps.serving import ServingClient
-from tigana.tools.cli import TRAIN_EXTRA
+from tigana.trainer.config import TrainConfig
+from tigana.trainer.extra import TRAIN_EXTRA, first_missing, needed
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "tigana.tools.cli"]
@@ -45,14 +46,19 @@ sys.meta_path.insert(0, _TrainExtraIsNotInstalled())
 """
 
 
-@pytest.fixture
-def no_torch_env(tmp_path: Path) -> dict[str, str]:
+def _env_without(tmp_path: Path, modules: set[str] | frozenset[str]) -> dict[str, str]:
+    """This environment, in which ``modules`` (top-level names) cannot be imported or found."""
     blocker = tmp_path / "blocker"
-    blocker.mkdir()
-    (blocker / "sitecustomize.py").write_text(_BLOCKER.format(blocked=sorted(TRAIN_EXTRA)))
+    blocker.mkdir(exist_ok=True)
+    (blocker / "sitecustomize.py").write_text(_BLOCKER.format(blocked=sorted(modules)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(blocker), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return env
+
+
+@pytest.fixture
+def no_torch_env(tmp_path: Path) -> dict[str, str]:
+    return _env_without(tmp_path, TRAIN_EXTRA)
 
 
 @contextlib.contextmanager
@@ -110,6 +116,28 @@ def test_train_without_torch_shows_its_help_and_says_which_extra_it_needs_to_run
                              env=no_torch_env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
         assert out.returncode == 2, (nproc, out.stderr)
         assert "tigana[train]" in out.stderr and "Traceback" not in out.stderr, (nproc, out.stderr)
+
+
+def test_a_run_needs_the_extras_modules_its_settings_use() -> None:
+    assert needed(TrainConfig(progress=False)) == ["torch", "torchmetrics"]  # evaluation ends every run
+    assert needed(TrainConfig(logdir="runs", progress=True)) == ["torch", "torchmetrics", "tensorboard", "tqdm"]
+    assert set(needed(TrainConfig(logdir="runs", progress=True))) == TRAIN_EXTRA
+    assert first_missing(TrainConfig(logdir="runs", progress=True)) is None  # this (dev) install has them all
+
+
+@pytest.mark.parametrize("module", ["torchmetrics", "tensorboard"])
+def test_train_lacking_one_module_of_the_extra_says_so_before_it_starts(module: str, tmp_path: Path) -> None:
+    # torch present, one other module of the extra missing: the job would have trained and then failed (in
+    # the evaluation after its last step, or at rank 0's TensorBoard writer); it stops before a cluster starts
+    env = _env_without(tmp_path, {module})
+    for nproc in ("1", "2"):
+        out = subprocess.run([*CLI, "train", "--data", "synthetic", "--max-steps", "1", "--nproc", nproc,
+                              "--logdir", str(tmp_path / "runs")], env=env, capture_output=True, text=True,
+                             timeout=60, cwd=tmp_path)
+        assert out.returncode == 2, (nproc, out.stderr)
+        assert f"needs {module!r}" in out.stderr and "tigana[train]" in out.stderr, (nproc, out.stderr)
+        assert "Traceback" not in out.stderr and "cluster" not in out.stderr.lower(), (nproc, out.stderr)
+        assert not (tmp_path / "runs").exists()
 
 
 def test_cluster_admin_and_serve_run_without_torch(no_torch_env: dict[str, str], tmp_path: Path) -> None:
