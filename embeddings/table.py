@@ -178,7 +178,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
             self._step = self._step + 1 if step is None else int(step)
             self._cow_update(rows)  # open cuts keep the rows as they were, before the first change
             slab = self._slab
-            step_code, time_code = np.uint32(slab.step_codes(self._step)), np.uint32(slab.time_codes(time.time()))
+            step_code, time_code = np.uint32(slab.step_code(self._step)), np.uint32(slab.time_code(time.time()))
             if self._backend == "numba":
                 _kernels.touch(rows, slab.update_count, slab.last_step, slab.last_time, slab.last_access,
                                slab.dirty, step_code, time_code, self._clock, slab.mark)

@@ -182,7 +182,7 @@ class DedupWindow:
                 c.floor = max(c.floor, seq)  # full, and this is the lowest: it is the one dropped
                 return
             row = c.row_for(seq, self.size)
-        np.bitwise_or.at(c.bits[row], slots >> 3, (1 << (slots & 7)).astype(np.uint8))
+        c.bits[row] |= _bitmask(slots, self._nbytes)  # 3 us; np.bitwise_or.at took 8 a push
 
     # --- moving with slots -------------------------------------------------------------------------
     def records_for(self, slots: np.ndarray) -> list[tuple[str, int, np.ndarray]]:

@@ -95,3 +95,16 @@ def test_slab_rows_hold_eight_bytes_less_metadata() -> None:
     """update count, step, time and the mark: 4 + 4 + 4 + 1 bytes (the access clock, when kept, 4 more)."""
     assert Slab(16, 1).row_nbytes == 64 + 4 + 13
     assert Slab(16, 1, track_access=True).row_nbytes == 64 + 4 + 17
+
+
+@settings(max_examples=200)
+@given(st.lists(st.tuples(step_st, st.one_of(time_st, st.sampled_from([float("nan"), float("inf"), -float("inf")]))),
+                min_size=1, max_size=30))
+def test_one_write_codes_match_the_array_path(writes: list[tuple[int, float]]) -> None:
+    # a push codes its one step and time with the scalar path: same codes and the same base moves as the
+    # array path, write after write (bases move with steps and times 2**31 codes apart)
+    scalar, arrays = Slab(2, 1), Slab(2, 1)
+    for step, t in writes:
+        assert scalar.step_code(step) == int(arrays.step_codes(np.array([step], np.int64))[0])
+        assert scalar.time_code(t) == int(arrays.time_codes(np.array([t], np.float64))[0])
+        assert (scalar.step_base, scalar.time_base) == (arrays.step_base, arrays.time_base)
