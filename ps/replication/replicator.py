@@ -23,6 +23,7 @@ import grpc
 import numpy as np
 
 from tigana.proto import shard_pb2 as pb
+from tigana.ps.background import start_thread
 from tigana.ps.channels import channel_options
 from tigana.ps.replication.actions import (
     Action,
@@ -396,4 +397,4 @@ def _identity(raw: bytes) -> bytes:
 
 
 def _thread(name: str, fn: Callable[[], None]) -> None:
-    threading.Thread(target=fn, name=name, daemon=True).start()
+    start_thread(name, fn)  # a slot copy's threads at background priority (``ps.background``)

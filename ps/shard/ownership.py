@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 
 import numpy as np
@@ -20,6 +19,7 @@ from tigana.embeddings import StorageError
 from tigana.embeddings.changes import unique
 from tigana.proto import shard_pb2 as pb
 from tigana.ps import _kernels
+from tigana.ps.background import start_thread
 from tigana.ps.errors import InvalidArgument, Unavailable, WrongShard
 from tigana.ps.logs import event, slots_text
 from tigana.ps.replication import NO_POSITION
@@ -241,7 +241,7 @@ class Ownership(ShardFields):
         if self.replicator is not None:
             self.replicator.spawn("tigana-drop-slots", self._drop_loop)
         else:
-            threading.Thread(target=self._drop_loop, name="tigana-drop-slots", daemon=True).start()
+            start_thread("tigana-drop-slots", self._drop_loop)
 
     def _drop_loop(self) -> None:
         while True:
