@@ -157,12 +157,22 @@ _WT_VARINT, _WT_I64, _WT_LEN, _WT_I32 = 0, 1, 2, 5
 
 
 def _varint(n: int) -> bytes:
+    if 0 <= n < _SMALL_VARINTS:
+        return _SMALL[n]  # tags, lengths and counts: a pull and a push frame make about 30 of them
+    return _varint_slow(n)
+
+
+def _varint_slow(n: int) -> bytes:
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+_SMALL_VARINTS = 1 << 14  # every varint of one or two bytes, made once (encoding a pull and a push frame of
+_SMALL = [_varint_slow(n) for n in range(_SMALL_VARINTS)]  # 500 ids: 14.8 us, against 18.2 built each time)
 
 
 def _len_field(field_no: int, payload) -> list:
