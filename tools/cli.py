@@ -53,7 +53,6 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 }
 
 
-
 def _available(table: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
     return {name: spec for name, spec in table.items() if importlib.util.find_spec(spec[0]) is not None}
 

@@ -15,13 +15,16 @@ if TYPE_CHECKING:
 TRAIN_EXTRA = frozenset({"torch", "torchmetrics", "tensorboard", "tqdm"})
 
 
-def needed(config: TrainConfig) -> list[str]:
-    """The extra's modules a run of ``config`` imports: torch for the model, torchmetrics for the evaluation
-    every run ends with, tensorboard with ``logdir``, tqdm with ``progress``."""
-    return ["torch", "torchmetrics"] + (["tensorboard"] if config.logdir else []) + (
-        ["tqdm"] if config.progress else [])
+def needed(config: TrainConfig, rank0: bool = True) -> list[str]:
+    """The extra's modules a rank of a run of ``config`` imports: torch for the model, torchmetrics for the
+    evaluation every run ends with, and on rank 0 tensorboard with ``logdir`` and tqdm with ``progress``."""
+    return ["torch", "torchmetrics"] + (["tensorboard"] if rank0 and config.logdir else []) + (
+        ["tqdm"] if rank0 and config.progress else [])
 
 
-def first_missing(config: TrainConfig) -> str | None:
-    """The first module ``needed(config)`` that this install lacks, or None."""
-    return next((name for name in needed(config) if importlib.util.find_spec(name) is None), None)
+def require(config: TrainConfig, rank0: bool = True) -> None:
+    """Raise ``ModuleNotFoundError`` (naming the module) for the first module ``needed`` that this install
+    lacks: before anything starts, not at the evaluation after the last step."""
+    lacking = next((name for name in needed(config, rank0) if importlib.util.find_spec(name) is None), None)
+    if lacking is not None:
+        raise ModuleNotFoundError(f"No module named {lacking!r}", name=lacking)

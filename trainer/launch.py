@@ -32,7 +32,7 @@ from tigana.ps.allocator import ALLOCATOR_ENV
 from tigana.trainer import preemption
 from tigana.trainer.config import TrainConfig
 from tigana.trainer.elastic import JOB_ID_ENV, under_torch_elastic
-from tigana.trainer.extra import first_missing
+from tigana.trainer.extra import require as require_extra
 from tigana.trainer.inputs import check_inputs
 from tigana.trainer.launcher_env import DistEnv, free_port, read_env
 
@@ -102,13 +102,12 @@ def run(config: TrainConfig, environ: Mapping[str, str] | None = None) -> dict[s
         if under_torch_elastic(environ) and not config.ps:
             raise ValueError("ps: torchrun --max-restarts needs --ps (an embedded cluster would stop with the "
                              "rank that started it, and the tables with it)")
+        require_extra(config, rank0=env.rank == 0)
         from tigana.trainer.rank import run_rank
 
         result = run_rank(config, env, list(config.ps) or None)
         return result if env.rank == 0 else None
-    lacking = first_missing(config)  # before a cluster or a trainer starts: the run would fail on it later
-    if lacking is not None:          # (torchmetrics only in the evaluation after the last step)
-        raise ModuleNotFoundError(f"No module named {lacking!r}", name=lacking)
+    require_extra(config)  # before a cluster or a trainer starts, not in the evaluation after the last step
     in_process = config.nproc == 1 and not config.max_restarts
     if in_process:
         from tigana.trainer.rank import run_rank

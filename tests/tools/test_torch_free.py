@@ -23,7 +23,7 @@ import tomllib
 from tigana import ps
 from tigana.ps.serving import ServingClient
 from tigana.trainer.config import TrainConfig
-from tigana.trainer.extra import TRAIN_EXTRA, first_missing, needed
+from tigana.trainer.extra import TRAIN_EXTRA, needed, require
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "tigana.tools.cli"]
@@ -122,7 +122,8 @@ def test_a_run_needs_the_extras_modules_its_settings_use() -> None:
     assert needed(TrainConfig(progress=False)) == ["torch", "torchmetrics"]  # evaluation ends every run
     assert needed(TrainConfig(logdir="runs", progress=True)) == ["torch", "torchmetrics", "tensorboard", "tqdm"]
     assert set(needed(TrainConfig(logdir="runs", progress=True))) == TRAIN_EXTRA
-    assert first_missing(TrainConfig(logdir="runs", progress=True)) is None  # this (dev) install has them all
+    assert needed(TrainConfig(logdir="runs", progress=True), rank0=False) == ["torch", "torchmetrics"]
+    require(TrainConfig(logdir="runs", progress=True))  # this (dev) install has them all
 
 
 @pytest.mark.parametrize("module", ["torchmetrics", "tensorboard"])
