@@ -1,7 +1,8 @@
 """Background work of a shard server at a lower CPU priority than its data path.
 
-A slot copy's export and send, and the drop of the rows of slots a server no longer holds, are work a move
-can wait for; pulls, pushes and their replication are not. Where several servers share cores (a test box, a
+The export of a planned move's slot copy (paced by the copy rate) and the drop of the rows of slots a server no
+longer holds are work that can wait; pulls, pushes, their replication and a copy that restores a missing replica
+(until it ends, a loss of the last copy loses rows) are not. Where several servers share cores (a test box, a
 packed node) a move's bursts on three servers at once (each source listing, sorting and exporting its share;
 each old copy deleting its rows) took the cores from the pushes: a push in flight waited 0.4-0.5 s. The threads
 that do that work lower their own priority (``nice`` +10 on Linux, where a thread has a priority of its own);
@@ -16,7 +17,9 @@ import threading
 from collections.abc import Callable
 
 BACKGROUND_NICE = 10  # added to a background thread's nice value (CFS weight about a tenth of the data path's)
-BACKGROUND_THREADS = ("tigana-slot-copy", "tigana-copy-", "tigana-drop-slots")  # names of background threads
+# The names of background threads. Not a copy lane's sender (``tigana-copy-*``): it also sends the chunks of
+# copies that restore a replica, and a thread cannot raise its priority back without privileges.
+BACKGROUND_THREADS = ("tigana-slot-copy", "tigana-drop-slots")
 
 
 def lower_this_thread(by: int = BACKGROUND_NICE) -> bool:

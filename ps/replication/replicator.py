@@ -116,7 +116,10 @@ class Replicator:
                 if link is not None:
                     self.spawn("tigana-repl-close", link[0].close)
             elif isinstance(a, StartCopy):
-                self.spawn("tigana-slot-copy", lambda s=a.stream, sess=a.session: self._copy(s, sess))
+                # a planned move's copy runs at background priority (``ps.background``), one that restores a
+                # missing replica does not: until it ends a loss of the last copy loses rows
+                name = "tigana-slot-copy" if a.session.paced else "tigana-slot-restore"
+                self.spawn(name, lambda s=a.stream, sess=a.session: self._copy(s, sess))
             elif isinstance(a, ReportFailure):
                 self.report_failure(a.target, a.slots, a.reason)
             elif isinstance(a, ReportCaughtUp):
@@ -397,4 +400,4 @@ def _identity(raw: bytes) -> bytes:
 
 
 def _thread(name: str, fn: Callable[[], None]) -> None:
-    start_thread(name, fn)  # a slot copy's threads at background priority (``ps.background``)
+    start_thread(name, fn)  # a planned move's copy at background priority (``ps.background``)

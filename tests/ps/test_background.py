@@ -1,5 +1,5 @@
-"""Background threads of a shard server (a slot copy's export and send, the drop of unheld slots) run at a
-lower CPU priority than the data path (``tigana.ps.background``)."""
+"""Background threads of a shard server (a planned move's slot copy, the drop of unheld slots) run at a lower
+CPU priority than the data path (``tigana.ps.background``); a copy that restores a replica does not."""
 
 from __future__ import annotations
 
@@ -29,11 +29,13 @@ def _nice_of_thread_named(name: str) -> int:
 
 def test_background_threads_run_below_the_data_path() -> None:
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    for name in ("tigana-slot-copy", "tigana-copy-4f81cc1a", "tigana-drop-slots"):
+    for name in ("tigana-slot-copy", "tigana-drop-slots"):
         assert name.startswith(BACKGROUND_THREADS)
         assert _nice_of_thread_named(name) == min(19, base + BACKGROUND_NICE)
-    # the data path and a write's replication keep the process's priority
-    for name in ("tigana-repl-4f81cc1a", "tigana-exchange-reader", "tigana-ack-deadlines"):
+    # the data path, a write's replication, a copy restoring a replica and a copy lane's sender (it sends
+    # restoring copies' chunks too) keep the process's priority
+    for name in ("tigana-repl-4f81cc1a", "tigana-exchange-reader", "tigana-ack-deadlines", "tigana-slot-restore",
+                 "tigana-copy-4f81cc1a"):
         assert _nice_of_thread_named(name) == base
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # the caller is untouched
 

@@ -227,7 +227,7 @@ class SimServer:
             self.svc.close_tables()
 
     def _spawn(self, name: str, fn: Callable[[], None]) -> None:
-        if name in ("tigana-slot-copy", "tigana-drop-slots"):
+        if name in ("tigana-slot-copy", "tigana-slot-restore", "tigana-drop-slots"):
             self.tasks.append(fn)  # run by ``step``, as its thread would
         # a stream's two senders (its lanes) are driven by ``step`` (``core.request``, then ``answered`` or
         # ``send_failed``); closing a stream's channel is nothing here
