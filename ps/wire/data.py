@@ -171,8 +171,9 @@ def _varint_slow(n: int) -> bytes:
     return bytes(out)
 
 
-_SMALL_VARINTS = 1 << 14  # every varint of one or two bytes, made once (encoding a pull and a push frame of
-_SMALL = [_varint_slow(n) for n in range(_SMALL_VARINTS)]  # 500 ids: 14.8 us, against 18.2 built each time)
+_SMALL_VARINTS = 1 << 14  # every varint of one or two bytes, made once at import (2 ms; encoding a pull and a
+_SMALL = [bytes((n,)) if n < 0x80 else bytes(((n & 0x7F) | 0x80, n >> 7))  # push frame of 500 ids: 14.8 us,
+          for n in range(_SMALL_VARINTS)]  # against 18.2 with each varint built when needed)
 
 
 def _len_field(field_no: int, payload) -> list:

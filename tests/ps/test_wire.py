@@ -314,3 +314,8 @@ def test_varints_from_the_table_and_past_it_are_protobufs(n: int) -> None:
     # the one- and two-byte varints come from a table made once; the rest are built: both as protobuf writes
     assert wire.varint_field(5, n) == pb.PushRequest(seq=n).SerializeToString()  # 0: no field, as protobuf
     assert wire._varint(n) == (pb.PushRequest(seq=n).SerializeToString()[1:] if n else b"\x00")
+
+
+def test_the_varint_table_holds_what_the_encoder_builds() -> None:
+    assert len(wire._SMALL) == 1 << 14
+    assert all(wire._SMALL[n] == wire._varint_slow(n) for n in range(1 << 14))
