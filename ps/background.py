@@ -17,9 +17,14 @@ import threading
 from collections.abc import Callable
 
 BACKGROUND_NICE = 10  # added to a background thread's nice value (CFS weight about a tenth of the data path's)
+# The threads of a shard server's copies and drops, by name (the name is what ``start_thread`` and a simulator's
+# spawn go by, so every spawn site uses these).
+SLOT_COPY_THREAD = "tigana-slot-copy"  # a planned move's copy (paced): background
+SLOT_RESTORE_THREAD = "tigana-slot-restore"  # a copy that restores a missing replica (unpaced): full priority
+DROP_THREAD = "tigana-drop-slots"  # deletes the rows of slots no longer held: background
 # The names of background threads. Not a copy lane's sender (``tigana-copy-*``): it also sends the chunks of
 # copies that restore a replica, and a thread cannot raise its priority back without privileges.
-BACKGROUND_THREADS = ("tigana-slot-copy", "tigana-drop-slots")
+BACKGROUND_THREADS = (SLOT_COPY_THREAD, DROP_THREAD)
 
 
 def lower_this_thread(by: int = BACKGROUND_NICE) -> bool:

@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 
 from tigana.proto import shard_pb2 as pb
-from tigana.ps.background import start_thread
+from tigana.ps.background import SLOT_COPY_THREAD, SLOT_RESTORE_THREAD, start_thread
 from tigana.ps.channels import channel_options
 from tigana.ps.replication.actions import (
     Action,
@@ -118,7 +118,7 @@ class Replicator:
             elif isinstance(a, StartCopy):
                 # a planned move's copy runs at background priority (``ps.background``), one that restores a
                 # missing replica does not: until it ends a loss of the last copy loses rows
-                name = "tigana-slot-copy" if a.session.paced else "tigana-slot-restore"
+                name = SLOT_COPY_THREAD if a.session.paced else SLOT_RESTORE_THREAD
                 self.spawn(name, lambda s=a.stream, sess=a.session: self._copy(s, sess))
             elif isinstance(a, ReportFailure):
                 self.report_failure(a.target, a.slots, a.reason)

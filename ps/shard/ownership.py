@@ -19,7 +19,7 @@ from tigana.embeddings import StorageError
 from tigana.embeddings.changes import unique
 from tigana.proto import shard_pb2 as pb
 from tigana.ps import _kernels
-from tigana.ps.background import start_thread
+from tigana.ps.background import DROP_THREAD, start_thread
 from tigana.ps.errors import InvalidArgument, Unavailable, WrongShard
 from tigana.ps.logs import event, slots_text
 from tigana.ps.replication import NO_POSITION
@@ -239,9 +239,9 @@ class Ownership(ShardFields):
                 return
             self._drop_running = True
         if self.replicator is not None:
-            self.replicator.spawn("tigana-drop-slots", self._drop_loop)
+            self.replicator.spawn(DROP_THREAD, self._drop_loop)
         else:
-            start_thread("tigana-drop-slots", self._drop_loop)
+            start_thread(DROP_THREAD, self._drop_loop)
 
     def _drop_loop(self) -> None:
         while True:

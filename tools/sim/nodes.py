@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from tigana.proto import shard_pb2 as pb
+from tigana.ps.background import DROP_THREAD, SLOT_COPY_THREAD, SLOT_RESTORE_THREAD
 from tigana.ps.config import ServerConfig
 from tigana.ps.membership import REGISTER, Membership, caught_up_answer
 from tigana.ps.routing import ShardMap
@@ -227,7 +228,7 @@ class SimServer:
             self.svc.close_tables()
 
     def _spawn(self, name: str, fn: Callable[[], None]) -> None:
-        if name in ("tigana-slot-copy", "tigana-slot-restore", "tigana-drop-slots"):
+        if name in (SLOT_COPY_THREAD, SLOT_RESTORE_THREAD, DROP_THREAD):
             self.tasks.append(fn)  # run by ``step``, as its thread would
         # a stream's two senders (its lanes) are driven by ``step`` (``core.request``, then ``answered`` or
         # ``send_failed``); closing a stream's channel is nothing here
