@@ -387,6 +387,26 @@ class LocalEtcd:
         self._tmp = tempfile.TemporaryDirectory(prefix="tigana-etcd-") if data_dir is None else None
         self.data_dir = Path(self._tmp.name if self._tmp else data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen | None = None
+        try:
+            # A port free when picked may be bound by another process before etcd binds it (two test workers,
+            # any busy machine): etcd then exits at once ("address already in use"), and is started again on
+            # fresh ports. Any other exit is an error naming etcd's own words.
+            for attempt in range(_ETCD_START_ATTEMPTS):
+                if attempt:  # the failed start stored nothing: its member folder goes with it
+                    shutil.rmtree(self.data_dir / "member", ignore_errors=True)
+                self._start(exe)
+                if self._wait_ready(startup_timeout):
+                    return
+                tail = self._log_tail()
+                if "address already in use" not in tail or attempt == _ETCD_START_ATTEMPTS - 1:
+                    raise RuntimeError(f"etcd exited with status {self.proc.returncode} before it answered "
+                                       f"(log {self.data_dir / 'etcd.log'}): {_etcd_error(tail)}")
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, exe: str) -> None:
         client, peer = free_port(), free_port()
         self.url = f"etcd://127.0.0.1:{client}"
         cmd = [*_death_signal_wrapper(), exe, "--name", "tigana", "--data-dir", str(self.data_dir / "member"),
@@ -396,18 +416,37 @@ class LocalEtcd:
                "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
                "--initial-cluster", f"tigana=http://127.0.0.1:{peer}", "--log-level", "warn"]
         with open(self.data_dir / "etcd.log", "ab") as log:
+            self._log_from = log.tell()  # this start's lines begin here
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                          start_new_session=True)
-        try:
-            from tigana.ps.scheduler.stores.etcd import wait_for_etcd
 
-            wait_for_etcd(self.url, startup_timeout)
-        except BaseException:
-            self.close()
-            raise
+    def _wait_ready(self, timeout_s: float) -> bool:
+        """True once etcd answers; False when its process exited first; ``Unavailable`` after ``timeout_s``."""
+        from tigana.ps.errors import Unavailable
+        from tigana.ps.scheduler.stores.etcd import wait_for_etcd
+
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                wait_for_etcd(self.url, min(1.0, max(0.1, deadline - time.monotonic())))
+                return True
+            except Unavailable:
+                if time.monotonic() > deadline:
+                    raise
+
+    def _log_tail(self) -> str:
+        """What the latest start wrote to etcd's log (its last 2,000 characters)."""
+        with contextlib.suppress(OSError), open(self.data_dir / "etcd.log", "rb") as log:
+            log.seek(self._log_from)
+            return log.read().decode(errors="replace")[-2000:]
+        return ""
 
     def close(self) -> None:
-        stop_process(self.proc)
+        if self.proc is not None:
+            stop_process(self.proc)
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
@@ -417,6 +456,19 @@ class LocalEtcd:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_ETCD_START_ATTEMPTS = 3  # starts of a LocalEtcd whose ports were taken before it bound them
+
+
+def _etcd_error(log: str) -> str:
+    """The reason in etcd's log (its JSON lines' last "msg: error"), or the log's end."""
+    for line in reversed(log.splitlines()):
+        with contextlib.suppress(ValueError):
+            entry = json.loads(line)
+            if isinstance(entry, dict) and entry.get("error"):
+                return f"{entry.get('msg', 'error')}: {entry['error']}"
+    return log[-400:]
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
