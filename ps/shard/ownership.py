@@ -12,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tigana.embeddings import StorageError
 from tigana.embeddings.changes import unique
+from tigana.embeddings.errors import EmbeddingError as EngineError
 from tigana.proto import shard_pb2 as pb
 from tigana.ps import _kernels
 from tigana.ps.background import DROP_THREAD, start_thread
@@ -25,6 +27,9 @@ from tigana.ps.logs import event, slots_text
 from tigana.ps.replication import NO_POSITION
 from tigana.ps.routing import ShardMap, format_slots, slot_of
 from tigana.ps.shard._fields import ShardFields
+
+if TYPE_CHECKING:
+    from tigana.ps.shard.hosted import _Hosted
 
 log = logging.getLogger("tigana.ps.server")  # one logger for the whole shard server
 _COPY_CHUNK = 16384  # rows per SNAPSHOT_ROWS item of a slot copy (and per lock hold of a drop: ~2 ms)
@@ -265,26 +270,35 @@ class Ownership(ShardFields):
             hosted = self._tables.get(name)
             if hosted is None or not self._view.valid:
                 continue
-            with hosted.lock:  # no slot copy builds a copy the map removed from here (``replication.intake``)
-                hosted.intake.drop(np.flatnonzero(~self._view.holds))
-            gone = hosted.table.stored_ids_in_slots(self.num_slots, ~self._view.holds)
-            deleted = 0
-            for lo in range(0, gone.size, _COPY_CHUNK):
-                chunk = gone[lo:lo + _COPY_CHUNK]
-                with hosted.lock.yielding():  # after the pushes waiting for the lock
-                    view = self._view
-                    if not view.valid or self._tables.get(name) is not hosted:
-                        break
-                    chunk = chunk[~view.holds[slot_of(chunk, self.num_slots)]]  # not taken back meanwhile
-                    if chunk.size:
-                        deleted += hosted.table.delete(chunk)
-            if deleted:
+            try:
+                self._drop_unheld_rows(name, hosted)
+            except EngineError:
+                if not hosted.table.closed:
+                    raise
+                # closed meanwhile (dropped, or the server shutting down): its rows are gone with it
+
+    def _drop_unheld_rows(self, name: str, hosted: _Hosted) -> None:
+        """``_drop_unheld`` for one table."""
+        with hosted.lock:  # no slot copy builds a copy the map removed from here (``replication.intake``)
+            hosted.intake.drop(np.flatnonzero(~self._view.holds))
+        gone = hosted.table.stored_ids_in_slots(self.num_slots, ~self._view.holds)
+        deleted = 0
+        for lo in range(0, gone.size, _COPY_CHUNK):
+            chunk = gone[lo:lo + _COPY_CHUNK]
+            with hosted.lock.yielding():  # after the pushes waiting for the lock
                 view = self._view
-                slots = unique(slot_of(gone, self.num_slots))
-                log.info("server %s at epoch %d: table %r: deleted %d row(s) of slots no longer held (slots %s)",
-                         self.server_id, view.epoch, name, deleted, slots_text(slots),
-                         extra=event("rows_dropped", slots=slots, epoch=view.epoch, server=self.server_id, table=name,
-                                     rows=deleted))
+                if not view.valid or self._tables.get(name) is not hosted:
+                    break
+                chunk = chunk[~view.holds[slot_of(chunk, self.num_slots)]]  # not taken back meanwhile
+                if chunk.size:
+                    deleted += hosted.table.delete(chunk)
+        if deleted:
+            view = self._view
+            slots = unique(slot_of(gone, self.num_slots))
+            log.info("server %s at epoch %d: table %r: deleted %d row(s) of slots no longer held (slots %s)",
+                     self.server_id, view.epoch, name, deleted, slots_text(slots),
+                     extra=event("rows_dropped", slots=slots, epoch=view.epoch, server=self.server_id, table=name,
+                                 rows=deleted))
 
     def maintain(self) -> None:
         """Periodic work (the daemon calls it about once a second): decay request rates, restart broken
