@@ -23,19 +23,26 @@ DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "movielens-100k
 pytestmark = pytest.mark.timeout(300)
 
 
+# The mean AUC of undisturbed runs of this job (``tigana bench elastic``, 3 trials: 0.77465, spread 0.0017; in
+# docs/training.md). A disturbed run is held to it with the margin one pair of runs needs, instead of running an
+# undisturbed job beside it in every suite run (half this test's time).
+CALM_AUC = 0.7747
+
+
 @pytest.mark.skipif(not (DATA / "ml-100k" / "u1.base").is_file(), reason=f"MovieLens-100K not found at {DATA}")
 def test_kill_9_of_a_trainer_restarts_it_and_the_job_finishes_as_well(shard_cluster, tmp_path: Path) -> None:
     servers = [p.pid for p in shard_cluster.procs]
     target = ",".join(shard_cluster.addresses)
-    calm = train(train_args(DATA, target, tmp_path / "calm"))
     hit = train(train_args(DATA, target, tmp_path / "hit"), kill_after_state=tmp_path / "hit" / "elastic")
-    assert calm["restarts"] == 0 and hit["restarts"] == 1
+    assert hit["restarts"] == 1
     assert hit["resumed_from"].startswith("elastic state at step")
-    assert hit["steps"] == calm["steps"]  # the job as a whole took every step (a few twice, after the state)
+    # the job as a whole took every step (a few twice, after the state): an epoch of u1's 80,000 ratings in
+    # batches of 512, split over 2 trainers
+    assert hit["steps"] == -(-80_000 // 2 // 512), hit
     # Two trainers pushing asynchronously never train the same model twice: undisturbed runs of this job spread
-    # by up to ~0.0035 AUC. One run of each is compared with that margin here; ``tigana bench elastic`` compares
-    # the means of several against the 0.002 target.
-    assert abs(hit["auc"] - calm["auc"]) <= 0.005, (hit["auc"], calm["auc"])
+    # by up to ~0.0035 AUC. One run is compared with that margin here; ``tigana bench elastic`` compares the means
+    # of several against the 0.002 target.
+    assert abs(hit["auc"] - CALM_AUC) <= 0.005, hit["auc"]
     # the shard servers ran on: the same processes, alive, never restarted
     assert [p.pid for p in shard_cluster.procs] == servers and all(p.poll() is None for p in shard_cluster.procs)
 
