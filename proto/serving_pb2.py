@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atigana/proto/serving.proto\x12\ttigana.v1\"2\n\x14ServingLookupRequest\x12\x0b\n\x03ids\x18\x01 \x01(\x0c\x12\r\n\x05table\x18\x02 \x01(\t\"N\n\x15ServingLookupResponse\x12\x0c\n\x04rows\x18\x01 \x01(\x0c\x12\r\n\x05\x66ound\x18\x02 \x01(\x0c\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12\x0b\n\x03seq\x18\x04 \x01(\x04\"\x14\n\x12ServingInfoRequest\"\xe0\x01\n\x13ServingInfoResponse\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\x0c\n\x04rows\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x10\n\x08\x62\x61se_seq\x18\x05 \x01(\x04\x12\x11\n\tdata_time\x18\x06 \x01(\x01\x12\x13\n\x0bloaded_time\x18\x07 \x01(\x01\x12\x13\n\x0b\x64\x65\x66\x61ult_row\x18\x08 \x01(\t\x12\x16\n\x0e\x64\x65ltas_applied\x18\t \x01(\x04\x12\x14\n\x0crows_applied\x18\n \x01(\x04\x12\x15\n\rapply_seconds\x18\x0b \x01(\x01\x32\x9d\x01\n\x07Serving\x12K\n\x06Lookup\x12\x1f.tigana.v1.ServingLookupRequest\x1a .tigana.v1.ServingLookupResponse\x12\x45\n\x04Info\x12\x1d.tigana.v1.ServingInfoRequest\x1a\x1e.tigana.v1.ServingInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atigana/proto/serving.proto\x12\ttigana.v1\"2\n\x14ServingLookupRequest\x12\x0b\n\x03ids\x18\x01 \x01(\x0c\x12\r\n\x05table\x18\x02 \x01(\t\"N\n\x15ServingLookupResponse\x12\x0c\n\x04rows\x18\x01 \x01(\x0c\x12\r\n\x05\x66ound\x18\x02 \x01(\x0c\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12\x0b\n\x03seq\x18\x04 \x01(\x04\"\x14\n\x12ServingInfoRequest\"\xcd\x02\n\x13ServingInfoResponse\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\x0c\n\x04rows\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x10\n\x08\x62\x61se_seq\x18\x05 \x01(\x04\x12\x11\n\tdata_time\x18\x06 \x01(\x01\x12\x13\n\x0bloaded_time\x18\x07 \x01(\x01\x12\x13\n\x0b\x64\x65\x66\x61ult_row\x18\x08 \x01(\t\x12\x16\n\x0e\x64\x65ltas_applied\x18\t \x01(\x04\x12\x14\n\x0crows_applied\x18\n \x01(\x04\x12\x15\n\rapply_seconds\x18\x0b \x01(\x01\x12\r\n\x05model\x18\x0c \x01(\t\x12\x0f\n\x07version\x18\r \x01(\x04\x12\x0e\n\x06tables\x18\x0e \x03(\t\x12\x11\n\tnum_dense\x18\x0f \x01(\r\x12\x12\n\nnum_sparse\x18\x10 \x01(\r\x12\x14\n\x0cversion_time\x18\x11 \x01(\x01\"B\n\x0ePredictRequest\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\r\n\x05\x64\x65nse\x18\x02 \x01(\x0c\x12\x13\n\x0b\x63\x61tegorical\x18\x03 \x01(\x0c\"H\n\x0fPredictResponse\x12\x15\n\rprobabilities\x18\x01 \x01(\x0c\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\r\n\x05model\x18\x03 \x01(\t2\xdf\x01\n\x07Serving\x12K\n\x06Lookup\x12\x1f.tigana.v1.ServingLookupRequest\x1a .tigana.v1.ServingLookupResponse\x12\x45\n\x04Info\x12\x1d.tigana.v1.ServingInfoRequest\x1a\x1e.tigana.v1.ServingInfoResponse\x12@\n\x07Predict\x12\x19.tigana.v1.PredictRequest\x1a\x1a.tigana.v1.PredictResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,7 +38,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SERVINGINFOREQUEST']._serialized_start=173
   _globals['_SERVINGINFOREQUEST']._serialized_end=193
   _globals['_SERVINGINFORESPONSE']._serialized_start=196
-  _globals['_SERVINGINFORESPONSE']._serialized_end=420
-  _globals['_SERVING']._serialized_start=423
-  _globals['_SERVING']._serialized_end=580
+  _globals['_SERVINGINFORESPONSE']._serialized_end=529
+  _globals['_PREDICTREQUEST']._serialized_start=531
+  _globals['_PREDICTREQUEST']._serialized_end=597
+  _globals['_PREDICTRESPONSE']._serialized_start=599
+  _globals['_PREDICTRESPONSE']._serialized_end=671
+  _globals['_SERVING']._serialized_start=674
+  _globals['_SERVING']._serialized_end=897
 # @@protoc_insertion_point(module_scope)

@@ -1,5 +1,7 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
 from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -29,7 +31,7 @@ class ServingInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServingInfoResponse(_message.Message):
-    __slots__ = ("table", "dim", "rows", "seq", "base_seq", "data_time", "loaded_time", "default_row", "deltas_applied", "rows_applied", "apply_seconds")
+    __slots__ = ("table", "dim", "rows", "seq", "base_seq", "data_time", "loaded_time", "default_row", "deltas_applied", "rows_applied", "apply_seconds", "model", "version", "tables", "num_dense", "num_sparse", "version_time")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +43,12 @@ class ServingInfoResponse(_message.Message):
     DELTAS_APPLIED_FIELD_NUMBER: _ClassVar[int]
     ROWS_APPLIED_FIELD_NUMBER: _ClassVar[int]
     APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    NUM_DENSE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPARSE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_TIME_FIELD_NUMBER: _ClassVar[int]
     table: str
     dim: int
     rows: int
@@ -52,4 +60,30 @@ class ServingInfoResponse(_message.Message):
     deltas_applied: int
     rows_applied: int
     apply_seconds: float
-    def __init__(self, table: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., seq: _Optional[int] = ..., base_seq: _Optional[int] = ..., data_time: _Optional[float] = ..., loaded_time: _Optional[float] = ..., default_row: _Optional[str] = ..., deltas_applied: _Optional[int] = ..., rows_applied: _Optional[int] = ..., apply_seconds: _Optional[float] = ...) -> None: ...
+    model: str
+    version: int
+    tables: _containers.RepeatedScalarFieldContainer[str]
+    num_dense: int
+    num_sparse: int
+    version_time: float
+    def __init__(self, table: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., seq: _Optional[int] = ..., base_seq: _Optional[int] = ..., data_time: _Optional[float] = ..., loaded_time: _Optional[float] = ..., default_row: _Optional[str] = ..., deltas_applied: _Optional[int] = ..., rows_applied: _Optional[int] = ..., apply_seconds: _Optional[float] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., tables: _Optional[_Iterable[str]] = ..., num_dense: _Optional[int] = ..., num_sparse: _Optional[int] = ..., version_time: _Optional[float] = ...) -> None: ...
+
+class PredictRequest(_message.Message):
+    __slots__ = ("rows", "dense", "categorical")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    DENSE_FIELD_NUMBER: _ClassVar[int]
+    CATEGORICAL_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    dense: bytes
+    categorical: bytes
+    def __init__(self, rows: _Optional[int] = ..., dense: _Optional[bytes] = ..., categorical: _Optional[bytes] = ...) -> None: ...
+
+class PredictResponse(_message.Message):
+    __slots__ = ("probabilities", "version", "model")
+    PROBABILITIES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    probabilities: bytes
+    version: int
+    model: str
+    def __init__(self, probabilities: _Optional[bytes] = ..., version: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...

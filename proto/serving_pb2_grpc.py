@@ -44,6 +44,11 @@ class ServingStub:
                 request_serializer=tigana_dot_proto_dot_serving__pb2.ServingInfoRequest.SerializeToString,
                 response_deserializer=tigana_dot_proto_dot_serving__pb2.ServingInfoResponse.FromString,
                 _registered_method=True)
+        self.Predict = channel.unary_unary(
+                '/tigana.v1.Serving/Predict',
+                request_serializer=tigana_dot_proto_dot_serving__pb2.PredictRequest.SerializeToString,
+                response_deserializer=tigana_dot_proto_dot_serving__pb2.PredictResponse.FromString,
+                _registered_method=True)
 
 
 class ServingServicer:
@@ -61,6 +66,13 @@ class ServingServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Predict(self, request, context):
+        """--model only
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ServingServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +85,11 @@ def add_ServingServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=tigana_dot_proto_dot_serving__pb2.ServingInfoRequest.FromString,
                     response_serializer=tigana_dot_proto_dot_serving__pb2.ServingInfoResponse.SerializeToString,
+            ),
+            'Predict': grpc.unary_unary_rpc_method_handler(
+                    servicer.Predict,
+                    request_deserializer=tigana_dot_proto_dot_serving__pb2.PredictRequest.FromString,
+                    response_serializer=tigana_dot_proto_dot_serving__pb2.PredictResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +146,33 @@ class Serving:
             '/tigana.v1.Serving/Info',
             tigana_dot_proto_dot_serving__pb2.ServingInfoRequest.SerializeToString,
             tigana_dot_proto_dot_serving__pb2.ServingInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Predict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tigana.v1.Serving/Predict',
+            tigana_dot_proto_dot_serving__pb2.PredictRequest.SerializeToString,
+            tigana_dot_proto_dot_serving__pb2.PredictResponse.FromString,
             options,
             channel_credentials,
             insecure,

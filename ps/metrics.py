@@ -359,6 +359,11 @@ class ServingMetrics(MetricsEndpoint):
                            "the default row", ["found"], registry=r)
         self.auth_rejected = Counter("tigana_auth_rejected", "Calls refused by the credential check, by method and "
                                      "reason (missing, invalid, expired, role)", ["method", "reason"], registry=r)
+        self.predictions = Counter("tigana_serving_predictions", "Predict calls answered, by status code", ["code"],
+                                   registry=r)
+        self.predict_latency = Histogram("tigana_serving_predict_seconds", "Predict latency in the server",
+                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.predicted_rows = Counter("tigana_serving_predicted_rows", "Feature rows scored", registry=r)
         for found in ("true", "false"):
             self.ids.labels(found)
         if state_source is not None:
@@ -376,3 +381,10 @@ class ServingMetrics(MetricsEndpoint):
             self.ids.labels("true").inc(found)
         if missing:
             self.ids.labels("false").inc(missing)
+
+    def observe_predict(self, code: str, seconds: float, rows: int = 0) -> None:
+        """Count one answered Predict call and its rows."""
+        self.predictions.labels(code).inc()
+        self.predict_latency.observe(seconds)
+        if rows:
+            self.predicted_rows.inc(rows)

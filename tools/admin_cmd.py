@@ -10,6 +10,8 @@
     tigana admin export TABLE --out PATH [--since OLD]   ids and float32 rows for serving
     tigana admin export TABLE --follow --out DIR [--interval S]   a full export, then a delta every S seconds
                                                  (the export log ``tigana serve --from DIR`` follows)
+    tigana admin export --follow --model DIR     the same for every table of the model a trainer publishes in
+                                                 DIR (``tigana serve --model DIR`` serves it)
     tigana admin verify                          compare every copy's per-slot checksums with its primary's
 
 The scheduler comes from ``--scheduler HOST:PORT`` or ``TIGANA_SCHEDULER``. Each command prints a readable
@@ -92,8 +94,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="a checkpoint folder written by admin checkpoint")
     p.add_argument("--table", action="append", help="only these tables (repeatable)")
     p = sub.add_parser("export", help="a table's ids and float32 rows for serving (.npy pairs)")
-    p.add_argument("table", help="the table to export")
-    p.add_argument("--out", required=True, help="the export folder (with --follow: the export log)")
+    p.add_argument("table", nargs="?", help="the table to export")
+    p.add_argument("--out", help="the export folder (with --follow: the export log)")
+    p.add_argument("--model", metavar="DIR",
+                   help="with --follow, instead of TABLE and --out: every table of the model published in DIR "
+                        "(tigana train --publish-dir DIR), each into DIR/tables/TABLE")
     p.add_argument("--since", default=None, help="an earlier export: only rows updated after it")
     p.add_argument("--follow", action="store_true",
                    help="keep going: write the export log into --out (a full export, then the rows changed since "
@@ -280,6 +285,13 @@ def _restore(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
 
 
 def _export(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
+    if args.model is not None:
+        if not args.follow or args.table or args.out or args.since:
+            raise ps.InvalidArgument("export --model DIR: give --follow, and no TABLE, --out or --since (the "
+                                     "model's tables go to DIR/tables/TABLE)")
+        return _export_model(args)
+    if not args.table or not args.out:
+        raise ps.InvalidArgument("export: give TABLE and --out (or --follow --model DIR)")
     if args.follow:
         return _export_follow(args)
     with _client(args) as client:
@@ -315,6 +327,26 @@ def _export_follow(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     m = follower.manifest or {}
     return True, {"out": args.out, "seq": m.get("seq", 0), "time": m.get("time"), "entries": follower.entries_written,
                   "rows": follower.rows_written}
+
+
+def _export_model(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
+    """``export --follow --model DIR``: every table of the published model, until SIGTERM/SIGINT, then exit 0."""
+    from tigana.ps.serving.modeldir import follow_tables
+    from tigana.tools.signals import StopSignal
+
+    stop = StopSignal()
+
+    def said(table: str, entry: dict[str, Any]) -> None:
+        if entry.get("path"):
+            _say(args, f"{table}/{entry['path']}: {entry['rows']} row(s), cut {entry['time']:.3f}, "
+                       f"{entry['seconds']:.3f}s")
+
+    _say(args, f"following the tables of the model in {args.model} every {args.interval:g}s (once its model.json "
+               "is published; SIGTERM or Ctrl-C stops)")
+    with _client(args) as client:
+        result = follow_tables(client, args.model, stop, interval_s=args.interval, overlap_s=args.overlap,
+                               full_every=args.full_every, on_entry=said)
+    return True, {"model": args.model, **result}
 
 
 def _verify(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:

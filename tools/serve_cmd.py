@@ -1,4 +1,8 @@
-"""``tigana serve --from DIR --port P``: a read-only embedding lookup server for inference.
+"""``tigana serve --from DIR --port P`` or ``tigana serve --model DIR --port P``: a read-only server for inference.
+
+``--model DIR`` serves a published model (``tigana train --publish-dir DIR`` and ``tigana admin export --follow
+--model DIR``): every table of it, and ``tigana.v1.Serving/Predict`` over its dense network (it needs the train
+extra: torch). The rest of this text is about ``--from``, which works the same way per table.
 
 It follows the export log that ``tigana admin export TABLE --follow --out DIR`` writes (``tigana.ps.serving.exportlog``):
 loads the latest full export, applies deltas as they appear, and answers ``tigana.v1.Serving/Lookup`` (ids as
@@ -31,7 +35,11 @@ from tigana.tools.signals import StopSignal
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--from", dest="source", required=True, help="the export log folder (tigana admin export --follow --out)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--from", dest="source", help="one table's export log folder (tigana admin export TABLE "
+                                                       "--follow --out)")
+    source.add_argument("--model", help="a published model's folder (tigana train --publish-dir; tigana admin "
+                                        "export --follow --model): every table and Predict")
     a("--port", type=int, default=0, help="gRPC port (0: a free port, printed at start)")
     a("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     a("--poll", dest="poll_s", type=float, default=ServeConfig.poll_s,
@@ -39,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--default", default="zeros",
       help="the row of an id the table does not hold: zeros, mean (the mean row), or a number for every element")
     a("--max-ids", type=int, default=ServeConfig.max_ids, help="ids in one lookup at most")
+    a("--max-rows", type=int, default=ServeConfig.max_rows, help="feature rows in one prediction at most")
     a("--no-verify", dest="verify", action="store_false", help="skip the sha256 check of each entry's files (default: checked)")
     add_security_flags(parser, "serving server", "they may look up too")
     add_metrics_flags(parser, "lookups, latency, ids found, log position, freshness")
@@ -59,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
     stop = StopSignal()
     try:
         config = load_serve_config({f: getattr(args, f) for f in _FLAGS})
-        handle = start_serving(config)
-    except (OSError, InvalidArgument) as exc:
+        handle = start_serving(config, _scorer_loader() if config.model else None)
+    except (OSError, InvalidArgument, _MissingExtra) as exc:
         say(args, f"tigana serve: {exc}")
         return 2 if isinstance(exc, InvalidArgument) else 1
     try:
@@ -69,8 +78,9 @@ def run(args: argparse.Namespace) -> int:
                                                  "metrics_port": handle.metrics_port, "pid": os.getpid()})
         metrics = f", metrics on :{handle.metrics_port}" if handle.metrics_port else ""
         tls = ", TLS" if handle.security.tls else ""
-        say(args, f"tigana serve: listening on {handle.address}{tls}, following {args.source} (default row "
-              f"{args.default}{metrics}); SERVING once a full export is loaded")
+        what = f"the model in {config.model}" if config.model else config.source
+        say(args, f"tigana serve: listening on {handle.address}{tls}, following {what} (default row "
+              f"{args.default}{metrics}); SERVING once {'it is' if config.model else 'a full export is'} loaded")
         stop.wait()
         say(args, f"tigana serve: {stop.name}, stopping")
     finally:
@@ -80,7 +90,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-_FLAGS = ("source", "host", "port", "poll_s", "default", "max_ids", "verify", *ENV_FIELDS)
+_FLAGS = ("source", "model", "host", "port", "poll_s", "default", "max_ids", "max_rows", "verify", *ENV_FIELDS)
+
+
+class _MissingExtra(Exception):
+    """--model without torch: the train extra is needed to run the model."""
+
+
+def _scorer_loader():
+    """The trainer's scorer loader (torch, the models): imported only for ``--model``."""
+    try:
+        from tigana.trainer.predict import load_scorer
+    except ModuleNotFoundError as exc:
+        raise _MissingExtra(f"--model runs the model's dense network and needs {exc.name}: pip install "
+                            "'tigana[train]'") from None
+    return load_scorer
 
 
 def _write_ready(path: Path, info: dict) -> None:

@@ -59,14 +59,17 @@ _EXPORTS = {  # public name -> the module that defines it
     "EmbeddingCollection": "tigana.trainer.types",
     "FeatureSpec": "tigana.trainer.types",
     "SparseFeatures": "tigana.trainer.types",
+    "Publisher": "tigana.trainer.publish",
+    "CriteoScorer": "tigana.trainer.predict",
+    "load_scorer": "tigana.trainer.predict",
 }
 
 __all__ = [
-    "Batch", "ConfigError", "DistEnv", "EmbeddingBagConfig", "EmbeddingCollection", "FeatureSpec", "Groups",
+    "Batch", "ConfigError", "CriteoScorer", "DistEnv", "EmbeddingBagConfig", "EmbeddingCollection", "FeatureSpec", "Groups",
     "KeyedJaggedTensor", "KeyedTensor", "LocalEmbeddingCollection", "PSEmbeddingBagCollection", "PSEmbeddingCollection",
-    "PoolingType", "SparseFeatures", "TableOptions", "TrainConfig", "TrainData", "add_arguments",
+    "PoolingType", "Publisher", "SparseFeatures", "TableOptions", "TrainConfig", "TrainData", "add_arguments",
     "config_from_args", "cross_node_bytes", "evaluate", "flat_all_reduce", "hierarchical_all_reduce",
-    "hierarchical_hook", "init_distributed", "load_config", "load_data", "read_env", "register_hook", "run",
+    "hierarchical_hook", "init_distributed", "load_config", "load_data", "load_scorer", "read_env", "register_hook", "run",
     "shutdown", "train",
 ]
 

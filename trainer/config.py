@@ -80,6 +80,9 @@ class TrainConfig:
     cache_rows: int = 0                     # hot rows cached in each trainer per PS table (0: no cache)
     cache_max_age: int | None = None        # steps a cached row may serve (None: bounded by staleness only)
     cache_policy: str = "lfu"               # which cached rows a full cache evicts: lfu | lru
+    publish_dir: str | None = None          # publish the model for serving here (rank 0; tigana serve --model)
+    publish_every: str = "100"              # steps between publishes, or seconds with an s ("30s"); and at the end
+    publish_keep: int = 5                   # published dense versions kept
 
     def __post_init__(self) -> None:
         _check(self)
@@ -122,12 +125,30 @@ def _check(c: TrainConfig) -> None:
     need(c.init_std >= 0 and c.weight_decay >= 0, "init_std" if c.init_std < 0 else "weight_decay",
          "must be >= 0")
     need(c.max_steps is None or c.max_steps >= 1, "max_steps", "must be >= 1")
+    need(publish_interval(c.publish_every) is not None, "publish_every",
+         "must be a number of steps (>= 1) or of seconds ending in s (> 0), e.g. 100 or 30s")
+    need(c.publish_keep >= 1, "publish_keep", "must be >= 1")
+    need(c.publish_dir is None or c.dataset in ("synthetic", "criteo"), "publish_dir",
+         f"serves Criteo-format models (datasets synthetic, criteo); {c.dataset} is not served yet")
     need(c.ranks_per_node is None or c.ranks_per_node >= 1, "ranks_per_node", "must be >= 1")
     need(c.resume is None or bool(c.resume), "resume", "must be 'latest', 'auto' or a path")
     need(c.resume not in ("latest", "auto") or c.checkpoint_dir is not None, "resume",
          f"{c.resume!r} needs checkpoint_dir")
     for address in c.ps:
         need(":" in address and address.rsplit(":", 1)[1].isdigit(), "ps", "must list HOST:PORT addresses")
+
+
+def publish_interval(text: str) -> tuple[int | None, float | None] | None:
+    """``--publish-every``: (steps, None) for ``"100"``, (None, seconds) for ``"30s"``; None when neither."""
+    text = str(text).strip()
+    try:
+        if text.endswith("s"):
+            seconds = float(text[:-1])
+            return (None, seconds) if seconds > 0 else None
+        steps = int(text)
+        return (steps, None) if steps >= 1 else None
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -312,6 +333,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "state, the PS cluster untouched) up to this many times")
     parser.add_argument("--elastic-every", type=int,
                         help="steps between elastic states (dense weights and data position, saved by rank 0)")
+    parser.add_argument("--publish-dir", metavar="DIR",
+                        help="publish the model for serving in DIR (rank 0: its description and dense weights; "
+                             "tigana admin export --follow --model DIR adds its tables, tigana serve --model DIR "
+                             "serves it)")
+    parser.add_argument("--publish-every", metavar="N|Ns",
+                        help="publish the dense weights every N steps, or every N seconds with an s (30s); "
+                             "and at the end of the run")
+    parser.add_argument("--publish-keep", type=int, help="published dense versions kept")
     parser.add_argument("--logdir", metavar="DIR", help="TensorBoard log folder")
     parser.add_argument("--log-every", type=int, help="steps between log lines")
     parser.add_argument("--seed", type=int, help="seed of the model, the tables and the synthetic data")

@@ -43,6 +43,7 @@ from tigana.trainer.elastic import Position, elastic_state, restart_count, under
 from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
 from tigana.trainer.inputs import check_inputs, latest_checkpoint
 from tigana.trainer.metrics import TrainerMetrics, start_wandb
+from tigana.trainer.publish import Publisher
 from tigana.trainer.types import Batch, FeatureSpec
 
 __all__ = ["TrainData", "check_inputs", "evaluate", "load_data", "train"]
@@ -198,6 +199,7 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
         optimizer = torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
         start_epoch, skip, step = 0, 0, 0
         ckpt_root = Path(config.checkpoint_dir) if config.checkpoint_dir else None
+        publisher = Publisher.for_run(config, collection, data.num_dense, rank)
         resumed_from = None
         path = None
         if config.resume is not None:  # "auto": the newest checkpoint when there is one, else a fresh start
@@ -312,6 +314,8 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
                     loss_sum, loss_n = 0.0, 0
                 if elastic is not None and rank == 0 and elastic.due(step):
                     save_elastic(epoch, batch_in_epoch)
+                if publisher is not None and publisher.due(step):
+                    publisher.publish(step, model)
                 if config.checkpoint_every and step % config.checkpoint_every == 0:
                     train_time += time.perf_counter() - t0
                     checkpoint(epoch, batch_in_epoch)
@@ -330,6 +334,8 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
                 break
             finished_epoch = not done or nxt is None
             position = (epoch + 1, 0) if finished_epoch else (epoch, batch_in_epoch)
+            if publisher is not None:
+                publisher.publish(step, model)  # the end of every epoch, whatever the interval
             if ckpt_root is not None and not config.checkpoint_every:
                 checkpoint(*position)
             result = evaluate(model, data.eval_batches(), collection)

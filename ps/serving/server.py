@@ -1,9 +1,14 @@
-"""``tigana serve --from DIR``: a read-only embedding lookup server for inference, fed by the export log.
+"""``tigana serve``: a read-only server for inference, fed by training.
+
+``--from DIR`` serves one table's export log (``tigana admin export TABLE --follow --out DIR``); ``--model DIR``
+serves a published model (``tigana.ps.serving.modeldir``: every table's export log and the dense weights the
+trainer publishes) and answers ``Predict`` too: raw feature rows in, click probabilities out, each answer
+carrying the model version that made it (``tigana.ps.serving.model``).
 
 ``start_serving(ServeConfig(source=DIR, port=P))`` binds the gRPC port and serves health (NOT_SERVING) and
 reflection at once; a follower thread polls ``DIR/manifest.json`` (``tigana.ps.serving.exportlog``), loads the full
 export it names, then applies each new delta in ``seq`` order. Health turns SERVING once the first full export
-is loaded; ``tigana.v1.Serving/Lookup`` answers UNAVAILABLE before that.
+is loaded (with ``--model``: every table's, and a dense version); the data calls answer UNAVAILABLE before that.
 
 Design:
 
@@ -33,6 +38,10 @@ Example::
     with ServingClient(handle.address) as serving:
         rows, found = serving.lookup(np.array([1, 2, 3]))
     handle.close()
+
+    handle = start_serving(ServeConfig(model="published/", port=0), loader=load_scorer)  # tigana.trainer.predict
+    with ServingClient(handle.address) as serving:
+        probabilities, version = serving.predict(dense, categorical)
 """
 
 from __future__ import annotations
@@ -45,7 +54,6 @@ import time
 from collections.abc import Mapping
 from concurrent import futures
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -53,38 +61,35 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2
 
 from tigana.proto import serving_pb2 as pb
-from tigana.proto import serving_pb2_grpc
 from tigana.ps import rpc
-from tigana.ps.errors import (
-    DataLoss,
-    InvalidArgument,
-    Unavailable,
-    from_rpc_error,
-)
+from tigana.ps.errors import InvalidArgument, Unavailable
 from tigana.ps.metrics import ServingMetrics
-from tigana.ps.security import NONE, Security, SecuritySettings
-from tigana.ps.serving import exportlog
+from tigana.ps.security import SecuritySettings
+from tigana.ps.serving.model import Loader, ModelFollower, ModelState
+from tigana.ps.serving.tables import Follower, LogFollower, TableState, default_policy
 from tigana.ps.settings import load as load_settings
 
 log = logging.getLogger("tigana.ps.serving")
 
 SERVICE_NAME = "tigana.v1.Serving"
-_FOLD_MIN_ROWS = 65536
 
 
 @dataclass(frozen=True, kw_only=True)
 class ServeConfig(SecuritySettings):
-    """Settings of ``tigana serve``. ``source``: the export log folder; ``poll_s``: seconds between manifest
-    polls; ``default``: the row of an unknown id (``zeros``, ``mean`` or a number); ``max_ids``: ids per
-    lookup; ``verify``: check every entry's sha256 before using it; TLS and tokens as on a shard server
+    """Settings of ``tigana serve``. ``source``: one table's export log folder, or ``model``: a published
+    model's folder (exactly one of the two); ``poll_s``: seconds between manifest polls; ``default``: the row of
+    an unknown id (``zeros``, ``mean`` or a number); ``max_ids``: ids per lookup; ``max_rows``: feature rows
+    per prediction; ``verify``: check every entry's sha256 before using it; TLS and tokens as on a shard server
     (``SecuritySettings``; none: plain); ``metrics_port``: Prometheus HTTP port (0 off, -1 a free one)."""
 
-    source: str
+    source: str = ""
+    model: str = ""
     host: str = "127.0.0.1"
     port: int = 0
     poll_s: float = 0.1
     default: str = "zeros"
     max_ids: int = 1_000_000
+    max_rows: int = 65_536
     max_message_bytes: int = 64 << 20
     max_workers: int = 8
     verify: bool = True
@@ -93,11 +98,16 @@ class ServeConfig(SecuritySettings):
     metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
+        if bool(self.source) == bool(self.model):
+            raise InvalidArgument("serve: give exactly one of --from DIR (one table's export log) and --model DIR "
+                                  "(a published model)")
         default_policy(self.default)  # raises InvalidArgument for a bad one
         if self.poll_s <= 0:
             raise InvalidArgument(f"serve: --poll must be > 0 seconds, got {self.poll_s}")
         if self.max_ids < 1:
             raise InvalidArgument(f"serve: --max-ids must be >= 1, got {self.max_ids}")
+        if self.max_rows < 1:
+            raise InvalidArgument(f"serve: --max-rows must be >= 1, got {self.max_rows}")
         if not -1 <= self.metrics_port <= 65535:
             raise InvalidArgument(f"serve: --metrics-port must be 'auto', 0 (off) or a port, got {self.metrics_port}")
 
@@ -122,173 +132,43 @@ def load_serve_config_sources(flags: Mapping[str, Any], env: Mapping[str, str] |
     return load_settings(ServeConfig, flags=flags, env=own, parsers={"metrics_port": PARSERS["metrics_port"]})
 
 
-def default_policy(text: str) -> str | float:
-    """``zeros``/``mean``, or the float every element of an unknown id's row takes."""
-    if text in ("zeros", "mean"):
-        return text
-    try:
-        return float(text)
-    except ValueError:
-        raise InvalidArgument(f"serve: --default must be 'zeros', 'mean' or a number, got {text!r}") from None
-
-
-@dataclass(frozen=True, eq=False)
-class TableState:
-    """One immutable version of the served table (see the module doc). ``seq``: the newest log entry in it."""
-
-    table: str
-    dim: int
-    ids: np.ndarray          # (n,) int64, sorted, unique: the base
-    rows: np.ndarray         # (n, dim) float32
-    over_ids: np.ndarray     # (m,) int64, sorted, unique: rows changed since the base was built (they win)
-    over_rows: np.ndarray    # (m, dim) float32
-    default_row: np.ndarray  # (dim,) float32
-    size: int                # distinct ids held
-    seq: int
-    base_seq: int
-    log_id: str
-    data_time: float         # the cluster cut the state is complete up to
-    loaded_time: float       # this server's clock when it was built
-
-    @classmethod
-    def build(cls, table: str, ids: np.ndarray, rows: np.ndarray, policy: str | float, **meta: Any) -> TableState:
-        """A state with no overlay (a full load or a fold), its default row computed from ``rows``."""
-        dim = rows.shape[1]
-        if policy == "mean":
-            default = rows.mean(axis=0, dtype=np.float64).astype(np.float32) if len(rows) else np.zeros(dim, np.float32)
-        else:
-            default = np.full(dim, 0.0 if policy == "zeros" else float(policy), np.float32)
-        return cls(table=table, dim=dim, ids=ids, rows=rows, over_ids=ids[:0], over_rows=rows[:0],
-                   default_row=default, size=int(ids.size), loaded_time=time.time(), **meta)
-
-    def lookup(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(n,) int64 -> ((n, dim) float32 rows, (n,) bool found); unknown ids get the default row."""
-        out = np.empty((ids.size, self.dim), np.float32)
-        found_over = _find(self.over_ids, ids)
-        found_base = _find(self.ids, ids)
-        in_over = found_over >= 0
-        in_base = (found_base >= 0) & ~in_over
-        out[in_over] = self.over_rows[found_over[in_over]]
-        out[in_base] = self.rows[found_base[in_base]]
-        found = in_over | in_base
-        out[~found] = self.default_row
-        return out, found
-
-    def with_delta(self, ids: np.ndarray, rows: np.ndarray, policy: str | float, **meta: Any) -> TableState:
-        """A new state with a delta's rows (sorted unique ids) applied; folds the overlay into the base when it
-        has grown past 1/16 of it."""
-        over_ids, over_rows = exportlog.merge(self.over_ids, self.over_rows, ids, rows)
-        fresh = int((_find(self.ids, over_ids) < 0).sum())
-        if over_ids.size >= max(_FOLD_MIN_ROWS, self.ids.size // 16):
-            base_ids, base_rows = exportlog.merge(self.ids, self.rows, over_ids, over_rows)
-            return TableState.build(self.table, base_ids, base_rows, policy, base_seq=self.base_seq,
-                                    log_id=self.log_id, **meta)
-        return dataclasses.replace(self, over_ids=over_ids, over_rows=over_rows, size=int(self.ids.size) + fresh,
-                                   loaded_time=time.time(), **meta)
-
-
-def _find(sorted_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Index of each of ``ids`` in ``sorted_ids``, -1 where absent."""
-    if not sorted_ids.size:
-        return np.full(ids.size, -1, np.int64)
-    pos = np.searchsorted(sorted_ids, ids)
-    np.minimum(pos, sorted_ids.size - 1, out=pos)
-    return np.where(sorted_ids[pos] == ids, pos, -1)
-
-
-class LogFollower:
-    """Keeps ``state`` (a ``TableState`` or None) up to date with the export log in ``source``. ``poll()`` does
-    one round (tests call it directly); ``start()`` runs it every ``poll_s`` in a thread."""
-
-    def __init__(self, source: str | Path, policy: str | float, *, verify: bool = True,
-                 on_swap: Any = None) -> None:
-        self.source, self.policy, self.verify, self.on_swap = Path(source), policy, verify, on_swap
-        self.state: TableState | None = None
-        self.deltas_applied = 0
-        self.rows_applied = 0
-        self.apply_seconds = 0.0
-        self.error: str = ""
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def poll(self) -> bool:
-        """Read the manifest and apply what is new; True when the state changed. Raises what reading raised
-        (the state is unchanged then)."""
-        m = exportlog.read_manifest(self.source)
-        cur = self.state
-        if m is None or (cur is not None and m["log_id"] == cur.log_id and m["seq"] == cur.seq
-                         and float(m["time"]) <= cur.data_time):
-            return False
-        meta = {"seq": int(m["seq"]), "data_time": float(m["time"])}
-        if cur is None or m["log_id"] != cur.log_id or int(m["base"]["seq"]) != cur.base_seq:
-            started = time.monotonic()
-            ids, rows = exportlog.load_entry(self.source, m["base"], verify=self.verify)
-            new = TableState.build(m["table"], ids, rows, self.policy, base_seq=int(m["base"]["seq"]),
-                                   log_id=m["log_id"], seq=int(m["base"]["seq"]), data_time=float(m["base"]["time"]))
-            log.info("loaded %s (%d rows) of table %r in %.2fs", m["base"]["path"], ids.size, m["table"],
-                     time.monotonic() - started)
-            pending = m["deltas"]
-        else:
-            new = cur
-            pending = [e for e in m["deltas"] if int(e["seq"]) > cur.seq]
-        for entry in pending:
-            started = time.monotonic()
-            ids, rows = exportlog.load_entry(self.source, entry, verify=self.verify)
-            new = new.with_delta(ids, rows, self.policy, seq=int(entry["seq"]), data_time=float(entry["time"]))
-            self.deltas_applied += 1
-            self.rows_applied += int(ids.size)
-            self.apply_seconds += time.monotonic() - started
-        if (new.seq, new.data_time) != (meta["seq"], meta["data_time"]):  # empty deltas advance the time
-            new = dataclasses.replace(new, **meta)
-        self.state = new  # the swap: one attribute, read once per lookup
-        if self.on_swap is not None:
-            self.on_swap(new)
-        return True
-
-    def start(self, poll_s: float) -> None:
-        self._thread = threading.Thread(target=self._run, args=(poll_s,), name="tigana-serve-follow", daemon=True)
-        self._thread.start()
-
-    def _run(self, poll_s: float) -> None:
-        while not self._stop.is_set():
-            try:
-                self.poll()
-                self.error = ""
-            except FileNotFoundError as exc:  # an entry pruned under us by a compaction: read the manifest again
-                log.info("export log entry gone (%s); re-reading the manifest", exc)
-            except Exception as exc:  # noqa: BLE001 - a bad entry must not stop serving the state we have
-                message = f"{type(exc).__name__}: {exc}"
-                if message != self.error:
-                    log.error("following %s failed (serving seq %s meanwhile): %s", self.source,
-                              self.state.seq if self.state else None, message)
-                self.error = message
-            self._stop.wait(poll_s)
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-
 class ServingService:
-    """The ``tigana.v1.Serving`` handlers over a ``LogFollower``'s state."""
+    """The ``tigana.v1.Serving`` handlers over a follower's state: a ``LogFollower``'s one table, or a
+    ``ModelFollower``'s model."""
 
-    def __init__(self, follower: LogFollower, config: ServeConfig, metrics: ServingMetrics) -> None:
+    def __init__(self, follower: Follower, config: ServeConfig, metrics: ServingMetrics) -> None:
         self.follower, self.config, self.metrics = follower, config, metrics
 
+    def tables(self) -> dict[str, TableState]:
+        """The tables served now (read once per call: one state)."""
+        state = self.follower.state
+        if state is None:
+            return {}
+        return state.tables if isinstance(state, ModelState) else {state.table: state}
+
     def _count_failure(self, method: str, code: str, seconds: float) -> None:
-        if code != "OK":  # an answered lookup is counted with its ids by ``Lookup``
+        if code == "OK":  # an answered call is counted with its ids or rows by the handler
+            return
+        if method == "Predict":
+            self.metrics.observe_predict(code, seconds)
+        else:
             self.metrics.observe(code, seconds)
 
     @rpc.guard("Lookup", log, observe=_count_failure)
     def Lookup(self, request: pb.ServingLookupRequest, context: grpc.ServicerContext) -> pb.ServingLookupResponse:
         start = time.perf_counter()
-        state = self.follower.state
-        if state is None:
-            raise Unavailable(f"Lookup: no full export loaded yet from {str(self.config.source)!r}")
-        if request.table and request.table != state.table:
-            raise InvalidArgument(f"Lookup: field 'table' is {request.table!r}, this server serves "
-                                  f"{state.table!r}")
+        tables = self.tables()
+        if not tables:
+            raise Unavailable(f"Lookup: nothing loaded yet from {self._source()!r}")
+        if request.table:
+            state = tables.get(request.table)
+            if state is None:
+                served = next(iter(tables)) if len(tables) == 1 else sorted(tables)
+                raise InvalidArgument(f"Lookup: field 'table' is {request.table!r}, this server serves {served!r}")
+        elif len(tables) == 1:
+            state = next(iter(tables.values()))
+        else:
+            raise InvalidArgument(f"Lookup: field 'table' is empty; this server serves {sorted(tables)}: name one")
         raw = request.ids
         if len(raw) % 8:
             raise InvalidArgument(f"Lookup: field 'ids' holds {len(raw)} bytes, not packed int64 (a multiple "
@@ -303,30 +183,73 @@ class ServingService:
         return pb.ServingLookupResponse(rows=rows.astype("<f4", copy=False).tobytes(),
                                         found=found.view(np.uint8).tobytes(), dim=state.dim, seq=state.seq)
 
+    @rpc.guard("Predict", log, observe=_count_failure)
+    def Predict(self, request: pb.PredictRequest, context: grpc.ServicerContext) -> pb.PredictResponse:
+        start = time.perf_counter()
+        if not self.config.model:
+            raise InvalidArgument(f"Predict: this server serves one table's export log ({self.config.source!r}), "
+                                  "not a model; start it with --model DIR")
+        state = self.follower.state
+        if state is None:
+            raise Unavailable(f"Predict: no model version loaded yet from {self.config.model!r}")
+        n = request.rows
+        if n > self.config.max_rows:
+            raise InvalidArgument(f"Predict: field 'rows' is {n}, at most {self.config.max_rows} per request")
+        nd, ns = state.scorer.num_dense, state.scorer.num_sparse
+        dense, cat = request.dense, request.categorical  # protobuf copies a bytes field on every access
+        if len(dense) != 4 * n * nd:
+            raise InvalidArgument(f"Predict: field 'dense' holds {len(dense)} bytes; {n} rows of {nd} float32 "
+                                  f"values are {4 * n * nd}")
+        if len(cat) != 8 * n * ns:
+            raise InvalidArgument(f"Predict: field 'categorical' holds {len(cat)} bytes; {n} rows of {ns} uint64 "
+                                  f"values are {8 * n * ns}")
+        probabilities = state.predict(np.frombuffer(dense, "<f4").reshape(n, nd),
+                                      np.frombuffer(cat, "<u8").reshape(n, ns))
+        self.metrics.observe_predict("OK", time.perf_counter() - start, n)
+        return pb.PredictResponse(probabilities=np.asarray(probabilities, "<f4").tobytes(), version=state.version,
+                                  model=state.model)
+
     def Info(self, request: pb.ServingInfoRequest, context: grpc.ServicerContext) -> pb.ServingInfoResponse:
         if isinstance(request, rpc.Malformed):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request.error()))
-        f, state = self.follower, self.follower.state
+        f, state, tables = self.follower, self.follower.state, self.tables()
         out = pb.ServingInfoResponse(default_row=self.config.default, deltas_applied=f.deltas_applied,
                                      rows_applied=f.rows_applied, apply_seconds=f.apply_seconds)
-        if state is not None:
+        out.tables.extend(sorted(tables))
+        if isinstance(state, ModelState):
+            out.model, out.version, out.version_time = state.model, state.version, state.version_time
+            out.num_dense, out.num_sparse = state.scorer.num_dense, state.scorer.num_sparse
+            out.rows = sum(t.size for t in tables.values())
+            out.data_time = min(t.data_time for t in tables.values())
+            out.loaded_time = state.loaded_time
+        elif isinstance(state, TableState):
             out.table, out.dim, out.rows, out.seq, out.base_seq = (state.table, state.dim, state.size, state.seq,
                                                                    state.base_seq)
             out.data_time, out.loaded_time = state.data_time, state.loaded_time
         return out
 
+    def _source(self) -> str:
+        return self.config.model or self.config.source
+
 
 class ServingHandle:
-    """A running ``tigana serve``: ``address`` as bound; ``wait_ready`` until the first full export is loaded;
-    ``close`` is idempotent."""
+    """A running ``tigana serve``: ``address`` as bound; ``wait_ready`` until the first full export is loaded
+    (a model: every table's, and a dense version); ``close`` is idempotent. ``loader`` builds a model's scorer
+    (required with ``config.model``)."""
 
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(self, config: ServeConfig, loader: Loader | None = None) -> None:
         self.config = config
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self._ready = threading.Event()
-        self.follower = LogFollower(config.source, default_policy(config.default), verify=config.verify,
-                                    on_swap=self._swapped)
+        policy = default_policy(config.default)
+        self.follower: Follower
+        if config.model:
+            if loader is None:
+                raise InvalidArgument("serve: --model needs a scorer loader (tigana.trainer.predict.load_scorer)")
+            self.follower = ModelFollower(config.model, policy, loader, verify=config.verify, on_swap=self._swapped)
+        else:
+            self.follower = LogFollower(config.source, policy, verify=config.verify, on_swap=self._swapped)
         self.security = config.security()
         self.metrics = ServingMetrics(self._figures)
         self.metrics_port: int | None = None
@@ -355,19 +278,27 @@ class ServingHandle:
         for name in ("", SERVICE_NAME):
             self.health.set(name, status)
 
-    def _swapped(self, state: TableState) -> None:
+    def _swapped(self, state: TableState | ModelState) -> None:
         if not self._ready.is_set():
-            log.info("serving table %r (%d rows, dim %d, seq %d) on %s", state.table, state.size, state.dim,
-                     state.seq, self.address)
+            if isinstance(state, ModelState):
+                log.info("serving model %r version %d (tables %s) on %s", state.model, state.version,
+                         sorted(state.tables), self.address)
+            else:
+                log.info("serving table %r (%d rows, dim %d, seq %d) on %s", state.table, state.size, state.dim,
+                         state.seq, self.address)
             self._set_health(health_pb2.HealthCheckResponse.SERVING)
             self._ready.set()
 
     def _figures(self) -> dict[str, float]:
         """The gauges of the metrics endpoint, read at scrape time."""
-        f, state = self.follower, self.follower.state
+        f, state, tables = self.follower, self.follower.state, self.service.tables()
         out = {"ready": float(state is not None), "deltas_applied": f.deltas_applied, "rows_applied": f.rows_applied,
                "apply_seconds": f.apply_seconds}
-        if state is not None:
+        if isinstance(state, ModelState):
+            out.update(rows=sum(t.size for t in tables.values()), version=state.version,
+                       data_age_seconds=max(0.0, time.time() - min(t.data_time for t in tables.values())),
+                       version_age_seconds=max(0.0, time.time() - state.version_time))
+        elif isinstance(state, TableState):
             out.update(rows=state.size, dim=state.dim, seq=state.seq, base_seq=state.base_seq,
                        data_age_seconds=max(0.0, time.time() - state.data_time))
         return out
@@ -385,11 +316,11 @@ class ServingHandle:
         return self
 
     @property
-    def state(self) -> TableState | None:
+    def state(self) -> TableState | ModelState | None:
         return self.follower.state
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Wait until the first full export is loaded (health SERVING); False on timeout."""
+        """Wait until what is served is loaded (health SERVING); False on timeout."""
         return self._ready.wait(timeout)
 
     def close(self, grace: float | None = None) -> None:
@@ -411,46 +342,8 @@ class ServingHandle:
         self.close()
 
 
-def start_serving(config: ServeConfig) -> ServingHandle:
-    """Bind and start ``tigana serve``; returns at once (``wait_ready`` for the first full export). Raises
-    ``OSError`` when the port cannot be bound, ``InvalidArgument`` for bad settings."""
-    return ServingHandle(config).start()
-
-
-class ServingClient:
-    """A small client of ``tigana.v1.Serving``: ``lookup(ids) -> (rows, found)``, ``info()``."""
-
-    def __init__(self, address: str, *, timeout_s: float = 10.0, max_message_bytes: int = 64 << 20,
-                 security: Security = NONE) -> None:
-        self.address, self.timeout_s = address, timeout_s
-        self.channel = security.channel(address, options=[
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)])
-        self.stub = serving_pb2_grpc.ServingStub(self.channel)
-
-    def lookup(self, ids: np.ndarray, table: str = "") -> tuple[np.ndarray, np.ndarray]:
-        """(n,) int64 ids -> ((n, dim) float32, (n,) bool found)."""
-        ids = np.ascontiguousarray(ids, "<i8")
-        try:
-            reply = self.stub.Lookup(pb.ServingLookupRequest(ids=ids.tobytes(), table=table), timeout=self.timeout_s)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err, self.address) from None
-        rows = np.frombuffer(reply.rows, "<f4")
-        if reply.dim == 0 or rows.size != ids.size * reply.dim:
-            raise DataLoss(f"{self.address}: Lookup answered {rows.size} floats for {ids.size} ids of dim {reply.dim}")
-        return rows.reshape(ids.size, reply.dim), np.frombuffer(reply.found, np.uint8).astype(bool)
-
-    def info(self) -> pb.ServingInfoResponse:
-        try:
-            return self.stub.Info(pb.ServingInfoRequest(), timeout=self.timeout_s)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err, self.address) from None
-
-    def close(self) -> None:
-        self.channel.close()
-
-    def __enter__(self) -> ServingClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+def start_serving(config: ServeConfig, loader: Loader | None = None) -> ServingHandle:
+    """Bind and start ``tigana serve``; returns at once (``wait_ready`` for the first state). ``loader``: the
+    scorer loader a ``config.model`` needs. Raises ``OSError`` when the port cannot be bound,
+    ``InvalidArgument`` for bad settings."""
+    return ServingHandle(config, loader).start()

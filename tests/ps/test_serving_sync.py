@@ -269,7 +269,7 @@ def test_export_follow_and_serve_cli_end_to_end(cluster, tmp_path: Path) -> None
 def test_serve_state_is_always_one_whole_log_entry(cluster, tmp_path: Path, monkeypatch) -> None:
     """``tigana serve``'s follower against the reference reader after every entry, with folds and compactions;
     a concurrent reader only ever sees the table as of some whole entry; the default-row policies."""
-    from tigana.ps.serving import server as serving
+    from tigana.ps.serving import tables as serving
 
     monkeypatch.setattr(serving, "_FOLD_MIN_ROWS", 40)  # fold often: the base is rebuilt under the reader
     out = tmp_path / "log"

@@ -43,3 +43,17 @@ def test_bad_values_name_the_field(tmp_path, text, env, field) -> None:
     path.write_text(text)
     with pytest.raises(ConfigError, match=field):
         load_config(path, {}, env)
+
+
+def test_publish_every_takes_steps_or_seconds_and_publishing_needs_a_served_format() -> None:
+    from tigana.trainer.config import publish_interval
+
+    assert publish_interval("100") == (100, None) and publish_interval("30s") == (None, 30.0)
+    assert publish_interval("0.5s") == (None, 0.5)
+    for bad in ("0", "-3", "0s", "ten", "s", ""):
+        assert publish_interval(bad) is None, bad
+    with pytest.raises(ConfigError, match="publish_every"):
+        TrainConfig(publish_dir="x", publish_every="often")
+    with pytest.raises(ConfigError, match="publish_dir"):
+        TrainConfig(dataset="movielens-100k", data="d", publish_dir="x")
+    assert TrainConfig(publish_dir="x", publish_every="2s").publish_keep == 5

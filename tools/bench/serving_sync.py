@@ -78,13 +78,23 @@ def spawn_follow(scheduler: str, table: str, out: str | Path, log_path: str | Pa
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=f, start_new_session=True)
 
 
+def spawn_follow_model(scheduler: str, model: str | Path, log_path: str | Path, *, interval: float = 1.0,
+                       extra: list[str] | None = None) -> subprocess.Popen:
+    """``tigana admin export --follow --model MODEL`` as a child process (stop it with ``stop_process``)."""
+    cmd = [*_child_prefix(), sys.executable, "-m", "tigana.tools.cli", "admin", "--scheduler", scheduler, "export",
+           "--follow", "--model", str(model), "--interval", str(interval), *(extra or [])]
+    with open(log_path, "ab") as f:
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=f, start_new_session=True)
+
+
 def spawn_serve(source: str | Path, log_path: str | Path, *, poll: float = 0.05, extra: list[str] | None = None,
-                timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
-    """``tigana serve --from SOURCE --port 0`` as a child process; returns it and its bound address (stop it
-    with ``stop_process``)."""
+                timeout: float = 60.0, model: bool = False) -> tuple[subprocess.Popen, str]:
+    """``tigana serve --from SOURCE --port 0`` (``model``: ``--model SOURCE``) as a child process; returns it and
+    its bound address (stop it with ``stop_process``)."""
     ready = Path(log_path).with_suffix(".ready.json")
     ready.unlink(missing_ok=True)
-    cmd = [*_child_prefix(), sys.executable, "-m", "tigana.tools.cli", "serve", "--from", str(source), "--port", "0",
+    cmd = [*_child_prefix(), sys.executable, "-m", "tigana.tools.cli", "serve", "--model" if model else "--from",
+           str(source), "--port", "0",
            "--poll", str(poll), "--ready-file", str(ready), *(extra or [])]
     with open(log_path, "ab") as f:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=f, start_new_session=True)

@@ -1,0 +1,192 @@
+"""The served tables of ``tigana serve``: ``TableState`` (one immutable version of a table: a sorted base and a
+small overlay, looked up with ``np.searchsorted``) and ``LogFollower`` (keeps one up to date with an export
+log). The design notes are ``tigana.ps.serving.server``'s."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tigana.ps.errors import InvalidArgument
+from tigana.ps.serving import exportlog
+
+log = logging.getLogger("tigana.ps.serving")
+
+_FOLD_MIN_ROWS = 65536
+
+
+def default_policy(text: str) -> str | float:
+    """``zeros``/``mean``, or the float every element of an unknown id's row takes."""
+    if text in ("zeros", "mean"):
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise InvalidArgument(f"serve: --default must be 'zeros', 'mean' or a number, got {text!r}") from None
+
+
+@dataclass(frozen=True, eq=False)
+class TableState:
+    """One immutable version of the served table (see the module doc). ``seq``: the newest log entry in it."""
+
+    table: str
+    dim: int
+    ids: np.ndarray          # (n,) int64, sorted, unique: the base
+    rows: np.ndarray         # (n, dim) float32
+    over_ids: np.ndarray     # (m,) int64, sorted, unique: rows changed since the base was built (they win)
+    over_rows: np.ndarray    # (m, dim) float32
+    default_row: np.ndarray  # (dim,) float32
+    size: int                # distinct ids held
+    seq: int
+    base_seq: int
+    log_id: str
+    data_time: float         # the cluster cut the state is complete up to
+    loaded_time: float       # this server's clock when it was built
+
+    @classmethod
+    def build(cls, table: str, ids: np.ndarray, rows: np.ndarray, policy: str | float, **meta: Any) -> TableState:
+        """A state with no overlay (a full load or a fold), its default row computed from ``rows``."""
+        dim = rows.shape[1]
+        if policy == "mean":
+            default = rows.mean(axis=0, dtype=np.float64).astype(np.float32) if len(rows) else np.zeros(dim, np.float32)
+        else:
+            default = np.full(dim, 0.0 if policy == "zeros" else float(policy), np.float32)
+        return cls(table=table, dim=dim, ids=ids, rows=rows, over_ids=ids[:0], over_rows=rows[:0],
+                   default_row=default, size=int(ids.size), loaded_time=time.time(), **meta)
+
+    def lookup(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(n,) int64 -> ((n, dim) float32 rows, (n,) bool found); unknown ids get the default row."""
+        out = np.empty((ids.size, self.dim), np.float32)
+        found_over = _find(self.over_ids, ids)
+        found_base = _find(self.ids, ids)
+        in_over = found_over >= 0
+        in_base = (found_base >= 0) & ~in_over
+        out[in_over] = self.over_rows[found_over[in_over]]
+        out[in_base] = self.rows[found_base[in_base]]
+        found = in_over | in_base
+        out[~found] = self.default_row
+        return out, found
+
+    def with_delta(self, ids: np.ndarray, rows: np.ndarray, policy: str | float, **meta: Any) -> TableState:
+        """A new state with a delta's rows (sorted unique ids) applied; folds the overlay into the base when it
+        has grown past 1/16 of it."""
+        over_ids, over_rows = exportlog.merge(self.over_ids, self.over_rows, ids, rows)
+        fresh = int((_find(self.ids, over_ids) < 0).sum())
+        if over_ids.size >= max(_FOLD_MIN_ROWS, self.ids.size // 16):
+            base_ids, base_rows = exportlog.merge(self.ids, self.rows, over_ids, over_rows)
+            return TableState.build(self.table, base_ids, base_rows, policy, base_seq=self.base_seq,
+                                    log_id=self.log_id, **meta)
+        return dataclasses.replace(self, over_ids=over_ids, over_rows=over_rows, size=int(self.ids.size) + fresh,
+                                   loaded_time=time.time(), **meta)
+
+
+def _find(sorted_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Index of each of ``ids`` in ``sorted_ids``, -1 where absent."""
+    if not sorted_ids.size:
+        return np.full(ids.size, -1, np.int64)
+    pos = np.searchsorted(sorted_ids, ids)
+    np.minimum(pos, sorted_ids.size - 1, out=pos)
+    return np.where(sorted_ids[pos] == ids, pos, -1)
+
+
+class Follower:
+    """Polls a source in a thread: ``poll()`` does one round (tests call it directly) and returns whether the
+    served state changed; ``start(poll_s)`` runs it every ``poll_s`` until ``stop()``. A failed round keeps the
+    state it had (logged once per distinct error, kept in ``error``); an entry deleted under the reader by a
+    compaction only makes the next round read the manifest again."""
+
+    source: Path
+
+    def __init__(self) -> None:
+        self.error: str = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def poll(self) -> bool:
+        raise NotImplementedError
+
+    def serving(self) -> str:
+        """What is served now, for the log line of a failed round."""
+        raise NotImplementedError
+
+    def start(self, poll_s: float) -> None:
+        self._thread = threading.Thread(target=self._run, args=(poll_s,), name="tigana-serve-follow", daemon=True)
+        self._thread.start()
+
+    def _run(self, poll_s: float) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll()
+                self.error = ""
+            except FileNotFoundError as exc:  # an entry pruned under us by a compaction: read the manifest again
+                log.info("export log entry gone (%s); re-reading the manifest", exc)
+            except Exception as exc:  # noqa: BLE001 - a bad entry must not stop serving the state we have
+                message = f"{type(exc).__name__}: {exc}"
+                if message != self.error:
+                    log.error("following %s failed (serving %s meanwhile): %s", self.source, self.serving(),
+                              message)
+                self.error = message
+            self._stop.wait(poll_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+class LogFollower(Follower):
+    """Keeps ``state`` (a ``TableState`` or None) up to date with the export log in ``source`` (see
+    ``Follower``)."""
+
+    def __init__(self, source: str | Path, policy: str | float, *, verify: bool = True,
+                 on_swap: Any = None) -> None:
+        super().__init__()
+        self.source, self.policy, self.verify, self.on_swap = Path(source), policy, verify, on_swap
+        self.state: TableState | None = None
+        self.deltas_applied = 0
+        self.rows_applied = 0
+        self.apply_seconds = 0.0
+
+    def serving(self) -> str:
+        return f"seq {self.state.seq if self.state else None}"
+
+    def poll(self) -> bool:
+        """Read the manifest and apply what is new; True when the state changed. Raises what reading raised
+        (the state is unchanged then)."""
+        m = exportlog.read_manifest(self.source)
+        cur = self.state
+        if m is None or (cur is not None and m["log_id"] == cur.log_id and m["seq"] == cur.seq
+                         and float(m["time"]) <= cur.data_time):
+            return False
+        meta = {"seq": int(m["seq"]), "data_time": float(m["time"])}
+        if cur is None or m["log_id"] != cur.log_id or int(m["base"]["seq"]) != cur.base_seq:
+            started = time.monotonic()
+            ids, rows = exportlog.load_entry(self.source, m["base"], verify=self.verify)
+            new = TableState.build(m["table"], ids, rows, self.policy, base_seq=int(m["base"]["seq"]),
+                                   log_id=m["log_id"], seq=int(m["base"]["seq"]), data_time=float(m["base"]["time"]))
+            log.info("loaded %s (%d rows) of table %r in %.2fs", m["base"]["path"], ids.size, m["table"],
+                     time.monotonic() - started)
+            pending = m["deltas"]
+        else:
+            new = cur
+            pending = [e for e in m["deltas"] if int(e["seq"]) > cur.seq]
+        for entry in pending:
+            started = time.monotonic()
+            ids, rows = exportlog.load_entry(self.source, entry, verify=self.verify)
+            new = new.with_delta(ids, rows, self.policy, seq=int(entry["seq"]), data_time=float(entry["time"]))
+            self.deltas_applied += 1
+            self.rows_applied += int(ids.size)
+            self.apply_seconds += time.monotonic() - started
+        if (new.seq, new.data_time) != (meta["seq"], meta["data_time"]):  # empty deltas advance the time
+            new = dataclasses.replace(new, **meta)
+        self.state = new  # the swap: one attribute, read once per lookup
+        if self.on_swap is not None:
+            self.on_swap(new)
+        return True

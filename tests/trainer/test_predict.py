@@ -1,0 +1,131 @@
+"""Serving a trained model's predictions on real processes, started as a user starts them: a cluster, ``tigana
+admin export --follow --model DIR`` before training, ``tigana train --publish-dir DIR``, then ``tigana serve
+--model DIR``. Its answers are held to the trainer's own path: the data reader's hashing (``chunk_to_batch``)
+and a ``PSEmbeddingCollection`` pulling the same rows from the shard servers, with the published dense weights.
+Every process a test starts, it stops by its handle."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tigana import ps
+from tigana.ps.local import stop_process
+from tigana.ps.serving import ServingClient, modeldir
+from tigana.ps.serving.exportlog import read_manifest
+from tigana.tools.bench.serving_sync import spawn_follow_model, spawn_serve, wait_serving
+from tigana.trainer.data.criteo import chunk_to_batch, criteo_salts
+from tigana.trainer.data.synthetic import CRITEO_KAGGLE_CARDINALITIES, SyntheticCriteo
+from tigana.trainer.embedding import PSEmbeddingCollection
+from tigana.trainer.models import build_model
+from tigana.trainer.types import FeatureSpec
+
+pytestmark = pytest.mark.timeout(240)
+
+VOCAB = 20_000
+ROWS = 20_000  # 40 steps of 512: versions published at steps 20 and 40
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ps.LocalCluster]:
+    c = ps.LocalCluster(2, data_dir=tmp_path_factory.mktemp("predict-cluster"))
+    try:
+        yield c
+    finally:
+        c.close(timeout=30)
+
+
+def _reference(client: ps.Client, spec: dict, dense_file: bytes, chunk) -> np.ndarray:
+    """Probabilities of ``chunk``'s rows the way the trainer scores them: its reader's batch, its collection
+    pulling from the shard servers (read-only), the published dense weights."""
+    features = [FeatureSpec(f["name"], table=f["table"], pooling=f["pooling"]) for f in spec["features"]]
+    collection = PSEmbeddingCollection(client, features, spec["dim"], fused_table=spec["fused_table"], create=False)
+    model = build_model(spec["model"], collection, spec["num_dense"])
+    model.load_dense_state_dict(torch.load(io.BytesIO(dense_file), weights_only=True)["model"])
+    model.eval()
+    batch = chunk_to_batch(chunk, criteo_salts(0))
+    with torch.no_grad():
+        return torch.sigmoid(model(batch.dense, batch.sparse).float()).numpy()
+
+
+def _raw(chunk) -> tuple[np.ndarray, np.ndarray]:
+    """A chunk's rows as a serving client sends them: integer fields with NaN where missing, categorical values
+    raw (MISSING_RAW where missing)."""
+    dense = chunk.ints.astype(np.float32)
+    dense[chunk.int_missing] = np.nan
+    return dense, chunk.raw
+
+
+def test_a_published_model_is_served_and_predicts_as_the_trainer_scores(cluster, tmp_path: Path) -> None:
+    root = tmp_path / "published"
+    procs: list[subprocess.Popen] = []
+    try:
+        # the follower starts first and waits for the trainer's first publish
+        procs.append(spawn_follow_model(cluster.scheduler, root, tmp_path / "follow.log", interval=0.3))
+        train = subprocess.run(
+            [sys.executable, "-m", "tigana.tools.cli", "train", "--dataset", "synthetic", "--ps", cluster.scheduler,
+             "--synthetic-rows", str(ROWS), "--synthetic-vocab", str(VOCAB), "--publish-dir", str(root),
+             "--publish-every", "20", "--no-progress"], capture_output=True, text=True, timeout=180)
+        assert train.returncode == 0, train.stderr[-3000:]
+        trained = time.time()
+        spec = modeldir.read_spec(root)
+        assert spec is not None and spec["tables"] == ["deepfm_synthetic_fused"] and spec["num_sparse"] == 26
+        dense_log = modeldir.read_dense_manifest(root)
+        assert [v["version"] for v in dense_log["versions"]] == [20, 40]  # every 20 steps; the end is step 40
+
+        # every table's log has a cut after the last acknowledged push
+        log = modeldir.table_log(root, spec["tables"][0])
+        deadline = time.monotonic() + 60
+        while (m := read_manifest(log)) is None or m["time"] < trained:
+            assert time.monotonic() < deadline, (tmp_path / "follow.log").read_text()[-2000:]
+            time.sleep(0.1)
+
+        serve, address = spawn_serve(root, tmp_path / "serve.log", model=True, extra=["--max-rows", "1000"])
+        procs.append(serve)
+        wait_serving(address, timeout=60)
+        gen = SyntheticCriteo(vocab_sizes=tuple(min(v, VOCAB) for v in CRITEO_KAGGLE_CARDINALITIES), seed=0)
+        chunk = gen.chunk(0, 512)  # training rows: every id is in the table
+        assert chunk.int_missing.any() and chunk.cat_missing.any()
+        with ServingClient(address) as serving, ps.connect(cluster.target) as client:
+            deadline = time.monotonic() + 30
+            while (info := serving.info()).data_time < trained:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert (info.model, info.version, list(info.tables)) == ("deepfm", 40, spec["tables"])
+            assert (info.num_dense, info.num_sparse) == (13, 26)
+            probabilities, version = serving.predict(*_raw(chunk))
+            assert version == 40
+            want = _reference(client, spec, modeldir.read_dense(root, dense_log["versions"][-1]), chunk)
+            np.testing.assert_allclose(probabilities, want, rtol=0, atol=2e-6)
+            assert 0.05 < float(probabilities.mean()) < 0.95
+
+            # bad input: an error naming the field, nothing else changes
+            dense, raw = _raw(gen.chunk(0, 4))
+            with pytest.raises(ps.InvalidArgument, match="field 'dense'"):
+                serving.predict(dense[:, :12], raw)
+            with pytest.raises(ps.InvalidArgument, match="field 'categorical'"):
+                serving.predict(dense, raw[:, :25])
+            big = gen.chunk(0, 1001)
+            with pytest.raises(ps.InvalidArgument, match="field 'rows'"):
+                serving.predict(*_raw(big))
+            again, version = serving.predict(*_raw(chunk))
+            np.testing.assert_array_equal(again, probabilities)
+
+            # the tables are served for lookups too, by name
+            ids = np.arange(5, dtype=np.int64)
+            with pytest.raises(ps.InvalidArgument, match="field 'table'"):
+                serving.lookup(ids, table="nope")
+            rows, _ = serving.lookup(ids, table=spec["tables"][0])
+            assert rows.shape == (5, 16)
+        assert serve.poll() is None
+    finally:
+        for proc in procs:
+            stop_process(proc)

@@ -1,0 +1,101 @@
+"""The scorer ``tigana serve --model DIR`` predicts with: a published model's dense network over its served
+tables, fed raw feature rows that it transforms and hashes exactly as the trainer's data reader did.
+
+``load_scorer(spec, dense_file)`` (the ``Loader`` of ``tigana.ps.serving.model``) builds the model the run
+trained (``model.json``: its name, fields, tables and dim) over a ``PSEmbeddingCollection`` whose "client"
+reads the served tables' rows, and loads a published version's dense weights into it. The collection is the
+trainer's own: the same plan, the same per-table salts of a fused table, the same pooling; only its rows come
+from the export logs instead of the shard servers. A prediction is ``sigmoid(model(dense, sparse))`` in eval
+mode, as ``tigana.trainer.loop.evaluate`` scores a held-out row.
+
+Input (Criteo's format, what ``model.json``'s ``input`` names): ``dense`` (n, 13) raw integer fields, NaN
+where missing (the reader reads a missing one as 0), then ``log(max(x, -2) + 3)``; ``categorical`` (n, 26)
+raw uint64 values (the reader's hex fields as integers, ``MISSING_RAW`` where missing), hashed with each
+field's salt. An id the tables do not hold reads as the server's default row (``--default``).
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections.abc import Callable, Sequence
+from concurrent import futures as cf
+from typing import Any
+
+import numpy as np
+import torch
+
+from tigana.trainer.data.criteo import ids_to_batch, transform_dense
+from tigana.trainer.data.hashing import hash_values
+from tigana.trainer.embedding import PSEmbeddingCollection
+from tigana.trainer.types import FeatureSpec
+
+__all__ = ["CriteoScorer", "load_scorer"]
+
+Lookup = Callable[[str, np.ndarray], np.ndarray]
+
+
+class _ServedRows:
+    """The "client" of a serving collection: read-only pulls answered from the served tables' rows."""
+
+    def __init__(self) -> None:
+        self.lookup: Lookup | None = None
+
+    def pull(self, table: str, ids: Any, *, insert: bool = True) -> np.ndarray:
+        assert self.lookup is not None, "a prediction sets the lookup first"
+        return self.lookup(table, np.ascontiguousarray(ids, np.int64))
+
+    def pull_many(self, tables: Sequence[str], ids: Sequence[Any], *, insert: bool = True,
+                  unique: bool = False) -> list[cf.Future]:
+        out = []
+        for table, part in zip(tables, ids, strict=True):
+            fut: cf.Future = cf.Future()
+            fut.set_result(self.pull(table, part))
+            out.append(fut)
+        return out
+
+
+class CriteoScorer:
+    """A published Criteo-format model (see the module docstring); ``predict`` is serialized by a lock (the
+    collection keeps per-call state), each call running torch's own threads."""
+
+    def __init__(self, spec: dict[str, Any], dense_file: bytes) -> None:
+        from tigana.trainer.models import build_model
+
+        if spec.get("input") != "criteo":
+            raise ValueError(f"model.json: input {spec.get('input')!r} is not served (Criteo-format models are)")
+        self.spec = spec
+        self.num_dense, self.num_sparse = int(spec["num_dense"]), int(spec["num_sparse"])
+        self.names = [f["name"] for f in spec["features"]]
+        self.salts = np.array([int(s, 16) for s in spec["salts"]], np.uint64)
+        self.transform = spec["dense_transform"]
+        self._rows = _ServedRows()
+        features = [FeatureSpec(f["name"], table=f["table"], pooling=f["pooling"]) for f in spec["features"]]
+        self.collection = PSEmbeddingCollection(self._rows, features, int(spec["dim"]),
+                                                fused_table=spec.get("fused_table"), create=False)
+        self.model = build_model(spec["model"], self.collection, self.num_dense)
+        state = torch.load(io.BytesIO(dense_file), weights_only=True)
+        self.model.load_dense_state_dict(state["model"])
+        self.model.eval()
+        self._lock = threading.Lock()
+
+    def predict(self, dense: np.ndarray, categorical: np.ndarray, lookup: Lookup) -> np.ndarray:
+        """(n, num_dense) float32 raw, (n, num_sparse) uint64 raw -> (n,) float32 probabilities."""
+        n = dense.shape[0]
+        if n == 0:
+            return np.empty(0, np.float32)
+        x = transform_dense(np.nan_to_num(dense.astype(np.float64), nan=0.0), self.transform)
+        ids = hash_values(categorical, self.salts)
+        batch = ids_to_batch(x, ids, np.zeros(n, np.float32), self.names)
+        with self._lock, torch.no_grad():
+            self._rows.lookup = lookup
+            try:
+                logits = self.model(batch.dense, batch.sparse).float()
+            finally:
+                self._rows.lookup = None
+        return torch.sigmoid(logits).numpy().astype(np.float32, copy=False)
+
+
+def load_scorer(spec: dict[str, Any], dense_file: bytes) -> CriteoScorer:
+    """The ``Loader`` ``tigana serve --model`` builds each published version's scorer with."""
+    return CriteoScorer(spec, dense_file)
