@@ -31,7 +31,7 @@ class ServingInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServingInfoResponse(_message.Message):
-    __slots__ = ("table", "dim", "rows", "seq", "base_seq", "data_time", "loaded_time", "default_row", "deltas_applied", "rows_applied", "apply_seconds", "model", "version", "tables", "num_dense", "num_sparse", "version_time")
+    __slots__ = ("table", "dim", "rows", "seq", "base_seq", "data_time", "loaded_time", "default_row", "deltas_applied", "rows_applied", "apply_seconds", "model", "version", "tables", "num_dense", "num_sparse", "version_time", "step", "pinned", "versions_refused", "canary_auc")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,10 @@ class ServingInfoResponse(_message.Message):
     NUM_DENSE_FIELD_NUMBER: _ClassVar[int]
     NUM_SPARSE_FIELD_NUMBER: _ClassVar[int]
     VERSION_TIME_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    CANARY_AUC_FIELD_NUMBER: _ClassVar[int]
     table: str
     dim: int
     rows: int
@@ -66,7 +70,11 @@ class ServingInfoResponse(_message.Message):
     num_dense: int
     num_sparse: int
     version_time: float
-    def __init__(self, table: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., seq: _Optional[int] = ..., base_seq: _Optional[int] = ..., data_time: _Optional[float] = ..., loaded_time: _Optional[float] = ..., default_row: _Optional[str] = ..., deltas_applied: _Optional[int] = ..., rows_applied: _Optional[int] = ..., apply_seconds: _Optional[float] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., tables: _Optional[_Iterable[str]] = ..., num_dense: _Optional[int] = ..., num_sparse: _Optional[int] = ..., version_time: _Optional[float] = ...) -> None: ...
+    step: int
+    pinned: bool
+    versions_refused: int
+    canary_auc: float
+    def __init__(self, table: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., seq: _Optional[int] = ..., base_seq: _Optional[int] = ..., data_time: _Optional[float] = ..., loaded_time: _Optional[float] = ..., default_row: _Optional[str] = ..., deltas_applied: _Optional[int] = ..., rows_applied: _Optional[int] = ..., apply_seconds: _Optional[float] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., tables: _Optional[_Iterable[str]] = ..., num_dense: _Optional[int] = ..., num_sparse: _Optional[int] = ..., version_time: _Optional[float] = ..., step: _Optional[int] = ..., pinned: _Optional[bool] = ..., versions_refused: _Optional[int] = ..., canary_auc: _Optional[float] = ...) -> None: ...
 
 class PredictRequest(_message.Message):
     __slots__ = ("rows", "dense", "categorical")

@@ -342,6 +342,11 @@ class _ServingCollector(_ClusterCollector):
         "apply_seconds": "Seconds spent loading and applying log entries since this process started",
         "data_age_seconds": "Seconds since the cluster cut the served rows are complete up to (the freshness "
                             "of what lookups return)",
+        "version": "The model version served (an entry of the publish log; --model)",
+        "step": "The training step of the served model version's dense weights (--model)",
+        "version_age_seconds": "Seconds since the cut the served model version is complete up to (--model)",
+        "versions_refused": "Model versions the validation gate refused (--model)",
+        "pinned": "1 while a rollback pins the served model version (--model)",
     }
 
 

@@ -11,7 +11,9 @@
     tigana admin export TABLE --follow --out DIR [--interval S]   a full export, then a delta every S seconds
                                                  (the export log ``tigana serve --from DIR`` follows)
     tigana admin export --follow --model DIR     the same for every table of the model a trainer publishes in
-                                                 DIR (``tigana serve --model DIR`` serves it)
+                                                 DIR, and its versions (``tigana serve --model DIR`` serves them)
+    tigana admin publish rollback --model DIR [--to VERSION]   every server of DIR back to an earlier version
+    tigana admin publish resume --model DIR      servers back to the newest version their gate accepts
     tigana admin verify                          compare every copy's per-slot checksums with its primary's
 
 The scheduler comes from ``--scheduler HOST:PORT`` or ``TIGANA_SCHEDULER``. Each command prints a readable
@@ -110,6 +112,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--full-every", type=int, default=100,
                    help="--follow: a new full export (compaction: drops deleted rows, prunes old deltas) every N "
                         "deltas; 0 never (default 100)")
+    p = sub.add_parser("publish", help="the versions a published model's servers serve: rollback, resume")
+    p.add_argument("what", choices=("rollback", "resume"),
+                   help="rollback: pin every server to an earlier version; resume: unpin")
+    p.add_argument("--model", required=True, metavar="DIR", help="the published model's folder")
+    p.add_argument("--to", type=int, default=None,
+                   help="rollback: the version (default: the one before the version served now)")
     p = sub.add_parser("verify", help="compare the copies' checksums slot by slot")
     p.add_argument("--table", default="", help="only this table (default: every table)")
     for action in sub.choices.values():
@@ -117,7 +125,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.scheduler:
+    if not args.scheduler and args.action != "publish":  # publish acts on the model folder alone
         print("tigana admin: no scheduler: give --scheduler HOST:PORT or set TIGANA_SCHEDULER", file=sys.stderr)
         return 2
     try:
@@ -337,7 +345,10 @@ def _export_model(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     stop = StopSignal()
 
     def said(table: str, entry: dict[str, Any]) -> None:
-        if entry.get("path"):
+        if not table:
+            _say(args, f"model version {entry['version']}: dense weights of step {entry['step']}, tables at "
+                       f"{ {t: p['seq'] for t, p in entry['tables'].items()} }, cut {entry['time']:.3f}")
+        elif entry.get("path"):
             _say(args, f"{table}/{entry['path']}: {entry['rows']} row(s), cut {entry['time']:.3f}, "
                        f"{entry['seconds']:.3f}s")
 
@@ -347,6 +358,21 @@ def _export_model(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
         result = follow_tables(client, args.model, stop, interval_s=args.interval, overlap_s=args.overlap,
                                full_every=args.full_every, on_entry=said)
     return True, {"model": args.model, **result}
+
+
+def _publish(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
+    """``publish rollback|resume --model DIR``: written to DIR (``live.json``); every server follows it."""
+    from tigana.ps.serving import modeldir
+
+    if args.what == "resume":
+        if args.to is not None:
+            raise ps.InvalidArgument("publish resume: --to applies to rollback only")
+        modeldir.resume(args.model)
+        _say(args, f"publish: {args.model} unpinned; servers go back to the newest version their gate accepts")
+        return True, {"model": args.model, "live": None}
+    version = modeldir.rollback(args.model, args.to)
+    _say(args, f"publish: every server of {args.model} rolls back to version {version} at its next poll")
+    return True, {"model": args.model, "live": version}
 
 
 def _verify(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
@@ -366,4 +392,5 @@ def _verify(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
 
 
 _ACTIONS = {"status": _status, "top": _top, "drain": _drain, "rebalance": _rebalance, "move-slot": _move_slot,
-            "checkpoint": _checkpoint, "restore": _restore, "export": _export, "verify": _verify}
+            "checkpoint": _checkpoint, "restore": _restore, "export": _export, "publish": _publish,
+            "verify": _verify}

@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="the row of an id the table does not hold: zeros, mean (the mean row), or a number for every element")
     a("--max-ids", type=int, default=ServeConfig.max_ids, help="ids in one lookup at most")
     a("--max-rows", type=int, default=ServeConfig.max_rows, help="feature rows in one prediction at most")
+    a("--canary", default=ServeConfig.canary,
+      help="--model: a labelled file in the training data's format; each new version is scored on it before it "
+           "goes live, and refused when its AUC is below the served version's by more than --max-auc-drop")
+    a("--max-auc-drop", type=float, default=ServeConfig.max_auc_drop, help="--canary: the AUC a version may lose")
+    a("--keep-versions", type=int, default=ServeConfig.keep_versions,
+      help="--model: versions held in memory, so a rollback to one of them is a swap")
     a("--no-verify", dest="verify", action="store_false", help="skip the sha256 check of each entry's files (default: checked)")
     add_security_flags(parser, "serving server", "they may look up too")
     add_metrics_flags(parser, "lookups, latency, ids found, log position, freshness")
@@ -90,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-_FLAGS = ("source", "model", "host", "port", "poll_s", "default", "max_ids", "max_rows", "verify", *ENV_FIELDS)
+_FLAGS = ("source", "model", "host", "port", "poll_s", "default", "max_ids", "max_rows", "canary", "max_auc_drop",
+          "keep_versions", "verify", *ENV_FIELDS)
 
 
 class _MissingExtra(Exception):

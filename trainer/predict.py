@@ -77,6 +77,7 @@ class CriteoScorer:
         state = torch.load(io.BytesIO(dense_file), weights_only=True)
         self.model.load_dense_state_dict(state["model"])
         self.model.eval()
+        self.finite = all(bool(torch.isfinite(v).all()) for v in state["model"].values() if v.is_floating_point())
         self._lock = threading.Lock()
 
     def predict(self, dense: np.ndarray, categorical: np.ndarray, lookup: Lookup) -> np.ndarray:
@@ -94,6 +95,30 @@ class CriteoScorer:
             finally:
                 self._rows.lookup = None
         return torch.sigmoid(logits).numpy().astype(np.float32, copy=False)
+
+
+    def canary_auc(self, path: str, lookup: Lookup) -> float:
+        """The AUC on the labelled rows of the Criteo file ``path``, read by the trainer's reader (the same
+        transform and salts as this model's; the gate of ``tigana serve --canary``)."""
+        from torchmetrics.functional.classification import binary_auroc
+
+        from tigana.trainer.data.criteo import CriteoReader
+
+        reader = CriteoReader(path, 4096, dense_transform=self.transform)
+        if not np.array_equal(reader.salts, self.salts):
+            raise ValueError(f"canary {path}: the reader's salts differ from the model's")
+        scores, labels = [], []
+        with self._lock, torch.no_grad():
+            self._rows.lookup = lookup
+            try:
+                for batch in reader:
+                    scores.append(torch.sigmoid(self.model(batch.dense, batch.sparse).float()))
+                    labels.append(batch.labels)
+            finally:
+                self._rows.lookup = None
+        if not scores:
+            raise ValueError(f"canary {path}: no rows")
+        return float(binary_auroc(torch.cat(scores), torch.cat(labels).long()))
 
 
 def load_scorer(spec: dict[str, Any], dense_file: bytes) -> CriteoScorer:

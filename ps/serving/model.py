@@ -1,10 +1,22 @@
 """A published model as ``tigana serve --model DIR`` serves it: every table of it (one ``LogFollower`` each) and
-its dense network (a ``Scorer`` the trainer's package builds from a published dense version).
+its dense network (a ``Scorer`` the trainer's package builds from a published dense version), one version of
+the publish log at a time (``tigana.ps.serving.modeldir``).
 
 ``ModelState`` is one immutable version of all of it, swapped as one attribute (``ModelFollower.state``): a
-prediction reads it once, so its rows and its dense weights come from one state, never from two. A state is
-made only once every table has a loaded export and a dense version is published; then every poll round that
-changed a table or found a newer dense version swaps in a new one.
+prediction reads it once, so its rows and its dense weights come from one version, never from two.
+
+Which version is served:
+
+- **The newest the gate accepts.** A version newer than the served one is built beside it (every table's log
+  applied up to the version's position, its dense version loaded or reused) and checked before it goes live:
+  a row or a dense weight that is NaN or infinite refuses it; with a canary file, so does an AUC on it below
+  the served version's by more than ``max_auc_drop``. A refused version is logged, counted and never tried
+  again; the served one stays, and only a newer version can replace it.
+- **A pinned one.** ``tigana admin publish rollback`` writes ``live.json``: every server swaps at its next
+  poll to the newest version at or before the pin that its gate accepts (the last ``keep`` versions it served
+  are held in memory, so that is a swap of one attribute; an older one is rebuilt from the logs and checked
+  for non-finite values only: going back is the operator's choice, not a worse AUC). A refused version never
+  answers, pinned or not. ``publish resume`` removes the pin.
 
 The scorer is built by a loader given to the follower (``tigana.trainer.predict.load_scorer`` in ``tigana
 serve``): the serving package does not import torch; the trainer's package, which defines the models and the
@@ -13,6 +25,7 @@ feature hashing, does.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -22,7 +35,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tigana.ps.errors import InvalidArgument
+from tigana.ps.errors import DataLoss, InvalidArgument
 from tigana.ps.serving import modeldir
 from tigana.ps.serving.tables import Follower, LogFollower, TableState
 
@@ -37,10 +50,15 @@ class Scorer(Protocol):
 
     num_dense: int
     num_sparse: int
+    finite: bool  # every dense weight is finite
 
     def predict(self, dense: np.ndarray, categorical: np.ndarray, lookup: Lookup) -> np.ndarray:
         """(n, num_dense) float32 raw dense values (NaN: missing) and (n, num_sparse) uint64 raw categorical
         values -> (n,) float32 probabilities, reading rows through ``lookup``."""
+        ...
+
+    def canary_auc(self, path: str, lookup: Lookup) -> float:
+        """The AUC of this model on the labelled rows of ``path`` (the training data's file format)."""
         ...
 
 
@@ -50,14 +68,17 @@ Loader = Callable[[dict[str, Any], bytes], Scorer]
 
 @dataclass(frozen=True, eq=False)
 class ModelState:
-    """One version of a served model: its tables' states, its scorer, and the dense version it was built from."""
+    """One version of a served model: its tables' states, its scorer, and the publish log entry it was built
+    from."""
 
     spec: dict[str, Any]
     tables: dict[str, TableState]
     scorer: Scorer
     version: int
-    version_time: float
+    step: int             # the training step of its dense weights
+    version_time: float   # the cut it is complete up to
     loaded_time: float
+    canary_auc: float = float("nan")
 
     @property
     def model(self) -> str:
@@ -71,15 +92,22 @@ class ModelState:
 
 
 class ModelFollower(Follower):
-    """Keeps ``state`` (a ``ModelState`` or None) up to date with the model folder ``source`` (see the module
-    docstring and ``Follower``)."""
+    """Keeps ``state`` (a ``ModelState`` or None) on the version of the model folder ``source`` to serve (see
+    the module docstring and ``Follower``). ``canary``: a labelled file the gate scores each new version on;
+    ``keep``: versions held for an instant rollback."""
 
     def __init__(self, source: str | Path, policy: str | float, loader: Loader, *, verify: bool = True,
-                 on_swap: Callable[[ModelState], None] | None = None) -> None:
+                 on_swap: Callable[[ModelState], None] | None = None, canary: str = "",
+                 max_auc_drop: float = 0.01, keep: int = 3) -> None:
         super().__init__()
         self.source, self.policy, self.loader, self.verify, self.on_swap = Path(source), policy, loader, verify, on_swap
+        self.canary, self.max_auc_drop, self.keep = canary, max_auc_drop, keep
         self.state: ModelState | None = None
+        self.pinned = False
         self.followers: dict[str, LogFollower] = {}
+        self.refused: dict[int, str] = {}  # version -> why the gate refused it
+        self._held: dict[int, ModelState] = {}  # the last versions served, oldest first
+        self._scorers: dict[str, Scorer] = {}  # dense sha256 -> its scorer (the held versions' and the newest)
 
     def serving(self) -> str:
         return f"version {self.state.version if self.state else None}"
@@ -98,34 +126,91 @@ class ModelFollower(Follower):
 
     def poll(self) -> bool:
         spec = modeldir.read_spec(self.source)
-        if spec is None:
+        published = modeldir.read_versions(self.source)
+        if spec is None or published is None or not published["versions"]:
             return False
-        tables = [str(t) for t in spec["tables"]]
-        if not tables:
-            raise InvalidArgument(f"{self.source / modeldir.MODEL_FILE}: field 'tables' is empty")
-        for table in tables:
+        entries = {int(v["version"]): v for v in published["versions"]}
+        live = modeldir.read_live(self.source)
+        cur = self.state
+        self.pinned = live is not None
+        if live is not None:  # a rollback: the newest version at or before the pin that passes the gate
+            known = {v for v in (*entries, *self._held) if v <= live and v not in self.refused}
+            if not known:
+                raise InvalidArgument(f"{self.source / modeldir.LIVE_FILE}: pins version {live}; no version at or "
+                                      "before it is kept or acceptable")
+            candidates = sorted(known, reverse=True)
+        else:  # the newest version not refused, if it is newer than the served one
+            newer = [v for v in entries if v not in self.refused and (cur is None or v > cur.version)]
+            candidates = [max(newer)] if newer else []
+        for target in candidates:
+            if cur is not None and cur.version == target:
+                return False
+            state = self._held.get(target)
+            if state is None:
+                state = self._build(spec, entries[target])
+                # the operator chose to go back: only a broken version is refused then, not a worse AUC
+                why = self._refusal(state, cur if live is None else None)
+                if why:
+                    self.refused[target] = why
+                    log.error("model version %d refused, serving %s: %s", target,
+                              cur.version if cur is not None else "nothing", why)
+                    continue
+            self._swap(state, pinned=live is not None)
+            return True
+        return False
+
+    def _swap(self, state: ModelState, pinned: bool) -> None:
+        """Serve ``state`` (one attribute) and hold it among the last ``keep`` versions served."""
+        self._held.pop(state.version, None)
+        self._held[state.version] = state
+        while len(self._held) > self.keep:
+            self._held.pop(next(iter(self._held)))
+        held_dense = {id(s.scorer) for s in self._held.values()}
+        self._scorers = {k: v for k, v in self._scorers.items() if id(v) in held_dense}
+        self.state = state
+        log.info("serving model %r version %d (step %d)%s", state.model, state.version, state.step,
+                 " (pinned by a rollback)" if pinned else "")
+        if self.on_swap is not None:
+            self.on_swap(state)
+
+    def _build(self, spec: dict[str, Any], entry: dict[str, Any]) -> ModelState:
+        """The state of publish log entry ``entry``: each table's log applied up to its position, its dense
+        version's scorer (loaded once per dense version)."""
+        tables: dict[str, TableState] = {}
+        for table, position in entry["tables"].items():
             follower = self.followers.get(table)
             if follower is None:
                 follower = self.followers[table] = LogFollower(modeldir.table_log(self.source, table), self.policy,
                                                                verify=self.verify)
-            follower.poll()
-        entry = modeldir.newest_dense(self.source)
-        states = {t: self.followers[t].state for t in tables}
-        if entry is None or any(s is None for s in states.values()):
-            return False  # not servable yet: every table's first export and a dense version are needed
-        cur = self.state
-        version = int(entry["version"])
-        if cur is not None and cur.version == version and cur.spec == spec:
-            if all(states[t] is cur.tables.get(t) for t in tables):
-                return False
-            scorer = cur.scorer
-        else:
+            follower.poll(upto=int(position["seq"]))
+            got = follower.state
+            if got is None or got.log_id != position["log_id"] or got.seq != int(position["seq"]):
+                raise DataLoss(f"model version {entry['version']}: table {table!r} at entry {position['seq']} of log "
+                               f"{position['log_id']}; its log has {got.seq if got else None} of "
+                               f"{got.log_id if got else None}")
+            tables[table] = got
+        dense = entry["dense"]
+        scorer = self._scorers.get(dense["sha256"])
+        if scorer is None:
             started = time.monotonic()
-            scorer = self.loader(spec, modeldir.read_dense(self.source, entry, verify=self.verify))
-            log.info("loaded dense version %d of model %r in %.2fs", version, spec["model"],
+            scorer = self.loader(spec, modeldir.read_dense(self.source, dense, verify=self.verify))
+            self._scorers[dense["sha256"]] = scorer
+            log.info("loaded dense weights of step %d of model %r in %.2fs", int(dense["version"]), spec["model"],
                      time.monotonic() - started)
-        self.state = ModelState(spec=spec, tables=states, scorer=scorer, version=version,  # type: ignore[arg-type]
-                                version_time=float(entry["time"]), loaded_time=time.time())
-        if self.on_swap is not None:
-            self.on_swap(self.state)
-        return True
+        state = ModelState(spec=spec, tables=tables, scorer=scorer, version=int(entry["version"]),
+                           step=int(entry["step"]), version_time=float(entry["time"]), loaded_time=time.time())
+        if self.canary:
+            state = dataclasses.replace(state, canary_auc=scorer.canary_auc(self.canary, state.lookup))
+        return state
+
+    def _refusal(self, new: ModelState, live: ModelState | None) -> str:
+        """Why the gate refuses ``new`` against the ``live`` version ('' when it goes live)."""
+        bad = {t: int(s.bad_ids.size) for t, s in new.tables.items() if s.bad_ids.size}
+        if bad:
+            return f"rows holding NaN or infinity: {bad}"
+        if not new.scorer.finite:
+            return f"dense weights of step {new.step} hold NaN or infinity"
+        if self.canary and live is not None and not new.canary_auc >= live.canary_auc - self.max_auc_drop:
+            return (f"canary AUC {new.canary_auc:.4f} is below the served version's {live.canary_auc:.4f} by more "
+                    f"than {self.max_auc_drop}")
+        return ""

@@ -79,7 +79,9 @@ class ServeConfig(SecuritySettings):
     """Settings of ``tigana serve``. ``source``: one table's export log folder, or ``model``: a published
     model's folder (exactly one of the two); ``poll_s``: seconds between manifest polls; ``default``: the row of
     an unknown id (``zeros``, ``mean`` or a number); ``max_ids``: ids per lookup; ``max_rows``: feature rows
-    per prediction; ``verify``: check every entry's sha256 before using it; TLS and tokens as on a shard server
+    per prediction; ``canary``: a labelled file each new model version is scored on before it goes live (refused
+    below the served version's AUC by more than ``max_auc_drop``); ``keep_versions``: model versions held for
+    an instant rollback; ``verify``: check every entry's sha256 before using it; TLS and tokens as on a shard server
     (``SecuritySettings``; none: plain); ``metrics_port``: Prometheus HTTP port (0 off, -1 a free one)."""
 
     source: str = ""
@@ -90,6 +92,9 @@ class ServeConfig(SecuritySettings):
     default: str = "zeros"
     max_ids: int = 1_000_000
     max_rows: int = 65_536
+    canary: str = ""
+    max_auc_drop: float = 0.01
+    keep_versions: int = 3
     max_message_bytes: int = 64 << 20
     max_workers: int = 8
     verify: bool = True
@@ -108,6 +113,12 @@ class ServeConfig(SecuritySettings):
             raise InvalidArgument(f"serve: --max-ids must be >= 1, got {self.max_ids}")
         if self.max_rows < 1:
             raise InvalidArgument(f"serve: --max-rows must be >= 1, got {self.max_rows}")
+        if self.keep_versions < 1:
+            raise InvalidArgument(f"serve: --keep-versions must be >= 1, got {self.keep_versions}")
+        if not self.max_auc_drop >= 0:
+            raise InvalidArgument(f"serve: --max-auc-drop must be >= 0, got {self.max_auc_drop}")
+        if self.canary and not self.model:
+            raise InvalidArgument("serve: --canary scores a model's versions; it needs --model")
         if not -1 <= self.metrics_port <= 65535:
             raise InvalidArgument(f"serve: --metrics-port must be 'auto', 0 (off) or a port, got {self.metrics_port}")
 
@@ -218,6 +229,8 @@ class ServingService:
         out.tables.extend(sorted(tables))
         if isinstance(state, ModelState):
             out.model, out.version, out.version_time = state.model, state.version, state.version_time
+            out.step, out.pinned, out.versions_refused = state.step, f.pinned, len(f.refused)
+            out.canary_auc = state.canary_auc if state.canary_auc == state.canary_auc else 0.0
             out.num_dense, out.num_sparse = state.scorer.num_dense, state.scorer.num_sparse
             out.rows = sum(t.size for t in tables.values())
             out.data_time = min(t.data_time for t in tables.values())
@@ -247,7 +260,9 @@ class ServingHandle:
         if config.model:
             if loader is None:
                 raise InvalidArgument("serve: --model needs a scorer loader (tigana.trainer.predict.load_scorer)")
-            self.follower = ModelFollower(config.model, policy, loader, verify=config.verify, on_swap=self._swapped)
+            self.follower = ModelFollower(config.model, policy, loader, verify=config.verify, on_swap=self._swapped,
+                                          canary=config.canary, max_auc_drop=config.max_auc_drop,
+                                          keep=config.keep_versions)
         else:
             self.follower = LogFollower(config.source, policy, verify=config.verify, on_swap=self._swapped)
         self.security = config.security()
@@ -295,7 +310,8 @@ class ServingHandle:
         out = {"ready": float(state is not None), "deltas_applied": f.deltas_applied, "rows_applied": f.rows_applied,
                "apply_seconds": f.apply_seconds}
         if isinstance(state, ModelState):
-            out.update(rows=sum(t.size for t in tables.values()), version=state.version,
+            out.update(rows=sum(t.size for t in tables.values()), version=state.version, step=state.step,
+                       versions_refused=len(f.refused), pinned=float(f.pinned),
                        data_age_seconds=max(0.0, time.time() - min(t.data_time for t in tables.values())),
                        version_age_seconds=max(0.0, time.time() - state.version_time))
         elif isinstance(state, TableState):

@@ -49,6 +49,8 @@ class TableState:
     log_id: str
     data_time: float         # the cluster cut the state is complete up to
     loaded_time: float       # this server's clock when it was built
+    bad_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.int64))
+    # ^ sorted ids whose row holds a NaN or an infinity: a model's validation gate refuses such a state
 
     @classmethod
     def build(cls, table: str, ids: np.ndarray, rows: np.ndarray, policy: str | float, **meta: Any) -> TableState:
@@ -58,6 +60,7 @@ class TableState:
             default = rows.mean(axis=0, dtype=np.float64).astype(np.float32) if len(rows) else np.zeros(dim, np.float32)
         else:
             default = np.full(dim, 0.0 if policy == "zeros" else float(policy), np.float32)
+        meta.setdefault("bad_ids", ids[~np.isfinite(rows).all(axis=1)])
         return cls(table=table, dim=dim, ids=ids, rows=rows, over_ids=ids[:0], over_rows=rows[:0],
                    default_row=default, size=int(ids.size), loaded_time=time.time(), **meta)
 
@@ -78,6 +81,8 @@ class TableState:
         """A new state with a delta's rows (sorted unique ids) applied; folds the overlay into the base when it
         has grown past 1/16 of it."""
         over_ids, over_rows = exportlog.merge(self.over_ids, self.over_rows, ids, rows)
+        # the delta's rows replace theirs: bad ids it wrote finite leave the set, the ones it wrote bad join it
+        meta["bad_ids"] = np.union1d(np.setdiff1d(self.bad_ids, ids), ids[~np.isfinite(rows).all(axis=1)])
         fresh = int((_find(self.ids, over_ids) < 0).sum())
         if over_ids.size >= max(_FOLD_MIN_ROWS, self.ids.size // 16):
             base_ids, base_rows = exportlog.merge(self.ids, self.rows, over_ids, over_rows)
@@ -157,26 +162,37 @@ class LogFollower(Follower):
     def serving(self) -> str:
         return f"seq {self.state.seq if self.state else None}"
 
-    def poll(self) -> bool:
-        """Read the manifest and apply what is new; True when the state changed. Raises what reading raised
-        (the state is unchanged then)."""
+    def poll(self, upto: int | None = None) -> bool:
+        """Read the manifest and apply what is new; True when the state changed. ``upto``: the state as of
+        log entry ``upto`` exactly (a model version's position: entries after it are left for later, and a
+        state past it is rebuilt from the base). Raises what reading raised (the state is unchanged then)."""
         m = exportlog.read_manifest(self.source)
         cur = self.state
-        if m is None or (cur is not None and m["log_id"] == cur.log_id and m["seq"] == cur.seq
-                         and float(m["time"]) <= cur.data_time):
+        if m is None:
             return False
-        meta = {"seq": int(m["seq"]), "data_time": float(m["time"])}
-        if cur is None or m["log_id"] != cur.log_id or int(m["base"]["seq"]) != cur.base_seq:
+        if upto is None and cur is not None and m["log_id"] == cur.log_id and m["seq"] == cur.seq \
+                and float(m["time"]) <= cur.data_time:
+            return False
+        if upto is not None and cur is not None and m["log_id"] == cur.log_id and cur.seq == upto:
+            return False
+        base = m["base"]
+        if cur is None or m["log_id"] != cur.log_id or int(base["seq"]) != cur.base_seq or \
+                (upto is not None and cur.seq > upto):
+            if upto is not None and int(base["seq"]) > upto:
+                raise InvalidArgument(f"export log {str(self.source)!r}: entry {upto} was compacted away (the base "
+                                      f"is entry {base['seq']})")
             started = time.monotonic()
-            ids, rows = exportlog.load_entry(self.source, m["base"], verify=self.verify)
-            new = TableState.build(m["table"], ids, rows, self.policy, base_seq=int(m["base"]["seq"]),
-                                   log_id=m["log_id"], seq=int(m["base"]["seq"]), data_time=float(m["base"]["time"]))
-            log.info("loaded %s (%d rows) of table %r in %.2fs", m["base"]["path"], ids.size, m["table"],
+            ids, rows = exportlog.load_entry(self.source, base, verify=self.verify)
+            new = TableState.build(m["table"], ids, rows, self.policy, base_seq=int(base["seq"]),
+                                   log_id=m["log_id"], seq=int(base["seq"]), data_time=float(base["time"]))
+            log.info("loaded %s (%d rows) of table %r in %.2fs", base["path"], ids.size, m["table"],
                      time.monotonic() - started)
             pending = m["deltas"]
         else:
             new = cur
             pending = [e for e in m["deltas"] if int(e["seq"]) > cur.seq]
+        if upto is not None:
+            pending = [e for e in pending if int(e["seq"]) <= upto]
         for entry in pending:
             started = time.monotonic()
             ids, rows = exportlog.load_entry(self.source, entry, verify=self.verify)
@@ -184,8 +200,12 @@ class LogFollower(Follower):
             self.deltas_applied += 1
             self.rows_applied += int(ids.size)
             self.apply_seconds += time.monotonic() - started
-        if (new.seq, new.data_time) != (meta["seq"], meta["data_time"]):  # empty deltas advance the time
-            new = dataclasses.replace(new, **meta)
+        if upto is None and (new.seq, new.data_time) != (int(m["seq"]), float(m["time"])):
+            new = dataclasses.replace(new, seq=int(m["seq"]), data_time=float(m["time"]))  # empty deltas: time
+        elif upto is not None and new.seq != upto:
+            new = dataclasses.replace(new, seq=upto)  # the entries between were empty deltas
+        if new is cur:
+            return False
         self.state = new  # the swap: one attribute, read once per lookup
         if self.on_swap is not None:
             self.on_swap(new)

@@ -14,6 +14,7 @@ import pytest
 
 from tigana.ps.errors import DataLoss, InvalidArgument
 from tigana.ps.serving import ServeConfig, modeldir
+from tigana.ps.serving.exportlog import read_manifest
 from tigana.ps.serving.model import ModelFollower
 
 
@@ -40,7 +41,7 @@ def _write_entry(log: Path, kind: str, seq: int, ids: np.ndarray, rows: np.ndarr
 
 class LinearScorer:
     """p = sigmoid(w . dense + sum of the first element of each categorical value's row): enough to see which
-    rows and which weights a prediction used."""
+    rows and which weights a prediction used. Its canary is an .npz of (dense, categorical, labels)."""
 
     loads = 0
 
@@ -49,17 +50,36 @@ class LinearScorer:
         self.num_dense, self.num_sparse = spec["num_dense"], spec["num_sparse"]
         self.table = spec["tables"][0]
         self.w = np.frombuffer(dense_file, np.float32)
+        self.finite = bool(np.isfinite(self.w).all())
 
     def predict(self, dense: np.ndarray, categorical: np.ndarray, lookup) -> np.ndarray:
         rows = lookup(self.table, categorical.reshape(-1).view(np.int64)).reshape(len(dense), self.num_sparse, -1)
-        z = dense @ self.w + rows[:, :, 0].sum(axis=1)
-        return (1 / (1 + np.exp(-z))).astype(np.float32)
+        with np.errstate(invalid="ignore", over="ignore"):  # the gate's tests score weights of inf
+            z = dense @ self.w + rows[:, :, 0].sum(axis=1)
+            return (1 / (1 + np.exp(-z))).astype(np.float32)
+
+    def canary_auc(self, path: str, lookup) -> float:
+        c = np.load(path)
+        p, y = self.predict(c["dense"], c["categorical"], lookup), c["labels"]
+        pos, neg = p[y == 1], p[y == 0]  # the probability a positive outranks a negative (ties count half)
+        return float(((pos[:, None] > neg[None, :]) + 0.5 * (pos[:, None] == neg[None, :])).mean())
 
 
 SPEC = {"model": "linear", "tables": ["emb"], "num_dense": 2, "num_sparse": 1}
+DENSE = np.array([[2.0, 7.0], [0.0, 0.0]], np.float32)
+CATS = np.array([[1], [3]], np.uint64)  # id 3 is unknown until a delta writes it: the default row (zeros)
 
 
-def test_a_model_is_served_once_every_part_is_published_and_swaps_whole_versions(tmp_path: Path) -> None:
+def _version(root: Path) -> dict | None:
+    """What the follower (``export --follow --model``) does after a round: a version of the logs as they are."""
+    return modeldir.publish_version(root, {"emb": read_manifest(modeldir.table_log(root, "emb"))})
+
+
+def _expected(w: list[float], row3: float) -> np.ndarray:
+    return 1 / (1 + np.exp(-(DENSE @ np.array(w) + np.array([1.0, row3]))))
+
+
+def test_versions_go_live_whole_and_a_delta_reuses_the_loaded_dense_network(tmp_path: Path) -> None:
     root = tmp_path / "model"
     LinearScorer.loads = 0
     follower = ModelFollower(root, "zeros", LinearScorer)
@@ -67,37 +87,88 @@ def test_a_model_is_served_once_every_part_is_published_and_swaps_whole_versions
     modeldir.write_spec(root, SPEC)
     log = modeldir.table_log(root, "emb")
     _write_entry(log, "full", 1, np.array([1, 2]), np.array([[1.0, 0], [2.0, 0]]), 10.0)
-    assert not follower.poll() and follower.state is None  # no dense version yet
     modeldir.publish_dense(root, 20, np.array([0.5, 0.0], np.float32).tobytes())
+    assert not follower.poll() and follower.state is None  # nothing in the publish log yet
+    assert _version(root)["version"] == 1 and _version(root) is None  # nothing changed: no second version
     assert follower.poll()
     first = follower.state
-    assert (first.version, first.model, sorted(first.tables)) == (20, "linear", ["emb"])
-    dense = np.array([[2.0, 7.0], [0.0, 0.0]], np.float32)
-    cats = np.array([[1], [3]], np.uint64)  # id 3 is unknown: the default row (zeros)
-    np.testing.assert_allclose(first.predict(dense, cats), 1 / (1 + np.exp(-np.array([2.0, 0.0]))), rtol=1e-6)
-    assert not follower.poll()  # nothing new: the same state object stays
+    assert (first.version, first.step, first.model, sorted(first.tables)) == (1, 20, "linear", ["emb"])
+    np.testing.assert_allclose(first.predict(DENSE, CATS), _expected([0.5, 0], 0.0), rtol=1e-6)
+    assert not follower.poll()
 
-    # a table delta: a new state, the dense network reused (not loaded again)
+    # entries written after the newest version wait for the version that names them
     _write_entry(log, "delta", 2, np.array([3]), np.array([[4.0, 0]]), 11.0)
-    assert follower.poll()
+    assert not follower.poll() and follower.state is first
+    assert _version(root)["version"] == 2 and follower.poll()
     second = follower.state
-    assert second is not first and second.scorer is first.scorer and LinearScorer.loads == 1
-    assert second.version == 20 and first.predict(dense, cats)[1] == pytest.approx(0.5)  # the old one unchanged
-    assert second.predict(dense, cats)[1] == pytest.approx(1 / (1 + np.exp(-4.0)))
+    assert second.scorer is first.scorer and LinearScorer.loads == 1  # same dense version: not loaded again
+    np.testing.assert_allclose(first.predict(DENSE, CATS), _expected([0.5, 0], 0.0), rtol=1e-6)  # unchanged
+    np.testing.assert_allclose(second.predict(DENSE, CATS), _expected([0.5, 0], 4.0), rtol=1e-6)
 
-    # a new dense version: loaded once, the tables as they were
     modeldir.publish_dense(root, 40, np.array([0.0, 1.0], np.float32).tobytes())
-    assert follower.poll()
+    assert _version(root)["version"] == 3 and follower.poll()
     third = follower.state
-    assert third.version == 40 and LinearScorer.loads == 2 and third.tables == second.tables
-    assert third.predict(dense, cats)[0] == pytest.approx(1 / (1 + np.exp(-(7.0 + 1.0))))
+    assert (third.version, third.step, LinearScorer.loads) == (3, 40, 2) and third.tables == second.tables
 
-    # a damaged version is refused and the served one stays
+    # a damaged dense file: the version is not served, the served one stays
     entry = modeldir.publish_dense(root, 60, np.array([9.0, 9.0], np.float32).tobytes())
     (root / modeldir.DENSE_DIR / entry["path"]).write_bytes(np.array([1.0, 1.0], np.float32).tobytes())
+    _version(root)
     with pytest.raises(DataLoss, match="sha256"):
         follower.poll()
     assert follower.state is third
+
+
+def test_the_gate_refuses_non_finite_and_worse_versions_and_rollback_pins_one(tmp_path: Path) -> None:
+    root = tmp_path / "model"
+    canary = tmp_path / "canary.npz"
+    # the canary's positives have high dense values: a model weighting them up ranks it well
+    np.savez(canary, dense=np.array([[3, 0], [2, 0], [-1, 0], [-2, 0]], np.float32),
+             categorical=np.array([[1], [1], [1], [1]], np.uint64), labels=np.array([1, 1, 0, 0]))
+    follower = ModelFollower(root, "zeros", LinearScorer, canary=str(canary), max_auc_drop=0.1, keep=2)
+    modeldir.write_spec(root, SPEC)
+    log = modeldir.table_log(root, "emb")
+    _write_entry(log, "full", 1, np.array([1, 2]), np.array([[1.0, 0], [2.0, 0]]), 10.0)
+    modeldir.publish_dense(root, 10, np.array([1.0, 0.0], np.float32).tobytes())
+    _version(root)
+    assert follower.poll() and follower.state.version == 1 and follower.state.canary_auc == 1.0
+
+    _write_entry(log, "delta", 2, np.array([2]), np.array([[np.nan, 0]]), 11.0)  # a NaN row
+    assert _version(root)["version"] == 2
+    assert not follower.poll() and follower.state.version == 1 and "NaN" in follower.refused[2]
+    _write_entry(log, "delta", 3, np.array([5]), np.array([[1.0, 0]]), 12.0)  # still holds the NaN row
+    _version(root)
+    assert not follower.poll() and follower.state.version == 1 and 3 in follower.refused
+    _write_entry(log, "delta", 4, np.array([2]), np.array([[2.0, 0]]), 13.0)  # the row written finite again
+    _version(root)
+    assert follower.poll() and follower.state.version == 4
+
+    modeldir.publish_dense(root, 20, np.array([np.inf, 0.0], np.float32).tobytes())  # diverged weights
+    _version(root)
+    assert not follower.poll() and follower.state.version == 4 and "dense weights" in follower.refused[5]
+    modeldir.publish_dense(root, 30, np.array([-1.0, 0.0], np.float32).tobytes())  # ranks the canary backwards
+    _version(root)
+    assert not follower.poll() and follower.state.version == 4 and "canary AUC 0.0000" in follower.refused[6]
+    modeldir.publish_dense(root, 40, np.array([2.0, 0.0], np.float32).tobytes())
+    _version(root)
+    assert follower.poll() and follower.state.version == 7
+    seven = follower.state
+
+    # rollback: one version back from the newest pins 6; the newest this server accepted at or before it is 4
+    # (held: the same state object, a swap); then to an older one no longer held (rebuilt from the logs); resume
+    assert modeldir.rollback(root) == 6
+    held = follower._held[4]
+    assert follower.poll() and follower.state is held and follower.pinned
+    assert not follower.poll()
+    assert modeldir.rollback(root, to=1) == 1
+    assert follower.poll() and follower.state.version == 1 and follower.pinned
+    np.testing.assert_allclose(follower.state.predict(DENSE, CATS), _expected([1, 0], 0.0), rtol=1e-6)
+    with pytest.raises(InvalidArgument, match="not a kept version"):
+        modeldir.rollback(root, to=99)
+    modeldir.resume(root)
+    assert follower.poll() and follower.state.version == 7 and not follower.pinned
+    assert follower.state is not seven  # keep=2: no longer held, rebuilt from the logs, the same model
+    np.testing.assert_array_equal(follower.state.predict(DENSE, CATS), seven.predict(DENSE, CATS))
 
 
 def test_publish_dense_keeps_the_newest_versions_and_refuses_going_back(tmp_path: Path) -> None:

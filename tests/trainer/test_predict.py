@@ -64,7 +64,20 @@ def _raw(chunk) -> tuple[np.ndarray, np.ndarray]:
     return dense, chunk.raw
 
 
-def test_a_published_model_is_served_and_predicts_as_the_trainer_scores(cluster, tmp_path: Path) -> None:
+def _admin(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tigana.tools.cli", "admin", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def _wait_info(serving: ServingClient, ready, what: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while not ready(info := serving.info()):
+        assert time.monotonic() < deadline, (what, info)
+        time.sleep(0.02)
+    return info
+
+
+def test_a_published_model_is_served_gated_and_rolled_back_as_the_trainer_scores(cluster, tmp_path: Path) -> None:
     root = tmp_path / "published"
     procs: list[subprocess.Popen] = []
     try:
@@ -81,28 +94,33 @@ def test_a_published_model_is_served_and_predicts_as_the_trainer_scores(cluster,
         dense_log = modeldir.read_dense_manifest(root)
         assert [v["version"] for v in dense_log["versions"]] == [20, 40]  # every 20 steps; the end is step 40
 
-        # every table's log has a cut after the last acknowledged push
+        # the follower has cut every table after the last acknowledged push (its rounds since changed nothing,
+        # so the newest version is the model as trained)
         log = modeldir.table_log(root, spec["tables"][0])
         deadline = time.monotonic() + 60
-        while (m := read_manifest(log)) is None or m["time"] < trained:
+        while (m := read_manifest(log)) is None or m["time"] < trained + 0.5:
             assert time.monotonic() < deadline, (tmp_path / "follow.log").read_text()[-2000:]
             time.sleep(0.1)
+        newest = modeldir.read_versions(root)["versions"][-1]
+        assert newest["step"] == 40 and list(newest["tables"]) == spec["tables"]
 
-        serve, address = spawn_serve(root, tmp_path / "serve.log", model=True, extra=["--max-rows", "1000"])
+        gen = SyntheticCriteo(vocab_sizes=tuple(min(v, VOCAB) for v in CRITEO_KAGGLE_CARDINALITIES), seed=0)
+        canary = tmp_path / "canary.tsv"
+        gen.write_tsv(canary, 2000, start=ROWS)  # held-out rows, labelled, in the training data's format
+        serve, address = spawn_serve(root, tmp_path / "serve.log", model=True,
+                                     extra=["--max-rows", "1000", "--canary", str(canary)])
         procs.append(serve)
         wait_serving(address, timeout=60)
-        gen = SyntheticCriteo(vocab_sizes=tuple(min(v, VOCAB) for v in CRITEO_KAGGLE_CARDINALITIES), seed=0)
         chunk = gen.chunk(0, 512)  # training rows: every id is in the table
         assert chunk.int_missing.any() and chunk.cat_missing.any()
         with ServingClient(address) as serving, ps.connect(cluster.target) as client:
-            deadline = time.monotonic() + 30
-            while (info := serving.info()).data_time < trained:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-            assert (info.model, info.version, list(info.tables)) == ("deepfm", 40, spec["tables"])
-            assert (info.num_dense, info.num_sparse) == (13, 26)
+            info = _wait_info(serving, lambda i: i.version >= newest["version"], "the newest version")
+            assert (info.model, info.step, list(info.tables)) == ("deepfm", 40, spec["tables"])
+            assert (info.num_dense, info.num_sparse, info.pinned, info.versions_refused) == (13, 26, False, 0)
+            assert 0.55 < info.canary_auc <= 1.0
+            live = info.version
             probabilities, version = serving.predict(*_raw(chunk))
-            assert version == 40
+            assert version == live
             want = _reference(client, spec, modeldir.read_dense(root, dense_log["versions"][-1]), chunk)
             np.testing.assert_allclose(probabilities, want, rtol=0, atol=2e-6)
             assert 0.05 < float(probabilities.mean()) < 0.95
@@ -113,18 +131,41 @@ def test_a_published_model_is_served_and_predicts_as_the_trainer_scores(cluster,
                 serving.predict(dense[:, :12], raw)
             with pytest.raises(ps.InvalidArgument, match="field 'categorical'"):
                 serving.predict(dense, raw[:, :25])
-            big = gen.chunk(0, 1001)
             with pytest.raises(ps.InvalidArgument, match="field 'rows'"):
-                serving.predict(*_raw(big))
-            again, version = serving.predict(*_raw(chunk))
-            np.testing.assert_array_equal(again, probabilities)
-
-            # the tables are served for lookups too, by name
+                serving.predict(*_raw(gen.chunk(0, 1001)))
             ids = np.arange(5, dtype=np.int64)
             with pytest.raises(ps.InvalidArgument, match="field 'table'"):
                 serving.lookup(ids, table="nope")
-            rows, _ = serving.lookup(ids, table=spec["tables"][0])
-            assert rows.shape == (5, 16)
+            assert serving.lookup(ids, table=spec["tables"][0])[0].shape == (5, 16)
+
+            # a diverged trainer publishes NaN weights: the follower makes a version of them, the gate refuses
+            # it, and no prediction ever comes from it
+            state = torch.load(io.BytesIO(modeldir.read_dense(root, dense_log["versions"][-1])), weights_only=True)
+            first = next(k for k, v in state["model"].items() if v.is_floating_point())
+            state["model"][first] = state["model"][first] * float("nan")
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            modeldir.publish_dense(root, 41, buf.getvalue())
+            deadline = time.monotonic() + 30
+            while serving.info().versions_refused < 1:
+                got, version = serving.predict(*_raw(chunk))
+                assert version == live and np.array_equal(got, probabilities)
+                assert time.monotonic() < deadline
+            assert serving.info().version == live and modeldir.read_versions(root)["versions"][-1]["step"] == 41
+
+            # rollback to the first version (step 20): every answer comes from it once the server swapped
+            oldest = modeldir.read_versions(root)["versions"][0]
+            rolled = _admin("publish", "rollback", "--model", str(root), "--to", str(oldest["version"]))
+            assert rolled.returncode == 0, rolled.stderr
+            info = _wait_info(serving, lambda i: i.version == oldest["version"], "the rollback")
+            assert info.pinned and info.step == 20
+            older, version = serving.predict(*_raw(chunk))
+            assert version == oldest["version"] and not np.allclose(older, probabilities, atol=1e-4)
+            resumed = _admin("publish", "resume", "--model", str(root))
+            assert resumed.returncode == 0, resumed.stderr
+            info = _wait_info(serving, lambda i: i.version == live and not i.pinned, "the resume")
+            again, version = serving.predict(*_raw(chunk))
+            assert version == live and np.array_equal(again, probabilities)
         assert serve.poll() is None
     finally:
         for proc in procs:
