@@ -101,7 +101,7 @@ class Evicting(TableFields):
             victims[alive[pick]] = True
         n = int(victims.sum())
         if n:
-            self._remove(ids[victims])
+            self._remove(ids[victims], tombstone=True)
             self._counters["evictions"] += n
         return n
 

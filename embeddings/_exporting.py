@@ -49,6 +49,23 @@ class Exporting(TableFields):
             chunks = list(self._iter_sorted(ids, predicate))
             return RowBatch.concat(chunks) if chunks else RowBatch.empty(self.dim, self._width)
 
+    def removed_since(self, since: float, predicate: Callable[[np.ndarray], np.ndarray] | None = None
+                      ) -> tuple[np.ndarray, bool]:
+        """Tombstones of a serving delta: (sorted ids eviction removed at or after ``since`` and the table does
+        not hold now, whether that list is complete back to ``since``; ``tombstones``), those ``predicate``
+        selects."""
+        with self._lock:
+            self._check_open()
+            ids, complete = self._tombstones.since(float(since))
+            if ids.size:
+                held = self._index.lookup(ids) >= 0
+                if len(self._spilled):
+                    held |= self._spilled.lookup(ids) >= 0
+                ids = ids[~held]
+            if predicate is not None and ids.size:
+                ids = ids[self._selected(predicate, ids)]
+            return ids, complete
+
     def _selected(self, predicate: Callable[[np.ndarray], np.ndarray], ids: np.ndarray) -> np.ndarray:
         mask = np.asarray(predicate(ids))
         if mask.dtype != bool or mask.shape != ids.shape:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from tigana.embeddings import admission
     from tigana.embeddings.cut import Cut
     from tigana.embeddings.spillfile import SpillFile
+    from tigana.embeddings.tombstones import Tombstones
 
 _INT64_MAX = np.iinfo(np.int64).max
 
@@ -66,9 +67,10 @@ class TableFields:
     _corrupt: np.ndarray
     _cuts: list[Cut]  # open cuts, which writes preserve what they have not read for (``cut``)
     _snapshot_turn: threading.RLock
+    _tombstones: Tombstones  # ids eviction removed, and when (serving deltas tell readers to forget them)
 
     if TYPE_CHECKING:  # the methods one room calls in another
-        def _remove(self, ids: np.ndarray) -> int: ...
+        def _remove(self, ids: np.ndarray, *, tombstone: bool = False) -> int: ...
         def _maybe_spill(self) -> None: ...
         def _spill_rows(self, ids: np.ndarray, *, skip_corrupt: bool = False) -> RowBatch: ...
         def _drop_spilled(self, ids: np.ndarray, vals: np.ndarray | None = None) -> None: ...

@@ -39,6 +39,7 @@ from tigana.embeddings.initializers import initial_rows
 from tigana.embeddings.partitioned import PartitionedIndex
 from tigana.embeddings.rows import RowBatch
 from tigana.embeddings.slab import Slab, from_float32, to_float32
+from tigana.embeddings.tombstones import Tombstones
 
 _log = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         self._spill_cursor = 0.0  # where in the spilled index the eviction's next window starts (``_evicting``)
         self._sweep_left = 0  # spilled records the TTL sweep under way still has to read (a window per write)
         self._cuts = []
+        self._tombstones = Tombstones()
         self._counters = dict.fromkeys(("pulls", "pushes", "lookups", "hits", "inserts", "admissions",
                                         "rejected_admissions", "evictions", "spills", "unspills",
                                         "rows_updated", "nonfinite_rows_skipped", "spill_failures",
@@ -307,14 +309,17 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         with self._lock:
             return len(self._spilled)
 
-    def delete(self, ids: np.ndarray) -> int:
-        """Remove ids (duplicates and absent ids allowed); returns how many stored rows were removed."""
+    def delete(self, ids: np.ndarray, *, tombstone: bool = False) -> int:
+        """Remove ids (duplicates and absent ids allowed); returns how many stored rows were removed.
+        ``tombstone``: the rows are gone from the table for good (an eviction on the rows' primary, applied
+        here by a copy), so a serving delta must tell readers to forget them; rows that moved to another
+        server (a slot handed over) are not."""
         ids = self._check_ids(ids)
         with self._lock:
             self._check_open()
-            return self._remove(ids)
+            return self._remove(ids, tombstone=tombstone)
 
-    def _remove(self, ids: np.ndarray) -> int:
+    def _remove(self, ids: np.ndarray, *, tombstone: bool = False) -> int:
         gone = []
         if len(self._spilled):
             spilled = sorted_unique(ids[self._spilled.lookup(ids) >= 0])
@@ -326,6 +331,8 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         self._cow_remove(removed_ids, positions)
         self._slab.release(positions)
         gone_ids = np.concatenate([removed_ids, *gone])
+        if tombstone:
+            self._tombstones.record(gone_ids, time.time())
         if self._changes is not None and gone_ids.size:
             self._changes.deleted.append(gone_ids)
         if gone_ids.size and self._last_snapshot is not None:  # only increments need them
@@ -400,8 +407,8 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
                 self._admission.admit(seen_ids, counts.astype(np.int64))
             if batch is not None and len(batch):
                 self._import(batch)
-            if gone.size:
-                self._remove(gone)
+            if gone.size:  # the primary's evictions: tombstones here too, so a failover keeps them
+                self._remove(gone, tombstone=True)
             if step is not None and int(step) > self._step:
                 self._step = int(step)
 

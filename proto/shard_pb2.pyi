@@ -515,20 +515,24 @@ class ExportRowsRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., slots: _Optional[bytes] = ..., chunk_rows: _Optional[int] = ..., weights_only: _Optional[bool] = ..., since_time: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ExportRowsChunk(_message.Message):
-    __slots__ = ("rows", "slots", "positions_epochs", "positions_indexes", "step", "server_time")
+    __slots__ = ("rows", "slots", "positions_epochs", "positions_indexes", "step", "server_time", "deleted_ids", "deleted_complete")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_EPOCHS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_INDEXES_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    DELETED_IDS_FIELD_NUMBER: _ClassVar[int]
+    DELETED_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     rows: RowBlock
     slots: bytes
     positions_epochs: bytes
     positions_indexes: bytes
     step: int
     server_time: float
-    def __init__(self, rows: _Optional[_Union[RowBlock, _Mapping]] = ..., slots: _Optional[bytes] = ..., positions_epochs: _Optional[bytes] = ..., positions_indexes: _Optional[bytes] = ..., step: _Optional[int] = ..., server_time: _Optional[float] = ...) -> None: ...
+    deleted_ids: bytes
+    deleted_complete: bool
+    def __init__(self, rows: _Optional[_Union[RowBlock, _Mapping]] = ..., slots: _Optional[bytes] = ..., positions_epochs: _Optional[bytes] = ..., positions_indexes: _Optional[bytes] = ..., step: _Optional[int] = ..., server_time: _Optional[float] = ..., deleted_ids: _Optional[bytes] = ..., deleted_complete: _Optional[bool] = ...) -> None: ...
 
 class ImportRowsRequest(_message.Message):
     __slots__ = ("table", "rows", "epoch", "step")

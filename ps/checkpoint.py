@@ -297,9 +297,12 @@ def _retryable(error: Exception, client: Any) -> bool:
 def export_table(client: Any, table: str, out: str | os.PathLike, since: str | os.PathLike | None = None,
                  *, since_time: float | None = None) -> dict[str, Any]:
     """Write ``table``'s ids and float32 rows (no optimizer state) to ``out`` (a folder: ids.npy, rows.npy,
-    export.json), or with ``since`` (an earlier export's folder) only the rows updated after it.
-    ``since_time`` (a unix time on the servers' clocks) is the same cut given directly: the follow loop
-    (``tigana.ps.serving.exportlog``) passes its previous cut minus an overlap."""
+    deleted.npy, export.json), or with ``since`` (an earlier export's folder) only the rows updated after it,
+    and in ``deleted.npy`` the tombstones: the ids eviction removed since then (a reader forgets them;
+    ``export.json``'s ``deleted_complete`` is false when a server's tombstones no longer reach back that far,
+    and only a full export is then exact). ``since_time`` (a unix time on the servers' clocks) is the same
+    cut given directly: the follow loop (``tigana.ps.serving.exportlog``) passes its previous cut minus an
+    overlap."""
     root = Path(out)
     if root.exists() and any(root.iterdir()):
         raise InvalidArgument(f"export: {str(root)!r} exists and is not empty")
@@ -313,17 +316,22 @@ def export_table(client: Any, table: str, out: str | os.PathLike, since: str | o
             raise InvalidArgument(f"export: --since {str(since)!r} is not an export folder: {exc}") from None
     client.flush()
     info = client.describe_table(table)
-    ids_parts, rows_parts, cut_times = [], [], []
+    ids_parts, rows_parts, cut_times, deleted_parts = [], [], [], []
+    complete = True
     for server, slots in _primaries(client):
         for chunk in _export_stream(client, server, table, slots, weights_only=True, since=since_time):
             if chunk.server_time:
                 cut_times.append(chunk.server_time)
+            if since_time and chunk.slots:  # a slot set's last chunk
+                deleted_parts.append(cluster_wire.array(chunk.deleted_ids, "<i8", field="deleted_ids"))
+                complete &= chunk.deleted_complete
             if chunk.HasField("rows"):
                 rows = cluster_wire.rows_from_pb(chunk.rows, dim=info.config.dim, state_width=0, table=table)
                 ids_parts.append(rows.ids)
                 rows_parts.append(rows.weights)
     ids = np.concatenate(ids_parts) if ids_parts else np.empty(0, np.int64)
     rows = np.concatenate(rows_parts) if rows_parts else np.empty((0, info.config.dim), np.float32)
+    deleted = np.setdiff1d(np.concatenate(deleted_parts) if deleted_parts else np.empty(0, np.int64), ids)
     order = np.argsort(ids, kind="stable")
     tmp = root.with_name(f".{root.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -331,9 +339,12 @@ def export_table(client: Any, table: str, out: str | os.PathLike, since: str | o
     try:
         np.save(tmp / "ids.npy", np.ascontiguousarray(ids[order], "<i8"))
         np.save(tmp / "rows.npy", np.ascontiguousarray(rows[order], "<f4"))
+        np.save(tmp / "deleted.npy", np.ascontiguousarray(deleted, "<i8"))
         meta = {"format": "tigana-export", "version": 1, "table": table, "dim": info.config.dim,
-                "rows": int(ids.size), "time": min(cut_times) if cut_times else time.time(), "since": since_time,
-                "files": {f: hashlib.sha256((tmp / f).read_bytes()).hexdigest() for f in ("ids.npy", "rows.npy")}}
+                "rows": int(ids.size), "deleted": int(deleted.size), "deleted_complete": bool(complete),
+                "time": min(cut_times) if cut_times else time.time(), "since": since_time,
+                "files": {f: hashlib.sha256((tmp / f).read_bytes()).hexdigest()
+                          for f in ("ids.npy", "rows.npy", "deleted.npy")}}
         (tmp / "export.json").write_text(json.dumps(meta, indent=1))
         _publish(tmp, root)
     except BaseException:

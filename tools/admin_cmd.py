@@ -105,7 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--follow", action="store_true",
                    help="keep going: write the export log into --out (a full export, then the rows changed since "
                         "the previous entry every --interval seconds) until SIGTERM or Ctrl-C")
-    p.add_argument("--interval", type=float, default=2.0, help="--follow: seconds between deltas (default 2)")
+    p.add_argument("--interval", type=float, default=None,
+                   help="--follow: seconds between deltas (default 2; with --model 0.25, so that a pushed row "
+                        "reaches predictions within a second)")
     p.add_argument("--overlap", type=float, default=0.5,
                    help="--follow: each delta re-reads rows updated this many seconds before the previous cut "
                         "(covers clock skew between servers; default 0.5)")
@@ -293,6 +295,8 @@ def _restore(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
 
 
 def _export(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
+    if args.interval is None:
+        args.interval = 0.25 if args.model is not None else 2.0
     if args.model is not None:
         if not args.follow or args.table or args.out or args.since:
             raise ps.InvalidArgument("export --model DIR: give --follow, and no TABLE, --out or --since (the "

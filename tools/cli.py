@@ -38,6 +38,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                                               "MovieLens-100K against local nn.EmbeddingBag"),
     "cache": ("tigana.tools.bench.cache", "the trainer's hot-row cache under Zipf(1.05): hit rate and pulled bytes "
                                           "saved at staleness 0, 1, 4, 16, with the AUC cost"),
+    "serving": ("tigana.tools.bench.serving", "a trained model served: freshness (push ack to a changed "
+                                              "prediction) while training, Predict latency at 1/64/1024 rows vs "
+                                              "the model in process, rollback time"),
     "serving-sync": ("tigana.tools.bench.serving_sync", "continuous sync to serving: push-to-visible lag, delta "
                                                         "throughput, lookup latency of tigana serve"),
     "elastic": ("tigana.tools.bench.elastic", "kill -9 of one of two trainers mid-run: the job restarts it and ends "

@@ -5,7 +5,8 @@ Layout of ``DIR``::
 
     DIR/manifest.json        the log: which entries exist and their order (schema below), replaced atomically
     DIR/full-00000001/       a full export: ids.npy, rows.npy, export.json (the `tigana admin export` format)
-    DIR/delta-00000002/      the rows changed since the previous entry's cut, in the same format
+    DIR/delta-00000002/      the rows changed since the previous entry's cut, in the same format, and
+                             deleted.npy: the ids evicted since then (tombstones)
     DIR/delta-00000003/ ...
 
 ``manifest.json``::
@@ -40,8 +41,12 @@ Design (what the follow loop guarantees, and why):
   manifest is written last, atomically (``files.atomic_write``: a temp file, fsynced, renamed, ``DIR`` fsynced). A reader that
   follows the manifest never sees a half-written entry, and an entry exists before any manifest names it.
 - **Empty deltas** are not kept: the folder is removed and only the manifest's ``time`` advances.
-- **Deletions.** ``ExportRows`` lists the rows a table stores, so a delta cannot tell a deleted or evicted row
-  from an unchanged one: such rows stay in serving until the next full export. **Compaction**: every
+- **Tombstones.** A delta also carries ``deleted.npy``: the ids eviction (TTL, capacity) removed since the
+  previous cut and the table does not hold now (each server keeps its recent removals, ``embeddings.tombstones``,
+  and a copy keeps its primary's, so a failover keeps them). A reader applies a delta's rows, then forgets its
+  tombstones. A server whose kept tombstones no longer reach back to the delta's start says so
+  (``deleted_complete``) and the follower writes a full export instead. Rows that left a server because their
+  slot moved are not removed from the table: no tombstone. **Compaction**: every
   ``full_every`` deltas (default 100; 0 = never) the loop writes a new full export, which becomes the base
   (deltas before it leave the manifest). Entries older than the *previous* base are then deleted, so a reader
   that read the manifest before this compaction still finds every entry it names; a reader that finds an
@@ -140,7 +145,27 @@ def read_log(directory: str | os.PathLike, *, verify: bool = True) -> tuple[dict
     ids, rows = load_entry(directory, manifest["base"], verify=verify)
     for entry in manifest["deltas"]:
         ids, rows = merge(ids, rows, *load_entry(directory, entry, verify=verify))
+        gone = load_deleted(directory, entry, verify=verify)
+        if gone.size:  # tombstones: the rows eviction removed
+            keep = ~np.isin(ids, gone)
+            ids, rows = ids[keep], rows[keep]
     return manifest, ids, rows
+
+
+def load_deleted(directory: str | os.PathLike, entry: dict[str, Any], *, verify: bool = True) -> np.ndarray:
+    """The tombstones of a delta (sorted int64 ids a reader forgets); empty for a full export or an entry
+    written before tombstones."""
+    folder = Path(directory) / entry["path"]
+    meta = json.loads((folder / "export.json").read_text())
+    if "deleted.npy" not in meta["files"]:
+        return np.empty(0, np.int64)
+    raw = (folder / "deleted.npy").read_bytes()
+    if verify and hashlib.sha256(raw).hexdigest() != meta["files"]["deleted.npy"]:
+        raise DataLoss(f"export log entry {str(folder)!r}: deleted.npy does not match its checksum")
+    out = _npy(raw, folder / "deleted.npy")
+    if out.dtype != np.int64 or out.ndim != 1:
+        raise DataLoss(f"export log entry {str(folder)!r}: deleted.npy is {out.dtype}{out.shape}, not int64 ids")
+    return out
 
 
 def merge(ids: np.ndarray, rows: np.ndarray, new_ids: np.ndarray, new_rows: np.ndarray
@@ -245,8 +270,16 @@ class ExportFollower:
         shutil.rmtree(self.root / name, ignore_errors=True)  # left by a failed manifest write: never named
         started = time.monotonic()
         meta = export_table(self.client, self.table, self.root / name, since_time=since)
+        if not full and not meta["deleted_complete"]:  # tombstones older than a server keeps: only a full export
+            log.info("export log %s: tombstones since %.3f are no longer all kept; writing a full export", self.root,
+                     since)
+            shutil.rmtree(self.root / name, ignore_errors=True)
+            full, name = True, entry_name("full", seq)
+            shutil.rmtree(self.root / name, ignore_errors=True)
+            meta = export_table(self.client, self.table, self.root / name)
         entry = {"path": name, "seq": seq, "time": float(meta["time"]), "since": float(meta["since"]),
-                 "rows": int(meta["rows"]), "seconds": round(time.monotonic() - started, 6)}
+                 "rows": int(meta["rows"]), "deleted": int(meta["deleted"]),
+                 "seconds": round(time.monotonic() - started, 6)}
         fsync_path(self.root)  # the entry's rename is durable before a manifest names it
         if full:
             previous = m["base"]["seq"] if m else None
@@ -254,16 +287,17 @@ class ExportFollower:
                    "table": self.table, "dim": int(meta["dim"]), "base": entry, "deltas": []}
         else:
             new = {**m, "deltas": list(m["deltas"])}
-            if entry["rows"]:
+            if entry["rows"] or entry["deleted"]:
                 new["deltas"].append(entry)
             else:
                 shutil.rmtree(self.root / name)
                 entry = {k: v for k, v in entry.items() if k != "path"}
-        new.update(seq=seq if (full or entry["rows"]) else int(m["seq"]), time=entry["time"], written=time.time(),
+        kept = full or entry["rows"] or entry["deleted"]
+        new.update(seq=seq if kept else int(m["seq"]), time=entry["time"], written=time.time(),
                    interval_s=self.interval_s, overlap_s=self.overlap_s, full_every=self.full_every)
         atomic_write(self.root / MANIFEST, json.dumps(new, indent=1))
         self.manifest = new
-        self.entries_written += 1 if (full or entry["rows"]) else 0
+        self.entries_written += 1 if kept else 0
         self.rows_written += entry["rows"]
         if full and previous is not None:
             self._prune(int(previous))

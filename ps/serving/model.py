@@ -13,9 +13,11 @@ Which version is served:
   the served version's by more than ``max_auc_drop``. A refused version is logged, counted and never tried
   again; the served one stays, and only a newer version can replace it.
 - **A pinned one.** ``tigana admin publish rollback`` writes ``live.json``: every server swaps at its next
-  poll to the newest version at or before the pin that its gate accepts (the last ``keep`` versions it served
-  are held in memory, so that is a swap of one attribute; an older one is rebuilt from the logs and checked
-  for non-finite values only: going back is the operator's choice, not a worse AUC). A refused version never
+  poll to the newest version at or before the pin that its gate accepts. The last ``keep`` versions are held
+  in memory (the served ones and those published between two polls, built on the way: the same deltas), so
+  going back to one of them is a swap of one attribute; an older one is rebuilt from the logs. A version
+  going live by a rollback is checked for non-finite values only: going back is the operator's choice, not a
+  worse AUC. A refused version never
   answers, pinned or not. ``publish resume`` removes the pin.
 
 The scorer is built by a loader given to the follower (``tigana.trainer.predict.load_scorer`` in ``tigana
@@ -106,7 +108,8 @@ class ModelFollower(Follower):
         self.pinned = False
         self.followers: dict[str, LogFollower] = {}
         self.refused: dict[int, str] = {}  # version -> why the gate refused it
-        self._held: dict[int, ModelState] = {}  # the last versions served, oldest first
+        self._held: dict[int, ModelState] = {}  # the last versions built (served or between), oldest first
+        self._checked: set[int] = set()  # held versions the gate accepted
         self._scorers: dict[str, Scorer] = {}  # dense sha256 -> its scorer (the held versions' and the newest)
 
     def serving(self) -> str:
@@ -140,42 +143,47 @@ class ModelFollower(Follower):
                                       "before it is kept or acceptable")
             candidates = sorted(known, reverse=True)
         else:  # the newest version not refused, if it is newer than the served one
-            newer = [v for v in entries if v not in self.refused and (cur is None or v > cur.version)]
-            candidates = [max(newer)] if newer else []
+            newer = sorted(v for v in entries if v not in self.refused and (cur is None or v > cur.version))
+            for v in newer[-self.keep:-1]:  # the versions between, held for a rollback: the same deltas applied
+                if v not in self._held:
+                    self._hold(self._build(spec, entries[v], score=False))
+            candidates = newer[-1:]
         for target in candidates:
             if cur is not None and cur.version == target:
                 return False
             state = self._held.get(target)
-            if state is None:
-                state = self._build(spec, entries[target])
+            if state is None or target not in self._checked:
+                state = state or self._build(spec, entries[target])
                 # the operator chose to go back: only a broken version is refused then, not a worse AUC
                 why = self._refusal(state, cur if live is None else None)
                 if why:
                     self.refused[target] = why
+                    self._held.pop(target, None)
                     log.error("model version %d refused, serving %s: %s", target,
                               cur.version if cur is not None else "nothing", why)
                     continue
-            self._swap(state, pinned=live is not None)
+                self._checked.add(target)
+            self._hold(state)
+            self.state = state
+            log.info("serving model %r version %d (step %d)%s", state.model, state.version, state.step,
+                     " (pinned by a rollback)" if live is not None else "")
+            if self.on_swap is not None:
+                self.on_swap(state)
             return True
         return False
 
-    def _swap(self, state: ModelState, pinned: bool) -> None:
-        """Serve ``state`` (one attribute) and hold it among the last ``keep`` versions served."""
+    def _hold(self, state: ModelState) -> None:
+        """Hold ``state`` as the newest of the last ``keep`` versions (a rollback to one of them is a swap)."""
         self._held.pop(state.version, None)
         self._held[state.version] = state
         while len(self._held) > self.keep:
-            self._held.pop(next(iter(self._held)))
+            self._checked.discard(self._held.pop(next(iter(self._held))).version)
         held_dense = {id(s.scorer) for s in self._held.values()}
         self._scorers = {k: v for k, v in self._scorers.items() if id(v) in held_dense}
-        self.state = state
-        log.info("serving model %r version %d (step %d)%s", state.model, state.version, state.step,
-                 " (pinned by a rollback)" if pinned else "")
-        if self.on_swap is not None:
-            self.on_swap(state)
 
-    def _build(self, spec: dict[str, Any], entry: dict[str, Any]) -> ModelState:
+    def _build(self, spec: dict[str, Any], entry: dict[str, Any], score: bool = True) -> ModelState:
         """The state of publish log entry ``entry``: each table's log applied up to its position, its dense
-        version's scorer (loaded once per dense version)."""
+        version's scorer (loaded once per dense version); ``score``: its canary AUC too."""
         tables: dict[str, TableState] = {}
         for table, position in entry["tables"].items():
             follower = self.followers.get(table)
@@ -199,7 +207,7 @@ class ModelFollower(Follower):
                      time.monotonic() - started)
         state = ModelState(spec=spec, tables=tables, scorer=scorer, version=int(entry["version"]),
                            step=int(entry["step"]), version_time=float(entry["time"]), loaded_time=time.time())
-        if self.canary:
+        if self.canary and score:
             state = dataclasses.replace(state, canary_auc=scorer.canary_auc(self.canary, state.lookup))
         return state
 

@@ -94,7 +94,7 @@ class ServeConfig(SecuritySettings):
     max_rows: int = 65_536
     canary: str = ""
     max_auc_drop: float = 0.01
-    keep_versions: int = 3
+    keep_versions: int = 10
     max_message_bytes: int = 64 << 20
     max_workers: int = 8
     verify: bool = True

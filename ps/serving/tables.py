@@ -51,6 +51,8 @@ class TableState:
     loaded_time: float       # this server's clock when it was built
     bad_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.int64))
     # ^ sorted ids whose row holds a NaN or an infinity: a model's validation gate refuses such a state
+    gone_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.int64))
+    # ^ sorted ids of the base that tombstones removed since it was built (they read as unknown)
 
     @classmethod
     def build(cls, table: str, ids: np.ndarray, rows: np.ndarray, policy: str | float, **meta: Any) -> TableState:
@@ -71,25 +73,39 @@ class TableState:
         found_base = _find(self.ids, ids)
         in_over = found_over >= 0
         in_base = (found_base >= 0) & ~in_over
+        if self.gone_ids.size:
+            in_base &= _find(self.gone_ids, ids) < 0
         out[in_over] = self.over_rows[found_over[in_over]]
         out[in_base] = self.rows[found_base[in_base]]
         found = in_over | in_base
         out[~found] = self.default_row
         return out, found
 
-    def with_delta(self, ids: np.ndarray, rows: np.ndarray, policy: str | float, **meta: Any) -> TableState:
-        """A new state with a delta's rows (sorted unique ids) applied; folds the overlay into the base when it
-        has grown past 1/16 of it."""
+    def with_delta(self, ids: np.ndarray, rows: np.ndarray, policy: str | float,
+                   deleted: np.ndarray | None = None, **meta: Any) -> TableState:
+        """A new state with a delta's rows (sorted unique ids) applied, then its tombstones (``deleted``,
+        sorted unique ids) forgotten; folds the overlay into the base when it has grown past 1/16 of it."""
         over_ids, over_rows = exportlog.merge(self.over_ids, self.over_rows, ids, rows)
         # the delta's rows replace theirs: bad ids it wrote finite leave the set, the ones it wrote bad join it
-        meta["bad_ids"] = np.union1d(np.setdiff1d(self.bad_ids, ids), ids[~np.isfinite(rows).all(axis=1)])
-        fresh = int((_find(self.ids, over_ids) < 0).sum())
-        if over_ids.size >= max(_FOLD_MIN_ROWS, self.ids.size // 16):
+        bad = np.union1d(np.setdiff1d(self.bad_ids, ids), ids[~np.isfinite(rows).all(axis=1)])
+        gone = np.setdiff1d(self.gone_ids, ids)  # written again: back
+        if deleted is not None and deleted.size:
+            keep = _find(deleted, over_ids) < 0
+            over_ids, over_rows = over_ids[keep], over_rows[keep]
+            gone = np.union1d(gone, deleted[_find(self.ids, deleted) >= 0])
+            bad = np.setdiff1d(bad, deleted)
+        meta["bad_ids"] = bad
+        if over_ids.size + gone.size >= max(_FOLD_MIN_ROWS, self.ids.size // 16):
             base_ids, base_rows = exportlog.merge(self.ids, self.rows, over_ids, over_rows)
+            if gone.size:
+                keep = _find(gone, base_ids) < 0
+                base_ids, base_rows = base_ids[keep], base_rows[keep]
             return TableState.build(self.table, base_ids, base_rows, policy, base_seq=self.base_seq,
                                     log_id=self.log_id, **meta)
-        return dataclasses.replace(self, over_ids=over_ids, over_rows=over_rows, size=int(self.ids.size) + fresh,
-                                   loaded_time=time.time(), **meta)
+        fresh = int((_find(self.ids, over_ids) < 0).sum())
+        return dataclasses.replace(self, over_ids=over_ids, over_rows=over_rows, gone_ids=gone,
+                                   size=int(self.ids.size) - int(gone.size) + fresh, loaded_time=time.time(),
+                                   **meta)
 
 
 def _find(sorted_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -196,7 +212,9 @@ class LogFollower(Follower):
         for entry in pending:
             started = time.monotonic()
             ids, rows = exportlog.load_entry(self.source, entry, verify=self.verify)
-            new = new.with_delta(ids, rows, self.policy, seq=int(entry["seq"]), data_time=float(entry["time"]))
+            deleted = exportlog.load_deleted(self.source, entry, verify=self.verify)
+            new = new.with_delta(ids, rows, self.policy, deleted, seq=int(entry["seq"]),
+                                 data_time=float(entry["time"]))
             self.deltas_applied += 1
             self.rows_applied += int(ids.size)
             self.apply_seconds += time.monotonic() - started

@@ -123,6 +123,7 @@ class Exports(ShardFields):
                 pending = table.begin_snapshot(tmp, incremental=False, track=False)
                 positions = hosted.log.positions[slots].copy()
                 step = table.step
+                deleted = table.removed_since(since, self._in(want)) if since else None
             path = pending.write()  # the rows as of the cut, read while pushes go on
             first = True
             buffered: list = []
@@ -141,6 +142,7 @@ class Exports(ShardFields):
                     yield self._chunk(buffered, request.weights_only, step, cut_time if first else 0.0)
                     first, buffered, count = False, [], 0
             out = self._chunk(buffered, request.weights_only, step, cut_time if first else 0.0)
+            self._tombstones(out, deleted)
             out.slots = slots.astype("<i4").tobytes()
             out.positions_epochs = positions[:, 0].astype("<u8").tobytes()
             out.positions_indexes = positions[:, 1].astype("<u8").tobytes()
@@ -156,7 +158,8 @@ class Exports(ShardFields):
         table's size, and no snapshot is written."""
         with hosted.lock:
             cut_time = time.time()
-            rows = hosted.table.export_rows(lambda ids: want[slot_of(ids, self.num_slots)], since=since)
+            rows = hosted.table.export_rows(self._in(want), since=since)
+            deleted = hosted.table.removed_since(since, self._in(want))
             positions = hosted.log.positions[slots].copy()
             step = hosted.table.step
         starts = range(0, len(rows), chunk) if len(rows) else range(1)
@@ -164,10 +167,22 @@ class Exports(ShardFields):
             part = [rows.take(slice(lo, lo + chunk))] if len(rows) else []
             out = self._chunk(part, weights_only, step, cut_time if k == 0 else 0.0)
             if lo + chunk >= len(rows):
+                self._tombstones(out, deleted)
                 out.slots = slots.astype("<i4").tobytes()
                 out.positions_epochs = positions[:, 0].astype("<u8").tobytes()
                 out.positions_indexes = positions[:, 1].astype("<u8").tobytes()
             yield out
+
+    def _in(self, want: np.ndarray):
+        """The predicate of ids in the slots ``want`` marks."""
+        return lambda ids: want[slot_of(ids, self.num_slots)]
+
+    @staticmethod
+    def _tombstones(out: pb.ExportRowsChunk, deleted: tuple[np.ndarray, bool] | None) -> None:
+        """A delta's last chunk carries its tombstones (``removed_since``) and whether they are complete."""
+        if deleted is not None:
+            out.deleted_ids = np.ascontiguousarray(deleted[0], "<i8").tobytes()
+            out.deleted_complete = bool(deleted[1])
 
     def _chunk(self, batches: list, weights_only: bool, step: int, server_time: float) -> pb.ExportRowsChunk:
         from tigana.embeddings import RowBatch

@@ -405,3 +405,33 @@ def test_serve_settings_flags_over_tigana_variables_over_defaults() -> None:
     assert (config.port, config.max_ids, config.metrics_host) == (0, 1_000_000, "127.0.0.1")
     with pytest.raises(InvalidArgument, match="metrics_port"):
         load_serve_config({"source": "log", "metrics_port": "eighty"}, {})
+
+
+def test_deltas_carry_tombstones_so_evicted_rows_leave_serving(cluster, tmp_path: Path) -> None:
+    """Rows the cap evicts between two entries are in the next delta's deleted.npy: the reference reader and
+    ``tigana serve``'s follower forget them, and the log's table equals a fresh full export's."""
+    from tigana.ps.serving import tables as serving
+
+    out = tmp_path / "log"
+    with ps.connect(cluster.target) as client:
+        client.create_table("evicting", dim=2, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros(),
+                            eviction=ps.Eviction(max_rows=40))  # per shard
+        client.push("evicting", np.arange(60), -np.ones((60, 2), np.float32)).result()
+        with ExportFollower(client, "evicting", out, interval_s=0.1, overlap_s=0.0) as follower:
+            follower.step()
+            reader = serving.LogFollower(out, "zeros")
+            assert reader.poll() and reader.state.size == 60
+            time.sleep(0.02)  # past the 1/128 s a row's time is rounded to
+            client.push("evicting", np.arange(100, 160), -np.ones((60, 2), np.float32)).result()
+            entry = follower.step()
+            assert entry["rows"] > 0 and entry["deleted"] > 0  # new rows, and the old ones the cap evicted
+            full = tmp_path / "full"
+            client.export("evicting", str(full))
+            want_ids = np.load(full / "ids.npy")
+            m, ids, rows = read_log(out)
+            np.testing.assert_array_equal(ids, want_ids)
+            np.testing.assert_array_equal(rows, np.load(full / "rows.npy"))
+            assert reader.poll()
+            _, found = reader.state.lookup(np.arange(200))
+            np.testing.assert_array_equal(np.flatnonzero(found), want_ids)
+            assert reader.state.size == want_ids.size

@@ -27,6 +27,7 @@ Every child process (cluster, follower, server) is stopped by its own handle, al
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import subprocess
@@ -34,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,25 @@ def _child_prefix() -> list[str]:
     return ["setpriv", "--pdeathsig", "KILL"] if shutil.which("setpriv") else []
 
 
+@contextlib.contextmanager
+def children(prefix: str) -> Iterator[tuple[Path, list[subprocess.Popen]]]:
+    """A temporary folder and the list of the child processes a bench starts in it: every child is stopped by
+    its own handle and the folder removed at the end, also on failure."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    procs: list[subprocess.Popen] = []
+    try:
+        yield work, procs
+    finally:
+        stop_all(procs)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """Stop every child by its handle (``stop_process``: SIGTERM, then SIGKILL past its grace)."""
+    for proc in procs:
+        stop_process(proc)
+
+
 def spawn_follow(scheduler: str, table: str, out: str | Path, log_path: str | Path, *, interval: float = 1.0,
                  extra: list[str] | None = None) -> subprocess.Popen:
     """``tigana admin export TABLE --follow --out OUT`` as a child process (stop it with ``stop_process``)."""
@@ -78,11 +99,12 @@ def spawn_follow(scheduler: str, table: str, out: str | Path, log_path: str | Pa
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=f, start_new_session=True)
 
 
-def spawn_follow_model(scheduler: str, model: str | Path, log_path: str | Path, *, interval: float = 1.0,
+def spawn_follow_model(scheduler: str, model: str | Path, log_path: str | Path, *, interval: float | None = None,
                        extra: list[str] | None = None) -> subprocess.Popen:
-    """``tigana admin export --follow --model MODEL`` as a child process (stop it with ``stop_process``)."""
+    """``tigana admin export --follow --model MODEL`` as a child process (stop it with ``stop_process``);
+    ``interval`` None: the command's default."""
     cmd = [*_child_prefix(), sys.executable, "-m", "tigana.tools.cli", "admin", "--scheduler", scheduler, "export",
-           "--follow", "--model", str(model), "--interval", str(interval), *(extra or [])]
+           "--follow", "--model", str(model), *(["--interval", str(interval)] if interval else []), *(extra or [])]
     with open(log_path, "ab") as f:
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=f, start_new_session=True)
 
@@ -126,7 +148,7 @@ def wait_serving(address: str, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def _percentile(xs: list[float], q: float) -> float:
+def percentile(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
 
 
@@ -190,21 +212,14 @@ def run(args: argparse.Namespace) -> int:
     lookups = args.lookups or (300 if quick else 5000)
     params = {"rows": rows, "dim": args.dim, "shards": 2, "replicas": 0, "interval_s": interval, "poll_s": args.poll,
               "quick": quick}
-    work = Path(tempfile.mkdtemp(prefix="tigana-bench-serving-"))
-    procs: list[subprocess.Popen] = []
-    try:
-        with ps.LocalCluster(2, replicas=0, data_dir=work / "cluster") as cluster, \
-                ps.connect(cluster.target) as client, ps.connect(cluster.target) as reader:
-            try:
-                _measure(args, cluster, client, reader, work, procs, rows=rows, interval=interval,
-                         duration=duration, delta_rows=delta_rows, lookups=lookups, params=params)
-            finally:  # stopped before the cluster, by their own handles
-                for proc in procs:
-                    stop_process(proc)
-    finally:
-        for proc in procs:
-            stop_process(proc)
-        shutil.rmtree(work, ignore_errors=True)
+    with children("tigana-bench-serving-") as (work, procs), \
+            ps.LocalCluster(2, replicas=0, data_dir=work / "cluster") as cluster, \
+            ps.connect(cluster.target) as client, ps.connect(cluster.target) as reader:
+        try:
+            _measure(args, cluster, client, reader, work, procs, rows=rows, interval=interval,
+                     duration=duration, delta_rows=delta_rows, lookups=lookups, params=params)
+        finally:  # stopped before the cluster, by their own handles
+            stop_all(procs)
     codes = [p.returncode for p in procs]
     if any(codes):
         log(f"serving-sync: a child exited with {codes}")
@@ -238,8 +253,8 @@ def _measure(args: argparse.Namespace, cluster: ps.LocalCluster, client: ps.Clie
         lag = {"samples": len(lags), "push_every_s": args.push_every,
                "export_s_mean": round(float(np.mean(export_s)), 4) if export_s else None}
         peer = "training tier (a second client's pull of the same pushes)"
-        emit("serving_sync.lag_p50", "s", _percentile(lags, 50), peer, _percentile(train_lags, 50), **lag, **params)
-        emit("serving_sync.lag_p95", "s", _percentile(lags, 95), peer, _percentile(train_lags, 95), **lag, **params)
+        emit("serving_sync.lag_p50", "s", percentile(lags, 50), peer, percentile(train_lags, 50), **lag, **params)
+        emit("serving_sync.lag_p95", "s", percentile(lags, 95), peer, percentile(train_lags, 95), **lag, **params)
 
         # 2. delta throughput: one push of delta_rows existing rows, then the delta(s) carrying them
         log(f"serving-sync: delta phase, {delta_rows} rows")
@@ -277,9 +292,9 @@ def _measure(args: argparse.Namespace, cluster: ps.LocalCluster, client: ps.Clie
                 times.append(1000 * (time.perf_counter() - t))
         look = {"ids_per_request": 100, "unknown_per_request": 10, "requests": lookups}
         peer = "ps client pull of the same ids (training path)"
-        emit("serving_sync.lookup_p50", "ms", _percentile(serve_ms, 50), peer, _percentile(pull_ms, 50), **look,
+        emit("serving_sync.lookup_p50", "ms", percentile(serve_ms, 50), peer, percentile(pull_ms, 50), **look,
              **params)
-        emit("serving_sync.lookup_p99", "ms", _percentile(serve_ms, 99), peer, _percentile(pull_ms, 99), **look,
+        emit("serving_sync.lookup_p99", "ms", percentile(serve_ms, 99), peer, percentile(pull_ms, 99), **look,
              **params)
 
 
