@@ -11,7 +11,7 @@ Which version is served:
   applied up to the version's position, its dense version loaded or reused) and checked before it goes live:
   a row or a dense weight that is NaN or infinite refuses it; with a canary file, so does an AUC on it below
   the served version's by more than ``max_auc_drop``. A refused version is logged, counted and never tried
-  again; the served one stays, and only a newer version can replace it.
+  again; the newest version newer than the served one that passes goes live, else the served one stays.
 - **A pinned one.** ``tigana admin publish rollback`` writes ``live.json``: every server swaps at its next
   poll to the newest version at or before the pin that its gate accepts. The last ``keep`` versions are held
   in memory (the served ones and those published between two polls, built on the way: the same deltas), so
@@ -100,7 +100,7 @@ class ModelFollower(Follower):
 
     def __init__(self, source: str | Path, policy: str | float, loader: Loader, *, verify: bool = True,
                  on_swap: Callable[[ModelState], None] | None = None, canary: str = "",
-                 max_auc_drop: float = 0.01, keep: int = 3) -> None:
+                 max_auc_drop: float = 0.01, keep: int = 10) -> None:
         super().__init__()
         self.source, self.policy, self.loader, self.verify, self.on_swap = Path(source), policy, loader, verify, on_swap
         self.canary, self.max_auc_drop, self.keep = canary, max_auc_drop, keep
@@ -142,12 +142,12 @@ class ModelFollower(Follower):
                 raise InvalidArgument(f"{self.source / modeldir.LIVE_FILE}: pins version {live}; no version at or "
                                       "before it is kept or acceptable")
             candidates = sorted(known, reverse=True)
-        else:  # the newest version not refused, if it is newer than the served one
+        else:  # the newest version newer than the served one that the gate accepts
             newer = sorted(v for v in entries if v not in self.refused and (cur is None or v > cur.version))
             for v in newer[-self.keep:-1]:  # the versions between, held for a rollback: the same deltas applied
                 if v not in self._held:
                     self._hold(self._build(spec, entries[v], score=False))
-            candidates = newer[-1:]
+            candidates = newer[::-1]
         for target in candidates:
             if cur is not None and cur.version == target:
                 return False
@@ -163,6 +163,9 @@ class ModelFollower(Follower):
                               cur.version if cur is not None else "nothing", why)
                     continue
                 self._checked.add(target)
+            if self.canary and state.canary_auc != state.canary_auc:  # built on the way, unscored: the next
+                # version's gate compares with the live one's AUC
+                state = dataclasses.replace(state, canary_auc=state.scorer.canary_auc(self.canary, state.lookup))
             self._hold(state)
             self.state = state
             log.info("serving model %r version %d (step %d)%s", state.model, state.version, state.step,

@@ -170,6 +170,22 @@ def test_the_gate_refuses_non_finite_and_worse_versions_and_rollback_pins_one(tm
     assert follower.state is not seven  # keep=2: no longer held, rebuilt from the logs, the same model
     np.testing.assert_array_equal(follower.state.predict(DENSE, CATS), seven.predict(DENSE, CATS))
 
+    # two versions between polls: the older is built on the way (held, not scored) and, gone live by a
+    # rollback, gets its canary AUC, which the next version's gate compares with
+    modeldir.publish_dense(root, 50, np.array([1.5, 0.0], np.float32).tobytes())
+    _version(root)
+    modeldir.publish_dense(root, 60, np.array([3.0, 0.0], np.float32).tobytes())
+    _version(root)
+    assert follower.poll() and follower.state.version == 9 and 8 in follower._held
+    assert follower._held[8].canary_auc != follower._held[8].canary_auc  # NaN: not scored on the way
+    modeldir.rollback(root, to=8)
+    assert follower.poll() and follower.state.version == 8 and follower.state.canary_auc == 1.0
+    modeldir.publish_dense(root, 70, np.array([-3.0, 0.0], np.float32).tobytes())
+    _version(root)
+    modeldir.resume(root)
+    assert follower.poll() and follower.state.version == 9  # 10 ranks the canary backwards: refused, 9 next
+    assert "canary AUC" in follower.refused[10] and not follower.poll()
+
 
 def test_publish_dense_keeps_the_newest_versions_and_refuses_going_back(tmp_path: Path) -> None:
     for step in (10, 20, 30):

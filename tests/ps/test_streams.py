@@ -183,10 +183,18 @@ def test_frames_sent_together_to_a_paused_server_each_fail_at_their_shared_deadl
         os.kill(pid, signal.SIGSTOP)
         try:
             start = time.monotonic()
+            while _proc_state(pid) != "T":  # every thread stopped (kill returns before the group stop ends)
+                assert time.monotonic() - start < 10, _proc_state(pid)
+                time.sleep(0.001)
             futs = client.pull_many(tables, ids)
-            for fut in futs:
-                with pytest.raises((ps.DeadlineExceeded, ps.Unavailable)):
+            for table, fut in zip(tables, futs, strict=True):
+                try:
                     fut.result(timeout=30)
+                except (ps.DeadlineExceeded, ps.Unavailable):
+                    continue
+                # seen once in a full make test (the whole test took 0.4 s): keep what would explain it
+                pytest.fail(f"the pull of {table!r} was answered by a stopped server: its state is now "
+                            f"{_proc_state(pid)!r}, {time.monotonic() - start:.3f}s after SIGSTOP")
             assert time.monotonic() - start < 10
         finally:
             os.kill(pid, signal.SIGCONT)
@@ -266,3 +274,10 @@ def test_serve_answers_a_bundle_at_once_and_its_waiting_frames_later() -> None:
     answers = [frames.read_answers(raw) for raw in out]
     assert sorted(len(a) for a in answers) == [1, 5]
     assert sorted(a.id for batch in answers for a in batch) == list(range(6))
+
+
+def _proc_state(pid: int) -> str:
+    """The kernel's one-letter state of process ``pid`` (T: stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
