@@ -66,6 +66,12 @@ class Exporting(TableFields):
                 ids = ids[self._selected(predicate, ids)]
             return ids, complete
 
+    def tombstones_unknown_before(self, when: float) -> None:
+        """Rows of some slots arrive from another server from now on (a copy begins): their removals there
+        before ``when`` are not known here, so a delta since then is not complete (``removed_since``)."""
+        with self._lock:
+            self._tombstones.unknown_before(when)
+
     def _selected(self, predicate: Callable[[np.ndarray], np.ndarray], ids: np.ndarray) -> np.ndarray:
         mask = np.asarray(predicate(ids))
         if mask.dtype != bool or mask.shape != ids.shape:

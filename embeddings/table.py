@@ -88,7 +88,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         self._spill_cursor = 0.0  # where in the spilled index the eviction's next window starts (``_evicting``)
         self._sweep_left = 0  # spilled records the TTL sweep under way still has to read (a window per write)
         self._cuts = []
-        self._tombstones = Tombstones()
+        self._tombstones = Tombstones(since=time.time())  # removals before this process held it: unknown
         self._counters = dict.fromkeys(("pulls", "pushes", "lookups", "hits", "inserts", "admissions",
                                         "rejected_admissions", "evictions", "spills", "unspills",
                                         "rows_updated", "nonfinite_rows_skipped", "spill_failures",

@@ -2,10 +2,13 @@
 can tell a reader to forget them. Without them a delta lists only the rows that are there, and a reader keeps
 serving an evicted row until the next full export.
 
-``Tombstones`` is a bounded log of (ids, time) batches, oldest first, holding at most ``limit`` ids. Dropping
-the oldest batches to stay under it raises ``floor``: the newest time a dropped batch had; the log is complete
-for every time after it. A delta since a time at or below ``floor`` may miss tombstones, which the caller learns from ``since`` (its reader then takes a full
-export instead). Rows moved to another server (a slot handed over) are not evicted: no tombstone.
+``Tombstones`` is a bounded log of (ids, time) batches, oldest first, holding at most ``limit`` ids; the log
+is complete for every time after ``floor``. The floor starts when the log does (a table created or loaded by
+this process knows nothing of removals before), rises when the oldest batches are dropped to stay under the
+limit, and when rows arrive from another server (``unknown_before``: a copy of some slots begins, and their
+removals there are not known here). A delta since a time at or below ``floor`` may miss tombstones, which the
+caller learns from ``since`` (its reader then takes a full export instead). Rows moved to another server (a
+slot handed over) are not evicted: no tombstone.
 
 Not thread-safe on its own: the owning table holds its lock around every call.
 """
@@ -24,9 +27,9 @@ LIMIT = 1 << 22  # ids kept (32 MiB of ids and times at most)
 class Tombstones:
     """The removed ids of a table since ``floor`` (see the module docstring)."""
 
-    def __init__(self, limit: int = LIMIT) -> None:
+    def __init__(self, limit: int = LIMIT, since: float = float("-inf")) -> None:
         self.limit = int(limit)
-        self.floor = float("-inf")  # every removal after this time is in the log
+        self.floor = float(since)  # every removal after this time is in the log
         self._batches: deque[tuple[np.ndarray, float]] = deque()
         self._count = 0
 
@@ -43,6 +46,10 @@ class Tombstones:
             old, t = self._batches.popleft()
             self._count -= int(old.size)
             self.floor = max(self.floor, t)
+
+    def unknown_before(self, when: float) -> None:
+        """Removals up to ``when`` may be missing from the log (rows of some slots arrive from elsewhere)."""
+        self.floor = max(self.floor, float(when))
 
     def since(self, when: float) -> tuple[np.ndarray, bool]:
         """(sorted unique ids removed at or after ``when``, whether the log is complete back to ``when``).

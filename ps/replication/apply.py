@@ -20,6 +20,7 @@ with an in-sync copy here (``stream``), so a map change with items in flight dem
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -233,4 +234,5 @@ def drop_rows(hosted: Any, slots: np.ndarray, num_slots: int) -> int:
     mask = np.zeros(num_slots, bool)
     mask[slots] = True
     gone = hosted.table.stored_ids_in_slots(num_slots, mask)
+    hosted.table.tombstones_unknown_before(time.time())  # the copy's rows come from elsewhere: so do removals
     return hosted.table.delete(gone) if gone.size else 0

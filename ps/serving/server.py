@@ -119,6 +119,8 @@ class ServeConfig(SecuritySettings):
             raise InvalidArgument(f"serve: --max-auc-drop must be >= 0, got {self.max_auc_drop}")
         if self.canary and not self.model:
             raise InvalidArgument("serve: --canary scores a model's versions; it needs --model")
+        if self.canary and not os.path.isfile(self.canary):
+            raise InvalidArgument(f"serve: --canary {self.canary!r} is not a file")
         if not -1 <= self.metrics_port <= 65535:
             raise InvalidArgument(f"serve: --metrics-port must be 'auto', 0 (off) or a port, got {self.metrics_port}")
 

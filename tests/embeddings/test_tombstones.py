@@ -62,3 +62,19 @@ def test_a_table_records_its_evictions_not_moves_and_forgets_rows_inserted_again
         assert (odd % 2 == 1).all() and odd.size
     finally:
         table.close()
+
+
+def test_removals_before_the_table_or_a_copy_of_some_slots_are_unknown() -> None:
+    before = time.time()
+    time.sleep(0.01)
+    table = EmbeddingTable(TableConfig("t", dim=DIM, optimizer=SGD(lr=1.0), initializer=Zeros()))
+    try:
+        assert not table.removed_since(before)[1]  # a table this process made (or loaded) knows nothing earlier
+        created = time.time()
+        assert table.removed_since(created)[1]
+        time.sleep(0.01)
+        copied = time.time()
+        table.tombstones_unknown_before(copied)  # rows of some slots now come from another server
+        assert not table.removed_since(created)[1] and table.removed_since(copied + 1e-3)[1]
+    finally:
+        table.close()

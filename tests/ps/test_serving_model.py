@@ -214,3 +214,7 @@ def test_serve_takes_exactly_one_source() -> None:
     with pytest.raises(InvalidArgument, match="max-rows"):
         ServeConfig(model="b", max_rows=0)
     assert ServeConfig(model="b").max_rows == 65_536
+    with pytest.raises(InvalidArgument, match="canary"):
+        ServeConfig(model="b", canary="/nonexistent/canary.tsv")
+    with pytest.raises(InvalidArgument, match="needs --model"):
+        ServeConfig(source="a", canary=__file__)
