@@ -44,8 +44,9 @@ Design (what the follow loop guarantees, and why):
 - **Tombstones.** A delta also carries ``deleted.npy``: the ids eviction (TTL, capacity) removed since the
   previous cut and the table does not hold now (each server keeps its recent removals, ``embeddings.tombstones``,
   and a copy keeps its primary's, so a failover keeps them). A reader applies a delta's rows, then forgets its
-  tombstones. A server whose kept tombstones no longer reach back to the delta's start says so
-  (``deleted_complete``) and the follower writes a full export instead. Rows that left a server because their
+  tombstones. A server whose tombstones do not reach back to the delta's start (dropped past the limit,
+  a daemon restarted, a copy of some slots begun since) says so (``deleted_complete``) and the follower
+  writes a full export instead. Rows that left a server because their
   slot moved are not removed from the table: no tombstone. **Compaction**: every
   ``full_every`` deltas (default 100; 0 = never) the loop writes a new full export, which becomes the base
   (deltas before it leave the manifest). Entries older than the *previous* base are then deleted, so a reader
