@@ -161,7 +161,8 @@ def test_podmonitors_scrape_every_metrics_port() -> None:
     and names a port every container of them declares."""
     docs = _raw()
     monitors = [d for d in docs if d["kind"] == "PodMonitor"]
-    assert {m["metadata"]["name"] for m in monitors} == {"tigana-scheduler", "tigana-shard", "tigana-train"}
+    assert {m["metadata"]["name"] for m in monitors} == {"tigana-scheduler", "tigana-shard", "tigana-train",
+                                                        "tigana-serving"}
     for monitor in monitors:
         [endpoint] = monitor["spec"]["podMetricsEndpoints"]
         assert endpoint["path"] == "/metrics"
@@ -253,7 +254,28 @@ def test_kustomize_renders_the_trainjob_and_podmonitors(tmp_path: Path) -> None:
     assert _maybe(docs, "Job", "tigana-train") is None and _maybe(docs, "PyTorchJob", "tigana-train") is None
     _check_trainjob(docs)
     assert {d["metadata"]["name"] for d in docs if d["kind"] == "PodMonitor"} == {
-        "tigana-scheduler", "tigana-shard", "tigana-train"}
+        "tigana-scheduler", "tigana-shard", "tigana-train", "tigana-serving"}
+    _check_rendered(docs)
+
+
+@needs_kubectl
+def test_kustomize_renders_the_serving_component(tmp_path: Path) -> None:
+    """components/serving alone: the trainers publish into the shared volume, one follower writes it, several
+    servers read it behind one Service, and each command line parses as tigana's."""
+    docs = _kustomize(_with_components(tmp_path, skip=("components/kubeflow", "components/kubeflow-trainer",
+                                                       "components/external-etcd",
+                                                       "components/prometheus-operator")))
+    trainer = _container(_one(docs, "Job", "tigana-train")["spec"]["template"]["spec"], "trainer")
+    assert "--publish-dir=/published" in trainer["args"]
+    assert {"name": "published", "mountPath": "/published"} in trainer["volumeMounts"]
+    publish = _one(docs, "Deployment", "tigana-publish")
+    assert publish["spec"]["replicas"] == 1 and publish["spec"]["strategy"]["type"] == "Recreate"
+    serving = _one(docs, "Deployment", "tigana-serving")
+    assert serving["spec"]["replicas"] >= 2
+    assert _one(docs, "Service", "tigana-serving")["spec"]["selector"] == serving["spec"]["selector"]["matchLabels"]
+    assert _one(docs, "PersistentVolumeClaim", "tigana-published")["spec"]["accessModes"] == ["ReadWriteMany"]
+    for deployment, name in ((publish, "publish"), (serving, "serving")):
+        _tigana(_container(deployment["spec"]["template"]["spec"], name)["args"])  # every flag is the command's
     _check_rendered(docs)
 
 
@@ -297,6 +319,15 @@ def test_components_patch_what_the_base_defines() -> None:
     for path in (K8S / "components").glob("*/kustomization.yaml"):
         for patch in _load(path)[0].get("patches", []):
             target = yaml.safe_load(patch["patch"])
+            if isinstance(target, list):  # a JSON patch (RFC 6902): its target names the resource
+                base = _maybe(docs, patch["target"]["kind"], patch["target"]["name"])
+                assert base is not None, f"{path}: patches {patch['target']}: undefined"
+                for op in target:  # every op's parent path exists in the base (an add to a list appends)
+                    node = base
+                    for key in op["path"].strip("/").split("/")[:-1]:
+                        node = node[int(key)] if isinstance(node, list) else node[key]
+                    assert isinstance(node, list if op["path"].endswith("/-") else (dict, list)), f"{path}: {op}"
+                continue
             base = _maybe(docs, target["kind"], target["metadata"]["name"])
             assert base is not None, f"{path}: patches {target['kind']} {target['metadata']['name']}: undefined"
             if target.get("$patch") != "delete":
