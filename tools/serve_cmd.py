@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         handle = start_serving(config, _scorer_loader() if config.model else None)
     except (OSError, InvalidArgument, _MissingExtra) as exc:
         say(args, f"tigana serve: {exc}")
-        return 2 if isinstance(exc, InvalidArgument) else 1
+        return 2 if isinstance(exc, (InvalidArgument, _MissingExtra)) else 1
     try:
         if args.ready_file:
             _write_ready(Path(args.ready_file), {"address": handle.address, "port": handle.port,

@@ -82,7 +82,7 @@ class TrainConfig:
     cache_policy: str = "lfu"               # which cached rows a full cache evicts: lfu | lru
     publish_dir: str | None = None          # publish the model for serving here (rank 0; tigana serve --model)
     publish_every: str = "100"              # steps between publishes, or seconds with an s ("30s"); and at the end
-    publish_keep: int = 5                   # published dense versions kept
+    publish_keep: int = 20                  # published dense versions kept (a rollback needs its version's)
 
     def __post_init__(self) -> None:
         _check(self)

@@ -96,7 +96,6 @@ class CriteoScorer:
                 self._rows.lookup = None
         return torch.sigmoid(logits).numpy().astype(np.float32, copy=False)
 
-
     def canary_auc(self, path: str, lookup: Lookup) -> float:
         """The AUC on the labelled rows of the Criteo file ``path``, read by the trainer's reader (the same
         transform and salts as this model's; the gate of ``tigana serve --canary``)."""

@@ -50,7 +50,7 @@ class Publisher:
     """Rank 0's publisher of one run: ``due(step)`` says whether ``--publish-every`` has passed since the last
     publish, ``publish(step, model)`` writes a version (and ``model.json`` at the first one)."""
 
-    def __init__(self, root: str | Path, spec: dict[str, Any], every: str, keep: int = 5) -> None:
+    def __init__(self, root: str | Path, spec: dict[str, Any], every: str, keep: int = 20) -> None:
         interval = publish_interval(every)
         if interval is None:
             raise ValueError(f"publish_every: must be a number of steps or seconds ending in s, got {every!r}")

@@ -140,6 +140,10 @@ def rollback(root: str | Path, to: int | None = None) -> int:
         to = older[-1]
     if int(to) not in versions:
         raise InvalidArgument(f"publish rollback: field 'to' is {to}, not a kept version (kept: {versions})")
+    dense = next(v for v in log_["versions"] if int(v["version"]) == int(to))["dense"]
+    if not (Path(root) / DENSE_DIR / dense["path"]).is_file():
+        raise InvalidArgument(f"publish rollback: version {to}'s dense weights (step {dense['version']}) are no "
+                              "longer kept (tigana train --publish-keep)")
     atomic_write(Path(root) / LIVE_FILE, json.dumps({"version": int(to), "time": time.time()}))
     return int(to)
 

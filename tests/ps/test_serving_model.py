@@ -165,6 +165,12 @@ def test_the_gate_refuses_non_finite_and_worse_versions_and_rollback_pins_one(tm
     np.testing.assert_allclose(follower.state.predict(DENSE, CATS), _expected([1, 0], 0.0), rtol=1e-6)
     with pytest.raises(InvalidArgument, match="not a kept version"):
         modeldir.rollback(root, to=99)
+    first_dense = modeldir.read_versions(root)["versions"][0]["dense"]["path"]
+    moved = root / modeldir.DENSE_DIR / first_dense
+    moved.rename(moved.with_suffix(".away"))  # as --publish-keep drops an old dense version
+    with pytest.raises(InvalidArgument, match="no longer kept"):
+        modeldir.rollback(root, to=1)
+    moved.with_suffix(".away").rename(moved)
     modeldir.resume(root)
     assert follower.poll() and follower.state.version == 7 and not follower.pinned
     assert follower.state is not seven  # keep=2: no longer held, rebuilt from the logs, the same model

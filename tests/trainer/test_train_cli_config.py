@@ -56,4 +56,4 @@ def test_publish_every_takes_steps_or_seconds_and_publishing_needs_a_served_form
         TrainConfig(publish_dir="x", publish_every="often")
     with pytest.raises(ConfigError, match="publish_dir"):
         TrainConfig(dataset="movielens-100k", data="d", publish_dir="x")
-    assert TrainConfig(publish_dir="x", publish_every="2s").publish_keep == 5
+    assert TrainConfig(publish_dir="x", publish_every="2s").publish_keep == 20  # the publish log keeps 20 versions
