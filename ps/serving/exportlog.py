@@ -312,6 +312,16 @@ class ExportFollower:
             if m and int(m.group(2)) < keep_from:
                 shutil.rmtree(p, ignore_errors=True)
 
+    def try_step(self) -> dict[str, Any] | None:
+        """``step``, but a cluster or disk problem is logged and gives None: the next tick retries the same cut
+        (nothing is lost: the next entry starts at the last written cut)."""
+        try:
+            return self.step()
+        except (PSError, OSError) as exc:
+            log.warning("export of %r failed, retried in %.1fs: %s: %s", self.table, self.interval_s,
+                        type(exc).__name__, exc)
+            return None
+
     def run(self, stop: threading.Event, *, on_entry: Callable[[dict[str, Any]], None] | None = None,
             max_entries: int | None = None) -> None:
         """Write an entry every ``interval_s`` (from each entry's start) until ``stop`` is set (or
@@ -319,14 +329,9 @@ class ExportFollower:
         ticks = 0
         while not stop.is_set():
             started = time.monotonic()
-            try:
-                entry = self.step()
-            except (PSError, OSError) as exc:  # a cluster or disk problem: the next tick retries the same cut
-                log.warning("export of %r failed, retried in %.1fs: %s: %s", self.table, self.interval_s,
-                            type(exc).__name__, exc)
-            else:
-                if on_entry is not None:
-                    on_entry(entry)
+            entry = self.try_step()
+            if entry is not None and on_entry is not None:
+                on_entry(entry)
             ticks += 1
             if max_entries is not None and ticks >= max_entries:
                 return

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -53,9 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from tigana.embeddings.files import atomic_write
-from tigana.ps.errors import DataLoss, InvalidArgument, PSError
-
-log = logging.getLogger("tigana.ps.serving")
+from tigana.ps.errors import DataLoss, InvalidArgument
 
 MODEL_FILE = "model.json"
 MODEL_FORMAT = "tigana-model"
@@ -168,7 +165,7 @@ def read_dense(root: str | Path, entry: dict[str, Any], *, verify: bool = True) 
     return data
 
 
-def publish_dense(root: str | Path, version: int, data: bytes, *, keep: int = 5,
+def publish_dense(root: str | Path, version: int, data: bytes, *, keep: int = 20,
                   published: float | None = None) -> dict[str, Any]:
     """Add dense weights ``data`` as ``version`` (the training step) and keep the newest ``keep`` versions.
     The file is written and fsynced before the manifest names it; files the manifest dropped are deleted
@@ -221,14 +218,9 @@ def follow_tables(client: Any, root: str | Path, stop: threading.Event, *, inter
         while not stop.is_set():
             started = time.monotonic()
             for table, follower in followers.items():
-                try:
-                    entry = follower.step()
-                except (PSError, OSError) as exc:  # a cluster or disk problem: the next tick retries the same cut
-                    log.warning("export of %r failed, retried in %.1fs: %s: %s", table, interval_s,
-                                type(exc).__name__, exc)
-                else:
-                    if on_entry is not None:
-                        on_entry(table, entry)
+                entry = follower.try_step()
+                if entry is not None and on_entry is not None:
+                    on_entry(table, entry)
             version = publish_version(root, {t: f.manifest for t, f in followers.items()}, keep_versions)
             if version is not None and on_entry is not None:
                 on_entry("", version)
