@@ -148,9 +148,11 @@ class Daemon:
         if self.proc is None or self.proc.poll() is not None:
             return  # never started, or already reaped (its group id may belong to someone else by now)
         self.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout_s)
-        # whatever is left of the group (the daemon, or a child it started) goes too
+        deadline = time.monotonic() + timeout_s
+        while not _exited(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # whatever is left of the group (the daemon, or a child it started) goes too, before the leader is
+        # reaped: until then its zombie keeps the group id ours (reaped first, the id could be reused)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -255,3 +257,12 @@ class Daemons:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _exited(pid: int) -> bool:
+    """Whether child ``pid`` has exited, without reaping it (``waitid`` with ``WNOWAIT``)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
