@@ -44,14 +44,14 @@ def test_redis_peer_retries_when_its_port_is_taken(monkeypatch):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        ports = iter([port, redis_peer._free_port()])
-        monkeypatch.setattr(redis_peer, "_free_port", lambda: next(ports))
+        ports = iter([port, redis_peer.free_port()])
+        monkeypatch.setattr(redis_peer, "free_port", lambda: next(ports))
         peer = redis_peer.RedisPeer(shutil.which("redis-server"))
         try:
             assert peer.port != port and peer.db.ping()
         finally:
             peer.close()
         assert peer.proc.poll() is not None
-        monkeypatch.setattr(redis_peer, "_free_port", lambda: port)
+        monkeypatch.setattr(redis_peer, "free_port", lambda: port)
         with pytest.raises(RuntimeError, match=f"did not start on port {port}"):
             redis_peer.RedisPeer(shutil.which("redis-server"), attempts=2)
