@@ -96,6 +96,12 @@ class CriteoScorer:
                 self._rows.lookup = None
         return torch.sigmoid(logits).numpy().astype(np.float32, copy=False)
 
+    def ps_ids(self, feature: int, raw: np.ndarray) -> tuple[str, np.ndarray]:
+        """(the PS table, ids) that raw values of field ``feature`` are stored under: hashed as the reader
+        hashes them, then mapped by the collection (salted into a fused table)."""
+        ids = hash_values(np.asarray(raw, np.uint64), self.salts[feature])
+        return self.collection.ps_ids(self.collection.features[feature].table_name, ids)
+
     def canary_auc(self, path: str, lookup: Lookup) -> float:
         """The AUC on the labelled rows of the Criteo file ``path``, read by the trainer's reader (the same
         transform and salts as this model's; the gate of ``tigana serve --canary``)."""

@@ -98,11 +98,10 @@ def _measure(args: argparse.Namespace, cluster: ps.LocalCluster, work: Path, pro
     serve, address = spawn_serve(root, work / "serve.log", model=True, poll=0.1)  # --poll's default
     procs.append(serve)
     wait_serving(address, timeout=120)
-    spec = modeldir.read_spec(root)
     with ServingClient(address) as serving, ps.connect(cluster.target) as client, \
             ps.connect(cluster.target) as reader:
         log("serving: freshness while training")
-        fresh, train_fresh = _freshness(serving, client, reader, spec, trainer, args.probe_every)
+        fresh, train_fresh = _freshness(serving, client, reader, root, trainer, args.probe_every)
         emit("serving.freshness_p50", "s", percentile(fresh, 50), "training tier (a second client's pull)",
              percentile(train_fresh, 50), samples=len(fresh), target_p95_s=1.0, **params)
         emit("serving.freshness_p95", "s", percentile(fresh, 95), "training tier (a second client's pull)",
@@ -121,26 +120,18 @@ def _probe_rows(spec: dict[str, Any], rng: np.random.Generator, n: int) -> tuple
     return dense, rng.integers(1 << 40, 1 << 62, (n, spec["num_sparse"]), dtype=np.int64).view(np.uint64)
 
 
-def _ps_id(spec: dict[str, Any], raw: int) -> int:
-    """The PS id of raw value ``raw`` of the model's first field: hashed as the reader hashes it, then salted
-    into the fused table as the trainer's collection does."""
-    from tigana.trainer.data.hashing import hash_values
-    from tigana.trainer.embedding.plan import _salted, _table_salt
-
-    ids = hash_values(np.array([raw], np.uint64), np.uint64(int(spec["salts"][0], 16)))
-    if spec.get("fused_table"):
-        ids = _salted(ids, _table_salt(spec["features"][0]["table"]))
-    return int(ids[0])
-
-
-def _freshness(serving: ServingClient, client: ps.Client, reader: ps.Client, spec: dict[str, Any],
+def _freshness(serving: ServingClient, client: ps.Client, reader: ps.Client, root: Path,
                trainer: subprocess.Popen, every: float) -> tuple[list[float], list[float]]:
     """Probe pushes until the trainer ends (at least 20): seconds from each acknowledgement to a prediction
     reflecting it, and to a second client's pull showing it."""
-    table = spec["tables"][0]
+    from tigana.trainer.predict import load_scorer
+
+    spec = modeldir.read_spec(root)
     rng = np.random.default_rng(7)
     dense, cats = _probe_rows(spec, rng, 1)
-    pid = np.array([_ps_id(spec, int(cats[0, 0]))])
+    # the PS row of the probe's first field, mapped as the served model maps it (hash, then fused-table salt)
+    scorer = load_scorer(spec, modeldir.read_dense(root, modeldir.newest_dense(root)))
+    table, pid = scorer.ps_ids(0, cats[:, 0])
     fresh: list[float] = []
     train_fresh: list[float] = []
     k = 0

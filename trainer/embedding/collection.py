@@ -215,17 +215,22 @@ class PSEmbeddingCollection(_Planner, _PullSide, _PushSide, nn.Module):
                 "cache": {t: c.stats() for t, c in self.caches.items()},
                 "compression": {t: c.stats() for t, c in self.compressors.items()}}
 
+    def ps_ids(self, table: str, ids: np.ndarray | torch.Tensor) -> tuple[str, np.ndarray]:
+        """(the PS table, its int64 ids) that logical table ``table``'s ``ids`` are stored under: the table
+        itself, or the fused table with the ids salted per table."""
+        if table not in self.tables:
+            raise ValueError(f"no table named {table!r} (tables: {self.tables})")
+        ids = np.ascontiguousarray(torch.as_tensor(ids).numpy(), dtype=np.int64)
+        if self.fused_table is None:
+            return table, ids
+        return self.fused_table, _salted(ids, self._salts[self.tables.index(table)])
+
     def table_rows(self, table: str, ids: np.ndarray | torch.Tensor) -> np.ndarray:
         """(n, dim) float32 current rows of logical table ``table`` for int64 ``ids`` (through the fused table
         when there is one): an inspection, so a read-only pull (ids the table lacks read as their initial rows
         and are not inserted, nor counted toward admission). It does not wait for this collection's pushes;
         ``flush`` first."""
-        if table not in self.tables:
-            raise ValueError(f"no table named {table!r} (tables: {self.tables})")
-        ids = np.ascontiguousarray(torch.as_tensor(ids).numpy(), dtype=np.int64)
-        physical = table if self.fused_table is None else self.fused_table
-        if self.fused_table is not None:
-            ids = _salted(ids, self._salts[self.tables.index(table)])
+        physical, ids = self.ps_ids(table, ids)
         comp = self.compressors.get(physical)
         if comp is None:
             return self.client.pull(physical, ids, insert=False)
