@@ -499,20 +499,22 @@ class SlotInfoResponse(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[SlotTableInfo, _Mapping]]] = ..., server_id: _Optional[str] = ..., replication: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ExportRowsRequest(_message.Message):
-    __slots__ = ("table", "slots", "chunk_rows", "weights_only", "since_time", "epoch")
+    __slots__ = ("table", "slots", "chunk_rows", "weights_only", "since_time", "epoch", "cut")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_ROWS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_ONLY_FIELD_NUMBER: _ClassVar[int]
     SINCE_TIME_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CUT_FIELD_NUMBER: _ClassVar[int]
     table: str
     slots: bytes
     chunk_rows: int
     weights_only: bool
     since_time: float
     epoch: int
-    def __init__(self, table: _Optional[str] = ..., slots: _Optional[bytes] = ..., chunk_rows: _Optional[int] = ..., weights_only: _Optional[bool] = ..., since_time: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
+    cut: str
+    def __init__(self, table: _Optional[str] = ..., slots: _Optional[bytes] = ..., chunk_rows: _Optional[int] = ..., weights_only: _Optional[bool] = ..., since_time: _Optional[float] = ..., epoch: _Optional[int] = ..., cut: _Optional[str] = ...) -> None: ...
 
 class ExportRowsChunk(_message.Message):
     __slots__ = ("rows", "slots", "positions_epochs", "positions_indexes", "step", "server_time", "deleted_ids", "deleted_complete")
@@ -551,6 +553,75 @@ class ImportRowsResponse(_message.Message):
     ROWS_FIELD_NUMBER: _ClassVar[int]
     rows: int
     def __init__(self, rows: _Optional[int] = ...) -> None: ...
+
+class PrepareCutRequest(_message.Message):
+    __slots__ = ("cut", "tables", "hold_ms")
+    CUT_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    HOLD_MS_FIELD_NUMBER: _ClassVar[int]
+    cut: str
+    tables: _containers.RepeatedScalarFieldContainer[str]
+    hold_ms: int
+    def __init__(self, cut: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ..., hold_ms: _Optional[int] = ...) -> None: ...
+
+class PrepareCutResponse(_message.Message):
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+
+class CommitCutRequest(_message.Message):
+    __slots__ = ("cut", "since", "keep_ms")
+    class SinceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    CUT_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_MS_FIELD_NUMBER: _ClassVar[int]
+    cut: str
+    since: _containers.ScalarMap[str, float]
+    keep_ms: int
+    def __init__(self, cut: _Optional[str] = ..., since: _Optional[_Mapping[str, float]] = ..., keep_ms: _Optional[int] = ...) -> None: ...
+
+class CutTable(_message.Message):
+    __slots__ = ("table", "step", "full", "positions_epochs", "positions_indexes")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_INDEXES_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    step: int
+    full: bool
+    positions_epochs: bytes
+    positions_indexes: bytes
+    def __init__(self, table: _Optional[str] = ..., step: _Optional[int] = ..., full: _Optional[bool] = ..., positions_epochs: _Optional[bytes] = ..., positions_indexes: _Optional[bytes] = ...) -> None: ...
+
+class CommitCutResponse(_message.Message):
+    __slots__ = ("epoch", "slots", "server_time", "tables")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    slots: bytes
+    server_time: float
+    tables: _containers.RepeatedCompositeFieldContainer[CutTable]
+    def __init__(self, epoch: _Optional[int] = ..., slots: _Optional[bytes] = ..., server_time: _Optional[float] = ..., tables: _Optional[_Iterable[_Union[CutTable, _Mapping]]] = ...) -> None: ...
+
+class ReleaseCutRequest(_message.Message):
+    __slots__ = ("cut",)
+    CUT_FIELD_NUMBER: _ClassVar[int]
+    cut: str
+    def __init__(self, cut: _Optional[str] = ...) -> None: ...
+
+class ReleaseCutResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ExchangeRequest(_message.Message):
     __slots__ = ("id", "pull", "push", "timeout_ms", "bundle")

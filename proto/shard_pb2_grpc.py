@@ -109,6 +109,21 @@ class ShardStub:
                 request_serializer=tigana_dot_proto_dot_shard__pb2.ImportRowsRequest.SerializeToString,
                 response_deserializer=tigana_dot_proto_dot_shard__pb2.ImportRowsResponse.FromString,
                 _registered_method=True)
+        self.PrepareCut = channel.unary_unary(
+                '/tigana.v1.Shard/PrepareCut',
+                request_serializer=tigana_dot_proto_dot_shard__pb2.PrepareCutRequest.SerializeToString,
+                response_deserializer=tigana_dot_proto_dot_shard__pb2.PrepareCutResponse.FromString,
+                _registered_method=True)
+        self.CommitCut = channel.unary_unary(
+                '/tigana.v1.Shard/CommitCut',
+                request_serializer=tigana_dot_proto_dot_shard__pb2.CommitCutRequest.SerializeToString,
+                response_deserializer=tigana_dot_proto_dot_shard__pb2.CommitCutResponse.FromString,
+                _registered_method=True)
+        self.ReleaseCut = channel.unary_unary(
+                '/tigana.v1.Shard/ReleaseCut',
+                request_serializer=tigana_dot_proto_dot_shard__pb2.ReleaseCutRequest.SerializeToString,
+                response_deserializer=tigana_dot_proto_dot_shard__pb2.ReleaseCutResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -206,6 +221,24 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareCut(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitCut(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseCut(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -283,6 +316,21 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.ImportRows,
                     request_deserializer=tigana_dot_proto_dot_shard__pb2.ImportRowsRequest.FromString,
                     response_serializer=tigana_dot_proto_dot_shard__pb2.ImportRowsResponse.SerializeToString,
+            ),
+            'PrepareCut': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareCut,
+                    request_deserializer=tigana_dot_proto_dot_shard__pb2.PrepareCutRequest.FromString,
+                    response_serializer=tigana_dot_proto_dot_shard__pb2.PrepareCutResponse.SerializeToString,
+            ),
+            'CommitCut': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitCut,
+                    request_deserializer=tigana_dot_proto_dot_shard__pb2.CommitCutRequest.FromString,
+                    response_serializer=tigana_dot_proto_dot_shard__pb2.CommitCutResponse.SerializeToString,
+            ),
+            'ReleaseCut': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseCut,
+                    request_deserializer=tigana_dot_proto_dot_shard__pb2.ReleaseCutRequest.FromString,
+                    response_serializer=tigana_dot_proto_dot_shard__pb2.ReleaseCutResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -690,6 +738,87 @@ class Shard:
             '/tigana.v1.Shard/ImportRows',
             tigana_dot_proto_dot_shard__pb2.ImportRowsRequest.SerializeToString,
             tigana_dot_proto_dot_shard__pb2.ImportRowsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareCut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tigana.v1.Shard/PrepareCut',
+            tigana_dot_proto_dot_shard__pb2.PrepareCutRequest.SerializeToString,
+            tigana_dot_proto_dot_shard__pb2.PrepareCutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitCut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tigana.v1.Shard/CommitCut',
+            tigana_dot_proto_dot_shard__pb2.CommitCutRequest.SerializeToString,
+            tigana_dot_proto_dot_shard__pb2.CommitCutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseCut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tigana.v1.Shard/ReleaseCut',
+            tigana_dot_proto_dot_shard__pb2.ReleaseCutRequest.SerializeToString,
+            tigana_dot_proto_dot_shard__pb2.ReleaseCutResponse.FromString,
             options,
             channel_credentials,
             insecure,

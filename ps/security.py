@@ -38,7 +38,8 @@ AUTH_KEY = "authorization"
 ADMIN_METHODS = frozenset({
     "/tigana.v1.Shard/DropTable", "/tigana.v1.Shard/Snapshot", "/tigana.v1.Shard/Restore",
     "/tigana.v1.Shard/InstallMap", "/tigana.v1.Shard/Replicate", "/tigana.v1.Shard/SlotInfo",
-    "/tigana.v1.Shard/ExportRows", "/tigana.v1.Shard/ImportRows",
+    "/tigana.v1.Shard/ExportRows", "/tigana.v1.Shard/ImportRows", "/tigana.v1.Shard/PrepareCut",
+    "/tigana.v1.Shard/CommitCut", "/tigana.v1.Shard/ReleaseCut",
     "/tigana.v1.Scheduler/Register", "/tigana.v1.Scheduler/Heartbeat", "/tigana.v1.Scheduler/ReportCopyFailure",
     "/tigana.v1.Scheduler/CopyCaughtUp", "/tigana.v1.Scheduler/DropTable", "/tigana.v1.Scheduler/MoveSlot",
     "/tigana.v1.Scheduler/Drain", "/tigana.v1.Scheduler/Rebalance",

@@ -6,6 +6,7 @@
     tigana admin rebalance [--plan]              even out the measured load (rows and request rate)
     tigana admin move-slot SLOT --to SERVER      move one slot's copy (its primary by default)
     tigana admin checkpoint --dir DIR            a consistent checkpoint of every table
+        [--incremental [--base DIR]] [--quantize int8|fp16]
     tigana admin restore DIR                     load a checkpoint onto the servers the cluster has now
     tigana admin export TABLE --out PATH [--since OLD]   ids and float32 rows for serving
     tigana admin export TABLE --follow --out DIR [--interval S]   a full export, then a delta every S seconds
@@ -92,6 +93,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("checkpoint", help="write a consistent checkpoint of every table")
     p.add_argument("--dir", required=True, help="the checkpoint folder to write (shared storage)")
     p.add_argument("--table", action="append", help="only these tables (repeatable)")
+    p.add_argument("--incremental", action="store_true",
+                   help="only the rows changed since --base (default: the newest checkpoint beside --dir; "
+                        "none there: a full one)")
+    p.add_argument("--base", help="the checkpoint an --incremental one builds on")
+    p.add_argument("--quantize", choices=("none", "fp16", "int8"), default="none",
+                   help="write the weights at lower precision (the optimizer state stays exact)")
+    p.add_argument("--quantize-state", action="store_true",
+                   help="with --quantize: the optimizer state at that precision too")
     p = sub.add_parser("restore", help="load a checkpoint onto the servers the cluster has now")
     p.add_argument("dir", help="a checkpoint folder written by admin checkpoint")
     p.add_argument("--table", action="append", help="only these tables (repeatable)")
@@ -278,11 +287,17 @@ def _client(args: argparse.Namespace) -> ps.Client:
 def _checkpoint(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     with _client(args) as client:
         t = time.monotonic()
-        manifest = client.checkpoint(args.dir, args.table)
+        manifest = client.checkpoint(args.dir, args.table, incremental=args.incremental, base=args.base,
+                                     quantize=args.quantize, quantize_state=args.quantize_state)
         seconds = time.monotonic() - t
     rows = {name: t["rows"] for name, t in manifest["tables"].items()}
-    _say(args, f"checkpoint {args.dir}: {len(rows)} table(s), {sum(rows.values())} rows in {seconds:.1f}s")
-    return True, {"dir": args.dir, "rows": rows, "seconds": round(seconds, 3), "epoch": manifest["epoch"]}
+    base = manifest["base"]["path"] if manifest.get("base") else None
+    _say(args, f"checkpoint {args.dir} ({manifest['kind']}{', on ' + base if base else ''}, "
+               f"quantize {manifest['quantize']}): {len(rows)} table(s), {sum(rows.values())} rows, "
+               f"{manifest['bytes']} bytes in {seconds:.1f}s")
+    return True, {"dir": args.dir, "rows": rows, "seconds": round(seconds, 3), "epoch": manifest["epoch"],
+                  "kind": manifest["kind"], "base": base, "bytes": manifest["bytes"],
+                  "quantize": manifest["quantize"], "cut_time": manifest["cut"]["time"]}
 
 
 def _restore(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:

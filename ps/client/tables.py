@@ -159,17 +159,22 @@ class Tables(ClientFields):
         with self._tables_lock:
             self._tables.pop(spec.name, None)
 
-    def checkpoint(self, directory: str, tables: list[str] | None = None) -> dict[str, Any]:
-        """Write a consistent checkpoint of ``tables`` (default: all) into ``directory``: one cut per table on
-        every primary, rows and optimizer state, with a manifest and checksums (``tigana.ps.checkpoint``).
-        Flushes this client's pushes first. Returns the manifest."""
+    def checkpoint(self, directory: str, tables: list[str] | None = None, *, incremental: bool = False,
+                   base: str | None = None, quantize: str = "none", quantize_state: bool = False) -> dict[str, Any]:
+        """Write a consistent checkpoint of ``tables`` (default: all) into ``directory``: every table cut at one
+        point of the cluster's history, rows and optimizer state, with a manifest and checksums
+        (``tigana.ps.checkpoint``). ``incremental``: only the rows changed since ``base`` (default: the newest
+        checkpoint beside ``directory``); ``quantize``: ``fp16`` or ``int8`` weights (the optimizer state stays
+        exact unless ``quantize_state``). Flushes this client's pushes first. Returns the manifest."""
         from tigana.ps.checkpoint import write_checkpoint
 
-        return write_checkpoint(self, directory, tables)
+        return write_checkpoint(self, directory, tables, incremental=incremental, base=base, quantize=quantize,
+                                quantize_state=quantize_state)
 
     def restore_checkpoint(self, directory: str, tables: list[str] | None = None) -> dict[str, int]:
         """Recreate the checkpoint's tables and load their rows and optimizer state onto the servers the
-        cluster has now (any number). Returns rows restored per table."""
+        cluster has now (any number); an incremental checkpoint with its chain of bases. Returns rows restored
+        per table."""
         from tigana.ps.checkpoint import restore_checkpoint
 
         return restore_checkpoint(self, directory, tables)

@@ -35,6 +35,8 @@ declared in ``_fields``):
   hand-over of the primary role;
 - ``writes``: the write path (pull, push: apply then acknowledge) and its replication to the copies;
 - ``export``: whole-table reads and writes (``ExportRows``, ``ImportRows``), ``SlotInfo`` and ``Stats``;
+- ``cuts``: cluster cuts (``PrepareCut``, ``CommitCut``, ``ReleaseCut``): every table at one point of the
+  cluster's history, for ``tigana admin checkpoint``;
 - ``persistence``: snapshots, restore, loading at start, quarantine, the table registry;
 - ``service``: ``ShardService`` with the remaining RPC handlers, ``add_to_server``, ``SERVICE_NAME``; the
   handlers' error guard is ``_guard``.

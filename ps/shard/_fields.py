@@ -58,6 +58,8 @@ class ShardFields:
     _drop_running: bool
     _handover_started: bool
     _last_decay: float
+    _cuts: dict[str, Any]  # cluster cuts by name (``cuts``)
+    _cuts_lock: threading.Lock
     _streams: int
     _streams_lock: threading.Lock
     _frame_pool: futures.ThreadPoolExecutor
@@ -66,6 +68,7 @@ class ShardFields:
 
     if TYPE_CHECKING:  # the methods one room calls in another
         def _get(self, name: str) -> _Hosted: ...
+        def cut_chunks(self, request: Any) -> Any: ...
         def table_names(self) -> list[str]: ...
         def _effective(self, spec: TableConfig) -> TableConfig: ...
         def _new_hosted(self, spec: TableDef, table: EmbeddingTable | None = None,

@@ -89,6 +89,9 @@ class Exports(ShardFields):
     def _export_rows(self, request: pb.ExportRowsRequest):
         from tigana.embeddings import snapshot as snap
 
+        if request.cut:  # a part of a cluster cut (``cuts``)
+            yield from self.cut_chunks(request)
+            return
         name = request.table
         hosted = self._get(name)
         view = self._view
@@ -240,6 +243,7 @@ class Exports(ShardFields):
         elif self.clustered:  # one pass over the index, the lock held per range of buckets (no list of every id)
             values["rows_led"] = float(hosted.table.rows_per_slot(self.num_slots)[leads].sum())
         values["dedup_keys"] = float(len(hosted.dedup))
+        values["cuts_open"] = float(len(self._cuts))  # cluster cuts held or unread (``cuts``)
         values["epoch"] = float(self._view.epoch)
         if self.replicator is not None:
             values.update(self.replicator.stats())

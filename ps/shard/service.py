@@ -34,6 +34,7 @@ from tigana.ps.replication.actions import RefreshMap
 from tigana.ps.security import NONE, Security
 from tigana.ps.shard import streams
 from tigana.ps.shard._guard import _rpc, check_serving
+from tigana.ps.shard.cuts import Cuts
 from tigana.ps.shard.export import Exports
 from tigana.ps.shard.hosted import Hosting, _Hosted
 from tigana.ps.shard.ownership import Ownership, _View
@@ -49,7 +50,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Shard"].full_name  # "tigana.v1.S
 _BAD_NAME = re.compile(r"[\x00-\x1f\x7f]")
 
 
-class ShardService(Ownership, Writes, Exports, Persistence, Hosting, shard_pb2_grpc.ShardServicer):
+class ShardService(Ownership, Writes, Exports, Cuts, Persistence, Hosting, shard_pb2_grpc.ShardServicer):
     """The tables and slot copies of one shard server. ``state`` is loading -> serving -> closed.
 
     ``agent`` (set by the daemon in cluster mode) is the link to the scheduler: ``refresh(epoch)``,
@@ -87,6 +88,8 @@ class ShardService(Ownership, Writes, Exports, Persistence, Hosting, shard_pb2_g
         self._drop_wanted = self._drop_running = False  # rows of slots no longer held to delete; a worker at it
         self._handover_started = False
         self._last_decay = time.monotonic()
+        self._cuts: dict[str, Any] = {}
+        self._cuts_lock = threading.Lock()
         self._streams = 0  # Exchange streams open
         self._streams_lock = threading.Lock()
         self._frame_pool = futures.ThreadPoolExecutor(max_workers=config.max_workers,

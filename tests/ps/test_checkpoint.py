@@ -27,9 +27,9 @@ print(json.dumps({"rows": int(ids.size), "sum": float(rows.astype(np.float64).su
 
 
 def _all_rows(directory, table: str) -> RowBatch:
-    manifest = json.loads((directory / "manifest.json").read_text())
-    batches = [b for p in manifest["tables"][table]["parts"] for b in snap.iter_snapshot_rows(directory / p["path"])]
-    rows = RowBatch.concat(batches)
+    from tigana.ps.checkpoint import checkpoint_rows
+
+    rows = RowBatch.concat(list(checkpoint_rows(directory, table)))
     return rows.take(np.argsort(rows.ids))
 
 
@@ -75,32 +75,34 @@ def test_checkpoint_on_3_servers_restores_identically_on_2(make_shard_cluster, t
         assert ps.admin.verify(second.scheduler)["differing"] == []
 
 
-def test_a_checkpoint_reads_a_table_again_when_a_slot_moves_under_it(make_shard_cluster, tmp_path, monkeypatch):
-    """A part refused because its slots moved (WrongShard: a rebalance or failover under ``admin checkpoint``)
-    makes the table be read again by the newest map, its parts so far discarded: the checkpoint completes,
-    whole (the nemesis saw ``admin checkpoint`` fail with WrongShard during moves)."""
-    from tigana.ps import checkpoint
+def test_a_cut_refused_on_one_server_is_taken_again_whole(make_shard_cluster, tmp_path, monkeypatch) -> None:
+    """A part that cannot be read (its server refused: a map change, a failover under ``admin checkpoint``)
+    discards the round: every server's cut is released, the parts so far are removed, and a new round cuts
+    every table again by the newest map; the checkpoint completes whole."""
+    from tigana.ps.checkpoint import write
 
     cluster = make_shard_cluster(2, replicas=1)
     with ps.connect(cluster.target) as client:
         client.create_table("emb", dim=4, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
         ids = np.arange(4000, dtype=np.int64)
         client.push("emb", ids, -np.ones((ids.size, 4), np.float32)).result()
-        real, calls = checkpoint._export_stream, []
+        real, calls = write._read_parts, []
 
-        def flaky(client_, server, table, slots, **kw):
-            calls.append(server.address)
-            if len(calls) == 2:  # the table's second part: its first one is already written
-                raise ps.WrongShard(f"table {table!r}: field 'slots' names slots this server does not lead", epoch=1)
-            return real(client_, server, table, slots, **kw)
+        def flaky(client_, server, cut, *args, **kw):
+            calls.append(cut)
+            if len(calls) == 2:  # the second server of the first round
+                raise ps.WrongShard("table 'emb': field 'slots' names slots this server does not lead", epoch=1)
+            return real(client_, server, cut, *args, **kw)
 
-        monkeypatch.setattr(checkpoint, "_export_stream", flaky)
+        monkeypatch.setattr(write, "_read_parts", flaky)
         manifest = client.checkpoint(str(tmp_path / "ckpt"))
-    assert len(calls) == 4  # two parts, the first read twice, the second refused once then read
+        assert len(calls) == 4 and len(set(calls)) == 2  # two rounds of two servers
+        for stats in client.server_stats("emb").values():  # no cut is left open on any server
+            assert stats["emb"]["cuts_open"] == 0
     table = manifest["tables"]["emb"]
     assert table["rows"] == ids.size and len(table["parts"]) == 2
-    written = sorted(p.name for p in (tmp_path / "ckpt" / "tables" / "emb").iterdir())
-    assert written == ["part-0000", "part-0001"]  # the discarded attempt left nothing behind
+    assert len(list((tmp_path / "ckpt" / "tables" / "emb").iterdir())) == 2  # the discarded round left nothing
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     rows = _all_rows(tmp_path / "ckpt", "emb")
     np.testing.assert_array_equal(np.sort(rows.ids), ids)
 
@@ -114,12 +116,18 @@ def test_a_damaged_checkpoint_is_refused(make_shard_cluster, tmp_path) -> None:
         client.checkpoint(str(ckpt))
         with pytest.raises(ps.InvalidArgument, match="not empty"):
             client.checkpoint(str(ckpt))
-        data = next(ckpt.rglob("data.mdb"))
+        data = next(ckpt.rglob("chunk-00000.npz"))
         raw = bytearray(data.read_bytes())
         raw[len(raw) // 2] ^= 0xFF
         data.write_bytes(bytes(raw))
-        with pytest.raises(Exception, match="checksum|corrupt|CRC"):
+        before = client.pull("t", np.arange(1000), insert=False)
+        client.push("t", np.arange(10), np.ones((10, 4), np.float32)).result()
+        after = client.pull("t", np.arange(1000), insert=False)
+        with pytest.raises(ps.DataLoss, match="checksum"):
             client.restore_checkpoint(str(ckpt))
+        # refused before anything changed: the table is as it was, not dropped or half restored
+        np.testing.assert_array_equal(client.pull("t", np.arange(1000), insert=False), after)
+        assert not np.array_equal(before, after)
 
 
 def test_export_since_of_a_table_with_spilled_rows_reads_a_cut(make_shard_cluster, tmp_path) -> None:
