@@ -1,7 +1,8 @@
 """A checkpoint part: one primary's rows of one table at the cut, as chunk files of numpy arrays.
 
-    <part>/chunk-00000.npz ...   ids (int64), weights and state (float32, or a ``quantize`` codec), update_count,
-                                 last_step (int64), last_time (float64): up to CHUNK_ROWS rows each
+    <part>/chunk-00000.npz ...   ids (int64), weights and state (float32, or a ``quantize`` codec), update_count
+                                 and last_step (uint32 where they fit, else int64), last_time (uint32 ticks of
+                                 1/128 s after last_time_base where exact, else float64): up to CHUNK_ROWS rows
     <part>/deleted.npy           an incremental part's tombstones: ids removed since its base (int64)
 
 Its manifest entry lists every file with its rows, bytes and sha256, so a damaged or missing file is found before
@@ -52,8 +53,8 @@ class PartWriter:
             return
         rows = RowBatch.concat(self._buffered) if len(self._buffered) > 1 else self._buffered[0]
         self._buffered, self._count = [], 0
-        arrays = {"ids": np.ascontiguousarray(rows.ids, "<i8"), "update_count": rows.update_count.astype("<i8"),
-                  "last_step": rows.last_step.astype("<i8"), "last_time": rows.last_time.astype("<f8")}
+        arrays = {"ids": np.ascontiguousarray(rows.ids, "<i8"), **_narrow("update_count", rows.update_count),
+                  **_narrow("last_step", rows.last_step), **_ticks("last_time", rows.last_time)}
         arrays.update(encode(rows.weights, self.codec, table=self.table, field="weights"))
         arrays.update(encode(rows.state, self.state_codec, table=self.table, field="state"))
         buf = io.BytesIO()
@@ -80,6 +81,24 @@ class PartWriter:
                                      "sha256": hashlib.sha256(data).hexdigest()}
         entry["bytes"] = sum(f["bytes"] for f in self._files) + entry.get("deleted_file", {}).get("bytes", 0)
         return entry
+
+
+def _narrow(field: str, values: np.ndarray) -> dict[str, np.ndarray]:
+    """Counters as uint32 where they fit (exact; int64 otherwise)."""
+    if values.size and (values.min() < 0 or values.max() > 0xFFFFFFFF):
+        return {field: values.astype("<i8")}
+    return {field: values.astype("<u4")}
+
+
+def _ticks(field: str, times: np.ndarray) -> dict[str, np.ndarray]:
+    """Update times (whole 1/128 s ticks in the engine) as uint32 ticks after a float64 base where that is
+    exact; float64 otherwise."""
+    if times.size:
+        base = float(np.floor(times.min()))
+        ticks = (times - base) * 128.0
+        if ticks.max() <= 0xFFFFFFFF and (ticks == np.floor(ticks)).all():
+            return {field: ticks.astype("<u4"), f"{field}_base": np.array([base])}
+    return {field: times.astype("<f8")}
 
 
 def _files(entry: dict[str, Any]) -> list[dict[str, Any]]:
@@ -112,8 +131,11 @@ def iter_part(root: Path, entry: dict[str, Any], *, dim: int, state_width: int) 
         if weights.shape[1:] != (dim,) or state.shape[1:] != (state_width,):
             raise DataLoss(f"checkpoint {str(root)!r}: {entry['path']}/{f['file']} holds rows of width "
                            f"{weights.shape[1:]}/{state.shape[1:]}, the table {dim}/{state_width}")
+        times = arrays["last_time"].astype(np.float64)
+        if "last_time_base" in arrays:
+            times = times / 128.0 + float(arrays["last_time_base"][0])
         yield RowBatch(arrays["ids"].astype(np.int64), weights, state, arrays["update_count"].astype(np.int64),
-                       arrays["last_step"].astype(np.int64), arrays["last_time"].astype(np.float64))
+                       arrays["last_step"].astype(np.int64), times)
 
 
 def part_deleted(root: Path, entry: dict[str, Any]) -> np.ndarray:

@@ -35,7 +35,12 @@ from tigana.ps.errors import DataLoss, InvalidArgument, PSError, Unavailable, fr
 from tigana.ps.wire import cluster as cluster_wire
 
 HOLD_MS = 2000  # the longest a server holds writes waiting for the commit
-SINCE_MARGIN_S = 1.0  # an incremental reads rows updated from this long before its base's cut (clock slew)
+# An incremental reads the rows updated at or after its base's cut time minus this margin. The cut time is the
+# earliest of the servers' clocks at their commits: a row written on server Y after the cut carries a time of
+# Y's clock at or after Y's commit, which is at or after that earliest reading, whatever the skew between the
+# servers' clocks (a row copied to a server since carries its writer's clock, and a copy makes that server's part
+# full anyway). The margin covers a clock stepped back by less than it; row times are rounded up, never down.
+SINCE_MARGIN_S = 0.1
 
 
 def write_checkpoint(client: Any, directory: str | os.PathLike, tables: list[str] | None = None, *,

@@ -11,7 +11,6 @@ import pytest
 
 from tigana import ps
 from tigana.embeddings import RowBatch
-from tigana.embeddings import snapshot as snap
 
 pytestmark = pytest.mark.timeout(240)
 
