@@ -65,10 +65,13 @@ class CutRound:
         self._prepared: set[str] = set()
         self._committed: dict[str, tuple[int, np.ndarray]] = {}
         self._touched: set[str] = set()
+        self._released: set[str] = set()
 
     def prepared(self, server: str) -> list[Action]:
         """``server`` answered PrepareCut (its writes are held)."""
         self._touched.add(server)
+        if self.phase == "failed":
+            return self._fail("")  # released at once: the round is over
         if self.phase != "preparing":
             return []
         self._prepared.add(server)
@@ -105,7 +108,12 @@ class CutRound:
         return [Release(tuple(sorted(self._touched | set(self._committed))))]
 
     def _fail(self, reason: str) -> list[Action]:
-        if self.phase == "failed":
-            return []
-        self.phase = "failed"
-        return [Release(tuple(sorted(self._touched | set(self._committed)))), Failed(reason)]
+        # Every server touched is released once the round fails, also one whose refusal comes after the failure
+        # (it may hold its locks: a PrepareCut that timed out here can have prepared there).
+        new = tuple(sorted((self._touched | set(self._committed)) - self._released))
+        self._released.update(new)
+        out: list[Action] = [Release(new)] if new else []
+        if self.phase != "failed":
+            self.phase = "failed"
+            out.append(Failed(reason))
+        return out

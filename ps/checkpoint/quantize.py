@@ -38,12 +38,16 @@ def encode(values: np.ndarray, codec: str, *, table: str, field: str) -> dict[st
     if values.shape[1] == 0:
         return {field: np.zeros(values.shape, np.uint8), f"{field}_lo": np.zeros(values.shape[0], np.float32),
                 f"{field}_scale": np.zeros(values.shape[0], np.float32)}
-    lo = values.min(axis=1)
-    scale = (values.max(axis=1) - lo) / np.float32(255.0)
-    safe = np.where(scale > 0, scale, np.float32(1.0))
-    q = np.rint((values - lo[:, None]) / safe[:, None])
+    # In float64: a finite row may span more than float32's range (max - min overflows), and lo + q * scale
+    # must come back within scale / 2 of every value of it.
+    wide = values.astype(np.float64)
+    lo = wide.min(axis=1)
+    # The scale as stored (float32), so decode's lo + q * scale is the value q was rounded for.
+    scale = ((wide.max(axis=1) - lo) / 255.0).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1.0)).astype(np.float64)
+    q = np.rint((wide - lo[:, None]) / safe[:, None])
     return {field: np.clip(q, 0, 255).astype(np.uint8), f"{field}_lo": lo.astype(np.float32),
-            f"{field}_scale": scale.astype(np.float32)}
+            f"{field}_scale": scale}
 
 
 def decode(arrays: dict[str, np.ndarray], field: str) -> np.ndarray:
@@ -51,5 +55,6 @@ def decode(arrays: dict[str, np.ndarray], field: str) -> np.ndarray:
     values = arrays[field]
     if values.dtype == np.uint8:
         lo, scale = arrays[f"{field}_lo"], arrays[f"{field}_scale"]
-        return (lo[:, None] + values.astype(np.float32) * scale[:, None]).astype(np.float32)
+        wide = lo.astype(np.float64)[:, None] + values.astype(np.float64) * scale.astype(np.float64)[:, None]
+        return wide.astype(np.float32)
     return np.ascontiguousarray(values, np.float32)
