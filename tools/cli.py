@@ -41,6 +41,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serving": ("tigana.tools.bench.serving", "a trained model served: freshness (push ack to a changed "
                                               "prediction) while training, Predict latency at 1/64/1024 rows vs "
                                               "the model in process, rollback time"),
+    "checkpoint": ("tigana.tools.bench.checkpoint", "full, incremental and int8 checkpoints over 10 training "
+                                                    "intervals: bytes and seconds against full ones, restore time "
+                                                    "and the AUC after each restore"),
     "serving-sync": ("tigana.tools.bench.serving_sync", "continuous sync to serving: push-to-visible lag, delta "
                                                         "throughput, lookup latency of tigana serve"),
     "elastic": ("tigana.tools.bench.elastic", "kill -9 of one of two trainers mid-run: the job restarts it and ends "

@@ -136,18 +136,23 @@ def _one_cut(client: Any, tmp: Path, names: list[str], since: dict[str, float], 
                     out[address] = from_rpc_error(err, address)
             return out
 
-        actions = []
+        actions: list = []
+        errors: list[Exception] = []
         try:
             prepare = pb.PrepareCutRequest(cut=cut, tables=names, hold_ms=HOLD_MS)
             for address, reply in each(lambda s, r: s.stub.PrepareCut(r, timeout=HOLD_MS / 1000), lambda a: prepare
                                        ).items():
-                actions += (round_.refused(address, str(reply)) if isinstance(reply, Exception)
-                            else round_.prepared(address))
+                if isinstance(reply, Exception):
+                    errors.append(reply)
+                    actions += round_.refused(address, str(reply))
+                else:
+                    actions += round_.prepared(address)
             if any(isinstance(a, Commit) for a in actions):
                 commit = pb.CommitCutRequest(cut=cut, since=since)
                 for address, reply in each(lambda s, r: s.stub.CommitCut(r, timeout=timeout), lambda a: commit
                                            ).items():
                     if isinstance(reply, Exception):
+                        errors.append(reply)
                         actions += round_.refused(address, str(reply))
                     else:
                         commits[address] = reply
@@ -155,6 +160,9 @@ def _one_cut(client: Any, tmp: Path, names: list[str], since: dict[str, float], 
                                                     cluster_wire.array(reply.slots, "<i4", field="slots"))
             failed = [a for a in actions if isinstance(a, Failed)]
             if failed:
+                for error in errors:  # a refusal no new round can mend (a credential, a bad table) as it is
+                    if not (isinstance(error, Unavailable) or _retryable(error, client)):
+                        raise error
                 raise Unavailable(f"checkpoint: the cut was not taken: {failed[0].reason}")
             if not any(isinstance(a, Read) for a in actions):
                 raise Unavailable("checkpoint: the cut was not taken")
