@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,6 +68,34 @@ def _raw(chunk) -> tuple[np.ndarray, np.ndarray]:
 def _admin(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tigana.tools.cli", "admin", *args], capture_output=True, text=True,
                           timeout=60)
+
+
+class _Load:
+    """A client predicting ``dense, categorical`` back to back on its own thread until ``stop()``, which
+    returns every (version, probabilities) answered, in order, and raises the first error if a request failed."""
+
+    def __init__(self, address: str, dense: np.ndarray, categorical: np.ndarray) -> None:
+        self.answers: list[tuple[int, np.ndarray]] = []
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(address, dense, categorical), daemon=True)
+        self._thread.start()
+
+    def _run(self, address: str, dense: np.ndarray, categorical: np.ndarray) -> None:
+        try:
+            with ServingClient(address) as serving:
+                while not self._stop.is_set():
+                    got, version = serving.predict(dense, categorical)
+                    self.answers.append((version, got))
+        except BaseException as exc:  # reported by stop()
+            self.error = exc
+
+    def stop(self) -> list[tuple[int, np.ndarray]]:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        if self.error is not None:
+            raise self.error
+        return self.answers
 
 
 def _wait_info(serving: ServingClient, ready, what: str, timeout: float = 30.0):
@@ -153,8 +182,10 @@ def test_a_published_model_is_served_gated_and_rolled_back_as_the_trainer_scores
                 assert time.monotonic() < deadline
             assert serving.info().version == live and modeldir.read_versions(root)["versions"][-1]["step"] == 41
 
-            # rollback to the first version (step 20): every answer comes from it once the server swapped
+            # rollback to the first version (step 20) and back, under load: a client predicting all along gets
+            # an answer to every request, each from the live version or the one rolled back to, in that order
             oldest = modeldir.read_versions(root)["versions"][0]
+            load = _Load(address, *_raw(chunk))
             rolled = _admin("publish", "rollback", "--model", str(root), "--to", str(oldest["version"]))
             assert rolled.returncode == 0, rolled.stderr
             info = _wait_info(serving, lambda i: i.version == oldest["version"], "the rollback")
@@ -166,6 +197,16 @@ def test_a_published_model_is_served_gated_and_rolled_back_as_the_trainer_scores
             info = _wait_info(serving, lambda i: i.version == live and not i.pinned, "the resume")
             again, version = serving.predict(*_raw(chunk))
             assert version == live and np.array_equal(again, probabilities)
+            deadline = time.monotonic() + 30
+            while not (load.answers and load.answers[-1][0] == live) and load.error is None:
+                assert time.monotonic() < deadline, "the loaded client saw no answer since the resume"
+                time.sleep(0.01)
+            answered = load.stop()
+            assert {v for v, _ in answered} == {live, oldest["version"]}
+            switches = [i for i in range(1, len(answered)) if answered[i][0] != answered[i - 1][0]]
+            assert [answered[i][0] for i in [0, *switches]] == [live, oldest["version"], live]  # one swap each way
+            for v, got in answered:  # and each answer is that version's own
+                assert np.array_equal(got, probabilities if v == live else older)
         assert serve.poll() is None
     finally:
         for proc in procs:
