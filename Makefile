@@ -50,6 +50,8 @@ bench: $(STAMP)
 	$(VENV)/bin/tigana bench failover --quick
 	$(VENV)/bin/tigana bench reshard --quick
 	$(VENV)/bin/tigana bench serving-sync --quick
+	$(VENV)/bin/tigana bench serving --quick
+	$(VENV)/bin/tigana bench checkpoint --quick
 	$(VENV)/bin/tigana bench nemesis --quick
 
 # Optional benchmark peers, never dependencies: TorchRec beside the CPU torch, with the CPU fbgemm-gpu
