@@ -54,8 +54,9 @@ Design (what the follow loop guarantees, and why):
   entry gone re-reads the manifest.
 - **One writer, restarts.** A follower holds ``DIR/LOCK`` (flock) while open. It resumes an existing log (its
   ``seq`` and ``time``); temp folders and entries newer than the manifest (a crash between an entry's rename
-  and the manifest) are removed first. After a restore or a table dropped and recreated, rows keep their old
-  update times: start a new log (an empty ``DIR``).
+  and the manifest) are removed first. A table dropped and recreated, or restored from a checkpoint, is new on
+  every server: its tombstones reach back only to its creation, so the next delta is incomplete and a full
+  export is written instead; a reader forgets the old table's rows (no new log needed).
 """
 
 from __future__ import annotations

@@ -435,3 +435,37 @@ def test_deltas_carry_tombstones_so_evicted_rows_leave_serving(cluster, tmp_path
             _, found = reader.state.lookup(np.arange(200))
             np.testing.assert_array_equal(np.flatnonzero(found), want_ids)
             assert reader.state.size == want_ids.size
+
+
+def test_a_table_dropped_and_recreated_or_restored_reaches_serving_as_a_full_export(cluster, tmp_path: Path) -> None:
+    """The new table's servers know no removals from before it existed, so the follower's next delta would be
+    incomplete: it writes a full export instead, and serving forgets every row of the old table (no operator
+    step, no new log). The same for a checkpoint restored over the table."""
+    from tigana.ps.serving import tables as serving
+
+    out = tmp_path / "log"
+    with ps.connect(cluster.target) as client:
+        client.create_table("again", dim=2, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
+        client.push("again", np.arange(100), -np.ones((100, 2), np.float32)).result()
+        ckpt = tmp_path / "ckpt"
+        client.checkpoint(str(ckpt), ["again"])
+        with ExportFollower(client, "again", out, interval_s=0.1, overlap_s=0.0) as follower:
+            follower.step()
+            reader = serving.LogFollower(out, "zeros")
+            assert reader.poll() and reader.state.size == 100
+            client.drop_table("again")
+            client.create_table("again", dim=2, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
+            client.push("again", np.arange(200, 230), -2 * np.ones((30, 2), np.float32)).result()
+            entry = follower.step()
+            assert entry["path"].startswith("full-") and entry["rows"] == 30
+            assert reader.poll()
+            _, found = reader.state.lookup(np.arange(300))
+            np.testing.assert_array_equal(np.flatnonzero(found), np.arange(200, 230))
+            # restored over it: the checkpoint's 100 rows, and none of the 30
+            client.restore_checkpoint(str(ckpt))
+            entry = follower.step()
+            assert entry["path"].startswith("full-") and entry["rows"] == 100
+            assert reader.poll()
+            rows, found = reader.state.lookup(np.arange(300))
+            np.testing.assert_array_equal(np.flatnonzero(found), np.arange(100))
+            np.testing.assert_array_equal(rows[:100], np.ones((100, 2), np.float32))
