@@ -8,8 +8,9 @@ own process group, killed when it overruns), and tables created and dropped thro
 - ``rebalance``, ``drain`` (``admin drain X``, then ``--undrain``), ``join`` (a new ``tigana server
   --scheduler ...``, then ``admin rebalance``), ``checkpoint`` (every table), ``export`` (a ledger table; every
   exported row must be whole: all its elements equal).
-- ``restore``: a table of known contents is checkpointed (``admin checkpoint --table``), written to again,
-  restored (``admin restore --table``) and pulled: it must hold exactly what was checkpointed. The ledger
+- ``restore``: a table of known contents is checkpointed (``admin checkpoint --table``), half its rows written
+  again and checkpointed incrementally on it (``--incremental --quantize int8``), all written once more, the
+  chain restored (``admin restore --table``) and pulled: it must hold exactly what the second cut held. The ledger
   tables are never restored, so they stay auditable.
 
 Every operation returns an ``OpResult``; one that fails (non-zero exit, timeout, wrong contents) is counted,
@@ -226,17 +227,24 @@ class Operations:
         try:
             for _ in range(3):
                 client.push(name, ids, grads).result()
-            path = self.run_dir / f"restore-{self.count}"
-            ok, detail = self._admin("checkpoint", "--dir", str(path), "--table", name)
+            chain = self.run_dir / f"restore-{self.count}"
+            ok, detail = self._admin("checkpoint", "--dir", str(chain / "full"), "--table", name)
+            if ok:  # an incremental one on it (int8: the rows are constant, so exact) holds the half pushed since
+                for _ in range(2):
+                    client.push(name, ids[::2], grads[::2]).result()
+                ok, detail2 = self._admin("checkpoint", "--dir", str(chain / "incremental"), "--table", name,
+                                          "--incremental", "--quantize", "int8")
+                detail = f"{detail}; {detail2}"
             if ok:
                 client.push(name, ids, grads).result()  # after the cut: the restore must undo it
-                ok, detail2 = self._admin("restore", str(path), "--table", name)
+                ok, detail2 = self._admin("restore", str(chain / "incremental"), "--table", name)
                 detail = f"{detail}; {detail2}"
             wrong = -1
             if ok:
                 rows = client.pull(name, ids, insert=False)
-                wrong = int((rows != 3.0).any(axis=1).sum())
-                detail += f"; {wrong} of {ids.size} rows differ from the checkpoint"
+                want = np.where(ids % 2 == 0, 5.0, 3.0).astype(np.float32)[:, None]
+                wrong = int((rows != want).any(axis=1).sum())
+                detail += f"; {wrong} of {ids.size} rows differ from the checkpoints"
         finally:
             with contextlib.suppress(Exception):
                 client.close()
