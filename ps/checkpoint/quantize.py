@@ -42,8 +42,11 @@ def encode(values: np.ndarray, codec: str, *, table: str, field: str) -> dict[st
     # must come back within scale / 2 of every value of it.
     wide = values.astype(np.float64)
     lo = wide.min(axis=1)
-    # The scale as stored (float32), so decode's lo + q * scale is the value q was rounded for.
-    scale = ((wide.max(axis=1) - lo) / 255.0).astype(np.float32)
+    # The scale as stored (float32, rounded up: q never passes 255, also where the float64 scale is below
+    # float32's smallest subnormal), so decode's lo + q * scale is the value q was rounded for.
+    exact = (wide.max(axis=1) - lo) / 255.0
+    scale = exact.astype(np.float32)
+    scale = np.where(scale.astype(np.float64) < exact, np.nextafter(scale, np.float32(np.inf)), scale)
     safe = np.where(scale > 0, scale, np.float32(1.0)).astype(np.float64)
     q = np.rint((wide - lo[:, None]) / safe[:, None])
     return {field: np.clip(q, 0, 255).astype(np.uint8), f"{field}_lo": lo.astype(np.float32),
