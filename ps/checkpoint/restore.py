@@ -9,11 +9,13 @@ those slots are skipped. So every row is written once, and the chain must reach 
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ from tigana.ps.wire import cluster as cluster_wire
 FORMAT = "tigana-checkpoint"
 VERSION = 2  # 1: parts were storage-engine snapshots (still read)
 MANIFEST = "manifest.json"
+IMPORT_WINDOW = 4  # row batches a restore has in flight (each an ImportRows call per primary)
 
 
 def read_manifest(directory: str | os.PathLike, *, verify: bool = True) -> dict[str, Any]:
@@ -104,12 +107,19 @@ def restore_checkpoint(client: Any, directory: str | os.PathLike, tables: list[s
         sums = np.zeros(num_slots, np.uint64)
         counts = np.zeros(num_slots, np.int64)
         written = 0
-        for batch in _chain_rows(chain, name, num_slots, dim=int(t.get("dim", 0))):
-            written += _import(client, name, batch, int(t["step"]))
-            slots = routing.slot_of(batch.ids, num_slots)
-            with np.errstate(over="ignore"):
-                np.add.at(sums, slots, row_digests(batch))
-            counts += np.bincount(slots, minlength=num_slots)
+        # IMPORT_WINDOW batches in flight: reading and digesting the next chunks overlaps the servers' imports
+        with futures.ThreadPoolExecutor(IMPORT_WINDOW, thread_name_prefix="tigana-restore") as pool:
+            pending: collections.deque[futures.Future] = collections.deque()
+            for batch in _chain_rows(chain, name, num_slots, dim=int(t.get("dim", 0))):
+                pending.append(pool.submit(_import, client, name, batch, int(t["step"])))
+                slots = routing.slot_of(batch.ids, num_slots)
+                with np.errstate(over="ignore"):
+                    np.add.at(sums, slots, row_digests(batch))
+                counts += np.bincount(slots, minlength=num_slots)
+                if len(pending) >= IMPORT_WINDOW:
+                    written += pending.popleft().result()
+            while pending:
+                written += pending.popleft().result()
         _verify_restored(client, name, sums, counts)
         out[name] = written
     return out
