@@ -119,7 +119,11 @@ def test_bench_scale_tiered_spills_most_rows_and_stays_within_its_budget(bench_l
     for d in by.values():
         assert d["value"] > 0 and d["peer_value"] > 0 and d["rows"] == 200_000 and d["memory_budget"] == 4 << 20
     rss = by["scale.tiered.rss"]
-    assert rss["rss_with_file_pages"] >= rss["value"] >= rss["anon_median"] > rss["anon_at_start"] > 0
+    # ``value`` (the largest anonymous RSS) is rounded to 4 significant digits by ``emit``; the parameters are
+    # exact, so a flat RSS (max == median) once read as value < median: compare within that rounding
+    peak = rss["value"] * (1 + 5e-4)
+    assert rss["rss_with_file_pages"] * (1 + 5e-4) >= rss["value"] and peak >= rss["anon_median"]
+    assert rss["anon_median"] > rss["anon_at_start"] > 0
     assert rss["rss_samples"] > 10 and rss["peer_value"] == pytest.approx((4 << 20) + rss["anon_at_start"], rel=1e-3)
     disk = by["scale.tiered.disk"]
     assert disk["rows_spilled"] > disk["rows_resident"] > 0
