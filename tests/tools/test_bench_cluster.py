@@ -38,7 +38,9 @@ def test_bench_reshard_moves_drains_and_leaves_every_copy_equal(bench_lines):
     for d in lines.values():
         assert d["value"] > 0 and d["peer_value"] > 0 and d["rows"] == 20000 and d["replicas"] == 1
         assert d["ratio"] == pytest.approx(d["value"] / d["peer_value"], rel=2e-3)
-    assert 0 < lines["reshard.move"]["rows_moved"] <= 20000  # the 4th server's share was copied to it
+    # the 4th server's share was copied to it; the plan may also move copies between the other servers, so the
+    # bound is every copy of every row once (1 replica: 2 copies; one run moved 22,370 rows)
+    assert 0 < lines["reshard.move"]["rows_moved"] <= 2 * 20000
     assert lines["reshard.drain"]["copies_differing"] == 0 and lines["reshard.drain"]["rows_held"] > 0
     assert lines["reshard.balance"]["servers"] == 4
     p99 = lines["reshard.push_p99"]  # the samples behind each p99 are reported with it
