@@ -38,8 +38,10 @@ def test_bench_reshard_moves_drains_and_leaves_every_copy_equal(bench_lines):
     for d in lines.values():
         assert d["value"] > 0 and d["peer_value"] > 0 and d["rows"] == 20000 and d["replicas"] == 1
         assert d["ratio"] == pytest.approx(d["value"] / d["peer_value"], rel=2e-3)
-    # the 4th server's share was copied to it; the plan may also move copies between the other servers, so the
-    # bound is every copy of every row once (1 replica: 2 copies; one run moved 22,370 rows)
+    # the 4th server's share was copied to it (about 11,190 row copies: the 20,000 rows and those the traffic
+    # inserted, 2 copies each, a quarter of them). Bounded by every copy of every row once: one make test run
+    # reported 22,370, twice the usual, cause not found yet (stop 43's note); what the test holds to is that
+    # the moves complete and leave every copy equal (below)
     assert 0 < lines["reshard.move"]["rows_moved"] <= 2 * 20000
     assert lines["reshard.drain"]["copies_differing"] == 0 and lines["reshard.drain"]["rows_held"] > 0
     assert lines["reshard.balance"]["servers"] == 4
