@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from tigana.embeddings.changes import find_sorted
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.serving import exportlog
 
@@ -69,12 +70,12 @@ class TableState:
     def lookup(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(n,) int64 -> ((n, dim) float32 rows, (n,) bool found); unknown ids get the default row."""
         out = np.empty((ids.size, self.dim), np.float32)
-        found_over = _find(self.over_ids, ids)
-        found_base = _find(self.ids, ids)
+        found_over = find_sorted(self.over_ids, ids)
+        found_base = find_sorted(self.ids, ids)
         in_over = found_over >= 0
         in_base = (found_base >= 0) & ~in_over
         if self.gone_ids.size:
-            in_base &= _find(self.gone_ids, ids) < 0
+            in_base &= find_sorted(self.gone_ids, ids) < 0
         out[in_over] = self.over_rows[found_over[in_over]]
         out[in_base] = self.rows[found_base[in_base]]
         found = in_over | in_base
@@ -90,31 +91,22 @@ class TableState:
         bad = np.union1d(np.setdiff1d(self.bad_ids, ids), ids[~np.isfinite(rows).all(axis=1)])
         gone = np.setdiff1d(self.gone_ids, ids)  # written again: back
         if deleted is not None and deleted.size:
-            keep = _find(deleted, over_ids) < 0
+            keep = find_sorted(deleted, over_ids) < 0
             over_ids, over_rows = over_ids[keep], over_rows[keep]
-            gone = np.union1d(gone, deleted[_find(self.ids, deleted) >= 0])
+            gone = np.union1d(gone, deleted[find_sorted(self.ids, deleted) >= 0])
             bad = np.setdiff1d(bad, deleted)
         meta["bad_ids"] = bad
         if over_ids.size + gone.size >= max(_FOLD_MIN_ROWS, self.ids.size // 16):
             base_ids, base_rows = exportlog.merge(self.ids, self.rows, over_ids, over_rows)
             if gone.size:
-                keep = _find(gone, base_ids) < 0
+                keep = find_sorted(gone, base_ids) < 0
                 base_ids, base_rows = base_ids[keep], base_rows[keep]
             return TableState.build(self.table, base_ids, base_rows, policy, base_seq=self.base_seq,
                                     log_id=self.log_id, **meta)
-        fresh = int((_find(self.ids, over_ids) < 0).sum())
+        fresh = int((find_sorted(self.ids, over_ids) < 0).sum())
         return dataclasses.replace(self, over_ids=over_ids, over_rows=over_rows, gone_ids=gone,
                                    size=int(self.ids.size) - int(gone.size) + fresh, loaded_time=time.time(),
                                    **meta)
-
-
-def _find(sorted_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Index of each of ``ids`` in ``sorted_ids``, -1 where absent."""
-    if not sorted_ids.size:
-        return np.full(ids.size, -1, np.int64)
-    pos = np.searchsorted(sorted_ids, ids)
-    np.minimum(pos, sorted_ids.size - 1, out=pos)
-    return np.where(sorted_ids[pos] == ids, pos, -1)
 
 
 class Follower:

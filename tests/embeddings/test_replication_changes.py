@@ -262,3 +262,16 @@ def test_the_distinct_ids_match_numpy(values: list[int], dtype) -> None:
     first = unique(ids)
     assert sorted(first.tolist()) == np.unique(ids).tolist()
     assert first.tolist() == list(dict.fromkeys(ids.tolist()))
+
+
+@settings(max_examples=200, deadline=None)
+@given(table=st.sets(st.integers(-(2**63), 2**63 - 1) | st.integers(-3, 3), max_size=100),
+       ids=st.lists(st.integers(-(2**63), 2**63 - 1) | st.integers(-3, 3), max_size=100))
+def test_find_sorted_is_the_index_of_each_id_or_minus_one(table: set[int], ids: list[int]) -> None:
+    """``find_sorted`` (a binary search each; serving's lookups and a checkpoint chain's restore) against a dict."""
+    from tigana.embeddings.changes import find_sorted
+
+    sorted_ids = np.array(sorted(table), np.int64)
+    where = {v: i for i, v in enumerate(sorted_ids.tolist())}
+    got = find_sorted(sorted_ids, np.array(ids, np.int64))
+    assert got.tolist() == [where.get(v, -1) for v in ids]
