@@ -32,9 +32,10 @@ def test_a_round_holds_every_planned_operation_and_creates_the_scratch_table_bef
 
 
 def test_targets_name_every_miss():
+    history = {"phantom_reads": 0, "linearizability_violations": 3, "max_read_deficit": 10}
     good = {"lost_sync": 0, "doubled_sync": 0, "lost_async": 5, "doubled_async": 0, "async_loss_bound": 10,
             "primaries_killed": 1, "copies_demoted_without_failure": 0, "max_push_stall_s": 2.0, "verify": "ok",
-            "ops_failed": 0, "torn_rows": 0}
+            "ops_failed": 0, "torn_rows": 0, "linearizability_violations": 0, "history_async": history}
     assert targets_missed(good, 3.0) == []
     assert targets_missed({**good, "primaries_killed": 0}, 3.0)  # async loss with no primary killed
     assert targets_missed({**good, "lost_async": 11}, 3.0)  # past the reported bound
@@ -43,6 +44,10 @@ def test_targets_name_every_miss():
     assert targets_missed({**good, "doubled_sync": 1}, 3.0)
     assert targets_missed({**good, "lost_async_before_faults": 1}, 3.0)  # lost to planned operations alone
     assert targets_missed({**good, "faults_unprotected": 1}, 3.0)  # a second failure before the first healed
+    assert targets_missed({**good, "linearizability_violations": 1}, 3.0) == ["sync: 0 linearizability violations"]
+    assert targets_missed({**good, "history_async": {**history, "max_read_deficit": 11}}, 3.0)  # past the bound
+    assert targets_missed({**good, "history_async": {**history, "phantom_reads": 1}}, 3.0)
+    assert targets_missed({**good, "primaries_killed": 0, "lost_async": 0}, 3.0)  # async stale with no kill
     assert targets_missed({**good, "lost_async": None, "lost_sync": None}, 3.0) == [  # the tables unreadable
         "sync: 0 lost, 0 doubled", "async: 0 doubled, 0 lost unless a primary was killed, then within the bound"]
 
@@ -83,6 +88,12 @@ def test_bench_nemesis_quick_meets_its_targets(bench_lines):
     assert line["lost_sync"] == 0 and line["doubled_sync"] == 0
     assert line["lost_sync_before_faults"] == 0 and line["lost_async_before_faults"] == 0
     assert line["doubled_async"] == 0
+    assert line["linearizability_violations"] == 0, line["history_sync"]["examples"]
+    for dur in ("sync", "async"):  # the readers ran through the whole run and every read was checked
+        h = line[f"history_{dur}"]
+        assert h["reads"] > 10 and h["checked"] == 1000 * h["reads"] and h["phantom_reads"] == 0, h
+    if not line["primaries_killed"]:
+        assert line["linearizability_violations_async"] == 0, line["history_async"]["examples"]
     assert line["lost_async"] <= (line["async_loss_bound"] if line["primaries_killed"] else 0)
     assert line["copies_demoted_without_failure"] == 0, line["demotion_reasons"]
     assert line["max_push_stall_s"] < 3 * line["heartbeat_timeout_s"]

@@ -62,11 +62,12 @@ class PushLoop:
     in_flight: int = 4
     seed: int = 0
     pause_s: float = 0.0
-    keep_ids: bool = False  # remember each acknowledged push's ids (``acked_ids``, aligned with ``events``)
+    keep_ids: bool = False  # remember each push's ids (``acked_ids``, aligned with ``events``; ``failed``)
     acked: np.ndarray = field(init=False)
     unknown: np.ndarray = field(init=False)
     events: list[tuple[float, float]] = field(default_factory=list)
     acked_ids: list[np.ndarray] = field(default_factory=list)
+    failed: list[tuple[float, np.ndarray]] = field(default_factory=list)  # (time sent, ids) of failed pushes
     errors: list[BaseException] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -117,6 +118,8 @@ class PushLoop:
                 else:
                     self.unknown[ids] += 1
                     self.errors.append(fut.exception())
+                    if self.keep_ids:
+                        self.failed.append((sent_at, ids))
         return record
 
     def stop(self, timeout_s: float = 120.0) -> None:

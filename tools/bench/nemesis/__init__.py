@@ -14,8 +14,13 @@ at a time: before each fault the run waits until every slot has its in-sync copi
 ``faults_unprotected`` counts faults that found the cluster still degraded after 60 s, a missed target),
 since 1 + replicas copies promise to survive one failure, not a second one before the first is repaired.
 
+A reader per table pulls the first ids back to back while all this goes on; every push's ids and times are
+kept, and the record is checked per id as a counter history (``history``: stale, phantom and backwards
+reads, after Porcupine and Knossos).
+
 One JSON line (``case`` ``nemesis``; value: the longest push stall against 3x the heartbeat timeout) with
-``lost_sync``, ``doubled_sync``, ``lost_async``, ``doubled_async``, ``async_loss_bound`` (the replication lag
+``lost_sync``, ``doubled_sync``, ``lost_async``, ``doubled_async``, ``linearizability_violations`` (sync) and
+``linearizability_violations_async``, ``history_sync`` and ``history_async`` (the checker's counts), ``async_loss_bound`` (the replication lag
 each killed or paused primary reported just before, plus what it acknowledged after that sample),
 ``primaries_killed``, ``lost_sync_before_faults`` and ``lost_async_before_faults`` (what a pull at the end of
 the clean round misses of what was acknowledged before it), ``copies_demoted_without_failure`` (the
@@ -26,7 +31,8 @@ verify`` at the end: "ok" or what differs), ``rss_growth_mib`` (the daemons' res
 failed operations, the scheduler log's demotion reasons, ``ok`` and ``targets_missed``. The exit code is 1 when
 a target is missed:
 
-- sync: 0 lost and 0 doubled; async: 0 doubled, 0 lost by the clean round, and 0 lost at the end unless a
+- sync: 0 lost, 0 doubled and 0 linearizability violations; the async history: no phantom read, and no
+  violation unless a primary was killed, then no read lacking more than the bound; async: 0 doubled, 0 lost by the clean round, and 0 lost at the end unless a
   primary was killed, then within the bound;
 - 0 copies demoted without a failure;
 - the longest push stall under 3x the heartbeat timeout;

@@ -25,7 +25,8 @@ from tigana.tools.bench.nemesis.workload import DURABILITIES, Ledgers
 from tigana.tools.bench.report import emit, log
 
 KEYS = ("lost_sync", "doubled_sync", "lost_async", "doubled_async", "async_loss_bound", "primaries_killed",
-        "copies_demoted_without_failure", "max_push_stall_s", "verify", "rss_growth_mib")
+        "linearizability_violations", "linearizability_violations_async", "copies_demoted_without_failure",
+        "max_push_stall_s", "verify", "rss_growth_mib")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,6 +92,13 @@ def targets_missed(f: dict[str, Any], heartbeat_timeout_s: float) -> list[str]:
     if f["doubled_async"] != 0 or f["lost_async"] is None or f["lost_async"] > async_limit \
             or f.get("lost_async_before_faults", 0) != 0:
         missed.append("async: 0 doubled, 0 lost unless a primary was killed, then within the bound")
+    if f.get("linearizability_violations", 0) != 0:
+        missed.append("sync: 0 linearizability violations")
+    h = f.get("history_async", {})
+    if h and (h["phantom_reads"] or (h["linearizability_violations"] if not f["primaries_killed"]
+                                     else h["max_read_deficit"] > f["async_loss_bound"])):
+        missed.append("async history: no phantom read; linearizable unless a primary was killed, then within "
+                      "the bound")
     if f["copies_demoted_without_failure"] != 0:
         missed.append("0 copies demoted without a failure")
     if not f["max_push_stall_s"] < 3 * heartbeat_timeout_s:
@@ -125,7 +133,8 @@ def _run(args: argparse.Namespace, run_dir: Path, duration: float, op_timeout: f
             f"{time.monotonic() - t0:.1f}s")
         ctl = stack.enter_context(ps.connect(scheduler=d.scheduler_address))
         ledgers = Ledgers(d.scheduler_address, clients_per_table=args.clients, num_ids=args.ids,
-                          ids_per_push=args.ids_per_push, pause_s=push_pause, seed=args.seed)
+                          ids_per_push=args.ids_per_push, pause_s=push_pause, seed=args.seed,
+                          read_pause_s=4 * push_pause if args.quick else 0.05)
         ledgers.create_tables(ctl)
         stack.callback(ledgers.stop)
         ledgers.start()
@@ -152,6 +161,7 @@ def _run(args: argparse.Namespace, run_dir: Path, duration: float, op_timeout: f
         time.sleep(1.0)  # a last second of traffic after the last operation
         operations.close_scratch()
         ledgers.stop()
+        histories = {dur: ledgers.history(dur) for dur in DURABILITIES}
         stall, stall_at, stall_table = ledgers.max_stall()
         first_ack = ledgers.first_ack_s()
         first_ack = None if first_ack is None else round(first_ack, 3)
@@ -166,6 +176,9 @@ def _run(args: argparse.Namespace, run_dir: Path, duration: float, op_timeout: f
     return {
         **{f"{k}_{dur}": audits[dur][k] for dur in DURABILITIES for k in ("lost", "doubled")},
         **clean, "async_loss_bound": faults.async_loss_bound(), "primaries_killed": faults.primaries_killed,
+        "linearizability_violations": histories["sync"]["linearizability_violations"],
+        "linearizability_violations_async": histories["async"]["linearizability_violations"],
+        "history_sync": histories["sync"], "history_async": histories["async"],
         "faults_unprotected": faults.faults_unprotected, "max_reprotect_s": round(faults.max_reprotect_s, 2),
         "copies_demoted_without_failure": watched.pop("copies_demoted_without_failure"),
         "max_push_stall_s": round(stall, 3), "verify": verify,

@@ -7,6 +7,10 @@ element of its ids' rows. The clients of one table push overlapping ids; the aud
 The longest stall is measured from the clients' side: the longest time any client went without an
 acknowledgement while it was pushing, from its first acknowledgement to its stop. The wait for that first
 acknowledgement (start-up) is reported apart, as ``first_ack_s``.
+
+Beside the writers, ``readers_per_table`` readers per table pull the first ``watched_ids`` ids (read only)
+back to back; with every push's ids and times kept, ``history`` checks the whole record as a per-id counter
+history (``tigana.tools.bench.nemesis.history``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import numpy as np
 
 from tigana import ps
 from tigana.tools.bench.ledger import PushLoop, create_ledger_table
+from tigana.tools.bench.nemesis.history import Increment, PullReader, check_counters
 
 DURABILITIES = ("sync", "async")
 
@@ -49,7 +54,11 @@ class Ledgers:
     in_flight: int = 4
     pause_s: float = 0.005
     seed: int = 0
+    readers_per_table: int = 1
+    watched_ids: int = 1000
+    read_pause_s: float = 0.05
     clients: list[LedgerClient] = field(default_factory=list)
+    readers: dict[str, list[PullReader]] = field(default_factory=dict)
 
     @staticmethod
     def table(durability: str) -> str:
@@ -60,21 +69,30 @@ class Ledgers:
             create_ledger_table(client, self.table(durability), durability=durability)
 
     def start(self) -> None:
-        """One ``ps.connect`` per client, each with its push loop started."""
+        """One ``ps.connect`` per client, each with its push loop started, and one per reader."""
+        watched = np.arange(min(self.watched_ids, self.num_ids), dtype=np.int64)
         for durability in DURABILITIES:
             for k in range(self.clients_per_table):
                 client = ps.connect(scheduler=self.scheduler)
                 loop = PushLoop(client, table=self.table(durability), num_ids=self.num_ids,
                                 ids_per_push=self.ids_per_push, in_flight=self.in_flight, pause_s=self.pause_s,
-                                seed=self.seed * 1000 + 10 * k + (durability == "async"))
+                                seed=self.seed * 1000 + 10 * k + (durability == "async"), keep_ids=True)
                 self.clients.append(LedgerClient(durability, client, loop, time.monotonic()))
                 loop.start()
+            self.readers[durability] = [
+                PullReader(ps.connect(scheduler=self.scheduler), self.table(durability), watched, reader=k,
+                           pause_s=self.read_pause_s).start()
+                for k in range(self.readers_per_table)]
 
     def loops(self, durability: str) -> list[PushLoop]:
         return [c.loop for c in self.clients if c.durability == durability]
 
     def stop(self) -> None:
-        """Stop every loop (waiting for its pushes in flight) and close its client; never raises."""
+        """Stop every loop (waiting for its pushes in flight) and reader, and close their clients; never
+        raises."""
+        for reader in (r for rs in self.readers.values() for r in rs):
+            with contextlib.suppress(Exception):
+                reader.stop()
         for c in self.clients:
             c.loop._stop.set()  # all at once: the loops finish their windows in parallel
         for c in self.clients:
@@ -124,6 +142,20 @@ class Ledgers:
                 if done - sent > worst[0] and sent >= acks[0]:
                     worst = (done - sent, sent, c.durability)
         return worst
+
+    def history(self, durability: str) -> dict[str, Any]:
+        """The readers' pulls of ``durability``'s table checked against every push its clients sent
+        (``check_counters``), plus ``read_errors``. Call once every loop and reader stopped."""
+        increments = []
+        for loop in self.loops(durability):
+            increments += [Increment(ids, sent, done) for (sent, done), ids in
+                           zip(loop.events, loop.acked_ids, strict=True)]
+            increments += [Increment(ids, sent, None) for sent, ids in loop.failed]
+        readers = self.readers.get(durability, [])
+        reads = [read for r in readers for read in r.reads]
+        watched = np.arange(min(self.watched_ids, self.num_ids), dtype=np.int64)
+        return {**check_counters(watched, increments, reads, self.num_ids),
+                "read_errors": sum(len(r.errors) for r in readers)}
 
     def lost_so_far(self, client: ps.Client, durability: str) -> int:
         """Updates acknowledged before this call that a pull (read only) does not see, while the clients go
