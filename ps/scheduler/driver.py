@@ -1,16 +1,26 @@
 """The scheduler core's driver: ``SchedulerDriver`` runs ``SchedulerCore`` on threads, a store and a clock.
 
-One event at a time, under one lock: the driver reads the clock, hands the event to the core, then carries out
-what the core returned (``Ready``) in its order. The state is persisted in the ``MapStore`` *before* the
-event's caller gets its answer and before the map is published (long polls, reads, the announcer), so nobody
-is ever shown a map that was not saved. A store that refuses the write (``stores.etcd.Deposed``, a full disk)
-leaves nothing of the event visible: the core is rebuilt from the store, as after a restart, and the caller
-gets the error. Probes run on their own threads; a probe's answer comes back as an
-event (``probe_answered``). The announcer must not block: it is called under the lock, in epoch order.
+One event at a time, under the core's lock: the driver reads the clock and hands the event to the core, which
+changes its state in memory and returns what is left to do (``Ready``). Carrying that out (persisting the
+states in the ``MapStore``, publishing and announcing the map, starting probes) happens *after* the core's
+lock is released, under a lock of its own, in the order the events ran: a slow store (etcd, a loaded disk)
+no longer holds up the events behind it, so a heartbeat is recorded when it arrives, not when the write
+before it is done.
+
+What stays true: nobody is shown a map that was not saved. Every event is given a ticket (the newest
+``Ready`` it may depend on, its own or an earlier event's) and its caller gets the answer only once the
+states up to that ticket are saved and their map published; long polls, reads and the announcer see only
+``published``. A heartbeat, whose answer is the map to install, is answered at once with the newest
+*published* map and waits for nothing. A store that refuses a write (``stores.etcd.Deposed``, a full disk)
+leaves nothing of it visible: the core is rebuilt from the store, as after a restart, and the callers of that
+event and of every event run after it (whose answers may rest on it) get the error. Probes run on their own
+threads; a probe's answer comes back as an event (``probe_answered``). The announcer must not block: it is
+called under the core's lock, in epoch order.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -25,7 +35,7 @@ from tigana.proto import scheduler_pb2 as spb
 from tigana.ps import placement
 from tigana.ps.metrics import SchedulerMetrics
 from tigana.ps.routing import ShardMap, TableDef
-from tigana.ps.scheduler.actions import Probe
+from tigana.ps.scheduler.actions import Probe, Ready
 from tigana.ps.scheduler.config import SchedulerConfig
 from tigana.ps.scheduler.core import SchedulerCore, new_state
 from tigana.ps.scheduler.stores.file import MapStore, SchedulerState
@@ -63,43 +73,78 @@ class SchedulerDriver:
         self.core = SchedulerCore(config, state, now=clock(), metrics=self.metrics)
         self.published: ShardMap = self.core.map  # the newest saved map: what readers see
         self.saved = _kept(state)  # the last state saved: what a refused write falls back to
+        # Tickets: every Ready the core returned gets the next one; ``_done`` is the newest carried out (or
+        # refused). ``_pending`` holds the rest in order; ``_refused`` the error of each refused ticket.
+        self._issued = 0
+        self._done = 0
+        self._pending: collections.deque[tuple[int, Ready]] = collections.deque()
+        self._refused: dict[int, BaseException] = {}
+        self._carry_lock = threading.Lock()  # one carrier at a time, in ticket order
 
     # --- running events ----------------------------------------------------------------------------------
-    def _event(self, fn: Callable[[float], T]) -> T:
-        """Run one event (``fn(now)``) under the lock and carry out its ``Ready`` before anyone sees it, also
-        when the event raised (what it changed before is saved)."""
+    def _event(self, fn: Callable[[float], T], *, wait: bool = True) -> T:
+        """Run one event (``fn(now)``) under the core's lock, then carry out its ``Ready`` and every earlier one
+        (outside that lock) before answering, also when the event raised (what it changed before is saved).
+        ``wait=False``: an event whose answer shows nothing unsaved (a heartbeat) waits only for its own."""
+        error: BaseException | None = None
         with self.lock:
             try:
-                return fn(self.clock())
-            finally:
-                self._carry_out()
-
-    def _carry_out(self) -> None:
-        """Persist what the core changed, publish and announce the map, start the probes (lock held; the
-        announcer only queues the map). On a refused write the core is rebuilt from the store (what was not
-        saved never happened) and the error raised."""
-        while True:
+                result = fn(self.clock())
+            except BaseException as exc:  # noqa: BLE001 - raised below, once what it changed is saved
+                error = exc
             ready = self.core.take_ready()
-            try:
-                for state in ready.persist:
-                    self.store.save(state)
-                    self.saved = _kept(state)
-            except BaseException:
-                self._reload()
-                raise
-            if ready.announce is not None:
-                self.published = ready.announce
-                self.cond.notify_all()
-                self.announce(ready.announce)
-            if not ready.probes:
-                return
-            for p in ready.probes:
-                if self.probe is None:  # no prober: every probe answers "unknown" at once (its Ready next)
-                    self.core.probe_answered(p.server_id, p.boot, None, now=self.clock())
-                else:
-                    thread = threading.Thread(target=self._run_probe, args=(p,), name="tigana-probe", daemon=True)
-                    self._probes.add(thread)
-                    thread.start()
+            if ready.persist or ready.announce is not None or ready.probes:
+                self._issued += 1
+                self._pending.append((self._issued, ready))
+                ticket = self._issued
+            else:
+                ticket = self._issued if wait else 0
+        self._carry_out(ticket)
+        if error is not None:
+            raise error
+        return result
+
+    def _carry_out(self, ticket: int) -> None:
+        """Carry out every pending ``Ready`` through ``ticket``, in order: persist its states (outside the
+        core's lock), then publish and announce its map and start its probes. A refused write rebuilds the core
+        from the store and refuses every ticket pending; the error is raised to each of their callers."""
+        probes: list[Probe] = []
+        if ticket > self._done:
+            with self._carry_lock:
+                while True:
+                    with self.lock:
+                        if self._done >= ticket or not self._pending:
+                            break
+                        number, ready = self._pending.popleft()
+                    try:
+                        for state in ready.persist:
+                            self.store.save(state)
+                            self.saved = _kept(state)
+                    except BaseException as exc:
+                        with self.lock:
+                            self._reload()
+                            for k in (number, *(k for k, _ in self._pending)):
+                                self._refused[k] = exc
+                            self._pending.clear()
+                            self._done = self._issued
+                        break
+                    with self.lock:
+                        if ready.announce is not None:
+                            self.published = ready.announce
+                            self.cond.notify_all()
+                            self.announce(ready.announce)
+                        self._done = number
+                    probes.extend(ready.probes)
+        for p in probes:
+            if self.probe is None:  # no prober: every probe answers "unknown" at once (an event of its own)
+                self._event(lambda now, p=p: self.core.probe_answered(p.server_id, p.boot, None, now=now))
+            else:
+                thread = threading.Thread(target=self._run_probe, args=(p,), name="tigana-probe", daemon=True)
+                self._probes.add(thread)
+                thread.start()
+        refused = self._refused.get(ticket) if ticket else None
+        if refused is not None:
+            raise refused
 
     def _reload(self) -> None:
         try:
@@ -136,7 +181,11 @@ class SchedulerDriver:
 
     def heartbeat(self, server_id: str, boot: str, epoch: int, stats: dict[str, float] | None = None
                   ) -> tuple[ShardMap | None, bool]:
-        return self._event(lambda now: self.core.heartbeat(server_id, boot, epoch, stats, now=now))
+        """Recorded at once, whatever the store is writing; the map in the answer is the newest published
+        one (a newer map still being saved reaches the server by the announcer, or the next heartbeat)."""
+        _, again = self._event(lambda now: self.core.heartbeat(server_id, boot, epoch, stats, now=now), wait=False)
+        m = self.published
+        return (m if m.epoch > epoch and not again else None), again
 
     def copy_failed(self, reporter: str, target: str, slots: np.ndarray, reason: str) -> tuple[bool, str]:
         return self._event(lambda now: self.core.copy_failed(reporter, target, slots, reason, now=now))

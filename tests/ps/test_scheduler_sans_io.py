@@ -228,3 +228,91 @@ def test_wait_probes_holds_until_the_probes_in_flight_have_answered(tmp_path) ->
     release.set()
     driver.wait_probes(10)
     assert not driver._probes  # every probe answered and was counted out
+
+
+class _SlowStore(FileMapStore):
+    """A store whose writes wait for ``release`` while ``hold`` is set (etcd under load), and that refuses them
+    while ``refuse`` is set."""
+
+    def __init__(self, data_dir) -> None:
+        super().__init__(data_dir)
+        self.hold, self.release, self.saving = threading.Event(), threading.Event(), threading.Event()
+        self.refuse = False
+
+    def save(self, state: SchedulerState) -> None:
+        if self.hold.is_set():
+            self.saving.set()
+            assert self.release.wait(10)
+        if self.refuse:
+            raise Unavailable("store: write refused")
+        super().save(state)
+
+
+def _in_thread(fn):
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_a_heartbeat_is_recorded_while_the_store_writes_and_no_unsaved_map_is_shown(tmp_path) -> None:
+    """The store's write runs outside the core's lock: a heartbeat behind a slow write is recorded and answered
+    at once (with the published map), while the map of the write in flight is shown to nobody, nor is the
+    answer of an event that read it given, until it is saved."""
+    store = _SlowStore(tmp_path / "s")
+    t = [0.0]
+    announced: list[int] = []
+    driver = SchedulerDriver(SchedulerConfig(num_slots=12, replicas=1, expect_servers=3), store,
+                             announce=lambda m: announced.append(m.epoch), clock=lambda: t[0])
+    for s in "abc":
+        driver.register(s, f"h{s}:1", f"{s}1")
+    before = driver.map
+    store.hold.set()
+    creating, created = _in_thread(lambda: driver.create_table(spec("emb"), exist_ok=False))
+    assert store.saving.wait(10)  # the write is in flight
+    t[0] = 2.0
+    beat, beaten = _in_thread(lambda: driver.heartbeat("a", "a1", before.epoch))
+    beat.join(5)
+    assert not beat.is_alive(), "the heartbeat waited for the store's write"
+    assert beaten["value"] == (None, False) and driver.core.last_seen["a"] == 2.0
+    behind, behind_out = _in_thread(lambda: driver.create_table(spec("emb"), exist_ok=True))
+    behind.join(0.3)
+    assert behind.is_alive(), "an answer that rests on an unsaved map was given"
+    assert driver.map is before and driver.wait_map(before.epoch, 0.0) is None and announced[-1] == before.epoch
+    store.hold.clear()
+    store.release.set()
+    for thread in (creating, behind):
+        thread.join(5)
+    assert created["value"][1] is True and behind_out["value"][1] is False
+    assert "emb" in driver.map.tables and announced[-1] == driver.map.epoch > before.epoch
+    assert driver.heartbeat("a", "a1", before.epoch) == (driver.map, False)
+
+
+def test_a_refused_write_refuses_the_events_queued_behind_it(tmp_path) -> None:
+    store = _SlowStore(tmp_path / "s")
+    driver = SchedulerDriver(SchedulerConfig(num_slots=12, replicas=1, expect_servers=3), store, clock=lambda: 0.0)
+    for s in "abc":
+        driver.register(s, f"h{s}:1", f"{s}1")
+    before = driver.map
+    store.hold.set()
+    first, first_out = _in_thread(lambda: driver.create_table(spec("one"), exist_ok=False))
+    assert store.saving.wait(10)
+    second, second_out = _in_thread(lambda: driver.create_table(spec("two"), exist_ok=False))
+    time.sleep(0.2)  # the second event ran on the first's unsaved state and waits behind it
+    store.refuse = True
+    store.hold.clear()
+    store.release.set()
+    for thread in (first, second):
+        thread.join(5)
+    assert isinstance(first_out.get("error"), Unavailable) and isinstance(second_out.get("error"), Unavailable)
+    assert driver.map.epoch == before.epoch and not {"one", "two"} & set(driver.core.map.tables)
+    store.refuse = False
+    _, created = driver.create_table(spec("two"), exist_ok=False)
+    assert created and "two" in driver.map.tables
