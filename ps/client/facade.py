@@ -234,9 +234,11 @@ def connect(addresses: str | Iterable[str] | None = None, config: ClientConfig |
         addrs = addrs[0].split(",")
     addrs = [a.strip() for a in addrs if a.strip()]
     # One address (the README's ``connect("host:port")``) may be a scheduler started a moment ago: its port is
-    # waited for; in a list, an address that does not answer at once is taken for a shard server.
+    # waited for, up to the deadline (used by nothing else: it serves as nothing until it answers); in a list,
+    # an address that does not answer within 5 s is taken for a shard server.
     wait = len(addrs) == 1
-    if addrs and any(_is_scheduler(a, min(base.timeout_s, 5.0), base.security(), wait) for a in addrs[:3]):
+    ask_s = base.timeout_s if wait else min(base.timeout_s, 5.0)
+    if addrs and any(_is_scheduler(a, ask_s, base.security(), wait) for a in addrs[:3]):
         return Client(config=base, scheduler=",".join(addrs))  # schedulers: a leader and its standbys
     return Client(addrs, base)
 
