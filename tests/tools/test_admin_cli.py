@@ -116,6 +116,17 @@ def test_status_verify_and_errors(make_shard_cluster, tmp_path: Path) -> None:
     report = run.json("move-slot", "4096", "--to", ids[0], ok=False)
     assert "'slot'" in report["error"]
     assert admin.shard_map(cluster.scheduler).epoch == epoch  # refused moves change nothing
+    # tables: creating one that exists as asked is a no-op; a different one, or exist_ok=False, is refused
+    # naming the table (and the fields that differ); dropping a missing one answers False
+    with ps.connect(scheduler=cluster.scheduler) as client:
+        assert client.create_table(TABLE, 8).dim == 8
+        with pytest.raises(ps.TableExists, match=f"table '{TABLE}' already exists .*exist_ok"):
+            client.create_table(TABLE, 8, exist_ok=False)
+        with pytest.raises(ps.TableExists, match=f"table '{TABLE}' already exists with a different spec.*dim"):
+            client.create_table(TABLE, 16)
+        assert client.drop_table("no-such-table") is False
+        assert client.list_tables() == [TABLE]
+    assert admin.shard_map(cluster.scheduler).epoch == epoch
     full = tmp_path / "not-empty"
     full.mkdir()
     (full / "something").write_text("x")
@@ -145,6 +156,18 @@ def test_move_slot_drain_and_rebalance(make_shard_cluster) -> None:
     m = admin.shard_map(scheduler)
     assert m.servers[int(m.copies[5, 0])].id == to
     assert (m.copies[5] >= 0).sum() == 2 and (m.states[5] == 0).all()
+    # the same command again (and without --primary: the primary's copy to where it is): a no-op that says so
+    for again in (["--primary"], []):
+        out = run("move-slot", "5", "--to", to, *again)
+        assert out.returncode == 0 and f"server {to} already leads slot 5: nothing to move" in out.stdout, out
+    report = run.json("move-slot", "5", "--to", to, "--primary")
+    assert report["moves"] == 0 and report["note"] == f"server {to} already leads slot 5: nothing to move"
+    # a refusal names what holds: the replica's server cannot take the primary's copy (--primary would swap)
+    replica = m.servers[int(m.copies[5, 1])].id
+    report = run.json("move-slot", "5", "--to", replica, ok=False)
+    assert f"server '{replica}' already holds a copy of slot 5 ({to} leads it, {replica} holds an in-sync " \
+           "copy)" in report["error"], report
+    assert admin.shard_map(scheduler).epoch == m.epoch  # the no-ops and the refusal changed nothing
 
     # drain: the server ends holding nothing, and stays draining; then undrain
     victim = to
@@ -154,10 +177,16 @@ def test_move_slot_drain_and_rebalance(make_shard_cluster) -> None:
     m = admin.shard_map(scheduler)
     assert not m.holds(m.index_of(victim)).any() and ((m.copies >= 0).sum(axis=1) == 2).all()
     assert run.json("status")["draining"] == [victim]
+    epoch = admin.shard_map(scheduler).epoch
+    report = run.json("drain", victim)  # again: already done
+    assert report["moves"] == 0 and report["note"] == f"server {victim} is already drained: it holds nothing"
+    assert admin.shard_map(scheduler).epoch == epoch
     out = run("drain", victim, "--undrain")
     assert out.returncode == 0, out.stderr
     assert f"undrained {victim}" in out.stdout
     assert run.json("status")["draining"] == []
+    out = run("drain", victim, "--undrain")  # again: nothing to undo
+    assert out.returncode == 0 and f"server {victim} is not draining: nothing to undo" in out.stdout, out
     assert _held(scheduler, victim) == 0  # undrain alone moves nothing back
 
     # rebalance --plan: the moves and the predicted load, nothing applied
