@@ -165,7 +165,10 @@ def _status(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     s["moving_slots"], s["draining"] = int(reply.moving_slots), list(reply.draining)
     _say(args, f"cluster {s['cluster_id']}  epoch {s['epoch']}  {s['num_slots']} slots  {s['replicas']} replica(s)  "
                f"degraded {s['degraded_slots']}  unavailable {s['unavailable_slots']}  moving {s['moving_slots']}")
-    if s["degraded_slots"]:
+    if not s["servers"]:
+        _say(args, "no shard server has registered with the scheduler yet: start `tigana server --scheduler "
+                   f"{args.scheduler}`")
+    elif s["degraded_slots"]:
         _say(args, f"UNDER-REPLICATED: {s['degraded_slots']} slot(s) have fewer than {1 + s['replicas']} in-sync "
                    f"copies ({s['unprotected_slots']} only their primary): losing a server now may lose "
                    "acknowledged updates")

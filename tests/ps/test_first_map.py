@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tigana import ps
+from tigana.ps import admin
 from tigana.ps.config import ServerConfig
 from tigana.ps.daemon import start_server
 from tigana.ps.errors import Unavailable
@@ -34,6 +35,8 @@ def test_connect_with_no_server_registered_waits_its_deadline_then_says_why(sche
         ps.connect(scheduler=scheduler.address, timeout_s=1.5)
     took = time.monotonic() - t0
     assert 1.4 <= took < 10.0, took  # the whole deadline, not an answer at once
+    with pytest.raises(Unavailable, match="no shard server has registered with the scheduler yet"):
+        admin.shard_map(scheduler.address)  # what verify, rebalance and move-slot read first
 
 
 def test_a_client_connected_before_the_first_server_registers_uses_the_cluster_at_once(scheduler, tmp_path) -> None:
