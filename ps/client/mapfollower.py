@@ -74,7 +74,8 @@ class MapFollower:
         while True:
             left = deadline - time.monotonic()
             try:
-                # known_epoch=0: a placed map (epoch >= 1) is answered at once; the empty one (epoch 0) waits
+                # known_epoch=0: a map (epoch >= 1: a server has registered) is answered at once; the empty
+                # one (epoch 0) is held by the scheduler until the first registration or wait_s
                 reply = self.stub.GetMap(spb.GetMapRequest(known_epoch=0, wait_s=max(0.0, min(left - 0.5, 30.0))),
                                          timeout=max(0.5, left))
                 if reply.HasField("map"):
@@ -87,13 +88,12 @@ class MapFollower:
                 if not isinstance(last, (Unavailable, DeadlineExceeded)):
                     raise last from None  # refused (credentials, ...): another try would be refused too
                 self._failover()
-                if time.monotonic() < deadline:
-                    time.sleep(0.1)
             if time.monotonic() >= deadline:
                 if last is None:
                     raise Unavailable(f"scheduler {self.address}: no shard server has registered with the scheduler "
                                       f"yet (waited {timeout_s:g}s for its first shard map)")
                 raise Unavailable(f"scheduler {','.join(self.addresses)}: {last}") from None
+            time.sleep(0.1)  # a scheduler not up yet, or shutting down, answers at once: no spin on it
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._poll, name="tigana-map-follower", daemon=True)
