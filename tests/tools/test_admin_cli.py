@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from tigana import ps
+from tigana.proto import scheduler_pb2 as spb
 from tigana.ps import admin
 from tigana.ps.scheduler import SchedulerConfig, start_scheduler
 
@@ -214,6 +215,16 @@ def test_move_slot_drain_and_rebalance(make_shard_cluster) -> None:
     assert applied["load_after"]["max"] < applied["load_before"]["max"]
     assert run.json("verify")["slots_differing"] == 0
     np.testing.assert_array_equal(_pull(scheduler), before)  # nothing lost in the moves
+
+    # rebalance on a load it already balanced (rows held, no request rates): a no-op that says so
+    measured = admin.slot_load(scheduler)
+    rows_only = spb.SlotLoad(rows=measured.rows, bytes=measured.bytes)
+    admin.rebalance(scheduler, load=rows_only)
+    admin.wait_for(lambda: _settled(scheduler), timeout_s=90, what="the rebalance by rows")
+    epoch = admin.shard_map(scheduler).epoch
+    again = admin.rebalance(scheduler, load=rows_only)
+    assert len(again.moves) == 0 and again.note == "the placement is balanced already: nothing to move"
+    assert admin.shard_map(scheduler).epoch == epoch and _settled(scheduler)
 
 
 # --- data: checkpoint, export, restore -----------------------------------------------------------------------
