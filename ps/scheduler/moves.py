@@ -180,7 +180,7 @@ class Moves(CoreFields):
             note = (f"slot {slot} is already moving to server {tid}{' as primary' if leads else ''} "
                     f"({self._holders(slot)}): nothing more to plan")
         log.info("move-slot at epoch %d: %s", m.epoch, note,
-                 extra=event("move_slot", slots=[slot], epoch=m.epoch, server=[tid], target=tid))
+                 extra=event("move_slot_not_needed", slots=[slot], epoch=m.epoch, server=[tid], target=tid))
         return placement.Plan(planned, [], np.zeros(0), np.zeros(0), 0, 0.0, note=note)
 
     def drain(self, server: str, *, undrain: bool = False, now: float) -> placement.Plan:
