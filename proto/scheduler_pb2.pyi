@@ -250,7 +250,7 @@ class LoadFigures(_message.Message):
     def __init__(self, max: _Optional[float] = ..., mean: _Optional[float] = ..., per_server: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
-    __slots__ = ("moves", "before", "after", "bytes_moved", "predicted_seconds", "applied", "epoch")
+    __slots__ = ("moves", "before", "after", "bytes_moved", "predicted_seconds", "applied", "epoch", "note")
     MOVES_FIELD_NUMBER: _ClassVar[int]
     BEFORE_FIELD_NUMBER: _ClassVar[int]
     AFTER_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +258,7 @@ class PlanResponse(_message.Message):
     PREDICTED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
     moves: _containers.RepeatedCompositeFieldContainer[Move]
     before: LoadFigures
     after: LoadFigures
@@ -265,7 +266,8 @@ class PlanResponse(_message.Message):
     predicted_seconds: float
     applied: bool
     epoch: int
-    def __init__(self, moves: _Optional[_Iterable[_Union[Move, _Mapping]]] = ..., before: _Optional[_Union[LoadFigures, _Mapping]] = ..., after: _Optional[_Union[LoadFigures, _Mapping]] = ..., bytes_moved: _Optional[int] = ..., predicted_seconds: _Optional[float] = ..., applied: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+    note: str
+    def __init__(self, moves: _Optional[_Iterable[_Union[Move, _Mapping]]] = ..., before: _Optional[_Union[LoadFigures, _Mapping]] = ..., after: _Optional[_Union[LoadFigures, _Mapping]] = ..., bytes_moved: _Optional[int] = ..., predicted_seconds: _Optional[float] = ..., applied: _Optional[bool] = ..., epoch: _Optional[int] = ..., note: _Optional[str] = ...) -> None: ...
 
 class SchedulerState(_message.Message):
     __slots__ = ("map", "target", "target_width", "draining", "target_kind")

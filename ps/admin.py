@@ -85,8 +85,12 @@ def cluster_status(address: str | None, timeout_s: float = 10.0, security: Secur
 
 
 def shard_map(address: str, timeout_s: float = 10.0, security: Security = NONE) -> ShardMap:
-    """The scheduler's current map."""
+    """The scheduler's current map; ``Unavailable`` saying so when it has none yet (no shard server has
+    registered since the cluster was created)."""
     reply = _scheduler_call(address, "GetMap", spb.GetMapRequest(known_epoch=0), timeout_s, security)
+    if not reply.HasField("map"):
+        raise Unavailable(f"scheduler {address}: no shard server has registered with the scheduler yet (it has no "
+                          "shard map)")
     return cluster_wire.map_from_pb(reply.map)
 
 

@@ -37,13 +37,15 @@ class Health(NamedTuple):
 
 
 def check_health(address: str, service: str = "", *, timeout_s: float, security: Security = NONE,
-                 options: Sequence[tuple[str, object]] = ()) -> Health:
+                 options: Sequence[tuple[str, object]] = (), wait_for_ready: bool = False) -> Health:
     """One ``Health/Check`` of ``service`` ("" is the server as a whole) at ``address`` over a fresh channel
-    (``security``'s TLS and token, ``options``), closed before returning. Never raises ``grpc.RpcError``."""
+    (``security``'s TLS and token, ``options``), closed before returning. Never raises ``grpc.RpcError``.
+    ``wait_for_ready``: a port not open yet (a daemon starting) is waited for up to ``timeout_s`` instead of
+    answering UNAVAILABLE at once."""
     channel = security.channel(address, options)
     try:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                          timeout=timeout_s)
+                                                          timeout=timeout_s, wait_for_ready=wait_for_ready)
     except grpc.RpcError as err:
         return Health(err.code(), health_pb2.HealthCheckResponse.UNKNOWN)
     finally:

@@ -253,7 +253,8 @@ class CostModel:
 @dataclass(frozen=True, eq=False)
 class Plan:
     """What ``plan`` proposes: the target placement, the moves (slot, servers added, removed, primary from,
-    primary to, bytes copied), and the predicted load per server (before and after) and cost."""
+    primary to, bytes copied), and the predicted load per server (before and after) and cost. ``note``: when
+    the request needed nothing (its end state already holds or is already planned), what holds."""
 
     target: np.ndarray
     moves: list[tuple[int, list[int], list[int], int, int, int]]
@@ -261,6 +262,7 @@ class Plan:
     load_after: np.ndarray
     bytes_moved: int
     seconds: float
+    note: str = ""
 
 
 def server_loads(copies: np.ndarray, num_servers: int, rows: np.ndarray, rates: np.ndarray,

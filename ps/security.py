@@ -3,10 +3,10 @@
 - **TLS** (``tls_cert``/``tls_key``, verified against ``tls_ca``) on the shard servers, the scheduler, the
   replication streams between servers, and every client; **mutual TLS** with ``require_client_cert``.
 - **Tokens**: a caller sends ``authorization: Bearer <token>``; an interceptor compares it (constant time) with
-  the trainer and admin tokens before any handler runs. A trainer may create tables, pull and push; admin
-  operations (drop, snapshot, restore, map installs, replication, slot copies, checkpoints, moves, drains,
-  rebalances, registering as a server) need the admin token, which the servers and the scheduler also use to
-  call each other. Rejected calls answer UNAUTHENTICATED or PERMISSION_DENIED and are counted; no token is
+  the trainer and admin tokens before any handler runs. A trainer may call ``TRAINER_METHODS`` (create tables,
+  pull, push, follow the map); every other method (drop, snapshot, restore, map installs, replication, slot
+  copies, checkpoints, moves, drains, rebalances, registering as a server, ending a hand-over, and any method
+  added later) needs the admin token, which the servers and the scheduler also use to call each other. Rejected calls answer UNAUTHENTICATED or PERMISSION_DENIED and are counted; no token is
   ever logged.
 - Token files hold one token per line, each optionally with ``expires=<ISO 8601 time>``; servers re-read them
   when they change, so tokens rotate without a restart, and an expired token answers UNAUTHENTICATED.
@@ -31,20 +31,31 @@ import grpc
 
 from tigana.ps.errors import InvalidArgument
 
-__all__ = ["ADMIN_METHODS", "Security", "SecuritySettings", "Token", "TokenBook", "read_token", "read_tokens"]
+__all__ = ["TRAINER_METHODS", "Security", "SecuritySettings", "Token", "TokenBook", "read_token", "read_tokens",
+           "role_needed"]
 
 AUTH_KEY = "authorization"
-# Methods that need the admin credential; every other method of the two services takes a trainer's too.
-ADMIN_METHODS = frozenset({
-    "/tigana.v1.Shard/DropTable", "/tigana.v1.Shard/Snapshot", "/tigana.v1.Shard/Restore",
-    "/tigana.v1.Shard/InstallMap", "/tigana.v1.Shard/Replicate", "/tigana.v1.Shard/SlotInfo",
-    "/tigana.v1.Shard/ExportRows", "/tigana.v1.Shard/ImportRows", "/tigana.v1.Shard/PrepareCut",
-    "/tigana.v1.Shard/CommitCut", "/tigana.v1.Shard/ReleaseCut",
-    "/tigana.v1.Scheduler/Register", "/tigana.v1.Scheduler/Heartbeat", "/tigana.v1.Scheduler/ReportCopyFailure",
-    "/tigana.v1.Scheduler/CopyCaughtUp", "/tigana.v1.Scheduler/DropTable", "/tigana.v1.Scheduler/MoveSlot",
-    "/tigana.v1.Scheduler/Drain", "/tigana.v1.Scheduler/Rebalance",
+# The methods a trainer's credential may call: what a trainer, a serving client or an operator's read does.
+# Every other method needs the admin credential, so an RPC added without a role lands closed.
+# ReportUnreachable is here because clients send it when a server does not answer: it only makes the scheduler
+# probe that server itself (``scheduler.liveness``); what the probe finds, never the report, declares a server
+# dead. HandoverReady is not: it ends a primary hand-over, which only the old primary may say it has drained.
+TRAINER_METHODS = frozenset({
+    "/tigana.v1.Shard/CreateTable", "/tigana.v1.Shard/DescribeTable", "/tigana.v1.Shard/ListTables",
+    "/tigana.v1.Shard/Pull", "/tigana.v1.Shard/Push", "/tigana.v1.Shard/Exchange", "/tigana.v1.Shard/Stats",
+    "/tigana.v1.Scheduler/GetMap", "/tigana.v1.Scheduler/ReportUnreachable", "/tigana.v1.Scheduler/CreateTable",
+    "/tigana.v1.Scheduler/ListTables", "/tigana.v1.Scheduler/Status",
+    "/tigana.v1.Serving/Lookup", "/tigana.v1.Serving/Info", "/tigana.v1.Serving/Predict",
 })
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+def role_needed(method: str) -> str:
+    """The credential a call of ``method`` ("/package.Service/Method") needs: "none" (health, reflection),
+    "trainer" (``TRAINER_METHODS``; an admin's is accepted too) or "admin" (every other method)."""
+    if method.startswith(_OPEN_PREFIXES):
+        return "none"
+    return "trainer" if method in TRAINER_METHODS else "admin"
 
 
 @dataclass(frozen=True)
@@ -299,7 +310,8 @@ class _TokenInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
-        if method.startswith(_OPEN_PREFIXES):
+        needed = role_needed(method)
+        if needed == "none":
             return continuation(handler_call_details)
         value = ""
         for key, v in handler_call_details.invocation_metadata or ():
@@ -312,7 +324,7 @@ class _TokenInterceptor(grpc.ServerInterceptor):
         if role is None:
             return self._reject(method, why, grpc.StatusCode.UNAUTHENTICATED,
                                 f"{method}: credential {'expired' if why == 'expired' else 'refused'}")
-        if role != "admin" and method in ADMIN_METHODS:
+        if role != "admin" and needed == "admin":
             return self._reject(method, "role", grpc.StatusCode.PERMISSION_DENIED,
                                 f"{method}: needs the admin credential")
         return continuation(handler_call_details)

@@ -19,7 +19,9 @@
 
 The scheduler comes from ``--scheduler HOST:PORT`` or ``TIGANA_SCHEDULER``. Each command prints a readable
 report, or with ``--json`` a single JSON object as its last line, and exits non-zero when what it was asked
-to do did not happen (a verify that finds a difference, a drain that times out...).
+to do did not happen (a verify that finds a difference, a drain that times out...). Placement commands are
+idempotent: one whose end state already holds (a slot already led by ``--to``, a server already drained, a
+balanced placement) succeeds, changes nothing and says what holds (``note`` in the JSON).
 """
 
 from __future__ import annotations
@@ -163,7 +165,10 @@ def _status(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     s["moving_slots"], s["draining"] = int(reply.moving_slots), list(reply.draining)
     _say(args, f"cluster {s['cluster_id']}  epoch {s['epoch']}  {s['num_slots']} slots  {s['replicas']} replica(s)  "
                f"degraded {s['degraded_slots']}  unavailable {s['unavailable_slots']}  moving {s['moving_slots']}")
-    if s["degraded_slots"]:
+    if not s["servers"]:
+        _say(args, "no shard server has registered with the scheduler yet: start `tigana server --scheduler "
+                   f"{args.scheduler}`")
+    elif s["degraded_slots"]:
         _say(args, f"UNDER-REPLICATED: {s['degraded_slots']} slot(s) have fewer than {1 + s['replicas']} in-sync "
                    f"copies ({s['unprotected_slots']} only their primary): losing a server now may lose "
                    "acknowledged updates")
@@ -220,16 +225,22 @@ def _plan_report(reply: spb.PlanResponse) -> dict[str, Any]:
     return {"moves": len(reply.moves), "bytes_moved": reply.bytes_moved,
             "predicted_seconds": round(reply.predicted_seconds, 3),
             "load_before": {"max": reply.before.max, "mean": reply.before.mean},
-            "load_after": {"max": reply.after.max, "mean": reply.after.mean}, "epoch": reply.epoch}
+            "load_after": {"max": reply.after.max, "mean": reply.after.mean}, "epoch": reply.epoch,
+            "note": reply.note}
 
 
 def _drain(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     reply = admin.drain(args.scheduler, args.server, undrain=args.undrain, security=args.security)
     report = _plan_report(reply)
+    if reply.note:  # nothing was needed, or the drain already runs: what holds
+        _say(args, reply.note)
     if args.undrain or args.no_wait:
-        _say(args, f"{'undrained' if args.undrain else 'draining'} {args.server}: {len(reply.moves)} slot(s) to move")
+        if not reply.note:
+            _say(args, f"{'undrained' if args.undrain else 'draining'} {args.server}: {len(reply.moves)} slot(s) "
+                       "to move")
         return True, report
-    _say(args, f"draining {args.server}: {len(reply.moves)} slot(s) to move")
+    if not reply.note:
+        _say(args, f"draining {args.server}: {len(reply.moves)} slot(s) to move")
 
     def empty(status: spb.StatusResponse) -> bool:
         srv = next((s for s in status.servers if args.server in (s.info.id, s.info.address)), None)
@@ -245,6 +256,8 @@ def _rebalance(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     reply = admin.rebalance(args.scheduler, plan_only=args.plan, load=load, row_weight=args.row_weight,
                             rate_weight=args.rate_weight, link_bytes_per_s=args.link_bandwidth, security=args.security)
     report = _plan_report(reply)
+    if reply.note:
+        _say(args, reply.note)
     _say(args, f"{len(reply.moves)} move(s), {reply.bytes_moved} bytes to copy (~{reply.predicted_seconds:.1f}s); "
                f"load max/mean {reply.before.max:.0f}/{reply.before.mean:.0f} -> {reply.after.max:.0f}/"
                f"{reply.after.mean:.0f}")
@@ -263,6 +276,8 @@ def _move_slot(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     reply = admin.move_slot(args.scheduler, args.slot, args.to, from_=args.from_, primary=args.primary,
                             security=args.security)
     report = _plan_report(reply)
+    if reply.note:  # the end state already holds (or is already planned): nothing new was asked
+        _say(args, reply.note)
     if args.no_wait:
         return True, report
     to = args.to

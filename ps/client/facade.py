@@ -233,12 +233,19 @@ def connect(addresses: str | Iterable[str] | None = None, config: ClientConfig |
     if len(addrs) == 1 and "," in addrs[0]:
         addrs = addrs[0].split(",")
     addrs = [a.strip() for a in addrs if a.strip()]
-    if addrs and any(_is_scheduler(a, min(base.timeout_s, 5.0), base.security()) for a in addrs[:3]):
+    # One address (the README's ``connect("host:port")``) may be a scheduler started a moment ago: its port is
+    # waited for, up to the deadline (used by nothing else: it serves as nothing until it answers); in a list,
+    # an address that does not answer within 5 s is taken for a shard server.
+    wait = len(addrs) == 1
+    ask_s = base.timeout_s if wait else min(base.timeout_s, 5.0)
+    if addrs and any(_is_scheduler(a, ask_s, base.security(), wait) for a in addrs[:3]):
         return Client(config=base, scheduler=",".join(addrs))  # schedulers: a leader and its standbys
     return Client(addrs, base)
 
 
-def _is_scheduler(address: str, timeout_s: float, security: Security) -> bool:
+def _is_scheduler(address: str, timeout_s: float, security: Security, wait_for_ready: bool = False) -> bool:
     """Whether ``address`` serves the scheduler: its health service knows the Scheduler service (SERVING on
-    the leader, NOT_SERVING on a standby; a shard server answers NOT_FOUND)."""
-    return check_health(address, "tigana.v1.Scheduler", timeout_s=timeout_s, security=security).answered
+    the leader, NOT_SERVING on a standby; a shard server answers NOT_FOUND). ``wait_for_ready``: a port not
+    open yet is waited for up to ``timeout_s``."""
+    return check_health(address, "tigana.v1.Scheduler", timeout_s=timeout_s, security=security,
+                        wait_for_ready=wait_for_ready).answered

@@ -66,23 +66,34 @@ class MapFollower:
             self._stubs[0] = spb_grpc.SchedulerStub(self._channels[0])
 
     def fetch(self, timeout_s: float) -> ShardMap:
-        """The scheduler's map now (blocking); ``Unavailable`` naming the scheduler when none answers."""
+        """The scheduler's map (blocking up to ``timeout_s``). A scheduler that has no map yet (no shard server
+        has registered: a cold server compiles its kernels for seconds) is long-polled until its first map;
+        ``Unavailable`` when none comes in time (saying so) or no scheduler answers (naming them)."""
         deadline = time.monotonic() + timeout_s
         last: Exception | None = None
         while True:
+            left = deadline - time.monotonic()
             try:
-                reply = self.stub.GetMap(spb.GetMapRequest(known_epoch=0), timeout=max(0.5, deadline - time.monotonic()))
-                m = cluster_wire.map_from_pb(reply.map)
-                self._deliver(m)
-                return m
+                # known_epoch=0: a map (epoch >= 1: a server has registered) is answered at once; the empty
+                # one (epoch 0) is held by the scheduler until the first registration or wait_s
+                reply = self.stub.GetMap(spb.GetMapRequest(known_epoch=0, wait_s=max(0.0, min(left - 0.5, 30.0))),
+                                         timeout=max(0.5, left))
+                if reply.HasField("map"):
+                    m = cluster_wire.map_from_pb(reply.map)
+                    self._deliver(m)
+                    return m
+                last = None  # the scheduler answered: it has no map yet
             except grpc.RpcError as err:
                 last = from_rpc_error(err, self.address)
                 if not isinstance(last, (Unavailable, DeadlineExceeded)):
                     raise last from None  # refused (credentials, ...): another try would be refused too
                 self._failover()
             if time.monotonic() >= deadline:
+                if last is None:
+                    raise Unavailable(f"scheduler {self.address}: no shard server has registered with the scheduler "
+                                      f"yet (waited {timeout_s:g}s for its first shard map)")
                 raise Unavailable(f"scheduler {','.join(self.addresses)}: {last}") from None
-            time.sleep(0.1)
+            time.sleep(0.1)  # a scheduler not up yet, or shutting down, answers at once: no spin on it
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._poll, name="tigana-map-follower", daemon=True)

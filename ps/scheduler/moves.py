@@ -12,6 +12,7 @@ this room decides when to apply it and says what changed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -76,7 +77,8 @@ class Moves(CoreFields):
                   bytes_: np.ndarray | None = None, rates: np.ndarray | None = None,
                   cost: placement.CostModel | None = None, now: float) -> placement.Plan:
         """Plan a placement that evens out the measured load (``placement.plan``); unless ``plan_only``, make it
-        the target (the map then moves toward it, one safe step at a time)."""
+        the target (the map then moves toward it, one safe step at a time). A balanced placement plans no move
+        and the plan's ``note`` says so."""
         self.now = now
         m = self.map
         n = m.num_slots
@@ -84,6 +86,8 @@ class Moves(CoreFields):
         plan = placement.plan(m.copies, self._placeable(), self.config.replicas, rows,
                               np.zeros(n) if bytes_ is None else bytes_, np.zeros(n) if rates is None else rates,
                               cost)
+        if not plan.moves:
+            plan = dataclasses.replace(plan, note="the placement is balanced already: nothing to move")
         if not plan_only:
             self.target, self.target_kind = plan.target, "balance"
             self._save()
@@ -98,14 +102,19 @@ class Moves(CoreFields):
     def move_slot(self, slot: int, to: str, *, from_: str = "", primary: bool = False, now: float
                   ) -> placement.Plan:
         """Target: ``slot``'s copy on ``from_`` (default: its primary) moves to ``to``; the copy keeps its role
-        (a primary's move ends with ``to`` leading), or leads with ``primary``."""
+        (a primary's move ends with ``to`` leading), or leads with ``primary``. Idempotent: when the end state
+        already holds (or is already planned) nothing changes and the plan's ``note`` says what holds; a
+        refusal names what holds (who leads the slot, who holds a copy, a server draining or down)."""
         self.now = now
         m = self.map
         if not 0 <= slot < m.num_slots:
             raise InvalidArgument(f"move-slot: field 'slot' must be in [0, {m.num_slots}), got {slot}")
         t = self._find(to)
-        if not self._placeable()[t]:
-            raise InvalidArgument(f"move-slot: server {to!r} is dead or draining")
+        if not m.servers[t].up:
+            raise InvalidArgument(f"move-slot: server {to!r} is down (declared dead): it cannot take slot {slot}")
+        if m.servers[t].id in self.draining:
+            raise InvalidArgument(f"move-slot: server {to!r} is draining: it cannot take slot {slot} (undrain it "
+                                  "first: tigana admin drain SERVER --undrain)")
         target = (self.target if self.target is not None else m.copies).copy()
         if target.shape[1] < m.width:
             target = _pad(target, m.width)
@@ -113,11 +122,19 @@ class Moves(CoreFields):
         if not row:
             raise InvalidArgument(f"move-slot: slot {slot} has no copy to move (no primary)")
         src = row[0] if not from_ else self._find(from_)
+        # The end state asked for: ``to`` leads the slot (--primary, or the primary's copy moves), else ``to``
+        # holds a copy and ``from_`` none (or they are one server).
+        leads = primary or not from_
+        if (row[0] == t) if leads else (t in row and (src == t or src not in row)):
+            return self._nothing_to_move(slot, t, leads=leads, planned=target)
         if src not in row:
-            raise InvalidArgument(f"move-slot: slot {slot} has no copy on {from_!r}")
+            raise InvalidArgument(f"move-slot: server {from_!r} holds no copy of slot {slot} "
+                                  f"({self._holders(slot)})")
         was_primary = row[0] == src
-        if t in row and not (primary and t != row[0]):
-            raise InvalidArgument(f"move-slot: server {to!r} already holds a copy of slot {slot}")
+        if t in row and not primary:
+            hint = " (--primary makes it lead)" if was_primary else ""
+            raise InvalidArgument(f"move-slot: server {to!r} already holds a copy of slot {slot} "
+                                  f"({self._holders(slot)}): {m.servers[src].id}'s copy cannot move there{hint}")
         if t in row:  # make an existing copy the primary: roles swap, no data moves
             new = [t] + [x for x in row if x != t]
         else:
@@ -136,12 +153,47 @@ class Moves(CoreFields):
         return placement.Plan(target, [(slot, [x for x in new if x not in row], [x for x in row if x not in new],
                                         row[0], new[0], 0)], np.zeros(0), np.zeros(0), 0, 0.0)
 
+    def _holders(self, slot: int) -> str:
+        """Who holds ``slot`` in the map now, for messages: "s1 leads it, s2 holds an in-sync copy"."""
+        m = self.map
+        roles = []
+        for j, x in enumerate(m.copies[slot]):
+            if x < 0:
+                continue
+            sid = m.servers[int(x)].id
+            if j == 0:
+                roles.append(f"{sid} {'hands it over' if m.states[slot, 0] == HANDING_OVER else 'leads it'}")
+            else:
+                roles.append(f"{sid} holds {'an in-sync' if m.states[slot, j] == IN_SYNC else 'a catching-up'} copy")
+        return ", ".join(roles) or "no server holds it"
+
+    def _nothing_to_move(self, slot: int, t: int, *, leads: bool, planned: np.ndarray) -> placement.Plan:
+        """The plan of a move whose end state already holds in the map, or is already the target's."""
+        m = self.map
+        tid = m.servers[t].id
+        row = m.copies[slot]
+        held = (row[0] == t and m.states[slot, 0] == IN_SYNC) if leads else \
+            bool(((row == t) & (m.states[slot] == IN_SYNC)).any())
+        if held:
+            note = f"server {tid} already {'leads' if leads else 'holds a copy of'} slot {slot}: nothing to move"
+        else:
+            note = (f"slot {slot} is already moving to server {tid}{' as primary' if leads else ''} "
+                    f"({self._holders(slot)}): nothing more to plan")
+        log.info("move-slot at epoch %d: %s", m.epoch, note,
+                 extra=event("move_slot_not_needed", slots=[slot], epoch=m.epoch, server=[tid], target=tid))
+        return placement.Plan(planned, [], np.zeros(0), np.zeros(0), 0, 0.0, note=note)
+
     def drain(self, server: str, *, undrain: bool = False, now: float) -> placement.Plan:
-        """Move every copy off ``server`` (it then holds nothing and may be stopped); ``undrain`` takes it back."""
+        """Move every copy off ``server`` (it then holds nothing and may be stopped); ``undrain`` takes it back.
+        Idempotent: a drain of a server already draining keeps its moves (or plans its copies left again when
+        no target remains), an undrain of a server not draining changes nothing; the plan's ``note`` says so."""
         self.now = now
         i = self._find(server)
         sid = self.map.servers[i].id
         if undrain:
+            if sid not in self.draining:
+                return placement.Plan(self.map.copies, [], np.zeros(0), np.zeros(0), 0, 0.0,
+                                      note=f"server {sid} is not draining: nothing to undo")
             self.draining.discard(sid)
             if self.target is not None and self.target_kind == "balance":
                 self.target = None  # stop moving its copies away (what moved stays where it is)
@@ -149,6 +201,16 @@ class Moves(CoreFields):
                 self._moved_on.clear()
             self._save()
             return placement.Plan(self.map.copies, [], np.zeros(0), np.zeros(0), 0, 0.0)
+        if sid in self.draining:
+            holds = int(self.map.holds(i).sum())
+            if not holds:
+                return placement.Plan(self.map.copies, [], np.zeros(0), np.zeros(0), 0, 0.0,
+                                      note=f"server {sid} is already drained: it holds nothing")
+            if self.target is not None:
+                todo = placement.moves(self.map.copies, self.target)
+                return placement.Plan(self.target, [(s, a, r, -1, -1, 0) for s, a, r in todo], np.zeros(0),
+                                      np.zeros(0), 0, 0.0, note=f"server {sid} is already draining: {holds} "
+                                      f"slot cop(ies) still on it, {len(todo)} slot(s) still to move")
         self.draining.add(sid)
         left = int(self._placeable().sum())
         if not left:

@@ -153,7 +153,7 @@ class SchedulerService(spb_grpc.SchedulerServicer):
         m = self.core.map
         ids = [s.id for s in m.servers]
         out = spb.PlanResponse(bytes_moved=plan.bytes_moved, predicted_seconds=plan.seconds, applied=applied,
-                               epoch=m.epoch)
+                               epoch=m.epoch, note=plan.note)
         for slot, add, remove, p_from, p_to, nbytes in plan.moves:
             out.moves.add(slot=slot, add=[ids[i] for i in add], remove=[ids[i] for i in remove],
                           primary_from=ids[p_from] if p_from >= 0 else "", primary_to=ids[p_to] if p_to >= 0 else "",

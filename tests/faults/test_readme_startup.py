@@ -1,5 +1,7 @@
 """The README's start-up, as a new user runs it: ``tigana scheduler --replicas 1``, then three ``tigana server
---scheduler ...`` processes, and a client pushing at once, with no wait the README does not ask for.
+--scheduler ...`` processes, and a client that connects, creates its tables and pushes at once, with no wait
+the README does not ask for: not even for the processes to serve (the client connects while the servers
+still start, before any has registered with the scheduler, and waits for the first map itself).
 
 It used to end with every slot on the first server, 4,096 copies on the second that never caught up (empty
 slots had nothing to acknowledge), nothing on the third, and a ``kill -9`` of the first server losing every
@@ -36,13 +38,18 @@ def test_readme_startup_replicates_and_balances_and_a_kill_9_loses_nothing(tmp_p
         first = d.start_server()
         d.start_server()
         d.start_server()
-        d.wait_ready()  # the processes serve (their ready files); nothing waits for the cluster to settle
-        with ps.connect(scheduler=d.scheduler_address) as client:
+        # At once, as the README's ``ps.connect("host:port")``: no ready file, no retry loop here.
+        with ps.connect(d.scheduler_address) as client:
+            assert client.scheduler == d.scheduler_address
             create_ledger_table(client, "ledger_sync", durability="sync")
             create_ledger_table(client, "ledger_async", durability="async")
             loops = {name: PushLoop(client, table=name, num_ids=5000, ids_per_push=250, in_flight=2,
                                     seed=k).start()
                      for k, name in enumerate(("ledger_sync", "ledger_async"))}
+            # The first pushes are acknowledged while the cluster still forms, not only once it settled.
+            admin.wait_for(lambda: all(loop.acked_count() > 0 for loop in loops.values()), timeout_s=60,
+                           what="the first acknowledged pushes")
+            assert all(not loop.errors for loop in loops.values()), {n: lp.errors[:3] for n, lp in loops.items()}
             # Fully replicated and balanced over every server, with no admin command, within seconds.
             deadline = time.monotonic() + 60
             status = None
@@ -70,6 +77,8 @@ def test_readme_startup_replicates_and_balances_and_a_kill_9_loses_nothing(tmp_p
                 result = audit(client, loop, table=name)
                 assert result.acked_pushes > 0, name
                 assert result.lost == 0 and result.doubled == 0, (name, result.as_dict())
+                assert result.failed_pushes == 0, (name, result.as_dict(), loop.errors[:3])
+            client.flush()
 
 
 def test_sigterm_under_load_drains_cleanly_with_no_thread_traceback(tmp_path) -> None:

@@ -134,25 +134,63 @@ def test_move_slot_errors_name_the_field_or_server(tmp_path):
     for bad in (-1, SLOTS, 10**6):
         with pytest.raises(InvalidArgument, match=rf"field 'slot'.*{bad}"):
             c.core.move_slot(bad, x)
-    with pytest.raises(InvalidArgument, match=f"'{r}' already holds a copy of slot {SLOT}"):
+    # a refusal names what holds the slot
+    with pytest.raises(InvalidArgument, match=rf"'{r}' already holds a copy of slot {SLOT} \({p} leads it, {r} "
+                                              r"holds an in-sync copy\).*--primary makes it lead"):
         c.core.move_slot(SLOT, r)
-    with pytest.raises(InvalidArgument, match=f"'{p}' already holds a copy of slot {SLOT}"):
-        c.core.move_slot(SLOT, p, primary=True)
-    with pytest.raises(InvalidArgument, match=f"slot {SLOT} has no copy on '{y}'"):
+    with pytest.raises(InvalidArgument, match=rf"'{y}' holds no copy of slot {SLOT} \({p} leads it"):
         c.core.move_slot(SLOT, x, from_=y)
     assert c.map.epoch == epoch and c.core.target is None
     # a draining target
     c.core.drain(y)
-    with pytest.raises(InvalidArgument, match=f"'{y}' is dead or draining"):
+    with pytest.raises(InvalidArgument, match=f"'{y}' is draining"):
         c.core.move_slot(SLOT, y)
     c.run_to_target()
     # a dead target (by id or by address)
     c.kill(x)
-    with pytest.raises(InvalidArgument, match=f"'{x}' is dead or draining"):
+    with pytest.raises(InvalidArgument, match=f"'{x}' is down"):
         c.core.move_slot(SLOT, x)
-    with pytest.raises(InvalidArgument, match=f"'host-{x}:1' is dead or draining"):
+    with pytest.raises(InvalidArgument, match=f"'host-{x}:1' is down"):
         c.core.move_slot(SLOT, f"host-{x}:1")
     assert c.core.target is None
+
+
+def test_a_move_whose_end_state_holds_is_a_no_op_that_says_so(tmp_path):
+    """Re-running a move is safe: when what it asks for already holds (or is already planned), nothing
+    changes and the plan's note says what holds."""
+    c = started(tmp_path, ("a", "b", "c", "d"))
+    m0 = c.map
+    p, r = (m0.servers[int(i)].id for i in m0.copies[SLOT, :2])
+    x = m0.servers[not_holding(m0, SLOT)].id
+    epoch = m0.epoch
+    for kwargs in ({"primary": True}, {}):  # the primary's copy to where it is, or its lead to its leader
+        plan = c.core.move_slot(SLOT, p, **kwargs)
+        assert plan.moves == [] and plan.note == f"server {p} already leads slot {SLOT}: nothing to move"
+    plan = c.core.move_slot(SLOT, r, from_=r)
+    assert plan.moves == [] and plan.note == f"server {r} already holds a copy of slot {SLOT}: nothing to move"
+    assert c.map.epoch == epoch and c.core.target is None
+    # a move planned, asked again while it runs: nothing more is planned; once done, the same again
+    first = c.core.move_slot(SLOT, x, primary=True)
+    assert first.moves and not first.note
+    target = c.core.target.copy()
+    again = c.core.move_slot(SLOT, x, primary=True)
+    assert again.moves == [] and again.note.startswith(f"slot {SLOT} is already moving to server {x} as primary")
+    np.testing.assert_array_equal(c.core.target, target)
+    c.run_to_target()
+    assert c.map.servers[int(c.map.copies[SLOT, 0])].id == x
+    epoch = c.map.epoch
+    for _ in range(2):
+        plan = c.core.move_slot(SLOT, x, primary=True)
+        assert plan.moves == [] and plan.note == f"server {x} already leads slot {SLOT}: nothing to move"
+    # a replica moved away from its old server, asked again: the copy is on the target, none on the source
+    holder = c.map.servers[int(c.map.copies[SLOT, 1])].id
+    free = c.map.servers[not_holding(c.map, SLOT)].id
+    c.core.move_slot(SLOT, free, from_=holder)
+    c.run_to_target()
+    epoch = c.map.epoch
+    plan = c.core.move_slot(SLOT, free, from_=holder)
+    assert plan.moves == [] and plan.note == f"server {free} already holds a copy of slot {SLOT}: nothing to move"
+    assert c.map.epoch == epoch and c.core.target is None
 
 
 # --- drain --------------------------------------------------------------------------------------------------
@@ -186,6 +224,30 @@ def test_drain_moves_every_copy_off_then_undrain(tmp_path):
     c.core.rebalance()
     c.run_to_target()
     assert c.map.holds(d).sum() == 16 and c.map.leads(d).sum() == 8
+    c.check_saved()
+
+
+def test_drain_undrain_and_rebalance_again_are_no_ops_that_say_so(tmp_path):
+    c = started(tmp_path, ("a", "b", "c", "d"))
+    d = c.idx("d")
+    epoch = c.map.epoch
+    plan = c.core.rebalance()  # balanced from the first placement
+    assert plan.moves == [] and plan.note == "the placement is balanced already: nothing to move"
+    plan = c.core.drain("d", undrain=True)
+    assert plan.moves == [] and plan.note == "server d is not draining: nothing to undo"
+    assert c.map.epoch == epoch and c.core.target is None and c.core.draining == set()
+    first = c.core.drain("d")
+    target = c.core.target.copy()
+    again = c.core.drain("d")  # while its moves run: the same moves, no new plan
+    assert again.note.startswith("server d is already draining: 12 slot cop(ies) still on it")
+    assert sorted(mv[0] for mv in again.moves) == sorted(mv[0] for mv in first.moves)
+    np.testing.assert_array_equal(c.core.target, target)
+    c.run_to_target()
+    assert not c.map.holds(d).any()
+    epoch = c.map.epoch
+    plan = c.core.drain("host-d:1")
+    assert plan.moves == [] and plan.note == "server d is already drained: it holds nothing"
+    assert c.map.epoch == epoch and c.core.target is None and c.core.draining == {"d"}
     c.check_saved()
 
 

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from tigana import ps
+from tigana.proto import scheduler_pb2 as spb
+from tigana.proto import scheduler_pb2_grpc as spb_grpc
 from tigana.ps import admin
 from tigana.ps.config import ServerConfig
 from tigana.ps.daemon import start_server
@@ -84,6 +86,30 @@ def test_refused_callers_change_nothing(cluster, pki) -> None:
     logs = "".join(p.read_text(errors="replace") for p in c.data_dir.glob("*.log"))
     assert TRAINER not in logs and ADMIN not in logs and "not-the-token" not in logs
     assert "refused" in logs  # the scheduler logs refusals (method and reason, not the token)
+
+
+def test_a_trainer_can_neither_end_a_handover_nor_declare_a_server_dead(cluster, pki) -> None:
+    """``HandoverReady`` ends a primary hand-over (the old primary says it drained): a trainer's credential is
+    refused, even with a forged epoch far ahead, and the map does not move. ``ReportUnreachable`` is a
+    client's to send, but only makes the scheduler probe the server: a live server reported stays up."""
+    c, me = cluster
+    before = admin.shard_map(c.scheduler, security=me)
+    trainer = Security(tls_cert=pki["ccert"], tls_key=pki["ckey"], tls_ca=pki["ca"], token=TRAINER)
+    with trainer.channel(c.scheduler) as channel:
+        stub = spb_grpc.SchedulerStub(channel)
+        slots = np.arange(before.num_slots, dtype="<i4").tobytes()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.HandoverReady(spb.HandoverReadyRequest(reporter=before.servers[0].id, slots=slots,
+                                                        epoch=before.epoch + 1_000_000), timeout=10)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value
+        assert "admin credential" in err.value.details()
+        reply = stub.ReportUnreachable(spb.ReportUnreachableRequest(address=c.addresses[0], reporter="client"),
+                                       timeout=10)
+        assert reply.accepted
+    time.sleep(2.0)  # the probe the report started has answered
+    after = admin.shard_map(c.scheduler, security=me)
+    assert [s.id for s in after.servers] == [s.id for s in before.servers]
+    assert all(s.up for s in after.servers), after.summary()
 
 
 def test_a_token_without_tls_is_refused_unless_loopback_is_allowed(tmp_path, pki) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from tigana import ps
+from tigana.proto import scheduler_pb2 as spb
 from tigana.ps import admin
 from tigana.ps.scheduler import SchedulerConfig, start_scheduler
 
@@ -116,6 +117,17 @@ def test_status_verify_and_errors(make_shard_cluster, tmp_path: Path) -> None:
     report = run.json("move-slot", "4096", "--to", ids[0], ok=False)
     assert "'slot'" in report["error"]
     assert admin.shard_map(cluster.scheduler).epoch == epoch  # refused moves change nothing
+    # tables: creating one that exists as asked is a no-op; a different one, or exist_ok=False, is refused
+    # naming the table (and the fields that differ); dropping a missing one answers False
+    with ps.connect(scheduler=cluster.scheduler) as client:
+        assert client.create_table(TABLE, 8).dim == 8
+        with pytest.raises(ps.TableExists, match=f"table '{TABLE}' already exists .*exist_ok"):
+            client.create_table(TABLE, 8, exist_ok=False)
+        with pytest.raises(ps.TableExists, match=f"table '{TABLE}' already exists with a different spec.*dim"):
+            client.create_table(TABLE, 16)
+        assert client.drop_table("no-such-table") is False
+        assert client.list_tables() == [TABLE]
+    assert admin.shard_map(cluster.scheduler).epoch == epoch
     full = tmp_path / "not-empty"
     full.mkdir()
     (full / "something").write_text("x")
@@ -145,6 +157,18 @@ def test_move_slot_drain_and_rebalance(make_shard_cluster) -> None:
     m = admin.shard_map(scheduler)
     assert m.servers[int(m.copies[5, 0])].id == to
     assert (m.copies[5] >= 0).sum() == 2 and (m.states[5] == 0).all()
+    # the same command again (and without --primary: the primary's copy to where it is): a no-op that says so
+    for again in (["--primary"], []):
+        out = run("move-slot", "5", "--to", to, *again)
+        assert out.returncode == 0 and f"server {to} already leads slot 5: nothing to move" in out.stdout, out
+    report = run.json("move-slot", "5", "--to", to, "--primary")
+    assert report["moves"] == 0 and report["note"] == f"server {to} already leads slot 5: nothing to move"
+    # a refusal names what holds: the replica's server cannot take the primary's copy (--primary would swap)
+    replica = m.servers[int(m.copies[5, 1])].id
+    report = run.json("move-slot", "5", "--to", replica, ok=False)
+    assert f"server '{replica}' already holds a copy of slot 5 ({to} leads it, {replica} holds an in-sync " \
+           "copy)" in report["error"], report
+    assert admin.shard_map(scheduler).epoch == m.epoch  # the no-ops and the refusal changed nothing
 
     # drain: the server ends holding nothing, and stays draining; then undrain
     victim = to
@@ -154,10 +178,16 @@ def test_move_slot_drain_and_rebalance(make_shard_cluster) -> None:
     m = admin.shard_map(scheduler)
     assert not m.holds(m.index_of(victim)).any() and ((m.copies >= 0).sum(axis=1) == 2).all()
     assert run.json("status")["draining"] == [victim]
+    epoch = admin.shard_map(scheduler).epoch
+    report = run.json("drain", victim)  # again: already done
+    assert report["moves"] == 0 and report["note"] == f"server {victim} is already drained: it holds nothing"
+    assert admin.shard_map(scheduler).epoch == epoch
     out = run("drain", victim, "--undrain")
     assert out.returncode == 0, out.stderr
     assert f"undrained {victim}" in out.stdout
     assert run.json("status")["draining"] == []
+    out = run("drain", victim, "--undrain")  # again: nothing to undo
+    assert out.returncode == 0 and f"server {victim} is not draining: nothing to undo" in out.stdout, out
     assert _held(scheduler, victim) == 0  # undrain alone moves nothing back
 
     # rebalance --plan: the moves and the predicted load, nothing applied
@@ -185,6 +215,16 @@ def test_move_slot_drain_and_rebalance(make_shard_cluster) -> None:
     assert applied["load_after"]["max"] < applied["load_before"]["max"]
     assert run.json("verify")["slots_differing"] == 0
     np.testing.assert_array_equal(_pull(scheduler), before)  # nothing lost in the moves
+
+    # rebalance on a load it already balanced (rows held, no request rates): a no-op that says so
+    measured = admin.slot_load(scheduler)
+    rows_only = spb.SlotLoad(rows=measured.rows, bytes=measured.bytes)
+    admin.rebalance(scheduler, load=rows_only)
+    admin.wait_for(lambda: _settled(scheduler), timeout_s=90, what="the rebalance by rows")
+    epoch = admin.shard_map(scheduler).epoch
+    again = admin.rebalance(scheduler, load=rows_only)
+    assert len(again.moves) == 0 and again.note == "the placement is balanced already: nothing to move"
+    assert admin.shard_map(scheduler).epoch == epoch and _settled(scheduler)
 
 
 # --- data: checkpoint, export, restore -----------------------------------------------------------------------
