@@ -112,7 +112,8 @@ class Replicator:
             if isinstance(a, OpenStream):
                 self._open(a.stream)
             elif isinstance(a, CloseStream):
-                link = self._links.pop(a.stream, None)
+                with self.cond:
+                    link = self._links.pop(a.stream, None)
                 if link is not None:
                     self.spawn("tigana-repl-close", link[0].close)
             elif isinstance(a, StartCopy):
@@ -148,15 +149,33 @@ class Replicator:
         channel = self.channel(s.address, channel_options(self.max_message_bytes, 30.0, 10.0, 0.1))
         call = channel.unary_unary("/tigana.v1.Shard/Replicate", request_serializer=_identity,
                                    response_deserializer=pb.ReplicateResponse.FromString)
-        self._links[s] = (channel, call)
+        with self.cond:  # a map's actions run after its install released its locks: a later map may have closed s
+            if not s.closed:
+                self._links[s] = (channel, call)
+        if s.closed:
+            channel.close()
+            return
         self.spawn(f"tigana-repl-{s.target_id[:8]}", lambda: self._send_loop(s, 0))
         self.spawn(f"tigana-copy-{s.target_id[:8]}", lambda: self._send_loop(s, 1))
 
     # --- events -------------------------------------------------------------------------------------------
     def on_map(self, m: ShardMap, me: int, tables: list[str], positions: Callable[[str, np.ndarray], np.ndarray],
-               dedup_records: Callable[[str, np.ndarray], list]) -> None:
-        """A map installed (the caller holds every table's write lock): ``Primary.on_map``."""
-        self._call(lambda: self.core.on_map(m, me, tables, positions, dedup_records, self.clock()))
+               dedup_records: Callable[[str, np.ndarray], list]) -> list[Action]:
+        """A map installed (the caller holds every table's write lock): ``Primary.on_map``. Returns its actions
+        (open or close streams, start slot copies, report failures) for the caller to ``run`` once it has
+        released every lock: a report is a call to the scheduler, whose answer may bring a newer map to install
+        (run under the install lock, it waited on that very lock: the server hung holding every table lock)."""
+        with self.cond:
+            actions = self.core.on_map(m, me, tables, positions, dedup_records, self.clock())
+            self.cond.notify_all()
+            settled = self._settle()
+        _fire(settled)
+        return actions
+
+    def run(self, actions: list[Action]) -> None:
+        """Carry out actions an event returned (``on_map``), in order. Blocking (a report is a scheduler call):
+        the caller holds no table, install or registry lock."""
+        self._do(actions)
 
     def enqueue(self, item: Item) -> list[Mark]:
         """A write applied (under its table's write lock): the marks a sync write must wait for."""

@@ -4,7 +4,9 @@ dropped, slots no longer held forgotten, replication streams started or stopped)
 primary role in a planned move, the links to the scheduler (the daemon's agent) and periodic upkeep.
 
 ``install`` applies a map under the install lock, the registry lock and every table's write lock (in name
-order), so a request is checked and applied against one map.
+order), so a request is checked and applied against one map. What the replication core asks for in return
+(streams, slot copies, reports to the scheduler) is carried out after every one of those locks is released:
+no RPC and no wait runs under a table or install lock.
 """
 
 from __future__ import annotations
@@ -158,6 +160,7 @@ class Ownership(ShardFields):
         held forgotten, replication streams and slot copies started or stopped. False when not newer."""
         if m.num_slots != self.num_slots:
             raise InvalidArgument(f"shard map: {m.num_slots} slots, this server runs with {self.num_slots}")
+        actions: list = []  # the replicator's, run once every lock below is released
         with self._install_lock:
             old = self._view
             if m.epoch <= old.epoch:
@@ -181,9 +184,7 @@ class Ownership(ShardFields):
                             h.dedup.forget_slots(dropped)
                         h.table.set_evictable(self._leads_ids)  # the led slots changed: recount
                     if self.replicator is not None:
-                        self.replicator.on_map(m, me if valid else -1, [n for n, _ in hosted_all],
-                                               lambda name, slots: self._tables[name].log.positions[slots].copy(),
-                                               lambda name, slots: self._tables[name].dedup.records_for(slots))
+                        actions = self._replication_map(m, me if valid else -1, hosted_all)
                 finally:
                     for _, h in reversed(hosted_all):
                         h.lock.release()
@@ -192,6 +193,7 @@ class Ownership(ShardFields):
                         self._save_registry()
                     except StorageError as exc:  # a cache of the map's tables: written again at the next change
                         log.warning("saving the table registry failed: %s", exc)
+        self._run_replication(actions)
         if new.valid and not down and (not old.valid or dropped.size):
             self._request_drop()
         if new.fenced.any():
@@ -327,12 +329,26 @@ class Ownership(ShardFields):
             for _, h in hosted_all:
                 h.lock.acquire()
             try:
-                self.replicator.on_map(view.map, view.me if view.valid else -1, [n for n, _ in hosted_all],
-                                       lambda name, slots: self._tables[name].log.positions[slots].copy(),
-                                       lambda name, slots: self._tables[name].dedup.records_for(slots))
+                actions = self._replication_map(view.map, view.me if view.valid else -1, hosted_all)
             finally:
                 for _, h in reversed(hosted_all):
                     h.lock.release()
+        self._run_replication(actions)
+
+    def _replication_map(self, m: ShardMap, me: int, hosted_all: list[tuple[str, _Hosted]]) -> list:
+        """``Replicator.on_map`` (the caller holds the install lock and every table's write lock): the actions
+        it returns, for ``_run_replication`` once those locks are released."""
+        assert self.replicator is not None
+        return self.replicator.on_map(m, me, [n for n, _ in hosted_all],
+                                      lambda name, slots: self._tables[name].log.positions[slots].copy(),
+                                      lambda name, slots: self._tables[name].dedup.records_for(slots))
+
+    def _run_replication(self, actions: list) -> None:
+        """Carry out a map's replication actions (streams opened or closed, slot copies started, failures
+        reported to the scheduler) with no table, registry or install lock held: no scheduler call, and no
+        install its answer may bring, ever waits under them."""
+        if actions and self.replicator is not None:
+            self.replicator.run(actions)
 
     # --- links to the scheduler (the daemon's agent) ------------------------------------------------------
     def _refresh(self, epoch: int, wait_s: float = 0.0) -> None:
