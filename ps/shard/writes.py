@@ -130,20 +130,26 @@ class Writes(ShardFields):
                         f"table {name!r}: slot {s} has {int(view.in_sync[s])} in-sync cop(ies), the table's "
                         f"min_copies is {hosted.spec.min_copies}; push rejected, nothing applied", epoch=view.epoch)
             done = hosted.dedup.applied(cid, seq, uslots)
+            part = uslots  # every slot of the part: the acknowledgement is for all of them
             if done.all():
                 applied, duplicate = 0, True
                 marks = self.replicator.tail_marks(uslots) if self.replicator is not None and sync else []
             else:
-                if done.any():  # a retried push split differently: apply only the slots not applied yet
+                # A retried push split differently: apply only the slots not applied yet, and wait for the
+                # copies of the others too (their first attempt may still be on its way to a copy).
+                earlier: list = []
+                if done.any():
+                    if self.replicator is not None and sync:
+                        earlier = self.replicator.tail_marks(uslots[done])
                     keep = ~np.isin(slots, uslots[done])
                     ids, grads, slots, uslots = ids[keep], grads[keep], slots[keep], uslots[~done]
                 changes = Changes() if self.replicator is not None and self.replicator.streams else None
                 applied = hosted.table.push(ids, grads, changes=changes)
                 hosted.dedup.record(cid, seq, uslots)
-                marks = self._replicate(hosted, view, changes, uslots, (cid, seq, uslots))
+                marks = earlier + self._replicate(hosted, view, changes, uslots, (cid, seq, uslots))
                 duplicate = False
             hosted.pushed += np.bincount(slots, minlength=self.num_slots)
-        return _Pushed(name, view, uslots, marks if sync else [], sync, int(applied), duplicate, len(ids))
+        return _Pushed(name, view, part, marks if sync else [], sync, int(applied), duplicate, len(ids))
 
     def _push_ack(self, p: _Pushed, timeout_s: float) -> pb.PushResponse:
         """Wait (up to ``timeout_s``) until the copies the push waits for have it (I1), then answer."""
