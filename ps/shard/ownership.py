@@ -27,6 +27,7 @@ from tigana.ps.background import DROP_THREAD, start_thread
 from tigana.ps.errors import InvalidArgument, Unavailable, WrongShard
 from tigana.ps.logs import event, slots_text
 from tigana.ps.replication import NO_POSITION
+from tigana.ps.replication.apply import delete_in_chunks
 from tigana.ps.routing import ShardMap, format_slots, slot_of
 from tigana.ps.shard._fields import ShardFields
 
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from tigana.ps.shard.hosted import _Hosted
 
 log = logging.getLogger("tigana.ps.server")  # one logger for the whole shard server
-_COPY_CHUNK = 16384  # rows per SNAPSHOT_ROWS item of a slot copy (and per lock hold of a drop: ~2 ms)
+_COPY_CHUNK = 16384  # rows per SNAPSHOT_ROWS item of a slot copy
 _RATE_HALF_LIFE_S = 10.0
 
 
@@ -284,16 +285,14 @@ class Ownership(ShardFields):
         with hosted.lock:  # no slot copy builds a copy the map removed from here (``replication.intake``)
             hosted.intake.drop(np.flatnonzero(~self._view.holds))
         gone = hosted.table.stored_ids_in_slots(self.num_slots, ~self._view.holds)
-        deleted = 0
-        for lo in range(0, gone.size, _COPY_CHUNK):
-            chunk = gone[lo:lo + _COPY_CHUNK]
-            with hosted.lock.yielding():  # after the pushes waiting for the lock
-                view = self._view
-                if not view.valid or self._tables.get(name) is not hosted:
-                    break
-                chunk = chunk[~view.holds[slot_of(chunk, self.num_slots)]]  # not taken back meanwhile
-                if chunk.size:
-                    deleted += hosted.table.delete(chunk)
+
+        def keep(chunk: np.ndarray) -> np.ndarray | None:
+            view = self._view
+            if not view.valid or self._tables.get(name) is not hosted:
+                return None
+            return chunk[~view.holds[slot_of(chunk, self.num_slots)]]  # not taken back meanwhile
+
+        deleted = delete_in_chunks(hosted, gone, keep)  # a chunk per lock hold, after the pushes waiting for it
         if deleted:
             view = self._view
             slots = unique(slot_of(gone, self.num_slots))
