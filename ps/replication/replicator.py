@@ -2,7 +2,8 @@
 
 ``Replicator`` holds one lock (a condition) around every call into the core, carries out the actions it
 returns after releasing it, and gives the waits the server needs: a sync write's acknowledgements
-(``wait``), room in a full queue (``room``), a slot copy's window (``wait_for_room``). It owns the transport:
+(``wait``), room in a full queue (``room``), a slot copy's window (``wait_for_room``); neither of the last two
+ever gives up and queues anyway: the bounds hold, and a writer or a copy that found no room in time fails. It owns the transport:
 a gRPC channel per stream and a sender thread per lane of it (changes, copied rows). Nothing here decides
 anything the protocol depends on.
 
@@ -88,6 +89,7 @@ class Replicator:
         self.refresh_map, self.report_failure, self.caught_up = refresh_map, report_failure, caught_up
         self.copy_rows = copy_rows
         self.pacer = CopyPacer(copy_rate)  # under ``cond``
+        self.copy_stall_s = 30.0  # a slot copy whose copy lane stays full this long fails (``wait_for_room``)
         self.send_timeout_s = send_timeout_s
         self.channel = channel or (lambda address, options: grpc.insecure_channel(address, options=options))
         self.clock = clock
@@ -356,14 +358,21 @@ class Replicator:
                               else "") + ")")
             return "; ".join(out)
 
-    def wait_for_room(self, s: Stream, timeout_s: float = 30.0) -> None:
+    def wait_for_room(self, s: Stream, sess: Session, timeout_s: float | None = None) -> bool:
         """Block while ``s``'s copy lane holds more than ``copy_window_bytes`` unacknowledged: the export runs
         only a window ahead of what the target applied (the rows are read under the table's lock, and a window
-        bounds the memory they take while queued)."""
-        deadline = time.monotonic() + timeout_s
+        bounds the memory they take while queued). True once there is room (or the stream or ``sess`` is over:
+        nothing more is queued then); False when ``timeout_s`` (default ``copy_stall_s``) passed with the lane
+        still full: the caller fails the copy, which is started again, rather than exceed the window."""
+        deadline = time.monotonic() + (self.copy_stall_s if timeout_s is None else timeout_s)
         with self.cond:
-            while not s.closed and s.copy_bytes > self.core.copy_window_bytes and time.monotonic() < deadline:
-                self.cond.wait(0.05)
+            while s.copy_bytes > self.core.copy_window_bytes and self.core.session_active(s, sess) \
+                    and not self.core.closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.cond.wait(min(left, 0.05))
+        return True
 
     def pace(self, sess: Session, item: Item) -> None:
         """After a chunk of a paced slot copy was queued: wait as long as the server's copy rate asks

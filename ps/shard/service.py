@@ -165,20 +165,20 @@ class ShardService(Ownership, Writes, Exports, Cuts, Persistence, Hosting, shard
 
     @_rpc("Pull")
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullResponse:
-        _, rows, codec = self._pull(request)
+        _, rows, codec = self._pull(request, context.time_remaining())
         return pb.PullResponse(rows=wire.encode_rows(rows, codec))
 
     @_rpc("Pull")
     def pull_serialized(self, request: pb.PullRequest, context: grpc.ServicerContext) -> bytes:
         """``Pull`` answering the serialized ``PullResponse`` (written in one copy by ``wire``), for the
         bytes response serializer ``add_to_server`` registers."""
-        _, rows, codec = self._pull(request)
+        _, rows, codec = self._pull(request, context.time_remaining())
         return wire.encode_pull_response(rows, codec)
 
     @_rpc("Push")
     def Push(self, request: pb.PushRequest | wire.RawPush, context: grpc.ServicerContext) -> pb.PushResponse:
         """Apply a gradient block; ``request`` is the protobuf message or ``wire.decode_push_request``'s views."""
-        return self._push(request)
+        return self._push(request, context.time_remaining())
 
     def Exchange(self, requests: Any, context: grpc.ServicerContext) -> Any:
         """The streaming data path: this client's pulls and pushes as frames of one stream (``streams``)."""
@@ -210,13 +210,14 @@ class ShardService(Ownership, Writes, Exports, Cuts, Persistence, Hosting, shard
         method = frames.KINDS[frame.kind]
         rpc.check(frame.request)
         check_serving(self, method)
-        if frame.timeout_ms and time.monotonic() - received > frame.timeout_ms / 1000:
+        left = frame.timeout_ms / 1000 - (time.monotonic() - received) if frame.timeout_ms else None
+        if left is not None and left < 0:
             raise DeadlineExceeded(f"table {frame.request.table!r}: {method} frame waited past its "
                                    f"deadline ({frame.timeout_ms} ms) before it was handled; not applied")
         if frame.kind == frames.PULL:
-            _, rows, codec = self._pull(frame.request)
+            _, rows, codec = self._pull(frame.request, left)
             return frames.pull_answer(frame.id, rows, codec)
-        pushed = self._push_apply(frame.request)
+        pushed = self._push_apply(frame.request, left)
         if not pushed.marks or self.replicator is None:
             return frames.push_answer(frame.id, self._push_ack(pushed, self.config.ack_timeout_s))
         replicator = self.replicator
