@@ -63,6 +63,7 @@ class ShardFields:
     _streams: int
     _streams_lock: threading.Lock
     _frame_pool: futures.ThreadPoolExecutor
+    _control_pool: futures.ThreadPoolExecutor
     _view: _View
     replicator: Replicator | None
 

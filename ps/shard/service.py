@@ -94,6 +94,11 @@ class ShardService(Ownership, Writes, Exports, Cuts, Persistence, Hosting, shard
         self._streams_lock = threading.Lock()
         self._frame_pool = futures.ThreadPoolExecutor(max_workers=config.max_workers,
                                                       thread_name_prefix="tigana-frame")
+        # ``Replicate`` and ``InstallMap`` run here, not on the gRPC server's pool (``add_to_server``): a unary
+        # sync push or ``ImportRows`` holds a thread of that pool while it waits for its copies, and a paused
+        # copy could then hold every one of them, starving the replication and the maps into this server.
+        self._control_pool = futures.ThreadPoolExecutor(max_workers=config.max_workers,
+                                                        thread_name_prefix="tigana-control")
         if self.clustered:
             self._view = _View.waiting(self.num_slots)
             self.replicator: Replicator | None = Replicator(
@@ -294,6 +299,7 @@ class ShardService(Ownership, Writes, Exports, Cuts, Persistence, Hosting, shard
 
     def close_tables(self) -> None:
         self._frame_pool.shutdown(wait=False, cancel_futures=True)
+        self._control_pool.shutdown(wait=False, cancel_futures=True)
         if self.replicator is not None:
             self.replicator.close()
         with self._registry_lock:
@@ -310,11 +316,25 @@ def add_to_server(service: ShardService, server: grpc.Server) -> None:
     """Register ``service`` on ``server`` (every method of proto/shard.proto), with the data path's own
     (de)serializers: Push requests parsed into zero-copy views (``wire.decode_push_request``), Pull replies
     written as bytes in one copy (``ShardService.pull_serialized``), replication streams decoded as views.
-    A request that does not parse answers INVALID_ARGUMENT (``rpc.register``)."""
+    A request that does not parse answers INVALID_ARGUMENT (``rpc.register``). ``Replicate`` and
+    ``InstallMap`` run on the service's control pool, apart from the data path's (``_on_control_pool``)."""
     rpc.register(server, pb.DESCRIPTOR.services_by_name["Shard"], service, {
         "Pull": (service.pull_serialized, pb.PullRequest.FromString, wire.identity),
         "Push": (service.Push, wire.decode_push_request, pb.PushResponse.SerializeToString),
         "Exchange": (service.Exchange, frames.read_request, wire.identity),
-        "Replicate": (service.Replicate, cluster_wire.decode_replicate_request,
+        "Replicate": (_on_control_pool(service, service.Replicate), cluster_wire.decode_replicate_request,
                       pb.ReplicateResponse.SerializeToString),
+        "InstallMap": (_on_control_pool(service, service.InstallMap), pb.InstallMapRequest.FromString,
+                       pb.InstallMapResponse.SerializeToString),
     })
+
+
+def _on_control_pool(service: ShardService, handler: Callable[[Any, grpc.ServicerContext], Any]
+                     ) -> Callable[[Any, grpc.ServicerContext], Any]:
+    """``handler``, run by gRPC on ``service``'s control pool instead of the server's thread pool (gRPC's
+    per-method pool: a handler's ``experimental_thread_pool``; ``tests/ps/test_shard_pools.py`` holds it)."""
+    def run(request: Any, context: grpc.ServicerContext) -> Any:
+        return handler(request, context)
+
+    run.experimental_thread_pool = service._control_pool  # type: ignore[attr-defined]
+    return run
