@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from tigana.embeddings.errors import EmbeddingError
 from tigana.proto import shard_pb2 as pb
 from tigana.ps.errors import PSError
 from tigana.ps.logs import event, slots_text
@@ -241,7 +242,12 @@ def drop_rows(hosted: Any, slots: np.ndarray, num_slots: int, served: Callable[[
     closed) before every chunk was deleted."""
     mask = np.zeros(num_slots, bool)
     mask[slots] = True
-    gone = hosted.table.stored_ids_in_slots(num_slots, mask)
+    try:
+        gone = hosted.table.stored_ids_in_slots(num_slots, mask)
+    except EmbeddingError:
+        if hosted.table.closed:  # dropped, or the server stopping, since the item was applied: never DIVERGED (L4)
+            return False
+        raise
     stopped = False
 
     def keep(chunk: np.ndarray) -> np.ndarray | None:
