@@ -1,11 +1,12 @@
 """The thread and gRPC adapter of the primary's replication core (``Primary``, in ``primary``).
 
 ``Replicator`` holds one lock (a condition) around every call into the core, carries out the actions it
-returns after releasing it, and gives the waits the server needs: a sync write's acknowledgements
-(``wait``), room in a full queue (``room``), a slot copy's window (``wait_for_room``); neither of the last two
-ever gives up and queues anyway: the bounds hold, and a writer or a copy that found no room in time fails. It owns the transport:
-a gRPC channel per stream and a sender thread per lane of it (changes, copied rows). Nothing here decides
-anything the protocol depends on.
+returns after releasing it (a map's go back to the server, which runs them once its own locks are released:
+``on_map``, ``run``), and gives the waits the server needs: a sync write's acknowledgements (``wait``), room in
+a full queue (``room``), a slot copy's window (``wait_for_room``). Neither of the last two gives up and queues
+anyway: a writer or a copy that finds no room in time fails, and the bounds hold. It owns the transport: a gRPC
+channel per stream and a sender thread per lane of it (changes, copied rows). Nothing here decides anything the
+protocol depends on.
 
 Seams for a simulator: ``clock``, and ``spawn(name, fn)`` (run ``fn`` on a thread of its own): a simulator
 passes its clock, runs what is spawned when it chooses, drives each stream's lanes with ``core.request`` and
