@@ -241,10 +241,10 @@ def test_snapshot_begin_empties_a_large_slot_a_chunk_per_lock_hold_and_a_pull_is
     """``SNAPSHOT_BEGIN`` on a copy emptied its slots with one delete under one hold of the table's lock, every
     pull and push of the slots it leads waiting behind it. It goes through the chunked drop (``DROP_CHUNK`` rows
     per hold, entered after the data-path callers waiting): a pull that comes during the first chunk is served
-    before the second, and every row of the slot is gone before the item is acknowledged."""
+    before the last, and every row of the slot is gone before the item is acknowledged."""
     t = _Target()
-    ids = np.arange(400_000, dtype=np.int64)
-    big = ids[slot_of(ids, SLOTS) == 2][:40_000]
+    ids = np.arange(800_000, dtype=np.int64)
+    big = ids[slot_of(ids, SLOTS) == 2][:4 * DROP_CHUNK]
     other = ids[slot_of(ids, SLOTS) == 6][:10]
     t.hosted.table.import_rows(_rows(big.tolist(), 1.0))
     t.hosted.table.import_rows(_rows(other.tolist(), 3.0))
@@ -273,6 +273,7 @@ def test_snapshot_begin_empties_a_large_slot_a_chunk_per_lock_hold_and_a_pull_is
     begin = Item(SNAPSHOT_BEGIN, "t", _slots(2), prev=np.zeros((1, 2), np.uint64), copy_id=1, table_epoch=1)
     assert t.send(0, 1, [begin]).applied_through == 1
     puller.join(10)
-    assert served == [1], f"the pull was served after delete call(s) {served} of {calls}"
-    assert len(calls) == 3 and max(calls) <= DROP_CHUNK and sum(calls) == big.size
+    # served between two chunks (after the first, as a rule: a loaded machine may let the next one go first)
+    assert len(served) == 1 and served[0] < len(calls), f"the pull was served after delete call {served} of {calls}"
+    assert len(calls) == 4 and max(calls) <= DROP_CHUNK and sum(calls) == big.size
     assert not t.contains(big).any() and t.contains(other).all()

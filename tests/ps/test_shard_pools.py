@@ -37,7 +37,7 @@ def _closed_port() -> int:
 
 def test_replicate_and_install_map_are_served_while_waiting_sync_pushes_hold_every_pool_thread(tmp_path) -> None:
     handle = start_server(ServerConfig(port=0, num_slots=SLOTS, scheduler=f"127.0.0.1:{_closed_port()}",
-                                       max_workers=2, max_streams=0, ack_timeout_s=4.0, replication_timeout_s=60.0,
+                                       max_workers=2, max_streams=0, ack_timeout_s=5.0, replication_timeout_s=60.0,
                                        drain_grace_s=0.5, snapshot_on_shutdown=False))
     channel = grpc.insecure_channel(handle.address)
     pushes: list[grpc.Future] = []
@@ -57,7 +57,7 @@ def test_replicate_and_install_map_are_served_while_waiting_sync_pushes_hold_eve
                      np.zeros(SLOTS, np.uint64), {"t": spec})
         assert stub.InstallMap(pb.InstallMapRequest(map=cluster_wire.map_to_pb(m)), timeout=10).epoch == 5
         table = svc._tables["t"].table
-        for seq in (1, 2):  # one per pool thread, each waiting 4 s for the paused copy
+        for seq in (1, 2):  # one per pool thread, each waiting 5 s for the paused copy
             ids = np.arange(seq * 100, seq * 100 + 10, dtype=np.int64)
             request = pb.PushRequest(table="t", ids=wire.encode_ids(ids), client_id="c", seq=seq, epoch=5,
                                      grads=wire.encode_rows(np.ones((ids.size, 4), np.float32)))
