@@ -5,7 +5,9 @@ The ``Agent`` runs one thread: it asks the core which call to make (register, th
 map that comes back and hands the outcome to the core. It also carries the service's reports (a copy failed,
 a copy caught up, a hand-over ready) and map refreshes. Refreshes asked for by requests (``refresh_soon``) are
 coalesced by the core: one refresher thread, started on first use, fetches the map while the highest epoch
-wanted is above ours. While the scheduler is down the server keeps serving on the map it holds.
+wanted is above ours. A report whose answer names a newer epoch hands it to that refresher, never installs on
+the reporting thread: a report may run inside ``refresh`` or an install's actions. While the scheduler is down
+the server keeps serving on the map it holds.
 """
 
 from __future__ import annotations
@@ -236,7 +238,9 @@ class Agent:
                 raise
             return None
         if reply.epoch > self.service.epoch:
-            self.refresh(reply.epoch)
+            # the refresher fetches it: a report runs where the caller is (a sender, the hand-over thread, a map's
+            # actions, even inside ``refresh``), and an install from here waited on locks its caller may hold
+            self.refresh_soon(reply.epoch)
         return reply
 
     def close(self) -> None:

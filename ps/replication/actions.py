@@ -10,6 +10,10 @@ releasing its lock, in the order given:
   False goes back as ``Primary.report_refused``);
 - ``RefreshMap``: learn the map of at least this epoch before anything else of the answer that carried it;
 - ``Pause``: the sender waits this long before its next send (a simulator's clock spaces it instead).
+
+A map's actions (``Replicator.on_map``, called under the server's install and table locks) go back to the
+server, which carries them out (``Replicator.run``) once it has released those locks: a report is a call to the
+scheduler, and no RPC or wait runs under a table or install lock.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from tigana.embeddings.errors import EmbeddingError
 from tigana.proto import shard_pb2 as pb
 from tigana.ps.errors import PSError
 from tigana.ps.logs import event, slots_text
@@ -39,6 +40,7 @@ from tigana.ps.wire.cluster import BARRIER, CHANGES, SNAPSHOT_BEGIN, SNAPSHOT_EN
 log = logging.getLogger("tigana.ps.replication")
 
 Reject = tuple[int, str, "np.ndarray | None"]
+DROP_CHUNK = 16384  # rows deleted per hold of a table's write lock (~2 ms)
 
 
 class Inbound:
@@ -192,7 +194,10 @@ def apply_item(msg: Any, source: str, request_epoch: int, hosted_of: Callable[[s
                 hosted.log.advance(slots, item.lsn)
                 hosted.intake.removed(item.deletes)
             elif item.kind == SNAPSHOT_BEGIN:
-                drop_rows(hosted, slots, num_slots)
+                # The slots' old rows are deleted below, a chunk per lock hold; nothing can land in them
+                # meanwhile: this stream's later items wait for this one, the new copy's rows wait for the change
+                # lane to pass it (S11), and an older copy's rows are no longer admitted once this one began.
+                hosted.table.tombstones_unknown_before(time.time())  # the copy's rows come from elsewhere: so do removals
                 hosted.dedup.forget_slots(slots)
                 hosted.dedup.merge(item.dedup)
                 hosted.log.reset(slots, item.prev)
@@ -215,6 +220,8 @@ def apply_item(msg: Any, source: str, request_epoch: int, hosted_of: Callable[[s
                               extra=event("replication_apply_failed", slots=slots, epoch=view.epoch, source=source,
                                           table=name))
             return pb.REJECT_DIVERGED, f"table {name!r}: cannot apply item: {exc}", slots
+    if item.kind == SNAPSHOT_BEGIN and not drop_rows(hosted, slots, num_slots, lambda: hosted_of(name) is hosted):
+        return _not_served(name, table_epoch, request_epoch, view_of(), "was closed here during this item")
     return None
 
 
@@ -228,11 +235,41 @@ def _not_served(name: str, table_epoch: int, request_epoch: int, view: Any, why:
     return pb.REJECT_BEHIND, f"table {name!r} (created at epoch {table_epoch}) {why}", None
 
 
-def drop_rows(hosted: Any, slots: np.ndarray, num_slots: int) -> int:
-    """Delete every row of ``slots`` from the table (the caller holds its write lock: a SNAPSHOT_BEGIN empties
-    them before any row of the new copy lands). One pass over the table's index, not a list of every id."""
+def drop_rows(hosted: Any, slots: np.ndarray, num_slots: int, served: Callable[[], bool]) -> bool:
+    """Delete every row of ``slots`` from the table (a SNAPSHOT_BEGIN empties them before any row of the new copy
+    lands): the ids found in one pass over the table's index, deleted a chunk per hold of its write lock
+    (``delete_in_chunks``). The caller holds no lock. False: the table stopped being ``served`` (dropped or
+    closed) before every chunk was deleted."""
     mask = np.zeros(num_slots, bool)
     mask[slots] = True
-    gone = hosted.table.stored_ids_in_slots(num_slots, mask)
-    hosted.table.tombstones_unknown_before(time.time())  # the copy's rows come from elsewhere: so do removals
-    return hosted.table.delete(gone) if gone.size else 0
+    try:
+        gone = hosted.table.stored_ids_in_slots(num_slots, mask)
+    except EmbeddingError:
+        if hosted.table.closed:  # dropped, or the server stopping, since the item was applied: never DIVERGED (L4)
+            return False
+        raise
+    stopped = False
+
+    def keep(chunk: np.ndarray) -> np.ndarray | None:
+        nonlocal stopped
+        stopped = hosted.table.closed or not served()
+        return None if stopped else chunk
+
+    delete_in_chunks(hosted, gone, keep)
+    return not stopped
+
+
+def delete_in_chunks(hosted: Any, ids: np.ndarray, keep: Callable[[np.ndarray], np.ndarray | None]) -> int:
+    """Delete ``ids`` from ``hosted.table`` in chunks of ``DROP_CHUNK``, each under one hold of its write lock
+    entered through ``TableLock.yielding`` (after the pushes, pulls and change-lane items waiting for it), so a
+    large delete never holds up the writes of the slots this server still leads. ``keep(chunk)``, called under
+    the lock, gives the ids of the chunk still to delete, or None to stop. The rows deleted."""
+    deleted = 0
+    for lo in range(0, ids.size, DROP_CHUNK):
+        with hosted.lock.yielding():
+            chunk = keep(ids[lo:lo + DROP_CHUNK])
+            if chunk is None:
+                break
+            if chunk.size:
+                deleted += hosted.table.delete(chunk)
+    return deleted

@@ -1,10 +1,12 @@
 """The thread and gRPC adapter of the primary's replication core (``Primary``, in ``primary``).
 
 ``Replicator`` holds one lock (a condition) around every call into the core, carries out the actions it
-returns after releasing it, and gives the waits the server needs: a sync write's acknowledgements
-(``wait``), room in a full queue (``room``), a slot copy's window (``wait_for_room``). It owns the transport:
-a gRPC channel per stream and a sender thread per lane of it (changes, copied rows). Nothing here decides
-anything the protocol depends on.
+returns after releasing it (a map's go back to the server, which runs them once its own locks are released:
+``on_map``, ``run``), and gives the waits the server needs: a sync write's acknowledgements (``wait``), room in
+a full queue (``room``), a slot copy's window (``wait_for_room``). Neither of the last two gives up and queues
+anyway: a writer or a copy that finds no room in time fails, and the bounds hold. It owns the transport: a gRPC
+channel per stream and a sender thread per lane of it (changes, copied rows). Nothing here decides anything the
+protocol depends on.
 
 Seams for a simulator: ``clock``, and ``spawn(name, fn)`` (run ``fn`` on a thread of its own): a simulator
 passes its clock, runs what is spawned when it chooses, drives each stream's lanes with ``core.request`` and
@@ -88,6 +90,7 @@ class Replicator:
         self.refresh_map, self.report_failure, self.caught_up = refresh_map, report_failure, caught_up
         self.copy_rows = copy_rows
         self.pacer = CopyPacer(copy_rate)  # under ``cond``
+        self.copy_stall_s = 30.0  # a slot copy whose copy lane stays full this long fails (``wait_for_room``)
         self.send_timeout_s = send_timeout_s
         self.channel = channel or (lambda address, options: grpc.insecure_channel(address, options=options))
         self.clock = clock
@@ -112,7 +115,8 @@ class Replicator:
             if isinstance(a, OpenStream):
                 self._open(a.stream)
             elif isinstance(a, CloseStream):
-                link = self._links.pop(a.stream, None)
+                with self.cond:
+                    link = self._links.pop(a.stream, None)
                 if link is not None:
                     self.spawn("tigana-repl-close", link[0].close)
             elif isinstance(a, StartCopy):
@@ -148,15 +152,33 @@ class Replicator:
         channel = self.channel(s.address, channel_options(self.max_message_bytes, 30.0, 10.0, 0.1))
         call = channel.unary_unary("/tigana.v1.Shard/Replicate", request_serializer=_identity,
                                    response_deserializer=pb.ReplicateResponse.FromString)
-        self._links[s] = (channel, call)
+        with self.cond:  # a map's actions run after its install released its locks: a later map may have closed s
+            if not s.closed:
+                self._links[s] = (channel, call)
+        if s.closed:
+            channel.close()
+            return
         self.spawn(f"tigana-repl-{s.target_id[:8]}", lambda: self._send_loop(s, 0))
         self.spawn(f"tigana-copy-{s.target_id[:8]}", lambda: self._send_loop(s, 1))
 
     # --- events -------------------------------------------------------------------------------------------
     def on_map(self, m: ShardMap, me: int, tables: list[str], positions: Callable[[str, np.ndarray], np.ndarray],
-               dedup_records: Callable[[str, np.ndarray], list]) -> None:
-        """A map installed (the caller holds every table's write lock): ``Primary.on_map``."""
-        self._call(lambda: self.core.on_map(m, me, tables, positions, dedup_records, self.clock()))
+               dedup_records: Callable[[str, np.ndarray], list]) -> list[Action]:
+        """A map installed (the caller holds every table's write lock): ``Primary.on_map``. Returns its actions
+        (open or close streams, start slot copies, report failures) for the caller to ``run`` once it has
+        released every lock: a report is a call to the scheduler, whose answer may bring a newer map to install
+        (run under the install lock, it waited on that very lock: the server hung holding every table lock)."""
+        with self.cond:
+            actions = self.core.on_map(m, me, tables, positions, dedup_records, self.clock())
+            self.cond.notify_all()
+            settled = self._settle()
+        _fire(settled)
+        return actions
+
+    def run(self, actions: list[Action]) -> None:
+        """Carry out actions an event returned (``on_map``), in order. Blocking (a report is a scheduler call):
+        the caller holds no table, install or registry lock."""
+        self._do(actions)
 
     def enqueue(self, item: Item) -> list[Mark]:
         """A write applied (under its table's write lock): the marks a sync write must wait for."""
@@ -337,14 +359,21 @@ class Replicator:
                               else "") + ")")
             return "; ".join(out)
 
-    def wait_for_room(self, s: Stream, timeout_s: float = 30.0) -> None:
+    def wait_for_room(self, s: Stream, sess: Session, timeout_s: float | None = None) -> bool:
         """Block while ``s``'s copy lane holds more than ``copy_window_bytes`` unacknowledged: the export runs
         only a window ahead of what the target applied (the rows are read under the table's lock, and a window
-        bounds the memory they take while queued)."""
-        deadline = time.monotonic() + timeout_s
+        bounds the memory they take while queued). True once there is room (or the stream or ``sess`` is over:
+        nothing more is queued then); False when ``timeout_s`` (default ``copy_stall_s``) passed with the lane
+        still full: the caller fails the copy, which is started again, rather than exceed the window."""
+        deadline = time.monotonic() + (self.copy_stall_s if timeout_s is None else timeout_s)
         with self.cond:
-            while not s.closed and s.copy_bytes > self.core.copy_window_bytes and time.monotonic() < deadline:
-                self.cond.wait(0.05)
+            while s.copy_bytes > self.core.copy_window_bytes and self.core.session_active(s, sess) \
+                    and not self.core.closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.cond.wait(min(left, 0.05))
+        return True
 
     def pace(self, sess: Session, item: Item) -> None:
         """After a chunk of a paced slot copy was queued: wait as long as the server's copy rate asks

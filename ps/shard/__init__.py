@@ -23,9 +23,12 @@ wait until every in-sync copy applied it (invariant I1 of ``replication``), and 
 slots' copies did not change meanwhile (otherwise the client retries and the retry is answered as a
 duplicate once the copies of the new map have it).
 
-Thread-safety: handlers run on gRPC's thread pool. Each table has a write lock (``_Hosted.lock``) held for
-check-apply-record-enqueue; ``install`` takes all of them (in name order) after the install lock; the
-registry lock serializes create/drop/restore.
+Thread-safety: handlers run on gRPC's thread pool, except ``Replicate`` and ``InstallMap``, which run on a
+control pool of their own (a unary sync push waiting for its copies holds a thread of the first). Each table
+has a write lock (``_Hosted.lock``) held for check-apply-record-enqueue; ``install`` takes all of them (in name
+order) after the install lock; the registry lock serializes create/drop/restore. No RPC and no wait runs under
+a table or install lock: a map's replication actions (reports to the scheduler among them) run once they are
+released.
 
 One room per concept, assembled into the one class ``ShardService`` (each room a mixin over the fields
 declared in ``_fields``):

@@ -63,6 +63,7 @@ class ShardFields:
     _streams: int
     _streams_lock: threading.Lock
     _frame_pool: futures.ThreadPoolExecutor
+    _control_pool: futures.ThreadPoolExecutor
     _view: _View
     replicator: Replicator | None
 
@@ -82,4 +83,5 @@ class ShardFields:
         def _replicate(self, hosted: _Hosted, view: _View, changes: Changes | None, slots: np.ndarray | None,
                        key: tuple[str, int, np.ndarray] | None) -> list: ...
         def _check_unmoved(self, table: str, view: _View, slots: np.ndarray) -> None: ...
+        def _wait_for_room(self, table: str, timeout_s: float | None = None) -> None: ...
         def _save_registry(self, without: str | None = None) -> None: ...

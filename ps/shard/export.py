@@ -202,11 +202,17 @@ class Exports(ShardFields):
     @_rpc("ImportRows")
     def ImportRows(self, request: pb.ImportRowsRequest, context: grpc.ServicerContext) -> pb.ImportRowsResponse:
         """Write complete rows (a restore) through this primary: replicated to the slots' copies like a push."""
+        return self._import_rows(request, context.time_remaining())
+
+    def _import_rows(self, request: pb.ImportRowsRequest, timeout_s: float | None = None) -> pb.ImportRowsResponse:
+        """``ImportRows`` (``timeout_s``: what is left of its deadline, for the wait for room in the replication
+        queue)."""
         name = request.table
         hosted = self._get(name)
         rows = cluster_wire.rows_from_pb(request.rows, dim=hosted.table.dim, state_width=hosted.table.state_width,
                                          table=name)
         self._check_rows(name, len(rows))
+        self._wait_for_room(name, timeout_s)
         with hosted.lock:
             view, slots = self._check_leads(name, rows.ids, request.epoch)
             uslots = unique(slots)

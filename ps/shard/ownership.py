@@ -4,7 +4,9 @@ dropped, slots no longer held forgotten, replication streams started or stopped)
 primary role in a planned move, the links to the scheduler (the daemon's agent) and periodic upkeep.
 
 ``install`` applies a map under the install lock, the registry lock and every table's write lock (in name
-order), so a request is checked and applied against one map.
+order), so a request is checked and applied against one map. What the replication core asks for in return
+(streams, slot copies, reports to the scheduler) is carried out after every one of those locks is released:
+no RPC and no wait runs under a table or install lock.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tigana.ps.background import DROP_THREAD, start_thread
 from tigana.ps.errors import InvalidArgument, Unavailable, WrongShard
 from tigana.ps.logs import event, slots_text
 from tigana.ps.replication import NO_POSITION
+from tigana.ps.replication.apply import delete_in_chunks
 from tigana.ps.routing import ShardMap, format_slots, slot_of
 from tigana.ps.shard._fields import ShardFields
 
@@ -32,7 +35,7 @@ if TYPE_CHECKING:
     from tigana.ps.shard.hosted import _Hosted
 
 log = logging.getLogger("tigana.ps.server")  # one logger for the whole shard server
-_COPY_CHUNK = 16384  # rows per SNAPSHOT_ROWS item of a slot copy (and per lock hold of a drop: ~2 ms)
+_COPY_CHUNK = 16384  # rows per SNAPSHOT_ROWS item of a slot copy
 _RATE_HALF_LIFE_S = 10.0
 
 
@@ -158,6 +161,7 @@ class Ownership(ShardFields):
         held forgotten, replication streams and slot copies started or stopped. False when not newer."""
         if m.num_slots != self.num_slots:
             raise InvalidArgument(f"shard map: {m.num_slots} slots, this server runs with {self.num_slots}")
+        actions: list = []  # the replicator's, run once every lock below is released
         with self._install_lock:
             old = self._view
             if m.epoch <= old.epoch:
@@ -181,9 +185,7 @@ class Ownership(ShardFields):
                             h.dedup.forget_slots(dropped)
                         h.table.set_evictable(self._leads_ids)  # the led slots changed: recount
                     if self.replicator is not None:
-                        self.replicator.on_map(m, me if valid else -1, [n for n, _ in hosted_all],
-                                               lambda name, slots: self._tables[name].log.positions[slots].copy(),
-                                               lambda name, slots: self._tables[name].dedup.records_for(slots))
+                        actions = self._replication_map(m, me if valid else -1, hosted_all)
                 finally:
                     for _, h in reversed(hosted_all):
                         h.lock.release()
@@ -192,6 +194,7 @@ class Ownership(ShardFields):
                         self._save_registry()
                     except StorageError as exc:  # a cache of the map's tables: written again at the next change
                         log.warning("saving the table registry failed: %s", exc)
+        self._run_replication(actions)
         if new.valid and not down and (not old.valid or dropped.size):
             self._request_drop()
         if new.fenced.any():
@@ -282,16 +285,14 @@ class Ownership(ShardFields):
         with hosted.lock:  # no slot copy builds a copy the map removed from here (``replication.intake``)
             hosted.intake.drop(np.flatnonzero(~self._view.holds))
         gone = hosted.table.stored_ids_in_slots(self.num_slots, ~self._view.holds)
-        deleted = 0
-        for lo in range(0, gone.size, _COPY_CHUNK):
-            chunk = gone[lo:lo + _COPY_CHUNK]
-            with hosted.lock.yielding():  # after the pushes waiting for the lock
-                view = self._view
-                if not view.valid or self._tables.get(name) is not hosted:
-                    break
-                chunk = chunk[~view.holds[slot_of(chunk, self.num_slots)]]  # not taken back meanwhile
-                if chunk.size:
-                    deleted += hosted.table.delete(chunk)
+
+        def keep(chunk: np.ndarray) -> np.ndarray | None:
+            view = self._view
+            if not view.valid or self._tables.get(name) is not hosted:
+                return None
+            return chunk[~view.holds[slot_of(chunk, self.num_slots)]]  # not taken back meanwhile
+
+        deleted = delete_in_chunks(hosted, gone, keep)  # a chunk per lock hold, after the pushes waiting for it
         if deleted:
             view = self._view
             slots = unique(slot_of(gone, self.num_slots))
@@ -327,12 +328,26 @@ class Ownership(ShardFields):
             for _, h in hosted_all:
                 h.lock.acquire()
             try:
-                self.replicator.on_map(view.map, view.me if view.valid else -1, [n for n, _ in hosted_all],
-                                       lambda name, slots: self._tables[name].log.positions[slots].copy(),
-                                       lambda name, slots: self._tables[name].dedup.records_for(slots))
+                actions = self._replication_map(view.map, view.me if view.valid else -1, hosted_all)
             finally:
                 for _, h in reversed(hosted_all):
                     h.lock.release()
+        self._run_replication(actions)
+
+    def _replication_map(self, m: ShardMap, me: int, hosted_all: list[tuple[str, _Hosted]]) -> list:
+        """``Replicator.on_map`` (the caller holds the install lock and every table's write lock): the actions
+        it returns, for ``_run_replication`` once those locks are released."""
+        assert self.replicator is not None
+        return self.replicator.on_map(m, me, [n for n, _ in hosted_all],
+                                      lambda name, slots: self._tables[name].log.positions[slots].copy(),
+                                      lambda name, slots: self._tables[name].dedup.records_for(slots))
+
+    def _run_replication(self, actions: list) -> None:
+        """Carry out a map's replication actions (streams opened or closed, slot copies started, failures
+        reported to the scheduler) with no table, registry or install lock held: no scheduler call, and no
+        install its answer may bring, ever waits under them."""
+        if actions and self.replicator is not None:
+            self.replicator.run(actions)
 
     # --- links to the scheduler (the daemon's agent) ------------------------------------------------------
     def _refresh(self, epoch: int, wait_s: float = 0.0) -> None:

@@ -94,6 +94,11 @@ class ShardService(Ownership, Writes, Exports, Cuts, Persistence, Hosting, shard
         self._streams_lock = threading.Lock()
         self._frame_pool = futures.ThreadPoolExecutor(max_workers=config.max_workers,
                                                       thread_name_prefix="tigana-frame")
+        # ``Replicate`` and ``InstallMap`` run here, not on the gRPC server's pool (``add_to_server``): a unary
+        # sync push or ``ImportRows`` holds a thread of that pool while it waits for its copies, and a paused
+        # copy could then hold every one of them, starving the replication and the maps into this server.
+        self._control_pool = futures.ThreadPoolExecutor(max_workers=config.max_workers,
+                                                        thread_name_prefix="tigana-control")
         if self.clustered:
             self._view = _View.waiting(self.num_slots)
             self.replicator: Replicator | None = Replicator(
@@ -165,20 +170,20 @@ class ShardService(Ownership, Writes, Exports, Cuts, Persistence, Hosting, shard
 
     @_rpc("Pull")
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullResponse:
-        _, rows, codec = self._pull(request)
+        _, rows, codec = self._pull(request, context.time_remaining())
         return pb.PullResponse(rows=wire.encode_rows(rows, codec))
 
     @_rpc("Pull")
     def pull_serialized(self, request: pb.PullRequest, context: grpc.ServicerContext) -> bytes:
         """``Pull`` answering the serialized ``PullResponse`` (written in one copy by ``wire``), for the
         bytes response serializer ``add_to_server`` registers."""
-        _, rows, codec = self._pull(request)
+        _, rows, codec = self._pull(request, context.time_remaining())
         return wire.encode_pull_response(rows, codec)
 
     @_rpc("Push")
     def Push(self, request: pb.PushRequest | wire.RawPush, context: grpc.ServicerContext) -> pb.PushResponse:
         """Apply a gradient block; ``request`` is the protobuf message or ``wire.decode_push_request``'s views."""
-        return self._push(request)
+        return self._push(request, context.time_remaining())
 
     def Exchange(self, requests: Any, context: grpc.ServicerContext) -> Any:
         """The streaming data path: this client's pulls and pushes as frames of one stream (``streams``)."""
@@ -210,13 +215,14 @@ class ShardService(Ownership, Writes, Exports, Cuts, Persistence, Hosting, shard
         method = frames.KINDS[frame.kind]
         rpc.check(frame.request)
         check_serving(self, method)
-        if frame.timeout_ms and time.monotonic() - received > frame.timeout_ms / 1000:
+        left = frame.timeout_ms / 1000 - (time.monotonic() - received) if frame.timeout_ms else None
+        if left is not None and left < 0:
             raise DeadlineExceeded(f"table {frame.request.table!r}: {method} frame waited past its "
                                    f"deadline ({frame.timeout_ms} ms) before it was handled; not applied")
         if frame.kind == frames.PULL:
-            _, rows, codec = self._pull(frame.request)
+            _, rows, codec = self._pull(frame.request, left)
             return frames.pull_answer(frame.id, rows, codec)
-        pushed = self._push_apply(frame.request)
+        pushed = self._push_apply(frame.request, left)
         if not pushed.marks or self.replicator is None:
             return frames.push_answer(frame.id, self._push_ack(pushed, self.config.ack_timeout_s))
         replicator = self.replicator
@@ -293,6 +299,7 @@ class ShardService(Ownership, Writes, Exports, Cuts, Persistence, Hosting, shard
 
     def close_tables(self) -> None:
         self._frame_pool.shutdown(wait=False, cancel_futures=True)
+        self._control_pool.shutdown(wait=False, cancel_futures=True)
         if self.replicator is not None:
             self.replicator.close()
         with self._registry_lock:
@@ -309,11 +316,25 @@ def add_to_server(service: ShardService, server: grpc.Server) -> None:
     """Register ``service`` on ``server`` (every method of proto/shard.proto), with the data path's own
     (de)serializers: Push requests parsed into zero-copy views (``wire.decode_push_request``), Pull replies
     written as bytes in one copy (``ShardService.pull_serialized``), replication streams decoded as views.
-    A request that does not parse answers INVALID_ARGUMENT (``rpc.register``)."""
+    A request that does not parse answers INVALID_ARGUMENT (``rpc.register``). ``Replicate`` and
+    ``InstallMap`` run on the service's control pool, apart from the data path's (``_on_control_pool``)."""
     rpc.register(server, pb.DESCRIPTOR.services_by_name["Shard"], service, {
         "Pull": (service.pull_serialized, pb.PullRequest.FromString, wire.identity),
         "Push": (service.Push, wire.decode_push_request, pb.PushResponse.SerializeToString),
         "Exchange": (service.Exchange, frames.read_request, wire.identity),
-        "Replicate": (service.Replicate, cluster_wire.decode_replicate_request,
+        "Replicate": (_on_control_pool(service, service.Replicate), cluster_wire.decode_replicate_request,
                       pb.ReplicateResponse.SerializeToString),
+        "InstallMap": (_on_control_pool(service, service.InstallMap), pb.InstallMapRequest.FromString,
+                       pb.InstallMapResponse.SerializeToString),
     })
+
+
+def _on_control_pool(service: ShardService, handler: Callable[[Any, grpc.ServicerContext], Any]
+                     ) -> Callable[[Any, grpc.ServicerContext], Any]:
+    """``handler``, run by gRPC on ``service``'s control pool instead of the server's thread pool (gRPC's
+    per-method pool: a handler's ``experimental_thread_pool``; ``tests/ps/test_shard_pools.py`` holds it)."""
+    def run(request: Any, context: grpc.ServicerContext) -> Any:
+        return handler(request, context)
+
+    run.experimental_thread_pool = service._control_pool  # type: ignore[attr-defined]
+    return run

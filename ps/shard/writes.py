@@ -52,8 +52,9 @@ class _Pushed:
 class Writes(ShardFields):
     """Pulls, pushes and their replication (a room of ``ShardService``)."""
 
-    def _pull(self, request: pb.PullRequest) -> tuple[str, np.ndarray, int]:
-        """Validate a pull and read its rows: (table, (n, dim) float32 rows, reply codec)."""
+    def _pull(self, request: pb.PullRequest, timeout_s: float | None = None) -> tuple[str, np.ndarray, int]:
+        """Validate a pull and read its rows: (table, (n, dim) float32 rows, reply codec). ``timeout_s``: what is
+        left of the request's deadline (None: unknown)."""
         name = request.table
         hosted = self._get(name)
         raw_ids = request.ids  # protobuf copies a bytes field on every access: read it once
@@ -67,6 +68,8 @@ class Writes(ShardFields):
             raise ResourceExhausted(f"table {name!r}: field 'ids' asks for {len(ids)} rows, {reply_bytes} bytes "
                                     f"as a reply, above the message limit of {self.config.max_message_bytes}; "
                                     "split the pull")
+        if not request.read_only:  # it may insert: its rows go to the copies
+            self._wait_for_room(name, timeout_s)
         with hosted.lock:
             view, slots = self._check_leads(name, ids, request.epoch)
             if request.read_only:
@@ -86,12 +89,14 @@ class Writes(ShardFields):
         self.metrics.labelled(self.metrics.row_bytes_wire, "Pull").inc(reply_bytes)
         return name, rows, codec
 
-    def _push(self, request: pb.PushRequest | wire.RawPush) -> pb.PushResponse:
+    def _push(self, request: pb.PushRequest | wire.RawPush, timeout_s: float | None = None) -> pb.PushResponse:
         """A push: applied (or found a duplicate) under the table's lock, then, for a sync table, acknowledged
         once its in-sync copies have it (``_push_apply`` then ``_push_ack``; a simulator drives the two)."""
-        return self._push_ack(self._push_apply(request), self.config.ack_timeout_s)
+        return self._push_ack(self._push_apply(request, timeout_s), self.config.ack_timeout_s)
 
-    def _push_apply(self, request: pb.PushRequest | wire.RawPush) -> _Pushed:
+    def _push_apply(self, request: pb.PushRequest | wire.RawPush, timeout_s: float | None = None) -> _Pushed:
+        """Check and apply a push under its table's lock (``timeout_s``: what is left of its deadline, for the
+        wait for room in the replication queue)."""
         name = request.table
         hosted = self._get(name)
         raw_ids = request.ids  # protobuf copies a bytes field on every access: read each once
@@ -113,7 +118,7 @@ class Writes(ShardFields):
         self.metrics.labelled(self.metrics.row_bytes_raw, "Push").inc(len(ids) * dim * 4)
         self.metrics.labelled(self.metrics.row_bytes_wire, "Push").inc(nbytes + memoryview(scales).nbytes)
         cid, seq = request.client_id, request.seq
-        self._wait_for_room(name)
+        self._wait_for_room(name, timeout_s)
         with hosted.lock:
             view, slots = self._check_leads(name, ids, epoch)  # under the lock: the map the apply sees
             uslots = unique(slots)
@@ -130,20 +135,26 @@ class Writes(ShardFields):
                         f"table {name!r}: slot {s} has {int(view.in_sync[s])} in-sync cop(ies), the table's "
                         f"min_copies is {hosted.spec.min_copies}; push rejected, nothing applied", epoch=view.epoch)
             done = hosted.dedup.applied(cid, seq, uslots)
+            part = uslots  # every slot of the part: the acknowledgement is for all of them
             if done.all():
                 applied, duplicate = 0, True
                 marks = self.replicator.tail_marks(uslots) if self.replicator is not None and sync else []
             else:
-                if done.any():  # a retried push split differently: apply only the slots not applied yet
+                # A retried push split differently: apply only the slots not applied yet, and wait for the
+                # copies of the others too (their first attempt may still be on its way to a copy).
+                earlier: list = []
+                if done.any():
+                    if self.replicator is not None and sync:
+                        earlier = self.replicator.tail_marks(uslots[done])
                     keep = ~np.isin(slots, uslots[done])
                     ids, grads, slots, uslots = ids[keep], grads[keep], slots[keep], uslots[~done]
                 changes = Changes() if self.replicator is not None and self.replicator.streams else None
                 applied = hosted.table.push(ids, grads, changes=changes)
                 hosted.dedup.record(cid, seq, uslots)
-                marks = self._replicate(hosted, view, changes, uslots, (cid, seq, uslots))
+                marks = earlier + self._replicate(hosted, view, changes, uslots, (cid, seq, uslots))
                 duplicate = False
             hosted.pushed += np.bincount(slots, minlength=self.num_slots)
-        return _Pushed(name, view, uslots, marks if sync else [], sync, int(applied), duplicate, len(ids))
+        return _Pushed(name, view, part, marks if sync else [], sync, int(applied), duplicate, len(ids))
 
     def _push_ack(self, p: _Pushed, timeout_s: float) -> pb.PushResponse:
         """Wait (up to ``timeout_s``) until the copies the push waits for have it (I1), then answer."""
@@ -175,12 +186,16 @@ class Writes(ShardFields):
         return pb.PushResponse(applied_rows=int(applied), duplicate=duplicate, epoch=now.epoch,
                                under_replicated=under)
 
-    def _wait_for_room(self, table: str) -> None:
-        """Back-pressure on writers: wait while a replication stream holds more than ``max_queue_bytes``
-        unacknowledged (``Unavailable``, retryable, when it stays so), before anything is applied."""
+    def _wait_for_room(self, table: str, timeout_s: float | None = None) -> None:
+        """Back-pressure on every writer that enqueues to the copies (pushes, pulls that may insert,
+        ``ImportRows``): wait, up to ``timeout_s`` (the request's deadline; at most ``ack_timeout_s``), while a
+        replication stream holds more than ``max_queue_bytes`` unacknowledged, before the table's lock is
+        taken; ``Unavailable`` (retryable, nothing applied) when it stays so. Nothing queues past the bound
+        without having waited for room."""
         if self.replicator is None or not self.replicator.streams:
             return
-        full = self.replicator.room(None, self.config.ack_timeout_s)
+        wait = self.config.ack_timeout_s if timeout_s is None else max(0.0, min(timeout_s, self.config.ack_timeout_s))
+        full = self.replicator.room(None, wait)
         if full is not None:
             raise Unavailable(f"table {table!r}: replication to {full.target_id} is {full.queued_bytes} bytes "
                               f"behind (more than max_queue_bytes); nothing applied, retry", epoch=self._view.epoch)
@@ -257,7 +272,10 @@ class Writes(ShardFields):
             ids = sorted_unique(hosted.table.stored_ids_in_slots(self.num_slots, want))
             sess.rows_total += int(ids.size)  # progress of the copy (heartbeats carry it to the scheduler)
             for start in range(0, ids.shape[0], _COPY_CHUNK):
-                self.replicator.wait_for_room(stream)
+                if not self.replicator.wait_for_room(stream, sess):
+                    raise Unavailable(f"table {name!r}: slot copy to {stream.target_id}: its copy lane stayed over "
+                                      f"the window for {self.replicator.copy_stall_s}s (the target applies nothing); "
+                                      "the copy is started again")
                 chunk = ids[start:start + _COPY_CHUNK]
                 with hosted.lock.yielding():  # after the pushes waiting for the lock
                     rows = hosted.table.rows_of(chunk)  # the chunk is sorted and unique: no second sort

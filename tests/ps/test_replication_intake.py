@@ -20,6 +20,7 @@ from tigana.embeddings import SGD, EmbeddingTable, RowBatch, TableConfig, Zeros
 from tigana.proto import shard_pb2 as pb
 from tigana.ps.dedup import DedupWindow
 from tigana.ps.replication import CopyIntake, Inbound, SlotLog, apply_item, copy_lane_ready
+from tigana.ps.replication.apply import DROP_CHUNK
 from tigana.ps.routing import CATCHING_UP, NO_SERVER, ServerEntry, ShardMap, TableDef, slot_of
 from tigana.ps.shard.hosted import _Hosted
 from tigana.ps.wire import cluster as cluster_wire
@@ -234,3 +235,45 @@ def test_an_item_that_waited_while_its_table_was_dropped_is_moot_never_diverged(
     assert waited
     assert reply.reject == pb.REJECT_BEHIND and not reply.slots and reply.applied_through == 0, reply
     assert "closed here" in reply.message
+
+
+def test_snapshot_begin_empties_a_large_slot_a_chunk_per_lock_hold_and_a_pull_is_served_meanwhile() -> None:
+    """``SNAPSHOT_BEGIN`` on a copy emptied its slots with one delete under one hold of the table's lock, every
+    pull and push of the slots it leads waiting behind it. It goes through the chunked drop (``DROP_CHUNK`` rows
+    per hold, entered after the data-path callers waiting): a pull that comes during the first chunk is served
+    before the last, and every row of the slot is gone before the item is acknowledged."""
+    t = _Target()
+    ids = np.arange(800_000, dtype=np.int64)
+    big = ids[slot_of(ids, SLOTS) == 2][:4 * DROP_CHUNK]
+    other = ids[slot_of(ids, SLOTS) == 6][:10]
+    t.hosted.table.import_rows(_rows(big.tolist(), 1.0))
+    t.hosted.table.import_rows(_rows(other.tolist(), 3.0))
+    calls: list[int] = []
+    served: list[int] = []
+    real_delete = t.hosted.table.delete
+
+    def pull() -> None:
+        with t.hosted.lock:  # a pull's hold (of a slot this server leads), as ``Writes._pull`` takes it
+            served.append(len(calls))
+            np.testing.assert_array_equal(t.hosted.table.pull(other, insert=False), np.full((10, 2), 3.0))
+
+    puller = threading.Thread(target=pull)
+
+    def delete(chunk: np.ndarray) -> int:
+        calls.append(int(chunk.size))
+        if len(calls) == 1:  # the pull comes while the first chunk is deleted, the lock held
+            puller.start()
+            deadline = time.monotonic() + 10
+            while not t.hosted.lock.waiting and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert t.hosted.lock.waiting == 1
+        return real_delete(chunk)
+
+    t.hosted.table.delete = delete
+    begin = Item(SNAPSHOT_BEGIN, "t", _slots(2), prev=np.zeros((1, 2), np.uint64), copy_id=1, table_epoch=1)
+    assert t.send(0, 1, [begin]).applied_through == 1
+    puller.join(10)
+    # served between two chunks (after the first, as a rule: a loaded machine may let the next one go first)
+    assert len(served) == 1 and served[0] < len(calls), f"the pull was served after delete call {served} of {calls}"
+    assert len(calls) == 4 and max(calls) <= DROP_CHUNK and sum(calls) == big.size
+    assert not t.contains(big).any() and t.contains(other).all()
