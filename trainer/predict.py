@@ -41,12 +41,12 @@ class _ServedRows:
     def __init__(self) -> None:
         self.lookup: Lookup | None = None
 
-    def pull(self, table: str, ids: Any, *, insert: bool = True) -> np.ndarray:
+    def pull(self, table: str, ids: Any, *, insert: bool = True, unseen: str | None = None) -> np.ndarray:
         assert self.lookup is not None, "a prediction sets the lookup first"
         return self.lookup(table, np.ascontiguousarray(ids, np.int64))
 
     def pull_many(self, tables: Sequence[str], ids: Sequence[Any], *, insert: bool = True,
-                  unique: bool = False) -> list[cf.Future]:
+                  unique: bool = False, unseen: str | None = None) -> list[cf.Future]:
         out = []
         for table, part in zip(tables, ids, strict=True):
             fut: cf.Future = cf.Future()
