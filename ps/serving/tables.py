@@ -34,7 +34,7 @@ Initial = Callable[[np.ndarray], np.ndarray]
 """(k,) int64 ids -> (k, dim) float32: the rows a table's initializer gives them (``unseen`` initial)."""
 
 
-def default_policy(text: str | float) -> Policy:
+def default_policy(text: str | float) -> Unseen | str:
     """``--unseen``: ``zeros``, ``initial``, a number (``tigana.embeddings.unseen``), or ``mean``."""
     if text == "mean":
         return "mean"
@@ -69,9 +69,13 @@ class TableState:
     initial: Initial | None = None  # the table's initializer's rows (``unseen`` initial needs them)
 
     @classmethod
-    def build(cls, table: str, ids: np.ndarray, rows: np.ndarray, policy: Policy, **meta: Any) -> TableState:
-        """A state with no overlay (a full load or a fold), its default row computed from ``rows``."""
+    def build(cls, table: str, ids: np.ndarray, rows: np.ndarray, policy: Policy | float, **meta: Any
+              ) -> TableState:
+        """A state with no overlay (a full load or a fold), its default row computed from ``rows``. ``policy``:
+        a ``Policy``, or the text or number ``default_policy`` reads as one."""
         dim = rows.shape[1]
+        if not isinstance(policy, Unseen) and policy != "mean":
+            policy = default_policy(policy)
         if isinstance(policy, Unseen):
             if policy.value is None and meta.get("initial") is None:
                 raise InvalidArgument(f"table {table!r}: unseen 'initial' needs the table's initializer (a model's "
@@ -180,9 +184,11 @@ class LogFollower(Follower):
     """Keeps ``state`` (a ``TableState`` or None) up to date with the export log in ``source`` (see
     ``Follower``)."""
 
-    def __init__(self, source: str | Path, policy: Policy, *, verify: bool = True,
+    def __init__(self, source: str | Path, policy: Policy | float, *, verify: bool = True,
                  on_swap: Any = None, initial: Initial | None = None) -> None:
         super().__init__()
+        if not isinstance(policy, Unseen) and policy != "mean":
+            policy = default_policy(policy)
         self.source, self.policy, self.verify, self.on_swap = Path(source), policy, verify, on_swap
         self.initial = initial
         self.state: TableState | None = None
