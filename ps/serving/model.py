@@ -46,7 +46,7 @@ from tigana.ps.serving.tables import Follower, Initial, LogFollower, Policy, Tab
 log = logging.getLogger("tigana.ps.serving")
 
 Lookup = Callable[[str, np.ndarray], np.ndarray]
-"""(table, (n,) int64 ids) -> (n, dim) float32 rows of a served table (unknown ids: the default row)."""
+"""(table, (n,) int64 ids) -> (n, dim) float32 rows of a served table (unknown ids: as its unseen policy says)."""
 
 
 class Scorer(Protocol):
