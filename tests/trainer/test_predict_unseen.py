@@ -119,6 +119,7 @@ def test_served_scores_equal_the_trainers_evaluation_with_unseen_ids(cluster, tm
             while serving.info().version < newest["version"]:
                 assert time.monotonic() < deadline, "the newest version never went live"
                 time.sleep(0.02)
+            assert serving.info().default_row == "zeros"  # the model's policy, as Info reports it
             unseen = _rows_with_unseen(serving, client, spec, held)
             assert unseen.sum() >= 50 and (~unseen).sum() >= 50, unseen.mean()  # rows with and without a new id
             served, _ = serving.predict(*_raw(held))
@@ -146,6 +147,7 @@ def test_served_scores_equal_the_trainers_evaluation_with_unseen_ids(cluster, tm
                 while initial.info().version < newest["version"]:
                     assert time.monotonic() < deadline, "the newest version never went live"
                     time.sleep(0.02)
+                assert initial.info().default_row == "initial"
                 served_initial, _ = initial.predict(*_raw(held))
             want = _evaluation_scores(client, spec, dense_file, held, "initial")
             np.testing.assert_allclose(served_initial, want, rtol=0, atol=2e-6)
