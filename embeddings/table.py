@@ -40,6 +40,7 @@ from tigana.embeddings.partitioned import PartitionedIndex
 from tigana.embeddings.rows import RowBatch
 from tigana.embeddings.slab import Slab, from_float32, to_float32
 from tigana.embeddings.tombstones import Tombstones
+from tigana.embeddings.unseen import Unseen
 
 _log = logging.getLogger(__name__)
 
@@ -98,12 +99,16 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
             self._open_spill()
 
     # --- pull / push ---------------------------------------------------------------------------------------
-    def pull(self, ids: np.ndarray, *, insert: bool = True, changes: Changes | None = None) -> np.ndarray:
+    def pull(self, ids: np.ndarray, *, insert: bool = True, changes: Changes | None = None,
+             unseen: Unseen | None = None) -> np.ndarray:
         """(n,) int64 ids (any values, duplicates allowed) -> (n, dim) float32 rows in the order of ids.
 
-        Missing ids are inserted (subject to admission) with their deterministic initial row; with
-        ``insert=False``, or when not admitted, they read as that row without being stored (and without
-        counting a sighting). ``changes`` records what the call changed (inserts, sightings, evictions)."""
+        Missing ids are inserted (subject to admission) with their deterministic initial row; when not
+        admitted they read as that row without being stored. With ``insert=False`` (a read-only pull) they
+        are not stored and count no sighting, and read as ``unseen`` says (``tigana.embeddings.unseen``;
+        None: their initial row). ``changes`` records what the call changed (inserts, sightings, evictions)."""
+        absent = self._initial if insert or unseen is None else \
+            (lambda missing: unseen.rows(missing, self.dim, self._initial))
         ids = self._check_ids(ids)
         with self._lock, self._recording(changes):
             self._check_open()
@@ -126,14 +131,14 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
                     out[got] = self._slab.read_weights(positions[got])
                     self._slab.stamp_access(positions[got], self._clock)
                     none = miss[positions[miss] < 0]
-                    out[none] = self._initial(ids[none])
+                    out[none] = absent(ids[none])
             if not gathered:
                 have = positions >= 0
                 out[have] = self._slab.read_weights(positions[have])
                 self._slab.stamp_access(positions[have], self._clock)
                 if misses:
                     none = ~have
-                    out[none] = self._initial(ids[none])
+                    out[none] = absent(ids[none])
             cap = self.config.eviction.max_rows
             if misses and cap is not None and len(self) - self._protected > cap:  # inserts may pass the cap
                 self._upkeep(lambda: self._evict(ttl=False))

@@ -201,18 +201,20 @@ class ListTablesResponse(_message.Message):
     def __init__(self, tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("table", "ids", "codec", "epoch", "read_only")
+    __slots__ = ("table", "ids", "codec", "epoch", "read_only", "unseen")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     READ_ONLY_FIELD_NUMBER: _ClassVar[int]
+    UNSEEN_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: bytes
     codec: Codec
     epoch: int
     read_only: bool
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., codec: _Optional[_Union[Codec, str]] = ..., epoch: _Optional[int] = ..., read_only: _Optional[bool] = ...) -> None: ...
+    unseen: str
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., codec: _Optional[_Union[Codec, str]] = ..., epoch: _Optional[int] = ..., read_only: _Optional[bool] = ..., unseen: _Optional[str] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("rows",)

@@ -23,6 +23,7 @@ from tigana.embeddings.config import (
     Uniform,
     Zeros,
 )
+from tigana.embeddings.unseen import Unseen
 from tigana.ps.client import Client, ClientConfig, Compression, TableInfo, connect
 from tigana.ps.config import ServerConfig, load_server_config, parse_bytes
 from tigana.ps.daemon import ServerHandle, start_server
@@ -53,7 +54,7 @@ __all__ = [
     "InvalidArgument", "Normal", "NotEnoughReplicas", "PSError", "PermissionDenied", "PushExpired",
     "ResourceExhausted", "Unauthenticated", "UnknownClient",
     "RowWiseAdagrad", "TableExists",
-    "TableNotFound", "Unavailable", "Uniform", "WrongShard", "Zeros",
+    "TableNotFound", "Unavailable", "Uniform", "Unseen", "WrongShard", "Zeros",
     "Client", "ClientConfig", "Compression", "TableInfo", "connect",
     "LocalCluster", "LocalEtcd", "ServerConfig", "ServerHandle", "load_server_config", "parse_bytes", "start_server",
     "SchedulerConfig", "SchedulerHandle", "Security", "ShardMap", "TableDef", "start_scheduler",

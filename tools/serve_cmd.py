@@ -7,7 +7,7 @@ extra: torch). The rest of this text is about ``--from``, which works the same w
 It follows the export log that ``tigana admin export TABLE --follow --out DIR`` writes (``tigana.ps.serving.exportlog``):
 loads the latest full export, applies deltas as they appear, and answers ``tigana.v1.Serving/Lookup`` (ids as
 packed int64, rows as packed float32) with gRPC health (SERVING once the first full export is loaded). Unknown
-ids get the ``--default`` row. TLS and tokens take the flags of ``tigana server`` or their ``TIGANA_*`` variables
+ids read as ``--unseen`` says. TLS and tokens take the flags of ``tigana server`` or their ``TIGANA_*`` variables
 (either token file's tokens may look up); ``--metrics-port`` serves Prometheus metrics. SIGTERM or Ctrl-C: health NOT_SERVING, RPCs in
 flight finish, exit 0. The design is in ``tigana.ps.serving``.
 """
@@ -44,8 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     a("--poll", dest="poll_s", type=float, default=ServeConfig.poll_s,
       help="seconds between polls of the log's manifest")
-    a("--default", default="zeros",
-      help="the row of an id the table does not hold: zeros, mean (the mean row), or a number for every element")
+    a("--unseen", "--default", dest="unseen", default="",
+      help="the row of an id the table does not hold, the row the trainer's evaluation reads for it: zeros, "
+           "initial (its initializer's row; --model), a number for every element, or mean (the mean row; --from) "
+           "(default: the model's own setting, else zeros)")
     a("--max-ids", type=int, default=ServeConfig.max_ids, help="ids in one lookup at most")
     a("--max-rows", type=int, default=ServeConfig.max_rows, help="feature rows in one prediction at most")
     a("--canary", default=ServeConfig.canary,
@@ -85,8 +87,9 @@ def run(args: argparse.Namespace) -> int:
         metrics = f", metrics on :{handle.metrics_port}" if handle.metrics_port else ""
         tls = ", TLS" if handle.security.tls else ""
         what = f"the model in {config.model}" if config.model else config.source
-        say(args, f"tigana serve: listening on {handle.address}{tls}, following {what} (default row "
-              f"{args.default}{metrics}); SERVING once {'it is' if config.model else 'a full export is'} loaded")
+        unseen = config.unseen or ("as the model says" if config.model else "zeros")
+        say(args, f"tigana serve: listening on {handle.address}{tls}, following {what} (unseen ids: {unseen}"
+              f"{metrics}); SERVING once {'it is' if config.model else 'a full export is'} loaded")
         stop.wait()
         say(args, f"tigana serve: {stop.name}, stopping")
     finally:
@@ -96,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-_FLAGS = ("source", "model", "host", "port", "poll_s", "default", "max_ids", "max_rows", "canary", "max_auc_drop",
+_FLAGS = ("source", "model", "host", "port", "poll_s", "unseen", "max_ids", "max_rows", "canary", "max_auc_drop",
           "keep_versions", "verify", *ENV_FIELDS)
 
 

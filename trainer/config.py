@@ -80,6 +80,7 @@ class TrainConfig:
     cache_rows: int = 0                     # hot rows cached in each trainer per PS table (0: no cache)
     cache_max_age: int | None = None        # steps a cached row may serve (None: bounded by staleness only)
     cache_policy: str = "lfu"               # which cached rows a full cache evicts: lfu | lru
+    unseen: str = "zeros"                   # evaluation's row of an id the tables lack: zeros | initial | a number
     publish_dir: str | None = None          # publish the model for serving here (rank 0; tigana serve --model)
     publish_every: str = "100"              # steps between publishes, or seconds with an s ("30s"); and at the end
     publish_keep: int = 20                  # published dense versions kept (a rollback needs its version's)
@@ -94,6 +95,16 @@ class TrainConfig:
         d = dataclasses.asdict(self)
         d["ps"] = list(self.ps)
         return d
+
+
+def _unseen_ok(text: str) -> bool:
+    from tigana.ps import Unseen
+
+    try:
+        Unseen.parse(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _check(c: TrainConfig) -> None:
@@ -111,6 +122,7 @@ def _check(c: TrainConfig) -> None:
     need(c.ps_compression in PS_COMPRESSIONS, "ps_compression", f"must be one of {PS_COMPRESSIONS}")
     need(c.cache_policy in ("lfu", "lru"), "cache_policy", "must be lfu or lru")
     need(c.cache_rows >= 0, "cache_rows", "must be >= 0")
+    need(_unseen_ok(c.unseen), "unseen", "must be 'zeros', 'initial' or a finite number")
     need(c.cache_max_age is None or c.cache_max_age >= 0, "cache_max_age", "must be >= 0")
     need(not (c.cache_rows and c.sparse_aggregation), "cache_rows",
          "needs every rank to send its own pushes (no sparse_aggregation)")
@@ -319,6 +331,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "pushes missed (0: no cache)")
     parser.add_argument("--cache-max-age", type=int, help="steps a cached row may serve (default: no bound)")
     parser.add_argument("--cache-policy", choices=("lfu", "lru"), help="which rows a full cache evicts")
+    parser.add_argument("--unseen", metavar="zeros|initial|NUMBER",
+                        help="the row evaluation reads for an id the tables do not hold (never trained, evicted or "
+                             "not admitted): zeros, initial (its initializer's row) or a number for every element; "
+                             "published with the model, tigana serve gives such ids the same row")
     parser.add_argument("--nproc", type=int, help="trainer processes to spawn (not under torchrun/srun)")
     parser.add_argument("--ranks-per-node", type=int, help="simulate nodes of this many ranks")
     parser.add_argument("--backend", choices=("gloo", "nccl"),

@@ -73,7 +73,7 @@ def build(config: TrainConfig, client: Any, data: TrainData, groups: Groups | No
                            staleness=config.staleness, seed=config.seed,
                            compression=None if config.ps_compression == "none" else config.ps_compression,
                            cache_rows=config.cache_rows, cache_max_age=config.cache_max_age,
-                           cache_policy=config.cache_policy)
+                           cache_policy=config.cache_policy, unseen=config.unseen)
     fused = f"{config.table_prefix}{config.model}_{config.dataset}_fused" if config.fuse_tables else None
     collection = PSEmbeddingCollection(client, features, config.dim, options=options, aggregate_group=aggregate,
                                        fused_table=fused)

@@ -11,7 +11,8 @@ mode, as ``tigana.trainer.loop.evaluate`` scores a held-out row.
 Input (Criteo's format, what ``model.json``'s ``input`` names): ``dense`` (n, 13) raw integer fields, NaN
 where missing (the reader reads a missing one as 0), then ``log(max(x, -2) + 3)``; ``categorical`` (n, 26)
 raw uint64 values (the reader's hex fields as integers, ``MISSING_RAW`` where missing), hashed with each
-field's salt. An id the tables do not hold reads as the server's default row (``--default``).
+field's salt. An id the tables do not hold reads as the server's ``--unseen`` policy says (by default the one
+``model.json`` records, the trainer's evaluation setting), so a prediction is the score evaluation gives.
 """
 
 from __future__ import annotations
@@ -36,17 +37,18 @@ Lookup = Callable[[str, np.ndarray], np.ndarray]
 
 
 class _ServedRows:
-    """The "client" of a serving collection: read-only pulls answered from the served tables' rows."""
+    """The "client" of a serving collection: read-only pulls answered from the served tables' rows (their
+    unseen ids filled by the served tables' own policy, so ``unseen`` here is not used)."""
 
     def __init__(self) -> None:
         self.lookup: Lookup | None = None
 
-    def pull(self, table: str, ids: Any, *, insert: bool = True) -> np.ndarray:
+    def pull(self, table: str, ids: Any, *, insert: bool = True, unseen: str | None = None) -> np.ndarray:
         assert self.lookup is not None, "a prediction sets the lookup first"
         return self.lookup(table, np.ascontiguousarray(ids, np.int64))
 
     def pull_many(self, tables: Sequence[str], ids: Sequence[Any], *, insert: bool = True,
-                  unique: bool = False) -> list[cf.Future]:
+                  unique: bool = False, unseen: str | None = None) -> list[cf.Future]:
         out = []
         for table, part in zip(tables, ids, strict=True):
             fut: cf.Future = cf.Future()

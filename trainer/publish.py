@@ -43,7 +43,14 @@ def model_spec(config: TrainConfig, collection: PSEmbeddingCollection, num_dense
             "num_sparse": len(names), "dense_transform": "log3",
             "salts": [f"{int(s):016x}" for s in criteo_salts(0)], "dim": collection.dim,
             "features": [{"name": f.name, "table": f.table_name, "pooling": f.pooling} for f in collection.features],
-            "fused_table": collection.fused_table, "tables": list(collection.ps_tables)}
+            "fused_table": collection.fused_table, "tables": list(collection.ps_tables), "unseen": config.unseen,
+            "initializers": {t: _initializer(collection.options[collection.tables[0] if t == collection.fused_table
+                                                                else t]) for t in collection.ps_tables}}
+
+
+def _initializer(options: Any) -> dict[str, Any]:
+    """A table's initializer and seed as ``model.json`` names them (``tigana serve --unseen initial``)."""
+    return {"kind": options.initializer.kind, **options.initializer.params(), "seed": int(options.seed)}
 
 
 class Publisher:

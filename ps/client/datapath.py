@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from tigana.embeddings.errors import InvalidArgument as EngineInvalidArgument
+from tigana.embeddings.unseen import Unseen
 from tigana.ps import _kernels
 from tigana.ps.client._fields import ClientFields
 from tigana.ps.client.inflight import Attempt, PullOp, PushOp, new_future
@@ -33,16 +35,19 @@ log = logging.getLogger("tigana.ps.client")
 class DataPath(ClientFields):
     """``pull``, ``push`` and ``flush`` (see the module docstring)."""
 
-    def pull(self, table: str, ids: Any, *, insert: bool = True) -> np.ndarray:
+    def pull(self, table: str, ids: Any, *, insert: bool = True, unseen: str | Unseen | None = None
+             ) -> np.ndarray:
         """Rows of ``ids`` (int64 numpy array or torch tensor; any values, duplicates allowed) as float32
         ``ids.shape + (dim,)``, in the order of ids. Waits for this client's pushes per the staleness bound.
-        ``insert=False`` (evaluation, serving): missing ids read as their initial row and nothing is
-        inserted or counted toward admission."""
-        return self.pull_async(table, ids, insert=insert).result()
+        ``insert=False`` (evaluation): nothing is inserted or counted toward admission, and ids the table
+        lacks read as ``unseen`` says (``zeros``, ``initial`` or a number: ``tigana.embeddings.unseen``;
+        None: ``initial``, the row the table's initializer gives them)."""
+        return self.pull_async(table, ids, insert=insert, unseen=unseen).result()
 
-    def pull_async(self, table: str, ids: Any, *, insert: bool = True) -> cf.Future:
+    def pull_async(self, table: str, ids: Any, *, insert: bool = True, unseen: str | Unseen | None = None
+                   ) -> cf.Future:
         """Like ``pull`` but returns at once a future of the rows (to prefetch the next batch)."""
-        return self.pull_many([table], [ids], insert=insert)[0]
+        return self.pull_many([table], [ids], insert=insert, unseen=unseen)[0]
 
     def push(self, table: str, ids: Any, grads: Any) -> cf.Future:
         """Send gradients of ``ids`` ((n,) ints) as ``grads`` ((n, dim) float, numpy or torch; duplicates are
@@ -65,15 +70,25 @@ class DataPath(ClientFields):
         return fut
 
     def pull_many(self, tables: Sequence[str], ids: Sequence[Any], *, insert: bool = True,
-                  unique: bool = False) -> list[cf.Future]:
+                  unique: bool = False, unseen: str | Unseen | None = None) -> list[cf.Future]:
         """``pull_async`` of several tables at once: a future of each table's rows, in the order of
         ``tables``. Every table's ids are grouped in one pass, and each server gets one message holding its
         part of every table (a step of a model with many tables costs about what one fused table costs).
         ``unique=True``: every ``ids[t]`` is already free of duplicates (a trainer's plan), so the client does
-        not deduplicate them again. Inputs are checked before anything is sent."""
+        not deduplicate them again. ``insert`` and ``unseen``: as in ``pull``. Inputs are checked before
+        anything is sent."""
         self._raise_stored()
         if len(tables) != len(ids):
             raise InvalidArgument(f"pull_many: field 'ids' has {len(ids)} entries for {len(tables)} tables")
+        policy = ""
+        if unseen is not None:
+            if insert:
+                raise InvalidArgument(f"pull of {list(tables)}: field 'unseen' applies to read-only pulls "
+                                      "(insert=False); an inserting pull stores an id's initial row")
+            try:
+                policy = str(unseen if isinstance(unseen, Unseen) else Unseen.parse(unseen, what="field 'unseen'"))
+            except EngineInvalidArgument as exc:
+                raise InvalidArgument(f"pull of {list(tables)}: {exc}") from None
         states = [self._state(t) for t in tables]
         arrays = [_as_ids(a, t) for a, t in zip(ids, tables, strict=True)]
         futs = [new_future() for _ in tables]
@@ -88,7 +103,8 @@ class DataPath(ClientFields):
                 fut.set_result(np.empty(a.shape + (st.dim,), np.float32))
                 continue
             parts = (route, uniq[ub[t]:ub[t + 1]], starts[t], src[bounds[t]:bounds[t + 1]])
-            ops.append(PullOp(self, st, fut, flat[t], a.shape, attempt, read_only=not insert, grouped=parts))
+            ops.append(PullOp(self, st, fut, flat[t], a.shape, attempt, read_only=not insert, grouped=parts,
+                              unseen=policy))
 
         def start() -> None:  # here, or in the thread that completes the last push the bound waits for
             with self._frames_held():

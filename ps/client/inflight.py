@@ -176,9 +176,9 @@ class PullOp(_Op):
     (fp32: views of the received bytes) and gathered into the batch's rows by ``src`` when the last arrives."""
 
     def __init__(self, client: Any, st: Any, fut: cf.Future, ids: np.ndarray, shape: tuple[int, ...],
-                 attempt: Attempt, read_only: bool = False, grouped: tuple | None = None) -> None:
+                 attempt: Attempt, read_only: bool = False, grouped: tuple | None = None, unseen: str = "") -> None:
         super().__init__(client, st, fut, attempt)
-        self.ids, self.shape, self.read_only = ids, shape, read_only
+        self.ids, self.shape, self.read_only, self.unseen = ids, shape, read_only, unseen
         self.grouped = grouped  # (route, uniq, starts, src) when the caller grouped the ids already
         self.codec, self.dim = st.pull_codec, st.dim
         self.blocks: list[np.ndarray | None] = []
@@ -214,7 +214,8 @@ class PullOp(_Op):
                 calls.append((None, None, k, lo, hi, err))
                 continue
             s = route.servers[primary]
-            request = wire.pull_request_parts(st.name, self.uniq[lo:hi], self.codec, route.epoch, self.read_only)
+            request = wire.pull_request_parts(st.name, self.uniq[lo:hi], self.codec, route.epoch, self.read_only,
+                                              self.unseen)
             sent += wire.parts_nbytes(request)
             calls.append((s, request, k, lo, hi, None))
         with st.lock:
@@ -241,7 +242,7 @@ class PullOp(_Op):
         def again(attempt: Attempt) -> cf.Future:
             fut = new_future()
             PullOp(self.client, self.st, fut, np.ascontiguousarray(self.uniq[lo:hi]), (hi - lo,), attempt,
-                   self.read_only).start()
+                   self.read_only, unseen=self.unseen).start()
             return fut
         return again
 

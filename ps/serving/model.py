@@ -37,14 +37,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tigana.embeddings.config import INITIALIZERS, from_kind
+from tigana.embeddings.initializers import initial_rows
 from tigana.ps.errors import DataLoss, InvalidArgument
 from tigana.ps.serving import modeldir
-from tigana.ps.serving.tables import Follower, LogFollower, TableState
+from tigana.ps.serving.tables import Follower, Initial, LogFollower, Policy, TableState, default_policy
 
 log = logging.getLogger("tigana.ps.serving")
 
 Lookup = Callable[[str, np.ndarray], np.ndarray]
-"""(table, (n,) int64 ids) -> (n, dim) float32 rows of a served table (unknown ids: the default row)."""
+"""(table, (n,) int64 ids) -> (n, dim) float32 rows of a served table (unknown ids: as its unseen policy says)."""
 
 
 class Scorer(Protocol):
@@ -93,12 +95,23 @@ class ModelState:
         return self.scorer.predict(dense, categorical, self.lookup)
 
 
+def _initial_of(spec: dict[str, Any], table: str) -> Initial | None:
+    """The initial rows of ``table`` as its shard servers compute them, from ``model.json``'s
+    ``initializers`` (``{table: {"kind": ..., <parameters>, "seed": ...}}``); None where it names none."""
+    init = dict(spec.get("initializers", {}).get(table) or {})
+    if not init:
+        return None
+    kind, seed, dim = str(init.pop("kind")), int(init.pop("seed", 0)), int(spec["dim"])
+    initializer = from_kind(INITIALIZERS, kind, init, what=f"model.json: table {table!r}: initializer")
+    return lambda ids: initial_rows(initializer, seed, ids, dim)
+
+
 class ModelFollower(Follower):
     """Keeps ``state`` (a ``ModelState`` or None) on the version of the model folder ``source`` to serve (see
     the module docstring and ``Follower``). ``canary``: a labelled file the gate scores each new version on;
     ``keep``: versions held for an instant rollback."""
 
-    def __init__(self, source: str | Path, policy: str | float, loader: Loader, *, verify: bool = True,
+    def __init__(self, source: str | Path, policy: Policy | None, loader: Loader, *, verify: bool = True,
                  on_swap: Callable[[ModelState], None] | None = None, canary: str = "",
                  max_auc_drop: float = 0.01, keep: int = 10) -> None:
         super().__init__()
@@ -191,8 +204,10 @@ class ModelFollower(Follower):
         for table, position in entry["tables"].items():
             follower = self.followers.get(table)
             if follower is None:
+                if self.policy is None:  # the trainer's: its evaluation read unseen ids so
+                    self.policy = default_policy(spec.get("unseen", "zeros"))
                 follower = self.followers[table] = LogFollower(modeldir.table_log(self.source, table), self.policy,
-                                                               verify=self.verify)
+                                                               verify=self.verify, initial=_initial_of(spec, table))
             follower.poll(upto=int(position["seq"]))
             got = follower.state
             if got is None or got.log_id != position["log_id"] or got.seq != int(position["seq"]):

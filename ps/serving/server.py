@@ -22,8 +22,11 @@ Design:
 - **Compaction and restarts of the log.** A manifest whose base (or ``log_id``) differs from the loaded one is
   loaded in full in the background (lookups keep the old state meanwhile), then swapped. An entry deleted
   under the reader by a compaction makes the poll re-read the manifest.
-- **Unknown ids** get the default row (``--default``): ``zeros`` (the default), ``mean`` (the mean of the
-  rows, as of the last full load or fold) or a number (every element). ``found`` says which ids were known.
+- **Unknown ids** read as ``--unseen`` says (``tigana.embeddings.unseen``, the policy the trainer's
+  evaluation shares): ``zeros``, a number (every element), ``initial`` (the row the table's initializer gives
+  the id; ``--model`` only, from ``model.json``), or with ``--from`` also ``mean`` (the mean of the rows, as of
+  the last full load or fold). Default: the model's own (``model.json``'s ``unseen``, the trainer's
+  setting), else ``zeros``. ``found`` says which ids were known.
 - **Bad input** (ids not a multiple of 8 bytes, too many ids, another table's name, a request that does not
   parse) answers INVALID_ARGUMENT naming the field; the server lives on.
 - **Security and metrics** as on a shard server: TLS (``security.tls_cert``/``tls_key``, mutual with
@@ -60,6 +63,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2
 
+from tigana.embeddings.unseen import Unseen
 from tigana.proto import serving_pb2 as pb
 from tigana.ps import rpc
 from tigana.ps.errors import InvalidArgument, Unavailable
@@ -77,8 +81,9 @@ SERVICE_NAME = "tigana.v1.Serving"
 @dataclass(frozen=True, kw_only=True)
 class ServeConfig(SecuritySettings):
     """Settings of ``tigana serve``. ``source``: one table's export log folder, or ``model``: a published
-    model's folder (exactly one of the two); ``poll_s``: seconds between manifest polls; ``default``: the row of
-    an unknown id (``zeros``, ``mean`` or a number); ``max_ids``: ids per lookup; ``max_rows``: feature rows
+    model's folder (exactly one of the two); ``poll_s``: seconds between manifest polls; ``unseen``: the row of
+    an unknown id (``zeros``, ``initial``, a number, or ``mean`` with ``source``; empty: the model's, else
+    zeros); ``max_ids``: ids per lookup; ``max_rows``: feature rows
     per prediction; ``canary``: a labelled file each new model version is scored on before it goes live (refused
     below the served version's AUC by more than ``max_auc_drop``); ``keep_versions``: model versions held for
     an instant rollback; ``verify``: check every entry's sha256 before using it; TLS and tokens as on a shard server
@@ -89,7 +94,7 @@ class ServeConfig(SecuritySettings):
     host: str = "127.0.0.1"
     port: int = 0
     poll_s: float = 0.1
-    default: str = "zeros"
+    unseen: str = ""
     max_ids: int = 1_000_000
     max_rows: int = 65_536
     canary: str = ""
@@ -106,7 +111,15 @@ class ServeConfig(SecuritySettings):
         if bool(self.source) == bool(self.model):
             raise InvalidArgument("serve: give exactly one of --from DIR (one table's export log) and --model DIR "
                                   "(a published model)")
-        default_policy(self.default)  # raises InvalidArgument for a bad one
+        if self.unseen:
+            policy = default_policy(self.unseen)  # raises InvalidArgument for a bad one
+            if policy == "mean" and self.model:
+                raise InvalidArgument("serve: --unseen mean is for --from: a model's evaluation cannot read a mean "
+                                      "row, so its predictions would differ from the trainer's; use zeros, "
+                                      "initial or a number")
+            if isinstance(policy, Unseen) and policy.value is None and not self.model:
+                raise InvalidArgument("serve: --unseen initial needs --model (its model.json names the tables' "
+                                      "initializers)")
         if self.poll_s <= 0:
             raise InvalidArgument(f"serve: --poll must be > 0 seconds, got {self.poll_s}")
         if self.max_ids < 1:
@@ -226,7 +239,7 @@ class ServingService:
         if isinstance(request, rpc.Malformed):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request.error()))
         f, state, tables = self.follower, self.follower.state, self.tables()
-        out = pb.ServingInfoResponse(default_row=self.config.default, deltas_applied=f.deltas_applied,
+        out = pb.ServingInfoResponse(default_row="" if f.policy is None else str(f.policy), deltas_applied=f.deltas_applied,
                                      rows_applied=f.rows_applied, apply_seconds=f.apply_seconds)
         out.tables.extend(sorted(tables))
         if isinstance(state, ModelState):
@@ -257,16 +270,17 @@ class ServingHandle:
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self._ready = threading.Event()
-        policy = default_policy(config.default)
         self.follower: Follower
         if config.model:
             if loader is None:
                 raise InvalidArgument("serve: --model needs a scorer loader (tigana.trainer.predict.load_scorer)")
+            policy = default_policy(config.unseen) if config.unseen else None  # None: model.json's
             self.follower = ModelFollower(config.model, policy, loader, verify=config.verify, on_swap=self._swapped,
                                           canary=config.canary, max_auc_drop=config.max_auc_drop,
                                           keep=config.keep_versions)
         else:
-            self.follower = LogFollower(config.source, policy, verify=config.verify, on_swap=self._swapped)
+            self.follower = LogFollower(config.source, default_policy(config.unseen or "zeros"), verify=config.verify,
+                                        on_swap=self._swapped)
         self.security = config.security()
         self.metrics = ServingMetrics(self._figures)
         self.metrics_port: int | None = None

@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from typing import Any
 import numpy as np
 
 from tigana.embeddings.changes import find_sorted
+from tigana.embeddings.errors import InvalidArgument as EngineInvalidArgument
+from tigana.embeddings.unseen import Unseen
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.serving import exportlog
 
@@ -23,14 +26,22 @@ log = logging.getLogger("tigana.ps.serving")
 _FOLD_MIN_ROWS = 65536
 
 
-def default_policy(text: str) -> str | float:
-    """``zeros``/``mean``, or the float every element of an unknown id's row takes."""
-    if text in ("zeros", "mean"):
-        return text
+Policy = Unseen | str
+"""What an id the served table lacks reads as: an ``Unseen`` policy (the one the trainer's evaluation shares:
+zeros, a number, the initializer's row), or ``"mean"`` (the mean row; ``--from`` only)."""
+
+Initial = Callable[[np.ndarray], np.ndarray]
+"""(k,) int64 ids -> (k, dim) float32: the rows a table's initializer gives them (``unseen`` initial)."""
+
+
+def default_policy(text: str | float) -> Unseen | str:
+    """``--unseen``: ``zeros``, ``initial``, a number (``tigana.embeddings.unseen``), or ``mean``."""
+    if text == "mean":
+        return "mean"
     try:
-        return float(text)
-    except ValueError:
-        raise InvalidArgument(f"serve: --default must be 'zeros', 'mean' or a number, got {text!r}") from None
+        return Unseen.parse(text, what="serve: --unseen")
+    except EngineInvalidArgument as exc:
+        raise InvalidArgument(f"{exc} (or 'mean' with --from)") from None
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,7 +54,7 @@ class TableState:
     rows: np.ndarray         # (n, dim) float32
     over_ids: np.ndarray     # (m,) int64, sorted, unique: rows changed since the base was built (they win)
     over_rows: np.ndarray    # (m, dim) float32
-    default_row: np.ndarray  # (dim,) float32
+    default_row: np.ndarray  # (dim,) float32: the mean row ("mean"), else the constant row of ``unseen``
     size: int                # distinct ids held
     seq: int
     base_seq: int
@@ -54,18 +65,30 @@ class TableState:
     # ^ sorted ids whose row holds a NaN or an infinity: a model's validation gate refuses such a state
     gone_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.int64))
     # ^ sorted ids of the base that tombstones removed since it was built (they read as unknown)
+    unseen: Unseen | None = None  # what an unknown id reads as (None: ``default_row``, the mean row)
+    initial: Initial | None = None  # the table's initializer's rows (``unseen`` initial needs them)
 
     @classmethod
-    def build(cls, table: str, ids: np.ndarray, rows: np.ndarray, policy: str | float, **meta: Any) -> TableState:
-        """A state with no overlay (a full load or a fold), its default row computed from ``rows``."""
+    def build(cls, table: str, ids: np.ndarray, rows: np.ndarray, policy: Policy | float, **meta: Any
+              ) -> TableState:
+        """A state with no overlay (a full load or a fold), its default row computed from ``rows``. ``policy``:
+        a ``Policy``, or the text or number ``default_policy`` reads as one."""
         dim = rows.shape[1]
-        if policy == "mean":
-            default = rows.mean(axis=0, dtype=np.float64).astype(np.float32) if len(rows) else np.zeros(dim, np.float32)
+        if not isinstance(policy, Unseen) and policy != "mean":
+            policy = default_policy(policy)
+        if isinstance(policy, Unseen):
+            if policy.value is None and meta.get("initial") is None:
+                raise InvalidArgument(f"table {table!r}: unseen 'initial' needs the table's initializer (a model's "
+                                      "model.json names it)")
+            default = np.full(dim, 0.0 if policy.value is None else policy.value, np.float32)
+        elif len(rows):  # "mean"
+            default = rows.mean(axis=0, dtype=np.float64).astype(np.float32)
         else:
-            default = np.full(dim, 0.0 if policy == "zeros" else float(policy), np.float32)
+            default = np.zeros(dim, np.float32)
         meta.setdefault("bad_ids", ids[~np.isfinite(rows).all(axis=1)])
         return cls(table=table, dim=dim, ids=ids, rows=rows, over_ids=ids[:0], over_rows=rows[:0],
-                   default_row=default, size=int(ids.size), loaded_time=time.time(), **meta)
+                   default_row=default, size=int(ids.size), loaded_time=time.time(),
+                   unseen=policy if isinstance(policy, Unseen) else None, **meta)
 
     def lookup(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(n,) int64 -> ((n, dim) float32 rows, (n,) bool found); unknown ids get the default row."""
@@ -79,10 +102,13 @@ class TableState:
         out[in_over] = self.over_rows[found_over[in_over]]
         out[in_base] = self.rows[found_base[in_base]]
         found = in_over | in_base
-        out[~found] = self.default_row
+        if self.unseen is None:
+            out[~found] = self.default_row
+        elif not found.all():  # the rows the shard servers give a read-only pull of these ids
+            out[~found] = self.unseen.rows(ids[~found], self.dim, self.initial)
         return out, found
 
-    def with_delta(self, ids: np.ndarray, rows: np.ndarray, policy: str | float,
+    def with_delta(self, ids: np.ndarray, rows: np.ndarray, policy: Policy,
                    deleted: np.ndarray | None = None, **meta: Any) -> TableState:
         """A new state with a delta's rows (sorted unique ids) applied, then its tombstones (``deleted``,
         sorted unique ids) forgotten; folds the overlay into the base when it has grown past 1/16 of it."""
@@ -102,7 +128,7 @@ class TableState:
                 keep = find_sorted(gone, base_ids) < 0
                 base_ids, base_rows = base_ids[keep], base_rows[keep]
             return TableState.build(self.table, base_ids, base_rows, policy, base_seq=self.base_seq,
-                                    log_id=self.log_id, **meta)
+                                    log_id=self.log_id, initial=self.initial, **meta)
         fresh = int((find_sorted(self.ids, over_ids) < 0).sum())
         return dataclasses.replace(self, over_ids=over_ids, over_rows=over_rows, gone_ids=gone,
                                    size=int(self.ids.size) - int(gone.size) + fresh, loaded_time=time.time(),
@@ -158,10 +184,13 @@ class LogFollower(Follower):
     """Keeps ``state`` (a ``TableState`` or None) up to date with the export log in ``source`` (see
     ``Follower``)."""
 
-    def __init__(self, source: str | Path, policy: str | float, *, verify: bool = True,
-                 on_swap: Any = None) -> None:
+    def __init__(self, source: str | Path, policy: Policy | float, *, verify: bool = True,
+                 on_swap: Any = None, initial: Initial | None = None) -> None:
         super().__init__()
+        if not isinstance(policy, Unseen) and policy != "mean":
+            policy = default_policy(policy)
         self.source, self.policy, self.verify, self.on_swap = Path(source), policy, verify, on_swap
+        self.initial = initial
         self.state: TableState | None = None
         self.deltas_applied = 0
         self.rows_applied = 0
@@ -192,7 +221,8 @@ class LogFollower(Follower):
             started = time.monotonic()
             ids, rows = exportlog.load_entry(self.source, base, verify=self.verify)
             new = TableState.build(m["table"], ids, rows, self.policy, base_seq=int(base["seq"]),
-                                   log_id=m["log_id"], seq=int(base["seq"]), data_time=float(base["time"]))
+                                   log_id=m["log_id"], seq=int(base["seq"]), data_time=float(base["time"]),
+                                   initial=self.initial)
             log.info("loaded %s (%d rows) of table %r in %.2fs", base["path"], ids.size, m["table"],
                      time.monotonic() - started)
             pending = m["deltas"]

@@ -20,6 +20,7 @@ import numpy as np
 
 from tigana.embeddings import Changes
 from tigana.embeddings.changes import sorted_unique, unique
+from tigana.embeddings.unseen import Unseen
 from tigana.proto import shard_pb2 as pb
 from tigana.ps.errors import InvalidArgument, NotEnoughReplicas, ResourceExhausted, Unavailable
 from tigana.ps.replication import Stream
@@ -68,12 +69,15 @@ class Writes(ShardFields):
             raise ResourceExhausted(f"table {name!r}: field 'ids' asks for {len(ids)} rows, {reply_bytes} bytes "
                                     f"as a reply, above the message limit of {self.config.max_message_bytes}; "
                                     "split the pull")
+        unseen = None
+        if request.read_only and request.unseen:  # empty: the initial rows (what clients before it asked)
+            unseen = Unseen.parse(request.unseen, what=f"table {name!r}: field 'unseen'")
         if not request.read_only:  # it may insert: its rows go to the copies
             self._wait_for_room(name, timeout_s)
         with hosted.lock:
             view, slots = self._check_leads(name, ids, request.epoch)
             if request.read_only:
-                rows = hosted.table.pull(ids, insert=False)
+                rows = hosted.table.pull(ids, insert=False, unseen=unseen)
             elif self.replicator is not None and self.replicator.streams:
                 changes = Changes()
                 rows = hosted.table.pull(ids, changes=changes)

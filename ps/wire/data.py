@@ -222,17 +222,19 @@ def _rows_parts(codec: int, dim: int, data: np.ndarray, scales: np.ndarray | Non
 
 
 def pull_request_parts(table: str, ids: np.ndarray, codec: int = pb.CODEC_FP32, epoch: int = 0,
-                       read_only: bool = False) -> list:
+                       read_only: bool = False, unseen: str = "") -> list:
     """The pieces of a serialized ``PullRequest`` (joined by ``encode_pull_request``, or framed first)."""
     parts = _len_field(1, table.encode()) + _len_field(2, _buffer(np.asarray(ids, "<i8")))
-    return parts + [_varint_field(3, codec), _varint_field(4, epoch), _varint_field(5, int(read_only))]
+    parts += [_varint_field(3, codec), _varint_field(4, epoch), _varint_field(5, int(read_only))]
+    return parts + _len_field(6, unseen.encode()) if unseen else parts
 
 
 def encode_pull_request(table: str, ids: np.ndarray, codec: int = pb.CODEC_FP32, epoch: int = 0,
-                        read_only: bool = False) -> bytes:
+                        read_only: bool = False, unseen: str = "") -> bytes:
     """A serialized ``PullRequest`` for (n,) int64 ``ids`` (unique) asking for rows in ``codec``, routed at
-    map ``epoch``; ``read_only`` inserts nothing."""
-    return b"".join(pull_request_parts(table, ids, codec, epoch, read_only))
+    map ``epoch``; ``read_only`` inserts nothing, and its missing ids read as ``unseen`` says
+    (``tigana.embeddings.unseen``; empty: their initial rows)."""
+    return b"".join(pull_request_parts(table, ids, codec, epoch, read_only, unseen))
 
 
 def push_request_parts(table: str, ids: np.ndarray, codec: int, dim: int, data: np.ndarray,

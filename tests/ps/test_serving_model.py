@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tigana.embeddings import EmbeddingTable, Normal, TableConfig
 from tigana.ps.errors import DataLoss, InvalidArgument
 from tigana.ps.serving import ServeConfig, modeldir
 from tigana.ps.serving.exportlog import read_manifest
@@ -224,3 +225,44 @@ def test_serve_takes_exactly_one_source() -> None:
         ServeConfig(model="b", canary="/nonexistent/canary.tsv")
     with pytest.raises(InvalidArgument, match="needs --model"):
         ServeConfig(source="a", canary=__file__)
+
+
+def test_unknown_ids_read_as_the_models_unseen_policy_unless_serve_says_otherwise(tmp_path: Path) -> None:
+    """With no ``--unseen``, an id the tables lack reads as ``model.json``'s ``unseen`` (the trainer's evaluation
+    setting); ``initial`` gives the row a shard server's read-only pull gives it (the table's initializer and
+    seed, named in ``model.json``)."""
+    root = tmp_path / "model"
+    spec = {**SPEC, "dim": 2, "unseen": "initial",
+            "initializers": {"emb": {"kind": "normal", "mean": 0.0, "std": 0.5, "seed": 7}}}
+    modeldir.write_spec(root, spec)
+    _write_entry(modeldir.table_log(root, "emb"), "full", 1, np.array([1, 2]), np.array([[1.0, 0], [2.0, 0]]), 10.0)
+    modeldir.publish_dense(root, 20, np.array([0.5, 0.0], np.float32).tobytes())
+    _version(root)
+    query = np.array([1, 5, 2, 6], np.int64)
+    shard = EmbeddingTable(TableConfig("emb", dim=2, initializer=Normal(std=0.5), seed=7))
+    want = shard.pull(query, insert=False)  # the shard server's read-only pull: unknown ids at their initial rows
+    follower = ModelFollower(root, None, LinearScorer)
+    assert follower.poll()
+    np.testing.assert_array_equal(follower.state.lookup("emb", query)[[0, 2]], [[1.0, 0], [2.0, 0]])
+    np.testing.assert_allclose(follower.state.lookup("emb", query)[[1, 3]], want[[1, 3]], rtol=0, atol=1e-7)
+    np.testing.assert_allclose(follower.state.predict(DENSE, np.array([[1], [6]], np.uint64)),
+                               _expected([0.5, 0], float(want[3, 0])), rtol=1e-6)
+    constant = ModelFollower(root, "0.25", LinearScorer)  # --unseen 0.25
+    assert constant.poll()
+    assert (constant.state.lookup("emb", query)[[1, 3]] == 0.25).all()
+    bare = ModelFollower(root, "initial", LinearScorer)  # a model.json that names no initializer: refused
+    modeldir_spec = root / modeldir.MODEL_FILE
+    modeldir_spec.write_text(modeldir_spec.read_text().replace('"initializers"', '"other"'))
+    with pytest.raises(InvalidArgument, match="initial.*initializer"):
+        bare.poll()
+    assert bare.state is None
+
+
+def test_serve_refuses_an_unseen_policy_the_trainer_cannot_share() -> None:
+    with pytest.raises(InvalidArgument, match="--unseen must be 'zeros', 'initial' or a finite number"):
+        ServeConfig(model="b", unseen="median")
+    with pytest.raises(InvalidArgument, match="mean is for --from"):
+        ServeConfig(model="b", unseen="mean")
+    with pytest.raises(InvalidArgument, match="initial needs --model"):
+        ServeConfig(source="a", unseen="initial")
+    assert ServeConfig(source="a", unseen="mean").unseen == "mean" and ServeConfig(model="b").unseen == ""

@@ -325,9 +325,11 @@ def test_serve_state_is_always_one_whole_log_entry(cluster, tmp_path: Path, monk
         assert reader.deltas_applied >= 5 and reader.state.base_seq > 1  # compactions were reloaded
         assert not reader.poll()  # nothing new: no swap
         # the other default policies
-        assert serving.default_policy("zeros") == "zeros" and serving.default_policy("2.5") == 2.5
-        with pytest.raises(ps.InvalidArgument, match="--default"):
-            serving.default_policy("median")
+        assert serving.default_policy("zeros") == ps.Unseen(0.0) and serving.default_policy("2.5") == ps.Unseen(2.5)
+        assert serving.default_policy("initial") == ps.Unseen(None) and serving.default_policy("mean") == "mean"
+        for bad in ("median", "nan", "inf", ""):
+            with pytest.raises(ps.InvalidArgument, match="--unseen"):
+                serving.default_policy(bad)
         const = serving.LogFollower(out, 2.5)
         const.poll()
         rows, found = const.state.lookup(np.array([10**15], np.int64))

@@ -66,7 +66,8 @@ def _reference(client, sparse: SparseFeatures, features: list[FeatureSpec]) -> n
 def test_forward_pools_pulled_rows(client) -> None:
     prefix = _name()
     features = _features(prefix)
-    coll = PSEmbeddingCollection(client, features, DIM, options=TableOptions(staleness=0))
+    # unseen initial: the no-grad forward reads the fresh tables' rows as a training pull would create them
+    coll = PSEmbeddingCollection(client, features, DIM, options=TableOptions(staleness=0, unseen="initial"))
     assert coll.tables == [f"{prefix}a", f"{prefix}c"] and list(coll.parameters()) == []
     sparse = _batch(np.random.default_rng(0), prefix, 16)
     with torch.no_grad():
@@ -259,13 +260,14 @@ def test_rows_read_within_the_staleness_bound(client, staleness: int) -> None:
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_evaluation_pulls_are_read_only(client, fused: bool) -> None:
-    """An evaluation pass (``loop.evaluate``: no grad, prefetching the next batch) reads held-out ids as their
-    initial rows without inserting them: the PS tables do not grow. Training pulls still insert, also of a
-    batch prefetched read-only during evaluation."""
+    """An evaluation pass (``loop.evaluate``: no grad, prefetching the next batch) reads held-out ids as the
+    tables' ``unseen`` policy says (``initial`` here: their initial rows) without inserting them: the PS tables
+    do not grow. Training pulls still insert, also of a batch prefetched read-only during evaluation."""
     prefix = _name()
     features = _features(prefix)
     coll = PSEmbeddingCollection(client, features, DIM, fused_table=f"{prefix}fused" if fused else None,
-                                 options=TableOptions(optimizer=ps.SGD(lr=0.5), staleness=1, seed=3))
+                                 options=TableOptions(optimizer=ps.SGD(lr=0.5), staleness=1, seed=3,
+                                                      unseen="initial"))
     physical = [coll.fused_table] if fused else coll.tables
     model = _Tiny(coll)
     rng = np.random.default_rng(21)

@@ -57,3 +57,14 @@ def test_publish_every_takes_steps_or_seconds_and_publishing_needs_a_served_form
     with pytest.raises(ConfigError, match="publish_dir"):
         TrainConfig(dataset="movielens-100k", data="d", publish_dir="x")
     assert TrainConfig(publish_dir="x", publish_every="2s").publish_keep == 20  # the publish log keeps 20 versions
+
+
+def test_unseen_takes_the_values_tigana_serve_takes(tmp_path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("unseen: 0.5\n")  # a YAML number
+    assert load_config(path, {}, {}).unseen == "0.5"
+    assert config_from_args(_args("--unseen", "initial"), {}).unseen == "initial"
+    assert load_config(None, {}, {"TIGANA_UNSEEN": "-1"}).unseen == "-1" and TrainConfig().unseen == "zeros"
+    for bad in ("mean", "nan", "often"):
+        with pytest.raises(ConfigError, match=f"unseen: must be 'zeros', 'initial' or a finite number, got '{bad}'"):
+            TrainConfig(unseen=bad)

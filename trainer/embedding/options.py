@@ -20,7 +20,8 @@ class TableOptions:
     the wire compression of its rows (None: float32; a codec for both directions; "adaptive": chosen per
     step by ``AdaptiveCompressor`` with the knobs of ``adaptive``) and the trainer's hot-row cache
     (``cache_rows`` rows, 0: none; ``cache_max_age`` steps a copy may serve, None: no age bound;
-    ``cache_policy`` lfu or lru)."""
+    ``cache_policy`` lfu or lru); ``unseen``: what evaluation reads for an id the table does not hold
+    (``zeros``, ``initial`` or a number: ``tigana.embeddings.unseen``, the policy ``tigana serve`` shares)."""
 
     optimizer: Any = field(default_factory=lambda: ps.Adagrad(lr=0.05))
     initializer: Any = field(default_factory=lambda: ps.Normal(std=0.01))
@@ -31,6 +32,7 @@ class TableOptions:
     cache_rows: int = 0
     cache_max_age: int | None = None
     cache_policy: str = "lfu"
+    unseen: str = "zeros"
 
     def __post_init__(self) -> None:
         if self.staleness < 0:
@@ -48,6 +50,10 @@ class TableOptions:
                                                or not isinstance(self.cache_max_age, int) or self.cache_max_age < 0):
             raise ps.InvalidArgument(f"table options: field 'cache_max_age' must be None or an integer >= 0, got "
                                      f"{self.cache_max_age!r}")
+        try:
+            ps.Unseen.parse(self.unseen, what="table options: field 'unseen'")
+        except ValueError as exc:  # the storage engine's InvalidArgument
+            raise ps.InvalidArgument(str(exc)) from None
         if self.cache_policy not in POLICIES:
             raise ps.InvalidArgument(f"table options: field 'cache_policy' must be one of {POLICIES}, got "
                                      f"{self.cache_policy!r}")

@@ -46,7 +46,7 @@ class _Prefetch:
 
 class _PullSide:
     """The pull half of ``PSEmbeddingCollection`` (which sets every attribute annotated here and defines
-    ``_ps_ids``, ``_set_codecs`` and ``_timed``)."""
+    ``_ps_ids``, ``_options_of``, ``_set_codecs`` and ``_timed``)."""
 
     client: Any
     dim: int
@@ -63,8 +63,9 @@ class _PullSide:
         """Send the pulls of ``plan``'s rows, except (training) the rows the cache will serve at a forward
         that runs after the forwards of ``pending`` (prefetched batches whose steps will push first)."""
         # The client holds each pull back (asynchronously) until the pushes the staleness bound needs are in.
-        # ``insert=False`` (evaluation): ids the tables lack read as their initial rows, stored nowhere and not
-        # counted toward admission, so held-out data never grows the tables.
+        # ``insert=False`` (evaluation): ids the tables lack read as each table's ``unseen`` policy says (the
+        # rows ``tigana serve`` gives them), stored nowhere and not counted toward admission, so held-out data
+        # never grows the tables.
         # Every table in one call: the plan's distinct ids are handed down (``unique``), so the client groups
         # them by server in one pass without deduplicating again, and each server gets one message a step.
         start = time.perf_counter()
@@ -79,7 +80,17 @@ class _PullSide:
             hits.append(hit)
             wanted.append(ids if hit is None else ids[~hit])
             self._set_codecs(table)
-        futs = self.client.pull_many(self.ps_tables, wanted, insert=insert, unique=True)
+        if insert:
+            futs = self.client.pull_many(self.ps_tables, wanted, insert=True, unique=True)
+        else:  # one call per distinct policy (one call in all, unless tables were given different ones)
+            policies = [self._options_of(t).unseen for t in self.ps_tables]
+            futs: list[Any] = [None] * len(policies)
+            for policy in dict.fromkeys(policies):
+                at = [i for i, p in enumerate(policies) if p == policy]
+                got = self.client.pull_many([self.ps_tables[i] for i in at], [wanted[i] for i in at], insert=False,
+                                            unique=True, unseen=policy)
+                for i, fut in zip(at, got, strict=True):
+                    futs[i] = fut
         return [_Fetch(table, ids, hit, self._timed("pull", fut, start, w.shape[0]), self._push_no[table])
                 for table, ids, hit, fut, w in zip(self.ps_tables, self._ps_ids(plan), hits, futs, wanted,
                                                    strict=True)]
