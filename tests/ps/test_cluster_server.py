@@ -16,6 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tigana import ps
 from tigana.embeddings import RowBatch
+from tigana.proto import scheduler_pb2 as spb
+from tigana.proto import scheduler_pb2_grpc as spb_grpc
 from tigana.proto import shard_pb2 as pb
 from tigana.ps.config import ServerConfig
 from tigana.ps.daemon import COPIES_HEALTH_NAME, start_server
@@ -248,3 +250,37 @@ def test_a_new_table_takes_writes_only_once_the_map_that_created_it_is_installed
     np.testing.assert_array_equal(primary._tables["late"].table.pull(ids, insert=False), want)
     np.testing.assert_array_equal(copy._tables["late"].table.pull(ids, insert=False), want)
     assert sched.core.metrics.copies_demoted.labels("replication_failed")._value.get() == 0
+
+
+def _all_in_sync(sched, deadline_s: float = 30.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while (sched.core.map.states != IN_SYNC)[sched.core.map.copies >= 0].any():
+        assert time.monotonic() < deadline, sched.core.map.summary()
+        time.sleep(0.05)
+
+
+def test_a_stale_copy_failure_report_on_the_wire_leaves_the_rebuilt_copy_in_sync(cluster) -> None:
+    """A primary's failure report carries the epoch at which it saw the failure. Sent again after the copy was
+    demoted and rebuilt (a retry whose first answer was lost), it is refused as stale and the copy stays in
+    sync; a report that names no epoch (an older sender) is taken as current."""
+    sched, servers = cluster
+    m = sched.core.map
+    primary, replica = (h.service.server_id for h in servers)
+    led = np.flatnonzero(m.leads(m.index_of(primary))).astype("<i4")
+    report = spb.ReportCopyFailureRequest(reporter=primary, epoch=m.epoch, target=replica, slots=led.tobytes(),
+                                          reason="stream broke")
+    with grpc.insecure_channel(sched.address) as channel:
+        stub = spb_grpc.SchedulerStub(channel)
+        reply = stub.ReportCopyFailure(report, timeout=10)
+        assert reply.accepted and reply.epoch > m.epoch
+        assert (sched.core.map.copy_state(m.index_of(replica))[led] == CATCHING_UP).all()
+        _all_in_sync(sched)  # the primary rebuilt its copies on the replica
+        rebuilt = sched.core.map
+        reply = stub.ReportCopyFailure(report, timeout=10)
+        assert not reply.accepted and reply.message.startswith(f"stale report: seen at epoch {m.epoch}")
+        assert sched.core.map.epoch == rebuilt.epoch
+        assert (sched.core.map.copy_state(m.index_of(replica))[led] == IN_SYNC).all()
+        report.epoch = 0
+        assert stub.ReportCopyFailure(report, timeout=10).accepted
+        assert (sched.core.map.copy_state(m.index_of(replica))[led] == CATCHING_UP).all()
+    _all_in_sync(sched)
