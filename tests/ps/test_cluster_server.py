@@ -7,6 +7,7 @@ replication items, the replication wire codec against protobuf, and Prometheus f
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
 import grpc
@@ -19,6 +20,7 @@ from tigana.embeddings import RowBatch
 from tigana.proto import scheduler_pb2 as spb
 from tigana.proto import scheduler_pb2_grpc as spb_grpc
 from tigana.proto import shard_pb2 as pb
+from tigana.proto import shard_pb2_grpc
 from tigana.ps.config import ServerConfig
 from tigana.ps.daemon import COPIES_HEALTH_NAME, start_server
 from tigana.ps.routing import CATCHING_UP, IN_SYNC
@@ -284,3 +286,51 @@ def test_a_stale_copy_failure_report_on_the_wire_leaves_the_rebuilt_copy_in_sync
         assert stub.ReportCopyFailure(report, timeout=10).accepted
         assert (sched.core.map.copy_state(m.index_of(replica))[led] == CATCHING_UP).all()
     _all_in_sync(sched)
+
+
+def _export(address: str, table: str, epoch: int) -> int:
+    """The rows a full export (not a cut) of ``table`` routed at map ``epoch`` streams from ``address``."""
+    with grpc.insecure_channel(address) as channel:
+        chunks = shard_pb2_grpc.ShardStub(channel).ExportRows(pb.ExportRowsRequest(table=table, epoch=epoch),
+                                                              timeout=10)
+        return sum(len(c.rows.ids) // 8 for c in chunks)
+
+
+def test_an_export_never_reads_an_incarnation_its_map_does_not_name(cluster, tmp_path) -> None:
+    """A table dropped and created again while a server has not installed that map yet (its install held up):
+    a full export routed by the new map must not stream the dropped incarnation's rows from it (it did: the
+    request's epoch and the table's incarnation were not checked). It answers Unavailable until it installs the
+    map, then exports the new, empty incarnation; an export routed by the old map is refused by a server that
+    holds the new one."""
+    sched, servers = cluster
+    s0 = servers[0]
+    with ps.connect(scheduler=sched.address) as client:
+        client.create_table("t", dim=4, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
+        ids = np.arange(4096, dtype=np.int64)
+        client.push("t", ids, -np.ones((ids.size, 4), np.float32)).result()
+        old = sched.core.map.epoch
+        _wait_installed(servers, old)
+        assert _export(s0.address, "t", old) > 0  # it leads some of the rows
+        s0.service._install_lock.acquire()  # s0's installs wait: it stays at the old map
+        try:
+            client.drop_table("t")
+            client.create_table("t", dim=4, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
+            new = sched.core.map.epoch
+            assert s0.service.epoch < new
+            with pytest.raises(grpc.RpcError) as err:
+                _export(s0.address, "t", new)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "behind the export's" in err.value.details()
+            # the client's export retries by the newest map until the server has installed it
+            exported: list = []
+            exporter = threading.Thread(target=lambda: exported.append(client.export("t", str(tmp_path / "x"))))
+            exporter.start()
+            time.sleep(0.5)
+        finally:
+            s0.service._install_lock.release()
+        exporter.join(30)
+        assert exported and exported[0]["rows"] == 0
+        _wait_installed(servers, new)
+        assert _export(s0.address, "t", new) == 0  # the new incarnation: empty
+        with pytest.raises(grpc.RpcError) as err:
+            _export(s0.address, "t", old)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "newer than the export's map" in err.value.details()
