@@ -44,6 +44,11 @@ from tigana.embeddings.tombstones import Tombstones
 _log = logging.getLogger(__name__)
 
 
+def _wall_time() -> float:
+    """``time.time()``, looked up at each call (so that a patched ``time.time`` is seen)."""
+    return time.time()
+
+
 class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updating):
     """One table: rows, optimizer state, metadata; hash index; admission, eviction, spill to disk, snapshots.
 
@@ -89,7 +94,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         self._sweep_left = 0  # spilled records the TTL sweep under way still has to read (a window per write)
         self._cuts = []
         self._tombstones = Tombstones(since=time.time())  # removals before this process held it: unknown
-        self.wall_clock: Callable[[], float] = time.time  # rows' update times, removals (a test may skew it)
+        self.wall_clock: Callable[[], float] = _wall_time  # rows' update times, removals (a test may skew it)
         self._counters = dict.fromkeys(("pulls", "pushes", "lookups", "hits", "inserts", "admissions",
                                         "rejected_admissions", "evictions", "spills", "unspills",
                                         "rows_updated", "nonfinite_rows_skipped", "spill_failures",

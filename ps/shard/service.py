@@ -78,7 +78,7 @@ class ShardService(Ownership, Writes, Exports, Cuts, Persistence, Hosting, shard
         self.corrupt_stores = 0  # stores found corrupt at start and quarantined (clustered servers)
         self.agent: Any = None
         self.on_install: Callable[[], None] | None = None  # the daemon's health update
-        self.wall_clock: Callable[[], float] = time.time  # a cut's server_time (tables stamp rows with their own)
+        self.wall_clock: Callable[[], float] = lambda: time.time()  # a cut's server_time (tables stamp their rows)
         self._tables: dict[str, _Hosted] = {}
         self._registry_lock = threading.RLock()
         self._install_lock = threading.Lock()
