@@ -2,8 +2,9 @@
 every primary and written as chunk files (``parts``), then the manifest, all in a temp folder renamed into place.
 
 ``incremental``: the rows changed since a base checkpoint (and the ids removed since then), per table; a table
-new since the base, or a server whose tombstones do not reach back to it (a slot copied to it since, a restart),
-gives a full part instead, so every chain restores exactly. ``quantize``: the weights' codec; the optimizer
+new since the base, a server whose tombstones do not reach back to it (a slot copied to it since, a restart), or
+one that leads a slot another primary wrote since the base (``SINCE_MARGIN_S``), gives a full part instead, so
+every chain restores exactly. ``quantize``: the weights' codec; the optimizer
 state stays exact unless ``quantize_state``.
 """
 

@@ -7,9 +7,10 @@ The protocol, on this server:
    (each wait bounded by the hold, so a lock cycle cannot form), and answer. From here no write applies to those
    tables here: pushes, pulls that insert, imports and replicated changes wait for the lock.
 2. ``CommitCut(cut, since)``: under those locks, per table: open a copy-on-write cut of every row (O(1)), or,
-   for an incremental cut (``since``) of a table whose rows are all resident and whose tombstones reach back to
-   ``since``, copy the rows updated since then and the ids removed since then (O(rows changed) plus one
-   vectorized pass over the update times). Record the led slots, their log positions, the epoch and the step.
+   for an incremental cut (``since``, this server's own clock at the base) of a table whose led slots each kept
+   their base log position or were led here alone since the base (``_since_holds``), whose rows are all
+   resident and whose tombstones reach back to ``since``, copy the rows updated since then and the ids removed
+   since then (O(rows changed) plus one vectorized pass over the update times). Record the led slots, their log positions, the epoch and the step.
    Release the locks. A copy-on-write cut is then read by ``ExportRows(cut=...)`` while writes go on.
 3. ``ReleaseCut``: drop what is left (the coordinator calls it when done or failed).
 
