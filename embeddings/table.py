@@ -45,6 +45,11 @@ from tigana.embeddings.unseen import Unseen
 _log = logging.getLogger(__name__)
 
 
+def _wall_time() -> float:
+    """``time.time()``, looked up at each call (so that a patched ``time.time`` is seen)."""
+    return time.time()
+
+
 class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updating):
     """One table: rows, optimizer state, metadata; hash index; admission, eviction, spill to disk, snapshots.
 
@@ -90,6 +95,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         self._sweep_left = 0  # spilled records the TTL sweep under way still has to read (a window per write)
         self._cuts = []
         self._tombstones = Tombstones(since=time.time())  # removals before this process held it: unknown
+        self.wall_clock: Callable[[], float] = _wall_time  # rows' update times, removals (a test may skew it)
         self._counters = dict.fromkeys(("pulls", "pushes", "lookups", "hits", "inserts", "admissions",
                                         "rejected_admissions", "evictions", "spills", "unspills",
                                         "rows_updated", "nonfinite_rows_skipped", "spill_failures",
@@ -185,7 +191,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
             self._step = self._step + 1 if step is None else int(step)
             self._cow_update(rows)  # open cuts keep the rows as they were, before the first change
             slab = self._slab
-            step_code, time_code = np.uint32(slab.step_code(self._step)), np.uint32(slab.time_code(time.time()))
+            step_code, time_code = np.uint32(slab.step_code(self._step)), np.uint32(slab.time_code(self.wall_clock()))
             if self._backend == "numba":
                 _kernels.touch(rows, slab.update_count, slab.last_step, slab.last_time, slab.last_access,
                                slab.dirty, step_code, time_code, self._clock, slab.mark)
@@ -277,7 +283,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         self._cow_fresh(positions)
         rows = self._initial(ids)
         batch = RowBatch(ids, rows, optimizers.initial_state(self.config.optimizer, k, self.dim),
-                         np.zeros(k, np.int64), np.full(k, self._step, np.int64), np.full(k, time.time()))
+                         np.zeros(k, np.int64), np.full(k, self._step, np.int64), np.full(k, self.wall_clock()))
         self._slab.write(positions, batch, access=self._clock)
         self._index.insert(ids, positions)
         if self._changes is not None:  # the first write of the call: its rows, as stored, are all it wrote
@@ -337,7 +343,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         self._slab.release(positions)
         gone_ids = np.concatenate([removed_ids, *gone])
         if tombstone:
-            self._tombstones.record(gone_ids, time.time())
+            self._tombstones.record(gone_ids, self.wall_clock())
         if self._changes is not None and gone_ids.size:
             self._changes.deleted.append(gone_ids)
         if gone_ids.size and self._last_snapshot is not None:  # only increments need them

@@ -573,7 +573,7 @@ class PrepareCutResponse(_message.Message):
     def __init__(self, epoch: _Optional[int] = ...) -> None: ...
 
 class CommitCutRequest(_message.Message):
-    __slots__ = ("cut", "since", "keep_ms")
+    __slots__ = ("cut", "since", "keep_ms", "base_epoch", "base_positions")
     class SinceEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -581,13 +581,24 @@ class CommitCutRequest(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class BasePositionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
     CUT_FIELD_NUMBER: _ClassVar[int]
     SINCE_FIELD_NUMBER: _ClassVar[int]
     KEEP_MS_FIELD_NUMBER: _ClassVar[int]
+    BASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BASE_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     cut: str
     since: _containers.ScalarMap[str, float]
     keep_ms: int
-    def __init__(self, cut: _Optional[str] = ..., since: _Optional[_Mapping[str, float]] = ..., keep_ms: _Optional[int] = ...) -> None: ...
+    base_epoch: int
+    base_positions: _containers.ScalarMap[str, bytes]
+    def __init__(self, cut: _Optional[str] = ..., since: _Optional[_Mapping[str, float]] = ..., keep_ms: _Optional[int] = ..., base_epoch: _Optional[int] = ..., base_positions: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class CutTable(_message.Message):
     __slots__ = ("table", "step", "full", "positions_epochs", "positions_indexes")

@@ -27,7 +27,7 @@ import numpy as np
 
 from tigana.embeddings.files import publish_folder
 from tigana.proto import shard_pb2 as pb
-from tigana.ps.errors import DataLoss, InvalidArgument, from_rpc_error
+from tigana.ps.errors import DataLoss, InvalidArgument, PSError, from_rpc_error
 from tigana.ps.wire import cluster as cluster_wire
 
 FORMAT = "tigana-checkpoint"
@@ -77,6 +77,24 @@ def _retryable(error: Exception, client: Any) -> bool:
     return retryable(error, client._maps is not None)
 
 
+def _read_export(client: Any, table: str, dim: int, since_time: float) -> tuple[list, list, list, list, bool]:
+    """Every primary's rows of ``table`` (weights only), its cut times and its tombstones: one export pass."""
+    ids_parts, rows_parts, cut_times, deleted_parts = [], [], [], []
+    complete = True
+    for server, slots in _primaries(client):
+        for chunk in _export_stream(client, server, table, slots, weights_only=True, since=since_time):
+            if chunk.server_time:
+                cut_times.append(chunk.server_time)
+            if since_time and chunk.slots:  # a slot set's last chunk
+                deleted_parts.append(cluster_wire.array(chunk.deleted_ids, "<i8", field="deleted_ids"))
+                complete &= chunk.deleted_complete
+            if chunk.HasField("rows"):
+                rows = cluster_wire.rows_from_pb(chunk.rows, dim=dim, state_width=0, table=table)
+                ids_parts.append(rows.ids)
+                rows_parts.append(rows.weights)
+    return ids_parts, rows_parts, cut_times, deleted_parts, complete
+
+
 def export_table(client: Any, table: str, out: str | os.PathLike, since: str | os.PathLike | None = None,
                  *, since_time: float | None = None) -> dict[str, Any]:
     """Write ``table``'s ids and float32 rows (no optimizer state) to ``out`` (a folder: ids.npy, rows.npy,
@@ -99,19 +117,19 @@ def export_table(client: Any, table: str, out: str | os.PathLike, since: str | o
             raise InvalidArgument(f"export: --since {str(since)!r} is not an export folder: {exc}") from None
     client.flush()
     info = client.describe_table(table)
-    ids_parts, rows_parts, cut_times, deleted_parts = [], [], [], []
-    complete = True
-    for server, slots in _primaries(client):
-        for chunk in _export_stream(client, server, table, slots, weights_only=True, since=since_time):
-            if chunk.server_time:
-                cut_times.append(chunk.server_time)
-            if since_time and chunk.slots:  # a slot set's last chunk
-                deleted_parts.append(cluster_wire.array(chunk.deleted_ids, "<i8", field="deleted_ids"))
-                complete &= chunk.deleted_complete
-            if chunk.HasField("rows"):
-                rows = cluster_wire.rows_from_pb(chunk.rows, dim=info.config.dim, state_width=0, table=table)
-                ids_parts.append(rows.ids)
-                rows_parts.append(rows.weights)
+    deadline = time.monotonic() + client.config.failover_timeout_s
+    while True:
+        try:
+            ids_parts, rows_parts, cut_times, deleted_parts, complete = _read_export(client, table, info.config.dim,
+                                                                                     since_time)
+            break
+        except PSError as error:
+            # a server behind the map the export was routed by, or a primary moved: read again by the newest map
+            if time.monotonic() > deadline or not _retryable(error, client):
+                raise
+            if client._maps is not None:
+                client._maps.refresh(client.epoch + 1)
+            time.sleep(0.1)
     ids = np.concatenate(ids_parts) if ids_parts else np.empty(0, np.int64)
     rows = np.concatenate(rows_parts) if rows_parts else np.empty((0, info.config.dim), np.float32)
     deleted = np.setdiff1d(np.concatenate(deleted_parts) if deleted_parts else np.empty(0, np.int64), ids)

@@ -2,8 +2,9 @@
 every primary and written as chunk files (``parts``), then the manifest, all in a temp folder renamed into place.
 
 ``incremental``: the rows changed since a base checkpoint (and the ids removed since then), per table; a table
-new since the base, or a server whose tombstones do not reach back to it (a slot copied to it since, a restart),
-gives a full part instead, so every chain restores exactly. ``quantize``: the weights' codec; the optimizer
+new since the base, a server whose tombstones do not reach back to it (a slot copied to it since, a restart), or
+one that leads a slot another primary wrote since the base (``SINCE_MARGIN_S``), gives a full part instead, so
+every chain restores exactly. ``quantize``: the weights' codec; the optimizer
 state stays exact unless ``quantize_state``.
 """
 
@@ -35,11 +36,13 @@ from tigana.ps.errors import DataLoss, InvalidArgument, PSError, Unavailable, fr
 from tigana.ps.wire import cluster as cluster_wire
 
 HOLD_MS = 2000  # the longest a server holds writes waiting for the commit
-# An incremental reads the rows updated at or after its base's cut time minus this margin. The cut time is the
-# earliest of the servers' clocks at their commits: a row written on server Y after the cut carries a time of
-# Y's clock at or after Y's commit, which is at or after that earliest reading, whatever the skew between the
-# servers' clocks (a row copied to a server since carries its writer's clock, and a copy makes that server's part
-# full anyway). The margin covers a clock stepped back by less than it; row times are rounded up, never down.
+# Which rows changed since the base is decided by log positions, not by comparing clocks across servers. A
+# server's part is incremental only if every slot it leads kept its log position since the base (no write) or was
+# led by it alone since the base (the map's slot_epochs: its copies unchanged since the base's epoch); the rows
+# of such slots changed since the base were all stamped by this server's own clock, at or after its own reading
+# at the base's commit, so it reads the rows updated at or after that reading, less this margin (a clock stepped
+# back by less than it; row times are rounded up, never down). A server with no reading in the base (it led
+# nothing then), or a slot another primary wrote since, gives a full part (``tigana.ps.shard.cuts``).
 SINCE_MARGIN_S = 0.1
 
 
@@ -58,17 +61,14 @@ def write_checkpoint(client: Any, directory: str | os.PathLike, tables: list[str
     base_manifest = read_manifest(base_path) if base_path is not None else None
     client.flush()
     names = sorted(tables or client.list_tables())
-    since: dict[str, float] = {}
-    if base_manifest is not None:
-        cut_time = float(base_manifest["cut"]["time"]) - SINCE_MARGIN_S
-        since = {n: cut_time for n in names if n in base_manifest["tables"]}
+    base_cut = _BaseCut.of(base_manifest, names, client.config.num_slots) if base_manifest is not None else None
     tmp = root.with_name(f".{root.name}.tmp-{os.getpid()}")
     deadline = time.monotonic() + client.config.failover_timeout_s
     while True:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            manifest = _one_cut(client, tmp, names, since, quantize, quantize_state)
+            manifest = _one_cut(client, tmp, names, base_cut, quantize, quantize_state)
             break
         except PSError as error:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -112,7 +112,38 @@ def _find_base(root: Path, base: str | os.PathLike | None) -> Path | None:
     return newest[1] if newest else None
 
 
-def _one_cut(client: Any, tmp: Path, names: list[str], since: dict[str, float], quantize: str,
+class _BaseCut:
+    """What an incremental cut's servers need of its base: each server's clock reading at the base's commit
+    (by address), the base's map epoch, and per table every slot's log position in the base."""
+
+    def __init__(self, times: dict[str, float], epoch: int, positions: dict[str, bytes]) -> None:
+        self.times, self.epoch, self.positions = times, epoch, positions
+
+    @classmethod
+    def of(cls, manifest: dict[str, Any], names: list[str], num_slots: int) -> _BaseCut:
+        positions = {}
+        for name in names:
+            table = manifest["tables"].get(name)
+            if table is None:
+                continue  # new since the base: a full part
+            at = np.full((num_slots, 2), np.iinfo(np.uint64).max, np.uint64)  # a slot no part names: never kept
+            for part in table["parts"]:
+                if part["positions"]:  # slots in increasing order, as format_slots wrote them
+                    slots = np.flatnonzero(routing.parse_slots(part["slots"], num_slots))
+                    at[slots] = np.asarray(part["positions"], np.uint64).reshape(-1, 2)
+            positions[name] = at.astype("<u8").tobytes()
+        return cls({a: float(t) for a, t in manifest["cut"]["servers"].items()}, int(manifest["epoch"]), positions)
+
+    def request(self, address: str) -> dict[str, Any]:
+        """The CommitCutRequest fields of ``address``'s commit: no reading of its own in the base, no since."""
+        if address not in self.times:
+            return {}
+        since = self.times[address] - SINCE_MARGIN_S
+        return {"since": dict.fromkeys(self.positions, since), "base_epoch": self.epoch,
+                "base_positions": self.positions}
+
+
+def _one_cut(client: Any, tmp: Path, names: list[str], base: _BaseCut | None, quantize: str,
              quantize_state: bool) -> dict[str, Any]:
     """One round: prepare, commit, read every part; released on every server whatever happens."""
     route = client._route
@@ -124,6 +155,7 @@ def _one_cut(client: Any, tmp: Path, names: list[str], since: dict[str, float], 
     round_ = CutRound(list(servers), client.config.num_slots)
     timeout = client.config.admin_timeout_s
     commits: dict[str, pb.CommitCutResponse] = {}
+    commits_sent: dict[str, pb.CommitCutRequest] = {}
     infos = {n: client.describe_table(n) for n in names}
     with futures.ThreadPoolExecutor(max_workers=len(servers), thread_name_prefix="tigana-cut") as pool:
         def each(call, make):
@@ -148,9 +180,10 @@ def _one_cut(client: Any, tmp: Path, names: list[str], since: dict[str, float], 
                 else:
                     actions += round_.prepared(address)
             if any(isinstance(a, Commit) for a in actions):
-                commit = pb.CommitCutRequest(cut=cut, since=since)
-                for address, reply in each(lambda s, r: s.stub.CommitCut(r, timeout=timeout), lambda a: commit
-                                           ).items():
+                commits_sent = {a: pb.CommitCutRequest(cut=cut, **(base.request(a) if base is not None else {}))
+                                for a in servers}
+                for address, reply in each(lambda s, r: s.stub.CommitCut(r, timeout=timeout),
+                                           commits_sent.__getitem__).items():
                     if isinstance(reply, Exception):
                         errors.append(reply)
                         actions += round_.refused(address, str(reply))
@@ -176,6 +209,7 @@ def _one_cut(client: Any, tmp: Path, names: list[str], since: dict[str, float], 
     for reply in parts.values():
         if isinstance(reply, Exception):
             raise reply
+    since = {a: dict(r.since) for a, r in commits_sent.items()}
     return _manifest(client, infos, since, commits, parts, quantize, quantize_state)
 
 
@@ -202,7 +236,8 @@ def _part_name(address: str) -> str:
     return "part-" + hashlib.sha256(address.encode()).hexdigest()[:12]
 
 
-def _manifest(client: Any, infos: dict[str, Any], since: dict[str, float], commits: dict[str, pb.CommitCutResponse],
+def _manifest(client: Any, infos: dict[str, Any], since: dict[str, dict[str, float]],
+              commits: dict[str, pb.CommitCutResponse],
               parts: dict[str, dict[str, dict[str, Any]]], quantize: str, quantize_state: bool) -> dict[str, Any]:
     times = {a: c.server_time for a, c in commits.items()}
     manifest: dict[str, Any] = {
@@ -222,6 +257,7 @@ def _manifest(client: Any, infos: dict[str, Any], since: dict[str, float], commi
                             cluster_wire.array(table.positions_indexes, "<u8", field="positions").tolist(),
                             strict=True)
             entry = dict(parts[address][name], server=address, full=bool(table.full),
+                         since=0.0 if table.full else since[address].get(name, 0.0),
                          slots=routing.format_slots(slots), positions=[list(p) for p in positions])
             entries.append(entry)
             step = max(step, int(table.step))
@@ -231,7 +267,8 @@ def _manifest(client: Any, infos: dict[str, Any], since: dict[str, float], commi
         manifest["tables"][name] = {
             "spec": json_format.MessageToDict(spec, preserving_proto_field_name=True), "rows": rows, "step": step,
             "dim": int(info.config.dim), "state_width": int(info.stats["state_width"]),
-            "since": since.get(name, 0.0), "deleted": sum(e["deleted"] for e in entries), "bytes": nbytes,
+            "since": min((e["since"] for e in entries if not e["full"]), default=0.0),
+            "deleted": sum(e["deleted"] for e in entries), "bytes": nbytes,
             "parts": entries}
     manifest["bytes"] = total
     if any(not np.isfinite(v) for v in times.values()):

@@ -200,9 +200,11 @@ class Agent:
             if self.service.epoch < wanted:
                 self._stop.wait(self.interval)
 
-    def report_copy_failure(self, target: str, slots: np.ndarray, reason: str) -> None:
+    def report_copy_failure(self, target: str, slots: np.ndarray, reason: str, epoch: int = 0) -> None:
+        """Report that ``target``'s copies of ``slots`` failed, as seen at map ``epoch`` (0: the map installed
+        now): the scheduler keeps the copies of slots that changed after it."""
         self._report("ReportCopyFailure", spb.ReportCopyFailureRequest(
-            reporter=self.service.server_id, epoch=self.service.epoch, target=target,
+            reporter=self.service.server_id, epoch=epoch or self.service.epoch, target=target,
             slots=np.asarray(slots, "<i4").tobytes(), reason=reason[:500]))
 
     def copy_caught_up(self, target: str, slots: np.ndarray, since_epoch: int) -> bool | None:

@@ -49,6 +49,7 @@ class ReportFailure:
     target: str
     slots: np.ndarray
     reason: str
+    epoch: int = 0  # the primary's map epoch when it saw the failure (the scheduler ignores it for slots changed since)
 
 
 @dataclass(frozen=True, eq=False)

@@ -343,7 +343,7 @@ class Primary:
                     s.target_id, self.epoch, slots_text(report), reason,
                     extra=event("replication_failing", slots=report, epoch=self.epoch, server=s.target_id,
                                 source=self.server_id, reason=reason))
-        return [ReportFailure(s.target_id, report.astype(np.int32), reason)]
+        return [ReportFailure(s.target_id, report.astype(np.int32), reason, self.epoch)]
 
     def send_failed(self, s: Stream, reason: str, now: float, *, report_now: bool = False) -> list[Action]:
         """A failed send; after ``failure_timeout_s`` (or at once for a rejection) the target's copies are
@@ -366,7 +366,7 @@ class Primary:
                     "(slots %s)", self.server_id, s.target_id, s.address, self.epoch, reason, report.size,
                     slots_text(report), extra=event("replication_failing", slots=report, epoch=self.epoch,
                                                     server=s.target_id, source=self.server_id, reason=reason))
-        return [ReportFailure(s.target_id, report, reason)]
+        return [ReportFailure(s.target_id, report, reason, self.epoch)]
 
     # --- event: the upkeep timer --------------------------------------------------------------------------
     def retry(self) -> list[Action]:
@@ -375,11 +375,13 @@ class Primary:
         actions: list[Action] = []
         for s in self.streams.values():
             if s.reported and s.broken_since is not None:
-                actions.append(ReportFailure(s.target_id, np.flatnonzero(s.held).astype(np.int32), s.last_error))
+                actions.append(ReportFailure(s.target_id, np.flatnonzero(s.held).astype(np.int32), s.last_error,
+                                             self.epoch))
                 continue
             refused = s.excluded & s.in_sync
             if refused.any():
-                actions.append(ReportFailure(s.target_id, np.flatnonzero(refused).astype(np.int32), s.last_error))
+                actions.append(ReportFailure(s.target_id, np.flatnonzero(refused).astype(np.int32), s.last_error,
+                                             self.epoch))
             actions += [ReportCaughtUp(s, sess) for sess in s.sessions if sess.state == REPORTED]
         return actions
 

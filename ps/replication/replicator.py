@@ -63,13 +63,13 @@ class _Waiter:
 class Replicator:
     """The primary side of replication on one server: the ``Primary`` core under a lock, and its transport.
 
-    ``refresh_map(epoch)``, ``report_failure(target, slots, reason)`` and ``caught_up(target, slots,
+    ``refresh_map(epoch)``, ``report_failure(target, slots, reason, epoch)`` and ``caught_up(target, slots,
     since_epoch) -> bool`` are the server's links to the scheduler (called from sender threads, never under
     the lock); ``caught_up`` answers False when the scheduler refused the report as stale, and the copy is then
     started again. ``copy_rows(stream, session)`` exports a slot copy's rows through ``enqueue_rows``."""
 
     def __init__(self, server_id: str, boot: str, num_slots: int, *, max_message_bytes: int,
-                 refresh_map: Callable[[int], None], report_failure: Callable[[str, np.ndarray, str], None],
+                 refresh_map: Callable[[int], None], report_failure: Callable[[str, np.ndarray, str, int], None],
                  caught_up: Callable[[str, np.ndarray, int], bool | None],
                  copy_rows: Callable[[Stream, Session], None],
                  failure_timeout_s: float = 2.0, send_timeout_s: float = 10.0, batch_bytes: int = 24 << 20,
@@ -125,7 +125,7 @@ class Replicator:
                 name = SLOT_COPY_THREAD if a.session.paced else SLOT_RESTORE_THREAD
                 self.spawn(name, lambda s=a.stream, sess=a.session: self._copy(s, sess))
             elif isinstance(a, ReportFailure):
-                self.report_failure(a.target, a.slots, a.reason)
+                self.report_failure(a.target, a.slots, a.reason, a.epoch)
             elif isinstance(a, ReportCaughtUp):
                 if self.caught_up(a.stream.target_id, a.session.slots, a.session.epoch) is False:
                     with self.cond:

@@ -286,15 +286,31 @@ class SchedulerCore(Liveness, Moves):
         rows, cols = np.nonzero((m.copies[mine] == t) & (m.states[mine] == state))
         return mine[rows], cols
 
-    def copy_failed(self, reporter: str, target: str, slots: np.ndarray, reason: str, *, now: float
-                    ) -> tuple[bool, str]:
+    def copy_failed(self, reporter: str, target: str, slots: np.ndarray, reason: str, *, now: float,
+                    epoch: int = 0) -> tuple[bool, str]:
         """``reporter`` could not stream to ``target``: demote target's copies of the reporter's slots. This is
-        the only way a copy leaves the in-sync set (invariant I1 of ``replication``)."""
+        the only way a copy leaves the in-sync set (invariant I1 of ``replication``).
+
+        ``epoch``: the map epoch at which the reporter saw the failure (0: not said; such a report is taken as
+        current). A slot whose copies or states changed after it (``slot_epochs`` above ``epoch``: the copy was
+        demoted and rebuilt, or the slot moved, since) is left alone: the report is stale for it, and a
+        failure that still holds is reported again at the reporter's newer epoch."""
         self.now = now
         hit = self._primary_copies(reporter, target, slots, IN_SYNC)
         if hit is None:
             return False, "unknown server"
+        stale = hit[0][:0]
+        if epoch:
+            fresh = self.map.slot_epochs[hit[0]] <= np.uint64(epoch)
+            stale, hit = hit[0][~fresh], (hit[0][fresh], hit[1][fresh])
+            if stale.size:
+                log.info("stale failure report from %s about %s (seen at epoch %d; slots %s changed after it): "
+                         "those copies are kept", reporter, target, epoch, slots_text(stale),
+                         extra=event("stale_failure_report", slots=stale, server=target, reporter=reporter,
+                                     reason=reason))
         if hit[0].size == 0:
+            if stale.size:
+                return False, f"stale report: seen at epoch {epoch}, slots {slots_text(stale)} changed after it"
             return True, "nothing to demote"
         states = self.map.states.copy()
         states[hit] = CATCHING_UP

@@ -187,8 +187,9 @@ class SchedulerDriver:
         m = self.published
         return (m if m.epoch > epoch and not again else None), again
 
-    def copy_failed(self, reporter: str, target: str, slots: np.ndarray, reason: str) -> tuple[bool, str]:
-        return self._event(lambda now: self.core.copy_failed(reporter, target, slots, reason, now=now))
+    def copy_failed(self, reporter: str, target: str, slots: np.ndarray, reason: str,
+                    epoch: int = 0) -> tuple[bool, str]:
+        return self._event(lambda now: self.core.copy_failed(reporter, target, slots, reason, now=now, epoch=epoch))
 
     def copy_caught_up(self, reporter: str, target: str, slots: np.ndarray, since_epoch: int = 0) -> tuple[bool, str]:
         return self._event(lambda now: self.core.copy_caught_up(reporter, target, slots, since_epoch, now=now))

@@ -81,7 +81,7 @@ class SchedulerService(spb_grpc.SchedulerServicer):
     @_handler("ReportCopyFailure")
     def ReportCopyFailure(self, request, context):
         slots = cluster_wire.array(request.slots, "<i4", field="slots")
-        ok, msg = self.core.copy_failed(request.reporter, request.target, slots, request.reason)
+        ok, msg = self.core.copy_failed(request.reporter, request.target, slots, request.reason, int(request.epoch))
         return spb.ReportResponse(epoch=self.core.map.epoch, accepted=ok, message=msg)
 
     @_handler("CopyCaughtUp")

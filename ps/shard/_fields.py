@@ -47,6 +47,7 @@ class ShardFields:
     corrupt_stores: int
     agent: Any
     on_install: Callable[[], None] | None
+    wall_clock: Callable[[], float]
     _tables: dict[str, _Hosted]
     _registry_lock: threading.RLock
     _install_lock: threading.Lock

@@ -7,9 +7,10 @@ The protocol, on this server:
    (each wait bounded by the hold, so a lock cycle cannot form), and answer. From here no write applies to those
    tables here: pushes, pulls that insert, imports and replicated changes wait for the lock.
 2. ``CommitCut(cut, since)``: under those locks, per table: open a copy-on-write cut of every row (O(1)), or,
-   for an incremental cut (``since``) of a table whose rows are all resident and whose tombstones reach back to
-   ``since``, copy the rows updated since then and the ids removed since then (O(rows changed) plus one
-   vectorized pass over the update times). Record the led slots, their log positions, the epoch and the step.
+   for an incremental cut (``since``, this server's own clock at the base) of a table whose led slots each kept
+   their base log position or were led here alone since the base (``_since_holds``), whose rows are all
+   resident and whose tombstones reach back to ``since``, copy the rows updated since then and the ids removed
+   since then (O(rows changed) plus one vectorized pass over the update times). Record the led slots, their log positions, the epoch and the step.
    Release the locks. A copy-on-write cut is then read by ``ExportRows(cut=...)`` while writes go on.
 3. ``ReleaseCut``: drop what is left (the coordinator calls it when done or failed).
 
@@ -40,6 +41,7 @@ from tigana.ps.routing import slot_of
 from tigana.ps.shard._fields import ShardFields
 from tigana.ps.shard._guard import _rpc
 from tigana.ps.shard.hosted import _Hosted
+from tigana.ps.wire import cluster as cluster_wire
 
 MAX_HOLD_MS = 10_000  # the longest a coordinator may ask writes to wait
 DEFAULT_KEEP_MS = 600_000
@@ -123,11 +125,13 @@ class Cuts(ShardFields):
             entry.want = view.leads.copy()
             slots = np.flatnonzero(entry.want)
             in_led = self._in_led(entry.want)
-            out.server_time = time.time()
+            out.server_time = self.wall_clock()
             out.epoch = view.epoch
             out.slots = slots.astype("<i4").tobytes()
             for name, h in entry.hosted:
                 since = float(request.since.get(name, 0.0))
+                if since and not self._since_holds(request, name, h, view, slots):
+                    since = 0.0  # a slot written since the base by another primary: this part is full
                 entry.parts[name] = part = self._table_cut(h, since, in_led)
                 part.positions = h.log.positions[slots].copy()
                 out.tables.add(table=name, step=part.step, full=part.deleted is None,
@@ -158,6 +162,26 @@ class Cuts(ShardFields):
         if entry is not None:
             self._end_cut(entry, "released")
         return pb.ReleaseCutResponse()
+
+    def _since_holds(self, request: pb.CommitCutRequest, name: str, hosted: _Hosted, view, slots: np.ndarray
+                     ) -> bool:
+        """Whether the rows of ``slots`` (led here) changed since the base are those updated at or after the
+        request's ``since`` (this server's clock at the base): each slot kept the log position it had in the base
+        (nothing written since), or this server led it since the base (its copies unchanged since the base's
+        epoch, so every write since was applied here first and stamped by this clock). A slot another primary
+        wrote since the base holds rows stamped by that primary's clock, which may be behind this one. No base
+        positions (an older coordinator): False, the part is full. A server without a scheduler (static slots,
+        no other primary): True."""
+        raw = request.base_positions.get(name)
+        if raw is None:
+            return False
+        if view.map is None:
+            return True
+        base = cluster_wire.array(raw, "<u8", field=f"base_positions[{name!r}]",
+                                  count=2 * self.num_slots).reshape(self.num_slots, 2)
+        kept = (hosted.log.positions[slots] == base[slots]).all(axis=1)
+        led_since = (view.map.slot_epochs[slots] <= np.uint64(request.base_epoch)) & (request.base_epoch > 0)
+        return bool((kept | led_since).all())
 
     def _table_cut(self, hosted: _Hosted, since: float, in_led) -> _TableCut:
         """One table's part, under its write lock (see the module docstring, step 2)."""

@@ -94,9 +94,7 @@ class Exports(ShardFields):
             return
         name = request.table
         hosted = self._get(name)
-        view = self._view
-        if not view.valid:
-            raise Unavailable(f"table {name!r}: server {self.server_id} is not in the cluster yet")
+        view = self._export_view(name, hosted, int(request.epoch))
         if request.slots:
             slots = cluster_wire.array(request.slots, "<i4", field="slots").astype(np.int64)
             if slots.size and (slots.min() < 0 or slots.max() >= self.num_slots):
@@ -116,11 +114,12 @@ class Exports(ShardFields):
         if since and not hosted.table.rows_spilled:
             # resident rows only: one vectorized pass over their update times under the lock. With a spill tier
             # the spilled rows' times live in the store, so the delta is read from a cut (below) instead.
-            yield from self._export_since(hosted, slots, want, since, chunk, request.weights_only)
+            yield from self._export_since(name, hosted, slots, want, since, chunk, request.weights_only)
             return
         tmp = Path(tempfile.mkdtemp(prefix="cut-", dir=base))
         try:
             with hosted.lock:  # the cut: rows, positions and step at one moment (O(1): copy-on-write)
+                self._check_hosted(name, hosted)
                 cut_time = time.time()
                 table = hosted.table
                 pending = table.begin_snapshot(tmp, incremental=False, track=False)
@@ -153,13 +152,40 @@ class Exports(ShardFields):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def _export_since(self, hosted: _Hosted, slots: np.ndarray, want: np.ndarray, since: float, chunk: int,
-                      weights_only: bool):
+    def _export_view(self, name: str, hosted: _Hosted, epoch: int):
+        """The view an export (not a cluster cut) reads under: this server has installed the request's map
+        (``epoch``, 0: not said) and serves the incarnation of the table that map names. A server behind the
+        request, or holding an incarnation the request's map does not know (dropped and created again), would
+        export another incarnation's rows: Unavailable, retried by a newer map."""
+        view = self._view
+        if not view.valid:
+            raise Unavailable(f"table {name!r}: server {self.server_id} is not in the cluster yet")
+        if epoch > view.epoch:
+            if self.agent is not None:
+                self.agent.refresh_soon(epoch)
+            raise Unavailable(f"table {name!r}: server {self.server_id} is at map epoch {view.epoch}, behind the "
+                              f"export's (epoch {epoch}); retry", epoch=view.epoch)
+        created = hosted.spec.created_epoch
+        if created > view.epoch or (epoch and created > epoch):
+            raise Unavailable(f"table {name!r}: server {self.server_id} holds the table as created at epoch "
+                              f"{created}, newer than the export's map (epoch {epoch or view.epoch}); retry by a "
+                              "newer map", epoch=view.epoch)
+        return view
+
+    def _check_hosted(self, name: str, hosted: _Hosted) -> None:
+        """Under ``hosted``'s lock: it is still the table served as ``name`` (not dropped or created again)."""
+        if self._tables.get(name) is not hosted:
+            raise Unavailable(f"table {name!r} was dropped or created again on server {self.server_id} while "
+                              "the export started; retry", epoch=self._view.epoch)
+
+    def _export_since(self, name: str, hosted: _Hosted, slots: np.ndarray, want: np.ndarray, since: float,
+                      chunk: int, weights_only: bool):
         """ExportRows with ``since_time`` (serving deltas, ``tigana admin export --since/--follow``): the rows
         updated at or after ``since`` are copied in memory under the lock (the same cut as a snapshot: rows,
         positions, step and time at one moment), then streamed; its cost follows the rows changed, not the
         table's size, and no snapshot is written."""
         with hosted.lock:
+            self._check_hosted(name, hosted)
             cut_time = time.time()
             rows = hosted.table.export_rows(self._in(want), since=since)
             deleted = hosted.table.removed_since(since, self._in(want))

@@ -354,9 +354,9 @@ class Ownership(ShardFields):
         if self.agent is not None:
             self.agent.refresh(epoch, wait_s)
 
-    def _report_failure(self, target: str, slots: np.ndarray, reason: str) -> None:
+    def _report_failure(self, target: str, slots: np.ndarray, reason: str, epoch: int) -> None:
         if self.agent is not None:
-            self.agent.report_copy_failure(target, slots, reason)
+            self.agent.report_copy_failure(target, slots, reason, epoch)
 
     def _start_hand_over(self) -> None:
         with self._install_lock:

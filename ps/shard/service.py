@@ -54,7 +54,7 @@ class ShardService(Ownership, Writes, Exports, Cuts, Persistence, Hosting, shard
     """The tables and slot copies of one shard server. ``state`` is loading -> serving -> closed.
 
     ``agent`` (set by the daemon in cluster mode) is the link to the scheduler: ``refresh(epoch)``,
-    ``report_copy_failure(target, slots, reason)``, ``copy_caught_up(target, slots)``.
+    ``report_copy_failure(target, slots, reason, epoch)``, ``copy_caught_up(target, slots)``.
 
     Assembled from one room per concept (see the ``tigana.ps.shard`` docstring); this module holds the
     remaining handlers."""
@@ -78,6 +78,7 @@ class ShardService(Ownership, Writes, Exports, Cuts, Persistence, Hosting, shard
         self.corrupt_stores = 0  # stores found corrupt at start and quarantined (clustered servers)
         self.agent: Any = None
         self.on_install: Callable[[], None] | None = None  # the daemon's health update
+        self.wall_clock: Callable[[], float] = lambda: time.time()  # a cut's server_time (tables stamp their rows)
         self._tables: dict[str, _Hosted] = {}
         self._registry_lock = threading.RLock()
         self._install_lock = threading.Lock()

@@ -30,10 +30,30 @@ def test_the_lock_has_one_holder_and_is_free_after_close(tmp_path) -> None:
     third.close()
 
 
-def test_fsync_takes_files_and_directories(tmp_path) -> None:
+def test_fsync_takes_files_and_directories(tmp_path, monkeypatch) -> None:
+    """Each call fsyncs a descriptor of the very file or directory named (same inode), closes it, and leaves
+    the content as it was; a missing path raises rather than syncing nothing."""
     (tmp_path / "f").write_text("x")
-    fsync_path(tmp_path / "f")
-    fsync_path(tmp_path)
+    synced: list[tuple[int, int]] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        st = os.fstat(fd)
+        synced.append((st.st_dev, st.st_ino))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    open_fds = set(os.listdir("/proc/self/fd"))
+    for path in (tmp_path / "f", tmp_path):
+        fsync_path(path)
+        st = os.stat(path)
+        assert synced[-1] == (st.st_dev, st.st_ino), path
+    assert len(synced) == 2
+    assert set(os.listdir("/proc/self/fd")) == open_fds  # every descriptor it opened was closed
+    assert (tmp_path / "f").read_text() == "x"
+    with pytest.raises(FileNotFoundError):
+        fsync_path(tmp_path / "missing")
+    assert len(synced) == 2
 
 
 def test_an_atomic_write_replaces_the_file_and_leaves_no_temp(tmp_path) -> None:

@@ -79,7 +79,7 @@ def test_a_partitioned_primary_acknowledges_nothing_after_the_failover() -> None
 @root
 def test_a_full_disk_answers_resource_exhausted_and_resumes() -> None:
     f = _run("disk_full", 1)
-    assert f["rejected_pct"] == 100.0 and f["corrupted"] == 0
+    assert f["rejected_pct"] == 100.0 and f["corrupted"] == 0 and f["resumed_pct"] == 100.0
 
 
 def test_the_bench_prints_one_line_per_fault(capsys) -> None:

@@ -15,9 +15,12 @@ import pytest
 
 from tigana import ps
 from tigana.embeddings import RowBatch
-from tigana.ps import routing
+from tigana.ps import admin, routing
 from tigana.ps.checkpoint import checkpoint_rows
 from tigana.ps.checkpoint.write import SINCE_MARGIN_S
+from tigana.ps.config import ServerConfig
+from tigana.ps.daemon import start_server
+from tigana.ps.scheduler import SchedulerConfig, start_scheduler
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -217,3 +220,67 @@ def test_quantized_checkpoints_through_the_cli(make_shard_cluster, tmp_path) -> 
         assert not (tmp_path / "refused").exists()
         for stats in client.server_stats("bad").values():
             assert stats["bad"]["cuts_open"] == 0
+
+
+def _until(condition, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_an_incremental_holds_the_rows_of_a_server_whose_clock_is_behind(tmp_path) -> None:
+    """A server whose clock is an hour behind led nothing in the base (it held copies); a hand-over makes it the
+    primary of a slot, and the rows it writes there carry times an hour before the base's cut. The incremental
+    checkpoint must still hold them: it read the rows updated since the earliest of the base's clocks (less
+    0.1 s) and left them out. Now log positions and the map decide: a slot written since the base by a primary
+    that did not lead it then makes that server's part full."""
+    sched = start_scheduler(SchedulerConfig(data_dir=str(tmp_path / "sched"), replicas=1, heartbeat_timeout_s=5.0,
+                                            auto_rebalance=False))
+    servers = []
+    try:
+        def server(name: str):
+            handle = start_server(ServerConfig(port=0, data_dir=str(tmp_path / name), scheduler=sched.address,
+                                               drain_grace_s=1.0))
+            servers.append(handle)
+            assert handle.wait_ready(30)
+            return handle
+
+        server("x")
+        _until(lambda: (sched.core.map.copies[:, 0] >= 0).all(), "no placement")
+        with ps.connect(scheduler=sched.address) as client:
+            client.create_table("t", dim=DIM, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
+            ids = np.arange(20_000, dtype=np.int64)
+            client.push("t", ids, -np.ones((ids.size, DIM), np.float32)).result()
+            y = server("y")
+            _until(lambda: (sched.core.map.copies >= 0).all() and (sched.core.map.states == routing.IN_SYNC).all(),
+                   "y's copies never caught up")
+            time.sleep(SINCE_MARGIN_S + 0.05)
+            base = client.checkpoint(str(tmp_path / "c" / "c0"))
+            assert list(base["cut"]["servers"]) == [servers[0].address]  # y led nothing
+            behind = lambda: time.time() - 3600.0  # noqa: E731
+            y.service.wall_clock = behind
+            for hosted in y.service._tables.values():
+                hosted.table.wall_clock = behind
+            slot = 5
+            admin.move_slot(sched.address, slot, y.service.server_id, primary=True)
+            me = sched.core.map.index_of(y.service.server_id)
+            _until(lambda: sched.core.map.copies[slot, 0] == me and y.service.epoch == sched.core.map.epoch,
+                   "the hand-over did not finish")
+            mine = ids[routing.slot_of(ids) == slot]
+            assert mine.size
+            client.push("t", mine, -np.ones((mine.size, DIM), np.float32)).result()
+            inc = client.checkpoint(str(tmp_path / "c" / "c1"), incremental=True)
+            client.checkpoint(str(tmp_path / "full"))
+        assert inc["kind"] == "incremental"
+        parts = {p["server"]: p for p in inc["tables"]["t"]["parts"]}
+        assert parts[y.address]["full"]  # y wrote slot 5, which it did not lead in the base
+        assert not parts[servers[0].address]["full"] and parts[servers[0].address]["rows"] == 0  # x: nothing new
+        chain, want = _rows(tmp_path / "c" / "c1", "t"), _rows(tmp_path / "full", "t")
+        assert (chain.update_count[np.isin(chain.ids, mine)] == 2).all()
+        for field in ("ids", "weights", "update_count"):
+            np.testing.assert_array_equal(getattr(chain, field), getattr(want, field))
+    finally:
+        for handle in servers:
+            handle.close(grace=1.0)
+        sched.close()

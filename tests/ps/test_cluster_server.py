@@ -7,6 +7,7 @@ replication items, the replication wire codec against protobuf, and Prometheus f
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
 import grpc
@@ -16,7 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tigana import ps
 from tigana.embeddings import RowBatch
+from tigana.proto import scheduler_pb2 as spb
+from tigana.proto import scheduler_pb2_grpc as spb_grpc
 from tigana.proto import shard_pb2 as pb
+from tigana.proto import shard_pb2_grpc
 from tigana.ps.config import ServerConfig
 from tigana.ps.daemon import COPIES_HEALTH_NAME, start_server
 from tigana.ps.routing import CATCHING_UP, IN_SYNC
@@ -248,3 +252,85 @@ def test_a_new_table_takes_writes_only_once_the_map_that_created_it_is_installed
     np.testing.assert_array_equal(primary._tables["late"].table.pull(ids, insert=False), want)
     np.testing.assert_array_equal(copy._tables["late"].table.pull(ids, insert=False), want)
     assert sched.core.metrics.copies_demoted.labels("replication_failed")._value.get() == 0
+
+
+def _all_in_sync(sched, deadline_s: float = 30.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while (sched.core.map.states != IN_SYNC)[sched.core.map.copies >= 0].any():
+        assert time.monotonic() < deadline, sched.core.map.summary()
+        time.sleep(0.05)
+
+
+def test_a_stale_copy_failure_report_on_the_wire_leaves_the_rebuilt_copy_in_sync(cluster) -> None:
+    """A primary's failure report carries the epoch at which it saw the failure. Sent again after the copy was
+    demoted and rebuilt (a retry whose first answer was lost), it is refused as stale and the copy stays in
+    sync; a report that names no epoch (an older sender) is taken as current."""
+    sched, servers = cluster
+    m = sched.core.map
+    primary, replica = (h.service.server_id for h in servers)
+    led = np.flatnonzero(m.leads(m.index_of(primary))).astype("<i4")
+    report = spb.ReportCopyFailureRequest(reporter=primary, epoch=m.epoch, target=replica, slots=led.tobytes(),
+                                          reason="stream broke")
+    with grpc.insecure_channel(sched.address) as channel:
+        stub = spb_grpc.SchedulerStub(channel)
+        reply = stub.ReportCopyFailure(report, timeout=10)
+        assert reply.accepted and reply.epoch > m.epoch
+        assert (sched.core.map.copy_state(m.index_of(replica))[led] == CATCHING_UP).all()
+        _all_in_sync(sched)  # the primary rebuilt its copies on the replica
+        rebuilt = sched.core.map
+        reply = stub.ReportCopyFailure(report, timeout=10)
+        assert not reply.accepted and reply.message.startswith(f"stale report: seen at epoch {m.epoch}")
+        assert sched.core.map.epoch == rebuilt.epoch
+        assert (sched.core.map.copy_state(m.index_of(replica))[led] == IN_SYNC).all()
+        report.epoch = 0
+        assert stub.ReportCopyFailure(report, timeout=10).accepted
+        assert (sched.core.map.copy_state(m.index_of(replica))[led] == CATCHING_UP).all()
+    _all_in_sync(sched)
+
+
+def _export(address: str, table: str, epoch: int) -> int:
+    """The rows a full export (not a cut) of ``table`` routed at map ``epoch`` streams from ``address``."""
+    with grpc.insecure_channel(address) as channel:
+        chunks = shard_pb2_grpc.ShardStub(channel).ExportRows(pb.ExportRowsRequest(table=table, epoch=epoch),
+                                                              timeout=10)
+        return sum(len(c.rows.ids) // 8 for c in chunks)
+
+
+def test_an_export_never_reads_an_incarnation_its_map_does_not_name(cluster, tmp_path) -> None:
+    """A table dropped and created again while a server has not installed that map yet (its install held up):
+    a full export routed by the new map must not stream the dropped incarnation's rows from it (it did: the
+    request's epoch and the table's incarnation were not checked). It answers Unavailable until it installs the
+    map, then exports the new, empty incarnation; an export routed by the old map is refused by a server that
+    holds the new one."""
+    sched, servers = cluster
+    s0 = servers[0]
+    with ps.connect(scheduler=sched.address) as client:
+        client.create_table("t", dim=4, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
+        ids = np.arange(4096, dtype=np.int64)
+        client.push("t", ids, -np.ones((ids.size, 4), np.float32)).result()
+        old = sched.core.map.epoch
+        _wait_installed(servers, old)
+        assert _export(s0.address, "t", old) > 0  # it leads some of the rows
+        s0.service._install_lock.acquire()  # s0's installs wait: it stays at the old map
+        try:
+            client.drop_table("t")
+            client.create_table("t", dim=4, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
+            new = sched.core.map.epoch
+            assert s0.service.epoch < new
+            with pytest.raises(grpc.RpcError) as err:
+                _export(s0.address, "t", new)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "behind the export's" in err.value.details()
+            # the client's export retries by the newest map until the server has installed it
+            exported: list = []
+            exporter = threading.Thread(target=lambda: exported.append(client.export("t", str(tmp_path / "x"))))
+            exporter.start()
+            time.sleep(0.5)
+        finally:
+            s0.service._install_lock.release()
+        exporter.join(30)
+        assert exported and exported[0]["rows"] == 0
+        _wait_installed(servers, new)
+        assert _export(s0.address, "t", new) == 0  # the new incarnation: empty
+        with pytest.raises(grpc.RpcError) as err:
+            _export(s0.address, "t", old)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "newer than the export's map" in err.value.details()

@@ -145,6 +145,20 @@ def test_an_item_cut_by_a_refusal_does_not_acknowledge_the_writes_it_lost() -> N
     assert p.mark_done(before[0])  # the map took the copy of slot 1 out of the in-sync set (I1)
 
 
+def test_a_failure_report_carries_the_epoch_at_which_it_was_seen() -> None:
+    """The scheduler ignores a report for slots that changed after the epoch it carries (a late retry must not
+    demote a copy rebuilt since): a report says the map the primary held when it saw the failure."""
+    p = _primary(failure_timeout_s=0.0)
+    _install(p, _map(3, [IN_SYNC] * 2 + [None] * 6))
+    s = p.streams["b@b:1"]
+    assert [(a.slots.tolist(), a.epoch) for a in p.send_failed(s, "UNAVAILABLE", now=1.0)] == [([0, 1], 3)]
+    refused = _primary()
+    _install(refused, _map(4, [IN_SYNC] * 2 + [None] * 6))
+    out = refused.answered(refused.streams["b@b:1"], _reply(0, pb.REJECT_DIVERGED, [1], epoch=4), now=1.0)
+    assert [(a.slots.tolist(), a.epoch) for a in out] == [([1], 4)]
+    assert [a.epoch for a in refused.retry() if isinstance(a, ReportFailure)] == [4]
+
+
 def test_a_refusal_about_slots_led_elsewhere_now_demotes_nothing() -> None:
     p = _primary()
     _install(p, _map(1, [CATCHING_UP] * 2 + [None] * 6))

@@ -177,6 +177,35 @@ def test_copy_failed_demotes_only_the_reporters_slots(tmp_path):
     assert c.map.epoch == m2.epoch
 
 
+def test_a_stale_failure_report_does_not_demote_a_rebuilt_copy(tmp_path):
+    """A failure seen at epoch E is reported (and retried) late: by then the copy was demoted, rebuilt and is in
+    sync again at a later epoch. The report is older than those slots' ``slot_epochs``: nothing is demoted. A
+    report seen at the current map demotes; one mixing both demotes only the slots unchanged since; one that
+    names no epoch (0) is taken as current."""
+    c = started(tmp_path, ("a", "b", "c"), replicas=2)
+    led = np.flatnonzero(c.map.leads(0))
+    seen_at = c.map.epoch
+    assert c.core.copy_failed("a", "b", led, "stream broke", seen_at) == (True, "")
+    assert (c.map.copy_state(1)[led] == CATCHING_UP).all()
+    assert c.catch_up_all() and (c.map.copy_state(1)[led] == IN_SYNC).all()
+    rebuilt = c.map
+    assert (rebuilt.slot_epochs[led] > seen_at).all()
+    ok, msg = c.core.copy_failed("a", "b", led, "stream broke (retried)", seen_at)
+    assert not ok and msg.startswith(f"stale report: seen at epoch {seen_at}")
+    assert c.map is rebuilt and (c.map.copy_state(1)[led] == IN_SYNC).all()
+    # one of the slots changes again (its copy on b demoted and rebuilt); a report seen before that demotes the
+    # other slots, which did not change after it
+    seen_at = c.map.epoch
+    c.core.copy_failed("a", "b", led[:1], "x", seen_at)
+    c.catch_up_all()
+    assert (c.map.copy_state(1)[led] == IN_SYNC).all() and c.map.slot_epochs[led[0]] > seen_at
+    assert c.core.copy_failed("a", "b", led, "x", seen_at) == (True, "")
+    assert c.map.copy_state(1)[led[0]] == IN_SYNC and (c.map.copy_state(1)[led[1:]] == CATCHING_UP).all()
+    c.catch_up_all()
+    assert c.core.copy_failed("a", "b", led, "an old sender's report", 0) == (True, "")
+    assert (c.map.copy_state(1)[led] == CATCHING_UP).all()
+
+
 def test_copy_failed_about_itself_keeps_the_primary_in_sync(tmp_path):
     """A primary is in sync by definition, even in a map of width 1 (one copy per slot)."""
     c = started(tmp_path, ("a",), replicas=0)

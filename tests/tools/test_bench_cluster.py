@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from tigana import ps
 from tigana.tools import cli
+from tigana.tools.bench import reshard
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,18 +33,27 @@ def test_bench_ps_replicas_reports_sync_and_async_against_none(bench_lines):
         assert d["durability"] in ("sync", "async") and d["dim"] == 8
 
 
-def test_bench_reshard_moves_drains_and_leaves_every_copy_equal(bench_lines):
+def test_bench_reshard_moves_drains_and_leaves_every_copy_equal(bench_lines, monkeypatch):
+    """The scheduler places the slots as soon as its first server registers (--bootstrap-wait 0), as it does
+    when the others start later than the wait on a loaded machine: the bench evens the three servers out before
+    it loads the table, so the 4th server's move copies its share, not the rows a late server lacked too (one
+    make test run reported every row copied, twice the share)."""
+    real = ps.LocalCluster
+
+    def early(*args, scheduler_args=(), **kwargs):
+        return real(*args, scheduler_args=[*scheduler_args, "--bootstrap-wait", "0"], **kwargs)
+
+    monkeypatch.setattr(reshard.ps, "LocalCluster", early)
     assert cli.main(["bench", "reshard", "--rows", "20000", "--batch", "1024"]) == 0
     lines = {d["case"]: d for d in bench_lines()}
     assert set(lines) == {"reshard.move", "reshard.push_p99", "reshard.balance", "reshard.drain"}
     for d in lines.values():
         assert d["value"] > 0 and d["peer_value"] > 0 and d["rows"] == 20000 and d["replicas"] == 1
         assert d["ratio"] == pytest.approx(d["value"] / d["peer_value"], rel=2e-3)
-    # the 4th server's share was copied to it (about 11,190 row copies: the 20,000 rows and those the traffic
-    # inserted, 2 copies each, a quarter of them). Bounded by every copy of every row once: one make test run
-    # reported 22,370, twice the usual, cause not found yet (stop 43's note); what the test holds to is that
-    # the moves complete and leave every copy equal (below)
-    assert 0 < lines["reshard.move"]["rows_moved"] <= 2 * 20000
+    # the 4th server's share was copied to it, once: a quarter of the 2 copies of the 20,000 rows and of those
+    # the traffic inserted (about 11,190)
+    move = lines["reshard.move"]
+    assert 0 < move["rows_moved"] <= 20000 and move["rows_moved"] <= 1.05 * move["rows_share"], move
     assert lines["reshard.drain"]["copies_differing"] == 0 and lines["reshard.drain"]["rows_held"] > 0
     assert lines["reshard.balance"]["servers"] == 4
     p99 = lines["reshard.push_p99"]  # the samples behind each p99 are reported with it

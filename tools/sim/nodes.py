@@ -116,10 +116,10 @@ class SimAgent:
         if self.core.wants_more(s.svc.epoch):
             s.world.at(self.core.interval_s, self._refresh_wanted)
 
-    def report_copy_failure(self, target: str, slots: np.ndarray, reason: str) -> None:
+    def report_copy_failure(self, target: str, slots: np.ndarray, reason: str, epoch: int = 0) -> None:
         me = self.server.name
         with contextlib.suppress(Lost):
-            self._call(lambda core: core.copy_failed(me, target, np.asarray(slots), reason))
+            self._call(lambda core: core.copy_failed(me, target, np.asarray(slots), reason, epoch))
 
     def copy_caught_up(self, target: str, slots: np.ndarray, since_epoch: int) -> bool | None:
         me, w = self.server.name, self.server.world

@@ -183,13 +183,21 @@ def _insert_until_refused(client: ps.Client, table: str, start: int, batch: int 
     raise AssertionError(f"table {table!r}: {limit} batches of new rows were all accepted")
 
 
+# The disk_full trial's disk: once freed, it must hold what the full disk let the table store, which is what
+# the spill file had reserved before the disk filled (it grows by posix_fallocate, 64 MiB at a time: records
+# fit there while the disk is full), and then the same again: the spill file's next growth (the inserts that
+# resume), and two full snapshots side by side (~75 MiB each for those rows: the new one is written before
+# the old one is deleted). 96 MiB held only the reserved spill room and left 32 MiB for a 75 MiB snapshot.
+DISK_FULL_MIB = 384
+
+
 def disk_full(trials: int, quick: bool, **_: Any) -> Report:
-    """A standalone daemon with a memory budget keeps its data dir (snapshots, spill tier) on a 96 MiB tmpfs.
-    Each trial fills the disk, then: a snapshot and inserts past the memory ceiling must answer
-    RESOURCE_EXHAUSTED and change nothing, and the daemon must live; freed, both resume; restarted from
-    the snapshot written then, it holds what it held."""
+    """A standalone daemon with a memory budget keeps its data dir (snapshots, spill tier) on a tmpfs of
+    ``DISK_FULL_MIB``. Each trial fills the disk, then: a snapshot and inserts past what the spill file can
+    hold must answer RESOURCE_EXHAUSTED and change nothing, and the daemon must live; freed, both resume;
+    restarted from the snapshot written then, it holds what it held."""
     t = _Trial()
-    with _tmpfs(96) as where, cluster(1, replicas=None, data_dir=where, memory_budget="4MiB") as c:
+    with _tmpfs(DISK_FULL_MIB) as where, cluster(1, replicas=None, data_dir=where, memory_budget="4MiB") as c:
         data_dir = c.data_dir / "shard-0"
         for trial in range(trials):
             table = f"full{trial}"
@@ -202,7 +210,9 @@ def disk_full(trials: int, quick: bool, **_: Any) -> Report:
                 before = _digest(client, table, held)
                 now = functools.partial(_digest, client, table, held)
                 t.refuse(client.snapshot, before, now)
-                end = _insert_until_refused(client, table, 1 << 40)  # the memory ceiling reached
+                # The spill file already took its first growth step (the held rows pass the budget), so inserts
+                # fill that room and are refused when the file cannot grow: the table then holds ~64 MiB.
+                end = _insert_until_refused(client, table, 1 << 40)
                 t.refuse(functools.partial(client.pull, table, np.arange(end, end + 20_000)), before, now)
                 alive = c.alive()[0]
                 t.crashes += not alive
@@ -221,7 +231,7 @@ def disk_full(trials: int, quick: bool, **_: Any) -> Report:
                 t.corrupted += _digest(client, table, held) != expect
                 client.drop_table(table)
             log(f"  disk-full trial {trial + 1}/{trials}: {t.figures(trial + 1)}")
-    f = t.figures(trials) | {"tmpfs_mib": 96, "memory_budget": "4MiB"}
+    f = t.figures(trials) | {"tmpfs_mib": DISK_FULL_MIB, "memory_budget": "4MiB"}
     return Report("pct", f["rejected_pct"], "target", 100.0, t.ok(trials), f)
 
 
