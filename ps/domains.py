@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["LEVELS", "FailureDomain", "choose_level", "collapsed", "degraded_slots", "fits", "group_ids",
+__all__ = ["LEVELS", "SERVER", "FailureDomain", "choose_level", "collapsed", "degraded_slots", "fits", "group_ids",
            "groups_for", "separate", "spread"]
 
 LEVELS = ("zone", "rack", "host")  # widest first
@@ -77,6 +77,10 @@ class FailureDomain:
     def describe(self, level: str) -> str:
         """``zone=a,rack=r1`` for ``level`` rack: the parts that name the domain at that level."""
         return ",".join(f"{k}={v}" for k, v in zip(LEVELS, self.key(level), strict=False) if v) or f"{level}=?"
+
+    def __bool__(self) -> bool:
+        """Whether any part is known."""
+        return bool(self.zone or self.rack or self.host)
 
     def __str__(self) -> str:
         return ",".join(f"{k}={v}" for k, v in zip(LEVELS, (self.zone, self.rack, self.host), strict=True) if v)
