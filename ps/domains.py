@@ -47,7 +47,8 @@ class FailureDomain:
 
     @classmethod
     def parse(cls, text: str, *, field: str = "domain") -> FailureDomain:
-        """``"zone=Z,rack=R,host=H"`` (any subset, any order; ``""``: unknown) -> a ``FailureDomain``.
+        """``"zone=Z,rack=R,host=H"`` (any subset, any order; a part left out or empty is unknown) -> a
+        ``FailureDomain``.
         Raises ``ValueError`` naming ``field`` for an unknown key, a repeated key or a part without ``=``."""
         parts: dict[str, str] = {}
         for raw in str(text).split(","):
@@ -60,10 +61,9 @@ class FailureDomain:
                 raise ValueError(f"{field}: expected zone=Z,rack=R,host=H (any of them), got {item!r} in {text!r}")
             if key in parts:
                 raise ValueError(f"{field}: {key!r} given twice in {text!r}")
-            if not value or any(c in value for c in "=, \t"):
-                raise ValueError(f"{field}: {key} must be a non-empty name without '=', ',' or spaces, got "
-                                 f"{value!r}")
-            parts[key] = value
+            if any(c in value for c in "= \t"):
+                raise ValueError(f"{field}: {key} must be a name without '=', ',' or spaces, got {value!r}")
+            parts[key] = value  # empty: unknown (a Kubernetes node without a zone label)
         return cls(**parts)
 
     def with_host(self, host: str) -> FailureDomain:

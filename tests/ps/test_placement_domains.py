@@ -162,6 +162,7 @@ def test_unknown_hosts_are_their_own():
     ("zone=a,rack=r1,host=h1", FailureDomain("a", "r1", "h1")),
     (" host=h1 , zone=a ", FailureDomain("a", "", "h1")),
     ("", FailureDomain()),
+    ("zone=,host=node-1", FailureDomain(host="node-1")),  # a node without a zone label
 ])
 def test_parse(text, want):
     assert FailureDomain.parse(text) == want
@@ -169,7 +170,7 @@ def test_parse(text, want):
 
 
 @pytest.mark.parametrize("text,says", [("zone", "expected zone=Z"), ("region=x", "expected zone=Z"),
-                                       ("host=a,host=b", "'host' given twice"), ("host=", "non-empty")])
+                                       ("host=a,host=b", "'host' given twice"), ("host=a b", "without")])
 def test_parse_refuses_naming_the_field(text, says):
     with pytest.raises(ValueError, match=says) as err:
         FailureDomain.parse(text, field="flag --domain")
