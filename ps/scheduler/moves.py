@@ -132,6 +132,9 @@ class Moves(CoreFields):
                 new = [t] + [x for x in new if x != t]
         target[slot] = np.full(target.shape[1], NO_SERVER, np.int32)
         target[slot, :len(new)] = new
+        refused = self._collapses(self._placeable(), target, np.array([slot]))
+        if refused:
+            raise InvalidArgument(f"move-slot: {refused}; move it to a server in another domain")
         self.target, self.target_kind = target, "moves"
         self._save()
         log.info("move-slot at epoch %d: slot %d from %s to %s%s", m.epoch, slot, m.servers[src].id,
@@ -353,17 +356,19 @@ class Moves(CoreFields):
                  self.map.epoch, shared, len(placement.moves(copies, target)),
                  extra=event("domain_respread", epoch=self.map.epoch))
 
-    def _collapses(self, usable: np.ndarray, target: np.ndarray) -> str:
-        """Why ``target`` puts copies of a slot into one failure domain they do not share now (judged at the level
-        the ``usable`` servers allow), or "" when it does not."""
+    def _collapses(self, usable: np.ndarray, target: np.ndarray, slots: np.ndarray | None = None) -> str:
+        """Why ``target`` puts copies of a slot (of ``slots``, default all) into one failure domain they do not
+        share now (judged at the level the ``usable`` servers allow), or "" when it does not."""
         m = self.map
         want = 1 + min(self.config.replicas, max(int(usable.sum()) - 1, 0))
         level = domains.choose_level(self._domains(), usable, want)
         level = level if level != domains.SERVER else "host"
         judged = domains.group_ids(self._domains(), level)
-        now = domains.spread(m.copies, judged)
-        then = domains.spread(target, judged)
-        worse = np.flatnonzero(then < np.minimum(now, (target >= 0).sum(axis=1)))
+        rows = np.arange(m.num_slots) if slots is None else np.asarray(slots, np.int64)
+        width = max(m.width, target.shape[1])
+        now = domains.spread(_pad(m.copies, width)[rows], judged)
+        then = domains.spread(_pad(target, width)[rows], judged)
+        worse = rows[then < np.minimum(now, (target[rows] >= 0).sum(axis=1))]
         if not worse.size:
             return ""
         slot = int(worse[0])

@@ -125,3 +125,17 @@ def test_the_domain_is_persisted_and_an_old_state_loads_as_unknown(tmp_path):
     assert [s.domain for s in loaded.map.servers] == [FailureDomain()] * 4
     # unknown hosts are each their own: nothing reads as domain-degraded, placement is as before
     assert domains.group_ids([s.domain for s in loaded.map.servers], "host").tolist() == [0, 1, 2, 3]
+
+
+def test_a_move_that_would_put_both_copies_on_one_host_is_refused(tmp_path):
+    c = two_hosts(tmp_path)
+    slot = int(np.flatnonzero(c.map.copies[:, 0] == 0)[0])  # led by a (host x); its replica is on host y
+    replica = c.map.servers[int(c.map.copies[slot, 1])].id
+    other_y = next(s for s in ("c", "d") if s != replica)
+    epoch = c.map.epoch
+    with pytest.raises(InvalidArgument, match=rf"move-slot: slot {slot}'s copies would share host zone=z1,host=y"):
+        c.core.move_slot(slot, other_y)  # the primary's copy to host y, where the replica is
+    assert c.core.target is None and c.map.epoch == epoch
+    c.core.move_slot(slot, "b")  # within host x: the copies stay apart
+    c.run_to_target()
+    assert apart(c) and c.map.copies[slot, 0] == 1
