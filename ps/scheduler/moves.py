@@ -327,6 +327,11 @@ class Moves(CoreFields):
         groups, level = domains.groups_for(self._domains(), usable, want)
         return None if level == domains.SERVER else groups
 
+    def domain_groups(self) -> np.ndarray | None:
+        """(num_servers,) the domain of each server at the level placement keeps copies apart at now (over the
+        servers that may hold copies); None where no level can."""
+        return self._groups(self._placeable())
+
     def domain_degraded(self) -> tuple[np.ndarray, str]:
         """((num_slots,) bool, level): the slots whose in-sync copies on servers up share a failure domain (at
         the level placement uses, or a host where no level has enough domains), and that level."""

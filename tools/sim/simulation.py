@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from tigana.embeddings import SGD, TableConfig, Zeros
+from tigana.ps import domains
 from tigana.ps.domains import FailureDomain
 from tigana.ps.errors import PSError
 from tigana.ps.routing import CATCHING_UP, IN_SYNC, TableDef, slot_of
@@ -328,14 +329,17 @@ class _Run:
                             return
 
     def _check_domains(self) -> None:
-        """At convergence, with hosts (``Settings.hosts``): no slot's in-sync copies share a host while the
-        servers up span as many hosts as a slot has copies (placement keeps them apart; docs/cluster.md)."""
+        """At convergence, with hosts (``Settings.hosts``): no slot's copies share a host while the servers that
+        may hold copies (up, not draining) span as many hosts as a slot has copies (placement keeps them apart;
+        docs/cluster.md). Where they do not, the slots are domain-degraded, which status reports."""
         if self.s.hosts <= 0:
             return
-        apart, level = self.scheduler.core.domain_degraded()
-        if level != "server" and apart.any():
+        core = self.scheduler.core
+        groups = core.domain_groups()
+        apart = domains.collapsed(core.map.copies, groups) if groups is not None else np.zeros(1, bool)
+        if apart.any():
             slot = int(np.flatnonzero(apart)[0])
-            m = self.scheduler.core.map
+            m = core.map
             self.out.violations.append(f"domains: slot {slot}'s in-sync copies share a host at convergence (epoch "
                                        f"{m.epoch}: {[m.servers[int(c)].id for c in m.copies[slot] if c >= 0]})")
 
