@@ -12,8 +12,9 @@ this room decides when to apply it and says what changed.
 Failure domains (``tigana.ps.domains``): every placement keeps a slot's copies in distinct domains at the
 widest level the placeable servers allow (``_groups``); a map whose copies share a domain that a balanced
 placement would keep apart (servers registered one host at a time, a domain back after a loss) gets that
-placement as its target (``_respread``); a drain that would put copies of a slot into one domain they do not
-share now is refused, naming the slot and the domain.
+placement as its target (``_respread``, with or without auto-rebalance: like re-replication, it restores
+protection); a drain or a move that would put copies of a slot into one domain they do not share now is refused,
+naming the slot and the domain.
 """
 
 from __future__ import annotations
@@ -194,8 +195,8 @@ class Moves(CoreFields):
             return current.copy()
         named = target[target >= 0]
         groups = self._groups(placeable)
-        if named.size and not placeable[named].all() and self.target_kind == "balance":
-            return placement.balance(current, placeable, self.config.replicas, groups=groups)  # plan again without
+        if named.size and not placeable[named].all() and self.target_kind == "balance":  # plan again without them
+            return placement.balance(current, placeable, self.config.replicas, groups=groups)
         if named.size and not placeable[named].all():
             dead_rows = ((target >= 0) & ~alive[np.clip(target, 0, None)]).any(axis=1)
             if dead_rows.any():  # a move to or from a dead server is rolled back
