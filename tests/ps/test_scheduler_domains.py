@@ -64,6 +64,15 @@ def test_servers_of_a_second_host_joining_later_get_one_copy_of_every_slot(tmp_p
     assert total.max() - total.min() <= 1  # still balanced
 
 
+def test_copies_are_spread_over_hosts_without_auto_rebalance_too(tmp_path):
+    """Spreading copies over domains restores protection, as re-replication does: not left to the operator."""
+    c = two_hosts(tmp_path, first=("a", "b"), expect_servers=2, auto_rebalance=False)
+    c.register("c", domain=Y)
+    c.register("d", domain=Y)
+    c.run_to_target()
+    assert apart(c), c.map.copies.tolist()
+
+
 def test_losing_a_host_makes_every_slot_domain_degraded(tmp_path):
     c = two_hosts(tmp_path)
     c.kill("c")
