@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("server_id", "address", "boot", "positions")
+    __slots__ = ("server_id", "address", "boot", "positions", "domain")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BOOT_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    DOMAIN_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     address: str
     boot: str
     positions: _containers.RepeatedCompositeFieldContainer[_shard_pb2.SlotTableInfo]
-    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., boot: _Optional[str] = ..., positions: _Optional[_Iterable[_Union[_shard_pb2.SlotTableInfo, _Mapping]]] = ...) -> None: ...
+    domain: _shard_pb2.FailureDomain
+    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., boot: _Optional[str] = ..., positions: _Optional[_Iterable[_Union[_shard_pb2.SlotTableInfo, _Mapping]]] = ..., domain: _Optional[_Union[_shard_pb2.FailureDomain, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("map",)
@@ -152,20 +154,24 @@ class ServerStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[_shard_pb2.ServerInfo, _Mapping]] = ..., last_heartbeat_s: _Optional[float] = ..., primaries: _Optional[int] = ..., replicas: _Optional[int] = ..., catching_up: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("map", "servers", "degraded_slots", "unavailable_slots", "moving_slots", "draining")
+    __slots__ = ("map", "servers", "degraded_slots", "unavailable_slots", "moving_slots", "draining", "domain_degraded_slots", "domain_level")
     MAP_FIELD_NUMBER: _ClassVar[int]
     SERVERS_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     UNAVAILABLE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     MOVING_SLOTS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    DOMAIN_DEGRADED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DOMAIN_LEVEL_FIELD_NUMBER: _ClassVar[int]
     map: _shard_pb2.ShardMap
     servers: _containers.RepeatedCompositeFieldContainer[ServerStatus]
     degraded_slots: int
     unavailable_slots: int
     moving_slots: int
     draining: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, map: _Optional[_Union[_shard_pb2.ShardMap, _Mapping]] = ..., servers: _Optional[_Iterable[_Union[ServerStatus, _Mapping]]] = ..., degraded_slots: _Optional[int] = ..., unavailable_slots: _Optional[int] = ..., moving_slots: _Optional[int] = ..., draining: _Optional[_Iterable[str]] = ...) -> None: ...
+    domain_degraded_slots: int
+    domain_level: str
+    def __init__(self, map: _Optional[_Union[_shard_pb2.ShardMap, _Mapping]] = ..., servers: _Optional[_Iterable[_Union[ServerStatus, _Mapping]]] = ..., degraded_slots: _Optional[int] = ..., unavailable_slots: _Optional[int] = ..., moving_slots: _Optional[int] = ..., draining: _Optional[_Iterable[str]] = ..., domain_degraded_slots: _Optional[int] = ..., domain_level: _Optional[str] = ...) -> None: ...
 
 class MoveSlotRequest(_message.Message):
     __slots__ = ("slot", "to", "primary")

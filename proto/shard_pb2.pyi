@@ -305,17 +305,29 @@ class StatsResponse(_message.Message):
     tables: _containers.RepeatedCompositeFieldContainer[TableStats]
     def __init__(self, tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ...) -> None: ...
 
+class FailureDomain(_message.Message):
+    __slots__ = ("zone", "rack", "host")
+    ZONE_FIELD_NUMBER: _ClassVar[int]
+    RACK_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    zone: str
+    rack: str
+    host: str
+    def __init__(self, zone: _Optional[str] = ..., rack: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
+
 class ServerInfo(_message.Message):
-    __slots__ = ("id", "address", "boot", "state")
+    __slots__ = ("id", "address", "boot", "state", "domain")
     ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BOOT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    DOMAIN_FIELD_NUMBER: _ClassVar[int]
     id: str
     address: str
     boot: str
     state: ServerState
-    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., boot: _Optional[str] = ..., state: _Optional[_Union[ServerState, str]] = ...) -> None: ...
+    domain: FailureDomain
+    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., boot: _Optional[str] = ..., state: _Optional[_Union[ServerState, str]] = ..., domain: _Optional[_Union[FailureDomain, _Mapping]] = ...) -> None: ...
 
 class ShardMap(_message.Message):
     __slots__ = ("epoch", "num_slots", "replicas", "servers", "width", "copies", "states", "slot_epochs", "tables", "cluster_id")

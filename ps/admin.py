@@ -63,8 +63,10 @@ def status(address: str, timeout_s: float = 10.0, security: Security = NONE) -> 
 
 def cluster_status(address: str | None, timeout_s: float = 10.0, security: Security = NONE
                    ) -> dict[str, Any] | None:
-    """{epoch, servers: [{id, address, up, primaries, replicas, catching_up, last_heartbeat_s, stats}],
-    degraded_slots, unavailable_slots, tables}; None when the scheduler does not answer."""
+    """{epoch, servers: [{id, address, up, domain, primaries, replicas, catching_up, last_heartbeat_s, stats}],
+    degraded_slots, unavailable_slots, domain_degraded_slots, domain_level, tables}; None when the scheduler does
+    not answer. ``domain_degraded_slots``: slots whose in-sync copies share a failure domain at ``domain_level``
+    (zone, rack or host; ``server`` where no level has enough domains, judged by host)."""
     if address is None:
         return None
     try:
@@ -76,8 +78,10 @@ def cluster_status(address: str | None, timeout_s: float = 10.0, security: Secur
         "epoch": m.epoch, "cluster_id": m.cluster_id, "replicas": m.replicas, "num_slots": m.num_slots,
         "degraded_slots": int(reply.degraded_slots), "unavailable_slots": int(reply.unavailable_slots),
         "unprotected_slots": m.summary()["unprotected_slots"],
+        "domain_degraded_slots": int(reply.domain_degraded_slots), "domain_level": reply.domain_level,
         "tables": sorted(m.tables),
         "servers": [{"id": s.info.id, "address": s.info.address, "up": s.info.state == pb.SERVER_UP,
+                     "domain": str(cluster_wire.domain_from_pb(s.info.domain)),
                      "primaries": s.primaries, "replicas": s.replicas, "catching_up": s.catching_up,
                      "last_heartbeat_s": round(s.last_heartbeat_s, 3), "stats": dict(s.stats)}
                     for s in reply.servers],

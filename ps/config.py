@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from tigana.ps import settings
+from tigana.ps.domains import FailureDomain
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.routing import DEFAULT_NUM_SLOTS, parse_slots
 from tigana.ps.security import SecuritySettings
@@ -80,7 +81,9 @@ class ServerConfig(SecuritySettings):
     second the slot copies of planned moves (rebalance, drain, hand-over) that this server sends may use, all
     together (None, 0 or ``unlimited``: no cap); a copy restoring a missing replica is never paced. 32 MiB/s is
     CockroachDB's default for rebalance snapshots: a move at full speed made sync pushes' p99 several times its
-    usual value on a busy server (``tigana.ps.replication.pacing``).
+    usual value on a busy server (``tigana.ps.replication.pacing``). ``domain``: where the server runs,
+    ``zone=Z,rack=R,host=H`` (any of them; the host defaults to the machine's name): the scheduler keeps a slot's
+    copies in distinct domains (``tigana.ps.domains``).
 
     Security (``tigana.ps.security``): ``tls_cert``/``tls_key`` serve TLS, ``tls_ca`` verifies peers (and,
     with ``require_client_cert``, clients' certificates); ``auth_token_file`` holds the trainers' token,
@@ -124,6 +127,7 @@ class ServerConfig(SecuritySettings):
     max_concurrent_requests: int = 256
     max_streams: int = 64
     stream_window: int = 8
+    domain: str = ""
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidArgument:
@@ -172,6 +176,15 @@ class ServerConfig(SecuritySettings):
             parse_slots(self.slots, self.num_slots)
         except ValueError as exc:
             raise bad("slots", str(exc)) from None
+        try:
+            object.__setattr__(self, "domain", str(FailureDomain.parse(self.domain, field="server config: field "
+                                                                       "'domain'")))
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+
+    def failure_domain(self, hostname: str | None = None) -> FailureDomain:
+        """The server's failure domain: ``domain``, its host defaulting to ``hostname`` (the machine's name)."""
+        return FailureDomain.parse(self.domain).with_host(hostname or socket.gethostname())
 
     def owned_slots(self) -> np.ndarray:
         """(num_slots,) bool mask of the slots this server leads (a static shard list: their only copy)."""
@@ -205,8 +218,18 @@ def _slots(value: Any, where: str) -> str:
     return ",".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
 
 
+def _domain(value: Any, where: str) -> str:
+    """``zone=Z,rack=R,host=H`` text, or a mapping of those keys (a config file's ``domain: {zone: ...}``)."""
+    if isinstance(value, Mapping):
+        value = ",".join(f"{k}={v}" for k, v in value.items())
+    try:
+        return str(FailureDomain.parse("" if value is None else str(value), field=f"{where}: field 'domain'"))
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
 PARSERS: dict[str, Callable[[Any, str], Any]] = {**{n: _size(n) for n in _SIZES}, "metrics_port": _metrics_port,
-                                                 "slots": _slots}
+                                                 "slots": _slots, "domain": _domain}
 _STATEFULSET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?-[0-9]+$")
 
 

@@ -88,7 +88,7 @@ class ServerHandle:
         if config.scheduler:
             self.agent = Agent(self.service, config.scheduler, self.advertise,
                                heartbeat_interval_s=config.heartbeat_interval_s, lease_s=config.lease_s,
-                               security=self.security)
+                               security=self.security, domain=config.failure_domain())
             self.service.agent = self.agent
             self.service.on_install = self._copies_health
         self.metrics_port: int | None = None

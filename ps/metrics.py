@@ -290,6 +290,8 @@ class _SchedulerCollector(_ClusterCollector):
         "slots_unprotected": "Slots whose primary is their only in-sync copy although the cluster keeps replicas",
         "copies_catching_up": "Copies being built by a slot copy",
         "slots_moving": "Slots whose placement differs from the target being moved toward",
+        "slots_domain_degraded": "Slots whose in-sync copies share a failure domain (zone, rack or host): losing "
+                                 "that domain loses what they acknowledged",
     }
 
 

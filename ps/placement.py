@@ -15,8 +15,15 @@ column 0 the primary: the map's current ``copies`` (with a state per copy) and a
   target's copies are in sync. Every intermediate map is valid, so a crash between steps leaves nothing
   half done: the next step starts from whatever map was persisted.
 
-Invariants every result keeps (property-tested): a slot's copies are on distinct servers; a primary is in
-sync; a slot never loses its last in-sync copy through ``step_toward``.
+Failure domains (``tigana.ps.domains``): ``repair``, ``balance`` and ``plan`` take ``groups``, each server's
+domain at the level the scheduler chose ((num_servers,) ints; None: every server its own). A slot's copies go
+to distinct groups wherever the servers allow it: a new copy to the least loaded server of a group the slot
+lacks, a balanced target moves a copy out of a group it shares, and evening out the load never moves a copy or
+a primary role into a group the slot already holds.
+
+Invariants every result keeps (property-tested): a slot's copies are on distinct servers (and, in a target,
+in distinct groups when there are enough groups); a primary is in sync; a slot never loses its last in-sync
+copy through ``step_toward``.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tigana.ps import domains
 from tigana.ps.routing import CATCHING_UP, HANDING_OVER, IN_SYNC, NO_SERVER
 
 __all__ = ["CostModel", "Plan", "balance", "cancel_hand_overs", "copy_counts", "hand_over", "initial", "moves",
@@ -67,15 +75,17 @@ def widen(copies: np.ndarray, states: np.ndarray, width: int) -> tuple[np.ndarra
 
 
 def repair(copies: np.ndarray, states: np.ndarray, alive: np.ndarray, replicas: int,
-           placeable: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+           placeable: np.ndarray | None = None, groups: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Copies after servers not ``alive`` ((num_servers,) bool) are gone: their copies dropped, the first
     in-sync survivor promoted where the primary was lost (none: the slot has no primary), and catching-up
     copies added on the alive servers holding the fewest copies until each slot with a primary has
     ``1 + replicas`` copies (or every alive server holds one). New copies go only to ``placeable`` servers
-    (default: the alive ones; a draining server is alive but not placeable)."""
+    (default: the alive ones; a draining server is alive but not placeable), in a group (``groups``) the slot
+    holds no copy in where one has a placeable server."""
     alive = np.asarray(alive, bool)
     placeable = alive if placeable is None else np.asarray(placeable, bool) & alive
     n = alive.shape[0]
+    g = _groups(groups, n)
     want = 1 + replicas
     c, s = widen(np.asarray(copies, np.int32), np.asarray(states, np.uint8), want)
     gone = (c >= 0) & ~alive[np.clip(c, 0, None)]
@@ -96,9 +106,10 @@ def repair(copies: np.ndarray, states: np.ndarray, alive: np.ndarray, replicas: 
     short = np.flatnonzero((c[:, 0] >= 0) & (have < want))
     for slot in short:
         for _ in range(want - int(have[slot])):
-            held = set(c[slot][c[slot] >= 0].tolist())
+            held = c[slot][c[slot] >= 0]
             order = np.lexsort((np.arange(n), load))
-            target = next((int(t) for t in order if placeable[t] and int(t) not in held), None)
+            free = [int(t) for t in order if placeable[t] and t not in held]
+            target = next((t for t in free if g[t] not in g[held]), free[0] if free else None)
             if target is None:
                 break
             free = np.flatnonzero(c[slot] < 0)
@@ -125,14 +136,16 @@ def trim(copies: np.ndarray, states: np.ndarray, replicas: int) -> tuple[np.ndar
 
 
 def balance(copies: np.ndarray, alive: np.ndarray, replicas: int,
-            weights: np.ndarray | None = None, primary_weights: np.ndarray | None = None) -> np.ndarray:
+            weights: np.ndarray | None = None, primary_weights: np.ndarray | None = None,
+            groups: np.ndarray | None = None) -> np.ndarray:
     """A target placement over the ``alive`` servers that moves as little as possible from ``copies``.
 
     Each slot keeps ``1 + min(replicas, alive - 1)`` copies on distinct alive servers. Primaries are evened
     out first (by handing the role to a server that already holds a copy where possible: no data moves),
     then copies move from the most to the least loaded servers. ``weights`` ((num_slots,) float, default 1)
     is the load of a slot's copy (rows held...) and ``primary_weights`` (default: ``weights``) the load of
-    leading it (request rate...): balancing evens both weighted sums."""
+    leading it (request rate...): balancing evens both weighted sums. ``groups``: the copies of a slot go to
+    distinct groups where there are enough (see the module docstring)."""
     alive = np.asarray(alive, bool)
     n = alive.shape[0]
     live = np.flatnonzero(alive)
@@ -141,30 +154,51 @@ def balance(copies: np.ndarray, alive: np.ndarray, replicas: int,
     num_slots = copies.shape[0]
     w = np.ones(num_slots) if weights is None else np.asarray(weights, float)
     r = min(replicas, live.size - 1)
+    g = _groups(groups, n)
     states = np.zeros(copies.shape, np.uint8)
-    c, _ = repair(copies, states, alive, r)  # dead servers out, every slot topped up
+    c, _ = repair(copies, states, alive, r, groups=g)  # dead servers out, every slot topped up
     # A slot with no primary at all (every copy lost) gets one on the least loaded server.
     for slot in np.flatnonzero(c[:, 0] < 0):
         _, load = copy_counts(c, n)
         cand = [int(t) for t in np.lexsort((np.arange(n), load)) if alive[t]]
         c[slot, 0] = cand[0]
-    c, _ = repair(c, np.zeros(c.shape, np.uint8), alive, r)
-    # Drop surplus copies (more than 1 + r) from the most loaded servers, then trim the width: a row's
-    # replicas need not be in its first columns (repair leaves holes where dead copies were).
-    for slot in range(num_slots):
+    c, _ = repair(c, np.zeros(c.shape, np.uint8), alive, r, groups=g)
+    # Drop surplus copies (more than 1 + r) from the most loaded servers (first those sharing a group with
+    # another copy), then trim the width: a row's replicas need not be in its first columns (repair leaves
+    # holes where dead copies were).
+    for slot in np.flatnonzero((c[:, 1:] >= 0).sum(axis=1) > r):
         extra = np.flatnonzero(c[slot, 1:] >= 0) + 1
         while extra.size > r:
             _, load = copy_counts(c, n)
-            j = int(extra[np.argmax(load[c[slot, extra]])])
+            shared = np.array([(g[c[slot][c[slot] >= 0]] == g[c[slot, j]]).sum() > 1 for j in extra])
+            j = int(extra[np.lexsort((-load[c[slot, extra]], ~shared))[0]])
             c[slot, j] = NO_SERVER
             extra = np.flatnonzero(c[slot, 1:] >= 0) + 1
     order = np.argsort(c[:, 1:] < 0, axis=1, kind="stable")  # present replicas first, in their order
     c = np.concatenate([c[:, :1], np.take_along_axis(c[:, 1:], order, axis=1)], axis=1)[:, :1 + r]
+    domains.separate(c, alive, g, _weighted(c, n, w, primaries=False), w)
     pw = w if primary_weights is None else np.asarray(primary_weights, float)
     if pw.max(initial=0.0) > 0:
-        _even_primaries(c, alive, np.maximum(pw, 1e-9))
-    _even_copies(c, alive, w)
+        _even_primaries(c, alive, np.maximum(pw, 1e-9), g, groups is not None)
+    _even_copies(c, alive, w, g, groups is not None)
     return c
+
+
+def _groups(groups: np.ndarray | None, n: int) -> np.ndarray:
+    """(n,) int64 group ids: ``groups``, or every server a group of its own."""
+    return np.arange(n, dtype=np.int64) if groups is None else np.asarray(groups, np.int64)
+
+
+def _pairs(load: np.ndarray, alive: np.ndarray, every: bool, k: int = 8) -> list[tuple[int, int]]:
+    """(busiest, idlest) server pairs to try a move between: the extreme pair, or with ``every`` (groups may
+    forbid the moves between those two) the ``k`` busiest against the ``k`` idlest, widest gap first."""
+    live = np.flatnonzero(alive)
+    order = live[np.lexsort((live, load[live]))]
+    if not every:
+        hi = int(live[np.argmax(load[live])])
+        return [(hi, int(order[0]))]
+    pairs = [(int(h), int(lo)) for h in order[::-1][:k] for lo in order[:k] if load[h] > load[lo]]
+    return sorted(pairs, key=lambda p: load[p[1]] - load[p[0]])
 
 
 def _weighted(c: np.ndarray, n: int, w: np.ndarray, primaries: bool) -> np.ndarray:
@@ -177,23 +211,25 @@ def _weighted(c: np.ndarray, n: int, w: np.ndarray, primaries: bool) -> np.ndarr
     return out
 
 
-def _even_primaries(c: np.ndarray, alive: np.ndarray, w: np.ndarray) -> None:
+def _even_primaries(c: np.ndarray, alive: np.ndarray, w: np.ndarray, g: np.ndarray, every: bool) -> None:
     """Move primary roles from the most to the least loaded alive servers until no move helps. Each round
     moves a batch from the busiest to the idlest server: the slots whose copy on the idlest exists first (a
-    role swap, no data moves), heaviest first, as many as narrow the gap (at most half of it)."""
+    role swap, no data moves), heaviest first, as many as narrow the gap (at most half of it). A role that
+    needs a new copy moves only where ``domains.fits`` allows (``every``: try other pairs when groups block one)."""
     n = alive.shape[0]
     for _ in range(c.shape[0]):
         load = _weighted(c, n, w, primaries=True)
-        load_alive = np.where(alive, load, np.nan)
-        hi, lo = int(np.nanargmax(load_alive)), int(np.nanargmin(load_alive))
-        gap = load[hi] - load[lo]
-        if gap <= 0:
+        for hi, lo in _pairs(load, alive, every):
+            gap = load[hi] - load[lo]
+            led = np.flatnonzero(c[:, 0] == hi)
+            led = led[w[led] < gap]  # moving it must narrow the gap
+            holds_lo = (c[led] == lo).any(axis=1)
+            ok = holds_lo | domains.fits(c[led], 0, lo, g)
+            led, holds_lo = led[ok], holds_lo[ok]
+            if led.size:
+                break
+        else:
             return
-        led = np.flatnonzero(c[:, 0] == hi)
-        led = led[w[led] < gap]  # moving it must narrow the gap
-        if led.size == 0:
-            return
-        holds_lo = (c[led] == lo).any(axis=1)
         picks = led[np.lexsort((-w[led], ~holds_lo))]
         k = _batch(w[picks], load, alive, hi, lo)
         for pick in picks[:k]:
@@ -212,24 +248,23 @@ def _batch(weights: np.ndarray, load: np.ndarray, alive: np.ndarray, hi: int, lo
     return max(1, int(np.searchsorted(np.cumsum(weights), room + 1e-9, side="right")))
 
 
-def _even_copies(c: np.ndarray, alive: np.ndarray, w: np.ndarray) -> None:
+def _even_copies(c: np.ndarray, alive: np.ndarray, w: np.ndarray, g: np.ndarray, every: bool) -> None:
     """Move replica copies from the most to the least loaded alive servers until no move helps (in batches,
-    heaviest first, as many as narrow the gap between the two)."""
+    heaviest first, as many as narrow the gap between the two), only where ``domains.fits`` allows."""
     n = alive.shape[0]
     if c.shape[1] < 2:
         return
     for _ in range(c.shape[0] * c.shape[1]):
         load = _weighted(c, n, w, primaries=False)
-        load_alive = np.where(alive, load, np.nan)
-        hi, lo = int(np.nanargmax(load_alive)), int(np.nanargmin(load_alive))
-        gap = load[hi] - load[lo]
-        if gap <= 0:
-            return
-        rows, cols = np.nonzero(c[:, 1:] == hi)
-        cols = cols + 1
-        ok = ~(c[rows] == lo).any(axis=1) & (w[rows] < gap)
-        rows, cols = rows[ok], cols[ok]
-        if rows.size == 0:
+        for hi, lo in _pairs(load, alive, every):
+            gap = load[hi] - load[lo]
+            rows, cols = np.nonzero(c[:, 1:] == hi)
+            cols = cols + 1
+            ok = domains.fits(c[rows], cols, lo, g) & (w[rows] < gap)
+            rows, cols = rows[ok], cols[ok]
+            if rows.size:
+                break
+        else:
             return
         order = np.argsort(-w[rows], kind="stable")
         rows, cols = rows[order], cols[order]
@@ -287,11 +322,12 @@ def _rate_weight(rows: np.ndarray, rates: np.ndarray, cost: CostModel) -> float:
 
 
 def plan(copies: np.ndarray, alive: np.ndarray, replicas: int, rows: np.ndarray, bytes_: np.ndarray,
-         rates: np.ndarray, cost: CostModel | None = None) -> Plan:
+         rates: np.ndarray, cost: CostModel | None = None, groups: np.ndarray | None = None) -> Plan:
     """The cost-model placement: a target over the ``alive`` servers that evens out the load (rows held and
     request rate led, weighted by ``cost``) while moving as little as possible: primaries move first to
     servers already holding a copy (no data copied), then copies move from the busiest to the idlest
-    servers, heaviest first. Pure: the caller measures the per-slot ``rows``, ``bytes_`` and ``rates``."""
+    servers, heaviest first, keeping copies in distinct ``groups`` (see ``balance``). Pure: the caller
+    measures the per-slot ``rows``, ``bytes_`` and ``rates``."""
     cost = cost or CostModel()
     n = np.asarray(alive).shape[0]
     rows, bytes_, rates = (np.asarray(a, float) for a in (rows, bytes_, rates))
@@ -301,12 +337,14 @@ def plan(copies: np.ndarray, alive: np.ndarray, replicas: int, rows: np.ndarray,
     rate_load = _rate_weight(rows, rates, cost) * rates
     copy_w = np.where(row_load > 0, row_load, max(float(row_load.mean()) * 1e-3, 1e-9) if rows.size else 1.0)
     lead_w = rate_load if rate_load.max(initial=0.0) > 0 else copy_w
-    target = balance(copies, alive, replicas, weights=copy_w, primary_weights=lead_w)
+    target = balance(copies, alive, replicas, weights=copy_w, primary_weights=lead_w, groups=groups)
     before = server_loads(copies, n, rows, rates, cost)
     after = server_loads(target, n, rows, rates, cost)
     live = np.asarray(alive, bool)
+    g = _groups(groups, n)
     if live.any() and (copies[copies >= 0] < n).all() and np.isin(copies[copies >= 0], np.flatnonzero(live)).all() \
-            and after[live].max() > before[live].max() * (1 + 1e-9):
+            and after[live].max() > before[live].max() * (1 + 1e-9) \
+            and domains.collapsed(copies, g).sum() <= domains.collapsed(target, g).sum():
         target = copies.copy()  # never propose a placement that makes the busiest server busier
     out = []
     moved = 0

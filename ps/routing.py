@@ -22,6 +22,7 @@ import numpy as np
 from tigana.embeddings.config import TableConfig
 from tigana.embeddings.mixing import mix64, mix64_scalar, slots_of_keys  # mix64* re-exported for the trainer
 from tigana.ps import _kernels
+from tigana.ps.domains import FailureDomain
 
 __all__ = ["DEFAULT_NUM_SLOTS", "IN_SYNC", "CATCHING_UP", "HANDING_OVER", "NO_SERVER", "ServerEntry", "ShardMap", "TableDef",
            "group_keys", "mix64", "mix64_scalar", "parse_slots", "slot_of", "slot_range", "split_by_owner", "static_assignment"]
@@ -112,12 +113,13 @@ def group_keys(primary_of_slot: np.ndarray, num_servers: int) -> tuple[np.ndarra
 @dataclass(frozen=True)
 class ServerEntry:
     """A server in the map: stable ``id``, ``address`` (host:port), ``boot`` (process incarnation the map's
-    copies on it belong to) and whether the scheduler considers it ``up``."""
+    copies on it belong to), whether the scheduler considers it ``up``, and the failure ``domain`` it runs in."""
 
     id: str
     address: str
     boot: str = ""
     up: bool = True
+    domain: FailureDomain = FailureDomain()
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """``tigana admin``: operate a live cluster through its scheduler.
 
-    tigana admin status                          servers, slots, epoch, tables, degraded slots
+    tigana admin status                          servers, slots, epoch, tables, degraded slots, domains
     tigana admin top [--interval S] [--once]     the same, live: rows, load and lag per server
     tigana admin drain SERVER                    move every copy off SERVER and wait until it holds nothing
     tigana admin rebalance [--plan]              even out the measured load (rows and request rate)
@@ -164,7 +164,8 @@ def _status(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     reply = admin.status(args.scheduler, security=args.security)
     s["moving_slots"], s["draining"] = int(reply.moving_slots), list(reply.draining)
     _say(args, f"cluster {s['cluster_id']}  epoch {s['epoch']}  {s['num_slots']} slots  {s['replicas']} replica(s)  "
-               f"degraded {s['degraded_slots']}  unavailable {s['unavailable_slots']}  moving {s['moving_slots']}")
+               f"degraded {s['degraded_slots']}  unavailable {s['unavailable_slots']}  moving {s['moving_slots']}  "
+               f"domain-degraded {s['domain_degraded_slots']}")
     if not s["servers"]:
         _say(args, "no shard server has registered with the scheduler yet: start `tigana server --scheduler "
                    f"{args.scheduler}`")
@@ -172,15 +173,20 @@ def _status(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
         _say(args, f"UNDER-REPLICATED: {s['degraded_slots']} slot(s) have fewer than {1 + s['replicas']} in-sync "
                    f"copies ({s['unprotected_slots']} only their primary): losing a server now may lose "
                    "acknowledged updates")
+    if s["domain_degraded_slots"]:
+        level = s["domain_level"] if s["domain_level"] != "server" else "host"
+        _say(args, f"DOMAIN-DEGRADED: {s['domain_degraded_slots']} slot(s) have in-sync copies in one {level}"
+                   + (f" (fewer {level}s than the {1 + s['replicas']} copies of a slot)" if s["domain_level"] == "server"
+                      else "") + f": losing that {level} may lose acknowledged updates")
     _say(args, f"{'server':<14}{'address':<22}{'state':<9}{'primary':>8}{'replica':>8}{'catchup':>8}{'rows':>12}"
-               f"{'bytes':>14}{'rate r/s':>12}{'lag':>8}{'heartbeat':>10}")
+               f"{'bytes':>14}{'rate r/s':>12}{'lag':>8}{'heartbeat':>10}  domain")
     for srv in s["servers"]:
         st = srv["stats"]
         state = "draining" if srv["id"] in s["draining"] else ("up" if srv["up"] else "DEAD")
         _say(args, f"{srv['id']:<14}{srv['address']:<22}{state:<9}{srv['primaries']:>8}{srv['replicas']:>8}"
                    f"{srv['catching_up']:>8}{st.get('rows', 0):>12.0f}{st.get('bytes', 0):>14.0f}"
                    f"{st.get('request_rate', 0):>12.0f}{st.get('replication_lag_items', 0):>8.0f}"
-                   f"{srv['last_heartbeat_s']:>9.1f}s")
+                   f"{srv['last_heartbeat_s']:>9.1f}s  {srv['domain'] or '-'}")
     _say(args, f"tables: {', '.join(s['tables']) or '(none)'}")
     return True, s
 

@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="stable identity (none: the one stored in the data dir, else the StatefulSet hostname NAME-ORDINAL "
            "under Kubernetes, else a new one)")
     a("--advertise", default=None, help="HOST:PORT the scheduler, clients and peers reach this server at (HOST:0: the port it binds)")
+    a("--domain", default=None,
+      help="where this server runs, zone=Z,rack=R,host=H (any of them): the scheduler keeps a slot's copies in "
+           "distinct domains; the host defaults to this machine's name")
     a("--heartbeat-interval", dest="heartbeat_interval_s", type=float, default=None,
       help="seconds between heartbeats to the scheduler")
     a("--snapshot-every", dest="snapshot_every_s", type=float, default=None,
@@ -72,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--log-format", default="text", choices=FORMATS, help="text lines, or one JSON object per line (default: text)")
     settings.describe_defaults(parser, ServerConfig, shown={"max_message_bytes": "64MiB", "metrics_port": "0 (off)",
                                                             "copy_rate": "32MiB",
-                                                            "data_dir": "none (in memory only)"})
+                                                            "data_dir": "none (in memory only)",
+                                                            "domain": "host=<this machine's name>"})
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(ServerConfig)) + ("config",)

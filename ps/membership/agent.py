@@ -23,6 +23,7 @@ import numpy as np
 from tigana.proto import scheduler_pb2 as spb
 from tigana.proto import scheduler_pb2_grpc as spb_grpc
 from tigana.ps.channels import reconnect_options
+from tigana.ps.domains import FailureDomain
 from tigana.ps.membership.core import REGISTER, Membership, caught_up_answer
 from tigana.ps.security import NONE, Security
 from tigana.ps.wire import cluster as cluster_wire
@@ -34,8 +35,9 @@ class Agent:
     """The link of one ``ShardService`` to its scheduler(s) (``scheduler``: "host:port[,host:port]")."""
 
     def __init__(self, service, scheduler: str, address: str, *, heartbeat_interval_s: float = 0.5,
-                 lease_s: float = 2.0, security: Security = NONE) -> None:
+                 lease_s: float = 2.0, security: Security = NONE, domain: FailureDomain = FailureDomain()) -> None:
         self.service = service
+        self.domain = domain  # where this server runs, sent with every Register
         self.addresses = [a.strip() for a in scheduler.split(",") if a.strip()]
         self.address = address
         self.interval = heartbeat_interval_s
@@ -100,7 +102,8 @@ class Agent:
         s = self.service
         sent = time.monotonic()
         reply = self.stub.Register(spb.RegisterRequest(server_id=s.server_id, address=self.address, boot=s.boot,
-                                                       positions=s.positions()), timeout=5.0)
+                                                       positions=s.positions(),
+                                                       domain=cluster_wire.domain_to_pb(self.domain)), timeout=5.0)
         s.install(cluster_wire.map_from_pb(reply.map))
         self.core.registered_ok(sent)
         log.info("registered with the scheduler at %s as %s (boot %s)", self.addresses[self.core.current],

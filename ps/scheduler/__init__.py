@@ -44,6 +44,7 @@ from tigana.ps.errors import PSError
 from tigana.ps.scheduler.config import SchedulerConfig, load_scheduler_config
 from tigana.ps.scheduler.core import SchedulerCore
 from tigana.ps.scheduler.daemon import (
+    DOMAINS_HEALTH_NAME,
     REPLICATION_HEALTH_NAME,
     NotLeader,
     SchedulerHandle,
@@ -55,6 +56,6 @@ from tigana.ps.scheduler.moves import _placement_changes as _placement_changes  
 from tigana.ps.scheduler.service import SERVICE_NAME, SchedulerService
 from tigana.ps.scheduler.stores.file import FileMapStore, MapStore, SchedulerState
 
-__all__ = ["REPLICATION_HEALTH_NAME", "SERVICE_NAME", "FileMapStore", "MapStore", "NotLeader", "PSError",
+__all__ = ["DOMAINS_HEALTH_NAME", "REPLICATION_HEALTH_NAME", "SERVICE_NAME", "FileMapStore", "MapStore", "NotLeader", "PSError",
            "SchedulerConfig", "SchedulerCore", "SchedulerDriver", "SchedulerHandle", "SchedulerService", "SchedulerState",
            "load_scheduler_config", "probe_closed", "start_scheduler"]

@@ -28,6 +28,7 @@ import numpy as np
 from tigana.proto import scheduler_pb2 as spb
 from tigana.proto import shard_pb2 as pb
 from tigana.ps import placement
+from tigana.ps.domains import FailureDomain
 from tigana.ps.errors import InvalidArgument, TableExists
 from tigana.ps.logs import event, slots_text
 from tigana.ps.metrics import SchedulerMetrics
@@ -140,10 +141,13 @@ class SchedulerCore(Liveness, Moves):
         return np.array([s.up for s in self.map.servers], bool)
     # --- servers -----------------------------------------------------------------------------------------
     def register(self, server_id: str, address: str, boot: str,
-                 positions: dict[str, dict[int, tuple[int, int]]] | None = None, *, now: float) -> ShardMap:
-        """A server (re)joins; returns the map it should install."""
+                 positions: dict[str, dict[int, tuple[int, int]]] | None = None, *, now: float,
+                 domain: FailureDomain | None = None) -> ShardMap:
+        """A server (re)joins (from failure ``domain``: None or empty parts, unknown); returns the map it should
+        install."""
         if not server_id or not address or not boot:
             raise InvalidArgument("register: fields 'server_id', 'address' and 'boot' are required")
+        domain = domain or FailureDomain()
         self.now = now
         self.last_seen[server_id] = now
         self.heard.add(server_id)
@@ -151,24 +155,25 @@ class SchedulerCore(Liveness, Moves):
             self.first_register = now
         self.positions[server_id] = positions or {}
         self.registered_at[server_id] = now
-        log.info("server %s (%s, boot %s) registers at epoch %d with rows of %s", server_id, address, boot,
-                 self.map.epoch, {t: len(p) for t, p in (positions or {}).items()} or "no table",
+        log.info("server %s (%s, boot %s, domain %s) registers at epoch %d with rows of %s", server_id, address,
+                 boot, domain or "unknown", self.map.epoch,
+                 {t: len(p) for t, p in (positions or {}).items()} or "no table",
                  extra=event("server_register", epoch=self.map.epoch, server=server_id, address=address))
         m = self.map
         i = m.index_of(server_id)
         if i < 0:
-            servers = (*m.servers, ServerEntry(server_id, address, boot, True))
-            self._commit(m.evolve(servers=servers), f"server {server_id} ({address}) joined",
-                         event("server_joined", server=server_id, address=address))
+            servers = (*m.servers, ServerEntry(server_id, address, boot, True, domain))
+            self._commit(m.evolve(servers=servers), f"server {server_id} ({address}, {domain or 'domain unknown'}) "
+                         "joined", event("server_joined", server=server_id, address=address))
         else:
             s = m.servers[i]
             if s.boot == boot:
-                if s.address != address or not s.up:
-                    self._commit(m.evolve(servers=m.replace_server(i, address=address, up=True)),
-                                 f"server {server_id} ({address}) is back",
+                if s.address != address or not s.up or s.domain != domain:
+                    self._commit(m.evolve(servers=m.replace_server(i, address=address, up=True, domain=domain)),
+                                 f"server {server_id} ({address}, {domain or 'domain unknown'}) is back",
                                  event("server_back", server=server_id, address=address))
             else:
-                self._restarted(i, address, boot)
+                self._restarted(i, address, boot, domain)
         self._adopt_orphans(server_id, positions or {})
         self._reconcile()
         return self.map
@@ -204,7 +209,7 @@ class SchedulerCore(Liveness, Moves):
                      f"{slots_text(orphans)}) until their election", event("orphans_held", slots=orphans,
                                                                             server=server_id))
 
-    def _restarted(self, i: int, address: str, boot: str) -> None:
+    def _restarted(self, i: int, address: str, boot: str, domain: FailureDomain) -> None:
         """Server ``i`` came back as a new process: its copies are no longer known to be in sync."""
         m = self.map
         copies, states = m.copies.copy(), m.states.copy()
@@ -240,7 +245,7 @@ class SchedulerCore(Liveness, Moves):
                     self.orphaned_since.setdefault(int(slot), self.now)
             else:
                 states[slot, j] = CATCHING_UP
-        servers = m.replace_server(i, address=address, boot=boot, up=True)
+        servers = m.replace_server(i, address=address, boot=boot, up=True, domain=domain)
         sid = m.servers[i].id
         self._commit(m.evolve(copies=copies, states=states, servers=servers),
                      f"server {sid} restarted (boot {boot}): {held.size} cop(ies) to rebuild (slots "
@@ -394,17 +399,19 @@ class SchedulerCore(Liveness, Moves):
 
     # --- reads -------------------------------------------------------------------------------------------
     def figures(self) -> dict[str, float]:
-        """The map's state for the metrics endpoint: epoch, servers up and down, slots unavailable, degraded
-        and moving, copies catching up."""
+        """The map's state for the metrics endpoint: epoch, servers up and down, slots unavailable, degraded,
+        domain-degraded and moving, copies catching up."""
         m = self.map
         summary = m.summary()
         moving = len(placement.moves(m.copies, self.target)) if self.target is not None else 0
+        apart = float(self.domain_degraded()[0].sum())
         return {"leader": 1.0, "epoch": float(m.epoch), "servers_up": float(summary["servers_up"]),
                 "servers_down": float(len(m.servers) - summary["servers_up"]),
                 "slots_unavailable": float(summary["unavailable_slots"]),
                 "slots_degraded": float(summary["degraded_slots"]),
                 "slots_unprotected": float(summary["unprotected_slots"]),
-                "copies_catching_up": float(summary["catching_up"]), "slots_moving": float(moving)}
+                "copies_catching_up": float(summary["catching_up"]), "slots_moving": float(moving),
+                "slots_domain_degraded": apart}
 
     def status(self, *, now: float) -> spb.StatusResponse:
         m = self.map
@@ -414,11 +421,14 @@ class SchedulerCore(Liveness, Moves):
         if self.target is not None:
             out.moving_slots = len(placement.moves(m.copies, self.target))
         out.draining.extend(sorted(self.draining))
+        apart, out.domain_level = self.domain_degraded()
+        out.domain_degraded_slots = int(apart.sum())
         for i, srv in enumerate(m.servers):
             hit = m.copies == i
             st = spb.ServerStatus(
                 info=pb.ServerInfo(id=srv.id, address=srv.address, boot=srv.boot,
-                                   state=pb.SERVER_UP if srv.up else pb.SERVER_DEAD),
+                                   state=pb.SERVER_UP if srv.up else pb.SERVER_DEAD,
+                                   domain=cluster_wire.domain_to_pb(srv.domain)),
                 last_heartbeat_s=(now - self.last_seen[srv.id]) if srv.id in self.heard else -1.0,
                 primaries=int(hit[:, 0].sum()), replicas=int((hit[:, 1:] & (m.states[:, 1:] == IN_SYNC)).sum()),
                 catching_up=int((hit & (m.states == CATCHING_UP)).sum()))

@@ -4,7 +4,8 @@ benchmarks start it.
 The handle binds the gRPC server (the ``SchedulerService``, health and reflection), runs the tick thread
 (failure detection and placement, a few times a second) and, with an electing store (etcd), the election
 thread; it publishes the health of the scheduler service (SERVING on the leader only) and of the data's
-protection (``REPLICATION_HEALTH_NAME``), and serves the Prometheus metrics when asked.
+protection (``REPLICATION_HEALTH_NAME``: every slot has its copies; ``DOMAINS_HEALTH_NAME``: no slot's in-sync
+copies share a failure domain), and serves the Prometheus metrics when asked.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ log = logging.getLogger("tigana.ps.scheduler")  # one logger for the whole sched
 
 # Health of the data's protection: NOT_SERVING while some slot has fewer than 1 + replicas in-sync copies.
 REPLICATION_HEALTH_NAME = "tigana.v1.Scheduler.replication"
+DOMAINS_HEALTH_NAME = "tigana.v1.Scheduler.domains"
 
 
 def probe_closed(address: str, timeout_s: float = 0.5, security: Security = NONE) -> bool | None:
@@ -195,10 +197,13 @@ class SchedulerHandle:
                 continue
             try:
                 core.tick(stalled)
-                # tigana.v1.Scheduler.replication: SERVING only while every slot has its 1 + replicas copies
-                degraded = core.figures()["slots_degraded"]
-                self.health.set(REPLICATION_HEALTH_NAME, health_pb2.HealthCheckResponse.NOT_SERVING if degraded
-                                else health_pb2.HealthCheckResponse.SERVING)
+                # tigana.v1.Scheduler.replication: SERVING only while every slot has its 1 + replicas copies;
+                # tigana.v1.Scheduler.domains: only while no slot's in-sync copies share a failure domain
+                figures = core.figures()
+                for name, key in ((REPLICATION_HEALTH_NAME, "slots_degraded"),
+                                  (DOMAINS_HEALTH_NAME, "slots_domain_degraded")):
+                    self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING if figures[key]
+                                    else health_pb2.HealthCheckResponse.SERVING)
             except Unavailable as exc:  # the store: deposed (the election thread steps down) or unreachable
                 log.warning("scheduler tick: %s", exc)
             except Exception:  # noqa: BLE001 - keep detecting failures whatever happened

@@ -33,6 +33,7 @@ import numpy as np
 
 from tigana.proto import scheduler_pb2 as spb
 from tigana.ps import placement
+from tigana.ps.domains import FailureDomain
 from tigana.ps.metrics import SchedulerMetrics
 from tigana.ps.routing import ShardMap, TableDef
 from tigana.ps.scheduler.actions import Probe, Ready
@@ -176,8 +177,10 @@ class SchedulerDriver:
 
     # --- the events ----------------------------------------------------------------------------------------
     def register(self, server_id: str, address: str, boot: str,
-                 positions: dict[str, dict[int, tuple[int, int]]] | None = None) -> ShardMap:
-        return self._event(lambda now: self.core.register(server_id, address, boot, positions, now=now))
+                 positions: dict[str, dict[int, tuple[int, int]]] | None = None,
+                 domain: FailureDomain | None = None) -> ShardMap:
+        return self._event(lambda now: self.core.register(server_id, address, boot, positions, now=now,
+                                                          domain=domain))
 
     def heartbeat(self, server_id: str, boot: str, epoch: int, stats: dict[str, float] | None = None
                   ) -> tuple[ShardMap | None, bool]:

@@ -8,6 +8,13 @@ that gives a server holding nothing its share. A primary's move is a hand-over: 
 writing and reports ``handover_ready`` once its in-sync copies hold everything, and only then is the new
 primary named, so a planned move loses no write. The placement arithmetic is pure (``tigana.ps.placement``);
 this room decides when to apply it and says what changed.
+
+Failure domains (``tigana.ps.domains``): every placement keeps a slot's copies in distinct domains at the
+widest level the placeable servers allow (``_groups``); a map whose copies share a domain that a balanced
+placement would keep apart (servers registered one host at a time, a domain back after a loss) gets that
+placement as its target (``_respread``, with or without auto-rebalance: like re-replication, it restores
+protection); a drain or a move that would put copies of a slot into one domain they do not share now is refused,
+naming the slot and the domain.
 """
 
 from __future__ import annotations
@@ -18,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from tigana.ps import placement
+from tigana.ps import domains, placement
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.logs import event, slots_text
-from tigana.ps.routing import HANDING_OVER, IN_SYNC, NO_SERVER, format_slots
+from tigana.ps.routing import CATCHING_UP, HANDING_OVER, IN_SYNC, NO_SERVER, format_slots
 from tigana.ps.scheduler._fields import CoreFields
 
 log = logging.getLogger("tigana.ps.scheduler")  # one logger for the whole scheduler
@@ -85,7 +92,7 @@ class Moves(CoreFields):
         rows = np.ones(n) if rows is None else np.asarray(rows, float)
         plan = placement.plan(m.copies, self._placeable(), self.config.replicas, rows,
                               np.zeros(n) if bytes_ is None else bytes_, np.zeros(n) if rates is None else rates,
-                              cost)
+                              cost, self._groups(self._placeable()))
         if not plan.moves:
             plan = dataclasses.replace(plan, note="the placement is balanced already: nothing to move")
         if not plan_only:
@@ -143,6 +150,9 @@ class Moves(CoreFields):
                 new = [t] + [x for x in new if x != t]
         target[slot] = np.full(target.shape[1], NO_SERVER, np.int32)
         target[slot, :len(new)] = new
+        refused = self._collapses(self._placeable(), target, np.array([slot]))
+        if refused:
+            raise InvalidArgument(f"move-slot: {refused}; move it to a server in another domain")
         self.target, self.target_kind = target, "moves"
         self._save()
         log.info("move-slot at epoch %d: slot %d from %s to %s%s", m.epoch, slot, m.servers[src].id,
@@ -211,6 +221,7 @@ class Moves(CoreFields):
                 return placement.Plan(self.target, [(s, a, r, -1, -1, 0) for s, a, r in todo], np.zeros(0),
                                       np.zeros(0), 0, 0.0, note=f"server {sid} is already draining: {holds} "
                                       f"slot cop(ies) still on it, {len(todo)} slot(s) still to move")
+        before = self._placeable()
         self.draining.add(sid)
         left = int(self._placeable().sum())
         if not left:
@@ -221,7 +232,13 @@ class Moves(CoreFields):
             raise InvalidArgument(f"drain: {server!r}: {left} server(s) would be left to hold {1 + self.config.replicas} "
                                   "copies of every slot; add a server first (a drain never makes the cluster "
                                   "under-replicated)")
-        target = placement.balance(self.map.copies, self._placeable(), self.config.replicas)
+        target = placement.balance(self.map.copies, self._placeable(), self.config.replicas,
+                                   groups=self._groups(self._placeable()))
+        refused = self._collapses(before, target)
+        if refused:
+            self.draining.discard(sid)
+            raise InvalidArgument(f"drain: {server!r}: {refused}; add a server in another domain first (a drain "
+                                  "never puts a slot's copies into one failure domain)")
         todo = placement.moves(self.map.copies, target)
         self.target, self.target_kind = target, "balance"
         self._save()
@@ -239,8 +256,9 @@ class Moves(CoreFields):
         if target.shape[0] != current.shape[0]:
             return current.copy()
         named = target[target >= 0]
-        if named.size and not placeable[named].all() and self.target_kind == "balance":
-            return placement.balance(current, placeable, self.config.replicas)  # plan again without them
+        groups = self._groups(placeable)
+        if named.size and not placeable[named].all() and self.target_kind == "balance":  # plan again without them
+            return placement.balance(current, placeable, self.config.replicas, groups=groups)
         if named.size and not placeable[named].all():
             dead_rows = ((target >= 0) & ~alive[np.clip(target, 0, None)]).any(axis=1)
             if dead_rows.any():  # a move to or from a dead server is rolled back
@@ -249,7 +267,7 @@ class Moves(CoreFields):
                 target[dead_rows] = _pad(current, width)[dead_rows]
             named = target[target >= 0]
             if named.size and not placeable[named].all():  # a draining server still named: plan again
-                target = placement.balance(current, placeable, self.config.replicas)
+                target = placement.balance(current, placeable, self.config.replicas, groups=groups)
         return target
 
     def _reconcile(self) -> None:
@@ -269,17 +287,22 @@ class Moves(CoreFields):
             live = np.flatnonzero(placeable)
             copies = live[placement.initial(live.size, m.num_slots, self.config.replicas)].astype(np.int32)
             copies[:, 0] = live[placement.initial(live.size, m.num_slots, 0)[:, 0]]
+            groups = self._groups(placeable)
+            if groups is not None and domains.collapsed(copies, groups).any():
+                copies = placement.balance(copies, placeable, self.config.replicas, groups=groups)
             self._commit(m.evolve(copies=copies, states=np.zeros(copies.shape, np.uint8)),
                          f"first placement over {live.size} server(s)",
                          event("first_placement", slots=range(m.num_slots), server=self._ids(live)))
             return
         self._elect()
         m = self.map
-        copies, states = placement.repair(m.copies, m.states, alive, self.config.replicas, placeable)
+        copies, states = placement.repair(m.copies, m.states, alive, self.config.replicas, placeable,
+                                          self._groups(placeable))
         repaired, repair_servers = _placement_changes(m.copies, copies)
         stepped: dict[str, list[int]] = {"added": [], "primary": [], "dropped": []}
         step_servers: set[int] = set()
         self._auto_rebalance(copies, placeable)
+        self._respread(copies, placeable)
         had_target = self.target is not None
         reached = False
         if self.target is not None:
@@ -346,7 +369,7 @@ class Moves(CoreFields):
         empty = placeable & ((total == 0) | (prim == 0))
         if not empty.any() or max(total[placeable].max(), 2 * prim[placeable].max()) < 2:
             return
-        target = placement.balance(copies, placeable, self.config.replicas)
+        target = placement.balance(copies, placeable, self.config.replicas, groups=self._groups(placeable))
         if not placement.moves(copies, target):
             return  # as balanced as it gets (fewer slots than servers)
         self.target, self.target_kind = target, "balance"
@@ -355,6 +378,74 @@ class Moves(CoreFields):
         log.info("auto-rebalance at epoch %d: server(s) %s hold or lead no slot; %d slot(s) to move", self.map.epoch,
                  ",".join(ids), len(placement.moves(copies, self.target)),
                  extra=event("auto_rebalance", epoch=self.map.epoch, server=ids))
+
+    # --- failure domains ---------------------------------------------------------------------------------
+    def _domains(self) -> list[domains.FailureDomain]:
+        return [s.domain for s in self.map.servers]
+
+    def _groups(self, usable: np.ndarray) -> np.ndarray | None:
+        """(num_servers,) domain ids at the widest level at which the ``usable`` servers keep a slot's copies
+        apart; None where no level can (placement then keeps copies on distinct servers only)."""
+        want = 1 + min(self.config.replicas, max(int(usable.sum()) - 1, 0))
+        groups, level = domains.groups_for(self._domains(), usable, want)
+        return None if level == domains.SERVER else groups
+
+    def domain_groups(self) -> np.ndarray | None:
+        """(num_servers,) the domain of each server at the level placement keeps copies apart at now (over the
+        servers that may hold copies); None where no level can."""
+        return self._groups(self._placeable())
+
+    def domain_degraded(self) -> tuple[np.ndarray, str]:
+        """((num_slots,) bool, level): the slots whose in-sync copies on servers up share a failure domain (at
+        the level placement uses, or a host where no level has enough domains), and that level."""
+        m = self.map
+        alive = self._alive()
+        c = m.copies
+        counted = (c >= 0) & (m.states != CATCHING_UP) & (alive[np.clip(c, 0, None)] if alive.size else False)
+        return domains.degraded_slots(c, counted, self._domains(), alive, 1 + self.config.replicas)
+
+    def _respread(self, copies: np.ndarray, placeable: np.ndarray) -> None:
+        """With no target: when copies of some slot share a domain and a balanced placement keeps more slots'
+        copies apart, aim for it (lock held)."""
+        if self.target is not None:
+            return
+        groups = self._groups(placeable)
+        if groups is None:
+            return
+        shared = int(domains.collapsed(copies, groups).sum())
+        if not shared:
+            return
+        target = placement.balance(copies, placeable, self.config.replicas, groups=groups)
+        if int(domains.collapsed(target, groups).sum()) >= shared or not placement.moves(copies, target):
+            return
+        self.target, self.target_kind = target, "balance"
+        self._save()
+        log.info("failure domains at epoch %d: copies of %d slot(s) share a domain; %d slot(s) to move",
+                 self.map.epoch, shared, len(placement.moves(copies, target)),
+                 extra=event("domain_respread", epoch=self.map.epoch))
+
+    def _collapses(self, usable: np.ndarray, target: np.ndarray, slots: np.ndarray | None = None) -> str:
+        """Why ``target`` puts copies of a slot (of ``slots``, default all) into one failure domain they do not
+        share now (judged at the level the ``usable`` servers allow), or "" when it does not."""
+        m = self.map
+        want = 1 + min(self.config.replicas, max(int(usable.sum()) - 1, 0))
+        level = domains.choose_level(self._domains(), usable, want)
+        level = level if level != domains.SERVER else "host"
+        judged = domains.group_ids(self._domains(), level)
+        rows = np.arange(m.num_slots) if slots is None else np.asarray(slots, np.int64)
+        width = max(m.width, target.shape[1])
+        now = domains.spread(_pad(m.copies, width)[rows], judged)
+        then = domains.spread(_pad(target, width)[rows], judged)
+        worse = rows[then < np.minimum(now, (target[rows] >= 0).sum(axis=1))]
+        if not worse.size:
+            return ""
+        slot = int(worse[0])
+        row = target[slot][target[slot] >= 0]
+        ids, counts = np.unique(judged[row], return_counts=True)
+        shared = row[judged[row] == ids[np.argmax(counts)]]
+        where = m.servers[int(shared[0])].domain.describe(level)
+        return (f"slot {slot}'s copies would share {level} {where} (on {','.join(self._ids(shared))}); "
+                f"{worse.size} slot(s) would (slots {slots_text(worse)})")
 
     def _describe_step(self, rebuilt: list[int], rebuilt_on: set[int], stepped: dict[str, list[int]],
                        step_servers: set[int], overall: tuple[dict[str, list[int]], set[int]]

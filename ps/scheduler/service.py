@@ -59,7 +59,8 @@ class SchedulerService(spb_grpc.SchedulerServicer):
 
     @_handler("Register")
     def Register(self, request, context):
-        m = self.core.register(request.server_id, request.address, request.boot, _positions(request.positions))
+        m = self.core.register(request.server_id, request.address, request.boot, _positions(request.positions),
+                               cluster_wire.domain_from_pb(request.domain))
         return spb.RegisterResponse(map=cluster_wire.map_to_pb(m))
 
     @_handler("Heartbeat")

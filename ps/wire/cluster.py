@@ -13,6 +13,7 @@ import numpy as np
 
 from tigana.embeddings.rows import RowBatch
 from tigana.proto import shard_pb2 as pb
+from tigana.ps.domains import FailureDomain
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.routing import ServerEntry, ShardMap, TableDef
 from tigana.ps.wire import data as wire
@@ -55,12 +56,27 @@ def table_def_from_pb(spec: pb.TableSpec) -> TableDef:
         raise InvalidArgument(str(exc)) from None
 
 
+# --- failure domains ----------------------------------------------------------------------------------------
+def domain_to_pb(d: FailureDomain) -> pb.FailureDomain:
+    return pb.FailureDomain(zone=d.zone, rack=d.rack, host=d.host)
+
+
+def domain_from_pb(msg: pb.FailureDomain) -> FailureDomain:
+    """A domain from the wire (absent in a map saved before domains: unknown). Its parts are checked as the
+    ``--domain`` flag checks them; ``InvalidArgument`` naming the field."""
+    d = FailureDomain(msg.zone, msg.rack, msg.host)
+    try:
+        return FailureDomain.parse(str(d), field="FailureDomain")
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
 # --- shard maps ---------------------------------------------------------------------------------------------
 def map_to_pb(m: ShardMap) -> pb.ShardMap:
     return pb.ShardMap(
         epoch=m.epoch, num_slots=m.num_slots, replicas=m.replicas,
-        servers=[pb.ServerInfo(id=s.id, address=s.address, boot=s.boot,
-                               state=pb.SERVER_UP if s.up else pb.SERVER_DEAD) for s in m.servers],
+        servers=[pb.ServerInfo(id=s.id, address=s.address, boot=s.boot, state=pb.SERVER_UP if s.up else pb.SERVER_DEAD,
+                               domain=domain_to_pb(s.domain)) for s in m.servers],
         width=m.width, copies=packed(m.copies, "<i4"), states=packed(m.states, "u1"),
         slot_epochs=packed(m.slot_epochs, "<u8"),
         tables=[table_def_to_pb(t) for _, t in sorted(m.tables.items())], cluster_id=m.cluster_id)
@@ -73,7 +89,8 @@ def map_from_pb(msg: pb.ShardMap) -> ShardMap:
     copies = array(msg.copies, "<i4", field="ShardMap.copies", count=n * width).reshape(n, width)
     states = array(msg.states, "u1", field="ShardMap.states", count=n * width).reshape(n, width)
     slot_epochs = array(msg.slot_epochs, "<u8", field="ShardMap.slot_epochs", count=n)
-    servers = tuple(ServerEntry(s.id, s.address, s.boot, s.state == pb.SERVER_UP) for s in msg.servers)
+    servers = tuple(ServerEntry(s.id, s.address, s.boot, s.state == pb.SERVER_UP, domain_from_pb(s.domain))
+                    for s in msg.servers)
     tables = {t.name: table_def_from_pb(t) for t in msg.tables}
     try:
         return ShardMap(msg.epoch, n, msg.replicas, servers, copies, states, slot_epochs, tables, msg.cluster_id)

@@ -53,9 +53,9 @@ class Cluster:
     def idx(self, server: str) -> int:
         return self.map.index_of(server)
 
-    def register(self, server: str, boot: str | None = None, positions=None) -> ShardMap:
+    def register(self, server: str, boot: str | None = None, positions=None, domain=None) -> ShardMap:
         self.boots[server] = boot or self.boots.get(server) or f"{server}-boot1"
-        return self.core.register(server, f"host-{server}:1", self.boots[server], positions)
+        return self.core.register(server, f"host-{server}:1", self.boots[server], positions, domain)
 
     def up(self) -> tuple[str, ...]:
         return tuple(s.id for s in self.map.servers if s.up)

@@ -12,6 +12,7 @@ express) as a timed list of operations over the seeded workload, with the invari
 | ``test_every_copy_of_a_slot_lost_costs_only_what_followed_its_last_snapshot`` | the unclean election | S1 relaxed |
 | ``test_clock_jumps_declare_no_server_dead_and_demote_nothing`` | (L6: a jumping clock is no failure) | no demotion |
 | ``test_a_deposed_primary_refused_by_its_old_replica_acknowledges_nothing_only_it_applied`` | (issue 17, random seeds: an item cut by a refusal, or skipped by a copy the map dropped, acknowledged writes only a deposed primary applied) | S1 |
+| ``test_a_whole_host_lost_at_once_loses_nothing_sync`` | (issue 44: placement knew servers, not hosts; both copies of a slot on one host) | S1, domains at convergence |
 
 Each was run against the old behaviour patched back in (not kept here): the dropped table's items refused as
 REJECT_BEHIND, a refusal reporting every copy of the stream with removed copies' items refused, the scheduler
@@ -124,3 +125,14 @@ def test_clock_jumps_declare_no_server_dead_and_demote_nothing() -> None:
     _ok(out)
     assert out.demotions == 0 and out.failed_pushes == 0
     assert not [line for line in out.trace if "declared dead" in line or "is dead" in line]
+
+
+@pytest.mark.parametrize("seed", [7, 8])
+def test_a_whole_host_lost_at_once_loses_nothing_sync(seed: int) -> None:
+    # Four servers on two hosts (s0, s2 on h0; s1, s3 on h1): every slot keeps a copy on each host, so when
+    # both servers of h0 crash at once (no data dirs: they come back empty), the copies on h1 hold every
+    # acknowledged sync push.
+    script = (Op(3.0, "domain_crash", "h0", seconds=3.0),)
+    out = run_seed(seed, Settings(servers=4, hosts=2, busy_s=9.0, script=script, **QUIET))
+    _ok(out)
+    assert any("domain_crash host h0: crash s0,s2" in op for op in out.ops), out.ops

@@ -13,6 +13,7 @@ from k8s_manifests import (
     CRDS,
     IMAGES,
     NAMESPACE,
+    NODE_NAME,
     PYTORCHJOB_PORT,
     SNAPSHOT_MARGIN_S,
     Doc,
@@ -32,6 +33,7 @@ from k8s_manifests import (
 )
 
 from tigana.ps.daemon import COPIES_HEALTH_NAME
+from tigana.ps.domains import FailureDomain
 from tigana.ps.scheduler import SERVICE_NAME as SCHEDULER_HEALTH_NAME
 from tigana.ps.scheduler import SchedulerConfig
 from tigana.tools import scheduler_cmd, server_cmd, train_cmd
@@ -128,6 +130,13 @@ def _check_shards(docs: list[Doc]) -> None:
 
     for address in config.scheduler.split(","):
         _check_scheduler_address(docs, address)
+
+    # failure domain: the node's name, and its zone where the pod carries the node's zone label
+    assert config.failure_domain("container-hostname") == FailureDomain(host=NODE_NAME)
+    zoned_env = _pod_env(docs, pod, container, pod_name, zone="eu-west-1a")
+    with _environ(zoned_env):
+        zoned = server_cmd.load(_tigana(_argv(container, zoned_env)[1:])).config
+    assert zoned.failure_domain() == FailureDomain(zone="eu-west-1a", host=NODE_NAME)
 
     # at least --replicas + 1 servers (a slot's copies live on distinct servers), and what the first
     # placement waits for

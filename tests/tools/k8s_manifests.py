@@ -33,6 +33,8 @@ CRDS = {("kubeflow.org/v1", "PyTorchJob"), ("trainer.kubeflow.org/v1alpha1", "Tr
 IMAGES = {"tigana", "tigana-server"}  # tools/k8s/Dockerfile's two flavours
 SNAPSHOT_MARGIN_S = 30  # at least this much of terminationGracePeriodSeconds is left for the final snapshot
 JOB_INDEX = "batch.kubernetes.io/job-completion-index"
+NODE_NAME = "node-7"  # the node a checked pod runs on (downward API spec.nodeName)
+ZONE_LABEL = "topology.kubernetes.io/zone"
 # what training-operator v1.7+ puts in a PyTorchJob's pods for torchrun (pkg/controller.v1/pytorch)
 PYTORCHJOB_PORT = 23456
 
@@ -124,9 +126,10 @@ def _service_links(services: list[Doc]) -> dict[str, str]:
 
 
 def _pod_env(docs: list[Doc], pod_spec: Doc, container: Doc, pod_name: str, index: str = "0",
-             extra: dict[str, str] | None = None) -> dict[str, str]:
+             extra: dict[str, str] | None = None, zone: str = "") -> dict[str, str]:
     """The container's environment: what every pod gets (its hostname, the API server's Service), the
-    service links when enabled, what an operator adds (``extra``), then the container's own ``env``."""
+    service links when enabled, what an operator adds (``extra``), then the container's own ``env`` (the pod
+    on node ``NODE_NAME``, with ``zone`` as its node's zone label: "" where Kubernetes does not copy it)."""
     env = {"HOSTNAME": pod_name, "KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443",
            **(extra or {})}
     if pod_spec.get("enableServiceLinks", True):
@@ -137,7 +140,8 @@ def _pod_env(docs: list[Doc], pod_spec: Doc, container: Doc, pod_name: str, inde
             continue
         path = var["valueFrom"]["fieldRef"]["fieldPath"]
         values = {"metadata.name": pod_name, "metadata.namespace": NAMESPACE, "status.podIP": "10.1.2.3",
-                  f"metadata.annotations['{JOB_INDEX}']": index}
+                  f"metadata.annotations['{JOB_INDEX}']": index, "spec.nodeName": NODE_NAME,
+                  f"metadata.labels['{ZONE_LABEL}']": zone}
         assert path in values, f"{container['name']}: env {var['name']} from an unexpected field {path}"
         env[var["name"]] = values[path]
     return env

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tigana.ps import admin
+
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "tools" / "slurm" / "tigana.sbatch"
 JOB_ID = "4242"
@@ -267,6 +269,9 @@ def test_sbatch_preempt_requeue_resume(tmp_path: Path) -> None:
             assert command[command.index("--advertise") + 1] == f"{HOSTS[i]}:0"  # the bound port fills in
         train = services["tigana-train"]["command"]
         assert train[train.index("--ps") + 1] == scheduler and "--resume" not in train
+        # each server's failure domain is its node (SLURMD_NODENAME): the scheduler keeps copies on both nodes
+        servers = admin.shard_map(scheduler).servers
+        assert sorted(srv.domain.host for srv in servers) == sorted(HOSTS), servers
 
         first.proc.send_signal(signal.SIGTERM)  # what --signal=B:SIGTERM@120 sends: the batch shell only
         assert first.wait(90) == 0, first.log()

@@ -128,3 +128,17 @@ def test_a_server_advertising_port_0_advertises_the_port_it_bound() -> None:
     assert advertised("node7:0", 41234) == "node7:41234"  # the script's --advertise NODE:0
     assert advertised("node7:7101", 41234) == "node7:7101"
     assert advertised(None, 41234) is None  # the bound address is used
+
+
+@pytest.mark.parametrize("given,want", [(None, "host=node2"), ("rack=r1", "rack=r1,host=node2"),
+                                        ("zone=z,host=rack-7-node-2", "zone=z,host=rack-7-node-2")])
+def test_a_servers_domain_host_is_its_node(tmp_path: Path, given: str | None, want: str) -> None:
+    """Each server's task runs through SERVER_TASK, which names its node (SLURMD_NODENAME, set by slurmd) as the
+    host of its failure domain, beside the zone or rack TIGANA_DOMAIN gives the job."""
+    env = {"SLURMD_NODENAME": "node2", **({"TIGANA_DOMAIN": given} if given is not None else {})}
+    out = _bash('bash -c "$SERVER_TASK" tigana-server sh -c \'echo "domain=$TIGANA_DOMAIN"\'', tmp_path, **env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"domain={want}"
+    from tigana.ps.config import load_server_config  # the value is one the server accepts
+
+    assert load_server_config(env={"TIGANA_DOMAIN": want}).domain == want

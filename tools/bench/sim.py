@@ -8,7 +8,8 @@ cluster). The peer is the target: 0 violations. Exit 1 on any violation.
 
 Replay one seed with its minimal trace: ``tigana bench sim --seed-from 17 --seeds 1 --trace`` (a failing
 seed prints its replay command). ``--snapshot-every S`` gives the servers data dirs, snapshots every S
-simulated seconds and the fault of losing every copy of a slot (the unclean election).
+simulated seconds and the fault of losing every copy of a slot (the unclean election). ``--hosts H`` puts server
+k on host ``h{k mod H}`` (its failure domain) and adds the fault of losing a whole host at once.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--snapshot-every", type=float, default=0.0, metavar="SECONDS",
                         help="servers get data dirs, snapshots this often, and the fault of losing every copy "
                              "of a slot (default 0: memory only)")
+    parser.add_argument("--hosts", type=int, default=0,
+                        help="server k runs on host h{k mod HOSTS}, and a fault crashes every server of a host at "
+                             "once (default 0: every server a host of its own, no such fault)")
     parser.add_argument("--trace", action="store_true",
                         help="print the minimal trace of every failing seed to stderr (its operations and the "
                              "lines about the violation's servers and tables)")
@@ -39,9 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     seeds = 20 if args.quick else args.seeds
     settings = Settings(servers=args.servers, busy_s=args.busy, faults=bool(args.faults),
-                        snapshot_every_s=args.snapshot_every)
+                        snapshot_every_s=args.snapshot_every, hosts=args.hosts)
     replay = (f"tigana bench sim --seed-from SEED --seeds 1 --busy {args.busy:g} --servers {args.servers}"
-              f"{'' if args.faults else ' --no-faults'}"
+              f"{'' if args.faults else ' --no-faults'}{f' --hosts {args.hosts}' if args.hosts else ''}"
               f"{f' --snapshot-every {args.snapshot_every:g}' if args.snapshot_every else ''} --trace")
     started = time.perf_counter()
     steps, failing, slowest, acked, demoted, pulls = 0, [], 0.0, 0, 0, 0
@@ -62,6 +66,6 @@ def run(args: argparse.Namespace) -> int:
     emit("sim", "violations", float(len(failing)), "target", 0.0, seeds=seeds, seed_from=args.seed_from,
          steps=steps, violations=len(failing), failing=failing[:10], slowest_convergence_s=round(slowest, 3),
          acked_pushes=acked, faults=bool(args.faults), busy_s=args.busy, servers=args.servers,
-         snapshot_every_s=args.snapshot_every, demotions_without_fault=demoted, pulls=pulls,
+         snapshot_every_s=args.snapshot_every, hosts=args.hosts, demotions_without_fault=demoted, pulls=pulls,
          seconds=round(time.perf_counter() - started, 1), replay=replay)
     return 1 if failing else 0

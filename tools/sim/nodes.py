@@ -20,6 +20,7 @@ import numpy as np
 from tigana.proto import shard_pb2 as pb
 from tigana.ps.background import DROP_THREAD, SLOT_COPY_THREAD, SLOT_RESTORE_THREAD
 from tigana.ps.config import ServerConfig
+from tigana.ps.domains import FailureDomain
 from tigana.ps.membership import REGISTER, Membership, caught_up_answer
 from tigana.ps.routing import ShardMap
 from tigana.ps.scheduler import SchedulerConfig, SchedulerDriver
@@ -153,7 +154,7 @@ class SimAgent:
         try:
             if self.core.next_call() == REGISTER:
                 positions = _positions(s.svc.positions())  # what it loaded, for an unclean election
-                m = self._call(lambda core: core.register(s.name, s.name, s.svc.boot, positions))
+                m = self._call(lambda core: core.register(s.name, s.name, s.svc.boot, positions, s.domain))
                 s.install(m)
                 self.core.registered_ok(sent)
             else:
@@ -174,12 +175,14 @@ class SimAgent:
 
 
 class SimServer:
-    """One shard server process (``start`` makes a new one: a new boot, empty memory)."""
+    """One shard server process (``start`` makes a new one: a new boot, empty memory) on the machine ``domain``
+    names (unknown: a host of its own)."""
 
     def __init__(self, world: World, net: Net, name: str, scheduler: SchedulerNode, servers: dict[str, SimServer],
                  num_slots: int, late_reports_s: Callable[[], float] = lambda: 0.0,
-                 data_dir: Path | None = None) -> None:
+                 data_dir: Path | None = None, domain: FailureDomain = FailureDomain()) -> None:
         self.world, self.net, self.name, self.scheduler, self.servers = world, net, name, scheduler, servers
+        self.domain = domain
         self.late_reports_s = late_reports_s
         self.skew = 0.0  # how far this machine's clock is ahead of the world's (a clock jump)
         self.config = ServerConfig(num_slots=num_slots, scheduler=SCHEDULER, server_id=name, ack_timeout_s=5.0,

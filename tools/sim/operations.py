@@ -22,6 +22,7 @@ __all__ = ["Op", "operate", "perform"]
 PLANNED = ("move", "move_primary", "rebalance", "drain", "undrain", "create_drop", "join")
 FAULTS = ("crash", "crash_restart", "pause", "partition", "drops", "scheduler_restart", "clock_jump")
 DISK_FAULTS = ("lose_slot",)  # with data dirs: every copy of a slot lost at once, back from its snapshots
+DOMAIN_FAULTS = ("domain_crash",)  # with hosts: every server of one host crashes at once
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,8 @@ class Op:
     replica). ``slot`` is the slot of a move, ``seconds`` how long a fault lasts (a pause, a partition, the
     down time of a crash_restart, a clock jump's size, the delay of late reports). Kinds: create, drop,
     create_async, move, move_primary, rebalance, drain, undrain, join, crash, restart, crash_restart, pause,
-    partition (from every other server, not the scheduler), scheduler_restart, clock_jump (``target``
+    partition (from every other server, not the scheduler), domain_crash (``target`` a host: every server
+    there crashes at once, and restarts ``seconds`` later), scheduler_restart, clock_jump (``target``
     ``scheduler`` or a server), late_reports (every caught-up report is delivered again ``seconds`` later, a
     retried RPC whose first answer was lost), heal."""
 
@@ -87,6 +89,9 @@ def perform(run: Any, op: Op) -> None:
         elif op.kind == "lose_slot":
             _lose_slot(run, op.slot, op.seconds)
             return
+        elif op.kind == "domain_crash":
+            _domain_crash(run, op.target, op.seconds)
+            return
         elif op.kind == "heal":
             run._heal()
             return
@@ -101,7 +106,8 @@ def operate(run: Any) -> None:
     """One operation of ``run`` (a ``simulation._Run``), chosen by its random source."""
     rng = run.world.rng
     kinds = PLANNED + (FAULTS if run.s.faults else ()) + (DISK_FAULTS if run.s.faults and
-                                                          run.s.snapshot_every_s > 0 else ())
+                                                          run.s.snapshot_every_s > 0 else ()) \
+        + (DOMAIN_FAULTS if run.s.faults and run.s.hosts > 1 else ())
     kind = rng.choice(kinds)
     core = run.scheduler.core
     m = core.map
@@ -136,7 +142,7 @@ def operate(run: Any) -> None:
         elif kind == "join" and len(run.servers) < run.s.servers + 2:
             run._add_server()
             run.log(f"join s{len(run.servers) - 1}")
-        elif kind in FAULTS:
+        elif kind in FAULTS or kind in DOMAIN_FAULTS:
             _fault(run, kind)
     except PSError as exc:  # refused as an operator would see it (no such copy, last server...): fine
         run.log(f"{kind} refused: {exc}")
@@ -152,11 +158,18 @@ def _fault(run: Any, kind: str, victim: Any = None, seconds: float = 0.0) -> Non
     scripted = victim is not None or seconds > 0
     impaired = {s.name for s in run.servers.values() if not s.up} | run.cut_off
     degraded = run.scheduler.core.map.summary()["degraded_slots"]
-    if not scripted and kind in ("crash", "crash_restart", "pause", "partition", "lose_slot") and \
-            (len(impaired) >= run.s.replicas or degraded):
+    # a host's loss is survived only while every slot's in-sync copies are on two hosts or more
+    apart = kind != "domain_crash" or not run.scheduler.core.domain_degraded()[0].any()
+    if not scripted and kind in ("crash", "crash_restart", "pause", "partition", "lose_slot", "domain_crash") and \
+            (len(impaired) >= run.s.replicas or degraded or not apart):
         kind = rng.choice(("drops", "scheduler_restart"))
     if kind == "lose_slot":
         _lose_slot(run, rng.randrange(run.s.num_slots), rng.uniform(0.5, 4.0))
+        return
+    if kind == "domain_crash":
+        hosts = sorted({s.domain.host for s in alive})
+        if hosts:
+            _domain_crash(run, rng.choice(hosts), rng.uniform(0.5, 5.0))
         return
 
     def lasting(lo: float, hi: float) -> float:
@@ -242,5 +255,27 @@ def _lose_slot(run: Any, slot: int, seconds: float) -> None:
             if not victim.alive:
                 victim.start()
         run.log(f"restart {','.join(v.name for v in victims)} from their data dirs")
+
+    run.world.at(seconds, back)
+
+
+def _domain_crash(run: Any, host: str, seconds: float) -> None:
+    """Every server on ``host`` crashes at once (a machine, or a Kubernetes node, lost) and restarts
+    ``seconds`` later. Placement kept a copy of every slot on another host, so nothing acknowledged sync is lost
+    (S1 holds throughout)."""
+    victims = [s for s in run.servers.values() if s.domain.host == host and s.alive]
+    if not victims:
+        run.log(f"domain_crash {host}: no server up there")
+        return
+    run.faulty = True
+    for victim in victims:
+        victim.crash()
+    run.log(f"domain_crash host {host}: crash {','.join(v.name for v in victims)}")
+
+    def back() -> None:
+        for victim in victims:
+            if not victim.alive:
+                victim.start()
+        run.log(f"restart {','.join(v.name for v in victims)} (host {host} back)")
 
     run.world.at(seconds, back)

@@ -5,7 +5,9 @@ A run has three phases: ``busy`` (pushes, planned operations, and faults when en
 lifted, crashed servers restarted, pushes finishing) and the liveness check: within ``converge_s`` simulated
 seconds every slot must reach 1 + replicas in-sync copies and every push must be settled. Checked after every
 step: S1 (every sync update acknowledged is on every in-sync copy the scheduler's map names) and no double
-apply (no copy above the pushes sent, no pull reading above them). With data dirs (``snapshot_every_s``), S1
+apply (no copy above the pushes sent, no pull reading above them). With hosts (``Settings.hosts``), servers sit
+in failure domains, a fault can crash every server of one host at once (``domain_crash``), and at convergence no
+slot's in-sync copies may share a host while enough hosts are up. With data dirs (``snapshot_every_s``), S1
 is relaxed exactly as docs/replication.md says: a slot that lost every in-sync copy at once may miss what was
 acknowledged after its newest snapshot (``disk.lose_slots``). Operations are random (``operations.operate``)
 or scripted (``Settings.script``, a tuple of ``operations.Op``). The ``Outcome`` carries the first violation,
@@ -23,6 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from tigana.embeddings import SGD, TableConfig, Zeros
+from tigana.ps import domains
+from tigana.ps.domains import FailureDomain
 from tigana.ps.errors import PSError
 from tigana.ps.routing import CATCHING_UP, IN_SYNC, TableDef, slot_of
 from tigana.ps.scheduler import SchedulerConfig
@@ -53,6 +57,7 @@ class Settings:
     pulls: bool = True  # clients also pull (inserting, and read-only) beside their pushes
     snapshot_every_s: float = 0.0  # > 0: servers have a data dir, snapshots this often (every 4th full)
     tables_at_s: float = 0.0  # the ledger tables are created then (a trainer that starts after the servers)
+    hosts: int = 0  # > 0: server k runs on host h{k % hosts} (its failure domain); 0: every server its own
 
 
 @dataclass
@@ -130,10 +135,13 @@ class _Run:
             self.net.call("scheduler", server.name, lambda s=server: s.install(m), lambda r, e: None)
 
     def _add_server(self) -> None:
-        name = f"s{len(self.servers)}"
+        k = len(self.servers)
+        name = f"s{k}"
+        domain = FailureDomain(host=f"h{k % self.s.hosts}") if self.s.hosts > 0 else FailureDomain()
         self.servers[name] = SimServer(self.world, self.net, name, self.scheduler, self.servers, self.s.num_slots,
                                        late_reports_s=lambda: self.late_reports_s,
-                                       data_dir=self.folder / name if self.s.snapshot_every_s > 0 else None)
+                                       data_dir=self.folder / name if self.s.snapshot_every_s > 0 else None,
+                                       domain=domain)
 
     def log(self, text: str) -> None:
         self.world.log(f"op {text}")
@@ -191,6 +199,7 @@ class _Run:
             if not busy and converged_at is None and self._converged():
                 converged_at = w.now
                 self._check_copies_equal(heal_by)
+                self._check_domains()
                 break
         if converged_at is None and not self.out.violations:
             self.out.violations.append(f"liveness: not converged {s.converge_s:.0f}s after the busy phase "
@@ -318,6 +327,21 @@ class _Run:
                                 f"{name} id {k} at {vals[k].tolist()}, its primary {m.servers[int(p)].id} at "
                                 f"{values[int(p)][k].tolist()} (values, then 1 when the row is stored)")
                             return
+
+    def _check_domains(self) -> None:
+        """At convergence, with hosts (``Settings.hosts``): no slot's copies share a host while the servers that
+        may hold copies (up, not draining) span as many hosts as a slot has copies (placement keeps them apart;
+        docs/cluster.md). Where they do not, the slots are domain-degraded, which status reports."""
+        if self.s.hosts <= 0:
+            return
+        core = self.scheduler.core
+        groups = core.domain_groups()
+        apart = domains.collapsed(core.map.copies, groups) if groups is not None else np.zeros(1, bool)
+        if apart.any():
+            slot = int(np.flatnonzero(apart)[0])
+            m = core.map
+            self.out.violations.append(f"domains: slot {slot}'s in-sync copies share a host at convergence (epoch "
+                                       f"{m.epoch}: {[m.servers[int(c)].id for c in m.copies[slot] if c >= 0]})")
 
     def _converged(self) -> bool:
         m = self.scheduler.core.map

@@ -202,13 +202,13 @@ class Daemons:
         self.scheduler.start()
         return self.scheduler
 
-    def start_server(self) -> Daemon:
-        """``tigana server --scheduler ...`` on a new data dir (a server joining), started, not waited for."""
+    def start_server(self, *extra: str) -> Daemon:
+        """``tigana server --scheduler ... EXTRA`` on a new data dir (a server joining), started, not waited for."""
         k = len(self.servers)
         port = free_port()
         data = self.root / f"server-{k}"
         argv = [*tigana_command(), "server", "--port", str(port), "--data-dir", str(data), "--scheduler",
-                self.scheduler_address, "--snapshot-every", f"{self.snapshot_every_s:g}"]
+                self.scheduler_address, "--snapshot-every", f"{self.snapshot_every_s:g}", *extra]
         server = Daemon(f"server-{k}", argv, data, self.root / f"server-{k}.log", port, self.env)
         self.servers.append(server)
         server.start()

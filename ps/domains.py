@@ -1,0 +1,180 @@
+"""Failure domains: where a server runs (zone, rack, host), and how placement reads them. Pure; no I/O.
+
+A copy protects an acknowledged write only if it fails independently of the primary. A server is started with
+its domain, a label such as ``zone=eu-1a,rack=r7,host=node-12`` (``tigana server --domain``; the host defaults
+to the machine's name), sends it with ``Register``, and the scheduler keeps it in the map's server list.
+
+Placement reads the domains at one *level*: the widest of ``zone``, ``rack`` and ``host`` at which the servers
+that may hold copies fall into at least as many distinct domains as a slot has copies. A rack is named within
+its zone and a host within its rack, so two racks called ``r1`` in two zones are two racks. A server whose host
+is unknown (empty: a map saved before domains existed, or a test that names none) is a host of its own.
+
+When no level has enough domains (two hosts and three copies, or every server on one machine), the level is
+``server``: placement only keeps copies on distinct servers, as it always did, and the slots whose in-sync copies
+share a host count as *domain-degraded*; so does any slot whose in-sync copies share a domain at the chosen
+level. Losing that one domain loses what those copies acknowledged, so the scheduler reports them (status,
+health, metrics) as it reports under-replicated slots.
+
+Example::
+
+    >>> d = [FailureDomain.parse("zone=a,host=h1"), FailureDomain.parse("zone=a,host=h2"),
+    ...      FailureDomain.parse("zone=b,host=h3")]
+    >>> choose_level(d, np.ones(3, bool), copies=2)
+    'zone'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["LEVELS", "SERVER", "FailureDomain", "choose_level", "collapsed", "degraded_slots", "fits", "group_ids",
+           "groups_for", "separate", "spread"]
+
+LEVELS = ("zone", "rack", "host")  # widest first
+SERVER = "server"  # the fallback level: every server a domain of its own
+
+
+@dataclass(frozen=True)
+class FailureDomain:
+    """Where a server runs. Empty parts are unknown (an unknown host is the server's own)."""
+
+    zone: str = ""
+    rack: str = ""
+    host: str = ""
+
+    @classmethod
+    def parse(cls, text: str, *, field: str = "domain") -> FailureDomain:
+        """``"zone=Z,rack=R,host=H"`` (any subset, any order; a part left out or empty is unknown) -> a
+        ``FailureDomain``.
+        Raises ``ValueError`` naming ``field`` for an unknown key, a repeated key or a part without ``=``."""
+        parts: dict[str, str] = {}
+        for raw in str(text).split(","):
+            item = raw.strip()
+            if not item:
+                continue
+            key, eq, value = item.partition("=")
+            key, value = key.strip().lower(), value.strip()
+            if not eq or key not in LEVELS:
+                raise ValueError(f"{field}: expected zone=Z,rack=R,host=H (any of them), got {item!r} in {text!r}")
+            if key in parts:
+                raise ValueError(f"{field}: {key!r} given twice in {text!r}")
+            if any(c in value for c in "= \t"):
+                raise ValueError(f"{field}: {key} must be a name without '=', ',' or spaces, got {value!r}")
+            parts[key] = value  # empty: unknown (a Kubernetes node without a zone label)
+        return cls(**parts)
+
+    def with_host(self, host: str) -> FailureDomain:
+        """This domain with ``host`` filled in where it is unknown."""
+        return self if self.host else FailureDomain(self.zone, self.rack, host)
+
+    def key(self, level: str) -> tuple[str, ...]:
+        """The domain's name at ``level`` (a rack within its zone, a host within its rack)."""
+        return (self.zone, self.rack, self.host)[:LEVELS.index(level) + 1]
+
+    def describe(self, level: str) -> str:
+        """``zone=a,rack=r1`` for ``level`` rack: the parts that name the domain at that level."""
+        return ",".join(f"{k}={v}" for k, v in zip(LEVELS, self.key(level), strict=False) if v) or f"{level}=?"
+
+    def __bool__(self) -> bool:
+        """Whether any part is known."""
+        return bool(self.zone or self.rack or self.host)
+
+    def __str__(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in zip(LEVELS, (self.zone, self.rack, self.host), strict=True) if v)
+
+
+def group_ids(domains: Sequence[FailureDomain], level: str) -> np.ndarray:
+    """(num_servers,) int64: the index of each server's domain at ``level`` (servers in one domain share it);
+    level ``server``, or a server whose host is unknown at level ``host``, gets a domain of its own."""
+    n = len(domains)
+    if level == SERVER:
+        return np.arange(n, dtype=np.int64)
+    names: dict[tuple[str, ...], int] = {}
+    out = np.empty(n, np.int64)
+    for i, d in enumerate(domains):
+        key = d.key(level)
+        if level == "host" and not d.host:
+            key = (*key[:2], f"#{i}")  # unknown host: its own (a name no --domain can give)
+        out[i] = names.setdefault(key, len(names))
+    return out
+
+
+def choose_level(domains: Sequence[FailureDomain], usable: np.ndarray, copies: int) -> str:
+    """The widest level at which the ``usable`` servers ((num_servers,) bool) span at least ``copies`` domains;
+    ``server`` when none does."""
+    usable = np.asarray(usable, bool)
+    for level in LEVELS:
+        if np.unique(group_ids(domains, level)[usable]).size >= copies:
+            return level
+    return SERVER
+
+
+def groups_for(domains: Sequence[FailureDomain], usable: np.ndarray, copies: int) -> tuple[np.ndarray, str]:
+    """(group ids at the chosen level, the level): what placement keeps a slot's copies apart by."""
+    level = choose_level(domains, usable, copies)
+    return group_ids(domains, level), level
+
+
+def spread(copies: np.ndarray, groups: np.ndarray, counted: np.ndarray | None = None) -> np.ndarray:
+    """(num_slots,) int64: the distinct domains among each slot's copies (``copies``: (num_slots, width) server
+    indexes, negative for none; ``counted``: same shape, bool, the copies to count, default all)."""
+    c = np.asarray(copies)
+    ok = c >= 0 if counted is None else (c >= 0) & np.asarray(counted, bool)
+    g = np.where(ok, np.asarray(groups, np.int64)[np.clip(c, 0, None)], -1) if groups.size else np.full(c.shape, -1)
+    g = np.sort(g, axis=1)  # (S, W); -1 first
+    new = np.ones(g.shape, bool)
+    new[:, 1:] = g[:, 1:] != g[:, :-1]
+    return ((g >= 0) & new).sum(axis=1)
+
+
+def collapsed(copies: np.ndarray, groups: np.ndarray, counted: np.ndarray | None = None) -> np.ndarray:
+    """(num_slots,) bool: slots with two counted copies in one domain."""
+    c = np.asarray(copies)
+    ok = c >= 0 if counted is None else (c >= 0) & np.asarray(counted, bool)
+    return spread(c, groups, ok) < ok.sum(axis=1)
+
+
+def degraded_slots(copies: np.ndarray, counted: np.ndarray, domains: Sequence[FailureDomain],
+                   usable: np.ndarray, want: int) -> tuple[np.ndarray, str]:
+    """((num_slots,) bool, level): the domain-degraded slots, those whose ``counted`` copies (the in-sync ones on
+    servers up) share a domain at the level that ``usable`` servers allow for ``want`` copies, or share a host
+    where no level does; and that level (``server`` when none)."""
+    level = choose_level(domains, usable, want)
+    judged = group_ids(domains, level if level != SERVER else "host")
+    return collapsed(copies, judged, counted), level
+
+
+def separate(copies: np.ndarray, alive: np.ndarray, groups: np.ndarray, load: np.ndarray, weights: np.ndarray
+             ) -> None:
+    """In place: move every replica (columns 1+ of ``copies``) that shares its slot's domain (``groups``) with
+    another copy to the least loaded (``load``, (num_servers,) float, updated with ``weights`` per slot) alive
+    server of a domain the slot lacks; where there is none it stays (the slot is domain-degraded)."""
+    n = alive.shape[0]
+    load = np.asarray(load, float).copy()
+    for slot in np.flatnonzero(collapsed(copies, groups)):
+        for j in range(1, copies.shape[1]):
+            row = copies[slot]
+            others = row[(row >= 0) & (np.arange(row.shape[0]) != j)]
+            if row[j] < 0 or groups[row[j]] not in groups[others]:
+                continue
+            order = np.lexsort((np.arange(n), load))
+            to = next((int(t) for t in order if alive[t] and t not in row and groups[t] not in groups[others]),
+                      None)
+            if to is not None:
+                load[row[j]] -= weights[slot]
+                load[to] += weights[slot]
+                copies[slot, j] = to
+
+
+def fits(rows: np.ndarray, cols: np.ndarray | int, server: int, groups: np.ndarray) -> np.ndarray:
+    """(k,) bool: whether ``server`` may take the copy in column ``cols`` of each of ``rows`` ((k, width) server
+    indexes, negative for none): it holds no other copy of the slot and its domain holds none."""
+    k = np.arange(rows.shape[0])
+    gg = np.where(rows >= 0, groups[np.clip(rows, 0, None)], -1)
+    gg[k, cols] = -1
+    other = rows.copy()
+    other[k, cols] = -1
+    return ~(gg == groups[server]).any(axis=1) & ~(other == server).any(axis=1)
