@@ -1,4 +1,4 @@
-"""Cluster checkpoints, restores and serving exports on real processes (``tigana.ps.checkpoint``)."""
+"""Cluster checkpoints, restores and serving exports on real processes (``tigana.ps.client.checkpoint``)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ print(json.dumps({"rows": int(ids.size), "sum": float(rows.astype(np.float64).su
 
 
 def _all_rows(directory, table: str) -> RowBatch:
-    from tigana.ps.checkpoint import checkpoint_rows
+    from tigana.ps.client.checkpoint import checkpoint_rows
 
     rows = RowBatch.concat(list(checkpoint_rows(directory, table)))
     return rows.take(np.argsort(rows.ids))
@@ -78,7 +78,7 @@ def test_a_cut_refused_on_one_server_is_taken_again_whole(make_shard_cluster, tm
     """A part that cannot be read (its server refused: a map change, a failover under ``admin checkpoint``)
     discards the round: every server's cut is released, the parts so far are removed, and a new round cuts
     every table again by the newest map; the checkpoint completes whole."""
-    from tigana.ps.checkpoint import write
+    from tigana.ps.client.checkpoint import write
 
     cluster = make_shard_cluster(2, replicas=1)
     with ps.connect(cluster.target) as client:

@@ -28,8 +28,8 @@ from tigana.embeddings import snapshot as snap
 from tigana.embeddings.changes import find_sorted, sorted_unique
 from tigana.proto import shard_pb2 as pb
 from tigana.ps import routing
-from tigana.ps.checkpoint.export import _retryable
-from tigana.ps.checkpoint.parts import iter_part, part_deleted, verify_part
+from tigana.ps.client.checkpoint.parts import iter_part, part_deleted, verify_part
+from tigana.ps.client.checkpoint.port import CheckpointPort
 from tigana.ps.errors import DataLoss, InvalidArgument, from_rpc_error
 from tigana.ps.wire import cluster as cluster_wire
 
@@ -84,15 +84,15 @@ def read_chain(directory: str | os.PathLike) -> list[tuple[Path, dict[str, Any]]
     return chain
 
 
-def restore_checkpoint(client: Any, directory: str | os.PathLike, tables: list[str] | None = None
+def restore_checkpoint(port: CheckpointPort, directory: str | os.PathLike, tables: list[str] | None = None
                        ) -> dict[str, int]:
     """Recreate the checkpoint's tables (dropping tables of those names) and write their rows through the
     cluster's current primaries. Returns rows restored per table."""
     chain = read_chain(directory)
     newest = chain[0][1]
-    if int(newest["num_slots"]) != client.config.num_slots:
+    if int(newest["num_slots"]) != port.config.num_slots:
         raise InvalidArgument(f"restore: the checkpoint has {newest['num_slots']} slots, the cluster "
-                              f"{client.config.num_slots}")
+                              f"{port.config.num_slots}")
     for name in tables or []:
         if name not in newest["tables"]:
             raise InvalidArgument(f"restore: table {name!r} is not in checkpoint {str(directory)!r}")
@@ -101,9 +101,9 @@ def restore_checkpoint(client: Any, directory: str | os.PathLike, tables: list[s
         if tables is not None and name not in tables:
             continue
         spec = json_format.ParseDict(t["spec"], pb.TableSpec())
-        client.drop_table(name)
-        client._create_from_spec(spec)
-        num_slots = client.config.num_slots
+        port.drop_table(name)
+        port.create_from_spec(spec)
+        num_slots = port.config.num_slots
         sums = np.zeros(num_slots, np.uint64)
         counts = np.zeros(num_slots, np.int64)
         written = 0
@@ -111,7 +111,7 @@ def restore_checkpoint(client: Any, directory: str | os.PathLike, tables: list[s
         with futures.ThreadPoolExecutor(IMPORT_WINDOW, thread_name_prefix="tigana-restore") as pool:
             pending: collections.deque[futures.Future] = collections.deque()
             for batch in _chain_rows(chain, name, num_slots, dim=int(t.get("dim", 0))):
-                pending.append(pool.submit(_import, client, name, batch, int(t["step"])))
+                pending.append(pool.submit(_import, port, name, batch, int(t["step"])))
                 slots = routing.slot_of(batch.ids, num_slots)
                 with np.errstate(over="ignore"):
                     np.add.at(sums, slots, row_digests(batch))
@@ -120,7 +120,7 @@ def restore_checkpoint(client: Any, directory: str | os.PathLike, tables: list[s
                     written += pending.popleft().result()
             while pending:
                 written += pending.popleft().result()
-        _verify_restored(client, name, sums, counts)
+        _verify_restored(port, name, sums, counts)
         out[name] = written
     return out
 
@@ -173,13 +173,13 @@ def _chain_rows(chain: list[tuple[Path, dict[str, Any]]], name: str, num_slots: 
                    f"{int((~covered).sum())} slot(s) (its oldest base is incremental, or lacks the table)")
 
 
-def _verify_restored(client: Any, name: str, sums: np.ndarray, counts: np.ndarray) -> None:
+def _verify_restored(port: CheckpointPort, name: str, sums: np.ndarray, counts: np.ndarray) -> None:
     """Compare every slot's rows at its primary now with the checkpoint's (order-independent digests and
     counts): a row a concurrent map change discarded, or one written twice, is found here, not in training.
     ``DataLoss`` naming the slots that differ. Assumes nothing else writes the table during the restore."""
-    deadline = time.monotonic() + client.config.failover_timeout_s
+    deadline = time.monotonic() + port.config.failover_timeout_s
     while True:
-        route = client._route
+        route = port.route()
         seen = np.zeros(sums.shape[0], bool)
         bad: list[int] = []
         moved = False
@@ -189,10 +189,10 @@ def _verify_restored(client: Any, name: str, sums: np.ndarray, counts: np.ndarra
                 continue
             try:
                 reply = server.stub.SlotInfo(pb.SlotInfoRequest(table=name, checksums=True),
-                                             timeout=client.config.admin_timeout_s)
+                                             timeout=port.config.admin_timeout_s)
             except grpc.RpcError as err:
                 error = from_rpc_error(err, server.address)
-                if time.monotonic() > deadline or not _retryable(error, client):
+                if time.monotonic() > deadline or not port.retryable(error):
                     raise error from None
                 moved = True
                 break
@@ -208,24 +208,23 @@ def _verify_restored(client: Any, name: str, sums: np.ndarray, counts: np.ndarra
             break
         if time.monotonic() > deadline:
             raise DataLoss(f"restore: table {name!r}: the slots' primaries could not be checked")
-        if client._maps is not None:
-            client._maps.refresh(client.epoch + 1)
+        port.follow_map()
         time.sleep(0.1)
     if bad:
         raise DataLoss(f"restore: table {name!r}: {len(bad)} slot(s) differ from the checkpoint after the restore "
                        f"(slots {routing.format_slots(bad[:50])}); run the restore again")
 
 
-def _import(client: Any, name: str, batch: RowBatch, step: int) -> int:
+def _import(port: CheckpointPort, name: str, batch: RowBatch, step: int) -> int:
     """Write complete rows through their primaries (chunked under the message limit), retrying on a map move."""
-    deadline = time.monotonic() + client.config.failover_timeout_s
+    deadline = time.monotonic() + port.config.failover_timeout_s
     pending = batch
     while True:
-        route = client._route
+        route = port.route()
         primary = route.primary_of_slot[routing.slot_of(pending.ids, route.num_slots)]
         failed = []
         row_bytes = 8 + 4 * (pending.weights.shape[1] + pending.state.shape[1]) + 24
-        per = max(1, client.config.chunk_bytes // row_bytes)
+        per = max(1, port.config.chunk_bytes // row_bytes)
         for o in np.unique(primary):
             idx = np.flatnonzero(primary == o)
             if o < 0:
@@ -237,15 +236,14 @@ def _import(client: Any, name: str, batch: RowBatch, step: int) -> int:
                 request = pb.ImportRowsRequest(table=name, rows=cluster_wire.rows_to_pb(part), epoch=route.epoch,
                                                step=step)
                 try:
-                    server.stub.ImportRows(request, timeout=client.config.timeout_s)
+                    server.stub.ImportRows(request, timeout=port.config.timeout_s)
                 except grpc.RpcError as err:
                     error = from_rpc_error(err, server.address)
-                    if time.monotonic() > deadline or not _retryable(error, client):
+                    if time.monotonic() > deadline or not port.retryable(error):
                         raise error from None
                     failed.append(idx[lo:lo + per])
         if not failed:
             return len(batch)
         pending = pending.take(np.concatenate(failed))
-        if client._maps is not None:
-            client._maps.refresh(client.epoch + 1)
+        port.follow_map()
         time.sleep(0.1)

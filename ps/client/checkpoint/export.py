@@ -27,6 +27,8 @@ import numpy as np
 
 from tigana.embeddings.files import publish_folder
 from tigana.proto import shard_pb2 as pb
+from tigana.ps.client.checkpoint.port import CheckpointPort
+from tigana.ps.client.routes import Server
 from tigana.ps.errors import DataLoss, InvalidArgument, PSError, from_rpc_error
 from tigana.ps.wire import cluster as cluster_wire
 
@@ -39,9 +41,9 @@ def _table_dir(name: str) -> str:
     return "tables/" + quote(name, safe="").replace(".", "%2E")
 
 
-def _primaries(client: Any) -> list[tuple[Any, np.ndarray]]:
+def _primaries(port: CheckpointPort) -> list[tuple[Server, np.ndarray]]:
     """(server, slots it leads) for every primary of the client's current route."""
-    route = client._route
+    route = port.route()
     out = []
     for i, server in enumerate(route.servers):
         slots = np.flatnonzero(route.primary_of_slot == i)
@@ -52,14 +54,14 @@ def _primaries(client: Any) -> list[tuple[Any, np.ndarray]]:
     return out
 
 
-def _export_stream(client: Any, server: Any, table: str, slots: np.ndarray | None, *, weights_only: bool = False,
+def _export_stream(port: CheckpointPort, server: Server, table: str, slots: np.ndarray | None, *, weights_only: bool = False,
                    since: float = 0.0) -> Iterator[pb.ExportRowsChunk]:
     request = pb.ExportRowsRequest(table=table, chunk_rows=65536, weights_only=weights_only, since_time=since,
-                                   epoch=client.epoch)
+                                   epoch=port.route().epoch)
     if slots is not None:
         request.slots = np.asarray(slots, "<i4").tobytes()
     try:
-        yield from server.stub.ExportRows(request, timeout=client.config.admin_timeout_s)
+        yield from server.stub.ExportRows(request, timeout=port.config.admin_timeout_s)
     except grpc.RpcError as err:
         raise from_rpc_error(err, server.address) from None
 
@@ -71,18 +73,18 @@ def _publish(tmp: Path, root: Path) -> None:
     publish_folder(tmp, root)
 
 
-def _retryable(error: Exception, client: Any) -> bool:
-    from tigana.ps.client.inflight import retryable
+def _retryable(error: Exception, port: CheckpointPort) -> bool:
+    from tigana.ps.port.inflight import retryable
 
-    return retryable(error, client._maps is not None)
+    return retryable(error, port._maps is not None)
 
 
-def _read_export(client: Any, table: str, dim: int, since_time: float) -> tuple[list, list, list, list, bool]:
+def _read_export(port: CheckpointPort, table: str, dim: int, since_time: float) -> tuple[list, list, list, list, bool]:
     """Every primary's rows of ``table`` (weights only), its cut times and its tombstones: one export pass."""
     ids_parts, rows_parts, cut_times, deleted_parts = [], [], [], []
     complete = True
-    for server, slots in _primaries(client):
-        for chunk in _export_stream(client, server, table, slots, weights_only=True, since=since_time):
+    for server, slots in _primaries(port):
+        for chunk in _export_stream(port, server, table, slots, weights_only=True, since=since_time):
             if chunk.server_time:
                 cut_times.append(chunk.server_time)
             if since_time and chunk.slots:  # a slot set's last chunk
@@ -95,7 +97,7 @@ def _read_export(client: Any, table: str, dim: int, since_time: float) -> tuple[
     return ids_parts, rows_parts, cut_times, deleted_parts, complete
 
 
-def export_table(client: Any, table: str, out: str | os.PathLike, since: str | os.PathLike | None = None,
+def export_table(port: CheckpointPort, table: str, out: str | os.PathLike, since: str | os.PathLike | None = None,
                  *, since_time: float | None = None) -> dict[str, Any]:
     """Write ``table``'s ids and float32 rows (no optimizer state) to ``out`` (a folder: ids.npy, rows.npy,
     deleted.npy, export.json), or with ``since`` (an earlier export's folder) only the rows updated after it,
@@ -115,20 +117,19 @@ def export_table(client: Any, table: str, out: str | os.PathLike, since: str | o
             since_time = float(json.loads((Path(since) / "export.json").read_text())["time"])
         except (OSError, ValueError, KeyError) as exc:
             raise InvalidArgument(f"export: --since {str(since)!r} is not an export folder: {exc}") from None
-    client.flush()
-    info = client.describe_table(table)
-    deadline = time.monotonic() + client.config.failover_timeout_s
+    port.flush()
+    info = port.describe_table(table)
+    deadline = time.monotonic() + port.config.failover_timeout_s
     while True:
         try:
-            ids_parts, rows_parts, cut_times, deleted_parts, complete = _read_export(client, table, info.config.dim,
+            ids_parts, rows_parts, cut_times, deleted_parts, complete = _read_export(port, table, info.config.dim,
                                                                                      since_time)
             break
         except PSError as error:
             # a server behind the map the export was routed by, or a primary moved: read again by the newest map
-            if time.monotonic() > deadline or not _retryable(error, client):
+            if time.monotonic() > deadline or not port.retryable(error):
                 raise
-            if client._maps is not None:
-                client._maps.refresh(client.epoch + 1)
+            port.follow_map()
             time.sleep(0.1)
     ids = np.concatenate(ids_parts) if ids_parts else np.empty(0, np.int64)
     rows = np.concatenate(rows_parts) if rows_parts else np.empty((0, info.config.dim), np.float32)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from tigana.embeddings import RowBatch
-from tigana.ps.checkpoint.quantize import decode, encode
+from tigana.ps.client.checkpoint.quantize import decode, encode
 from tigana.ps.errors import DataLoss
 
 __all__ = ["CHUNK_ROWS", "PartWriter", "iter_part", "part_deleted", "verify_part"]

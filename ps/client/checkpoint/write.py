@@ -27,11 +27,13 @@ from google.protobuf import json_format
 
 from tigana.proto import shard_pb2 as pb
 from tigana.ps import routing
-from tigana.ps.checkpoint.cutround import Commit, CutRound, Failed, Read, Release
-from tigana.ps.checkpoint.export import _publish, _retryable, _table_dir
-from tigana.ps.checkpoint.parts import PartWriter
-from tigana.ps.checkpoint.quantize import CODECS
-from tigana.ps.checkpoint.restore import FORMAT, MANIFEST, VERSION, read_manifest
+from tigana.ps.client.checkpoint.cutround import Commit, CutRound, Failed, Read, Release
+from tigana.ps.client.checkpoint.export import _publish, _table_dir
+from tigana.ps.client.checkpoint.parts import PartWriter
+from tigana.ps.client.checkpoint.port import CheckpointPort
+from tigana.ps.client.checkpoint.quantize import CODECS
+from tigana.ps.client.checkpoint.restore import FORMAT, MANIFEST, VERSION, read_manifest
+from tigana.ps.client.routes import Server
 from tigana.ps.errors import DataLoss, InvalidArgument, PSError, Unavailable, from_rpc_error
 from tigana.ps.wire import cluster as cluster_wire
 
@@ -46,10 +48,10 @@ HOLD_MS = 2000  # the longest a server holds writes waiting for the commit
 SINCE_MARGIN_S = 0.1
 
 
-def write_checkpoint(client: Any, directory: str | os.PathLike, tables: list[str] | None = None, *,
+def write_checkpoint(port: CheckpointPort, directory: str | os.PathLike, tables: list[str] | None = None, *,
                      incremental: bool = False, base: str | os.PathLike | None = None, quantize: str = "none",
                      quantize_state: bool = False) -> dict[str, Any]:
-    """Checkpoint ``tables`` (default: all) of the cluster behind ``client`` into ``directory`` (absent or
+    """Checkpoint ``tables`` (default: all) of the cluster behind ``port`` (a client's ``checkpoint_port()``) into ``directory`` (absent or
     empty) at one cut of the whole cluster. ``incremental``: only rows changed since ``base`` (default: the
     newest checkpoint beside ``directory``; none there: a full one). Returns the manifest."""
     root = Path(directory)
@@ -59,24 +61,23 @@ def write_checkpoint(client: Any, directory: str | os.PathLike, tables: list[str
         raise InvalidArgument(f"checkpoint: field 'quantize' must be one of {list(CODECS)}, got {quantize!r}")
     base_path = _find_base(root, base) if incremental or base is not None else None
     base_manifest = read_manifest(base_path) if base_path is not None else None
-    client.flush()
-    names = sorted(tables or client.list_tables())
-    base_cut = _BaseCut.of(base_manifest, names, client.config.num_slots) if base_manifest is not None else None
+    port.flush()
+    names = sorted(tables or port.list_tables())
+    base_cut = _BaseCut.of(base_manifest, names, port.config.num_slots) if base_manifest is not None else None
     tmp = root.with_name(f".{root.name}.tmp-{os.getpid()}")
-    deadline = time.monotonic() + client.config.failover_timeout_s
+    deadline = time.monotonic() + port.config.failover_timeout_s
     while True:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            manifest = _one_cut(client, tmp, names, base_cut, quantize, quantize_state)
+            manifest = _one_cut(port, tmp, names, base_cut, quantize, quantize_state)
             break
         except PSError as error:
             shutil.rmtree(tmp, ignore_errors=True)
             # a map change under the cut, a server that refused or failed over: cut again by the newest map
-            if time.monotonic() > deadline or not (isinstance(error, Unavailable) or _retryable(error, client)):
+            if time.monotonic() > deadline or not (isinstance(error, Unavailable) or port.retryable(error)):
                 raise
-            if client._maps is not None:
-                client._maps.refresh(client.epoch + 1)
+            port.follow_map()
             time.sleep(0.1)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -143,20 +144,20 @@ class _BaseCut:
                 "base_positions": self.positions}
 
 
-def _one_cut(client: Any, tmp: Path, names: list[str], base: _BaseCut | None, quantize: str,
+def _one_cut(port: CheckpointPort, tmp: Path, names: list[str], base: _BaseCut | None, quantize: str,
              quantize_state: bool) -> dict[str, Any]:
     """One round: prepare, commit, read every part; released on every server whatever happens."""
-    route = client._route
+    route = port.route()
     if (route.primary_of_slot < 0).any():
         raise Unavailable(f"checkpoint: {int((route.primary_of_slot < 0).sum())} slot(s) have no primary now")
     servers = {s.address: s for i, s in enumerate(route.servers)
                if s is not None and (route.primary_of_slot == i).any()}
     cut = uuid.uuid4().hex
-    round_ = CutRound(list(servers), client.config.num_slots)
-    timeout = client.config.admin_timeout_s
+    round_ = CutRound(list(servers), port.config.num_slots)
+    timeout = port.config.admin_timeout_s
     commits: dict[str, pb.CommitCutResponse] = {}
     commits_sent: dict[str, pb.CommitCutRequest] = {}
-    infos = {n: client.describe_table(n) for n in names}
+    infos = {n: port.describe_table(n) for n in names}
     with futures.ThreadPoolExecutor(max_workers=len(servers), thread_name_prefix="tigana-cut") as pool:
         def each(call, make):
             jobs = {a: pool.submit(call, servers[a], make(a)) for a in servers}
@@ -194,12 +195,12 @@ def _one_cut(client: Any, tmp: Path, names: list[str], base: _BaseCut | None, qu
             failed = [a for a in actions if isinstance(a, Failed)]
             if failed:
                 for error in errors:  # a refusal no new round can mend (a credential, a bad table) as it is
-                    if not (isinstance(error, Unavailable) or _retryable(error, client)):
+                    if not (isinstance(error, Unavailable) or port.retryable(error)):
                         raise error
                 raise Unavailable(f"checkpoint: the cut was not taken: {failed[0].reason}")
             if not any(isinstance(a, Read) for a in actions):
                 raise Unavailable("checkpoint: the cut was not taken")
-            parts = each(lambda s, r: _read_parts(client, s, r, tmp, infos, quantize, quantize_state),
+            parts = each(lambda s, r: _read_parts(port, s, r, tmp, infos, quantize, quantize_state),
                          lambda a: cut)
         finally:
             released = [a for a in actions + round_.done() if isinstance(a, Release)]
@@ -210,10 +211,10 @@ def _one_cut(client: Any, tmp: Path, names: list[str], base: _BaseCut | None, qu
         if isinstance(reply, Exception):
             raise reply
     since = {a: dict(r.since) for a, r in commits_sent.items()}
-    return _manifest(client, infos, since, commits, parts, quantize, quantize_state)
+    return _manifest(port, infos, since, commits, parts, quantize, quantize_state)
 
 
-def _read_parts(client: Any, server: Any, cut: str, tmp: Path, infos: dict[str, Any], quantize: str,
+def _read_parts(port: CheckpointPort, server: Server, cut: str, tmp: Path, infos: dict[str, Any], quantize: str,
                 quantize_state: bool) -> dict[str, dict[str, Any]]:
     """Every table's part of the cut on ``server``, written under ``tmp``."""
     out = {}
@@ -223,7 +224,7 @@ def _read_parts(client: Any, server: Any, cut: str, tmp: Path, infos: dict[str, 
         writer = PartWriter(tmp, part, table=name, codec=quantize, state_codec=quantize if quantize_state else "none")
         deleted = None
         request = pb.ExportRowsRequest(table=name, cut=cut, chunk_rows=65536)
-        for chunk in server.stub.ExportRows(request, timeout=client.config.admin_timeout_s):
+        for chunk in server.stub.ExportRows(request, timeout=port.config.admin_timeout_s):
             if chunk.HasField("rows"):
                 writer.add(cluster_wire.rows_from_pb(chunk.rows, dim=info.config.dim, state_width=width, table=name))
             if chunk.deleted_complete:
@@ -236,19 +237,19 @@ def _part_name(address: str) -> str:
     return "part-" + hashlib.sha256(address.encode()).hexdigest()[:12]
 
 
-def _manifest(client: Any, infos: dict[str, Any], since: dict[str, dict[str, float]],
+def _manifest(port: CheckpointPort, infos: dict[str, Any], since: dict[str, dict[str, float]],
               commits: dict[str, pb.CommitCutResponse],
               parts: dict[str, dict[str, dict[str, Any]]], quantize: str, quantize_state: bool) -> dict[str, Any]:
     times = {a: c.server_time for a, c in commits.items()}
     manifest: dict[str, Any] = {
         "format": FORMAT, "version": VERSION, "created": time.time(), "epoch": next(iter(commits.values())).epoch,
-        "num_slots": client.config.num_slots, "kind": "full", "base": None, "quantize": quantize,
+        "num_slots": port.config.num_slots, "kind": "full", "base": None, "quantize": quantize,
         "quantize_state": bool(quantize_state), "cut": {"time": min(times.values()), "servers": times,
                                                         "hold_ms": HOLD_MS},
         "tables": {}}
     total = 0
     for name, info in infos.items():
-        spec = client._spec_pb(name)
+        spec = port.table_spec(name)
         entries, step = [], 0
         for address, commit in sorted(commits.items()):
             table = next(t for t in commit.tables if t.table == name)

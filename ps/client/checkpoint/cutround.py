@@ -1,5 +1,5 @@
 """CutRound: the coordinator's decisions of one cluster cut (sans-IO: events in, actions out; no socket, thread
-or clock), driven by ``tigana.ps.checkpoint.write`` over gRPC and checkable alone.
+or clock), driven by ``tigana.ps.client.checkpoint.write`` over gRPC and checkable alone.
 
 The round, for the primaries of one route (the server side is ``tigana.ps.shard.cuts``):
 

@@ -1,4 +1,4 @@
-"""tigana.ps.checkpoint — cluster checkpoints, restores and serving exports, through the primaries of a live
+"""tigana.ps.client.checkpoint — cluster checkpoints, restores and serving exports, through the primaries of a live
 cluster.
 
 A checkpoint is one cut of every table of the cluster at one point of its history, taken without the trainers'
@@ -19,10 +19,14 @@ weights at lower precision, the optimizer state exact unless ``quantize_state``.
 newest first, recreates every table and writes the rows through the primaries the cluster has now
 (``ImportRows``, replicated like pushes): any number of servers, and a full-precision chain comes back
 bit-identical, so training continues as from the cut.
+
+A client operation: every function takes a ``CheckpointPort`` (``port``: the client's current route and its
+servers' stubs, its map follower, its table calls; ``Client.checkpoint_port()`` gives one), never the client.
 """
 
-from tigana.ps.checkpoint.export import export_table
-from tigana.ps.checkpoint.restore import checkpoint_rows, read_chain, read_manifest, restore_checkpoint
-from tigana.ps.checkpoint.write import write_checkpoint
+from tigana.ps.client.checkpoint.export import export_table
+from tigana.ps.client.checkpoint.port import CheckpointPort
+from tigana.ps.client.checkpoint.restore import checkpoint_rows, read_chain, read_manifest, restore_checkpoint
+from tigana.ps.client.checkpoint.write import write_checkpoint
 
-__all__ = ["checkpoint_rows", "export_table", "read_chain", "read_manifest", "restore_checkpoint", "write_checkpoint"]
+__all__ = ["CheckpointPort", "checkpoint_rows", "export_table", "read_chain", "read_manifest", "restore_checkpoint", "write_checkpoint"]
