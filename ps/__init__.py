@@ -25,8 +25,6 @@ from tigana.embeddings.config import (
 )
 from tigana.embeddings.unseen import Unseen
 from tigana.ps.client import Client, ClientConfig, Compression, TableInfo, connect
-from tigana.ps.config import ServerConfig, load_server_config, parse_bytes
-from tigana.ps.daemon import ServerHandle, start_server
 from tigana.ps.errors import (
     DataLoss,
     DeadlineExceeded,
@@ -48,6 +46,9 @@ from tigana.ps.local import LocalCluster, LocalEtcd
 from tigana.ps.routing import ShardMap, TableDef
 from tigana.ps.scheduler import SchedulerConfig, SchedulerHandle, start_scheduler
 from tigana.ps.security import Security
+from tigana.ps.settings import parse_bytes
+from tigana.ps.shard.config import ServerConfig, load_server_config
+from tigana.ps.shard.daemon import ServerHandle, start_server
 
 __all__ = [
     "FTRL", "SGD", "Adagrad", "Adam", "Admission", "DataLoss", "DeadlineExceeded", "Eviction", "Internal",

@@ -29,8 +29,8 @@ from tigana.ps.client.config import ClientConfig, Compression
 from tigana.ps.client.inflight import retryable
 from tigana.ps.client.routes import Route
 from tigana.ps.client.tablestate import TableState, check_staleness
-from tigana.ps.config import parse_bytes
 from tigana.ps.errors import InvalidArgument, PSError, TableNotFound, Unavailable, from_rpc_error
+from tigana.ps.settings import parse_bytes
 from tigana.ps.wire import data as wire
 
 # describe_table sums shard stats except these (kept per shard in TableInfo.shards / taken from one shard).

@@ -18,9 +18,9 @@ from tigana.embeddings import RowBatch
 from tigana.ps import admin, routing
 from tigana.ps.client.checkpoint import checkpoint_rows
 from tigana.ps.client.checkpoint.write import SINCE_MARGIN_S
-from tigana.ps.config import ServerConfig
-from tigana.ps.daemon import start_server
 from tigana.ps.scheduler import SchedulerConfig, start_scheduler
+from tigana.ps.shard.config import ServerConfig
+from tigana.ps.shard.daemon import start_server
 
 pytestmark = pytest.mark.timeout(240)
 

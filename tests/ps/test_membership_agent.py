@@ -7,9 +7,9 @@ import time
 
 import numpy as np
 
-from tigana.ps.config import ServerConfig
-from tigana.ps.daemon import start_server
 from tigana.ps.scheduler import SchedulerConfig, start_scheduler
+from tigana.ps.shard.config import ServerConfig
+from tigana.ps.shard.daemon import start_server
 from tigana.tools.bench.faults.network import SlowProxy
 
 

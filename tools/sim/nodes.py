@@ -19,7 +19,6 @@ import numpy as np
 
 from tigana.proto import shard_pb2 as pb
 from tigana.ps.background import DROP_THREAD, SLOT_COPY_THREAD, SLOT_RESTORE_THREAD
-from tigana.ps.config import ServerConfig
 from tigana.ps.domains import FailureDomain
 from tigana.ps.membership import REGISTER, Membership, caught_up_answer
 from tigana.ps.routing import ShardMap
@@ -27,6 +26,7 @@ from tigana.ps.scheduler import SchedulerConfig, SchedulerDriver
 from tigana.ps.scheduler.service import _positions
 from tigana.ps.scheduler.stores.file import FileMapStore
 from tigana.ps.shard import ShardService
+from tigana.ps.shard.config import ServerConfig
 from tigana.ps.wire import cluster as cluster_wire
 from tigana.tools.sim.world import Deferred, Lost, Net, World
 

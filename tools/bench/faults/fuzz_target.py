@@ -29,8 +29,8 @@ class Target:
 
     def __init__(self, data_dir: str) -> None:
         from tigana import ps
-        from tigana.ps.config import ServerConfig
-        from tigana.ps.daemon import start_server
+        from tigana.ps.shard.config import ServerConfig
+        from tigana.ps.shard.daemon import start_server
 
         self.handle = start_server(ServerConfig(port=0, data_dir=data_dir, drain_grace_s=1.0, max_workers=4))
         if not self.handle.wait_ready(60):

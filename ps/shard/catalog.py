@@ -45,10 +45,10 @@ from tigana.embeddings import (
 from tigana.embeddings import snapshot as snap
 from tigana.embeddings.files import atomic_write
 from tigana.proto import shard_pb2 as pb
-from tigana.ps.dedup import DedupWindow
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.replication import SlotLog
 from tigana.ps.routing import TableDef
+from tigana.ps.shard.dedup import DedupWindow
 from tigana.ps.wire import cluster as cluster_wire
 
 DEDUP_FILE, POSITIONS_FILE = "dedup", "positions"

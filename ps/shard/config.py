@@ -21,33 +21,9 @@ from tigana.ps.domains import FailureDomain
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.routing import DEFAULT_NUM_SLOTS, parse_slots
 from tigana.ps.security import SecuritySettings
+from tigana.ps.settings import parse_bytes
 
 MiB = 1 << 20
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "ki": 1 << 10, "kib": 1 << 10, "mi": 1 << 20, "mib": 1 << 20, "gi": 1 << 30, "gib": 1 << 30,
-    "ti": 1 << 40, "tib": 1 << 40,
-}
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_bytes(text: str | int | float, *, field: str = "size") -> int:
-    """``"8GiB"`` -> 8589934592. Binary units (KiB, MiB, GiB, TiB, or Ki/Mi/Gi/Ti), decimal ones (KB/K, MB/M,
-    GB/G, TB/T) and plain byte counts; case-insensitive. Raises ``InvalidArgument`` naming ``field``."""
-    if isinstance(text, bool):
-        raise InvalidArgument(f"{field}: expected a size such as 8GiB, got {text!r}")
-    if isinstance(text, (int, float)):
-        value = float(text)
-        if value < 0 or value != value:
-            raise InvalidArgument(f"{field}: size must be >= 0, got {text!r}")
-        return int(value)
-    match = _SIZE.match(str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise InvalidArgument(f"{field}: expected a size such as 8GiB, 512MiB or 1048576, got {text!r}")
-    return int(float(match.group(1)) * _UNITS[unit])
 
 
 @dataclass(frozen=True)
@@ -203,17 +179,6 @@ def _size(name: str) -> Callable[[Any, str], int | None]:
     return parse
 
 
-def _metrics_port(value: Any, where: str) -> int:
-    if isinstance(value, str) and value.strip().lower() in ("auto", "any"):
-        return -1
-    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-        raise InvalidArgument(f"{where}: field 'metrics_port': cannot read {value!r} as a port")
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise InvalidArgument(f"{where}: field 'metrics_port': cannot read {value!r} as a port") from None
-
-
 def _slots(value: Any, where: str) -> str:
     return ",".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
 
@@ -228,7 +193,8 @@ def _domain(value: Any, where: str) -> str:
         raise InvalidArgument(str(exc)) from None
 
 
-PARSERS: dict[str, Callable[[Any, str], Any]] = {**{n: _size(n) for n in _SIZES}, "metrics_port": _metrics_port,
+PARSERS: dict[str, Callable[[Any, str], Any]] = {**{n: _size(n) for n in _SIZES},
+                                                 "metrics_port": settings.parse_metrics_port,
                                                  "slots": _slots, "domain": _domain}
 _STATEFULSET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?-[0-9]+$")
 

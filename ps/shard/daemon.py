@@ -28,13 +28,13 @@ from grpc_health.v1 import health, health_pb2
 from tigana.embeddings.files import hold_lock
 from tigana.ps import rpc
 from tigana.ps.allocator import BUDGET_TRIM_EVERY_S, TRIM_EVERY_S, release_free_memory
-from tigana.ps.config import ServerConfig
 from tigana.ps.membership import Agent
 from tigana.ps.metrics import ServerMetrics
 from tigana.ps.shard import SERVICE_NAME, ShardService, add_to_server
-from tigana.ps.warmup import warm_kernels
+from tigana.ps.shard.config import ServerConfig
+from tigana.ps.shard.warmup import warm_kernels
 
-log = logging.getLogger("tigana.ps.daemon")
+log = logging.getLogger("tigana.ps.shard.daemon")
 
 # Health of this server's copies: NOT_SERVING while any copy it holds is still catching up (slot copy).
 COPIES_HEALTH_NAME = "tigana.v1.Shard.copies"

@@ -29,7 +29,7 @@ from tigana.ps import _kernels
 from tigana.ps.routing import slot_of
 from tigana.ps.wire import data as wire
 
-log = logging.getLogger("tigana.ps.warmup")
+log = logging.getLogger("tigana.ps.shard.warmup")
 
 __all__ = ["warm_kernels"]
 
