@@ -47,7 +47,7 @@ from suite_order import HEAVIEST_FIRST
 
 from tigana import ps
 from tigana.proto import shard_pb2_grpc
-from tigana.ps.local import LocalCluster
+from tigana.ps.ops.local import LocalCluster
 from tigana.ps.routing import slot_range
 from tigana.ps.shard.config import ServerConfig
 from tigana.ps.shard.daemon import ServerHandle, start_server

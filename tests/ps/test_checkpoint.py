@@ -11,6 +11,7 @@ import pytest
 
 from tigana import ps
 from tigana.embeddings import RowBatch
+from tigana.ps.ops import admin
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -71,7 +72,7 @@ def test_checkpoint_on_3_servers_restores_identically_on_2(make_shard_cluster, t
         # training on after the restore gives what training on without it gave
         _train(client, "emb", 3, seed=2)
         np.testing.assert_array_equal(client.pull("emb", np.arange(30_000), insert=False), reference)
-        assert ps.admin.verify(second.scheduler)["differing"] == []
+        assert admin.verify(second.scheduler)["differing"] == []
 
 
 def test_a_cut_refused_on_one_server_is_taken_again_whole(make_shard_cluster, tmp_path, monkeypatch) -> None:

@@ -15,9 +15,10 @@ import pytest
 
 from tigana import ps
 from tigana.embeddings import RowBatch
-from tigana.ps import admin, routing
+from tigana.ps import routing
 from tigana.ps.client.checkpoint import checkpoint_rows
 from tigana.ps.client.checkpoint.write import SINCE_MARGIN_S
+from tigana.ps.ops import admin
 from tigana.ps.scheduler import SchedulerConfig, start_scheduler
 from tigana.ps.shard.config import ServerConfig
 from tigana.ps.shard.daemon import start_server

@@ -12,7 +12,7 @@ import pytest
 from tigana import ps
 from tigana.proto import scheduler_pb2 as spb
 from tigana.proto import scheduler_pb2_grpc as spb_grpc
-from tigana.ps import admin
+from tigana.ps.ops import admin
 from tigana.ps.security import Security, read_token, read_tokens
 from tigana.ps.shard.config import ServerConfig
 from tigana.ps.shard.daemon import start_server

@@ -41,7 +41,7 @@ import numpy as np
 
 from tigana import ps
 from tigana.embeddings import snapshot as snap
-from tigana.ps import admin
+from tigana.ps.ops import admin
 from tigana.tools.bench.faults.common import leader_of_most
 from tigana.tools.bench.ledger import TABLE_DIM, PushLoop, create_ledger_table
 from tigana.tools.bench.report import emit, log

@@ -18,8 +18,9 @@ import numpy as np
 
 from tigana import ps
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import admin, routing
+from tigana.ps import routing
 from tigana.ps.allocator import ALLOCATOR_ENV
+from tigana.ps.ops import admin
 from tigana.ps.wire import data as wire
 from tigana.tools.bench.ledger import TABLE_DIM, PushLoop, create_ledger_table
 from tigana.tools.bench.report import emit

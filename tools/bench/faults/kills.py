@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 
 from tigana import ps
-from tigana.ps import admin
+from tigana.ps.ops import admin
 from tigana.tools.bench.faults.common import (
     Report,
     cluster,

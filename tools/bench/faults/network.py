@@ -26,8 +26,8 @@ import grpc
 import numpy as np
 
 from tigana import ps
-from tigana.ps import admin
-from tigana.ps.local import free_port
+from tigana.ps.ops import admin
+from tigana.ps.ops.local import free_port
 from tigana.tools.bench.faults.common import (
     Report,
     cluster,

@@ -18,7 +18,7 @@ import numpy as np
 from tigana import ps
 from tigana.proto import scheduler_pb2 as spb
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import admin
+from tigana.ps.ops import admin
 from tigana.ps.security import NONE, Security
 from tigana.ps.wire import data as wire
 from tigana.tools.bench.faults.common import BAD_CODES, Report, cluster, ids_in_slots, pct, rss_mib

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from tigana import ps
-from tigana.ps import admin
+from tigana.ps.ops import admin
 from tigana.tools.bench.faults.common import Report, cluster, rss_mib
 from tigana.tools.bench.ledger import PushLoop, audit, create_ledger_table
 from tigana.tools.bench.report import log

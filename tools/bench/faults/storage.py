@@ -20,7 +20,7 @@ import numpy as np
 
 from tigana import ps
 from tigana.embeddings import snapshot as snap
-from tigana.ps import admin
+from tigana.ps.ops import admin
 from tigana.tools.bench.faults.common import (
     Report,
     cluster,

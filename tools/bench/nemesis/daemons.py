@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tigana.ps.local import free_port
+from tigana.ps.ops.local import free_port
 
 
 def tigana_command() -> list[str]:

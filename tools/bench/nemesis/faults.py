@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tigana import ps
-from tigana.ps import admin
+from tigana.ps.ops import admin
 from tigana.tools.bench.nemesis.daemons import Daemon, Daemons
 from tigana.tools.bench.nemesis.monitor import Monitor
 from tigana.tools.bench.nemesis.operations import OpResult

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from tigana.ps import admin
+from tigana.ps.ops import admin
 
 _DEMOTED = re.compile(r'^tigana_scheduler_copies_demoted_total\{reason="([^"]+)"\}\s+(\S+)$', re.M)
 _DEMOTION_LINE = re.compile(r"(\d+) cop\(ies\) on (\S+) out of the in-sync set \(slots .*?; reported by (\S+): "

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from tigana import ps
-from tigana.ps import admin
+from tigana.ps.ops import admin
 from tigana.ps.routing import IN_SYNC
 from tigana.tools.bench.ledger import TABLE_DIM, PushLoop, create_ledger_table
 from tigana.tools.bench.nemesis.daemons import Daemons, tigana_command

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tigana.ps.health import check_health
+from tigana.ps.ops.admin import cluster_status
 from tigana.ps.routing import DEFAULT_NUM_SLOTS, slot_range
 from tigana.ps.security import NONE, Security
 
@@ -235,8 +236,6 @@ class LocalCluster:
 
     def wait_placed(self, timeout: float = 60.0, *, in_sync: bool = True) -> None:
         """Wait until every slot has a primary (and, with ``in_sync``, every copy the cluster wants is in sync)."""
-        from tigana.ps.admin import cluster_status  # a small scheduler client; imported late (no cycle)
-
         deadline = time.monotonic() + timeout
         while True:
             status = cluster_status(self.scheduler, timeout_s=5.0, security=self.client_security)
