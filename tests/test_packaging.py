@@ -12,6 +12,9 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 TOP = {"embeddings", "ps", "trainer", "proto", "tools"}
+# The one exception: the testing room (the simulator, the fault harness, the nemesis) is testing code, in a
+# checkout only. It is never listed, so a wheel never ships it; an editable install imports it from tools/.
+TESTING_ROOM = "tools/testing"
 
 
 def _pyproject() -> dict:
@@ -21,13 +24,18 @@ def _pyproject() -> dict:
 def test_every_subpackage_is_listed() -> None:
     setuptools = _pyproject()["tool"]["setuptools"]
     listed = set(setuptools["packages"])
-    found = set()
+    found, testing = set(), set()
     for top in TOP:
         for init in (ROOT / top).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT).as_posix()
+            if rel == TESTING_ROOM or rel.startswith(TESTING_ROOM + "/"):
+                testing.add("tigana." + rel.replace("/", "."))
+                continue
             found.add("tigana." + rel.replace("/", "."))
             assert setuptools["package-dir"]["tigana." + rel.replace("/", ".")] == rel
     assert found == listed
+    assert testing, f"{TESTING_ROOM} holds no package"
+    assert not testing & (listed | set(setuptools["package-dir"])), "the testing room must stay out of the wheel"
 
 
 def test_no_bare_imports_of_top_level_folders() -> None:

@@ -17,7 +17,7 @@ from tigana.ps.health import check_health
 from tigana.ps.ops import admin
 from tigana.ps.scheduler import DOMAINS_HEALTH_NAME
 from tigana.tools.bench.ledger import PushLoop, audit, create_ledger_table
-from tigana.tools.bench.nemesis.daemons import Daemons, tigana_command
+from tigana.tools.testing.nemesis.daemons import Daemons, tigana_command
 
 HOSTS = ("rack-a-node", "rack-a-node", "rack-b-node", "rack-b-node")
 

@@ -18,7 +18,7 @@ import pytest
 from tigana import ps
 from tigana.ps.ops import admin
 from tigana.tools.bench.ledger import PushLoop, audit, create_ledger_table
-from tigana.tools.bench.nemesis.daemons import Daemons
+from tigana.tools.testing.nemesis.daemons import Daemons
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,9 @@ import numpy as np
 
 from tigana import ps
 from tigana.ps.ops import admin
-from tigana.tools.bench.faults.common import (
+from tigana.tools.bench.ledger import Audit, audit
+from tigana.tools.bench.report import log
+from tigana.tools.testing.faults.common import (
     Report,
     cluster,
     deaths,
@@ -24,8 +26,6 @@ from tigana.tools.bench.faults.common import (
     ready_for_fault,
     wait_settled,
 )
-from tigana.tools.bench.ledger import Audit, audit
-from tigana.tools.bench.report import log
 
 TARGET_P95_S = 3.0
 

@@ -28,7 +28,9 @@ import numpy as np
 from tigana import ps
 from tigana.ps.ops import admin
 from tigana.ps.ops.local import free_port
-from tigana.tools.bench.faults.common import (
+from tigana.tools.bench.ledger import PushLoop, audit, create_ledger_table
+from tigana.tools.bench.report import log
+from tigana.tools.testing.faults.common import (
     Report,
     cluster,
     deaths,
@@ -40,8 +42,6 @@ from tigana.tools.bench.faults.common import (
     ready_for_fault,
     wait_settled,
 )
-from tigana.tools.bench.ledger import PushLoop, audit, create_ledger_table
-from tigana.tools.bench.report import log
 
 
 # --- a slow link -------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """An atheris (libFuzzer) target: coverage-guided bytes to every method of a real shard server.
 
-    python -m tigana.tools.bench.faults.fuzz_target -runs=20000 [corpus_dir]
+    python -m tigana.tools.testing.faults.fuzz_target -runs=20000 [corpus_dir]
 
 A shard server (static mode, one table) serves on a loopback port in this process, so atheris sees the
 coverage of the request decoding and validation it drives. The first input byte picks the method, the rest

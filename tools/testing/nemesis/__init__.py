@@ -42,6 +42,6 @@ a target is missed:
 Every process the run starts (daemons, admin commands) is stopped by its own handle, also when it fails.
 """
 
-from tigana.tools.bench.nemesis.bench import KEYS, add_arguments, run, targets_missed
+from tigana.tools.testing.nemesis.bench import KEYS, add_arguments, run, targets_missed
 
 __all__ = ["KEYS", "add_arguments", "run", "targets_missed"]

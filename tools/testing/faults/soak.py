@@ -14,9 +14,9 @@ import numpy as np
 
 from tigana import ps
 from tigana.ps.ops import admin
-from tigana.tools.bench.faults.common import Report, cluster, rss_mib
 from tigana.tools.bench.ledger import PushLoop, audit, create_ledger_table
 from tigana.tools.bench.report import log
+from tigana.tools.testing.faults.common import Report, cluster, rss_mib
 
 CLIENTS = 4
 

@@ -36,8 +36,8 @@ from tigana import ps
 from tigana.ps.ops import admin
 from tigana.ps.routing import IN_SYNC
 from tigana.tools.bench.ledger import TABLE_DIM, PushLoop, create_ledger_table
-from tigana.tools.bench.nemesis.daemons import Daemons, tigana_command
-from tigana.tools.bench.nemesis.workload import DURABILITIES, Ledgers
+from tigana.tools.testing.nemesis.daemons import Daemons, tigana_command
+from tigana.tools.testing.nemesis.workload import DURABILITIES, Ledgers
 
 
 @dataclass

@@ -26,10 +26,10 @@ import numpy as np
 
 from tigana import ps
 from tigana.ps.ops import admin
-from tigana.tools.bench.nemesis.daemons import Daemon, Daemons
-from tigana.tools.bench.nemesis.monitor import Monitor
-from tigana.tools.bench.nemesis.operations import OpResult
-from tigana.tools.bench.nemesis.workload import Ledgers
+from tigana.tools.testing.nemesis.daemons import Daemon, Daemons
+from tigana.tools.testing.nemesis.monitor import Monitor
+from tigana.tools.testing.nemesis.operations import OpResult
+from tigana.tools.testing.nemesis.workload import Ledgers
 
 
 @dataclass

@@ -28,7 +28,7 @@ from tigana.ps.scheduler.stores.file import FileMapStore
 from tigana.ps.shard import ShardService
 from tigana.ps.shard.config import ServerConfig
 from tigana.ps.wire import cluster as cluster_wire
-from tigana.tools.sim.world import Deferred, Lost, Net, World
+from tigana.tools.testing.sim.world import Deferred, Lost, Net, World
 
 __all__ = ["SchedulerNode", "SimServer"]
 

@@ -21,9 +21,9 @@ from tigana.proto import shard_pb2 as pb
 from tigana.ps.ops import admin
 from tigana.ps.security import NONE, Security
 from tigana.ps.wire import data as wire
-from tigana.tools.bench.faults.common import BAD_CODES, Report, cluster, ids_in_slots, pct, rss_mib
 from tigana.tools.bench.ledger import TABLE_DIM, create_ledger_table
 from tigana.tools.bench.report import log
+from tigana.tools.testing.faults.common import BAD_CODES, Report, cluster, ids_in_slots, pct, rss_mib
 
 C = grpc.StatusCode
 SHARD = [(m.name, m.server_streaming) for m in pb.DESCRIPTOR.services_by_name["Shard"].methods]
@@ -153,7 +153,7 @@ def _atheris(runs: int) -> dict[str, Any]:
     if importlib.util.find_spec("atheris") is None:
         return {"atheris": "not installed (pip install tigana[fuzz])"}
     with tempfile.TemporaryDirectory(prefix="tigana-atheris-") as tmp:
-        proc = subprocess.run([sys.executable, "-m", "tigana.tools.bench.faults.fuzz_target", f"-runs={runs}",
+        proc = subprocess.run([sys.executable, "-m", "tigana.tools.testing.faults.fuzz_target", f"-runs={runs}",
                                f"-artifact_prefix={tmp}/"], capture_output=True, text=True, timeout=1800)
     done = re.search(r"Done (\d+) runs", proc.stderr)
     cov = re.findall(r"cov: (\d+)", proc.stderr)

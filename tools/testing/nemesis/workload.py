@@ -10,7 +10,7 @@ acknowledgement (start-up) is reported apart, as ``first_ack_s``.
 
 Beside the writers, ``readers_per_table`` readers per table pull the first ``watched_ids`` ids (read only)
 back to back; with every push's ids and times kept, ``history`` checks the whole record as a per-id counter
-history (``tigana.tools.bench.nemesis.history``).
+history (``tigana.tools.testing.nemesis.history``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 
 from tigana import ps
 from tigana.tools.bench.ledger import PushLoop, create_ledger_table
-from tigana.tools.bench.nemesis.history import Increment, PullReader, check_counters
+from tigana.tools.testing.nemesis.history import Increment, PullReader, check_counters
 
 DURABILITIES = ("sync", "async")
 

@@ -236,7 +236,7 @@ def _lose_slot(run: Any, slot: int, seconds: float) -> None:
     """Every server holding an in-sync copy of ``slot`` crashes at once (beyond what replication survives)
     and restarts from its data dir ``seconds`` later: the unclean election runs, and the ledger may miss,
     for the slots lost, what was acknowledged after their newest snapshot (``disk.lose_slots``)."""
-    from tigana.tools.sim.disk import lose_slots
+    from tigana.tools.testing.sim.disk import lose_slots
 
     m = run.scheduler.core.map
     holders = {m.servers[int(c)].id for c, st in zip(m.copies[slot], m.states[slot], strict=True)

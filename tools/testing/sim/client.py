@@ -16,7 +16,7 @@ from tigana.proto import shard_pb2 as pb
 from tigana.ps.errors import PSError, TableNotFound
 from tigana.ps.routing import ShardMap, slot_of
 from tigana.ps.wire import data as wire
-from tigana.tools.sim.world import Lost, Net, World
+from tigana.tools.testing.sim.world import Lost, Net, World
 
 __all__ = ["Ledger", "SimClient"]
 

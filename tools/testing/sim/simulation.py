@@ -30,10 +30,10 @@ from tigana.ps.domains import FailureDomain
 from tigana.ps.errors import PSError
 from tigana.ps.routing import CATCHING_UP, IN_SYNC, TableDef, slot_of
 from tigana.ps.scheduler import SchedulerConfig
-from tigana.tools.sim.client import DIM, Ledger, SimClient
-from tigana.tools.sim.disk import snapshot
-from tigana.tools.sim.nodes import SchedulerNode, SimServer
-from tigana.tools.sim.world import Net, World
+from tigana.tools.testing.sim.client import DIM, Ledger, SimClient
+from tigana.tools.testing.sim.disk import snapshot
+from tigana.tools.testing.sim.nodes import SchedulerNode, SimServer
+from tigana.tools.testing.sim.world import Net, World
 
 __all__ = ["Outcome", "Settings", "run_seed"]
 
@@ -223,12 +223,12 @@ class _Run:
 
     # --- operations and faults ---
     def _operation(self) -> None:
-        from tigana.tools.sim.operations import operate
+        from tigana.tools.testing.sim.operations import operate
 
         operate(self)
 
     def _perform(self, op) -> None:
-        from tigana.tools.sim.operations import perform
+        from tigana.tools.testing.sim.operations import perform
 
         perform(self, op)
 

@@ -5,12 +5,12 @@ docs/replication.md checked after every step.
 
 Example::
 
-    from tigana.tools.sim import Settings, run_seed
+    from tigana.tools.testing.sim import Settings, run_seed
     outcome = run_seed(7, Settings(faults=True))
     assert outcome.ok, (outcome.violations, outcome.trace[-40:])
 """
 
-from tigana.tools.sim.operations import Op
-from tigana.tools.sim.simulation import Outcome, Settings, run_seed
+from tigana.tools.testing.sim.operations import Op
+from tigana.tools.testing.sim.simulation import Outcome, Settings, run_seed
 
 __all__ = ["Op", "Outcome", "Settings", "run_seed"]

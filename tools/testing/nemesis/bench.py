@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from tigana import ps
-from tigana.tools.bench.nemesis.daemons import Daemons
-from tigana.tools.bench.nemesis.faults import Faults
-from tigana.tools.bench.nemesis.monitor import Monitor, demotion_reasons
-from tigana.tools.bench.nemesis.operations import Operations, OpResult, admin_cli
-from tigana.tools.bench.nemesis.schedule import FAULTS, pause_between, plan_round
-from tigana.tools.bench.nemesis.workload import DURABILITIES, Ledgers
 from tigana.tools.bench.report import emit, log
+from tigana.tools.testing.nemesis.daemons import Daemons
+from tigana.tools.testing.nemesis.faults import Faults
+from tigana.tools.testing.nemesis.monitor import Monitor, demotion_reasons
+from tigana.tools.testing.nemesis.operations import Operations, OpResult, admin_cli
+from tigana.tools.testing.nemesis.schedule import FAULTS, pause_between, plan_round
+from tigana.tools.testing.nemesis.workload import DURABILITIES, Ledgers
 
 KEYS = ("lost_sync", "doubled_sync", "lost_async", "doubled_async", "async_loss_bound", "primaries_killed",
         "linearizability_violations", "linearizability_violations_async", "copies_demoted_without_failure",

@@ -18,8 +18,8 @@ import argparse
 import traceback
 from collections.abc import Callable
 
-from tigana.tools.bench.faults.common import Report, root_problem
 from tigana.tools.bench.report import emit, log
+from tigana.tools.testing.faults.common import Report, root_problem
 
 # name -> (module, function, needs root, one line)
 FAULTS: dict[str, tuple[str, str, bool, str]] = {
@@ -62,7 +62,7 @@ def function(name: str) -> Callable[..., Report]:
     import importlib
 
     module, fn, _, _ = FAULTS[name]
-    return getattr(importlib.import_module(f"tigana.tools.bench.faults.{module}"), fn)
+    return getattr(importlib.import_module(f"tigana.tools.testing.faults.{module}"), fn)
 
 
 def run(args: argparse.Namespace) -> int:

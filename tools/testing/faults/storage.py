@@ -21,7 +21,9 @@ import numpy as np
 from tigana import ps
 from tigana.embeddings import snapshot as snap
 from tigana.ps.ops import admin
-from tigana.tools.bench.faults.common import (
+from tigana.tools.bench.ledger import audit
+from tigana.tools.bench.report import log
+from tigana.tools.testing.faults.common import (
     Report,
     cluster,
     ledger_cluster,
@@ -30,8 +32,6 @@ from tigana.tools.bench.faults.common import (
     ready_for_fault,
     wait_settled,
 )
-from tigana.tools.bench.ledger import audit
-from tigana.tools.bench.report import log
 
 DIM = 16
 
