@@ -9,7 +9,15 @@ Example::
     rows = client.pull("user_id", ids)        # (n,) int64 -> (n, 16) float32, in the order of ids
     fut = client.push("user_id", ids, grads)  # asynchronous; fut.result() waits
     client.flush()                            # waits for every push in flight
+
+``import tigana.ps`` loads the client only. The server-side names (``start_server``, ``ServerConfig``,
+``start_scheduler``, ``LocalCluster``, ...) load their subsystem on first use (``_LAZY``).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from tigana.embeddings.config import (
     FTRL,
@@ -25,8 +33,6 @@ from tigana.embeddings.config import (
 )
 from tigana.embeddings.unseen import Unseen
 from tigana.ps.client import Client, ClientConfig, Compression, TableInfo, connect
-from tigana.ps.config import ServerConfig, load_server_config, parse_bytes
-from tigana.ps.daemon import ServerHandle, start_server
 from tigana.ps.errors import (
     DataLoss,
     DeadlineExceeded,
@@ -44,10 +50,24 @@ from tigana.ps.errors import (
     UnknownClient,
     WrongShard,
 )
-from tigana.ps.local import LocalCluster, LocalEtcd
 from tigana.ps.routing import ShardMap, TableDef
-from tigana.ps.scheduler import SchedulerConfig, SchedulerHandle, start_scheduler
 from tigana.ps.security import Security
+from tigana.ps.settings import parse_bytes
+
+if TYPE_CHECKING:
+    from tigana.ps.ops.local import LocalCluster, LocalEtcd
+    from tigana.ps.scheduler import SchedulerConfig, SchedulerHandle, start_scheduler
+    from tigana.ps.shard.config import ServerConfig, load_server_config
+    from tigana.ps.shard.daemon import ServerHandle, start_server
+
+# The server side, imported when a name is first asked for (PEP 562): name -> the module that defines it.
+_LAZY = {
+    "ServerConfig": "tigana.ps.shard.config", "load_server_config": "tigana.ps.shard.config",
+    "ServerHandle": "tigana.ps.shard.daemon", "start_server": "tigana.ps.shard.daemon",
+    "SchedulerConfig": "tigana.ps.scheduler", "SchedulerHandle": "tigana.ps.scheduler",
+    "start_scheduler": "tigana.ps.scheduler",
+    "LocalCluster": "tigana.ps.ops.local", "LocalEtcd": "tigana.ps.ops.local",
+}
 
 __all__ = [
     "FTRL", "SGD", "Adagrad", "Adam", "Admission", "DataLoss", "DeadlineExceeded", "Eviction", "Internal",
@@ -59,3 +79,16 @@ __all__ = [
     "LocalCluster", "LocalEtcd", "ServerConfig", "ServerHandle", "load_server_config", "parse_bytes", "start_server",
     "SchedulerConfig", "SchedulerHandle", "Security", "ShardMap", "TableDef", "start_scheduler",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups find it here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -22,7 +23,8 @@ from typing import Any, Generic, TypeVar
 
 from tigana.ps.errors import InvalidArgument
 
-__all__ = ["ENV_PREFIX", "Loaded", "describe_defaults", "load", "public_name", "read_file"]
+__all__ = ["ENV_PREFIX", "Loaded", "describe_defaults", "load", "parse_bytes", "parse_metrics_port",
+           "public_name", "read_file"]
 
 ENV_PREFIX = "TIGANA_"
 T = TypeVar("T")
@@ -195,3 +197,41 @@ def describe_defaults(parser: argparse.ArgumentParser, cls: type, *, shown: Mapp
         if value is None or value == ():
             value = "none"
         action.help = f"{action.help} (default: {value})"
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "ki": 1 << 10, "kib": 1 << 10, "mi": 1 << 20, "mib": 1 << 20, "gi": 1 << 30, "gib": 1 << 30,
+    "ti": 1 << 40, "tib": 1 << 40,
+}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str | int | float, *, field: str = "size") -> int:
+    """``"8GiB"`` -> 8589934592. Binary units (KiB, MiB, GiB, TiB, or Ki/Mi/Gi/Ti), decimal ones (KB/K, MB/M,
+    GB/G, TB/T) and plain byte counts; case-insensitive. Raises ``InvalidArgument`` naming ``field``."""
+    if isinstance(text, bool):
+        raise InvalidArgument(f"{field}: expected a size such as 8GiB, got {text!r}")
+    if isinstance(text, (int, float)):
+        value = float(text)
+        if value < 0 or value != value:
+            raise InvalidArgument(f"{field}: size must be >= 0, got {text!r}")
+        return int(value)
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise InvalidArgument(f"{field}: expected a size such as 8GiB, 512MiB or 1048576, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def parse_metrics_port(value: Any, where: str) -> int:
+    """A metrics port: a number (0: off) or ``auto``/``any`` (-1: any free port); ``where`` names the source."""
+    if isinstance(value, str) and value.strip().lower() in ("auto", "any"):
+        return -1
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise InvalidArgument(f"{where}: field 'metrics_port': cannot read {value!r} as a port")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"{where}: field 'metrics_port': cannot read {value!r} as a port") from None

@@ -47,10 +47,10 @@ from suite_order import HEAVIEST_FIRST
 
 from tigana import ps
 from tigana.proto import shard_pb2_grpc
-from tigana.ps.config import ServerConfig
-from tigana.ps.daemon import ServerHandle, start_server
-from tigana.ps.local import LocalCluster
+from tigana.ps.ops.local import LocalCluster
 from tigana.ps.routing import slot_range
+from tigana.ps.shard.config import ServerConfig
+from tigana.ps.shard.daemon import ServerHandle, start_server
 
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 _READY_TIMEOUT = 60.0

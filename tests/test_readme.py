@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tigana.ps.config import load_server_config
 from tigana.ps.scheduler import load_scheduler_config
+from tigana.ps.shard.config import load_server_config
 from tigana.tools import cli
 from tigana.trainer.config import load_config
 

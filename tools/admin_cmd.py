@@ -35,8 +35,8 @@ from typing import Any
 
 from tigana import ps
 from tigana.proto import scheduler_pb2 as spb
-from tigana.ps import admin
 from tigana.ps.errors import PSError
+from tigana.ps.ops import admin
 from tigana.ps.security import Security
 from tigana.ps.wire import cluster as cluster_wire
 

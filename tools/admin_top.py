@@ -1,7 +1,7 @@
 """``tigana admin top``: a live view of a cluster, refreshed every ``--interval`` seconds (``--once``: one frame,
 for scripts and tests).
 
-``render`` is a pure function of ``ps.admin.cluster_status``'s dict (plus ``moving_slots`` and ``draining``
+``render`` is a pure function of ``tigana.ps.ops.admin.cluster_status``'s dict (plus ``moving_slots`` and ``draining``
 when known): a header with the map's epoch and slot health, then one row per server with its state, copies,
 rows, memory, request rate and share of the cluster's load, replication lag and heartbeat age.
 """
@@ -18,8 +18,8 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from tigana.ps import admin
 from tigana.ps.errors import PSError
+from tigana.ps.ops import admin
 
 __all__ = ["fetch", "render", "run_top"]
 
@@ -42,7 +42,7 @@ def _count(n: float) -> str:
 
 
 def render(status: dict[str, Any] | None, *, now: str | None = None) -> RenderableType:
-    """One frame of ``top`` for ``status`` (``ps.admin.cluster_status``'s dict; None: the scheduler did not
+    """One frame of ``top`` for ``status`` (``tigana.ps.ops.admin.cluster_status``'s dict; None: the scheduler did not
     answer). ``now``: a clock shown in the header."""
     if status is None:
         return Text("scheduler not reachable; retrying", style="bold red")

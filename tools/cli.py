@@ -2,7 +2,8 @@
 
 Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``; benchmarks live in
 ``tigana.tools.bench.<case>`` with the same two functions. Modules are imported only when their
-subcommand runs, so ``tigana --help`` stays fast.
+subcommand runs, so ``tigana --help`` stays fast. The cases built on the testing room (``tigana.tools.testing``:
+the simulator, the fault harness, the nemesis) run from a checkout; an install without it exits 2 saying so.
 """
 
 from __future__ import annotations
@@ -50,17 +51,26 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                                               "as well as undisturbed runs (AUC), the PS untouched"),
     "scale": ("tigana.tools.bench.scale", "scale curves: pull/push/step rows/s and CPU-s per M rows against shards, "
                                           "client processes, resident rows and batch size"),
-    "nemesis": ("tigana.tools.bench.nemesis", "a cluster started as the README says, under planned operations and "
+    "nemesis": ("tigana.tools.testing.nemesis", "a cluster started as the README says, under planned operations and "
                                               "faults: sync/async updates lost and doubled, demotions, stalls"),
     "sim": ("tigana.tools.bench.sim", "the deterministic simulator over many seeds: invariant violations and "
                                       "the slowest convergence"),
-    "faults": ("tigana.tools.bench.faults", "the fault suite: kills, pauses, partitions, disks, corruption, hostile "
+    "faults": ("tigana.tools.testing.faults", "the fault suite: kills, pauses, partitions, disks, corruption, hostile "
                                             "requests, a soak; a ledger counts what was lost"),
 }
 
 
+# testing code, in a checkout and not in the wheel: its cases are listed everywhere and say so where it is absent
+TESTING_ROOM = "tigana.tools.testing"
+
+
+def _in_testing_room(module: str | None) -> bool:
+    return module is not None and (module == TESTING_ROOM or module.startswith(TESTING_ROOM + "."))
+
+
 def _available(table: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
-    return {name: spec for name, spec in table.items() if importlib.util.find_spec(spec[0]) is not None}
+    return {name: spec for name, spec in table.items()
+            if _in_testing_room(spec[0]) or importlib.util.find_spec(spec[0]) is not None}
 
 
 def _version() -> str:
@@ -107,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
+        if _in_testing_room(exc.name):
+            return _lacks_testing_room(known)
         if exc.name not in TRAIN_EXTRA:
             raise
         return _lacks_train_extra(known, exc)
@@ -137,6 +149,15 @@ def _lacks_train_extra(known: argparse.Namespace, exc: ModuleNotFoundError) -> i
     print(f"tigana {command}: needs {exc.name!r}, which this install lacks: it comes with the train extra, "
           f"pip install 'tigana[train]' (a shard server, the scheduler, serve, local and admin need only "
           f"'tigana')", file=sys.stderr)
+    return 2
+
+
+def _lacks_testing_room(known: argparse.Namespace) -> int:
+    """A benchmark built on the testing room, on an install without it: one line saying where it runs."""
+    command = " ".join(a for a in (known.command, getattr(known, "bench", None)) if a)
+    print(f"tigana {command}: runs from a checkout of the repository: it is built on {TESTING_ROOM} (the "
+          f"simulator, the fault harness, the nemesis), testing code that the installed package leaves out; "
+          f"in a checkout, pip install -e . and run it there", file=sys.stderr)
     return 2
 
 

@@ -53,9 +53,9 @@ def _train_fields() -> list[str]:
 @cache
 def known() -> frozenset[str]:
     """Every ``TIGANA_*`` suffix some command reads (``SNAPSHOT_EVERY``, ``SCHEDULER_REPLICAS``, ...)."""
-    from tigana.ps.config import ServerConfig
     from tigana.ps.scheduler import SchedulerConfig
     from tigana.ps.serving import ServeConfig
+    from tigana.ps.shard.config import ServerConfig
 
     names: set[str] = set(BY_NAME)
     for fields, prefixes in ((_fields(ServerConfig), ("",)), (_fields(SchedulerConfig), ("", "SCHEDULER_")),

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 from tigana.ps.errors import PSError
-from tigana.ps.local import LocalCluster, LocalEtcd
+from tigana.ps.ops.local import LocalCluster, LocalEtcd
 from tigana.ps.routing import DEFAULT_NUM_SLOTS
 
 

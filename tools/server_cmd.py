@@ -16,10 +16,10 @@ from pathlib import Path
 from tigana.embeddings.files import atomic_write
 from tigana.ps import settings
 from tigana.ps.allocator import SERVER_ARENAS, tune_allocator
-from tigana.ps.config import ServerConfig, load_server_config_sources
-from tigana.ps.daemon import start_server
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.logs import FORMATS, setup_logging
+from tigana.ps.shard.config import ServerConfig, load_server_config_sources
+from tigana.ps.shard.daemon import start_server
 from tigana.tools.daemon_flags import add_metrics_flags, add_security_flags, say
 from tigana.tools.signals import StopSignal
 

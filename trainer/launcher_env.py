@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tigana.ps.local import free_port  # the port of a local job's rendezvous (MASTER_PORT)
+from tigana.ps.ops.local import free_port  # the port of a local job's rendezvous (MASTER_PORT)
 
 __all__ = ["DistEnv", "free_port", "read_env"]
 

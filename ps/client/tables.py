@@ -1,5 +1,6 @@
 """The tables of ``Client``: create, describe, drop and list them; this client's per-table settings
-(staleness bound, wire codecs); checkpoints and exports of them (``tigana.ps.checkpoint``).
+(staleness bound, wire codecs); checkpoints and exports of them (``tigana.ps.client.checkpoint``, through
+the ``CheckpointPort`` that ``checkpoint_port`` gives).
 
 With a scheduler, table changes go through it (it puts them in the map, and every server creates or drops
 the table when it installs the map); with a static shard list, to every shard. ``TableInfo`` is what
@@ -22,10 +23,14 @@ from tigana.embeddings import config as cfg
 from tigana.embeddings.errors import InvalidArgument as StorageInvalidArgument
 from tigana.proto import shard_pb2 as pb
 from tigana.ps.client._fields import ClientFields
-from tigana.ps.client.config import Compression
+from tigana.ps.client.checkpoint import export_table, restore_checkpoint, write_checkpoint
+from tigana.ps.client.checkpoint.port import CheckpointPort
+from tigana.ps.client.config import ClientConfig, Compression
+from tigana.ps.client.inflight import retryable
+from tigana.ps.client.routes import Route
 from tigana.ps.client.tablestate import TableState, check_staleness
-from tigana.ps.config import parse_bytes
-from tigana.ps.errors import InvalidArgument, TableNotFound, Unavailable, from_rpc_error
+from tigana.ps.errors import InvalidArgument, PSError, TableNotFound, Unavailable, from_rpc_error
+from tigana.ps.settings import parse_bytes
 from tigana.ps.wire import data as wire
 
 # describe_table sums shard stats except these (kept per shard in TableInfo.shards / taken from one shard).
@@ -163,28 +168,26 @@ class Tables(ClientFields):
                    base: str | None = None, quantize: str = "none", quantize_state: bool = False) -> dict[str, Any]:
         """Write a consistent checkpoint of ``tables`` (default: all) into ``directory``: every table cut at one
         point of the cluster's history, rows and optimizer state, with a manifest and checksums
-        (``tigana.ps.checkpoint``). ``incremental``: only the rows changed since ``base`` (default: the newest
+        (``tigana.ps.client.checkpoint``). ``incremental``: only the rows changed since ``base`` (default: the newest
         checkpoint beside ``directory``); ``quantize``: ``fp16`` or ``int8`` weights (the optimizer state stays
         exact unless ``quantize_state``). Flushes this client's pushes first. Returns the manifest."""
-        from tigana.ps.checkpoint import write_checkpoint
-
-        return write_checkpoint(self, directory, tables, incremental=incremental, base=base, quantize=quantize,
+        return write_checkpoint(self.checkpoint_port(), directory, tables, incremental=incremental, base=base, quantize=quantize,
                                 quantize_state=quantize_state)
 
     def restore_checkpoint(self, directory: str, tables: list[str] | None = None) -> dict[str, int]:
         """Recreate the checkpoint's tables and load their rows and optimizer state onto the servers the
         cluster has now (any number); an incremental checkpoint with its chain of bases. Returns rows restored
         per table."""
-        from tigana.ps.checkpoint import restore_checkpoint
-
-        return restore_checkpoint(self, directory, tables)
+        return restore_checkpoint(self.checkpoint_port(), directory, tables)
 
     def export(self, table: str, out: str, since: str | None = None) -> dict[str, Any]:
         """Write ``table``'s ids and float32 rows (no optimizer state) as ``out/ids.npy``, ``out/rows.npy`` and
         ``out/export.json``; with ``since`` (an earlier export) only the rows updated after it."""
-        from tigana.ps.checkpoint import export_table
+        return export_table(self.checkpoint_port(), table, out, since)
 
-        return export_table(self, table, out, since)
+    def checkpoint_port(self) -> CheckpointPort:
+        """This client as the functions of ``tigana.ps.client.checkpoint`` take it."""
+        return _CheckpointPort(self)
 
     def describe_table(self, name: str) -> TableInfo:
         """The table's config and stats (summed over shards; ``shards`` per address). With replicas, ``rows``
@@ -246,3 +249,43 @@ class Tables(ClientFields):
         info = self.describe_table(table)  # TableNotFound names the table
         with self._tables_lock:
             return self._tables.setdefault(table, TableState(table, info.config.dim, Compression(), 0))
+
+
+class _CheckpointPort:
+    """``CheckpointPort`` over a client: its current route, its map follower, its table calls."""
+
+    def __init__(self, client: Tables) -> None:
+        self._client = client
+
+    @property
+    def config(self) -> ClientConfig:
+        return self._client.config
+
+    def route(self) -> Route:
+        return self._client._route
+
+    def retryable(self, error: PSError) -> bool:
+        return retryable(error, self._client._maps is not None)
+
+    def follow_map(self) -> None:
+        maps = self._client._maps
+        if maps is not None:
+            maps.refresh(self._client.epoch + 1)
+
+    def flush(self) -> None:
+        self._client.flush()
+
+    def list_tables(self) -> list[str]:
+        return self._client.list_tables()
+
+    def describe_table(self, name: str) -> TableInfo:
+        return self._client.describe_table(name)
+
+    def drop_table(self, name: str) -> bool:
+        return self._client.drop_table(name)
+
+    def table_spec(self, name: str) -> pb.TableSpec:
+        return self._client._spec_pb(name)
+
+    def create_from_spec(self, spec: pb.TableSpec) -> None:
+        self._client._create_from_spec(spec)

@@ -1,7 +1,7 @@
 """A shard server's membership as a sans-IO core: what to call next, the lease, and what answers mean.
 
 ``Membership`` has no thread, socket or clock: the adapter (``agent.Agent`` in the daemon, the simulator's
-agent in ``tigana.tools.sim``) asks it which call to make (``next_call``), makes it, and hands the outcome back
+agent in ``tigana.tools.testing.sim``) asks it which call to make (``next_call``), makes it, and hands the outcome back
 with the time the call was sent. The decisions kept here:
 
 - register first (with the log positions of what the server loaded, for an unclean election); heartbeat

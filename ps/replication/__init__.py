@@ -4,7 +4,7 @@ One ordered stream runs from a primary to each server holding copies of slots it
 The protocol's decisions are sans-IO cores, events in and actions out, with no lock, thread, socket or clock
 inside: the primary's side (``primary.Primary``: its streams, and the slot copies of ``copy``; the actions it
 returns are in ``actions``) and the copy's apply side (``apply``). ``replicator.Replicator`` is the thin
-thread and gRPC adapter that drives ``Primary`` in the daemon; the simulator (``tigana.tools.sim``) drives the
+thread and gRPC adapter that drives ``Primary`` in the daemon; the simulator (``tigana.tools.testing.sim``) drives the
 same core on its own clock. Items
 (see ``ReplicationItem`` in proto/shard.proto) carry rows and optimizer state as written, removals, admission
 sightings and the exactly-once keys, never gradients; the target applies them in stream order (``apply``).

@@ -29,6 +29,7 @@ interval are lost. Thread-safety: the driver runs one event at a time, under one
 One room per concept:
 
 - ``config``: ``SchedulerConfig`` and ``load_scheduler_config``;
+- ``placement``: where copies go and the safe steps toward a target (pure functions, no I/O);
 - ``core``: ``SchedulerCore`` (state, commits, servers, copy reports, tables, reads), assembled from
   ``liveness`` (failure detection, probes, elections) and ``moves`` (placement and its steps, hand-overs),
   over the fields declared in ``_fields``; ``actions``: what it asks its driver to do (persist, announce,

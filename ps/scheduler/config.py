@@ -71,8 +71,6 @@ def load_scheduler_config(flags: Mapping[str, Any] | None = None, env: Mapping[s
     flags = {k: v for k, v in (flags or {}).items() if v is not None}
     file = file or flags.pop("config", None) or env.get("TIGANA_SCHEDULER_CONFIG") or None
     flags.pop("config", None)
-    from tigana.ps.config import PARSERS  # the server's parsers: "auto" metrics port
-
     return settings.load(SchedulerConfig, flags=flags, env=env, file=file, section="scheduler",
                          env_prefixes=("TIGANA_SCHEDULER_", settings.ENV_PREFIX),
-                         parsers={"metrics_port": PARSERS["metrics_port"]})
+                         parsers={"metrics_port": settings.parse_metrics_port})

@@ -27,12 +27,12 @@ import numpy as np
 
 from tigana.proto import scheduler_pb2 as spb
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import placement
 from tigana.ps.domains import FailureDomain
 from tigana.ps.errors import InvalidArgument, TableExists
 from tigana.ps.logs import event, slots_text
 from tigana.ps.metrics import SchedulerMetrics
 from tigana.ps.routing import CATCHING_UP, IN_SYNC, NO_SERVER, ServerEntry, ShardMap, TableDef, format_slots
+from tigana.ps.scheduler import placement
 from tigana.ps.scheduler.actions import Probe, Ready
 from tigana.ps.scheduler.config import SchedulerConfig
 from tigana.ps.scheduler.liveness import Liveness

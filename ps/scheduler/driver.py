@@ -32,10 +32,10 @@ from typing import Any, TypeVar
 import numpy as np
 
 from tigana.proto import scheduler_pb2 as spb
-from tigana.ps import placement
 from tigana.ps.domains import FailureDomain
 from tigana.ps.metrics import SchedulerMetrics
 from tigana.ps.routing import ShardMap, TableDef
+from tigana.ps.scheduler import placement
 from tigana.ps.scheduler.actions import Probe, Ready
 from tigana.ps.scheduler.config import SchedulerConfig
 from tigana.ps.scheduler.core import SchedulerCore, new_state

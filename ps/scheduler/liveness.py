@@ -22,9 +22,9 @@ import logging
 
 import numpy as np
 
-from tigana.ps import placement
 from tigana.ps.logs import event, slots_text
 from tigana.ps.routing import IN_SYNC, NO_SERVER, format_slots
+from tigana.ps.scheduler import placement
 from tigana.ps.scheduler._fields import CoreFields
 from tigana.ps.scheduler.actions import Probe
 

@@ -6,7 +6,7 @@ catching-up copies on the least loaded servers, then one step toward the target 
 A target comes from ``rebalance`` (by measured load), ``move_slot``, ``drain`` or the automatic rebalance
 that gives a server holding nothing its share. A primary's move is a hand-over: the old primary stops
 writing and reports ``handover_ready`` once its in-sync copies hold everything, and only then is the new
-primary named, so a planned move loses no write. The placement arithmetic is pure (``tigana.ps.placement``);
+primary named, so a planned move loses no write. The placement arithmetic is pure (``tigana.ps.scheduler.placement``);
 this room decides when to apply it and says what changed.
 
 Failure domains (``tigana.ps.domains``): every placement keeps a slot's copies in distinct domains at the
@@ -25,10 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from tigana.ps import domains, placement
+from tigana.ps import domains
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.logs import event, slots_text
 from tigana.ps.routing import CATCHING_UP, HANDING_OVER, IN_SYNC, NO_SERVER, format_slots
+from tigana.ps.scheduler import placement
 from tigana.ps.scheduler._fields import CoreFields
 
 log = logging.getLogger("tigana.ps.scheduler")  # one logger for the whole scheduler

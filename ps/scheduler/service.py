@@ -15,8 +15,9 @@ import numpy as np
 from tigana.proto import scheduler_pb2 as spb
 from tigana.proto import scheduler_pb2_grpc as spb_grpc
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import placement, rpc
+from tigana.ps import rpc
 from tigana.ps.errors import InvalidArgument, PSError
+from tigana.ps.scheduler import placement
 from tigana.ps.scheduler.driver import SchedulerDriver
 from tigana.ps.wire import cluster as cluster_wire
 

@@ -77,7 +77,7 @@ from typing import IO, Any
 import numpy as np
 
 from tigana.embeddings.files import atomic_write, fsync_path, hold_lock
-from tigana.ps.checkpoint import export_table
+from tigana.ps.client.checkpoint import export_table
 from tigana.ps.errors import DataLoss, InvalidArgument, PSError
 
 log = logging.getLogger("tigana.ps.serving.exportlog")
@@ -271,14 +271,14 @@ class ExportFollower:
         since = None if full else max(float(m["time"]) - self.overlap_s, 1e-6)
         shutil.rmtree(self.root / name, ignore_errors=True)  # left by a failed manifest write: never named
         started = time.monotonic()
-        meta = export_table(self.client, self.table, self.root / name, since_time=since)
+        meta = export_table(self.client.checkpoint_port(), self.table, self.root / name, since_time=since)
         if not full and not meta["deleted_complete"]:  # tombstones older than a server keeps: only a full export
             log.info("export log %s: tombstones since %.3f are no longer all kept; writing a full export", self.root,
                      since)
             shutil.rmtree(self.root / name, ignore_errors=True)
             full, name = True, entry_name("full", seq)
             shutil.rmtree(self.root / name, ignore_errors=True)
-            meta = export_table(self.client, self.table, self.root / name)
+            meta = export_table(self.client.checkpoint_port(), self.table, self.root / name)
         entry = {"path": name, "seq": seq, "time": float(meta["time"]), "since": float(meta["since"]),
                  "rows": int(meta["rows"]), "deleted": int(meta["deleted"]),
                  "seconds": round(time.monotonic() - started, 6)}

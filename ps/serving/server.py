@@ -72,6 +72,7 @@ from tigana.ps.security import SecuritySettings
 from tigana.ps.serving.model import Loader, ModelFollower, ModelState
 from tigana.ps.serving.tables import Follower, LogFollower, TableState, default_policy
 from tigana.ps.settings import load as load_settings
+from tigana.ps.settings import parse_metrics_port
 
 log = logging.getLogger("tigana.ps.serving")
 
@@ -151,11 +152,9 @@ def load_serve_config(flags: Mapping[str, Any], env: Mapping[str, str] | None = 
 
 def load_serve_config_sources(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Any:
     """``load_serve_config`` with where each value came from (a ``settings.Loaded``: ``tigana config show``)."""
-    from tigana.ps.config import PARSERS  # the server's parsers: "auto" metrics port
-
     env = os.environ if env is None else env
     own = {f"TIGANA_{n.upper()}": env[f"TIGANA_{n.upper()}"] for n in ENV_FIELDS if f"TIGANA_{n.upper()}" in env}
-    return load_settings(ServeConfig, flags=flags, env=own, parsers={"metrics_port": PARSERS["metrics_port"]})
+    return load_settings(ServeConfig, flags=flags, env=own, parsers={"metrics_port": parse_metrics_port})
 
 
 class ServingService:

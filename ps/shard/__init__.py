@@ -43,6 +43,11 @@ declared in ``_fields``):
 - ``persistence``: snapshots, restore, loading at start, quarantine, the table registry;
 - ``service``: ``ShardService`` with the remaining RPC handlers, ``add_to_server``, ``SERVICE_NAME``; the
   handlers' error guard is ``_guard``.
+
+Around it: ``config`` (``ServerConfig``, ``load_server_config``), ``daemon`` (``start_server`` and its
+``ServerHandle``: the gRPC server, the membership agent, metrics), ``catalog`` (a table's slot logs, dedup
+windows and snapshots), ``dedup`` (the exactly-once window per slot) and ``warmup`` (kernels compiled before
+the server registers).
 """
 
 from tigana.ps.shard.hosted import checksum_value

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tigana.embeddings import Changes, EmbeddingTable, TableConfig
-from tigana.ps.catalog import Catalog
-from tigana.ps.config import ServerConfig
-from tigana.ps.dedup import DedupWindow
 from tigana.ps.metrics import ServerMetrics
 from tigana.ps.replication import Inbound, Replicator, SlotLog
 from tigana.ps.routing import TableDef
 from tigana.ps.security import Security
+from tigana.ps.shard.catalog import Catalog
+from tigana.ps.shard.config import ServerConfig
+from tigana.ps.shard.dedup import DedupWindow
 
 if TYPE_CHECKING:
     from tigana.ps.shard.hosted import _Hosted

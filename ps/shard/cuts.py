@@ -1,5 +1,5 @@
 """Cluster cuts of ``ShardService``: ``PrepareCut``, ``CommitCut``, ``ReleaseCut`` and the cut's side of
-``ExportRows`` (``tigana admin checkpoint``; the coordinator is ``tigana.ps.checkpoint.cutround``).
+``ExportRows`` (``tigana admin checkpoint``; the coordinator is ``tigana.ps.client.checkpoint.cutround``).
 
 The protocol, on this server:
 

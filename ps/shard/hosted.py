@@ -14,11 +14,11 @@ import logging
 import numpy as np
 
 from tigana.embeddings import EmbeddingTable, TableConfig
-from tigana.ps.dedup import DedupWindow
 from tigana.ps.errors import InvalidArgument, TableNotFound
 from tigana.ps.replication import CopyIntake, SlotLog
 from tigana.ps.routing import TableDef, slot_of
 from tigana.ps.shard._fields import ShardFields
+from tigana.ps.shard.dedup import DedupWindow
 from tigana.ps.shard.tablelock import TableLock
 
 log = logging.getLogger("tigana.ps.server")  # one logger for the whole shard server

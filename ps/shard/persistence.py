@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from tigana.embeddings import CorruptStore, SnapshotNotFound, TableConfig
-from tigana.ps.catalog import Catalog
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.routing import TableDef, parse_slots
 from tigana.ps.shard._fields import ShardFields
+from tigana.ps.shard.catalog import Catalog
 from tigana.ps.shard.hosted import _Hosted
 
 log = logging.getLogger("tigana.ps.server")  # one logger for the whole shard server

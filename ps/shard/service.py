@@ -25,8 +25,6 @@ import grpc
 from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc
 from tigana.ps import rpc
-from tigana.ps.catalog import Catalog
-from tigana.ps.config import ServerConfig
 from tigana.ps.errors import DeadlineExceeded, InvalidArgument, TableExists
 from tigana.ps.metrics import ServerMetrics
 from tigana.ps.replication import Inbound, Replicator, apply_item, copy_lane_ready
@@ -34,6 +32,8 @@ from tigana.ps.replication.actions import RefreshMap
 from tigana.ps.security import NONE, Security
 from tigana.ps.shard import streams
 from tigana.ps.shard._guard import _rpc, check_serving
+from tigana.ps.shard.catalog import Catalog
+from tigana.ps.shard.config import ServerConfig
 from tigana.ps.shard.cuts import Cuts
 from tigana.ps.shard.export import Exports
 from tigana.ps.shard.hosted import Hosting, _Hosted

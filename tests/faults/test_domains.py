@@ -12,11 +12,12 @@ import subprocess
 from grpc_health.v1 import health_pb2
 
 from tigana import ps
-from tigana.ps import admin, domains
+from tigana.ps import domains
 from tigana.ps.health import check_health
+from tigana.ps.ops import admin
 from tigana.ps.scheduler import DOMAINS_HEALTH_NAME
 from tigana.tools.bench.ledger import PushLoop, audit, create_ledger_table
-from tigana.tools.bench.nemesis.daemons import Daemons, tigana_command
+from tigana.tools.testing.nemesis.daemons import Daemons, tigana_command
 
 HOSTS = ("rack-a-node", "rack-a-node", "rack-b-node", "rack-b-node")
 

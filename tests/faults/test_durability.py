@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tigana import ps
-from tigana.ps import admin
+from tigana.ps.ops import admin
 from tigana.tools.bench.ledger import PushLoop, audit, create_ledger_table
 
 pytestmark = pytest.mark.timeout(240)

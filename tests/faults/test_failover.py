@@ -15,8 +15,9 @@ import pytest
 
 from tigana import ps
 from tigana.proto import shard_pb2 as pb
-from tigana.ps import admin, routing
+from tigana.ps import routing
 from tigana.ps.errors import from_rpc_error
+from tigana.ps.ops import admin
 from tigana.ps.wire import data as wire
 from tigana.tools.bench.ledger import PushLoop, audit, create_ledger_table
 

@@ -12,8 +12,8 @@ import os
 import pytest
 
 from tigana.tools import cli
-from tigana.tools.bench.faults import FAULTS, function
-from tigana.tools.bench.faults.common import root_problem
+from tigana.tools.testing.faults import FAULTS, function
+from tigana.tools.testing.faults.common import root_problem
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tigana import ps
-from tigana.ps import admin
+from tigana.ps.ops import admin
 from tigana.ps.routing import ShardMap
 from tigana.ps.scheduler.stores.etcd import Deposed, EtcdMapStore, parse_store_url
 from tigana.ps.scheduler.stores.file import SchedulerState

@@ -16,9 +16,9 @@ import time
 import pytest
 
 from tigana import ps
-from tigana.ps import admin
+from tigana.ps.ops import admin
 from tigana.tools.bench.ledger import PushLoop, audit, create_ledger_table
-from tigana.tools.bench.nemesis.daemons import Daemons
+from tigana.tools.testing.nemesis.daemons import Daemons
 
 pytestmark = pytest.mark.slow
 

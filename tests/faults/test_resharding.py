@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from tigana import ps
-from tigana.ps import admin
+from tigana.ps.ops import admin
 from tigana.tools.bench.ledger import PushLoop, audit, create_ledger_table
-from tigana.tools.bench.nemesis.monitor import scrape
+from tigana.tools.testing.nemesis.monitor import scrape
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -20,7 +20,7 @@ import pytest
 
 from tigana import ps
 from tigana.embeddings import snapshot as snap
-from tigana.ps import admin
+from tigana.ps.ops import admin
 from tigana.tools.bench.durability import CLI, standalone_server
 from tigana.tools.bench.ledger import PushLoop, create_ledger_table
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tigana.ps.admin import _compare_copies
+from tigana.ps.ops.admin import _compare_copies
 from tigana.ps.routing import IN_SYNC, NO_SERVER, ServerEntry, ShardMap
 
 SLOTS = 4

@@ -9,8 +9,8 @@ import pytest
 
 from tigana import embeddings as emb
 from tigana.embeddings.files import temp_beside
-from tigana.ps.catalog import Catalog, write_atomic
 from tigana.ps.routing import TableDef
+from tigana.ps.shard.catalog import Catalog, write_atomic
 
 
 def _tables() -> list[TableDef]:

@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tigana.ps.channels import channel_options, reconnect_options
-from tigana.tools.bench.faults.network import SlowProxy
+from tigana.tools.testing.faults.network import SlowProxy
 
 
 @pytest.fixture

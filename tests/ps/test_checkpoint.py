@@ -1,4 +1,4 @@
-"""Cluster checkpoints, restores and serving exports on real processes (``tigana.ps.checkpoint``)."""
+"""Cluster checkpoints, restores and serving exports on real processes (``tigana.ps.client.checkpoint``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from tigana import ps
 from tigana.embeddings import RowBatch
+from tigana.ps.ops import admin
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -26,7 +27,7 @@ print(json.dumps({"rows": int(ids.size), "sum": float(rows.astype(np.float64).su
 
 
 def _all_rows(directory, table: str) -> RowBatch:
-    from tigana.ps.checkpoint import checkpoint_rows
+    from tigana.ps.client.checkpoint import checkpoint_rows
 
     rows = RowBatch.concat(list(checkpoint_rows(directory, table)))
     return rows.take(np.argsort(rows.ids))
@@ -71,14 +72,14 @@ def test_checkpoint_on_3_servers_restores_identically_on_2(make_shard_cluster, t
         # training on after the restore gives what training on without it gave
         _train(client, "emb", 3, seed=2)
         np.testing.assert_array_equal(client.pull("emb", np.arange(30_000), insert=False), reference)
-        assert ps.admin.verify(second.scheduler)["differing"] == []
+        assert admin.verify(second.scheduler)["differing"] == []
 
 
 def test_a_cut_refused_on_one_server_is_taken_again_whole(make_shard_cluster, tmp_path, monkeypatch) -> None:
     """A part that cannot be read (its server refused: a map change, a failover under ``admin checkpoint``)
     discards the round: every server's cut is released, the parts so far are removed, and a new round cuts
     every table again by the newest map; the checkpoint completes whole."""
-    from tigana.ps.checkpoint import write
+    from tigana.ps.client.checkpoint import write
 
     cluster = make_shard_cluster(2, replicas=1)
     with ps.connect(cluster.target) as client:

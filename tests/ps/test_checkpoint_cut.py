@@ -1,4 +1,4 @@
-"""Cluster cuts, incremental and quantized checkpoints on real processes (``tigana.ps.checkpoint``): a cut
+"""Cluster cuts, incremental and quantized checkpoints on real processes (``tigana.ps.client.checkpoint``): a cut
 taken while trainers push is consistent row by row and across servers, an incremental chain restores exactly
 what a full checkpoint of the same moment does, and ``--quantize`` keeps the optimizer state exact."""
 
@@ -15,12 +15,13 @@ import pytest
 
 from tigana import ps
 from tigana.embeddings import RowBatch
-from tigana.ps import admin, routing
-from tigana.ps.checkpoint import checkpoint_rows
-from tigana.ps.checkpoint.write import SINCE_MARGIN_S
-from tigana.ps.config import ServerConfig
-from tigana.ps.daemon import start_server
+from tigana.ps import routing
+from tigana.ps.client.checkpoint import checkpoint_rows
+from tigana.ps.client.checkpoint.write import SINCE_MARGIN_S
+from tigana.ps.ops import admin
 from tigana.ps.scheduler import SchedulerConfig, start_scheduler
+from tigana.ps.shard.config import ServerConfig
+from tigana.ps.shard.daemon import start_server
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -10,9 +10,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tigana.embeddings import RowBatch
-from tigana.ps.checkpoint.cutround import Commit, CutRound, Failed, Read, Release
-from tigana.ps.checkpoint.parts import PartWriter, iter_part, part_deleted, verify_part
-from tigana.ps.checkpoint.quantize import decode, encode
+from tigana.ps.client.checkpoint.cutround import Commit, CutRound, Failed, Read, Release
+from tigana.ps.client.checkpoint.parts import PartWriter, iter_part, part_deleted, verify_part
+from tigana.ps.client.checkpoint.quantize import decode, encode
 from tigana.ps.errors import DataLoss, InvalidArgument
 
 _finite32 = st.floats(width=32, allow_nan=False, allow_infinity=False)

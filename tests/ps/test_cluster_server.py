@@ -21,10 +21,10 @@ from tigana.proto import scheduler_pb2 as spb
 from tigana.proto import scheduler_pb2_grpc as spb_grpc
 from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc
-from tigana.ps.config import ServerConfig
-from tigana.ps.daemon import COPIES_HEALTH_NAME, start_server
 from tigana.ps.routing import CATCHING_UP, IN_SYNC
 from tigana.ps.scheduler import SchedulerConfig, start_scheduler
+from tigana.ps.shard.config import ServerConfig
+from tigana.ps.shard.daemon import COPIES_HEALTH_NAME, start_server
 from tigana.ps.wire import cluster as cluster_wire
 from tigana.ps.wire.cluster import BARRIER, CHANGES, Item
 

@@ -15,9 +15,9 @@ from tigana.embeddings import CorruptStore, TableConfig
 from tigana.embeddings import config as cfg
 from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc
-from tigana.ps.config import ServerConfig
-from tigana.ps.daemon import start_server
 from tigana.ps.errors import InvalidArgument
+from tigana.ps.shard.config import ServerConfig
+from tigana.ps.shard.daemon import start_server
 from tigana.ps.wire import data as wire
 
 IDS = np.arange(-50, 250, dtype=np.int64)

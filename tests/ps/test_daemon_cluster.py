@@ -18,7 +18,7 @@ import pytest
 from tigana.embeddings import EmbeddingTable, TableConfig
 from tigana.embeddings import config as cfg
 from tigana.proto import shard_pb2 as pb
-from tigana.ps.local import LocalCluster
+from tigana.ps.ops.local import LocalCluster
 from tigana.ps.routing import slot_of, split_by_owner, static_assignment
 from tigana.ps.wire import data as wire
 

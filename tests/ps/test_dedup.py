@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tigana.ps.dedup import DedupWindow
 from tigana.ps.errors import InvalidArgument, PushExpired, UnknownClient
 from tigana.ps.session import client_stamp, new_client_id
+from tigana.ps.shard.dedup import DedupWindow
 
 SLOTS = 64
 
@@ -196,7 +196,7 @@ def test_a_copy_from_a_window_that_dropped_a_client_blinds_its_slots_even_under_
 
 
 def test_reserved_client_ids_are_refused() -> None:
-    from tigana.ps.dedup import HORIZON_ID
+    from tigana.ps.shard.dedup import HORIZON_ID
     with pytest.raises(InvalidArgument):
         DedupWindow(SLOTS).applied(HORIZON_ID, 1, _slots(1))
 

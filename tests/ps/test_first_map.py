@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from tigana import ps
-from tigana.ps import admin
-from tigana.ps.config import ServerConfig
-from tigana.ps.daemon import start_server
 from tigana.ps.errors import Unavailable
-from tigana.ps.local import free_port
+from tigana.ps.ops import admin
+from tigana.ps.ops.local import free_port
 from tigana.ps.scheduler import SchedulerConfig, start_scheduler
+from tigana.ps.shard.config import ServerConfig
+from tigana.ps.shard.daemon import start_server
 
 
 @pytest.fixture

@@ -16,12 +16,12 @@ import time
 import numpy as np
 
 from tigana.embeddings import SGD, TableConfig, Zeros
-from tigana.ps.config import ServerConfig
 from tigana.ps.membership.agent import Agent
 from tigana.ps.replication.actions import ReportFailure
 from tigana.ps.routing import TableDef
 from tigana.ps.scheduler import SchedulerConfig, start_scheduler
 from tigana.ps.shard import ShardService
+from tigana.ps.shard.config import ServerConfig
 
 SLOTS = 64
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tigana import ps
-from tigana.ps import local
+from tigana.ps.ops import local
 from tigana.ps.scheduler.stores.etcd import wait_for_etcd
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd", path=str(Path(sys.executable).parent)) is None

@@ -16,12 +16,12 @@ from primaries import report_all
 
 from tigana import ps
 from tigana.embeddings import TableConfig
-from tigana.ps.config import ServerConfig
-from tigana.ps.daemon import start_server
 from tigana.ps.logs import JsonFormatter, event, setup_logging, slots_text
 from tigana.ps.routing import TableDef
 from tigana.ps.scheduler import SchedulerConfig, SchedulerDriver, start_scheduler
 from tigana.ps.scheduler.stores.file import FileMapStore
+from tigana.ps.shard.config import ServerConfig
+from tigana.ps.shard.daemon import start_server
 
 
 @pytest.fixture

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from tigana import ps
 from tigana.proto import scheduler_pb2 as spb
 from tigana.proto import shard_pb2 as pb
-from tigana.ps.config import ServerConfig
-from tigana.ps.daemon import start_server
 from tigana.ps.scheduler import SchedulerConfig, start_scheduler
+from tigana.ps.shard.config import ServerConfig
+from tigana.ps.shard.daemon import start_server
 
 SHARD = [(m.name, m.server_streaming) for m in pb.DESCRIPTOR.services_by_name["Shard"].methods]
 SCHED = [(m.name, m.server_streaming) for m in spb.DESCRIPTOR.services_by_name["Scheduler"].methods]

@@ -7,10 +7,10 @@ import time
 
 import numpy as np
 
-from tigana.ps.config import ServerConfig
-from tigana.ps.daemon import start_server
 from tigana.ps.scheduler import SchedulerConfig, start_scheduler
-from tigana.tools.bench.faults.network import SlowProxy
+from tigana.ps.shard.config import ServerConfig
+from tigana.ps.shard.daemon import start_server
+from tigana.tools.testing.faults.network import SlowProxy
 
 
 def test_a_slow_scheduler_link_under_the_lease_keeps_the_lease(tmp_path) -> None:

@@ -13,10 +13,10 @@ import pytest
 
 from tigana.embeddings import SGD, TableConfig, Zeros
 from tigana.proto import shard_pb2 as pb
-from tigana.ps.config import ServerConfig
 from tigana.ps.errors import WrongShard
 from tigana.ps.routing import HANDING_OVER, IN_SYNC, NO_SERVER, ServerEntry, ShardMap, TableDef
 from tigana.ps.shard import ShardService
+from tigana.ps.shard.config import ServerConfig
 from tigana.ps.wire import data as wire
 
 SLOTS = 64

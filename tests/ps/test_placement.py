@@ -1,4 +1,4 @@
-"""Placement (``tigana.ps.placement``): pure functions over (num_slots, width) copy matrices.
+"""Placement (``tigana.ps.scheduler.placement``): pure functions over (num_slots, width) copy matrices.
 
 Property tests draw small clusters (1-7 servers, 16-128 slots, 0-3 replicas) and check the invariants the
 scheduler relies on: copies on distinct alive servers, a primary is always an in-sync copy, balance evens the
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tigana.ps import placement
 from tigana.ps.routing import CATCHING_UP, HANDING_OVER, IN_SYNC, NO_SERVER, ServerEntry, ShardMap
+from tigana.ps.scheduler import placement
 
 SETTINGS = settings(max_examples=50, deadline=None)
 

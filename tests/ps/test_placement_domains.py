@@ -1,4 +1,4 @@
-"""Placement over failure domains (``tigana.ps.domains`` with ``tigana.ps.placement``): pure, no sockets.
+"""Placement over failure domains (``tigana.ps.domains`` with ``tigana.ps.scheduler.placement``): pure, no sockets.
 
 Property tests draw clusters whose servers sit in zones, racks and hosts, and check: every slot's copies are
 in distinct domains at the widest level that has enough of them; a slot is domain-degraded exactly when no
@@ -13,9 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tigana.ps import domains, placement
+from tigana.ps import domains
 from tigana.ps.domains import FailureDomain
 from tigana.ps.routing import NO_SERVER
+from tigana.ps.scheduler import placement
 
 SETTINGS = settings(max_examples=60, deadline=None)
 

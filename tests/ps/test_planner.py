@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tigana.ps import placement
-from tigana.ps.placement import CostModel
+from tigana.ps.scheduler import placement
+from tigana.ps.scheduler.placement import CostModel
 
 SETTINGS = settings(max_examples=40, deadline=None)
 

@@ -308,7 +308,7 @@ def test_the_cores_hold_no_thread_socket_or_clock() -> None:
     cores = ["ps/replication/primary.py", "ps/replication/stream.py", "ps/replication/copy.py", "ps/replication/pacing.py",
              "ps/replication/actions.py", "ps/membership/core.py", "ps/scheduler/core.py",
              "ps/scheduler/liveness.py", "ps/scheduler/moves.py", "ps/scheduler/actions.py",
-             "ps/scheduler/_fields.py", "ps/placement.py"]
+             "ps/scheduler/_fields.py", "ps/scheduler/placement.py"]
     for path in cores:
         tree = ast.parse((ROOT / path).read_text())
         for node in ast.walk(tree):

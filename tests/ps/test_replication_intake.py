@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 from tigana.embeddings import SGD, EmbeddingTable, RowBatch, TableConfig, Zeros
 from tigana.proto import shard_pb2 as pb
-from tigana.ps.dedup import DedupWindow
 from tigana.ps.replication import CopyIntake, Inbound, SlotLog, apply_item, copy_lane_ready
 from tigana.ps.replication.apply import DROP_CHUNK
 from tigana.ps.routing import CATCHING_UP, NO_SERVER, ServerEntry, ShardMap, TableDef, slot_of
+from tigana.ps.shard.dedup import DedupWindow
 from tigana.ps.shard.hosted import _Hosted
 from tigana.ps.wire import cluster as cluster_wire
 from tigana.ps.wire.cluster import CHANGES, SNAPSHOT_BEGIN, SNAPSHOT_END, SNAPSHOT_ROWS, Item

@@ -17,11 +17,11 @@ import pytest
 
 from tigana.embeddings import SGD, RowBatch, TableConfig, Zeros
 from tigana.proto import shard_pb2 as pb
-from tigana.ps.config import ServerConfig
 from tigana.ps.errors import Unavailable
 from tigana.ps.replication.copy import FAILED
 from tigana.ps.routing import CATCHING_UP, IN_SYNC, ServerEntry, ShardMap, TableDef
 from tigana.ps.shard import ShardService
+from tigana.ps.shard.config import ServerConfig
 from tigana.ps.shard.ownership import _COPY_CHUNK
 from tigana.ps.wire import cluster as cluster_wire
 from tigana.ps.wire import data as wire

@@ -18,11 +18,11 @@ from tigana.embeddings import config as cfg
 from tigana.embeddings import snapshot as snap
 from tigana.proto import shard_pb2 as pb
 from tigana.ps import routing
-from tigana.ps.config import ServerConfig
-from tigana.ps.daemon import start_server
-from tigana.ps.dedup import DedupWindow
 from tigana.ps.routing import DEFAULT_NUM_SLOTS, slot_of
 from tigana.ps.shard import checksum_value
+from tigana.ps.shard.config import ServerConfig
+from tigana.ps.shard.daemon import start_server
+from tigana.ps.shard.dedup import DedupWindow
 from tigana.ps.wire import data as wire
 
 DIM = 4

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 from scheduler_harness import SLOTS, TIMEOUT, Cluster, assert_valid, spec, started
 
-from tigana.ps import placement
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.routing import CATCHING_UP, IN_SYNC, NO_SERVER
-from tigana.ps.scheduler import SchedulerConfig
+from tigana.ps.scheduler import SchedulerConfig, placement
 
 
 # --- bootstrap ----------------------------------------------------------------------------------------------

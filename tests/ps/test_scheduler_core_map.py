@@ -13,10 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scheduler_harness import TIMEOUT, Cluster, assert_valid, spec, started
 
-from tigana.ps import placement
 from tigana.ps.errors import TableExists
 from tigana.ps.routing import CATCHING_UP, IN_SYNC, ShardMap
-from tigana.ps.scheduler import SchedulerConfig, SchedulerDriver
+from tigana.ps.scheduler import SchedulerConfig, SchedulerDriver, placement
 from tigana.ps.scheduler.stores.file import FileMapStore
 
 

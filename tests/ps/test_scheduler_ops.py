@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from scheduler_harness import SLOTS, Cluster, assert_valid, started
 
-from tigana.ps import placement
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.routing import CATCHING_UP, HANDING_OVER, IN_SYNC, ShardMap
+from tigana.ps.scheduler import placement
 
 SLOT = 5
 

@@ -12,10 +12,10 @@ import pytest
 from tigana import ps
 from tigana.proto import scheduler_pb2 as spb
 from tigana.proto import scheduler_pb2_grpc as spb_grpc
-from tigana.ps import admin
-from tigana.ps.config import ServerConfig
-from tigana.ps.daemon import start_server
+from tigana.ps.ops import admin
 from tigana.ps.security import Security, read_token, read_tokens
+from tigana.ps.shard.config import ServerConfig
+from tigana.ps.shard.daemon import start_server
 
 pytest.importorskip("trustme")
 pytestmark = pytest.mark.timeout(240)

@@ -200,8 +200,8 @@ def test_generated_registration_serves_the_same_rows() -> None:
     from concurrent import futures
 
     from tigana.proto import shard_pb2_grpc
-    from tigana.ps.config import ServerConfig
     from tigana.ps.shard import ShardService
+    from tigana.ps.shard.config import ServerConfig
 
     service = ShardService(ServerConfig())
     service.state = "serving"

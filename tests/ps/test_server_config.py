@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tigana.ps.config import ServerConfig, load_server_config, parse_bytes
 from tigana.ps.errors import InvalidArgument
+from tigana.ps.settings import parse_bytes
+from tigana.ps.shard.config import ServerConfig, load_server_config
 
 
 @pytest.mark.parametrize(("text", "expected"), [

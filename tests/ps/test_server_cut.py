@@ -13,9 +13,9 @@ import numpy as np
 from tigana.embeddings import SGD, EmbeddingTable, TableConfig, Zeros, cut
 from tigana.embeddings import snapshot as snapshot_module
 from tigana.proto import shard_pb2 as pb
-from tigana.ps.catalog import DEDUP_FILE
-from tigana.ps.dedup import DedupWindow
 from tigana.ps.routing import slot_of
+from tigana.ps.shard.catalog import DEDUP_FILE
+from tigana.ps.shard.dedup import DedupWindow
 from tigana.ps.wire import data as wire
 
 DIM = 4

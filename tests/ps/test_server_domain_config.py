@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from tigana.ps.config import ServerConfig, load_server_config, load_server_config_sources
 from tigana.ps.domains import FailureDomain
 from tigana.ps.errors import InvalidArgument
+from tigana.ps.shard.config import ServerConfig, load_server_config, load_server_config_sources
 
 
 def test_flag_beats_env_beats_file(tmp_path):

@@ -21,7 +21,7 @@ from tigana import ps
 from tigana.embeddings.slab import TIME_TICKS
 from tigana.proto import serving_pb2 as spb
 from tigana.ps.errors import InvalidArgument
-from tigana.ps.local import stop_process
+from tigana.ps.ops.local import stop_process
 from tigana.ps.serving import ServingClient, load_serve_config
 from tigana.ps.serving.exportlog import ExportFollower, read_log, read_manifest
 from tigana.tools.bench.serving_sync import health_status, spawn_follow, spawn_serve, wait_serving

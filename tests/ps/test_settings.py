@@ -13,9 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tigana.ps import settings
-from tigana.ps.config import load_server_config_sources, statefulset_identity
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.scheduler import load_scheduler_config
+from tigana.ps.shard.config import load_server_config_sources, statefulset_identity
 from tigana.tools import cli
 from tigana.trainer.config import ConfigError, load_config_sources
 

@@ -20,9 +20,9 @@ import numpy as np
 from tigana.embeddings import SGD, TableConfig, Zeros
 from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc
-from tigana.ps.config import ServerConfig
-from tigana.ps.daemon import start_server
 from tigana.ps.routing import IN_SYNC, ServerEntry, ShardMap, TableDef
+from tigana.ps.shard.config import ServerConfig
+from tigana.ps.shard.daemon import start_server
 from tigana.ps.wire import cluster as cluster_wire
 from tigana.ps.wire import data as wire
 

@@ -17,10 +17,10 @@ import pytest
 
 from tigana.embeddings import SGD, TableConfig, Zeros
 from tigana.proto import shard_pb2 as pb
-from tigana.ps.config import ServerConfig
 from tigana.ps.errors import Unavailable
 from tigana.ps.routing import CATCHING_UP, IN_SYNC, NO_SERVER, ServerEntry, ShardMap, TableDef, slot_of
 from tigana.ps.shard import ShardService
+from tigana.ps.shard.config import ServerConfig
 from tigana.ps.shard.ownership import _View
 from tigana.ps.shard.writes import Writes
 from tigana.ps.wire import data as wire

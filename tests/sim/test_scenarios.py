@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import pytest
 
-from tigana.tools.sim import Op, Outcome, Settings, run_seed
+from tigana.tools.testing.sim import Op, Outcome, Settings, run_seed
 
 QUIET = dict(faults=False)
 

@@ -1,11 +1,11 @@
-"""The deterministic simulator (``tigana.tools.sim``): a fixed set of seeds, with and without faults, every
+"""The deterministic simulator (``tigana.tools.testing.sim``): a fixed set of seeds, with and without faults, every
 invariant of docs/replication.md checked after every step; a seed replays exactly."""
 
 from __future__ import annotations
 
 import pytest
 
-from tigana.tools.sim import Settings, run_seed
+from tigana.tools.testing.sim import Settings, run_seed
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
@@ -56,7 +56,7 @@ def test_a_seed_with_data_dirs_replays_exactly() -> None:
 
 
 def test_a_failing_run_prints_a_minimal_trace() -> None:
-    from tigana.tools.sim.simulation import shrink
+    from tigana.tools.testing.sim.simulation import shrink
 
     trace = ["    1.000 op move slot 3 to s2", "    1.100 scheduler: epoch 9: s1 joined", "    1.200 server: s2 x",
              "    1.300 replication: slot copy from s0 to s2 at epoch 9 (slots 3)", "    1.400 VIOLATION S1: s2 (in "

@@ -32,10 +32,10 @@ from k8s_manifests import (
     _torchrun,
 )
 
-from tigana.ps.daemon import COPIES_HEALTH_NAME
 from tigana.ps.domains import FailureDomain
 from tigana.ps.scheduler import SERVICE_NAME as SCHEDULER_HEALTH_NAME
 from tigana.ps.scheduler import SchedulerConfig
+from tigana.ps.shard.daemon import COPIES_HEALTH_NAME
 from tigana.tools import scheduler_cmd, server_cmd, train_cmd
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from tigana import ps
 from tigana.proto import scheduler_pb2 as spb
-from tigana.ps import admin
+from tigana.ps.ops import admin
 from tigana.ps.scheduler import SchedulerConfig, start_scheduler
 
 pytestmark = pytest.mark.timeout(180)

@@ -13,6 +13,7 @@ import pytest
 from rich.console import Console, RenderableType
 
 from tigana import ps
+from tigana.ps.ops import admin
 from tigana.tools.admin_top import render, run_top
 
 CLI = [sys.executable, "-m", "tigana.tools.cli", "admin"]
@@ -59,14 +60,14 @@ def test_top_once_against_a_real_cluster(make_shard_cluster) -> None:
         ids = np.arange(3000, dtype=np.int64)
         client.push("top", ids, np.ones((ids.size, 8), np.float32)).result()
         client.pull("top", ids)
-    ps.admin.wait_for(lambda: sum(s["stats"].get("rows", 0) for s in ps.admin.cluster_status(
+    admin.wait_for(lambda: sum(s["stats"].get("rows", 0) for s in admin.cluster_status(
         cluster.scheduler)["servers"]) >= 2 * 3000, 30, "heartbeats carrying the rows")
 
     env = {k: v for k, v in os.environ.items() if k != "TIGANA_SCHEDULER"}
     out = subprocess.run([*CLI, "--scheduler", cluster.scheduler, "top", "--once"], capture_output=True, text=True,
                          timeout=60, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    status = ps.admin.cluster_status(cluster.scheduler)
+    status = admin.cluster_status(cluster.scheduler)
     assert f"cluster {status['cluster_id']}" in out.stdout and "tables: top" in out.stdout
     for server in status["servers"]:
         row = next(line for line in out.stdout.splitlines() if line.split()[:1] == [server["id"]])

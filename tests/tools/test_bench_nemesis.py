@@ -12,9 +12,9 @@ import threading
 import pytest
 
 from tigana.tools import cli
-from tigana.tools.bench.nemesis import KEYS, targets_missed
-from tigana.tools.bench.nemesis.schedule import FAULTS, PLANNED, plan_round
-from tigana.tools.bench.nemesis.workload import LedgerClient, Ledgers
+from tigana.tools.testing.nemesis import KEYS, targets_missed
+from tigana.tools.testing.nemesis.schedule import FAULTS, PLANNED, plan_round
+from tigana.tools.testing.nemesis.workload import LedgerClient, Ledgers
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -67,8 +67,8 @@ def test_the_stall_counts_from_the_first_acknowledgement_and_start_up_apart():
 
 
 def test_a_stall_is_told_by_the_operations_it_overlaps():
-    from tigana.tools.bench.nemesis.bench import _during
-    from tigana.tools.bench.nemesis.operations import OpResult
+    from tigana.tools.testing.nemesis.bench import _during
+    from tigana.tools.testing.nemesis.operations import OpResult
 
     results = [OpResult("move", True, 2.0, started_at=10.0), OpResult("pause", True, 4.0, started_at=15.0)]
     assert _during(results, 14.0, 5.0, "sync", 0.0) == "sync client, 14.0s after start: pause (overlapping it)"

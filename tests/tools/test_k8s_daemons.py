@@ -9,11 +9,11 @@ from pathlib import Path
 from k8s_checks import _check_scheduler, _check_shards, _scheduler_config
 from k8s_manifests import _container, _one, _raw, _selects, _target_port
 
-from tigana.ps.daemon import COPIES_HEALTH_NAME
 from tigana.ps.health import check_health
 from tigana.ps.scheduler import SERVICE_NAME as SCHEDULER_HEALTH_NAME
 from tigana.ps.scheduler import SchedulerConfig, start_scheduler
 from tigana.ps.scheduler.stores.etcd import parse_store_url
+from tigana.ps.shard.daemon import COPIES_HEALTH_NAME
 
 
 # ------------------------------------------------------------------------------------- the shard servers

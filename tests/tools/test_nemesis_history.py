@@ -1,4 +1,4 @@
-"""The nemesis's history checker (``tigana.tools.bench.nemesis.history``): against a per-read, per-id reference
+"""The nemesis's history checker (``tigana.tools.testing.nemesis.history``): against a per-read, per-id reference
 model on random histories, on histories a linearizable counter produced (no violation), and on each kind of
 violation planted into one (caught)."""
 
@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tigana.tools.bench.nemesis.history import Increment, Read, check_counters
+from tigana.tools.testing.nemesis.history import Increment, Read, check_counters
 
 NUM_IDS = 12
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tigana.ps import admin
+from tigana.ps.ops import admin
 
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "tools" / "slurm" / "tigana.sbatch"

@@ -123,7 +123,7 @@ def test_no_requeue_when_turned_off(tmp_path: Path) -> None:
 
 
 def test_a_server_advertising_port_0_advertises_the_port_it_bound() -> None:
-    from tigana.ps.daemon import advertised
+    from tigana.ps.shard.daemon import advertised
 
     assert advertised("node7:0", 41234) == "node7:41234"  # the script's --advertise NODE:0
     assert advertised("node7:7101", 41234) == "node7:7101"
@@ -139,6 +139,6 @@ def test_a_servers_domain_host_is_its_node(tmp_path: Path, given: str | None, wa
     out = _bash('bash -c "$SERVER_TASK" tigana-server sh -c \'echo "domain=$TIGANA_DOMAIN"\'', tmp_path, **env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"domain={want}"
-    from tigana.ps.config import load_server_config  # the value is one the server accepts
+    from tigana.ps.shard.config import load_server_config  # the value is one the server accepts
 
     assert load_server_config(env={"TIGANA_DOMAIN": want}).domain == want

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tigana import ps
-from tigana.ps.local import stop_process
+from tigana.ps.ops.local import stop_process
 from tigana.ps.serving import ServingClient, modeldir
 from tigana.ps.serving.exportlog import read_manifest
 from tigana.tools.bench.serving_sync import spawn_follow_model, spawn_serve, wait_serving

@@ -24,7 +24,7 @@ import torch
 from torchmetrics.functional.classification import binary_auroc
 
 from tigana import ps
-from tigana.ps.local import stop_process
+from tigana.ps.ops.local import stop_process
 from tigana.ps.serving import ServingClient, modeldir
 from tigana.ps.serving.exportlog import read_manifest
 from tigana.tools.bench.serving_sync import spawn_follow_model, spawn_serve, wait_serving

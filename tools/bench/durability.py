@@ -41,10 +41,10 @@ import numpy as np
 
 from tigana import ps
 from tigana.embeddings import snapshot as snap
-from tigana.ps import admin
-from tigana.tools.bench.faults.common import leader_of_most
+from tigana.ps.ops import admin
 from tigana.tools.bench.ledger import TABLE_DIM, PushLoop, create_ledger_table
 from tigana.tools.bench.report import emit, log
+from tigana.tools.testing.faults.common import leader_of_most
 
 CLI = [sys.executable, "-m", "tigana.tools.cli"]
 DEFAULT_EVERY = ps.ServerConfig().snapshot_every_s

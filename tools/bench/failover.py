@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 
-from tigana.tools.bench.faults.kills import TARGET_P95_S, kill_primaries
 from tigana.tools.bench.report import emit
+from tigana.tools.testing.faults.kills import TARGET_P95_S, kill_primaries
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

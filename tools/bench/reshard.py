@@ -26,8 +26,9 @@ import time
 import numpy as np
 
 from tigana import ps
-from tigana.ps import admin, placement
 from tigana.ps.allocator import ALLOCATOR_ENV
+from tigana.ps.ops import admin
+from tigana.ps.scheduler import placement
 from tigana.tools.bench.ps import zipf_batches
 from tigana.tools.bench.report import emit, log
 

@@ -44,7 +44,7 @@ from grpc_health.v1 import health_pb2
 
 from tigana import ps
 from tigana.ps.health import check_health
-from tigana.ps.local import stop_process
+from tigana.ps.ops.local import stop_process
 from tigana.ps.serving import SERVICE_NAME, ServingClient
 from tigana.ps.serving.exportlog import read_manifest
 from tigana.tools.bench.report import emit, log

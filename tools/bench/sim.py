@@ -1,4 +1,4 @@
-"""``tigana bench sim --seeds N``: the deterministic simulator (``tigana.tools.sim``) over many seeds.
+"""``tigana bench sim --seeds N``: the deterministic simulator (``tigana.tools.testing.sim``) over many seeds.
 
 Each seed runs the real scheduler core and shard services over a simulated network with planned operations
 and faults, checking the invariants of docs/replication.md after every step. One JSON line: ``seeds``,
@@ -18,7 +18,7 @@ import argparse
 import time
 
 from tigana.tools.bench.report import emit, log
-from tigana.tools.sim import Settings, run_seed
+from tigana.tools.testing.sim import Settings, run_seed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

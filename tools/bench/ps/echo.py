@@ -35,8 +35,8 @@ def _die_with_parent() -> None:  # a crashed benchmark leaves no servers behind
 
 def _echo_main(ready_file: str) -> None:
     """Child process: a generic-handler service answering ``Exchange`` with the reply size the request asks."""
-    from tigana.ps.config import ServerConfig
-    from tigana.ps.daemon import grpc_server_options
+    from tigana.ps.shard.config import ServerConfig
+    from tigana.ps.shard.daemon import grpc_server_options
 
     # Die with the benchmark, set here rather than in a preexec_fn: Python code between fork and exec in the
     # multi-threaded (gRPC) parent can crash or hang the child; without it the child is spawned by vfork.

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tigana.ps.local import free_port, stop_process
+from tigana.ps.ops.local import free_port, stop_process
 from tigana.tools.bench.ps.workload import _Cycle
 from tigana.tools.bench.report import log
 

@@ -16,7 +16,7 @@ import traceback
 import numpy as np
 
 from tigana import ps
-from tigana.ps.local import stop_process
+from tigana.ps.ops.local import stop_process
 from tigana.tools.bench.ps.workload import zipf_batches
 from tigana.tools.bench.scale.resources import _self_cpu_s
 from tigana.tools.bench.scale.workload import TABLE, _create_table
