@@ -3,7 +3,7 @@ holds, and the replication between copies.
 
 Each handler decodes the request with ``tigana.ps.wire.data``, checks it against the table and the shard map, calls
 the table, and encodes the answer. Every exception a handler raises becomes a gRPC status in one place
-(``_rpc``, through ``errors.to_status``); a bug answers INTERNAL and the server keeps serving. Validation
+(``_guard._rpc``, through ``errors.to_status``); a bug answers INTERNAL and the server keeps serving. Validation
 happens before anything changes, so a rejected request leaves every table as it was.
 
 Two modes:
@@ -25,24 +25,35 @@ duplicate once the copies of the new map have it).
 
 Thread-safety: handlers run on gRPC's thread pool, except ``Replicate`` and ``InstallMap``, which run on a
 control pool of their own (a unary sync push waiting for its copies holds a thread of the first). Each table
-has a write lock (``_Hosted.lock``) held for check-apply-record-enqueue; ``install`` takes all of them (in name
-order) after the install lock; the registry lock serializes create/drop/restore. No RPC and no wait runs under
-a table or install lock: a map's replication actions (reports to the scheduler among them) run once they are
-released.
+has a write lock (``_Hosted.lock``) held for check-apply-record-enqueue; ``Ownership.install`` takes all of
+them (in name order) after the install lock; the registry lock (``HostedTables.lock``) serializes
+create/drop/restore. No RPC and no wait runs under a table or install lock: a map's replication actions
+(reports to the scheduler among them) run once they are released.
 
-One room per concept, assembled into the one class ``ShardService`` (each room a mixin over the fields
-declared in ``_fields``):
+One room per concept, each an object with explicit constructor dependencies and a public API (what, why,
+locks, blocking in each docstring); a simulator or a test drives them without gRPC:
 
-- ``hosted``: a table as served (``_Hosted``), table creation, drop and memory budget, ``checksum_value``;
-- ``ownership``: what this server leads and holds (``_View``), the leads check, the map install and the
-  hand-over of the primary role;
-- ``writes``: the write path (pull, push: apply then acknowledge) and its replication to the copies;
-- ``export``: whole-table reads and writes (``ExportRows``, ``ImportRows``), ``SlotInfo`` and ``Stats``;
-- ``cuts``: cluster cuts (``PrepareCut``, ``CommitCut``, ``ReleaseCut``): every table at one point of the
-  cluster's history, for ``tigana admin checkpoint``;
-- ``persistence``: snapshots, restore, loading at start, quarantine, the table registry;
-- ``service``: ``ShardService`` with the remaining RPC handlers, ``add_to_server``, ``SERVICE_NAME``; the
-  handlers' error guard is ``_guard``.
+- ``links``: ``ServerLinks``, the lifecycle state and the link to the scheduler (the daemon's agent), where
+  the replicator's callbacks go (never back into the server's objects);
+- ``view``: ``View`` (what this server holds under one map), ``Holdings`` (the current view and the leads
+  check) and ``check_unmoved`` (may a write that waited for its copies be acknowledged);
+- ``hosted``: a table as served (``_Hosted``), ``HostedTables`` (the registry: create, drop, look-up, memory
+  budget, the registry file), ``checksum_value``;
+- ``persistence``: ``Persistence``, snapshots, restore, loading at start, quarantine;
+- ``ownership``: ``Ownership``, the map install, the deletion of rows no longer held, the hand-over of the
+  primary role, periodic upkeep;
+- ``writes``: ``WritePath``, pull and push (apply then acknowledge) and their replication to the copies;
+  ``copy_slot_rows``, a slot copy's rows;
+- ``export``: ``Exports``, whole-table reads and writes (``ExportRows``, ``ImportRows``), ``SlotInfo``, ``Stats``;
+- ``cuts``: ``Cuts``, cluster cuts (``PrepareCut``, ``CommitCut``, ``ReleaseCut``): every table at one point
+  of the cluster's history, for ``tigana admin checkpoint``;
+- ``receiver``: ``Receiver``, the replication streams into this server (``Replicate``);
+- ``service``: ``ShardService``, the gRPC adapter that builds the objects above, decodes each request, calls
+  them and encodes the answer; ``add_to_server``, ``SERVICE_NAME``; the handlers' error guard is ``_guard``;
+  ``streams``: the server's side of the ``Exchange`` stream; ``tablelock``: a table's write lock.
+
+Dependencies point one way: ``links`` <- ``view`` <- ``hosted`` <- ``persistence`` <- ``ownership``;
+``writes`` <- ``export`` (with ``cuts``); ``service`` builds them all.
 
 Around it: ``config`` (``ServerConfig``, ``load_server_config``), ``daemon`` (``start_server`` and its
 ``ServerHandle``: the gRPC server, the membership agent, metrics), ``catalog`` (a table's slot logs, dedup

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from tigana.ps import rpc
 from tigana.ps.errors import Unavailable
-from tigana.ps.shard._fields import ShardFields
 
 log = logging.getLogger("tigana.ps.server")  # one logger for the whole shard server
 
@@ -20,17 +20,17 @@ _STATES = {"loading": "is loading its tables", "failed": "failed to load its tab
            "closed": "is shut down"}
 
 
-def check_serving(server: ShardFields, method: str) -> None:
-    """Raise ``Unavailable`` naming ``method`` while the server is loading, failed or shut down."""
+def check_serving(server: Any, method: str) -> None:
+    """Raise ``Unavailable`` naming ``method`` while ``server`` (its ``state``) is loading, failed or shut down."""
     if server.state != "serving":
         raise Unavailable(f"{method}: server {_STATES.get(server.state, server.state)}")
 
 
-def _observe(server: ShardFields, method: str, code: str, seconds: float) -> None:
+def _observe(server: Any, method: str, code: str, seconds: float) -> None:
     server.metrics.observe(method, code, seconds)
 
 
 def _rpc(method: str) -> Callable[[Callable], Callable]:
     """Wrap a unary or server-streaming handler (``rpc.guard``): refuse while not serving, time it, count it,
     turn any exception into a status (with the class name and this server's epoch as trailing metadata)."""
-    return rpc.guard(method, log, epoch=lambda server: server._view.epoch, ready=check_serving, observe=_observe)
+    return rpc.guard(method, log, epoch=lambda server: server.epoch, ready=check_serving, observe=_observe)

@@ -1,5 +1,6 @@
-"""Cluster cuts of ``ShardService``: ``PrepareCut``, ``CommitCut``, ``ReleaseCut`` and the cut's side of
-``ExportRows`` (``tigana admin checkpoint``; the coordinator is ``tigana.ps.client.checkpoint.cutround``).
+"""Cluster cuts on one shard server (``Cuts``): ``PrepareCut``, ``CommitCut``, ``ReleaseCut`` and the cut's side
+of ``ExportRows`` (``tigana admin checkpoint``; the coordinator is ``tigana.ps.client.checkpoint.cutround``); and
+``rows_chunk``, an ``ExportRowsChunk`` of rows (shared with ``export``).
 
 The protocol, on this server:
 
@@ -29,18 +30,16 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-import grpc
 import numpy as np
 
 from tigana.embeddings import RowBatch
 from tigana.proto import shard_pb2 as pb
 from tigana.ps.errors import InvalidArgument, Unavailable
 from tigana.ps.routing import slot_of
-from tigana.ps.shard._fields import ShardFields
-from tigana.ps.shard._guard import _rpc
-from tigana.ps.shard.hosted import _Hosted
+from tigana.ps.shard.hosted import HostedTables, _Hosted
+from tigana.ps.shard.view import Holdings
 from tigana.ps.wire import cluster as cluster_wire
 
 MAX_HOLD_MS = 10_000  # the longest a coordinator may ask writes to wait
@@ -73,16 +72,44 @@ class _Cut:
     release_wanted: bool = False  # ReleaseCut came while the commit ran: the commit ends it
 
 
-class Cuts(ShardFields):
-    """Cluster cuts (a room of ``ShardService``); see the module docstring."""
+def rows_chunk(batches: list, weights_only: bool, step: int, server_time: float) -> pb.ExportRowsChunk:
+    """One ``ExportRowsChunk`` of ``batches`` (``RowBatch``es; none: an empty chunk), optimizer state left out
+    with ``weights_only``."""
+    out = pb.ExportRowsChunk(step=step, server_time=server_time)
+    if batches:
+        rows = RowBatch.concat(batches) if len(batches) > 1 else batches[0]
+        if weights_only:
+            rows = RowBatch(rows.ids, rows.weights, np.zeros((len(rows), 0), np.float32), rows.update_count,
+                            rows.last_step, rows.last_time)
+        out.rows.CopyFrom(cluster_wire.rows_to_pb(rows))
+    return out
 
-    @_rpc("PrepareCut")
-    def PrepareCut(self, request: pb.PrepareCutRequest, context: grpc.ServicerContext) -> pb.PrepareCutResponse:
-        cuts, lock = self._cuts, self._cuts_lock
+
+class Cuts:
+    """The cluster cuts open on one shard server; see the module docstring for the protocol.
+
+    Dependencies: ``tables`` (the tables a cut locks and reads), ``holdings`` (the slots led at the cut) and
+    ``wall_clock`` (a cut's ``server_time``). Thread-safety: any thread; the cut registry has a lock of its own,
+    and a prepared cut holds its tables' write locks across calls (released by the commit, a release or the
+    hold's timer). Blocking: ``prepare`` waits up to the hold for the tables' locks; the others do not wait."""
+
+    def __init__(self, tables: HostedTables, holdings: Holdings, wall_clock: Callable[[], float]) -> None:
+        self.tables, self.holdings, self.wall_clock = tables, holdings, wall_clock
+        self.num_slots = tables.num_slots
+        self._cuts: dict[str, _Cut] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        """Cuts held or committed and not yet read or released."""
+        return len(self._cuts)
+
+    def prepare(self, request: pb.PrepareCutRequest) -> pb.PrepareCutResponse:
+        """Step 1: hold writes to the named tables (their write locks, in name order, within ``hold_ms``)."""
+        cuts, lock = self._cuts, self._lock
         if not request.cut:
             raise InvalidArgument("PrepareCut: field 'cut' is empty")
         hold_s = min(int(request.hold_ms) or 2000, MAX_HOLD_MS) / 1000.0
-        hosted = [(name, self._get(name)) for name in sorted(set(request.tables))]  # TableNotFound names it
+        hosted = [(name, self.tables.get(name)) for name in sorted(set(request.tables))]  # TableNotFound names it
         with lock:
             if request.cut in cuts:
                 raise InvalidArgument(f"PrepareCut: field 'cut': cut {request.cut!r} exists on this server")
@@ -102,14 +129,15 @@ class Cuts(ShardFields):
                 entry.timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._expire_cut, (entry,))
                 entry.timer.daemon = True
                 entry.timer.start()
-                return pb.PrepareCutResponse(epoch=self._view.epoch)
+                return pb.PrepareCutResponse(epoch=self.holdings.epoch)
             entry.state = "holding"  # so that ending it releases what it took
         self._end_cut(entry, "failed")
         raise Unavailable(f"PrepareCut: {error}; the cut starts again")
 
-    @_rpc("CommitCut")
-    def CommitCut(self, request: pb.CommitCutRequest, context: grpc.ServicerContext) -> pb.CommitCutResponse:
-        cuts, lock = self._cuts, self._cuts_lock
+    def commit(self, request: pb.CommitCutRequest) -> pb.CommitCutResponse:
+        """Step 2: cut every held table (copy-on-write, or the rows changed since the base), then release the
+        locks; the parts wait for ``chunks``."""
+        cuts, lock = self._cuts, self._lock
         with lock:
             entry = cuts.get(request.cut)
             if entry is None or entry.state != "holding":
@@ -121,7 +149,7 @@ class Cuts(ShardFields):
                 entry.timer.cancel()
         out = pb.CommitCutResponse()
         try:
-            view = self._view
+            view = self.holdings.view
             entry.want = view.leads.copy()
             slots = np.flatnonzero(entry.want)
             in_led = self._in_led(entry.want)
@@ -154,14 +182,12 @@ class Cuts(ShardFields):
             self._end_cut(entry, "released")
         return out
 
-    @_rpc("ReleaseCut")
-    def ReleaseCut(self, request: pb.ReleaseCutRequest, context: grpc.ServicerContext) -> pb.ReleaseCutResponse:
-        cuts, lock = self._cuts, self._cuts_lock
-        with lock:
-            entry = cuts.get(request.cut)
+    def release(self, cut: str) -> None:
+        """Step 3: end cut ``cut`` (its locks released, its unread parts closed); no-op when unknown."""
+        with self._lock:
+            entry = self._cuts.get(cut)
         if entry is not None:
             self._end_cut(entry, "released")
-        return pb.ReleaseCutResponse()
 
     def _since_holds(self, request: pb.CommitCutRequest, name: str, hosted: _Hosted, view, slots: np.ndarray
                      ) -> bool:
@@ -198,9 +224,10 @@ class Cuts(ShardFields):
     def _in_led(self, want: np.ndarray):
         return lambda ids: want[slot_of(ids, self.num_slots)]
 
-    def cut_chunks(self, request: pb.ExportRowsRequest) -> Iterator[pb.ExportRowsChunk]:
-        """``ExportRows(cut=...)``: stream one table's part of a committed cut (consumed: read it once)."""
-        cuts, lock = self._cuts, self._cuts_lock
+    def chunks(self, request: pb.ExportRowsRequest) -> Iterator[pb.ExportRowsChunk]:
+        """``ExportRows(cut=...)``: stream one table's part of a committed cut (consumed: read it once; no lock
+        held while it is read)."""
+        cuts, lock = self._cuts, self._lock
         name = request.table
         with lock:
             entry = cuts.get(request.cut)
@@ -236,9 +263,9 @@ class Cuts(ShardFields):
             buffered.append(batch)
             count += len(batch)
             if count >= chunk:
-                yield self._chunk(buffered, weights_only, part.step, 0.0)
+                yield rows_chunk(buffered, weights_only, part.step, 0.0)
                 buffered, count = [], 0
-        out = self._chunk(buffered, weights_only, part.step, 0.0)
+        out = rows_chunk(buffered, weights_only, part.step, 0.0)
         if part.deleted is not None:
             out.deleted_ids = np.ascontiguousarray(part.deleted, "<i8").tobytes()
             out.deleted_complete = True
@@ -253,7 +280,7 @@ class Cuts(ShardFields):
 
     def _end_cut(self, entry: _Cut, state: str) -> None:
         """Over: release the locks if still held, close the unread parts, forget the cut (idempotent)."""
-        cuts, lock = self._cuts, self._cuts_lock
+        cuts, lock = self._cuts, self._lock
         with lock:
             previous = entry.state
             if previous == "preparing":  # PrepareCut releases what it took, and sees the new state

@@ -1,4 +1,4 @@
-"""Whole-table reads and writes of ``ShardService``: ``ExportRows`` (a consistent cut of the slots this
+"""Whole-table reads and writes of one shard server (``Exports``): ``ExportRows`` (a consistent cut of the slots this
 server leads, streamed; or the rows changed since a time), ``ImportRows`` (a restore, written through the
 primary and replicated like a push), ``SlotInfo`` (per slot rows, checksums, log positions and request
 rates) and ``Stats``.
@@ -12,52 +12,66 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import numpy as np
 
 from tigana.embeddings import Changes
 from tigana.embeddings.changes import unique
 from tigana.proto import shard_pb2 as pb
 from tigana.ps.errors import InvalidArgument, Unavailable, WrongShard
+from tigana.ps.replication import Replicator
 from tigana.ps.routing import slot_of
-from tigana.ps.shard._fields import ShardFields
-from tigana.ps.shard._guard import _rpc
-from tigana.ps.shard.hosted import _Hosted, checksum_value
+from tigana.ps.shard.cuts import Cuts, rows_chunk
+from tigana.ps.shard.hosted import HostedTables, _Hosted, checksum_value
+from tigana.ps.shard.links import ServerLinks
+from tigana.ps.shard.view import Holdings, View, check_unmoved
+from tigana.ps.shard.writes import WritePath
 from tigana.ps.wire import cluster as cluster_wire
 
 log = logging.getLogger("tigana.ps.server")  # one logger for the whole shard server
 
 
-class Exports(ShardFields):
-    """Exports, imports, slot information and table statistics (a room of ``ShardService``)."""
+class Exports:
+    """Exports, imports, slot information and table statistics of the tables of one shard server.
 
-    @_rpc("Stats")
-    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
-        names = [request.table] if request.table else self.table_names()
-        out = []
-        for name in names:
-            hosted = self._get(name) if request.table else self._tables.get(name)
-            if hosted is not None:
-                out.append(pb.TableStats(table=name, values=self._values(name, hosted, checksum=True)))
-        return pb.StatsResponse(tables=out)
+    Dependencies: ``tables``, ``holdings`` (the view an export reads under), ``writes`` (an import is written
+    like a push), ``cuts`` (an export of a cluster cut), ``replicator`` (None on a static server; its figures)
+    and ``links`` (the agent, asked for a newer map). Thread-safety: any thread; no table's write lock is held
+    for O(table) time: a cut is opened under the lock and read after it. Blocking: exports write a temporary
+    snapshot to disk; ``import_rows`` waits for room in the replication queue and for the in-sync copies."""
 
-    @_rpc("SlotInfo")
-    def SlotInfo(self, request: pb.SlotInfoRequest, context: grpc.ServicerContext) -> pb.SlotInfoResponse:
-        names = [request.table] if request.table else self.table_names()
-        out = []
-        for name in names:
-            hosted = self._get(name) if request.table else self._tables.get(name)
-            if hosted is not None:
-                out.append(self.slot_info(name, hosted, checksums=request.checksums))
+    def __init__(self, tables: HostedTables, holdings: Holdings, writes: WritePath, cuts: Cuts,
+                 replicator: Replicator | None, links: ServerLinks, *, server_id: str, data_dir: Path | None,
+                 ack_timeout_s: float) -> None:
+        self.tables, self.holdings, self.writes, self.cuts = tables, holdings, writes, cuts
+        self.replicator, self.links, self.server_id, self.data_dir = replicator, links, server_id, data_dir
+        self.num_slots, self.clustered, self.ack_timeout_s = tables.num_slots, tables.clustered, ack_timeout_s
+
+    def _named(self, table: str) -> list[tuple[str, _Hosted]]:
+        """(name, table) of ``table`` (``TableNotFound`` when absent), or of every table when it is empty."""
+        if table:
+            return [(table, self.tables.get(table))]
+        return [(n, h) for n, h in ((n, self.tables.find(n)) for n in self.tables.names()) if h is not None]
+
+    def stats(self, table: str = "") -> list[pb.TableStats]:
+        """``Stats``: the figures of ``table`` (every table when empty), each with its checksum (a pass over a
+        copy-on-write cut, the table's lock held per chunk)."""
+        return [pb.TableStats(table=name, values=self.values(name, hosted, checksum=True))
+                for name, hosted in self._named(table)]
+
+    def slot_infos(self, table: str = "", *, checksums: bool) -> pb.SlotInfoResponse:
+        """``SlotInfo``: per held slot of ``table`` (every table when empty) rows, checksums, log positions and
+        request rates, with this server's epoch and replication figures."""
+        out = [self.slot_info(name, hosted, checksums=checksums) for name, hosted in self._named(table)]
         stats = self.replicator.stats() if self.replicator is not None else {}
-        return pb.SlotInfoResponse(epoch=self._view.epoch, tables=out, server_id=self.server_id, replication=stats)
+        return pb.SlotInfoResponse(epoch=self.holdings.epoch, tables=out, server_id=self.server_id, replication=stats)
 
     def slot_info(self, name: str, hosted: _Hosted, *, checksums: bool, slots: np.ndarray | None = None
                   ) -> pb.SlotTableInfo:
         """Per held slot (or ``slots``): rows, checksums, log positions and request rates of one table."""
-        view = self._view
+        view = self.holdings.view
         held = np.flatnonzero(view.holds).astype(np.int32) if slots is None else np.asarray(slots, np.int32)
         with hosted.lock:  # the checksums' cut and the positions of one moment; the cut is read after the lock
             positions = hosted.log.positions[held].copy()
@@ -79,21 +93,18 @@ class Exports(ShardFields):
             msg.checksums = sums[held].astype("<u8").tobytes()
         return msg
 
-    @_rpc("ExportRows")
-    def ExportRows(self, request: pb.ExportRowsRequest, context: grpc.ServicerContext):
+    def export_rows(self, request: pb.ExportRowsRequest) -> Iterator[pb.ExportRowsChunk]:
         """Stream the rows of the slots this server leads, as one consistent cut of the table: the cut is opened
         under its write lock (with every slot's log position; O(1)), written to a temporary snapshot while
-        writes go on (copy-on-write, ``tigana.embeddings.Cut``), then streamed from that snapshot."""
-        yield from self._export_rows(request)
-
-    def _export_rows(self, request: pb.ExportRowsRequest):
+        writes go on (copy-on-write, ``tigana.embeddings.Cut``), then streamed from that snapshot. With
+        ``since_time``, the rows changed since then; with ``cut``, a part of a cluster cut (``Cuts.chunks``)."""
         from tigana.embeddings import snapshot as snap
 
         if request.cut:  # a part of a cluster cut (``cuts``)
-            yield from self.cut_chunks(request)
+            yield from self.cuts.chunks(request)
             return
         name = request.table
-        hosted = self._get(name)
+        hosted = self.tables.get(name)
         view = self._export_view(name, hosted, int(request.epoch))
         if request.slots:
             slots = cluster_wire.array(request.slots, "<i4", field="slots").astype(np.int64)
@@ -141,9 +152,9 @@ class Exports(ShardFields):
                 buffered.append(batch)
                 count += len(batch)
                 if count >= chunk:
-                    yield self._chunk(buffered, request.weights_only, step, cut_time if first else 0.0)
+                    yield rows_chunk(buffered, request.weights_only, step, cut_time if first else 0.0)
                     first, buffered, count = False, [], 0
-            out = self._chunk(buffered, request.weights_only, step, cut_time if first else 0.0)
+            out = rows_chunk(buffered, request.weights_only, step, cut_time if first else 0.0)
             self._tombstones(out, deleted)
             out.slots = slots.astype("<i4").tobytes()
             out.positions_epochs = positions[:, 0].astype("<u8").tobytes()
@@ -152,17 +163,16 @@ class Exports(ShardFields):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def _export_view(self, name: str, hosted: _Hosted, epoch: int):
+    def _export_view(self, name: str, hosted: _Hosted, epoch: int) -> View:
         """The view an export (not a cluster cut) reads under: this server has installed the request's map
         (``epoch``, 0: not said) and serves the incarnation of the table that map names. A server behind the
         request, or holding an incarnation the request's map does not know (dropped and created again), would
         export another incarnation's rows: Unavailable, retried by a newer map."""
-        view = self._view
+        view = self.holdings.view
         if not view.valid:
             raise Unavailable(f"table {name!r}: server {self.server_id} is not in the cluster yet")
         if epoch > view.epoch:
-            if self.agent is not None:
-                self.agent.refresh_soon(epoch)
+            self.links.refresh_soon(epoch)
             raise Unavailable(f"table {name!r}: server {self.server_id} is at map epoch {view.epoch}, behind the "
                               f"export's (epoch {epoch}); retry", epoch=view.epoch)
         created = hosted.spec.created_epoch
@@ -174,9 +184,9 @@ class Exports(ShardFields):
 
     def _check_hosted(self, name: str, hosted: _Hosted) -> None:
         """Under ``hosted``'s lock: it is still the table served as ``name`` (not dropped or created again)."""
-        if self._tables.get(name) is not hosted:
+        if self.tables.find(name) is not hosted:
             raise Unavailable(f"table {name!r} was dropped or created again on server {self.server_id} while "
-                              "the export started; retry", epoch=self._view.epoch)
+                              "the export started; retry", epoch=self.holdings.epoch)
 
     def _export_since(self, name: str, hosted: _Hosted, slots: np.ndarray, want: np.ndarray, since: float,
                       chunk: int, weights_only: bool):
@@ -194,7 +204,7 @@ class Exports(ShardFields):
         starts = range(0, len(rows), chunk) if len(rows) else range(1)
         for k, lo in enumerate(starts):
             part = [rows.take(slice(lo, lo + chunk))] if len(rows) else []
-            out = self._chunk(part, weights_only, step, cut_time if k == 0 else 0.0)
+            out = rows_chunk(part, weights_only, step, cut_time if k == 0 else 0.0)
             if lo + chunk >= len(rows):
                 self._tombstones(out, deleted)
                 out.slots = slots.astype("<i4").tobytes()
@@ -213,34 +223,18 @@ class Exports(ShardFields):
             out.deleted_ids = np.ascontiguousarray(deleted[0], "<i8").tobytes()
             out.deleted_complete = bool(deleted[1])
 
-    def _chunk(self, batches: list, weights_only: bool, step: int, server_time: float) -> pb.ExportRowsChunk:
-        from tigana.embeddings import RowBatch
-
-        out = pb.ExportRowsChunk(step=step, server_time=server_time)
-        if batches:
-            rows = RowBatch.concat(batches) if len(batches) > 1 else batches[0]
-            if weights_only:
-                rows = RowBatch(rows.ids, rows.weights, np.zeros((len(rows), 0), np.float32), rows.update_count,
-                                rows.last_step, rows.last_time)
-            out.rows.CopyFrom(cluster_wire.rows_to_pb(rows))
-        return out
-
-    @_rpc("ImportRows")
-    def ImportRows(self, request: pb.ImportRowsRequest, context: grpc.ServicerContext) -> pb.ImportRowsResponse:
-        """Write complete rows (a restore) through this primary: replicated to the slots' copies like a push."""
-        return self._import_rows(request, context.time_remaining())
-
-    def _import_rows(self, request: pb.ImportRowsRequest, timeout_s: float | None = None) -> pb.ImportRowsResponse:
-        """``ImportRows`` (``timeout_s``: what is left of its deadline, for the wait for room in the replication
-        queue)."""
+    def import_rows(self, request: pb.ImportRowsRequest, timeout_s: float | None = None) -> pb.ImportRowsResponse:
+        """``ImportRows``: write complete rows (a restore) through this primary, replicated to the slots' copies
+        like a push and answered once the in-sync copies have them (``timeout_s``: what is left of its deadline,
+        for the wait for room in the replication queue)."""
         name = request.table
-        hosted = self._get(name)
+        hosted = self.tables.get(name)
         rows = cluster_wire.rows_from_pb(request.rows, dim=hosted.table.dim, state_width=hosted.table.state_width,
                                          table=name)
-        self._check_rows(name, len(rows))
-        self._wait_for_room(name, timeout_s)
+        self.writes.check_rows(name, len(rows))
+        self.writes.wait_for_room(name, timeout_s)
         with hosted.lock:
-            view, slots = self._check_leads(name, rows.ids, request.epoch)
+            view, slots = self.writes.check_leads(name, rows.ids, request.epoch)
             uslots = unique(slots)
             changes = Changes() if self.replicator is not None and self.replicator.streams else None
             hosted.table.import_rows(rows)
@@ -248,14 +242,16 @@ class Exports(ShardFields):
                 hosted.table.apply_changes(step=int(request.step))
             if changes is not None:
                 changes.wrote(rows.ids)
-            marks = self._replicate(hosted, view, changes, uslots, None)
-        if marks and self.replicator is not None and not self.replicator.wait(marks, self.config.ack_timeout_s):
+            marks = self.writes.replicate(hosted, view, changes, uslots, None)
+        if marks and self.replicator is not None and not self.replicator.wait(marks, self.ack_timeout_s):
             raise Unavailable(f"table {name!r}: rows written here but not yet by the in-sync copies; retry",
-                              epoch=self._view.epoch)
-        self._check_unmoved(name, view, uslots)
+                              epoch=self.holdings.epoch)
+        check_unmoved(name, view, self.holdings.view, uslots)
         return pb.ImportRowsResponse(rows=len(rows))
 
-    def _values(self, name: str, hosted: _Hosted, *, checksum: bool) -> dict[str, float]:
+    def values(self, name: str, hosted: _Hosted, *, checksum: bool) -> dict[str, float]:
+        """The figures of one table (``Stats``, ``DescribeTable``): the engine's stats, rows led, the
+        exactly-once window's size, cuts open, the epoch; with ``checksum``, its digest (a pass over a cut)."""
         values: dict[str, float] = {}
         for key, value in hosted.table.stats().items():
             try:
@@ -265,7 +261,7 @@ class Exports(ShardFields):
         values["rows"] = float(len(hosted.table))
         values["dim"] = float(hosted.table.config.dim)
         values["state_width"] = float(hosted.table.state_width)
-        leads = self._view.leads
+        leads = self.holdings.view.leads
         if checksum:  # one pass over a cut (the table's lock is held per chunk only): digest and rows per slot
             cut = hosted.table.cut()
             _, counts = cut.checksums_by(lambda ids: slot_of(ids, self.num_slots), self.num_slots)
@@ -275,8 +271,8 @@ class Exports(ShardFields):
         elif self.clustered:  # one pass over the index, the lock held per range of buckets (no list of every id)
             values["rows_led"] = float(hosted.table.rows_per_slot(self.num_slots)[leads].sum())
         values["dedup_keys"] = float(len(hosted.dedup))
-        values["cuts_open"] = float(len(self._cuts))  # cluster cuts held or unread (``cuts``)
-        values["epoch"] = float(self._view.epoch)
+        values["cuts_open"] = float(len(self.cuts))  # cluster cuts held or unread (``cuts``)
+        values["epoch"] = float(self.holdings.epoch)
         if self.replicator is not None:
             values.update(self.replicator.stats())
         return values

@@ -1,8 +1,10 @@
 """Tables as served: ``_Hosted`` (a table with its write lock, exactly-once window, log positions and request
-counters), the ``Hosting`` room of ``ShardService`` (look-up, creation, drop, the daemon's memory budget split
-over the tables, figures for metrics and heartbeats), and ``checksum_value``.
+counters), ``HostedTables`` (the registry of one shard server's tables: look-up, creation, drop, the daemon's
+memory budget split over the tables, the registry file, figures for metrics and heartbeats), and
+``checksum_value``.
 
-Creation and drop run under the registry lock; a table's rows change only under its write lock.
+Creation and drop run under the registry lock (``HostedTables.lock``); a table's rows change only under its
+write lock (``_Hosted.lock``).
 """
 
 from __future__ import annotations
@@ -10,19 +12,24 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import re
+import threading
+from collections.abc import Callable
 
 import numpy as np
 
 from tigana.embeddings import EmbeddingTable, TableConfig
-from tigana.ps.errors import InvalidArgument, TableNotFound
+from tigana.ps.errors import InvalidArgument, TableExists, TableNotFound
 from tigana.ps.replication import CopyIntake, SlotLog
-from tigana.ps.routing import TableDef, slot_of
-from tigana.ps.shard._fields import ShardFields
+from tigana.ps.routing import TableDef
+from tigana.ps.shard.catalog import Catalog
+from tigana.ps.shard.config import ServerConfig
 from tigana.ps.shard.dedup import DedupWindow
 from tigana.ps.shard.tablelock import TableLock
 
 log = logging.getLogger("tigana.ps.server")  # one logger for the whole shard server
 _TABLE_COUNTERS = ("rows_spilled", "admissions", "rejected_admissions", "evictions", "spills")
+_BAD_NAME = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def checksum_value(digest: str) -> float:
@@ -54,20 +61,138 @@ class _Hosted:
         self.pull_rate, self.push_rate = np.zeros(n), np.zeros(n)
 
 
-class Hosting(ShardFields):
-    """The tables of one shard server (a room of ``ShardService``)."""
+class HostedTables:
+    """The tables of one shard server, by name, and the registry file that lists them (in ``catalog``).
 
-    def _get(self, name: str) -> _Hosted:
+    ``epoch`` reads the current map epoch (for errors); ``leads_ids`` says which ids this server leads (a
+    clustered table evicts only rows it leads: copies apply their primary's evictions). Thread-safety: ``lock``
+    (re-entrant) serializes creation, drop, restore and map installs; look-ups read the dict without it (a table
+    may be dropped right after: holders check ``find(name) is hosted`` under the table's lock where it matters).
+    Nothing here waits on the network."""
+
+    def __init__(self, config: ServerConfig, catalog: Catalog | None, *, clustered: bool,
+                 epoch: Callable[[], int], leads_ids: Callable[[np.ndarray], np.ndarray]) -> None:
+        self.config, self.catalog, self.clustered = config, catalog, clustered
+        self.num_slots = config.num_slots
+        self.lock = threading.RLock()  # the registry lock
+        self._epoch, self._leads_ids = epoch, leads_ids
+        self._tables: dict[str, _Hosted] = {}
+
+    # --- look-up -------------------------------------------------------------------------------------------
+    def get(self, name: str) -> _Hosted:
+        """The table served as ``name``; ``TableNotFound`` (with the epoch), ``InvalidArgument`` for no name."""
         hosted = self._tables.get(name)
         if hosted is None:
             if not name:
                 raise InvalidArgument("request: field 'table' is empty")
-            raise TableNotFound(f"table {name!r} not found on this server", epoch=self._view.epoch)
+            raise TableNotFound(f"table {name!r} not found on this server", epoch=self._epoch())
         return hosted
 
-    def _effective(self, spec: TableConfig) -> TableConfig:
+    def find(self, name: str) -> _Hosted | None:
+        """The table served as ``name``, or None."""
+        return self._tables.get(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tables
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+    def names(self) -> list[str]:
+        """Every table's name, sorted."""
+        return sorted(self._tables)
+
+    def items(self) -> list[tuple[str, _Hosted]]:
+        """(name, table) of every table, sorted by name (the order every multi-table lock is taken in)."""
+        return sorted(self._tables.items())
+
+    def put(self, name: str, hosted: _Hosted) -> _Hosted | None:
+        """Serve ``hosted`` as ``name`` (the registry lock held: a restore or a load); the table replaced."""
+        old = self._tables.get(name)
+        self._tables[name] = hosted
+        return old
+
+    # --- creation and drop -----------------------------------------------------------------------------------
+    def create_table(self, spec: TableDef, *, exist_ok: bool) -> tuple[TableDef, bool]:
+        """``CreateTable`` on a static server: (the table's spec, created). An existing table of the same spec
+        is accepted with ``exist_ok`` (``TableExists`` otherwise, naming the fields that differ); a clustered
+        server creates tables from its map only (``InvalidArgument``). The registry file is written first: a
+        full disk leaves no table."""
+        name = spec.config.name
+        if len(name) > 200 or _BAD_NAME.search(name):
+            raise InvalidArgument(f"table {name!r}: field 'name' must be at most 200 characters without "
+                                  "control characters")
+        with self.lock:
+            existing = self._tables.get(name)
+            if existing is not None:
+                if existing.spec != spec:
+                    diff = [f.name for f in dataclasses.fields(spec.config)
+                            if getattr(spec.config, f.name) != getattr(existing.spec.config, f.name)]
+                    diff += [f for f in ("durability", "min_copies") if getattr(spec, f) != getattr(existing.spec, f)]
+                    raise TableExists(f"table {name!r} already exists with a different spec "
+                                      f"(field(s) {', '.join(diff)} differ)")
+                if not exist_ok:
+                    raise TableExists(f"table {name!r} already exists (pass exist_ok to accept it)")
+                return existing.spec, False
+            if self.clustered:
+                raise InvalidArgument(f"table {name!r}: this server is part of a cluster; create tables through "
+                                      f"its scheduler ({self.config.scheduler})")
+            self.create(spec)
+            try:
+                self.save_registry()
+            except BaseException:  # a full disk: the table was not created
+                self.drop(name)
+                raise
+        log.info("created table %r (dim %d, %s)", name, spec.config.dim, spec.config.optimizer.kind)
+        return spec, True
+
+    def drop_table(self, name: str) -> bool:
+        """``DropTable`` on a static server: True when it was there. The registry file is written first (a full
+        disk leaves the table as it was); a clustered server drops tables from its map only."""
+        if self.clustered:
+            raise InvalidArgument(f"table {name!r}: this server is part of a cluster; drop tables "
+                                  f"through its scheduler ({self.config.scheduler})")
+        with self.lock:
+            if name in self._tables:
+                self.save_registry(without=name)
+            dropped = self.drop(name)
+        if dropped:
+            log.info("dropped table %r", name)
+        return dropped
+
+    def create(self, spec: TableDef) -> _Hosted:
+        """Create a table (the registry lock held); leftovers of an older table of the name are removed."""
+        if self.catalog is not None:
+            self.catalog.remove_table_files(spec.config.name)
+        hosted = self.new_hosted(spec)
+        self._tables[spec.config.name] = hosted
+        self.rebudget()
+        return hosted
+
+    def drop(self, name: str) -> bool:
+        """Drop a table (the registry lock held): closed under its write lock, its files removed."""
+        hosted = self._tables.pop(name, None)
+        if hosted is None:
+            return False
+        with hosted.lock:
+            hosted.table.close()
+        if self.catalog is not None:
+            self.catalog.remove_table_files(name)
+        self.rebudget()
+        return True
+
+    def new_hosted(self, spec: TableDef, table: EmbeddingTable | None = None, dedup: DedupWindow | None = None,
+                   slot_log: SlotLog | None = None) -> _Hosted:
+        """A ``_Hosted`` for ``spec`` (a new engine table with ``effective`` settings unless given), not served."""
+        table = table or EmbeddingTable(self.effective(spec.config))
+        if self.clustered:  # only the primary of a row decides its eviction; copies apply it (replication)
+            table.set_evictable(self._leads_ids)
+        return _Hosted(spec, table, dedup or DedupWindow(self.num_slots, self.config.dedup_window),
+                       slot_log or SlotLog(self.num_slots))
+
+    def effective(self, spec: TableConfig) -> TableConfig:
         """The config a table runs with: with a daemon budget, a share of it when the spec sets none (re-split
-        by ``_rebudget``); spill under data_dir."""
+        by ``rebudget``); spill under data_dir."""
         budget = spec.memory_budget or self.config.memory_budget or None
         spill = spec.spill_dir
         if budget and spill is None and self.catalog is not None:
@@ -75,56 +200,7 @@ class Hosting(ShardFields):
         return dataclasses.replace(spec, memory_budget=budget, spill_dir=spill,
                                    spill_max_bytes=spec.spill_max_bytes or self.config.spill_max_bytes)
 
-    def _new_hosted(self, spec: TableDef, table: EmbeddingTable | None = None, dedup: DedupWindow | None = None,
-                    slot_log: SlotLog | None = None) -> _Hosted:
-        table = table or EmbeddingTable(self._effective(spec.config))
-        if self.clustered:  # only the primary of a row decides its eviction; copies apply it (replication)
-            table.set_evictable(self._leads_ids)
-        return _Hosted(spec, table, dedup or DedupWindow(self.num_slots, self.config.dedup_window),
-                       slot_log or SlotLog(self.num_slots))
-
-    def _leads_ids(self, ids: np.ndarray) -> np.ndarray:
-        return self._view.leads[slot_of(ids, self.num_slots)]
-
-    def load_figures(self) -> dict[str, float]:
-        """Rows, resident bytes and request rate (rows/s pulled + pushed, decayed) of every table here."""
-        rows = nbytes = rate = 0.0
-        for hosted in list(self._tables.values()):
-            try:
-                rows += len(hosted.table)
-                nbytes += float(hosted.table.stats().get("bytes_resident", 0.0))
-                rate += float(hosted.pull_rate.sum() + hosted.push_rate.sum())
-            except Exception:  # noqa: BLE001 - a closing table must not break a heartbeat
-                continue
-        return {"rows": rows, "bytes": nbytes, "request_rate": rate}
-
-    def table_names(self) -> list[str]:
-        return sorted(self._tables)
-
-    def table_sizes(self) -> dict[str, dict[str, float]]:
-        """{table: {"rows", "bytes", "rows_spilled", "admissions", "rejected_admissions", "evictions", "spills"}}
-        for the metrics endpoint (cheap: no checksum)."""
-        out = {}
-        for name, hosted in list(self._tables.items()):
-            try:
-                stats = hosted.table.stats()
-                out[name] = {"rows": float(len(hosted.table)),
-                             "bytes": float(stats.get("bytes_resident", stats.get("bytes", 0.0)))}
-                out[name].update({k: float(stats[k]) for k in _TABLE_COUNTERS if k in stats})
-            except Exception:  # noqa: BLE001 - a closing table must not break a scrape
-                continue
-        return out
-
-    def _create_local(self, spec: TableDef) -> _Hosted:
-        """Create a table (the registry lock is held); leftovers of an older table of the name are removed."""
-        if self.catalog is not None:
-            self.catalog.remove_table_files(spec.config.name)
-        hosted = self._new_hosted(spec)
-        self._tables[spec.config.name] = hosted
-        self._rebudget()
-        return hosted
-
-    def _rebudget(self) -> None:
+    def rebudget(self) -> None:
         """Split ``--memory-budget`` over the tables: it bounds the whole daemon, not each table. Tables with a
         budget of their own keep it (and it counts against the daemon's); the others share what is left."""
         total = self.config.memory_budget
@@ -144,13 +220,48 @@ class Hosting(ShardFields):
             except Exception:  # noqa: BLE001 - a table being closed
                 log.debug("re-budgeting table %r failed", h.spec.config.name)
 
-    def _drop_local(self, name: str) -> bool:
-        hosted = self._tables.pop(name, None)
-        if hosted is None:
-            return False
-        with hosted.lock:
-            hosted.table.close()
-        if self.catalog is not None:
-            self.catalog.remove_table_files(name)
-        self._rebudget()
-        return True
+    def save_registry(self, without: str | None = None) -> None:
+        """Persist the table registry (less ``without``); ``StorageFull`` when the disk is full. No-op without a
+        data dir. Call under the registry lock."""
+        if self.catalog is None:
+            return
+        self.catalog.save_tables([h.spec for n, h in self._tables.items() if n != without], self.num_slots,
+                                 None if self.clustered else self.config.slots)
+
+    def close_all(self) -> None:
+        """Close every table (each under its write lock) and forget them: the server is shutting down."""
+        with self.lock:
+            for hosted in self._tables.values():
+                with hosted.lock:
+                    try:
+                        hosted.table.close()
+                    except Exception:  # noqa: BLE001 - close the others regardless
+                        log.exception("closing table %r failed", hosted.spec.config.name)
+            self._tables.clear()
+
+    # --- figures -------------------------------------------------------------------------------------------
+    def load_figures(self) -> dict[str, float]:
+        """Rows, resident bytes and request rate (rows/s pulled + pushed, decayed) of every table here."""
+        rows = nbytes = rate = 0.0
+        for hosted in list(self._tables.values()):
+            try:
+                rows += len(hosted.table)
+                nbytes += float(hosted.table.stats().get("bytes_resident", 0.0))
+                rate += float(hosted.pull_rate.sum() + hosted.push_rate.sum())
+            except Exception:  # noqa: BLE001 - a closing table must not break a heartbeat
+                continue
+        return {"rows": rows, "bytes": nbytes, "request_rate": rate}
+
+    def sizes(self) -> dict[str, dict[str, float]]:
+        """{table: {"rows", "bytes", "rows_spilled", "admissions", "rejected_admissions", "evictions", "spills"}}
+        for the metrics endpoint (cheap: no checksum)."""
+        out = {}
+        for name, hosted in list(self._tables.items()):
+            try:
+                stats = hosted.table.stats()
+                out[name] = {"rows": float(len(hosted.table)),
+                             "bytes": float(stats.get("bytes_resident", stats.get("bytes", 0.0)))}
+                out[name].update({k: float(stats[k]) for k in _TABLE_COUNTERS if k in stats})
+            except Exception:  # noqa: BLE001 - a closing table must not break a scrape
+                continue
+        return out

@@ -1,8 +1,9 @@
-"""Persistence of ``ShardService``: snapshots of every table (with its exactly-once window and log positions),
-restore from them, loading the data dir at start, quarantine of a store found corrupt, the table registry.
+"""Persistence of one shard server's tables (``Persistence``, beside the registry ``HostedTables``): snapshots
+of every table (with its exactly-once window and log positions), restore from them, loading the data dir at
+start, quarantine of a store found corrupt.
 
 A snapshot's cut is opened under the table's write lock and written after it (copy-on-write); restore and
-load run under the registry lock.
+load run under the registry lock. Snapshots and restores block on the disk, never on the network.
 """
 
 from __future__ import annotations
@@ -18,58 +19,54 @@ import numpy as np
 from tigana.embeddings import CorruptStore, SnapshotNotFound, TableConfig
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.routing import TableDef, parse_slots
-from tigana.ps.shard._fields import ShardFields
 from tigana.ps.shard.catalog import Catalog
-from tigana.ps.shard.hosted import _Hosted
+from tigana.ps.shard.config import ServerConfig
+from tigana.ps.shard.hosted import HostedTables, _Hosted
+from tigana.ps.shard.view import Holdings
 
 log = logging.getLogger("tigana.ps.server")  # one logger for the whole shard server
 
 
-class Persistence(ShardFields):
-    """Snapshots, restore and the table registry (a room of ``ShardService``)."""
+class Persistence:
+    """Snapshots, restore and loading at start of the tables in ``tables`` (``catalog``: the data dir's; None
+    without one). ``corrupt_stores`` counts the stores found corrupt at start and quarantined."""
 
-    def _need_catalog(self, what: str) -> Catalog:
+    def __init__(self, config: ServerConfig, tables: HostedTables, holdings: Holdings, catalog: Catalog | None,
+                 *, clustered: bool) -> None:
+        self.config, self.tables, self.holdings, self.catalog = config, tables, holdings, catalog
+        self.clustered, self.num_slots = clustered, config.num_slots
+        self.data_dir = Path(config.data_dir) if config.data_dir else None
+        self.corrupt_stores = 0
+
+    def need_catalog(self, what: str) -> Catalog:
+        """The data dir's catalog; ``InvalidArgument`` naming ``what`` when the server has none."""
         if self.catalog is None:
             raise InvalidArgument(f"{what}: this server has no data dir (start it with --data-dir)")
         return self.catalog
 
-    def _save_registry(self, without: str | None = None) -> None:
-        """Persist the table registry (less ``without``); ``StorageFull`` when the disk is full."""
-        if self.catalog is None:
-            return
-        self.catalog.save_tables([h.spec for n, h in self._tables.items() if n != without], self.num_slots,
-                                 None if self.clustered else self.config.slots)
-
-    def _complete_slots(self) -> np.ndarray:
-        """Slots whose copy here is complete (led, or in sync): the only positions a snapshot keeps, since an
-        unclean election trusts them."""
-        view = self._view
-        if view.map is None:
-            return view.holds
-        return view.leads | (view.map.copy_state(view.me) == 0) if view.valid else view.holds
-
     def snapshot_all(self, *, incremental: bool = False) -> tuple[list[Path], int]:
-        """Snapshot every table with its exactly-once window and log positions; (paths, rows)."""
-        catalog = self._need_catalog("Snapshot")
+        """Snapshot every table with its exactly-once window and log positions; (paths, rows). Blocks on the
+        disk; each table's write lock is held only while its cut opens."""
+        catalog = self.need_catalog("Snapshot")
         paths: list[Path] = []
         rows = 0
-        with self._registry_lock:
-            hosted_tables = sorted(self._tables.items())
-            self._save_registry()
+        with self.tables.lock:
+            hosted_tables = self.tables.items()
+            self.tables.save_registry()
         for name, hosted in hosted_tables:
             # The cut is opened under the write lock with the window and positions (one moment), and written
             # after it is released: pushes go on while the rows are read (copy-on-write, ``Cut``).
             with hosted.table.snapshot_turn():  # a snapshot of this table in progress: waited for without the lock
                 with hosted.lock:
-                    if self._tables.get(name) is not hosted:  # dropped or replaced meanwhile
+                    if self.tables.find(name) is not hosted:  # dropped or replaced meanwhile
                         continue
                     pending = catalog.begin_snapshot(hosted.table, hosted.dedup, hosted.log, incremental=incremental,
-                                                     complete=self._complete_slots())
+                                                     complete=self.holdings.view.complete_slots())
                     rows += len(hosted.table)
                 try:
                     path = pending.write()
                 except Exception:
-                    if self._tables.get(name) is not hosted:  # dropped while it was written
+                    if self.tables.find(name) is not hosted:  # dropped while it was written
                         continue
                     raise
             paths.append(path)
@@ -84,7 +81,7 @@ class Persistence(ShardFields):
 
         def configure(stored: TableConfig) -> TableConfig:  # this daemon's memory settings, not the writer's
             own = spec.config if spec is not None else None
-            return self._effective(dataclasses.replace(
+            return self.tables.effective(dataclasses.replace(
                 stored, memory_budget=own.memory_budget if own else None, spill_dir=own.spill_dir if own else None,
                 spill_max_bytes=own.spill_max_bytes if own else None))
 
@@ -92,23 +89,23 @@ class Persistence(ShardFields):
                                    configure=configure)
         if spec is None:
             spec = TableDef(dataclasses.replace(restored.table.config, spill_dir=None))
-        return self._new_hosted(spec, restored.table, restored.dedup, restored.log)
+        return self.tables.new_hosted(spec, restored.table, restored.dedup, restored.log)
 
     def restore(self, path: str | os.PathLike | None = None) -> int:
         """Static mode: replace tables by snapshots: ``path`` None restores every registered table from its
         newest snapshot chain in the data dir; a path restores the one table snapshot there. Rows restored."""
-        with self._registry_lock:
+        with self.tables.lock:
             fresh: dict[str, _Hosted] = {}
             try:
                 if path is None:
-                    catalog = self._need_catalog("Restore")
-                    for name, hosted in self._tables.items():
+                    catalog = self.need_catalog("Restore")
+                    for name, hosted in self.tables.items():
                         latest = catalog.latest(name)
                         if latest is not None:
                             fresh[name] = self._restore_one(latest, hosted.spec)
                 else:
                     restored = self._restore_one(Path(path), None)
-                    old = self._tables.get(restored.spec.config.name)
+                    old = self.tables.find(restored.spec.config.name)
                     if old is not None:
                         restored.spec = old.spec
                     fresh[restored.spec.config.name] = restored
@@ -116,9 +113,8 @@ class Persistence(ShardFields):
                 for hosted in fresh.values():  # all or nothing: the served tables stay as they were
                     hosted.table.close()
                 raise
-            replaced = {name: self._tables.get(name) for name in fresh}
-            self._tables.update(fresh)
-            self._save_registry()
+            replaced = {name: self.tables.put(name, hosted) for name, hosted in fresh.items()}
+            self.tables.save_registry()
             for old in replaced.values():
                 if old is not None:
                     with old.lock:
@@ -162,11 +158,11 @@ class Persistence(ShardFields):
                         raise
                     self._quarantine(name, exc)
             if hosted is None:
-                hosted = self._new_hosted(spec)
+                hosted = self.tables.new_hosted(spec)
                 log.info("re-created table %r (no snapshot)", name)
-            self._tables[name] = hosted
-        self._rebudget()
-        self._save_registry()
+            self.tables.put(name, hosted)
+        self.tables.rebudget()
+        self.tables.save_registry()
 
     def _quarantine(self, table: str | None, exc: Exception) -> None:
         """A clustered server that finds a store corrupt at start moves it aside and starts that table empty.

@@ -1,17 +1,14 @@
-"""``ShardService``: the gRPC face of one shard server, assembled from its rooms (``hosted``, ``ownership``,
-``writes``, ``export``, ``persistence``), with the table RPCs, the data path's handlers (``Pull``, ``Push``,
-the ``Exchange`` stream), ``Snapshot``, ``Restore``, ``InstallMap`` and ``Replicate``; and ``add_to_server``.
+"""``ShardService``: the gRPC face of one shard server, a thin adapter over its objects (``HostedTables``,
+``Persistence``, ``Holdings``, ``Ownership``, ``WritePath``, ``Exports``, ``Cuts``, ``Receiver``): each handler
+decodes the request, calls them, and encodes the answer; and ``add_to_server``.
 
-Each handler decodes the request with ``tigana.ps.wire.data``, checks it against the table and the shard map, calls
-the table, and encodes the answer; every exception becomes a status in one place (``_guard._rpc``, over ``rpc.guard``).
-Thread-safety: handlers run on gRPC's thread pool (see the ``tigana.ps.shard`` docstring for the locks).
+Every exception becomes a status in one place (``_guard._rpc``, over ``rpc.guard``). Thread-safety: handlers
+run on gRPC's thread pool (see the ``tigana.ps.shard`` docstring for the locks).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import re
 import threading
 import time
 import uuid
@@ -21,14 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 
 from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc
 from tigana.ps import rpc
-from tigana.ps.errors import DeadlineExceeded, InvalidArgument, TableExists
+from tigana.ps.errors import DeadlineExceeded, InvalidArgument
 from tigana.ps.metrics import ServerMetrics
-from tigana.ps.replication import Inbound, Replicator, apply_item, copy_lane_ready
-from tigana.ps.replication.actions import RefreshMap
+from tigana.ps.replication import Replicator
+from tigana.ps.routing import ShardMap
 from tigana.ps.security import NONE, Security
 from tigana.ps.shard import streams
 from tigana.ps.shard._guard import _rpc, check_serving
@@ -36,10 +34,13 @@ from tigana.ps.shard.catalog import Catalog
 from tigana.ps.shard.config import ServerConfig
 from tigana.ps.shard.cuts import Cuts
 from tigana.ps.shard.export import Exports
-from tigana.ps.shard.hosted import Hosting, _Hosted
-from tigana.ps.shard.ownership import Ownership, _View
+from tigana.ps.shard.hosted import HostedTables, _Hosted
+from tigana.ps.shard.links import ServerLinks
+from tigana.ps.shard.ownership import Ownership
 from tigana.ps.shard.persistence import Persistence
-from tigana.ps.shard.writes import Writes
+from tigana.ps.shard.receiver import Receiver
+from tigana.ps.shard.view import Holdings
+from tigana.ps.shard.writes import WritePath, copy_slot_rows
 from tigana.ps.wire import cluster as cluster_wire
 from tigana.ps.wire import data as wire
 from tigana.ps.wire import frames
@@ -47,17 +48,18 @@ from tigana.ps.wire import frames
 log = logging.getLogger("tigana.ps.server")  # one logger for the whole shard server
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Shard"].full_name  # "tigana.v1.Shard"
-_BAD_NAME = re.compile(r"[\x00-\x1f\x7f]")
 
 
-class ShardService(Ownership, Writes, Exports, Cuts, Persistence, Hosting, shard_pb2_grpc.ShardServicer):
-    """The tables and slot copies of one shard server. ``state`` is loading -> serving -> closed.
+class ShardService(shard_pb2_grpc.ShardServicer):
+    """One shard server: its objects, and the gRPC handlers over them. ``state`` is loading -> serving -> closed.
 
     ``agent`` (set by the daemon in cluster mode) is the link to the scheduler: ``refresh(epoch)``,
     ``report_copy_failure(target, slots, reason, epoch)``, ``copy_caught_up(target, slots)``.
 
-    Assembled from one room per concept (see the ``tigana.ps.shard`` docstring); this module holds the
-    remaining handlers."""
+    The objects (each documented in its module; a simulator or a test drives them without gRPC):
+    ``tables`` (``HostedTables``), ``persistence``, ``holdings`` (the view), ``ownership`` (map installs,
+    hand-overs), ``writes`` (``WritePath``), ``exports``, ``cuts``, ``receiver`` (the replication streams in),
+    ``replicator`` (None on a static server) and ``links`` (state and agent)."""
 
     def __init__(self, config: ServerConfig, metrics: ServerMetrics | None = None, *,
                  security: Security = NONE, clock: Callable[[], float] = time.monotonic,
@@ -65,32 +67,44 @@ class ShardService(Ownership, Writes, Exports, Cuts, Persistence, Hosting, shard
                  generation: int | None = None) -> None:
         self.config = config
         self.security = security
-        self.metrics = metrics or ServerMetrics(self.table_sizes, self.cluster_figures)
-        self.state = "loading"
         self.num_slots = config.num_slots
-        self.data_dir = Path(config.data_dir) if config.data_dir else None
-        self.catalog = Catalog(self.data_dir) if self.data_dir is not None else None
+        data_dir = Path(config.data_dir) if config.data_dir else None
+        self.catalog = Catalog(data_dir) if data_dir is not None else None
         self.server_id = (self.catalog.server_id(config.server_id) if self.catalog is not None
                           else config.server_id or uuid.uuid4().hex[:12])
         # This process's incarnation (a simulator names its own, so that a seed replays to the byte).
         self.boot = boot or uuid.uuid4().hex[:12]
         self.clustered = config.scheduler is not None
-        self.corrupt_stores = 0  # stores found corrupt at start and quarantined (clustered servers)
-        self.agent: Any = None
-        self.on_install: Callable[[], None] | None = None  # the daemon's health update
-        self.wall_clock: Callable[[], float] = lambda: time.time()  # a cut's server_time (tables stamp their rows)
-        self._tables: dict[str, _Hosted] = {}
-        self._registry_lock = threading.RLock()
-        self._install_lock = threading.Lock()
-        self._inbound: dict[str, tuple[Inbound, threading.Lock]] = {}
-        self._inbound_lock = threading.Lock()
-        self._handover_wake = threading.Event()
-        self._drop_lock = threading.Lock()
-        self._drop_wanted = self._drop_running = False  # rows of slots no longer held to delete; a worker at it
-        self._handover_started = False
-        self._last_decay = time.monotonic()
-        self._cuts: dict[str, Any] = {}
-        self._cuts_lock = threading.Lock()
+        self.links = ServerLinks()
+        self.holdings = Holdings(self.server_id, self.num_slots, self.links, clustered=self.clustered,
+                                 owned=None if self.clustered else config.owned_slots())
+        self.tables = HostedTables(config, self.catalog, clustered=self.clustered,
+                                   epoch=lambda: self.holdings.epoch, leads_ids=self.holdings.leads_ids)
+        self.persistence = Persistence(config, self.tables, self.holdings, self.catalog, clustered=self.clustered)
+        self.replicator: Replicator | None = None
+        if self.clustered:
+            tables, links = self.tables, self.links
+
+            def copy_rows(stream: Any, sess: Any) -> None:  # the replicator's slot copies read the tables
+                copy_slot_rows(replicator, tables, stream, sess)
+
+            # the replicator's callbacks go to the agent (``links``), never back into this server's objects
+            replicator = self.replicator = Replicator(
+                self.server_id, self.boot, self.num_slots, max_message_bytes=config.max_message_bytes,
+                refresh_map=links.refresh, report_failure=links.report_failure, caught_up=links.caught_up,
+                copy_rows=copy_rows, failure_timeout_s=config.replication_timeout_s,
+                max_queue_bytes=config.replication_queue_bytes, copy_rate=config.copy_rate,
+                channel=security.channel, clock=clock, spawn=spawn, generation=generation)
+        self.ownership = Ownership(config, self.server_id, self.boot, self.holdings, self.tables, self.persistence,
+                                   self.replicator, self.links)
+        self.metrics = metrics or ServerMetrics(self.tables.sizes, self.ownership.cluster_figures)
+        self.writes = WritePath(config, self.tables, self.holdings, self.replicator, self.metrics, self.links,
+                                self.server_id)
+        # a cut's server_time (tables stamp their rows); looked up at each call, so a test may patch time.time
+        self.cuts = Cuts(self.tables, self.holdings, lambda: time.time())
+        self.exports = Exports(self.tables, self.holdings, self.writes, self.cuts, self.replicator, self.links,
+                               server_id=self.server_id, data_dir=data_dir, ack_timeout_s=config.ack_timeout_s)
+        self.receiver = Receiver(self.server_id, self.tables, self.holdings, self.links)
         self._streams = 0  # Exchange streams open
         self._streams_lock = threading.Lock()
         self._frame_pool = futures.ThreadPoolExecutor(max_workers=config.max_workers,
@@ -100,91 +114,124 @@ class ShardService(Ownership, Writes, Exports, Cuts, Persistence, Hosting, shard
         # copy could then hold every one of them, starving the replication and the maps into this server.
         self._control_pool = futures.ThreadPoolExecutor(max_workers=config.max_workers,
                                                         thread_name_prefix="tigana-control")
-        if self.clustered:
-            self._view = _View.waiting(self.num_slots)
-            self.replicator: Replicator | None = Replicator(
-                self.server_id, self.boot, self.num_slots, max_message_bytes=config.max_message_bytes,
-                refresh_map=self._refresh, report_failure=self._report_failure, caught_up=self._caught_up,
-                copy_rows=self._copy_rows, failure_timeout_s=config.replication_timeout_s,
-                max_queue_bytes=config.replication_queue_bytes, copy_rate=config.copy_rate,
-                channel=security.channel, clock=clock, spawn=spawn,
-                generation=generation)
-        else:
-            self._view = _View.static(config.owned_slots())
-            self.replicator = None
 
+    # --- what the daemon (and a simulator) reads and sets ---------------------------------------------------
+    @property
+    def state(self) -> str:
+        """loading -> serving -> closed (or failed); every RPC is refused while not serving."""
+        return self.links.state
+
+    @state.setter
+    def state(self, value: str) -> None:
+        self.links.state = value
+
+    @property
+    def agent(self) -> Any:
+        """The membership agent (the link to the scheduler), None until the daemon sets it."""
+        return self.links.agent
+
+    @agent.setter
+    def agent(self, value: Any) -> None:
+        self.links.agent = value
+
+    @property
+    def on_install(self) -> Callable[[], None] | None:
+        """Called after each map install (the daemon's health update)."""
+        return self.links.on_install
+
+    @on_install.setter
+    def on_install(self, value: Callable[[], None] | None) -> None:
+        self.links.on_install = value
+
+    @property
+    def epoch(self) -> int:
+        return self.holdings.epoch
+
+    def table_names(self) -> list[str]:
+        return self.tables.names()
+
+    def table_sizes(self) -> dict[str, dict[str, float]]:
+        return self.tables.sizes()
+
+    def load_figures(self) -> dict[str, float]:
+        return self.tables.load_figures()
+
+    def cluster_figures(self) -> dict[str, float]:
+        return self.ownership.cluster_figures()
+
+    def catching_up(self) -> int:
+        return self.ownership.catching_up()
+
+    def install(self, m: ShardMap) -> bool:
+        return self.ownership.install(m)
+
+    def maintain(self) -> None:
+        self.ownership.maintain()
+
+    def hand_over(self, timeout_s: float) -> bool:
+        return self.ownership.hand_over(timeout_s)
+
+    def positions(self) -> list[pb.SlotTableInfo]:
+        return self.ownership.positions()
+
+    def owned_slots(self) -> np.ndarray:
+        return self.holdings.owned_slots()
+
+    def set_owned_slots(self, mask: np.ndarray) -> None:
+        self.holdings.set_owned_slots(mask)
+
+    def snapshot_all(self, *, incremental: bool = False) -> tuple[list[Path], int]:
+        return self.persistence.snapshot_all(incremental=incremental)
+
+    def restore(self, path: str | None = None) -> int:
+        return self.persistence.restore(path)
+
+    def load(self) -> None:
+        self.persistence.load()
+
+    def slot_info(self, name: str, hosted: _Hosted, *, checksums: bool, slots: np.ndarray | None = None
+                  ) -> pb.SlotTableInfo:
+        return self.exports.slot_info(name, hosted, checksums=checksums, slots=slots)
+
+    # --- handlers -------------------------------------------------------------------------------------------
     @_rpc("CreateTable")
     def CreateTable(self, request: pb.CreateTableRequest, context: grpc.ServicerContext) -> pb.CreateTableResponse:
-        spec = cluster_wire.table_def_from_pb(request.spec)
-        name = spec.config.name
-        if len(name) > 200 or _BAD_NAME.search(name):
-            raise InvalidArgument(f"table {name!r}: field 'name' must be at most 200 characters without "
-                                  "control characters")
-        with self._registry_lock:
-            existing = self._tables.get(name)
-            if existing is not None:
-                if existing.spec != spec:
-                    diff = [f.name for f in dataclasses.fields(spec.config)
-                            if getattr(spec.config, f.name) != getattr(existing.spec.config, f.name)]
-                    diff += [f for f in ("durability", "min_copies") if getattr(spec, f) != getattr(existing.spec, f)]
-                    raise TableExists(f"table {name!r} already exists with a different spec "
-                                      f"(field(s) {', '.join(diff)} differ)")
-                if not request.exist_ok:
-                    raise TableExists(f"table {name!r} already exists (pass exist_ok to accept it)")
-                return pb.CreateTableResponse(spec=cluster_wire.table_def_to_pb(existing.spec), created=False)
-            if self.clustered:
-                raise InvalidArgument(f"table {name!r}: this server is part of a cluster; create tables through "
-                                      f"its scheduler ({self.config.scheduler})")
-            self._create_local(spec)
-            try:
-                self._save_registry()
-            except BaseException:  # a full disk: the table was not created
-                self._drop_local(name)
-                raise
-        log.info("created table %r (dim %d, %s)", name, spec.config.dim, spec.config.optimizer.kind)
-        return pb.CreateTableResponse(spec=cluster_wire.table_def_to_pb(spec), created=True)
+        spec, created = self.tables.create_table(cluster_wire.table_def_from_pb(request.spec),
+                                                 exist_ok=request.exist_ok)
+        return pb.CreateTableResponse(spec=cluster_wire.table_def_to_pb(spec), created=created)
 
     @_rpc("DescribeTable")
     def DescribeTable(self, request: pb.DescribeTableRequest, context: grpc.ServicerContext
                       ) -> pb.DescribeTableResponse:
-        hosted = self._get(request.table)
-        stats = pb.TableStats(table=request.table, values=self._values(request.table, hosted, checksum=False))
+        hosted = self.tables.get(request.table)
+        stats = pb.TableStats(table=request.table, values=self.exports.values(request.table, hosted, checksum=False))
         return pb.DescribeTableResponse(spec=cluster_wire.table_def_to_pb(hosted.spec), stats=stats)
 
     @_rpc("DropTable")
     def DropTable(self, request: pb.DropTableRequest, context: grpc.ServicerContext) -> pb.DropTableResponse:
-        if self.clustered:
-            raise InvalidArgument(f"table {request.table!r}: this server is part of a cluster; drop tables "
-                                  f"through its scheduler ({self.config.scheduler})")
-        with self._registry_lock:
-            if request.table in self._tables:
-                self._save_registry(without=request.table)  # first: a full disk leaves the table as it was
-            dropped = self._drop_local(request.table)
-        if dropped:
-            log.info("dropped table %r", request.table)
-        return pb.DropTableResponse(dropped=dropped)
+        return pb.DropTableResponse(dropped=self.tables.drop_table(request.table))
 
     @_rpc("ListTables")
     def ListTables(self, request: pb.ListTablesRequest, context: grpc.ServicerContext) -> pb.ListTablesResponse:
-        hosted = [self._tables.get(n) for n in self.table_names()]
+        hosted = [self.tables.find(n) for n in self.tables.names()]
         return pb.ListTablesResponse(tables=[cluster_wire.table_def_to_pb(h.spec) for h in hosted if h is not None])
 
     @_rpc("Pull")
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullResponse:
-        _, rows, codec = self._pull(request, context.time_remaining())
+        _, rows, codec = self.writes.pull(request, context.time_remaining())
         return pb.PullResponse(rows=wire.encode_rows(rows, codec))
 
     @_rpc("Pull")
     def pull_serialized(self, request: pb.PullRequest, context: grpc.ServicerContext) -> bytes:
         """``Pull`` answering the serialized ``PullResponse`` (written in one copy by ``wire``), for the
         bytes response serializer ``add_to_server`` registers."""
-        _, rows, codec = self._pull(request, context.time_remaining())
+        _, rows, codec = self.writes.pull(request, context.time_remaining())
         return wire.encode_pull_response(rows, codec)
 
     @_rpc("Push")
     def Push(self, request: pb.PushRequest | wire.RawPush, context: grpc.ServicerContext) -> pb.PushResponse:
         """Apply a gradient block; ``request`` is the protobuf message or ``wire.decode_push_request``'s views."""
-        return self._push(request, context.time_remaining())
+        return self.writes.push(request, context.time_remaining())
 
     def Exchange(self, requests: Any, context: grpc.ServicerContext) -> Any:
         """The streaming data path: this client's pulls and pushes as frames of one stream (``streams``)."""
@@ -221,17 +268,17 @@ class ShardService(Ownership, Writes, Exports, Cuts, Persistence, Hosting, shard
             raise DeadlineExceeded(f"table {frame.request.table!r}: {method} frame waited past its "
                                    f"deadline ({frame.timeout_ms} ms) before it was handled; not applied")
         if frame.kind == frames.PULL:
-            _, rows, codec = self._pull(frame.request, left)
+            _, rows, codec = self.writes.pull(frame.request, left)
             return frames.pull_answer(frame.id, rows, codec)
-        pushed = self._push_apply(frame.request, left)
+        pushed = self.writes.push_apply(frame.request, left)
         if not pushed.marks or self.replicator is None:
-            return frames.push_answer(frame.id, self._push_ack(pushed, self.config.ack_timeout_s))
+            return frames.push_answer(frame.id, self.writes.push_ack(pushed, self.config.ack_timeout_s))
         replicator = self.replicator
 
         def start(finish: Callable[[Callable[[], bytes]], None]) -> None:
             # the answer is made by whoever settles the wait (an acknowledgement, a map, the deadline)
             replicator.when_done(pushed.marks, self.config.ack_timeout_s, lambda done: finish(
-                lambda: frames.push_answer(frame.id, self._push_answer(pushed, done))))
+                lambda: frames.push_answer(frame.id, self.writes.push_answer(pushed, done))))
         return streams.Deferred(start)
 
     def _frame_step(self, frame: frames.Frame, start: float, step: Callable[[], bytes | Callable[[], bytes]]
@@ -244,7 +291,7 @@ class ShardService(Ownership, Writes, Exports, Cuts, Persistence, Hosting, shard
             out = step()
         except Exception as exc:  # noqa: BLE001 - a frame never takes the stream or the daemon down
             status = rpc.answer_status(exc, f"{method} frame", log)[0]
-            out = frames.error_answer(frame.id, exc, self._view.epoch)
+            out = frames.error_answer(frame.id, exc, self.holdings.epoch)
         if isinstance(out, streams.Deferred):
             inner = out
             return streams.Deferred(lambda finish: inner.start(
@@ -254,6 +301,37 @@ class ShardService(Ownership, Writes, Exports, Cuts, Persistence, Hosting, shard
             return lambda: self._frame_step(frame, start, later)  # type: ignore[return-value]
         self.metrics.observe(method, status.name if status else "OK", time.perf_counter() - start)
         return out
+
+    @_rpc("Stats")
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        return pb.StatsResponse(tables=self.exports.stats(request.table))
+
+    @_rpc("SlotInfo")
+    def SlotInfo(self, request: pb.SlotInfoRequest, context: grpc.ServicerContext) -> pb.SlotInfoResponse:
+        return self.exports.slot_infos(request.table, checksums=request.checksums)
+
+    @_rpc("ExportRows")
+    def ExportRows(self, request: pb.ExportRowsRequest, context: grpc.ServicerContext) -> Any:
+        """Stream a consistent cut of the slots this server leads (``Exports.export_rows``)."""
+        yield from self.exports.export_rows(request)
+
+    @_rpc("ImportRows")
+    def ImportRows(self, request: pb.ImportRowsRequest, context: grpc.ServicerContext) -> pb.ImportRowsResponse:
+        """Write complete rows (a restore) through this primary: replicated to the slots' copies like a push."""
+        return self.exports.import_rows(request, context.time_remaining())
+
+    @_rpc("PrepareCut")
+    def PrepareCut(self, request: pb.PrepareCutRequest, context: grpc.ServicerContext) -> pb.PrepareCutResponse:
+        return self.cuts.prepare(request)
+
+    @_rpc("CommitCut")
+    def CommitCut(self, request: pb.CommitCutRequest, context: grpc.ServicerContext) -> pb.CommitCutResponse:
+        return self.cuts.commit(request)
+
+    @_rpc("ReleaseCut")
+    def ReleaseCut(self, request: pb.ReleaseCutRequest, context: grpc.ServicerContext) -> pb.ReleaseCutResponse:
+        self.cuts.release(request.cut)
+        return pb.ReleaseCutResponse()
 
     @_rpc("Snapshot")
     def Snapshot(self, request: pb.SnapshotRequest, context: grpc.ServicerContext) -> pb.SnapshotResponse:
@@ -272,45 +350,21 @@ class ShardService(Ownership, Writes, Exports, Cuts, Persistence, Hosting, shard
         if not self.clustered:
             raise InvalidArgument("InstallMap: this server was started without --scheduler")
         self.install(cluster_wire.map_from_pb(request.map))
-        return pb.InstallMapResponse(epoch=self._view.epoch)
+        return pb.InstallMapResponse(epoch=self.holdings.epoch)
 
     @_rpc("Replicate")
     def Replicate(self, request: pb.ReplicateRequest | cluster_wire.RawReplicate, context: grpc.ServicerContext
                   ) -> pb.ReplicateResponse:
-        """Apply a primary's stream in order (``replication.apply``: invariant I3), one lane at a time: the
-        change lane, and the copy lane (a slot copy's rows), whose items wait for the change lane (S11)."""
-        source, lane = request.source, int(getattr(request, "lane", 0))
-        with self._inbound_lock:
-            change = self._inbound.setdefault(source, (Inbound(source), threading.Lock()))[0]
-            st, lock = self._inbound.setdefault(f"{source}\0copy" if lane else source,
-                                                (Inbound(source), threading.Lock()))
-
-        ready = copy_lane_ready(change, request.source_boot, request.generation)
-
-        def apply_one(msg: Any, epoch: int) -> Any:
-            return apply_item(msg, source, epoch, self._tables.get, lambda: self._view, self.num_slots,
-                              generation=request.generation, copy_ready=ready if lane else None)
-
-        with lock:  # one stream's requests apply one at a time, in order
-            out = st.receive(request, self.server_id, lambda: self._view, apply_one)
-            if isinstance(out, RefreshMap):  # the source's map is newer: learn it, then apply (or refuse BEHIND)
-                self._refresh(out.epoch, 2.0)
-                out = st.receive(request, self.server_id, lambda: self._view, apply_one, may_refresh=False)
-        return out
+        """Apply a primary's stream in order (``Receiver.receive``)."""
+        return self.receiver.receive(request)
 
     def close_tables(self) -> None:
+        """Shut down: the pools, the replication streams, then every table."""
         self._frame_pool.shutdown(wait=False, cancel_futures=True)
         self._control_pool.shutdown(wait=False, cancel_futures=True)
         if self.replicator is not None:
             self.replicator.close()
-        with self._registry_lock:
-            for hosted in self._tables.values():
-                with hosted.lock:
-                    try:
-                        hosted.table.close()
-                    except Exception:  # noqa: BLE001 - close the others regardless
-                        log.exception("closing table %r failed", hosted.spec.config.name)
-            self._tables.clear()
+        self.tables.close_all()
 
 
 def add_to_server(service: ShardService, server: grpc.Server) -> None:

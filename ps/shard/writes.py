@@ -1,6 +1,6 @@
-"""The write path of ``ShardService``: pulls (which may insert), pushes (applied under the table's lock,
-then acknowledged once the in-sync copies have them) and their replication to the slots' copies, with the
-rows of a slot copy enqueued in the same order.
+"""The write path of one shard server (``WritePath``): pulls (which may insert), pushes (applied under the
+table's lock, then acknowledged once the in-sync copies have them) and their replication to the slots' copies;
+and ``copy_slot_rows``, the rows of a slot copy enqueued in the same order.
 
 The write path of a cluster table (``Push``; pulls that insert take the same path without waiting): under
 the table's write lock, check that this server leads every slot of the request in its current map
@@ -23,15 +23,18 @@ from tigana.embeddings.changes import sorted_unique, unique
 from tigana.embeddings.unseen import Unseen
 from tigana.proto import shard_pb2 as pb
 from tigana.ps.errors import InvalidArgument, NotEnoughReplicas, ResourceExhausted, Unavailable
-from tigana.ps.replication import Stream
+from tigana.ps.metrics import ServerMetrics
+from tigana.ps.replication import Replicator, Stream
 from tigana.ps.routing import slot_of
-from tigana.ps.shard._fields import ShardFields
-from tigana.ps.shard.hosted import _Hosted
-from tigana.ps.shard.ownership import _COPY_CHUNK, _View
+from tigana.ps.shard.config import ServerConfig
+from tigana.ps.shard.hosted import HostedTables, _Hosted
+from tigana.ps.shard.links import ServerLinks
+from tigana.ps.shard.view import Holdings, View, check_unmoved
 from tigana.ps.wire import data as wire
 from tigana.ps.wire.cluster import CHANGES, SNAPSHOT_ROWS, Item
 
 _CODECS = frozenset(pb.Codec.values())
+COPY_CHUNK = 16384  # rows per SNAPSHOT_ROWS item of a slot copy
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -40,7 +43,7 @@ class _Pushed:
     applied under, its slots, and the replication marks a sync push waits for."""
 
     name: str
-    view: _View
+    view: View
     uslots: np.ndarray
     marks: list
     sync: bool
@@ -48,19 +51,36 @@ class _Pushed:
     duplicate: bool
     rows: int
 
+class WritePath:
+    """Pulls and pushes on the tables of one shard server, and their replication to the slots' copies.
 
+    Dependencies: ``tables`` (the registry), ``holdings`` (the view: the leads check), ``replicator`` (None on a
+    static server), ``metrics`` and ``links`` (the primary lease). Requests are the protobuf messages (or the
+    ``wire`` views of a push) the client sends. Thread-safety: any thread; a write holds its table's write lock
+    for check-apply-record-enqueue and waits for its copies after releasing it. Blocking: ``pull``,
+    ``push_apply`` and ``import_rows`` may wait for room in the replication queue (up to the request's
+    deadline); ``push``, ``push_ack`` and ``import_rows`` wait for the in-sync copies (``ack_timeout_s``)."""
 
-class Writes(ShardFields):
-    """Pulls, pushes and their replication (a room of ``ShardService``)."""
+    def __init__(self, config: ServerConfig, tables: HostedTables, holdings: Holdings, replicator: Replicator | None,
+                 metrics: ServerMetrics, links: ServerLinks, server_id: str) -> None:
+        self.config, self.tables, self.holdings = config, tables, holdings
+        self.replicator, self.metrics, self.links, self.server_id = replicator, metrics, links, server_id
+        self.num_slots, self.clustered = config.num_slots, replicator is not None
 
-    def _pull(self, request: pb.PullRequest, timeout_s: float | None = None) -> tuple[str, np.ndarray, int]:
+    def check_leads(self, name: str, ids: np.ndarray, epoch: int) -> tuple[View, np.ndarray]:
+        """``Holdings.check_leads`` for the table served as ``name`` now (under its write lock)."""
+        hosted = self.tables.find(name)
+        return self.holdings.check_leads(name, ids, epoch, None if hosted is None else hosted.spec.created_epoch)
+
+    def pull(self, request: pb.PullRequest, timeout_s: float | None = None) -> tuple[str, np.ndarray, int]:
         """Validate a pull and read its rows: (table, (n, dim) float32 rows, reply codec). ``timeout_s``: what is
-        left of the request's deadline (None: unknown)."""
+        left of the request's deadline (None: unknown). A pull that may insert waits for room in the replication
+        queue first and enqueues the rows it inserted to the copies (it does not wait for them)."""
         name = request.table
-        hosted = self._get(name)
+        hosted = self.tables.get(name)
         raw_ids = request.ids  # protobuf copies a bytes field on every access: read it once
         ids = wire.decode_ids(raw_ids, table=name)
-        self._check_rows(name, ids.size)
+        self.check_rows(name, ids.size)
         codec = request.codec
         if codec not in _CODECS:
             raise InvalidArgument(f"table {name!r}: field 'codec' has unknown value {codec}")
@@ -73,16 +93,16 @@ class Writes(ShardFields):
         if request.read_only and request.unseen:  # empty: the initial rows (what clients before it asked)
             unseen = Unseen.parse(request.unseen, what=f"table {name!r}: field 'unseen'")
         if not request.read_only:  # it may insert: its rows go to the copies
-            self._wait_for_room(name, timeout_s)
+            self.wait_for_room(name, timeout_s)
         with hosted.lock:
-            view, slots = self._check_leads(name, ids, request.epoch)
+            view, slots = self.check_leads(name, ids, request.epoch)
             if request.read_only:
                 rows = hosted.table.pull(ids, insert=False, unseen=unseen)
             elif self.replicator is not None and self.replicator.streams:
                 changes = Changes()
                 rows = hosted.table.pull(ids, changes=changes)
                 if changes:
-                    self._replicate(hosted, view, changes, None, None)
+                    self.replicate(hosted, view, changes, None, None)
             else:
                 rows = hosted.table.pull(ids)
             hosted.pulled += np.bincount(slots, minlength=self.num_slots)
@@ -93,19 +113,21 @@ class Writes(ShardFields):
         self.metrics.labelled(self.metrics.row_bytes_wire, "Pull").inc(reply_bytes)
         return name, rows, codec
 
-    def _push(self, request: pb.PushRequest | wire.RawPush, timeout_s: float | None = None) -> pb.PushResponse:
+    def push(self, request: pb.PushRequest | wire.RawPush, timeout_s: float | None = None) -> pb.PushResponse:
         """A push: applied (or found a duplicate) under the table's lock, then, for a sync table, acknowledged
-        once its in-sync copies have it (``_push_apply`` then ``_push_ack``; a simulator drives the two)."""
-        return self._push_ack(self._push_apply(request, timeout_s), self.config.ack_timeout_s)
+        once its in-sync copies have it (``push_apply`` then ``push_ack``; a simulator drives the two). Blocks
+        up to ``ack_timeout_s`` for the copies."""
+        return self.push_ack(self.push_apply(request, timeout_s), self.config.ack_timeout_s)
 
-    def _push_apply(self, request: pb.PushRequest | wire.RawPush, timeout_s: float | None = None) -> _Pushed:
+    def push_apply(self, request: pb.PushRequest | wire.RawPush, timeout_s: float | None = None) -> _Pushed:
         """Check and apply a push under its table's lock (``timeout_s``: what is left of its deadline, for the
-        wait for room in the replication queue)."""
+        wait for room in the replication queue), exactly once per (client id, seq) and slot; the push is not
+        acknowledged yet: answer it with ``push_ack`` (waits) or ``push_answer`` (once its marks are done)."""
         name = request.table
-        hosted = self._get(name)
+        hosted = self.tables.get(name)
         raw_ids = request.ids  # protobuf copies a bytes field on every access: read each once
         ids = wire.decode_ids(raw_ids, table=name)
-        self._check_rows(name, ids.size)
+        self.check_rows(name, ids.size)
         dim = hosted.table.config.dim
         g = request.grads
         codec, data, scales = g.codec, g.data, g.scales
@@ -122,12 +144,12 @@ class Writes(ShardFields):
         self.metrics.labelled(self.metrics.row_bytes_raw, "Push").inc(len(ids) * dim * 4)
         self.metrics.labelled(self.metrics.row_bytes_wire, "Push").inc(nbytes + memoryview(scales).nbytes)
         cid, seq = request.client_id, request.seq
-        self._wait_for_room(name, timeout_s)
+        self.wait_for_room(name, timeout_s)
         with hosted.lock:
-            view, slots = self._check_leads(name, ids, epoch)  # under the lock: the map the apply sees
+            view, slots = self.check_leads(name, ids, epoch)  # under the lock: the map the apply sees
             uslots = unique(slots)
             sync = hosted.spec.durability == "sync"
-            if not sync and self.agent is not None and not self.agent.lease_ok():
+            if not sync and not self.links.lease_ok():
                 raise Unavailable(f"table {name!r}: server {self.server_id} has not reached the scheduler for "
                                   f"{self.config.lease_s}s; async pushes wait until it has (primary lease)",
                                   epoch=view.epoch)
@@ -155,17 +177,18 @@ class Writes(ShardFields):
                 changes = Changes() if self.replicator is not None and self.replicator.streams else None
                 applied = hosted.table.push(ids, grads, changes=changes)
                 hosted.dedup.record(cid, seq, uslots)
-                marks = earlier + self._replicate(hosted, view, changes, uslots, (cid, seq, uslots))
+                marks = earlier + self.replicate(hosted, view, changes, uslots, (cid, seq, uslots))
                 duplicate = False
             hosted.pushed += np.bincount(slots, minlength=self.num_slots)
         return _Pushed(name, view, part, marks if sync else [], sync, int(applied), duplicate, len(ids))
 
-    def _push_ack(self, p: _Pushed, timeout_s: float) -> pb.PushResponse:
-        """Wait (up to ``timeout_s``) until the copies the push waits for have it (I1), then answer."""
+    def push_ack(self, p: _Pushed, timeout_s: float) -> pb.PushResponse:
+        """Wait (up to ``timeout_s``; no lock held) until the copies the push waits for have it (I1), then
+        answer (``push_answer``)."""
         done = not p.marks or self.replicator is None or self.replicator.wait(p.marks, timeout_s)
-        return self._push_answer(p, done)
+        return self.push_answer(p, done)
 
-    def _push_answer(self, p: _Pushed, done: bool) -> pb.PushResponse:
+    def push_answer(self, p: _Pushed, done: bool) -> pb.PushResponse:
         """The answer to push ``p`` once its wait for its copies ended: ``done`` when every copy it waited for
         has it (I1), else ``Unavailable`` (applied here, so a retry applies nothing twice)."""
         name, view, uslots, marks, sync = p.name, p.view, p.uslots, p.marks, p.sync
@@ -174,14 +197,14 @@ class Writes(ShardFields):
                 late = sorted({m.stream.target_id for m in marks})
                 raise Unavailable(f"table {name!r}: push applied here but not yet by the in-sync copies on {late} "
                                   f"within {self.config.ack_timeout_s}s; retry it (it is applied once)",
-                                  epoch=self._view.epoch)
-            self._check_unmoved(name, view, uslots)
+                                  epoch=self.holdings.epoch)
+            check_unmoved(name, view, self.holdings.view, uslots)
         if p.duplicate:
             self.metrics.labelled(self.metrics.duplicate_pushes, name).inc()
         else:
             self.metrics.labelled(self.metrics.rows_pushed, name).inc(p.rows)
         applied, duplicate = p.applied, p.duplicate
-        now = self._view
+        now = self.holdings.view
         # Not silent: a sync push acknowledged while a slot of it has fewer in-sync copies than the cluster
         # keeps says so (the client counts and logs it; ``min_copies`` refuses it instead).
         under = bool(sync and self.clustered and (now.in_sync[uslots] < now.want).any())
@@ -190,7 +213,7 @@ class Writes(ShardFields):
         return pb.PushResponse(applied_rows=int(applied), duplicate=duplicate, epoch=now.epoch,
                                under_replicated=under)
 
-    def _wait_for_room(self, table: str, timeout_s: float | None = None) -> None:
+    def wait_for_room(self, table: str, timeout_s: float | None = None) -> None:
         """Back-pressure on every writer that enqueues to the copies (pushes, pulls that may insert,
         ``ImportRows``): wait, up to ``timeout_s`` (the request's deadline; at most ``ack_timeout_s``), while a
         replication stream holds more than ``max_queue_bytes`` unacknowledged, before the table's lock is
@@ -202,16 +225,19 @@ class Writes(ShardFields):
         full = self.replicator.room(None, wait)
         if full is not None:
             raise Unavailable(f"table {table!r}: replication to {full.target_id} is {full.queued_bytes} bytes "
-                              f"behind (more than max_queue_bytes); nothing applied, retry", epoch=self._view.epoch)
+                              f"behind (more than max_queue_bytes); nothing applied, retry", epoch=self.holdings.epoch)
 
-    def _check_rows(self, table: str, n: int) -> None:
+    def check_rows(self, table: str, n: int) -> None:
+        """``ResourceExhausted`` naming ``table`` when a request carries more than ``max_rows_per_request`` ids."""
         if n > self.config.max_rows_per_request:
             raise ResourceExhausted(f"table {table!r}: field 'ids' has {n} ids, above the server's limit of "
                                     f"{self.config.max_rows_per_request} per request; split it")
 
-    def _replicate(self, hosted: _Hosted, view: _View, changes: Changes | None, slots: np.ndarray | None,
-                   key: tuple[str, int, np.ndarray] | None) -> list:
-        """Stamp the write's slots and enqueue its changes to the copies (caller holds the write lock)."""
+    def replicate(self, hosted: _Hosted, view: View, changes: Changes | None, slots: np.ndarray | None,
+                  key: tuple[str, int, np.ndarray] | None) -> list:
+        """Stamp the write's slots (``slots``, or those ``changes`` touch) with their next log positions and
+        enqueue its changes to the copies, with the exactly-once ``key`` (client id, seq, slots); the marks a
+        sync write waits for. The caller holds ``hosted``'s write lock; never blocks."""
         if changes is None or self.replicator is None:
             if slots is not None:
                 hosted.log.stamp(slots, view.epoch)
@@ -238,55 +264,38 @@ class Writes(ShardFields):
                     table_epoch=hosted.spec.created_epoch)  # the incarnation written, whatever map the stream has
         return self.replicator.enqueue(item)
 
-    def _check_unmoved(self, table: str, view: _View, slots: np.ndarray) -> None:
-        """After a write waited for its copies: ``Unavailable`` (retry; the write is idempotent or applied
-        once) when this server no longer leads every slot of it (a hand-over or a failover meanwhile: the
-        client must learn the new primary), dropped one of them meanwhile (its rows were deleted and built
-        again from another copy: ``held_since``), or the map is gone.
 
-        Other changes of the copies meanwhile need no retry, because the marks it waited for stay complete
-        for the map now current (S1): a copy added since is built from rows that hold the write (its slot copy
-        starts after it), a copy demoted or dropped no longer needs it, and a copy that joined the in-sync set
-        meanwhile applied every item queued before its switch, this one included (S3). Answering UNAVAILABLE
-        to those made every sync write in flight during a rebalance (a map every 0.1 s) start again."""
-        now = self._view
-        if now.epoch == view.epoch:
-            return
-        if now.map is None or not now.leads[slots].all() or \
-                (now.held_since is not None and (now.held_since[slots] > view.epoch).any()):
-            raise Unavailable(f"table {table!r}: this server no longer leads every slot of the write (epoch "
-                              f"{view.epoch} -> {now.epoch}); retry it (it is applied once)", epoch=now.epoch)
-
-    def _copy_rows(self, stream: Stream, sess: Any) -> None:
-        """The rows of a slot copy: each chunk exported and enqueued on the copy lane under the table's write
-        lock, so it names the last change-lane item it reflects (the target applies it after that one, and
-        under every later write: S11)."""
-        assert self.replicator is not None
-        want = np.zeros(self.num_slots, bool)
-        want[sess.slots] = True
-        for name in sess.tables:
-            hosted = self._tables.get(name)
-            if hosted is None:
-                continue
-            # The copy's ids, in one pass over the table's index under its lock (no list of every id: a listing
-            # of the whole table held the lock for 0.6 s in a profiled move, the pushes waiting). Sorted by id,
-            # not in bucket order: a target inserting ids in the bucket order of a table hashed the same way piles
-            # them into long probe runs (its lookups ran for minutes). Unique: an id removed and stored again
-            # during the listing may be listed twice.
-            ids = sorted_unique(hosted.table.stored_ids_in_slots(self.num_slots, want))
-            sess.rows_total += int(ids.size)  # progress of the copy (heartbeats carry it to the scheduler)
-            for start in range(0, ids.shape[0], _COPY_CHUNK):
-                if not self.replicator.wait_for_room(stream, sess):
-                    raise Unavailable(f"table {name!r}: slot copy to {stream.target_id}: its copy lane stayed over "
-                                      f"the window for {self.replicator.copy_stall_s}s (the target applies nothing); "
-                                      "the copy is started again")
-                chunk = ids[start:start + _COPY_CHUNK]
-                with hosted.lock.yielding():  # after the pushes waiting for the lock
-                    rows = hosted.table.rows_of(chunk)  # the chunk is sorted and unique: no second sort
-                    if not len(rows):
-                        continue
-                    item = Item(SNAPSHOT_ROWS, name, sorted_unique(slot_of(rows.ids, self.num_slots)).astype(np.int32),
-                                rows=rows, table_epoch=hosted.spec.created_epoch)
-                    if not self.replicator.enqueue_rows(stream, sess, item):
-                        return
-                self.replicator.pace(sess, item)  # a planned move's copy keeps to the server's copy rate
+def copy_slot_rows(replicator: Replicator, tables: HostedTables, stream: Stream, sess: Any) -> None:
+    """The rows of a slot copy (``Replicator``'s ``copy_rows``, on its copy thread): each chunk exported and
+    enqueued on the copy lane under the table's write lock, so it names the last change-lane item it reflects
+    (the target applies it after that one, and under every later write: S11). Blocks while the copy lane is
+    over its window and to keep the server's copy rate."""
+    num_slots = tables.num_slots
+    want = np.zeros(num_slots, bool)
+    want[sess.slots] = True
+    for name in sess.tables:
+        hosted = tables.find(name)
+        if hosted is None:
+            continue
+        # The copy's ids, in one pass over the table's index under its lock (no list of every id: a listing
+        # of the whole table held the lock for 0.6 s in a profiled move, the pushes waiting). Sorted by id,
+        # not in bucket order: a target inserting ids in the bucket order of a table hashed the same way piles
+        # them into long probe runs (its lookups ran for minutes). Unique: an id removed and stored again
+        # during the listing may be listed twice.
+        ids = sorted_unique(hosted.table.stored_ids_in_slots(num_slots, want))
+        sess.rows_total += int(ids.size)  # progress of the copy (heartbeats carry it to the scheduler)
+        for start in range(0, ids.shape[0], COPY_CHUNK):
+            if not replicator.wait_for_room(stream, sess):
+                raise Unavailable(f"table {name!r}: slot copy to {stream.target_id}: its copy lane stayed over "
+                                  f"the window for {replicator.copy_stall_s}s (the target applies nothing); "
+                                  "the copy is started again")
+            chunk = ids[start:start + COPY_CHUNK]
+            with hosted.lock.yielding():  # after the pushes waiting for the lock
+                rows = hosted.table.rows_of(chunk)  # the chunk is sorted and unique: no second sort
+                if not len(rows):
+                    continue
+                item = Item(SNAPSHOT_ROWS, name, sorted_unique(slot_of(rows.ids, num_slots)).astype(np.int32),
+                            rows=rows, table_epoch=hosted.spec.created_epoch)
+                if not replicator.enqueue_rows(stream, sess, item):
+                    return
+            replicator.pace(sess, item)  # a planned move's copy keeps to the server's copy rate

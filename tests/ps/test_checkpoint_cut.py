@@ -260,8 +260,8 @@ def test_an_incremental_holds_the_rows_of_a_server_whose_clock_is_behind(tmp_pat
             base = client.checkpoint(str(tmp_path / "c" / "c0"))
             assert list(base["cut"]["servers"]) == [servers[0].address]  # y led nothing
             behind = lambda: time.time() - 3600.0  # noqa: E731
-            y.service.wall_clock = behind
-            for hosted in y.service._tables.values():
+            y.service.cuts.wall_clock = behind
+            for hosted in (h for _, h in y.service.tables.items()):
                 hosted.table.wall_clock = behind
             slot = 5
             admin.move_slot(sched.address, slot, y.service.server_id, primary=True)

@@ -25,7 +25,7 @@ def test_a_forgotten_clients_retry_is_refused_and_its_next_push_starts_a_new_ses
         first_id = client.client_id
         raw = _raw_push("s", ids, first_id, 10**6)
         assert server.push(raw, timeout=60).applied_rows == 3
-        window = shard_server.service._tables["s"].dedup
+        window = shard_server.service.tables.get("s").dedup
         window.max_clients = 1
         other = new_client_id()
         assert server.push(_raw_push("s", np.array([9], np.int64), other, 1), timeout=60).applied_rows == 1

@@ -72,7 +72,7 @@ def test_copies_health_is_not_serving_while_a_copy_catches_up(cluster) -> None:
         assert _health(h.address, COPIES_HEALTH_NAME) == health_pb2.HealthCheckResponse.SERVING
     # Mark every replica copy on server 1 catching up in a newer map, installed directly (no primary streams
     # a copy to it in this test: the map says so, and the health must follow the map).
-    m = servers[1].service._view.map
+    m = servers[1].service.holdings.view.map
     states = m.states.copy()
     me = m.index_of(servers[1].service.server_id)
     states[(m.copies == me) & (np.arange(m.width) > 0)] = CATCHING_UP
@@ -129,7 +129,7 @@ def test_replication_items_from_a_server_that_does_not_lead_are_refused(cluster)
     rows = RowBatch(ids, np.full((3, 4), 7.0, np.float32), np.zeros((3, 0), np.float32), np.ones(3, np.int64),
                     np.ones(3, np.int64), np.zeros(3))
     prev = np.zeros((1, 2), np.uint64)
-    before = s0.service.slot_info("fence", s0.service._tables["fence"], checksums=True).checksums
+    before = s0.service.slot_info("fence", s0.service.tables.get("fence"), checksums=True).checksums
     incarnation = m.tables["fence"].created_epoch
     stale = cluster_wire.encode_replicate_request(s0.service.server_id, "x", 1, m.epoch, 1, [
         Item(CHANGES, "fence", np.array([slot], np.int32), (m.epoch, 99), prev, rows, table_epoch=incarnation)])
@@ -142,7 +142,7 @@ def test_replication_items_from_a_server_that_does_not_lead_are_refused(cluster)
                  table_epoch=incarnation)])
         reply = call(diverged, timeout=10)
         assert reply.reject == pb.REJECT_DIVERGED
-    after = s0.service.slot_info("fence", s0.service._tables["fence"], checksums=True).checksums
+    after = s0.service.slot_info("fence", s0.service.tables.get("fence"), checksums=True).checksums
     assert before == after
 
 
@@ -197,7 +197,7 @@ def test_items_of_a_dropped_table_are_moot_and_never_wedge_the_stream(cluster) -
     ids = ids[ps.routing.slot_of(ids) == slot][:3]
     rows = RowBatch(ids, np.full((3, 4), 7.0, np.float32), np.zeros((3, 0), np.float32), np.ones(3, np.int64),
                     np.ones(3, np.int64), np.zeros(3))
-    hosted = s0.service._tables["gone"]
+    hosted = s0.service.tables.get("gone")
     prev = hosted.log.positions[[slot]].copy()
     items = [Item(CHANGES, "gone", np.array([slot], np.int32), (m.epoch, 10**6), prev, rows, table_epoch=old),
              Item(CHANGES, "dropped", np.array([slot], np.int32), (m.epoch, 10**6), prev, rows,
@@ -227,30 +227,30 @@ def test_a_new_table_takes_writes_only_once_the_map_that_created_it_is_installed
     with ps.connect(scheduler=sched.address) as client:
         client.create_table("first", dim=4, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
         _wait_installed(servers, sched.core.map.epoch)
-        led = np.flatnonzero(primary._view.leads)
+        led = np.flatnonzero(primary.holdings.view.leads)
         ids = np.arange(20_000, dtype=np.int64)
         ids = ids[np.isin(ps.routing.slot_of(ids, primary.num_slots), led)][:64]
-        lock = primary._tables["first"].lock
+        lock = primary.tables.get("first").lock
         lock.acquire()  # the primary's next install creates its tables, then waits for this lock: the window
         try:
             client.create_table("late", dim=4, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
             created = sched.core.map.tables["late"].created_epoch
             deadline = time.monotonic() + 20
-            while "late" not in primary._tables:
+            while "late" not in primary.tables:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
-            assert primary._view.epoch < created  # in the window
+            assert primary.holdings.view.epoch < created  # in the window
             fut = client.push("late", ids, np.ones((ids.size, 4), np.float32))
             time.sleep(0.5)
             assert not fut.done()  # refused (UNAVAILABLE, retried by the client) while the window lasts
-            assert primary._tables["late"].table.pull(ids, insert=False).sum() == 0  # nothing applied
+            assert primary.tables.get("late").table.pull(ids, insert=False).sum() == 0  # nothing applied
         finally:
             lock.release()
         fut.result(timeout=30)
         client.push("late", ids, np.ones((ids.size, 4), np.float32)).result(timeout=30)
     want = np.full((ids.size, 4), -2.0, np.float32)  # two pushes of 1 at lr 1
-    np.testing.assert_array_equal(primary._tables["late"].table.pull(ids, insert=False), want)
-    np.testing.assert_array_equal(copy._tables["late"].table.pull(ids, insert=False), want)
+    np.testing.assert_array_equal(primary.tables.get("late").table.pull(ids, insert=False), want)
+    np.testing.assert_array_equal(copy.tables.get("late").table.pull(ids, insert=False), want)
     assert sched.core.metrics.copies_demoted.labels("replication_failed")._value.get() == 0
 
 
@@ -311,7 +311,7 @@ def test_an_export_never_reads_an_incarnation_its_map_does_not_name(cluster, tmp
         old = sched.core.map.epoch
         _wait_installed(servers, old)
         assert _export(s0.address, "t", old) > 0  # it leads some of the rows
-        s0.service._install_lock.acquire()  # s0's installs wait: it stays at the old map
+        s0.service.ownership.install_lock.acquire()  # s0's installs wait: it stays at the old map
         try:
             client.drop_table("t")
             client.create_table("t", dim=4, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
@@ -326,7 +326,7 @@ def test_an_export_never_reads_an_incarnation_its_map_does_not_name(cluster, tmp
             exporter.start()
             time.sleep(0.5)
         finally:
-            s0.service._install_lock.release()
+            s0.service.ownership.install_lock.release()
         exporter.join(30)
         assert exported and exported[0]["rows"] == 0
         _wait_installed(servers, new)

@@ -68,8 +68,8 @@ def test_an_install_whose_failure_report_answers_a_newer_map_completes_with_no_l
         real_report = agent._report
 
         def report(method, request):
-            held.append((method, service._install_lock.locked(), service._registry_lock._is_owned(),
-                         any(h.lock.locked() for h in service._tables.values())))
+            held.append((method, service.ownership.install_lock.locked(), service.tables.lock._is_owned(),
+                         any(h.lock.locked() for h in (h for _, h in service.tables.items()))))
             return real_report(method, request)
 
         agent._report = report

@@ -51,7 +51,7 @@ def cluster(tmp_path_factory):
 def _checksums(servers) -> list[bytes]:
     out = []
     for h in servers:
-        hosted = h.service._tables["target"]
+        hosted = h.service.tables.get("target")
         out.append(h.service.slot_info("target", hosted, checksums=True).checksums)
     return out
 

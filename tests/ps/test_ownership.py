@@ -64,31 +64,42 @@ def test_a_map_that_declares_this_server_dead_keeps_its_rows_and_positions(servi
     registers again, when the scheduler elects the newest rows."""
     ids = np.arange(1000, dtype=np.int64)
     service.install(_map(service, 2, up=True, holds=True))
-    service._push(_push(ids, 1, 2))
-    before, positions = service._tables["t"].table.pull(ids, insert=False).copy(), _positions(service)
+    service.writes.push(_push(ids, 1, 2))
+    before, positions = service.tables.get("t").table.pull(ids, insert=False).copy(), _positions(service)
     assert len(positions) > 0
     assert service.install(_map(service, 3, up=False, holds=False))
-    service._drop_unheld()  # a drop pass, as the drop worker would run one (it must find nothing to drop)
-    np.testing.assert_array_equal(service._tables["t"].table.pull(ids, insert=False), before)
+    service.ownership.drop_unheld()  # a drop pass, as the drop worker would run one (it must find nothing to drop)
+    np.testing.assert_array_equal(service.tables.get("t").table.pull(ids, insert=False), before)
     assert _positions(service) == positions
     assert not service.owned_slots().any()
     with pytest.raises(WrongShard):  # it leads nothing under that map
-        service._push(_push(ids, 2, 3))
+        service.writes.push(_push(ids, 2, 3))
     # registered again, the map says what it holds: here nothing (its slots were elected elsewhere)
     service.install(_map(service, 4, up=True, holds=False))
-    service._drop_unheld()
-    assert not service._tables["t"].table.stored_ids().size
+    service.ownership.drop_unheld()
+    assert not service.tables.get("t").table.stored_ids().size
 
 
-def test_a_hand_over_is_reported_for_the_slots_still_fenced_when_maps_came_during_its_wait(service) -> None:
+def test_a_hand_over_is_reported_for_the_slots_still_fenced_when_maps_came_during_its_wait() -> None:
     """Seen in ``bench nemesis``: a failover during a rebalance sent a map every ~0.2 s, and the primary's
     report that its fenced slots were drained needed the very map it waited under, so it was never made until
     the maps stopped: its slots refused every write for 2.7 s. The wait stands for the slots still fenced in
     the newer map (they refused writes all along); the scheduler takes it only for slots unchanged since."""
+    spawned: list[str] = []  # this test makes the tries itself: no thread is started (no hand-over loop)
+    service = ShardService(ServerConfig(num_slots=SLOTS, scheduler="127.0.0.1:1", ack_timeout_s=0.5),
+                           spawn=lambda name, fn: spawned.append(name))
+    service.state = "serving"
+    try:
+        _hand_over_with_maps_coming(service)
+    finally:
+        service.close_tables()
+    assert "tigana-hand-over" in spawned
+
+
+def _hand_over_with_maps_coming(service: ShardService) -> None:
     reports: list[tuple[list[int], int]] = []
     service.agent = SimpleNamespace(handover_ready=lambda slots, epoch: reports.append((slots.tolist(), epoch)))
     fenced = np.arange(8)
-    service._handover_started = True  # this test makes the tries itself, not the daemon's hand-over thread
     service.install(_map(service, 2, up=True, holds=True, handing_over=fenced))
     wait = service.replicator.wait
 
@@ -107,8 +118,8 @@ def test_a_drop_pass_over_a_table_closed_meanwhile_ends_quietly(service) -> None
     rows are gone with it; the pass raises nothing."""
     ids = np.arange(1000, dtype=np.int64)
     service.install(_map(service, 2, up=True, holds=True))
-    service._push(_push(ids, 1, 2))
+    service.writes.push(_push(ids, 1, 2))
     service.install(_map(service, 3, up=True, holds=False))
-    service._tables["t"].table.close()
-    service._drop_unheld()  # nothing raised
-    assert service._tables["t"].table.closed
+    service.tables.get("t").table.close()
+    service.ownership.drop_unheld()  # nothing raised
+    assert service.tables.get("t").table.closed

@@ -22,7 +22,7 @@ from tigana.ps.replication.copy import FAILED
 from tigana.ps.routing import CATCHING_UP, IN_SYNC, ServerEntry, ShardMap, TableDef
 from tigana.ps.shard import ShardService
 from tigana.ps.shard.config import ServerConfig
-from tigana.ps.shard.ownership import _COPY_CHUNK
+from tigana.ps.shard.writes import COPY_CHUNK
 from tigana.ps.wire import cluster as cluster_wire
 from tigana.ps.wire import data as wire
 
@@ -64,12 +64,12 @@ def service():
 
 def test_writers_wait_past_the_bound_then_are_refused_with_nothing_applied(service) -> None:
     ids = np.arange(2000, dtype=np.int64)
-    service._push(_push(ids, 1))  # queued for the copy that never answers: past the 4 KiB bound
+    service.writes.push(_push(ids, 1))  # queued for the copy that never answers: past the 4 KiB bound
     assert service.replicator.stats()["replication_lag_bytes"] > 4096
-    before = service._tables["t"].table.pull(ids, insert=False).copy()
+    before = service.tables.get("t").table.pull(ids, insert=False).copy()
     with pytest.raises(Unavailable, match="behind.*nothing applied"):
-        service._push(_push(ids, 2))
-    np.testing.assert_array_equal(service._tables["t"].table.pull(ids, insert=False), before)
+        service.writes.push(_push(ids, 2))
+    np.testing.assert_array_equal(service.tables.get("t").table.pull(ids, insert=False), before)
     np.testing.assert_array_equal(before, np.ones((ids.size, 4)))  # the first push, once
 
 
@@ -79,7 +79,7 @@ def test_writes_waiting_for_a_silent_copy_hold_no_thread_and_are_answered_at_the
     16 frame-pool threads for up to ``ack_timeout_s``: a few dozen writes waiting on a paused copy held every
     other sync acknowledgement of the server behind them (``bench nemesis`` stalls)."""
     rep = service.replicator
-    service._push(_push(np.array([3], np.int64), 1))  # queued for the copy that never answers
+    service.writes.push(_push(np.array([3], np.int64), 1))  # queued for the copy that never answers
     marks = rep.tail_marks(np.array([3]))
     assert marks, "the copy never answers: a write of slot 3 waits for it"
     answers: list[tuple[bool, str]] = []
@@ -108,19 +108,19 @@ def _rows(ids: np.ndarray, value: float) -> RowBatch:
 def test_pulls_that_insert_and_imports_wait_past_the_bound_then_are_refused_with_nothing_applied(service) -> None:
     """A pull of new ids inserts them, and their rows go to the copies; ``ImportRows`` writes rows through the
     primary: both enqueued without waiting for room, so the queue grew past its bound while pushes waited."""
-    service._push(_push(np.arange(2000, dtype=np.int64), 1))  # past the 4 KiB bound, never acknowledged
+    service.writes.push(_push(np.arange(2000, dtype=np.int64), 1))  # past the 4 KiB bound, never acknowledged
     queued = service.replicator.stats()["replication_lag_bytes"]
     assert queued > 4096
     new = np.arange(10_000, 12_000, dtype=np.int64)
     with pytest.raises(Unavailable, match="behind.*nothing applied"):
-        service._pull(pb.PullRequest(table="t", ids=wire.encode_ids(new), epoch=5))
+        service.writes.pull(pb.PullRequest(table="t", ids=wire.encode_ids(new), epoch=5))
     with pytest.raises(Unavailable, match="behind.*nothing applied"):
-        service._import_rows(pb.ImportRowsRequest(table="t", rows=cluster_wire.rows_to_pb(_rows(new, 7.0)), epoch=5))
-    table = service._tables["t"].table
+        service.exports.import_rows(pb.ImportRowsRequest(table="t", rows=cluster_wire.rows_to_pb(_rows(new, 7.0)), epoch=5))
+    table = service.tables.get("t").table
     assert not table.contains(new).any()
     assert service.replicator.stats()["replication_lag_bytes"] == queued
     # a read-only pull enqueues nothing: it is served
-    rows = service._pull(pb.PullRequest(table="t", ids=wire.encode_ids(new[:3]), epoch=5, read_only=True))[1]
+    rows = service.writes.pull(pb.PullRequest(table="t", ids=wire.encode_ids(new[:3]), epoch=5, read_only=True))[1]
     np.testing.assert_array_equal(rows, np.zeros((3, 4)))
 
 
@@ -131,8 +131,8 @@ def test_a_slot_copy_whose_copy_lane_stays_full_fails_instead_of_running_past_th
     rep = service.replicator
     rep.core.copy_window_bytes = 1  # any chunk queued fills it
     rep.copy_stall_s = 0.3
-    ids = np.arange(3 * _COPY_CHUNK, dtype=np.int64)
-    service._tables["t"].table.import_rows(_rows(ids, 1.0))
+    ids = np.arange(3 * COPY_CHUNK, dtype=np.int64)
+    service.tables.get("t").table.import_rows(_rows(ids, 1.0))
     m = service.test_map
     states = m.states.copy()
     states[:, 1] = CATCHING_UP  # the copies on "dead" are to be built: a slot copy starts
@@ -143,4 +143,4 @@ def test_a_slot_copy_whose_copy_lane_stays_full_fails_instead_of_running_past_th
     while sess.state != FAILED:
         assert time.monotonic() < deadline, f"the copy still runs: {sess.rows_sent} of {ids.size} rows queued"
         time.sleep(0.02)
-    assert sess.rows_sent == _COPY_CHUNK  # one chunk: the window was never exceeded by a second
+    assert sess.rows_sent == COPY_CHUNK  # one chunk: the window was never exceeded by a second

@@ -231,7 +231,7 @@ def test_ownership_is_checked_under_the_write_lock(shard_server, shard_stub) -> 
     pull(stub, "own", ids)
     before = table_stats(stub, "own")
     request = push_request("own", ids, np.ones((ids.size, DIM), np.float32), "trainer-e", 1)
-    lock = shard_server.service._tables["own"].lock
+    lock = shard_server.service.tables.get("own").lock
     lock.acquire()
     try:
         call = stub.Push.future(request, timeout=30)

@@ -26,7 +26,7 @@ def test_push_meeting_a_bad_spilled_record_is_acknowledged_once(make_shard_serve
                                         client_id="c1", seq=seq))
 
     push(np.arange(100, dtype=np.int64), 1)
-    table = handle.service._tables["clicks"].table
+    table = handle.service.tables.get("clicks").table
     victim = corrupt_spilled(table)
 
     fresh = np.arange(1000, 1100, dtype=np.int64)

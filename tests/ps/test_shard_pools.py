@@ -56,7 +56,7 @@ def test_replicate_and_install_map_are_served_while_waiting_sync_pushes_hold_eve
         m = ShardMap(5, SLOTS, 1, servers, copies, np.full(copies.shape, IN_SYNC, np.uint8),
                      np.zeros(SLOTS, np.uint64), {"t": spec})
         assert stub.InstallMap(pb.InstallMapRequest(map=cluster_wire.map_to_pb(m)), timeout=10).epoch == 5
-        table = svc._tables["t"].table
+        table = svc.tables.get("t").table
         for seq in (1, 2):  # one per pool thread, each waiting 5 s for the paused copy
             ids = np.arange(seq * 100, seq * 100 + 10, dtype=np.int64)
             request = pb.PushRequest(table="t", ids=wire.encode_ids(ids), client_id="c", seq=seq, epoch=5,

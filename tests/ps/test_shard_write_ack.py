@@ -1,4 +1,4 @@
-"""When a sync write that waited for its copies may be acknowledged (``Writes._check_unmoved``, invariant S1).
+"""When a sync write that waited for its copies may be acknowledged (``view.check_unmoved``, invariant S1).
 
 Copies added, demoted or dropped while it waited do not make it start again (they used to: every sync write
 in flight during a rebalance, a map every 0.1 s, was answered UNAVAILABLE and retried, and the clients
@@ -10,7 +10,6 @@ answers)."""
 from __future__ import annotations
 
 import socket
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,8 +20,7 @@ from tigana.ps.errors import Unavailable
 from tigana.ps.routing import CATCHING_UP, IN_SYNC, NO_SERVER, ServerEntry, ShardMap, TableDef, slot_of
 from tigana.ps.shard import ShardService
 from tigana.ps.shard.config import ServerConfig
-from tigana.ps.shard.ownership import _View
-from tigana.ps.shard.writes import Writes
+from tigana.ps.shard.view import View, check_unmoved
 from tigana.ps.wire import data as wire
 
 SLOTS = 8
@@ -39,16 +37,16 @@ def _map(base: ShardMap, copies: list[list[int]], states: list[list[int]]) -> Sh
     return base.evolve(copies=c, states=s)
 
 
-def _views(*maps: ShardMap) -> list[_View]:
-    out, old = [], _View.waiting(SLOTS)
+def _views(*maps: ShardMap) -> list[View]:
+    out, old = [], View.waiting(SLOTS)
     for m in maps:
-        old = _View.of(m, ME, True).held_from(old)
+        old = View.of(m, ME, True).held_from(old)
         out.append(old)
     return out
 
 
-def _check(view: _View, now: _View) -> None:
-    Writes._check_unmoved(SimpleNamespace(_view=now), "emb", view, np.arange(4))
+def _check(view: View, now: View) -> None:
+    check_unmoved("emb", view, now, np.arange(4))
 
 
 @pytest.fixture
@@ -121,12 +119,12 @@ def test_a_partly_duplicate_push_waits_for_the_copies_of_its_applied_slots_too()
     svc = _silent_copy_service(2)
     try:
         with pytest.raises(Unavailable, match="not yet by the in-sync copies"):
-            svc._push(_push(a_ids, 1))  # applied here, never acknowledged by a's copy
+            svc.writes.push(_push(a_ids, 1))  # applied here, never acknowledged by a's copy
         with pytest.raises(Unavailable, match="not yet by the in-sync copies"):
-            svc._push(_push(a_ids, 1))  # the whole retry is a duplicate: it waits for a's copy
+            svc.writes.push(_push(a_ids, 1))  # the whole retry is a duplicate: it waits for a's copy
         with pytest.raises(Unavailable, match="not yet by the in-sync copies"):
-            svc._push(_push(np.concatenate([a_ids, b_ids]), 1))  # a duplicate, b new: still a's copy
-        rows = svc._tables["t"].table.pull(np.concatenate([a_ids, b_ids]), insert=False)
+            svc.writes.push(_push(np.concatenate([a_ids, b_ids]), 1))  # a duplicate, b new: still a's copy
+        rows = svc.tables.get("t").table.pull(np.concatenate([a_ids, b_ids]), insert=False)
         np.testing.assert_array_equal(rows, np.ones((6, 4)))  # each slot applied once
     finally:
         svc.close_tables()

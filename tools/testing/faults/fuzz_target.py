@@ -64,7 +64,8 @@ class Target:
 # from their Python code, which must stay uninstrumented.
 _MODULES = ("tigana.ps.rpc", "tigana.ps.wire.data", "tigana.ps.shard._guard", "tigana.ps.shard.service",
             "tigana.ps.shard.hosted", "tigana.ps.shard.ownership", "tigana.ps.shard.writes", "tigana.ps.shard.export",
-            "tigana.ps.shard.persistence", "tigana.ps.errors", "tigana.ps.wire.cluster", "tigana.ps.routing",
+            "tigana.ps.shard.persistence", "tigana.ps.shard.view", "tigana.ps.shard.cuts", "tigana.ps.shard.receiver",
+            "tigana.ps.errors", "tigana.ps.wire.cluster", "tigana.ps.routing",
             "tigana.embeddings.config")
 
 

@@ -25,7 +25,7 @@ def snapshot(run: Any, incremental: bool) -> None:
     for server in run.servers.values():
         if not server.up or server.svc.catalog is None:
             continue
-        complete = server.svc._complete_slots().copy()
+        complete = server.svc.holdings.view.complete_slots().copy()
         acked = {name: a.copy() for name, a in run.ledger.acked.items()}
         server.svc.snapshot_all(incremental=incremental)
         server.snapshots = [*server.snapshots[-3:], (run.world.now, acked, complete)]

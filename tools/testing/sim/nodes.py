@@ -268,21 +268,21 @@ class SimServer:
 
     def push(self, request: pb.PushRequest) -> Deferred:
         """The ``Push`` handler: applied now (or refused, raising), answered once its copies have it."""
-        pushed = self.svc._push_apply(request)
+        pushed = self.svc.writes.push_apply(request)
         answer = Deferred()
         self.acks.append((pushed, answer, self.clock() + self.config.ack_timeout_s))
         return answer
 
     def pull(self, request: pb.PullRequest) -> np.ndarray:
         """The ``Pull`` handler: the rows read (and, when inserting, the new rows replicated)."""
-        return self.svc._pull(request)[1]
+        return self.svc.writes.pull(request)[1]
 
     def _settle_acks(self) -> None:
         keep = []
         for pushed, answer, deadline in self.acks:
             if not pushed.marks or self.svc.replicator.wait(pushed.marks, 0.0) or self.clock() >= deadline:
                 try:
-                    answer.resolve(self.svc._push_ack(pushed, 0.0))
+                    answer.resolve(self.svc.writes.push_ack(pushed, 0.0))
                 except Exception as exc:  # noqa: BLE001 - the error answer the client gets
                     answer.resolve(None, exc)
             else:
@@ -300,9 +300,8 @@ class SimServer:
             svc.replicator.answered(s, reply, lane)
 
     def receive(self, source: str, request: bytes) -> pb.ReplicateResponse:
-        """The ``Replicate`` handler (the gRPC wrapper's body, without its context)."""
-        decoded = cluster_wire.decode_replicate_request(request)
-        return ShardService.Replicate.__wrapped__(self.svc, decoded, None)
+        """The ``Replicate`` handler's body (``Receiver.receive``), without gRPC."""
+        return self.svc.receiver.receive(cluster_wire.decode_replicate_request(request))
 
     def maintain(self) -> None:
         if self.up:

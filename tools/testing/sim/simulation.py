@@ -269,7 +269,7 @@ class _Run:
                 server = self.servers.get(entry.id)
                 if server is None or not server.alive or server.svc.boot != entry.boot:
                     continue
-                hosted = server.svc._tables.get(name)
+                hosted = server.svc.tables.find(name)
                 held = (m.copies[slots] == i) & (m.states[slots] != CATCHING_UP)
                 mine = ids[held.any(axis=1)]
                 if hosted is None or hosted.spec.created_epoch != m.tables[name].created_epoch:
@@ -306,7 +306,7 @@ class _Run:
             values = {}
             for i, entry in enumerate(m.servers):
                 srv = self.servers.get(entry.id)
-                hosted = None if srv is None or srv.svc is None else srv.svc._tables.get(name)
+                hosted = None if srv is None or srv.svc is None else srv.svc.tables.find(name)
                 if hosted is not None and srv.alive and srv.svc.boot == entry.boot:
                     with hosted.lock:  # a row's presence too: a missing row reads as its initial values
                         values[i] = np.column_stack([hosted.table.pull(ids, insert=False),
