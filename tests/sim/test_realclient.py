@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 
 from tigana.ps.client import inflight
-from tigana.tools.sim import Settings, run_seed
-from tigana.tools.sim import realclient
+from tigana.tools.sim import Settings, realclient, run_seed
 from tigana.tools.sim.realclient import RealSimClient
 
 REAL = Settings(busy_s=4.0, faults=True, ops_per_s=1.0, real_client=True)
