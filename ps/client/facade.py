@@ -4,7 +4,9 @@
 as a scheduler), followed by a ``MapFollower``, or by a static shard list (contiguous slot ranges). Each map
 becomes a ``Route`` (``routes``) that new operations take; operations in flight keep theirs, except that
 their parts sent to a server the new map no longer names as primary of their slots are given up and routed
-again at once (``sentparts``), and calls to servers a new map declares dead are cancelled.
+again at once (``sentparts``), and calls to servers a new map declares dead are cancelled. Its I/O (transports,
+the map source, timers, the clock, session ids) goes through ``ports.ClientPorts``: gRPC and threads by
+default, the world's network and events in the simulator (``tigana.tools.sim.realclient``).
 
 Thread-safety: a ``Client`` may be shared by threads.
 """
