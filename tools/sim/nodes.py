@@ -28,6 +28,7 @@ from tigana.ps.scheduler.service import _positions
 from tigana.ps.scheduler.stores.file import FileMapStore
 from tigana.ps.shard import ShardService
 from tigana.ps.wire import cluster as cluster_wire
+from tigana.tools.sim.realagent import RealSimAgent
 from tigana.tools.sim.world import Deferred, Lost, Net, World
 
 __all__ = ["SchedulerNode", "SimServer"]
@@ -180,8 +181,9 @@ class SimServer:
 
     def __init__(self, world: World, net: Net, name: str, scheduler: SchedulerNode, servers: dict[str, SimServer],
                  num_slots: int, late_reports_s: Callable[[], float] = lambda: 0.0,
-                 data_dir: Path | None = None, domain: FailureDomain = FailureDomain()) -> None:
+                 data_dir: Path | None = None, domain: FailureDomain = FailureDomain(), real_agent: bool = False) -> None:
         self.world, self.net, self.name, self.scheduler, self.servers = world, net, name, scheduler, servers
+        self.real_agent = real_agent  # the daemon's ``Agent`` (``realagent``) instead of ``SimAgent``
         self.domain = domain
         self.late_reports_s = late_reports_s
         self.skew = 0.0  # how far this machine's clock is ahead of the world's (a clock jump)
@@ -216,7 +218,7 @@ class SimServer:
                                 boot=f"{self.name}-boot{self.boots}", generation=self.boots << 20)
         self.svc.load()  # what its data dir holds: its snapshots, as the daemon does at start (none: nothing)
         self.svc.state = "serving"
-        self.agent = SimAgent(self)
+        self.agent = RealSimAgent(self) if self.real_agent else SimAgent(self)
         self.svc.agent = self.agent
         self.alive, self.paused = True, False
 
