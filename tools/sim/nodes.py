@@ -5,7 +5,7 @@ Nothing of the protocol is re-implemented here: a server's pushes, map installs,
 These adapters replace only the I/O: threads (the ``Replicator`` adapter's ``spawn`` is collected and run by the world),
 gRPC (the ``Net``), the scheduler's store (a real ``FileMapStore`` in a scratch folder) and the membership
 agent's I/O (``SimAgent`` drives the real ``Membership`` core: heartbeats, registration and reports over the
-``Net``).
+``Net``; with ``real_agent``, ``realagent.RealSimAgent`` runs the daemon's ``Agent`` itself).
 """
 
 from __future__ import annotations
