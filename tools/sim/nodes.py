@@ -181,9 +181,11 @@ class SimServer:
 
     def __init__(self, world: World, net: Net, name: str, scheduler: SchedulerNode, servers: dict[str, SimServer],
                  num_slots: int, late_reports_s: Callable[[], float] = lambda: 0.0,
-                 data_dir: Path | None = None, domain: FailureDomain = FailureDomain(), real_agent: bool = False) -> None:
+                 data_dir: Path | None = None, domain: FailureDomain = FailureDomain(), real_agent: bool = False,
+                 real_sender: bool = False) -> None:
         self.world, self.net, self.name, self.scheduler, self.servers = world, net, name, scheduler, servers
         self.real_agent = real_agent  # the daemon's ``Agent`` (``realagent``) instead of ``SimAgent``
+        self.real_sender = real_sender  # a lane waits after each send as its sender thread would (``sent``)
         self.domain = domain
         self.late_reports_s = late_reports_s
         self.skew = 0.0  # how far this machine's clock is ahead of the world's (a clock jump)
@@ -293,13 +295,16 @@ class SimServer:
 
     def _answered(self, svc: ShardService, s: Any, lane: int, reply: pb.ReplicateResponse | None,
                   error: BaseException | None) -> None:
-        self.in_flight.discard((id(s), lane))
+        key = (id(s), lane)
         if svc is not self.svc or not self.up or s.closed:
+            self.in_flight.discard(key)
             return  # an answer to a process that is gone, or to a stream replaced meanwhile
-        if error is not None:
-            svc.replicator.send_failed(s, f"{type(error).__name__}: {error}", lane)
+        failure = "" if error is None else f"{type(error).__name__}: {error}"
+        pause = svc.replicator.sent(s, lane, None if error is not None else reply, failure)
+        if self.real_sender and pause > 0:  # the lane's sender thread waits (its backoff, the core's pause)
+            self.world.at(pause, lambda: self.in_flight.discard(key))
         else:
-            svc.replicator.answered(s, reply, lane)
+            self.in_flight.discard(key)
 
     def receive(self, source: str, request: bytes) -> pb.ReplicateResponse:
         """The ``Replicate`` handler (the gRPC wrapper's body, without its context)."""

@@ -61,6 +61,7 @@ class Settings:
     hosts: int = 0  # > 0: server k runs on host h{k % hosts} (its failure domain); 0: every server its own
     real_client: bool = False  # the trainers run the real ``tigana.ps.Client`` (``realclient``), not ``SimClient``
     real_agent: bool = False  # the servers run the daemon's membership ``Agent`` (``realagent``), not ``SimAgent``
+    real_sender: bool = False  # each stream lane pauses as the daemon's sender does (backoff, the core's pause)
 
 
 @dataclass
@@ -145,7 +146,8 @@ class _Run:
         self.servers[name] = SimServer(self.world, self.net, name, self.scheduler, self.servers, self.s.num_slots,
                                        late_reports_s=lambda: self.late_reports_s,
                                        data_dir=self.folder / name if self.s.snapshot_every_s > 0 else None,
-                                       domain=domain, real_agent=self.s.real_agent)
+                                       domain=domain, real_agent=self.s.real_agent,
+                                       real_sender=self.s.real_sender)
 
     def log(self, text: str) -> None:
         self.world.log(f"op {text}")
