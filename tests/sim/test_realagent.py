@@ -1,6 +1,7 @@
 """The simulator running the daemon's membership agent (``Settings.real_agent``: ``tigana.tools.sim.realagent``):
 registration, heartbeats, the lease and the map refresh a report's answer asks for are ``Agent``'s own code,
-over the world's network and clock; every invariant holds and a seed replays exactly."""
+over the world's network and clock; every invariant holds and a seed replays exactly. With the real client and
+the stream lanes paced as the daemon's senders pace them (``Settings.real_sender``)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import pytest
 from tigana.ps.membership.agent import Agent
 from tigana.tools.sim import Settings, run_seed
 
-REAL = Settings(busy_s=4.0, faults=True, ops_per_s=1.0, real_client=True, real_agent=True)
+REAL = Settings(busy_s=4.0, faults=True, ops_per_s=1.0, real_client=True, real_agent=True, real_sender=True)
 
 
 @pytest.mark.parametrize("seed", [0, 3])
-def test_the_real_agent_and_client_under_faults_keep_every_invariant(seed: int,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_real_agent_client_and_sender_under_faults_keep_every_invariant(seed: int,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     newer: list[str] = []  # reports whose answer named a map newer than the reporter's
     report = Agent._report
 
@@ -35,7 +36,7 @@ def test_the_real_agent_and_client_under_faults_keep_every_invariant(seed: int,
 
 
 def test_a_seed_with_the_real_agent_replays_exactly() -> None:
-    settings = Settings(busy_s=3.0, real_agent=True)
+    settings = Settings(busy_s=3.0, real_agent=True, real_sender=True)
     a, b = run_seed(5, settings), run_seed(5, settings)
     assert a.acked > 0
     assert a.ops == b.ops and a.steps == b.steps and a.acked == b.acked
