@@ -335,26 +335,31 @@ class Replicator:
         return out
 
     def _sweep(self) -> None:
-        """Settle the waiters whose deadline passed (nothing else would: their copies stopped answering), and
-        explain in the log the first waiter past ``SLOW_ACK_S`` (at most every 5 s)."""
+        """The deadline sweeper's thread: ``expire`` every 0.1 s until the replicator closes."""
         while True:
             self._closed.wait(0.1)  # not the condition: that wakes at every write
-            with self.cond:
-                settled = self._settle()
-                closed = self.core.closed
-                slow = None
-                now = self.clock()
-                if now - self._slow_logged >= 5.0:
-                    slow = next((w for w in self._waiters if not w.told and now - w.since >= SLOW_ACK_S), None)
-                    if slow is not None:
-                        slow.told = True
-                        self._slow_logged = now
-            _fire(settled)
-            if slow is not None:
-                log.info("a sync write has waited %.1fs for its copies (%d waiting): %s", now - slow.since,
-                         len(self._waiters), self._waiting_on(slow.marks))
-            if closed:
+            if self.expire():
                 return
+
+    def expire(self) -> bool:
+        """Settle the waiters whose deadline passed (nothing else would: their copies stopped answering), and
+        explain in the log the first waiter past ``SLOW_ACK_S`` (at most every 5 s). The sweeper thread calls
+        it; a simulator at its steps. True once the replicator is closed (every waiter settled)."""
+        with self.cond:
+            settled = self._settle()
+            closed = self.core.closed
+            slow = None
+            now = self.clock()
+            if now - self._slow_logged >= 5.0:
+                slow = next((w for w in self._waiters if not w.told and now - w.since >= SLOW_ACK_S), None)
+                if slow is not None:
+                    slow.told = True
+                    self._slow_logged = now
+        _fire(settled)
+        if slow is not None:
+            log.info("a sync write has waited %.1fs for its copies (%d waiting): %s", now - slow.since,
+                     len(self._waiters), self._waiting_on(slow.marks))
+        return closed
 
     def _waiting_on(self, marks: list[Mark]) -> str:
         """The marks not done yet, as a line for a log: per stream, the seq waited for, the seq acknowledged, what

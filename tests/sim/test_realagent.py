@@ -41,3 +41,23 @@ def test_a_seed_with_the_real_agent_replays_exactly() -> None:
     assert a.acked > 0
     assert a.ops == b.ops and a.steps == b.steps and a.acked == b.acked
     assert a.trace == b.trace
+
+
+def test_a_write_acknowledged_before_its_copies_have_it_is_caught_as_s1(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The mutation (test code only): the wait of a sync push for its copies' acknowledgements ends at once.
+    # With ``real_sender`` the simulated pushes are answered by ``Replicator.when_done``, as the daemon's are.
+    from tigana.ps.replication.replicator import Replicator
+
+    monkeypatch.setattr(Replicator, "when_done", lambda self, marks, timeout_s, callback: callback(True))
+    out = run_seed(0, REAL)
+    assert out.violations and out.violations[0].startswith("S1"), out.violations
+
+
+def test_no_second_crash_while_a_restarted_server_is_unknown_to_the_map() -> None:
+    # Seed 0 (hosts, real_sender): host h1's servers restarted empty while the scheduler was down, so its map
+    # still listed their old copies as in sync, and the fault picker crashed s2, the last real copy of slots
+    # 0-7: a double failure, beyond what replicas=1 promises. A server whose boot the map does not know yet
+    # now counts as impaired.
+    out = run_seed(0, Settings(busy_s=6.0, faults=True, ops_per_s=1.0, real_sender=True, servers=4, hosts=2))
+    assert out.ok, (out.violations, out.ops)
+    assert any("domain_crash host" in op for op in out.ops), out.ops

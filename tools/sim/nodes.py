@@ -268,13 +268,41 @@ class SimServer:
                               lambda reply, error, s=s, lane=lane, svc=self.svc:
                               self._answered(svc, s, lane, reply, error))
         self.svc.hand_over(0.0)
+        if self.real_sender:
+            self.svc.replicator.expire()  # the deadline sweeper's pass
         self._settle_acks()
 
-    def push(self, request: pb.PushRequest) -> Deferred:
-        """The ``Push`` handler: applied now (or refused, raising), answered once its copies have it."""
-        pushed = self.svc._push_apply(request)
+    def push(self, request: pb.PushRequest) -> Any:
+        """The ``Push`` handler: applied now (or refused, raising), answered once its copies have it. With
+        ``real_sender`` the answer is made by whoever settles the wait, as on the daemon's streams
+        (``Replicator.when_done``: an acknowledgement, a map, the deadline); else when a step finds it settled."""
+        svc = self.svc
+        pushed = svc._push_apply(request)
         answer = Deferred()
-        self.acks.append((pushed, answer, self.clock() + self.config.ack_timeout_s))
+        if not self.real_sender or not pushed.marks:
+            self.acks.append((pushed, answer, self.clock() + self.config.ack_timeout_s))
+            return answer
+        now: list[Any] = []  # the outcome, when the wait was settled already (before the handler returned)
+        returned = [False]
+
+        def done(ok: bool) -> None:
+            if svc is not self.svc or not self.alive:
+                return  # a process that is gone answers nothing
+            try:
+                result, error = svc._push_answer(pushed, ok), None
+            except Exception as exc:  # noqa: BLE001 - the error answer the client gets
+                result, error = None, exc
+            if returned[0]:
+                answer.resolve(result, error)
+            else:
+                now.append((result, error))
+        svc.replicator.when_done(pushed.marks, self.config.ack_timeout_s, done)
+        returned[0] = True
+        if now:
+            result, error = now[0]
+            if error is not None:
+                raise error
+            return result
         return answer
 
     def pull(self, request: pb.PullRequest) -> np.ndarray:
