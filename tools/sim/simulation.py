@@ -61,7 +61,7 @@ class Settings:
     hosts: int = 0  # > 0: server k runs on host h{k % hosts} (its failure domain); 0: every server its own
     real_client: bool = False  # the trainers run the real ``tigana.ps.Client`` (``realclient``), not ``SimClient``
     real_agent: bool = False  # the servers run the daemon's membership ``Agent`` (``realagent``), not ``SimAgent``
-    real_sender: bool = False  # each stream lane pauses as the daemon's sender does (backoff, the core's pause)
+    real_sender: bool = False  # stream lanes pause as the daemon's senders do; sync pushes answered by when_done
 
 
 @dataclass
