@@ -17,6 +17,7 @@ from tigana.ps import routing
 from tigana.ps.channels import RetryPolicy
 from tigana.ps.client.config import ClientConfig
 from tigana.ps.client.mapfollower import MapFollower
+from tigana.ps.client.ports import ClientPorts
 from tigana.ps.client.routes import Route, Server
 from tigana.ps.client.sentparts import SentParts
 from tigana.ps.client.tablestate import TableState
@@ -28,6 +29,7 @@ class ClientFields:
     """Fields of a client (set by ``Client.__init__`` and its map callback)."""
 
     config: ClientConfig
+    _ports: ClientPorts  # the I/O: transports, the map source, timers, the clock
     client_id: str
     security: Security
     _options: list

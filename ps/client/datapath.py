@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Iterator, Sequence
 from concurrent import futures as cf
 from typing import Any
@@ -27,7 +26,7 @@ from tigana.ps.client._fields import ClientFields
 from tigana.ps.client.inflight import Attempt, PullOp, PushOp, new_future
 from tigana.ps.client.tablestate import Countdown, after_own_pushes
 from tigana.ps.errors import InvalidArgument, PSError
-from tigana.ps.session import client_stamp, new_client_id
+from tigana.ps.session import client_stamp
 
 log = logging.getLogger("tigana.ps.client")
 
@@ -202,7 +201,7 @@ class DataPath(ClientFields):
     def _attempt(self) -> Attempt:
         limit = self.config.failover_timeout_s if self._maps is not None else self.config.timeout_s * \
             self.config.max_attempts
-        return Attempt(1, time.monotonic() + limit)
+        return Attempt(1, self._ports.clock() + limit)
 
     def _next_seq(self) -> int:
         with self._seq_lock:
@@ -214,13 +213,13 @@ class DataPath(ClientFields):
         were refused (pushes already in flight keep their own ids)."""
         with self._seq_lock:
             if self.client_id == refused_id or client_stamp(self.client_id) <= horizon:
-                self.client_id = new_client_id(above=max(horizon, client_stamp(self.client_id)))
+                self.client_id = self._ports.new_session(max(horizon, client_stamp(self.client_id)))
             return self.client_id
 
     def _under_replicated(self, table: str) -> None:
         """A sync push was acknowledged with fewer in-sync copies than the cluster keeps: counted in
         ``stats()["pushes_under_replicated"]`` and logged at most once a minute (never silent)."""
-        now = time.monotonic()
+        now = self._ports.clock()
         with self._stats_lock:
             self._counters["pushes_under_replicated"] += 1
             warn = now - self._warned_under_replicated > 60.0

@@ -4,7 +4,9 @@
 as a scheduler), followed by a ``MapFollower``, or by a static shard list (contiguous slot ranges). Each map
 becomes a ``Route`` (``routes``) that new operations take; operations in flight keep theirs, except that
 their parts sent to a server the new map no longer names as primary of their slots are given up and routed
-again at once (``sentparts``), and calls to servers a new map declares dead are cancelled.
+again at once (``sentparts``), and calls to servers a new map declares dead are cancelled. Its I/O (transports,
+the map source, timers, the clock, session ids) goes through ``ports.ClientPorts``: gRPC and threads by
+default, the world's network and events in the simulator (``tigana.tools.sim.realclient``).
 
 Thread-safety: a ``Client`` may be shared by threads.
 """
@@ -29,6 +31,7 @@ from tigana.ps.client.config import ClientConfig
 from tigana.ps.client.datapath import DataPath
 from tigana.ps.client.mapfollower import MapFollower
 from tigana.ps.client.operations import Operations
+from tigana.ps.client.ports import ClientPorts
 from tigana.ps.client.routes import Route, Server
 from tigana.ps.client.sentparts import SentParts
 from tigana.ps.client.tables import Tables
@@ -36,7 +39,6 @@ from tigana.ps.client.tablestate import TableState
 from tigana.ps.errors import InvalidArgument, PSError, Unavailable
 from tigana.ps.health import check_health
 from tigana.ps.security import Security
-from tigana.ps.session import new_client_id
 
 log = logging.getLogger("tigana.ps.client")
 
@@ -52,11 +54,12 @@ class Client(DataPath, Tables, Operations):
     """
 
     def __init__(self, addresses: Sequence[str] | None = None, config: ClientConfig | None = None, *,
-                 scheduler: str | None = None) -> None:
+                 scheduler: str | None = None, ports: ClientPorts | None = None) -> None:
         self.config = config or ClientConfig()
+        self._ports = ports or ClientPorts()  # the I/O: gRPC, threads and time.monotonic unless given others
         if self.config.tune_allocator:
             tune_allocator()
-        self.client_id = new_client_id()  # a session: pushes are keyed (client_id, seq), see tigana.ps.session
+        self.client_id = self._ports.new_session(-1)  # a session: pushes are keyed (client_id, seq), see tigana.ps.session
         self.security = self.config.security()
         self._options = channel_options(self.config.max_message_bytes, self.config.keepalive_time_s,
                                         self.config.keepalive_timeout_s, self.config.reconnect_backoff_s)
@@ -81,8 +84,11 @@ class Client(DataPath, Tables, Operations):
         self._hold = threading.local()
         self._parts = SentParts(lambda: self._route, lambda n: self._count(parts_rerouted_by_map=n))
         if scheduler is not None:
-            self._maps = MapFollower(scheduler, self._on_map, self._options, self.config.map_poll_s,
-                                     channel=self.security.channel)
+            if self._ports.map_source is not None:
+                self._maps = self._ports.map_source(scheduler, self._on_map)
+            else:
+                self._maps = MapFollower(scheduler, self._on_map, self._options, self.config.map_poll_s,
+                                         channel=self.security.channel)
             try:
                 self._maps.fetch(self.config.timeout_s)
             except BaseException:
@@ -103,7 +109,9 @@ class Client(DataPath, Tables, Operations):
     # --- routing ------------------------------------------------------------------------------------------
     def _server(self, address: str) -> Server:
         s = self._server_cache.get(address)
-        if s is None:
+        if s is None and self._ports.transport is not None:
+            s = self._server_cache[address] = self._ports.transport(address)  # type: ignore[assignment]
+        elif s is None:
             s = self._server_cache[address] = Server(address, self._options, self.config.max_pushes_in_flight,
                                                      self.security, stream=self.config.transport == "stream")
         return s
@@ -126,12 +134,12 @@ class Client(DataPath, Tables, Operations):
                 self._parts.on_route(route)  # the calls still open to servers this map declared dead are cancelled
                 for server in dead:
                     server.cancel_all()
-            _start_soon(reroute)  # another thread: a re-route asks the map follower, whose lock this runs under
+            self._ports.call_later(0.0, reroute)  # another thread: a re-route asks the map follower, whose lock this runs under
         with self._waiters_lock:
             due = [fn for epoch, fn in self._waiters if epoch <= m.epoch]
             self._waiters = [(epoch, fn) for epoch, fn in self._waiters if epoch > m.epoch]
         for fn in due:
-            _start_soon(fn)
+            self._ports.call_later(0.0, fn)
 
     def _when_epoch(self, epoch: int, fn: Callable[[], None]) -> None:
         """Run ``fn`` (on another thread) once the map's epoch reaches ``epoch`` (at once if it has)."""
@@ -141,7 +149,7 @@ class Client(DataPath, Tables, Operations):
                 if len(self._waiters) > 4096:  # each also has a backoff timer: the oldest may go
                     del self._waiters[:1024]
                 return
-        _start_soon(fn)
+        self._ports.call_later(0.0, fn)
 
     @property
     def epoch(self) -> int:
@@ -201,12 +209,6 @@ class Client(DataPath, Tables, Operations):
         else:
             with contextlib.suppress(PSError):  # the exception already propagating matters more
                 self.close()
-
-
-def _start_soon(fn: Callable[[], None]) -> None:
-    t = threading.Timer(0.0, fn)
-    t.daemon = True
-    t.start()
 
 
 def connect(addresses: str | Iterable[str] | None = None, config: ClientConfig | None = None, *,

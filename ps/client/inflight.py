@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from concurrent import futures as cf
 from typing import Any
@@ -132,7 +131,7 @@ class _Op:
         c = self.client
         a = self.attempt
         clustered = c._maps is not None
-        now = time.monotonic()
+        now = c._ports.clock()
         if not retryable(error, clustered) or now >= a.deadline or \
                 (not clustered and a.number >= c.config.max_attempts):
             if isinstance(error, Unavailable) and a.number > 1:
@@ -166,9 +165,7 @@ class _Op:
             if wanted:  # a map newer than the one this part was routed by may route it elsewhere: go as soon
                 c._maps.refresh(wanted)  # as one is here
                 c._when_epoch(wanted, fire)
-        timer = threading.Timer(delay, fire)
-        timer.daemon = True
-        timer.start()
+        c._ports.call_later(delay, fire)
 
 
 class PullOp(_Op):
@@ -368,7 +365,7 @@ class PushOp(_Op):
                      settle: Callable[[Any, PSError | None], None]) -> bool:
         """Send the part again under a new client session, if no attempt of it can have been applied."""
         a = self.attempt
-        if not a.refused or time.monotonic() >= a.deadline:
+        if not a.refused or self.client._ports.clock() >= a.deadline:
             return False
         cid = self.client._new_session(self.client_id, error.horizon)
         self.client._note_retry()

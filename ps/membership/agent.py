@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -35,8 +36,10 @@ class Agent:
     """The link of one ``ShardService`` to its scheduler(s) (``scheduler``: "host:port[,host:port]")."""
 
     def __init__(self, service, scheduler: str, address: str, *, heartbeat_interval_s: float = 0.5,
-                 lease_s: float = 2.0, security: Security = NONE, domain: FailureDomain = FailureDomain()) -> None:
+                 lease_s: float = 2.0, security: Security = NONE, domain: FailureDomain = FailureDomain(),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.service = service
+        self.clock = clock  # the lease's and the heartbeats' clock (the simulator's world gives its own)
         self.domain = domain  # where this server runs, sent with every Register
         self.addresses = [a.strip() for a in scheduler.split(",") if a.strip()]
         self.address = address
@@ -74,33 +77,39 @@ class Agent:
         return self.core.registered
 
     def lease_ok(self) -> bool:
-        return self.core.lease_ok(time.monotonic())
+        return self.core.lease_ok(self.clock())
 
     # --- the loop ------------------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
             self._wake.clear()  # before the answers are read: one that lands after it wakes the wait below
-            wait = self.interval
-            try:
-                self._answers_in()
-                if self.core.next_call() == REGISTER:
-                    self._register()
-                else:
-                    wait = self.core.beat_due(time.monotonic())
-                    if wait <= 0:
-                        self._heartbeat()
-                        wait = self.core.beat_due(time.monotonic())
-            except grpc.RpcError as err:  # a register failed
-                log.debug("scheduler call failed: %s", err.code().name)
-                self._next()
-                wait = self.core.call_failed()
-            except Exception:  # noqa: BLE001 - keep the server in the cluster whatever happened
-                log.exception("membership loop")
-            self._wake.wait(wait)
+            self._wake.wait(self.run_once())
+
+    def run_once(self) -> float:
+        """One pass of the agent's loop: take the heartbeats' answers, then register or heartbeat when one is
+        due. Returns the seconds until the next pass is due (sooner when an answer comes: ``_answers_in``).
+        The daemon's thread calls it in a loop; the simulator from its events."""
+        wait = self.interval
+        try:
+            self._answers_in()
+            if self.core.next_call() == REGISTER:
+                self._register()
+            else:
+                wait = self.core.beat_due(self.clock())
+                if wait <= 0:
+                    self._heartbeat()
+                    wait = self.core.beat_due(self.clock())
+        except grpc.RpcError as err:  # a register failed
+            log.debug("scheduler call failed: %s", err.code().name)
+            self._next()
+            wait = self.core.call_failed()
+        except Exception:  # noqa: BLE001 - keep the server in the cluster whatever happened
+            log.exception("membership loop")
+        return wait
 
     def _register(self) -> None:
         s = self.service
-        sent = time.monotonic()
+        sent = self.clock()
         reply = self.stub.Register(spb.RegisterRequest(server_id=s.server_id, address=self.address, boot=s.boot,
                                                        positions=s.positions(),
                                                        domain=cluster_wire.domain_to_pb(self.domain)), timeout=5.0)
@@ -117,7 +126,7 @@ class Agent:
         s = self.service
         stats = {**s.cluster_figures(), **s.load_figures()}
         request = spb.HeartbeatRequest(server_id=s.server_id, boot=s.boot, epoch=s.epoch, stats=stats)
-        targets, sent = self.core.targets(), time.monotonic()
+        targets, sent = self.core.targets(), self.clock()
         self.core.beat_sent(sent, len(targets))
         for which in targets:
             future = self._stubs[which].Heartbeat.future(request, timeout=max(1.0, self.core.lease_s))
@@ -142,7 +151,7 @@ class Agent:
                 code = err.code().name if isinstance(err, grpc.RpcError) else "CANCELLED"
                 log.debug("heartbeat to %s failed: %s", self.addresses[which], code)
                 current = which == self.core.current
-                self.core.heartbeat_failed(time.monotonic(), which)
+                self.core.heartbeat_failed(self.clock(), which)
                 if current and len(self.addresses) == 1:  # one address: a new connection
                     self._next()
                 continue
@@ -180,11 +189,15 @@ class Agent:
         with self._wanted_cond:
             if self._stop.is_set() or not self.core.want(epoch):
                 return
-            if self._refresher is None:
-                self._refresher = threading.Thread(target=self._refresh_loop, name="tigana-agent-refresh",
-                                                   daemon=True)
-                self._refresher.start()
-            self._wanted_cond.notify()
+            self._wake_refresher()
+
+    def _wake_refresher(self) -> None:
+        """(Under ``_wanted_cond``.) Have the refresher run ``refresh_pass`` until the map is as new as wanted:
+        its thread, started on first use (the simulator runs the passes from its events instead)."""
+        if self._refresher is None:
+            self._refresher = threading.Thread(target=self._refresh_loop, name="tigana-agent-refresh", daemon=True)
+            self._refresher.start()
+        self._wanted_cond.notify()
 
     def _refresh_loop(self) -> None:
         """The refresher: while the highest epoch wanted is above ours, fetch the map (every heartbeat
@@ -195,13 +208,19 @@ class Agent:
                     self._wanted_cond.wait()
                 if self._stop.is_set():
                     return
-                wanted = self.core.wanted
-            try:
-                self.refresh(wanted)
-            except Exception:  # noqa: BLE001 - the refresher outlives a bad reply
-                log.exception("map refresh")
-            if self.service.epoch < wanted:
+            if self.refresh_pass():
                 self._stop.wait(self.interval)
+
+    def refresh_pass(self) -> bool:
+        """One pass of the refresher: fetch the map the highest epoch wanted asks for. True: ours is still older
+        (the scheduler does not have it or cannot be reached): the next pass waits a heartbeat interval."""
+        with self._wanted_cond:
+            wanted = self.core.wanted
+        try:
+            self.refresh(wanted)
+        except Exception:  # noqa: BLE001 - the refresher outlives a bad reply
+            log.exception("map refresh")
+        return self.service.epoch < wanted
 
     def report_copy_failure(self, target: str, slots: np.ndarray, reason: str, epoch: int = 0) -> None:
         """Report that ``target``'s copies of ``slots`` failed, as seen at map ``epoch`` (0: the map installed

@@ -10,7 +10,8 @@ protocol depends on.
 
 Seams for a simulator: ``clock``, and ``spawn(name, fn)`` (run ``fn`` on a thread of its own): a simulator
 passes its clock, runs what is spawned when it chooses, drives each stream's lanes with ``core.request`` and
-hands the answers to ``answered`` / ``send_failed`` (lane 0) and ``copy_answered`` / ``copy_send_failed``.
+hands each send's outcome to ``sent`` (what a lane's sender thread does with it: the answer or the failure,
+then the pause before its next send).
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class Replicator:
         self.spawn = spawn or _thread
         self.cond = threading.Condition()
         self._links: dict[Stream, tuple[grpc.Channel, Callable]] = {}
+        self._backoff: dict[tuple[Stream, int], float] = {}  # a lane's pause after a failed send (under ``cond``)
         self._waiters: list[_Waiter] = []  # under ``cond``; settled by the events that complete their marks
         self._sweeping = False  # the deadline sweeper runs (started with the first waiter)
         self._slow_logged = float("-inf")
@@ -117,6 +119,8 @@ class Replicator:
             elif isinstance(a, CloseStream):
                 with self.cond:
                     link = self._links.pop(a.stream, None)
+                    for lane in (0, 1):
+                        self._backoff.pop((a.stream, lane), None)
                 if link is not None:
                     self.spawn("tigana-repl-close", link[0].close)
             elif isinstance(a, StartCopy):
@@ -237,7 +241,6 @@ class Replicator:
     # --- the sender of one stream -------------------------------------------------------------------------
     def _send_loop(self, s: Stream, lane: int) -> None:
         """Send the head of one lane, hand the answer (or the failure) to the core, pause when it says so."""
-        backoff = 0.05
         try:
             while True:
                 with self.cond:
@@ -252,14 +255,28 @@ class Replicator:
                 except grpc.RpcError as err:
                     if s.closed:
                         return
-                    self.send_failed(s, f"{err.code().name}: {err.details()}", lane)
-                    self._pause(s, backoff)
-                    backoff = min(1.0, backoff * 2)
+                    self._pause(s, self.sent(s, lane, None, f"{err.code().name}: {err.details()}"))
                     continue
-                backoff = 0.05
-                self._pause(s, self.answered(s, reply, lane))
+                self._pause(s, self.sent(s, lane, reply))
         except ValueError:  # the channel was closed under a call: the stream is closing
             return
+
+    def sent(self, s: Stream, lane: int, reply: pb.ReplicateResponse | None, failure: str = "") -> float:
+        """The outcome of one send on ``lane`` of ``s``: its answer (``answered``), or the reason it failed
+        (``send_failed``). Returns the seconds the lane's sender waits before its next send: the pause the core
+        asks for after an answer; after a failure a backoff from 0.05 s, doubling up to 1 s, that an answer
+        resets."""
+        key = (s, lane)
+        if reply is None:
+            self.send_failed(s, failure, lane)
+            with self.cond:
+                backoff = self._backoff.get(key, 0.05)
+                if not s.closed:
+                    self._backoff[key] = min(1.0, backoff * 2)
+            return backoff
+        with self.cond:
+            self._backoff.pop(key, None)
+        return self.answered(s, reply, lane)
 
     def _pause(self, s: Stream, seconds: float) -> None:
         if seconds <= 0 or not self.threaded:
@@ -318,26 +335,31 @@ class Replicator:
         return out
 
     def _sweep(self) -> None:
-        """Settle the waiters whose deadline passed (nothing else would: their copies stopped answering), and
-        explain in the log the first waiter past ``SLOW_ACK_S`` (at most every 5 s)."""
+        """The deadline sweeper's thread: ``expire`` every 0.1 s until the replicator closes."""
         while True:
             self._closed.wait(0.1)  # not the condition: that wakes at every write
-            with self.cond:
-                settled = self._settle()
-                closed = self.core.closed
-                slow = None
-                now = self.clock()
-                if now - self._slow_logged >= 5.0:
-                    slow = next((w for w in self._waiters if not w.told and now - w.since >= SLOW_ACK_S), None)
-                    if slow is not None:
-                        slow.told = True
-                        self._slow_logged = now
-            _fire(settled)
-            if slow is not None:
-                log.info("a sync write has waited %.1fs for its copies (%d waiting): %s", now - slow.since,
-                         len(self._waiters), self._waiting_on(slow.marks))
-            if closed:
+            if self.expire():
                 return
+
+    def expire(self) -> bool:
+        """Settle the waiters whose deadline passed (nothing else would: their copies stopped answering), and
+        explain in the log the first waiter past ``SLOW_ACK_S`` (at most every 5 s). The sweeper thread calls
+        it; a simulator at its steps. True once the replicator is closed (every waiter settled)."""
+        with self.cond:
+            settled = self._settle()
+            closed = self.core.closed
+            slow = None
+            now = self.clock()
+            if now - self._slow_logged >= 5.0:
+                slow = next((w for w in self._waiters if not w.told and now - w.since >= SLOW_ACK_S), None)
+                if slow is not None:
+                    slow.told = True
+                    self._slow_logged = now
+        _fire(settled)
+        if slow is not None:
+            log.info("a sync write has waited %.1fs for its copies (%d waiting): %s", now - slow.since,
+                     len(self._waiters), self._waiting_on(slow.marks))
+        return closed
 
     def _waiting_on(self, marks: list[Mark]) -> str:
         """The marks not done yet, as a line for a log: per stream, the seq waited for, the seq acknowledged, what

@@ -5,7 +5,7 @@ Nothing of the protocol is re-implemented here: a server's pushes, map installs,
 These adapters replace only the I/O: threads (the ``Replicator`` adapter's ``spawn`` is collected and run by the world),
 gRPC (the ``Net``), the scheduler's store (a real ``FileMapStore`` in a scratch folder) and the membership
 agent's I/O (``SimAgent`` drives the real ``Membership`` core: heartbeats, registration and reports over the
-``Net``).
+``Net``; with ``real_agent``, ``realagent.RealSimAgent`` runs the daemon's ``Agent`` itself).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from tigana.ps.scheduler.stores.file import FileMapStore
 from tigana.ps.shard import ShardService
 from tigana.ps.shard.config import ServerConfig
 from tigana.ps.wire import cluster as cluster_wire
+from tigana.tools.testing.sim.realagent import RealSimAgent
 from tigana.tools.testing.sim.world import Deferred, Lost, Net, World
 
 __all__ = ["SchedulerNode", "SimServer"]
@@ -180,8 +181,11 @@ class SimServer:
 
     def __init__(self, world: World, net: Net, name: str, scheduler: SchedulerNode, servers: dict[str, SimServer],
                  num_slots: int, late_reports_s: Callable[[], float] = lambda: 0.0,
-                 data_dir: Path | None = None, domain: FailureDomain = FailureDomain()) -> None:
+                 data_dir: Path | None = None, domain: FailureDomain = FailureDomain(), real_agent: bool = False,
+                 real_sender: bool = False) -> None:
         self.world, self.net, self.name, self.scheduler, self.servers = world, net, name, scheduler, servers
+        self.real_agent = real_agent  # the daemon's ``Agent`` (``realagent``) instead of ``SimAgent``
+        self.real_sender = real_sender  # a lane waits after each send as its sender thread would (``sent``)
         self.domain = domain
         self.late_reports_s = late_reports_s
         self.skew = 0.0  # how far this machine's clock is ahead of the world's (a clock jump)
@@ -216,7 +220,7 @@ class SimServer:
                                 boot=f"{self.name}-boot{self.boots}", generation=self.boots << 20)
         self.svc.load()  # what its data dir holds: its snapshots, as the daemon does at start (none: nothing)
         self.svc.state = "serving"
-        self.agent = SimAgent(self)
+        self.agent = RealSimAgent(self) if self.real_agent else SimAgent(self)
         self.svc.agent = self.agent
         self.alive, self.paused = True, False
 
@@ -264,13 +268,41 @@ class SimServer:
                               lambda reply, error, s=s, lane=lane, svc=self.svc:
                               self._answered(svc, s, lane, reply, error))
         self.svc.hand_over(0.0)
+        if self.real_sender:
+            self.svc.replicator.expire()  # the deadline sweeper's pass
         self._settle_acks()
 
-    def push(self, request: pb.PushRequest) -> Deferred:
-        """The ``Push`` handler: applied now (or refused, raising), answered once its copies have it."""
-        pushed = self.svc.writes.push_apply(request)
+    def push(self, request: pb.PushRequest) -> Any:
+        """The ``Push`` handler: applied now (or refused, raising), answered once its copies have it. With
+        ``real_sender`` the answer is made by whoever settles the wait, as on the daemon's streams
+        (``Replicator.when_done``: an acknowledgement, a map, the deadline); else when a step finds it settled."""
+        svc = self.svc
+        pushed = svc.writes.push_apply(request)
         answer = Deferred()
-        self.acks.append((pushed, answer, self.clock() + self.config.ack_timeout_s))
+        if not self.real_sender or not pushed.marks:
+            self.acks.append((pushed, answer, self.clock() + self.config.ack_timeout_s))
+            return answer
+        now: list[Any] = []  # the outcome, when the wait was settled already (before the handler returned)
+        returned = [False]
+
+        def done(ok: bool) -> None:
+            if svc is not self.svc or not self.alive:
+                return  # a process that is gone answers nothing
+            try:
+                result, error = svc.writes.push_answer(pushed, ok), None
+            except Exception as exc:  # noqa: BLE001 - the error answer the client gets
+                result, error = None, exc
+            if returned[0]:
+                answer.resolve(result, error)
+            else:
+                now.append((result, error))
+        svc.replicator.when_done(pushed.marks, self.config.ack_timeout_s, done)
+        returned[0] = True
+        if now:
+            result, error = now[0]
+            if error is not None:
+                raise error
+            return result
         return answer
 
     def pull(self, request: pb.PullRequest) -> np.ndarray:
@@ -291,13 +323,16 @@ class SimServer:
 
     def _answered(self, svc: ShardService, s: Any, lane: int, reply: pb.ReplicateResponse | None,
                   error: BaseException | None) -> None:
-        self.in_flight.discard((id(s), lane))
+        key = (id(s), lane)
         if svc is not self.svc or not self.up or s.closed:
+            self.in_flight.discard(key)
             return  # an answer to a process that is gone, or to a stream replaced meanwhile
-        if error is not None:
-            svc.replicator.send_failed(s, f"{type(error).__name__}: {error}", lane)
+        failure = "" if error is None else f"{type(error).__name__}: {error}"
+        pause = svc.replicator.sent(s, lane, None if error is not None else reply, failure)
+        if self.real_sender and pause > 0:  # the lane's sender thread waits (its backoff, the core's pause)
+            self.world.at(pause, lambda: self.in_flight.discard(key))
         else:
-            svc.replicator.answered(s, reply, lane)
+            self.in_flight.discard(key)
 
     def receive(self, source: str, request: bytes) -> pb.ReplicateResponse:
         """The ``Replicate`` handler's body (``Receiver.receive``), without gRPC."""

@@ -157,6 +157,11 @@ def _fault(run: Any, kind: str, victim: Any = None, seconds: float = 0.0) -> Non
     alive = [s for s in run.servers.values() if s.alive]
     scripted = victim is not None or seconds > 0
     impaired = {s.name for s in run.servers.values() if not s.up} | run.cut_off
+    # a server restarted since the map was made holds none of the copies the map lists for it (a scheduler that
+    # is down has not seen the new boot): impaired too, or a second crash would take a slot's last real copy
+    m = run.scheduler.core.map
+    impaired |= {e.id for e in m.servers if e.id in run.servers and run.servers[e.id].svc is not None
+                 and run.servers[e.id].svc.boot != e.boot}
     degraded = run.scheduler.core.map.summary()["degraded_slots"]
     # a host's loss is survived only while every slot's in-sync copies are on two hosts or more
     apart = kind != "domain_crash" or not run.scheduler.core.domain_degraded()[0].any()

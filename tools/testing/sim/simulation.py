@@ -33,6 +33,7 @@ from tigana.ps.scheduler import SchedulerConfig
 from tigana.tools.testing.sim.client import DIM, Ledger, SimClient
 from tigana.tools.testing.sim.disk import snapshot
 from tigana.tools.testing.sim.nodes import SchedulerNode, SimServer
+from tigana.tools.testing.sim.realclient import RealSimClient
 from tigana.tools.testing.sim.world import Net, World
 
 __all__ = ["Outcome", "Settings", "run_seed"]
@@ -58,6 +59,9 @@ class Settings:
     snapshot_every_s: float = 0.0  # > 0: servers have a data dir, snapshots this often (every 4th full)
     tables_at_s: float = 0.0  # the ledger tables are created then (a trainer that starts after the servers)
     hosts: int = 0  # > 0: server k runs on host h{k % hosts} (its failure domain); 0: every server its own
+    real_client: bool = False  # the trainers run the real ``tigana.ps.Client`` (``realclient``), not ``SimClient``
+    real_agent: bool = False  # the servers run the daemon's membership ``Agent`` (``realagent``), not ``SimAgent``
+    real_sender: bool = False  # stream lanes pause as the daemon's senders do; sync pushes answered by when_done
 
 
 @dataclass
@@ -108,8 +112,9 @@ class _Run:
         self.ledger = Ledger(settings.ids)
         for name in LEDGERS:
             self.ledger.table(name)
-        self.clients = [SimClient(self.world, self.net, f"c{k}", k + 1, self.scheduler, self.servers, self.ledger,
-                                  settings.num_slots) for k in range(settings.clients)]
+        make = RealSimClient if settings.real_client else SimClient
+        self.clients = [make(self.world, self.net, f"c{k}", k + 1, self.scheduler, self.servers, self.ledger,
+                             settings.num_slots) for k in range(settings.clients)]
         self.out = Outcome(seed)
         self.ids = np.arange(settings.ids, dtype=np.int64)
         self.slots = slot_of(self.ids, settings.num_slots)
@@ -141,7 +146,8 @@ class _Run:
         self.servers[name] = SimServer(self.world, self.net, name, self.scheduler, self.servers, self.s.num_slots,
                                        late_reports_s=lambda: self.late_reports_s,
                                        data_dir=self.folder / name if self.s.snapshot_every_s > 0 else None,
-                                       domain=domain)
+                                       domain=domain, real_agent=self.s.real_agent,
+                                       real_sender=self.s.real_sender)
 
     def log(self, text: str) -> None:
         self.world.log(f"op {text}")
