@@ -48,6 +48,7 @@ class ShardFields:
     agent: Any
     on_install: Callable[[], None] | None
     wall_clock: Callable[[], float]
+    clock: Callable[[], float]
     _tables: dict[str, _Hosted]
     _registry_lock: threading.RLock
     _install_lock: threading.Lock

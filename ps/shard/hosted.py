@@ -78,6 +78,7 @@ class Hosting(ShardFields):
     def _new_hosted(self, spec: TableDef, table: EmbeddingTable | None = None, dedup: DedupWindow | None = None,
                     slot_log: SlotLog | None = None) -> _Hosted:
         table = table or EmbeddingTable(self._effective(spec.config))
+        table.wall_clock = self.wall_clock  # rows' update times and removals on the server's wall clock
         if self.clustered:  # only the primary of a row decides its eviction; copies apply it (replication)
             table.set_evictable(self._leads_ids)
         return _Hosted(spec, table, dedup or DedupWindow(self.num_slots, self.config.dedup_window),

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -304,7 +303,7 @@ class Ownership(ShardFields):
     def maintain(self) -> None:
         """Periodic work (the daemon calls it about once a second): decay request rates, restart broken
         streams nothing depends on, report again what the scheduler missed."""
-        now = time.monotonic()
+        now = self.clock()
         dt = max(1e-3, now - self._last_decay)
         self._last_decay = now
         keep = 0.5 ** (dt / _RATE_HALF_LIFE_S)

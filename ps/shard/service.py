@@ -88,7 +88,8 @@ class ShardService(Ownership, Writes, Exports, Cuts, Persistence, Hosting, shard
         self._drop_lock = threading.Lock()
         self._drop_wanted = self._drop_running = False  # rows of slots no longer held to delete; a worker at it
         self._handover_started = False
-        self._last_decay = time.monotonic()
+        self.clock = clock  # request-rate decay (the replicator's events read it too)
+        self._last_decay = clock()
         self._cuts: dict[str, Any] = {}
         self._cuts_lock = threading.Lock()
         self._streams = 0  # Exchange streams open

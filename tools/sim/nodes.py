@@ -33,6 +33,8 @@ from tigana.tools.sim.world import Deferred, Lost, Net, World
 __all__ = ["SchedulerNode", "SimServer"]
 
 SCHEDULER = "scheduler"
+WALL_BASE = 2.0e9  # a simulated machine's wall clock reads this + the world's time (+ its skew): past any real
+# time a table was created at, so that rows and removals the cluster stamps are all in the world's time
 
 
 class _Channel:
@@ -193,6 +195,8 @@ class SimServer:
                                    copy_rate=None,
                                    data_dir=None if data_dir is None else str(data_dir))
         self.snapshots: list[tuple[float, dict[str, np.ndarray], np.ndarray]] = []  # (time, acked, complete)
+        self.writes = 0  # calls that may have changed its tables (the checkers re-read them only then)
+        self.pushed: list[tuple[pb.PushRequest, Any]] = []  # pushes applied since the checkers last looked
         self.alive = False
         self.paused = False
         self.svc: ShardService | None = None
@@ -205,6 +209,9 @@ class SimServer:
     def clock(self) -> float:
         return self.world.now + self.skew
 
+    def wall_clock(self) -> float:
+        return WALL_BASE + self.world.now + self.skew
+
     def start(self) -> None:
         if self.svc is not None:
             self.svc.close_tables()
@@ -214,6 +221,8 @@ class SimServer:
         self.boots = getattr(self, "boots", 0) + 1  # boot ids and stream generations from the seed, not uuid4/clock
         self.svc = ShardService(self.config, security=_Security(), clock=self.clock, spawn=self._spawn,
                                 boot=f"{self.name}-boot{self.boots}", generation=self.boots << 20)
+        self.svc.wall_clock = self.wall_clock
+        self.writes += 1
         self.svc.load()  # what its data dir holds: its snapshots, as the daemon does at start (none: nothing)
         self.svc.state = "serving"
         self.agent = SimAgent(self)
@@ -238,6 +247,7 @@ class SimServer:
 
     def install(self, m: ShardMap) -> None:
         if self.up:
+            self.writes += 1
             self.svc.install(m)
 
     # --- one step of the daemon's threads ---
@@ -245,6 +255,7 @@ class SimServer:
         if not self.up:
             return
         tasks, self.tasks = self.tasks, []
+        self.writes += bool(tasks)
         for task in tasks:
             task()
         rep = self.svc.replicator
@@ -268,13 +279,16 @@ class SimServer:
 
     def push(self, request: pb.PushRequest) -> Deferred:
         """The ``Push`` handler: applied now (or refused, raising), answered once its copies have it."""
+        self.writes += 1
         pushed = self.svc._push_apply(request)
+        self.pushed.append((request, pushed))
         answer = Deferred()
         self.acks.append((pushed, answer, self.clock() + self.config.ack_timeout_s))
         return answer
 
     def pull(self, request: pb.PullRequest) -> np.ndarray:
         """The ``Pull`` handler: the rows read (and, when inserting, the new rows replicated)."""
+        self.writes += 1
         return self.svc._pull(request)[1]
 
     def _settle_acks(self) -> None:
@@ -302,9 +316,11 @@ class SimServer:
     def receive(self, source: str, request: bytes) -> pb.ReplicateResponse:
         """The ``Replicate`` handler (the gRPC wrapper's body, without its context)."""
         decoded = cluster_wire.decode_replicate_request(request)
+        self.writes += 1
         return ShardService.Replicate.__wrapped__(self.svc, decoded, None)
 
     def maintain(self) -> None:
         if self.up:
+            self.writes += 1
             self.svc.maintain()
             self.agent.beat()
