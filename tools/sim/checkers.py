@@ -182,39 +182,46 @@ class Checkers:
 
     # --- S5: the same position, the same rows ---
     def _order(self) -> list[str]:
+        """Every in-sync copy at its primary's log position of a slot holds the primary's rows of it (values
+        of the ledger's ids)."""
         run = self.run
         m = run.scheduler.core.map
-        slots = run.slots
+        slots, n = run.slots, len(m.servers)
+        if not n:
+            return []
+        every = np.arange(m.num_slots)
         for name in LEDGERS:
             spec = m.tables.get(name)
             if spec is None:
                 continue
-            held = {}
+            positions = np.zeros((n, m.num_slots, 2), np.uint64)
+            values = np.zeros((n, run.s.ids, 2), np.int64)
+            valid = np.zeros(n, bool)
             for i, entry in enumerate(m.servers):
                 server = run.servers.get(entry.id)
                 if server is None or not server.alive or server.svc is None or server.svc.boot != entry.boot:
                     continue
                 hosted = server.svc._tables.get(name)
                 if hosted is not None and hosted.spec.created_epoch == spec.created_epoch:
-                    held[i] = (hosted.log.positions, self.exact.values(server, hosted))
-            for slot in range(m.num_slots):
-                p = int(m.copies[slot, 0])
-                if p not in held:
+                    positions[i], values[i], valid[i] = hosted.log.positions, self.exact.values(server, hosted), True
+            p = m.copies[:, 0]
+            pi = np.clip(p, 0, None)
+            for col in range(1, m.copies.shape[1]):
+                c = m.copies[:, col]
+                ci = np.clip(c, 0, None)
+                same = ((p >= 0) & (c >= 0) & valid[pi] & valid[ci] & (m.states[:, col] == IN_SYNC)
+                        & (positions[pi, every] == positions[ci, every]).all(axis=1)
+                        & (positions[pi, every, 0] != np.iinfo(np.uint64).max))
+                if not same.any():
                     continue
-                for col in range(1, m.copies.shape[1]):
-                    c = int(m.copies[slot, col])
-                    if c not in held or m.states[slot, col] != IN_SYNC:
-                        continue
-                    pp, cp = held[p][0][slot], held[c][0][slot]
-                    if (pp != cp).any() or int(pp[0]) == np.iinfo(np.uint64).max:
-                        continue
-                    ids = np.flatnonzero(slots == slot)
-                    differ = ids[(held[p][1][ids] != held[c][1][ids]).any(axis=1)]
-                    if differ.size:
-                        k = int(differ[0])
-                        return [f"S5: {m.servers[c].id} and its primary {m.servers[p].id} are both at position "
-                                f"{pp.tolist()} of slot {slot} of {name} and differ: id {k} at "
-                                f"{held[c][1][k].tolist()} and {held[p][1][k].tolist()}"]
+                vp, vc = values[pi[slots], run.ids], values[ci[slots], run.ids]
+                differ = np.flatnonzero(same[slots] & (vp != vc).any(axis=1))
+                if differ.size:
+                    k = int(differ[0])
+                    slot = int(slots[k])
+                    return [f"S5: {m.servers[int(c[slot])].id} and its primary {m.servers[int(p[slot])].id} are both "
+                            f"at position {positions[pi[slot], slot].tolist()} of slot {slot} of {name} and differ: "
+                            f"id {k} at {vc[k].tolist()} and {vp[k].tolist()}"]
         return []
 
     # --- S12: shared domains are reported ---

@@ -37,6 +37,7 @@ class _Push:
     client_id: str = ""
     weight: int = 1
     pending: np.ndarray | None = None  # per id: not acknowledged yet
+    slots: np.ndarray | None = None  # per id: its slot (set by the checkers)
 
     def __post_init__(self) -> None:
         if self.pending is None:

@@ -53,9 +53,9 @@ def why_not(run: Any) -> str:
 
 
 def check_settled(run: Any, deadline: float) -> list[str]:
-    """Once converged: the violations of L4, S11/S3, L2 and S12 (empty: none)."""
+    """Once converged: the violations of L4, S11, S12 and L2 (empty: none)."""
     out = _drained(run, deadline)
-    return out or _copies_equal(run) or _balanced(run) or _apart(run)
+    return out or _copies_equal(run) or _apart(run) or _balanced(run)
 
 
 def _drained(run: Any, deadline: float) -> list[str]:

@@ -88,12 +88,13 @@ class Exactness:
         e0, e1, unknown = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
         num_slots = self.run.s.num_slots
         for p in pushes:
-            sub = p.ids[p.pending]
-            sub = sub[ids[sub]]
-            if not sub.size:
+            if p.slots is None:
+                p.slots = slot_of(p.ids, num_slots)
+            keep = p.pending & ids[p.ids]
+            if not keep.any():
                 continue
-            slots = slot_of(sub, num_slots)
-            uslots, where = np.unique(slots, return_inverse=True)
+            sub = p.ids[keep]
+            uslots, where = np.unique(p.slots[keep], return_inverse=True)
             done = applied_in_window(window, p.client_id, p.seq, uslots)
             if done is None:
                 unknown[sub] = True

@@ -75,6 +75,7 @@ class Outcome:
     demotions_without_fault: int = 0  # ... of them before the first fault
     pulls: int = 0
     copies_per_server: dict[str, int] = field(default_factory=dict)  # in the final map, up servers only
+    simulated_s: float = 0.0  # the world's time at the end of the run
 
     @property
     def ok(self) -> bool:
@@ -213,6 +214,7 @@ class _Run:
         m = self.scheduler.core.map
         self.out.copies_per_server = {e.id: int((m.copies == i).sum()) for i, e in enumerate(m.servers) if e.up}
         self.out.trace = w.trace
+        self.out.simulated_s = w.now
         return self.out
 
     def _create_ledgers(self) -> None:
@@ -258,6 +260,8 @@ class _Run:
         self._fault_seen |= self.faulty  # what a fault set off may end after the heal: counted as faulty
         if not self._fault_seen and demoted > self._demoted_seen:
             self.out.demotions_without_fault += demoted - self._demoted_seen
+            self.out.violations.append(f"no-demotion: {demoted - self._demoted_seen} cop(ies) demoted with no fault "
+                                       "(planned operations only: docs/replication.md, no failure, no demotion)")
         self._demoted_seen = demoted
         self.out.violations += self.checkers.after_step()
         if self.out.violations:
