@@ -5,7 +5,7 @@ windows, the pushes they applied) after every step of the world.
 | checker | property |
 | --- | --- |
 | ``Checkers._fence`` | S4: a push is applied only for slots its server's map says it leads, not handed over; S9: only once that server installed the map that created its table |
-| ``Checkers._transition`` (each map the scheduler publishes, in order) | S2: a new primary was an in-sync copy; S10: a slot with no in-sync copy left gets, by an election, the server whose rows of it are newest; S3 (with ``_joined``): a copy entering the in-sync set holds every acknowledged sync write |
+| ``Checkers._transition`` (each map the scheduler publishes, in order) | S2: a new primary was an in-sync copy; S10: a slot with no in-sync copy left gets, by an election, a server whose registered rows of it are the newest; S3 (with ``_joined``): a copy entering the in-sync set holds every acknowledged sync write |
 | ``exactness.Exactness`` | S1, S6, S7, S8 (the ledger, exactly) |
 | ``Checkers._order`` | S5: two copies at the same log position of a slot hold the same rows of it |
 | ``Checkers._domains`` | S12: a slot whose in-sync copies share a host is reported domain-degraded |
@@ -45,9 +45,9 @@ class Checkers:
         self.last: ShardMap | None = None
         self.placed = np.zeros(run.s.num_slots, bool)  # slots that ever had a primary
         self.joined: list[tuple[str, str, int]] = []  # (server, boot, slot) that entered the in-sync set
-        self.elected: list[tuple[str, int, int]] = []  # (server, slot, epoch) elected with no in-sync copy left
 
     def on_map(self, m: ShardMap) -> None:
+        """Each map the scheduler persists, in order (before anyone sees it)."""
         self.published.append(m)
 
     def after_step(self) -> list[str]:
@@ -57,7 +57,6 @@ class Checkers:
         out = self._fence(pushed)
         out += self._transitions()
         out += self._joined()
-        out += self._elections()
         out += self.exact.check(pushed)
         out += self._order()
         out += self._domains()
@@ -86,7 +85,7 @@ class Checkers:
         maps, self.published = self.published, []
         current = self.run.scheduler.core.map
         if not maps or maps[-1].epoch < current.epoch:
-            maps.append(current)  # a restarted scheduler's map (loaded, not announced)
+            maps.append(current)  # a restarted scheduler's map (loaded, not saved again)
         out = []
         for m in sorted(maps, key=lambda m: m.epoch):
             if self.last is not None and m.epoch <= self.last.epoch:
@@ -118,7 +117,7 @@ class Checkers:
                 if before.get(primary, CATCHING_UP) != CATCHING_UP and boots.get(primary) == old_boots.get(primary):
                     pass  # an in-sync copy promoted (or a hand-over completed)
                 elif not in_sync_before and self.placed[slot]:
-                    self.elected.append((primary, slot, new.epoch))  # an unclean election (S10)
+                    out += self._election(new, primary, slot)  # an unclean election (S10)
                 elif self.placed[slot]:
                     out.append(f"S2: epoch {new.epoch} makes {primary} the primary of slot {slot}, which was "
                                f"{'catching up' if primary in before else 'no copy'} at epoch {old.epoch} "
@@ -161,24 +160,20 @@ class Checkers:
                         f"id {k} at {v[k, 0]}, {acked[k]} acknowledged"]
         return []
 
-    def _elections(self) -> list[str]:
-        """S10: a slot's unclean election names the server whose rows of it are newest (log positions, over the
-        tables, as the servers hold them now: the elected one's only grow)."""
-        elected, self.elected = self.elected, []
-        out = []
-        for who, slot, epoch in elected:
-            keys = {}
-            for server in self.run.servers.values():
-                if not server.up or server.svc is None:
-                    continue
-                keys[server.name] = tuple(_position_key(server.svc._tables[t].log.positions[slot])
-                                          if t in server.svc._tables else (-1, -1) for t in LEDGERS)
-            if who in keys:
-                newer = [name for name, key in keys.items() if key > keys[who]]
-                if newer:
-                    out.append(f"S10: epoch {epoch} elects {who} for slot {slot} with rows at {keys[who]}; "
-                               f"{newer[0]} holds newer ones, at {keys[newer[0]]}")
-        return out
+    def _election(self, m: ShardMap, who: str, slot: int) -> list[str]:
+        """S10: a slot's unclean election names a server whose rows of it, as the servers registered them with
+        the scheduler (their log positions, table by table), are the newest of the servers up."""
+        registered = self.run.scheduler.core.positions
+        up = [e.id for e in m.servers if e.up and e.id in registered]
+
+        def key(server: str) -> tuple:
+            return tuple(registered.get(server, {}).get(t, {}).get(slot, (0, 0)) for t in sorted(m.tables))
+
+        newer = [s for s in up if key(s) > key(who)]
+        if newer:
+            return [f"S10: epoch {m.epoch} elects {who} for slot {slot} with rows at {key(who)}; {newer[0]} "
+                    f"registered newer ones, at {key(newer[0])}"]
+        return []
 
     # --- S5: the same position, the same rows ---
     def _order(self) -> list[str]:

@@ -4,7 +4,7 @@ checked after the busy phase, and the safety properties only a settled cluster c
 - ``converged``: every slot has 1 + replicas in-sync copies (as many as servers are up), no move pending,
   every push settled (L1, L3).
 - ``why_not`` names the property a run that did not converge by its deadline broke: L3 (a move, drain or
-  rebalance still pending), L4 (a stream still holding items: wedged), else L1.
+  rebalance still pending), L1 (a slot short of in-sync copies), else L4 (pushes never settled: wedged).
 - ``check_settled`` once converged: the streams drain within the deadline (L4), every in-sync copy holds its
   primary's rows, values and presence (S11, S3: ``admin verify``'s check), no up server is left without a copy
   while another holds several (L2, with auto-rebalance), and with hosts no slot's copies share a host while
@@ -17,8 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from tigana.ps import domains
-from tigana.ps.routing import IN_SYNC, slot_of
+from tigana.ps.routing import CATCHING_UP, IN_SYNC, slot_of
 from tigana.tools.sim.exactness import LEDGERS
 
 __all__ = ["check_settled", "converged", "why_not"]
@@ -46,7 +45,10 @@ def why_not(run: Any) -> str:
     m = core.map
     s = m.summary()
     lag = {name: n for name, n in _lag(run).items() if n}
-    rule = "L3" if core.target is not None else "L4" if lag else "L1"
+    up = sum(1 for e in m.servers if e.up)
+    replicated = (bool(((m.copies >= 0) & (m.states == IN_SYNC)).sum(axis=1).min() >= min(1 + run.s.replicas, up))
+                  and not ((m.copies >= 0) & (m.states != IN_SYNC)).any())
+    rule = "L3" if core.target is not None else "L1" if not replicated else "L4"
     return (f"{rule}: not converged {run.s.converge_s:.0f}s after the busy phase (epoch {m.epoch}: {s}, target "
             f"{'set' if core.target is not None else 'none'}, items queued {lag or 'none'}, pushes in flight "
             f"{sum(c.in_flight for c in run.clients)})")
@@ -119,17 +121,22 @@ def _balanced(run: Any) -> list[str]:
 
 
 def _apart(run: Any) -> list[str]:
-    """S12, with hosts: no slot's copies share a host while the servers that may hold copies (up, not
+    """S12, with hosts: no slot's in-sync copies share a host while the servers that may hold copies (up, not
     draining) span as many hosts as a slot has copies (placement keeps them apart; docs/cluster.md). Where
-    they do not, the slots are domain-degraded, which status reports."""
+    they do not, the slots are domain-degraded, which status reports. The hosts are the simulation's own."""
     if run.s.hosts <= 0:
         return []
     core = run.scheduler.core
-    groups = core.domain_groups()
-    apart = domains.collapsed(core.map.copies, groups) if groups is not None else np.zeros(1, bool)
-    if apart.any():
-        slot = int(np.flatnonzero(apart)[0])
-        m = core.map
-        return [f"S12: slot {slot}'s in-sync copies share a host at convergence (epoch {m.epoch}: "
-                f"{[m.servers[int(c)].id for c in m.copies[slot] if c >= 0]})"]
+    m = core.map
+    host = np.array([run.servers[e.id].domain.host if e.id in run.servers else e.id for e in m.servers])
+    usable = [i for i, e in enumerate(m.servers) if e.up and e.id not in core.draining]
+    if len({host[i] for i in usable}) < 1 + run.s.replicas:
+        return []
+    counted = (m.copies >= 0) & (m.states != CATCHING_UP)
+    hosts = np.where(counted, host[np.clip(m.copies, 0, None)], "")
+    for slot in range(m.num_slots):
+        held = [h for h in hosts[slot] if h]
+        if len(set(held)) < len(held):
+            return [f"S12: slot {slot}'s in-sync copies share a host at convergence (epoch {m.epoch}: "
+                    f"{[m.servers[int(c)].id for c in m.copies[slot] if c >= 0]}, hosts {held})"]
     return []

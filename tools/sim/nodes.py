@@ -52,14 +52,27 @@ class _Security:
         return _Channel()
 
 
+class _WatchedStore(FileMapStore):
+    """The scheduler's store, telling ``saved`` every map it persists, in order (the checkers see each one,
+    also those a single event changed twice and announced once)."""
+
+    def __init__(self, folder: Path, saved: Callable[[ShardMap], None]) -> None:
+        super().__init__(folder)
+        self._saved = saved
+
+    def save(self, state: Any) -> None:
+        super().save(state)
+        self._saved(state.map)
+
+
 class SchedulerNode:
     """The scheduler: the real ``SchedulerCore`` (in its ``SchedulerDriver``, probes answered "unknown") on the world's clock and a store in ``folder``; ``restart``
     loads a new core from the store (a crash: nothing but the store survives)."""
 
     def __init__(self, world: World, net: Net, folder: Path, config: SchedulerConfig,
-                 announce: Callable[[ShardMap], None]) -> None:
+                 announce: Callable[[ShardMap], None], saved: Callable[[ShardMap], None] = lambda m: None) -> None:
         self.world, self.net, self.folder, self.config = world, net, folder, config
-        self._announce = announce
+        self._announce, self._saved = announce, saved
         self.up = True
         self.skew = 0.0  # how far this machine's clock is ahead of the world's (a clock jump)
         self.demoted_before = 0.0  # copies the cores replaced by restarts demoted
@@ -69,7 +82,7 @@ class SchedulerNode:
         return self.world.now + self.skew
 
     def _core(self) -> SchedulerDriver:
-        return SchedulerDriver(self.config, FileMapStore(self.folder), announce=self._announce, probe=None,
+        return SchedulerDriver(self.config, _WatchedStore(self.folder, self._saved), announce=self._announce, probe=None,
                                clock=self.clock, cluster_id=f"sim{self.world.seed}")
 
     def demotions(self, reason: str = "replication_failed") -> int:

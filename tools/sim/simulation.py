@@ -107,7 +107,8 @@ class _Run:
         self.checkers = Checkers(self)
         config = SchedulerConfig(replicas=settings.replicas, num_slots=settings.num_slots, heartbeat_timeout_s=3.0,
                                  auto_rebalance=settings.auto_rebalance)
-        self.scheduler = SchedulerNode(self.world, self.net, folder / "scheduler", config, self._announce)
+        self.scheduler = SchedulerNode(self.world, self.net, folder / "scheduler", config, self._announce,
+                                       saved=self.checkers.on_map)
         self.ledger = Ledger(settings.ids)
         for name in LEDGERS:
             self.ledger.table(name)
@@ -121,6 +122,7 @@ class _Run:
         self.scratch = 0
         self._demoted_seen = 0
         self._fault_seen = False
+        self._demotions_due: list[tuple[float, str]] = []
         self.late_reports_s = 0.0  # a fault: caught-up reports delivered again this much later
         self.script = sorted(settings.script, key=lambda op: op.at)
         for _ in range(settings.servers):
@@ -134,7 +136,6 @@ class _Run:
         return server.up if server is not None else name.startswith("c")  # clients never crash here
 
     def _announce(self, m) -> None:
-        self.checkers.on_map(m)
         for server in list(self.servers.values()):
             self.net.call("scheduler", server.name, lambda s=server: s.install(m), lambda r, e: None)
 
@@ -203,7 +204,9 @@ class _Run:
             if not busy and converged_at is None and converged(self):
                 converged_at = w.now
                 self.out.violations += check_settled(self, heal_by)
+                self._check(final=True)
                 break
+        self.out.violations += [text for _, text in self._demotions_due]
         if converged_at is None and not self.out.violations:
             self.out.violations.append(why_not(self))
         self.out.convergence_s = None if converged_at is None else converged_at - end_busy
@@ -252,18 +255,22 @@ class _Run:
         self.log("healed: partitions lifted, every node up")
 
     # --- invariants ---
-    def _check(self) -> None:
+    def _check(self, final: bool = False) -> None:
         for c in self.clients:
             if c.doubled:
                 self.out.violations.append(c.doubled[0])
+        self.out.violations += self.checkers.after_step()
         demoted = self.scheduler.demotions()
         self._fault_seen |= self.faulty  # what a fault set off may end after the heal: counted as faulty
         if not self._fault_seen and demoted > self._demoted_seen:
             self.out.demotions_without_fault += demoted - self._demoted_seen
-            self.out.violations.append(f"no-demotion: {demoted - self._demoted_seen} cop(ies) demoted with no fault "
-                                       "(planned operations only: docs/replication.md, no failure, no demotion)")
+            # reported a second later: the loss the demotion comes with, when there is one, names the cause
+            self._demotions_due.append((self.world.now + 1.0, f"no-demotion: {demoted - self._demoted_seen} cop(ies) "
+                                        "demoted with no fault (docs/replication.md, no failure, no demotion)"))
+        while self._demotions_due and (self._demotions_due[0][0] <= self.world.now or self.out.violations
+                                       or final):
+            self.out.violations.append(self._demotions_due.pop(0)[1])
         self._demoted_seen = demoted
-        self.out.violations += self.checkers.after_step()
         if self.out.violations:
             self.world.log(f"VIOLATION {self.out.violations[0]}")
 
