@@ -103,6 +103,7 @@ class Checkers:
         old_up = np.array([e.up for e in old.servers], bool)
         boots = {e.id: e.boot for e in new.servers}
         old_boots = {e.id: e.boot for e in old.servers}
+        new_up = {e.id: e.up for e in new.servers}
         for slot in range(new.num_slots):
             row, states = new.copies[slot], new.states[slot]
             was, was_states = old.copies[slot], old.states[slot]
@@ -112,7 +113,9 @@ class Checkers:
             primary = new_ids[int(row[0])] if row[0] >= 0 else None
             old_primary = old_ids[int(was[0])] if was[0] >= 0 else None
             if primary is not None and primary != old_primary:
-                if old_primary is not None and int(was_states[0]) != HANDING_OVER:
+                # planned: a hand-over its old primary completed (it drained first); unplanned: a failover,
+                # also one that cut a hand-over short (its old primary declared dead meanwhile)
+                if old_primary is not None and (int(was_states[0]) != HANDING_OVER or not new_up.get(old_primary)):
                     self.exact.primary_lost(np.array([slot]))
                 if before.get(primary, CATCHING_UP) != CATCHING_UP and boots.get(primary) == old_boots.get(primary):
                     pass  # an in-sync copy promoted (or a hand-over completed)
