@@ -4,10 +4,12 @@ after every step (docs/replication.md names them).
 A run has three phases: ``busy`` (pushes, planned operations, and faults when enabled), ``heal`` (faults
 lifted, crashed servers restarted, pushes finishing) and the liveness check: within ``converge_s`` simulated
 seconds every slot must reach 1 + replicas in-sync copies and every push must be settled. Checked after every
-step: S1 (every sync update acknowledged is on every in-sync copy the scheduler's map names) and no double
-apply (no copy above the pushes sent, no pull reading above them). With hosts (``Settings.hosts``), servers sit
-in failure domains, a fault can crash every server of one host at once (``domain_crash``), and at convergence no
-slot's in-sync copies may share a host while enough hosts are up. With data dirs (``snapshot_every_s``), S1
+step: every safety property (``checkers.Checkers``, the ledger exactly: ``exactness.Exactness``), no pull
+reading above the pushes sent, and no copy demoted before any fault; at convergence and at the deadline the
+liveness ones and what only a settled cluster shows (``convergence``). With hosts (``Settings.hosts``), servers
+sit in failure domains, a fault can crash every server of one host at once (``domain_crash``), and at
+convergence no slot's in-sync copies may share a host while enough hosts are up. With data dirs
+(``snapshot_every_s``), S1
 is relaxed exactly as docs/replication.md says: a slot that lost every in-sync copy at once may miss what was
 acknowledged after its newest snapshot (``disk.lose_slots``). Operations are random (``operations.operate``)
 or scripted (``Settings.script``, a tuple of ``operations.Op``). The ``Outcome`` carries the first violation,
