@@ -68,7 +68,7 @@ def test_a_failing_run_prints_a_minimal_trace() -> None:
 @pytest.mark.parametrize("seed", range(100, 140))
 def test_many_short_seeds_keep_every_invariant(seed: int) -> None:
     # Forty more schedules, short busy phases (every checker of docs/replication.md, "Checked by simulation").
-    out = run_seed(seed, Settings(busy_s=2.5, faults=True, ops_per_s=2.0))
+    out = run_seed(seed, Settings(busy_s=2.0, faults=True, ops_per_s=2.5))
     assert out.ok, (out.violations, "\n".join(out.minimal_trace(120)))
     assert out.convergence_s is not None
 
