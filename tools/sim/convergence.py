@@ -2,13 +2,14 @@
 checked after the busy phase, and the safety properties only a settled cluster can be held to.
 
 - ``converged``: every slot has 1 + replicas in-sync copies (as many as servers are up), no move pending,
-  every push settled (L1, L3).
+  every push settled, and with auto-rebalance no up server left without a copy while another holds several
+  (L1, L2, L3).
 - ``why_not`` names the property a run that did not converge by its deadline broke: L3 (a move, drain or
-  rebalance still pending), L1 (a slot short of in-sync copies), else L4 (pushes never settled: wedged).
+  rebalance still pending), L1 (a slot short of in-sync copies), L2 (a server left idle), else L4 (pushes
+  never settled: wedged).
 - ``check_settled`` once converged: the streams drain within the deadline (L4), every in-sync copy holds its
-  primary's rows, values and presence (S11, S3: ``admin verify``'s check), no up server is left without a copy
-  while another holds several (L2, with auto-rebalance), and with hosts no slot's copies share a host while
-  enough hosts are up (S12).
+  primary's rows, values and presence (S11, S3: ``admin verify``'s check), and with hosts no slot's copies
+  share a host while enough hosts are up (S12).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def converged(run: Any) -> bool:
     want = min(1 + run.s.replicas, up)
     return (run.scheduler.core.target is None and all(c.in_flight == 0 for c in run.clients)
             and bool(((m.copies >= 0) & (m.states == IN_SYNC)).sum(axis=1).min() >= want)
-            and not ((m.copies >= 0) & (m.states != IN_SYNC)).any())
+            and not ((m.copies >= 0) & (m.states != IN_SYNC)).any() and not _idle(run))
 
 
 def _lag(run: Any) -> dict[str, float]:
@@ -48,16 +49,17 @@ def why_not(run: Any) -> str:
     up = sum(1 for e in m.servers if e.up)
     replicated = (bool(((m.copies >= 0) & (m.states == IN_SYNC)).sum(axis=1).min() >= min(1 + run.s.replicas, up))
                   and not ((m.copies >= 0) & (m.states != IN_SYNC)).any())
-    rule = "L3" if core.target is not None else "L1" if not replicated else "L4"
+    idle = _idle(run)
+    rule = "L3" if core.target is not None else "L1" if not replicated else "L2" if idle else "L4"
     return (f"{rule}: not converged {run.s.converge_s:.0f}s after the busy phase (epoch {m.epoch}: {s}, target "
             f"{'set' if core.target is not None else 'none'}, items queued {lag or 'none'}, pushes in flight "
-            f"{sum(c.in_flight for c in run.clients)})")
+            f"{sum(c.in_flight for c in run.clients)}{'; ' + idle if idle else ''})")
 
 
 def check_settled(run: Any, deadline: float) -> list[str]:
-    """Once converged: the violations of L4, S11, S12 and L2 (empty: none)."""
+    """Once converged: the violations of L4, S11 and S12 (empty: none)."""
     out = _drained(run, deadline)
-    return out or _copies_equal(run) or _apart(run) or _balanced(run)
+    return out or _copies_equal(run) or _apart(run)
 
 
 def _drained(run: Any, deadline: float) -> list[str]:
@@ -106,18 +108,18 @@ def _copies_equal(run: Any) -> list[str]:
     return []
 
 
-def _balanced(run: Any) -> list[str]:
-    """L2: with auto-rebalance, no up server that may hold copies holds none while another holds several."""
+def _idle(run: Any) -> str:
+    """L2, with auto-rebalance: an up server that may hold copies holding none while another holds several
+    (what keeps a run from converging: it gets its share within the deadline, with no admin command)."""
     core = run.scheduler.core
     if not run.s.auto_rebalance:
-        return []
+        return ""
     m = core.map
     counts = {e.id: int((m.copies == i).sum()) for i, e in enumerate(m.servers)
               if e.up and e.id not in core.draining}
     if counts and min(counts.values()) == 0 and max(counts.values()) > 1:
-        idle = min(counts, key=counts.get)
-        return [f"L2: {idle} holds no copy at convergence (epoch {m.epoch}) while others hold {counts}"]
-    return []
+        return f"{min(counts, key=counts.get)} holds no copy while others hold {counts}"
+    return ""
 
 
 def _apart(run: Any) -> list[str]:
