@@ -20,6 +20,7 @@ from tigana.ps.scheduler.driver import SchedulerDriver
 from tigana.ps.scheduler.moves import Moves
 from tigana.ps.shard.ownership import Ownership
 from tigana.tools.sim import Op, Settings, run_seed
+from tigana.tools.sim.nodes import SchedulerNode
 from tigana.tools.sim.simulation import Outcome
 
 FAULTS = dict(busy_s=5.0, faults=True, ops_per_s=1.5, converge_s=20.0)
@@ -90,6 +91,22 @@ def test_s5_an_item_applied_where_it_does_not_follow(monkeypatch: pytest.MonkeyP
 def test_s6_a_duplicate_push_applied_again(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(DedupWindow, "applied", lambda self, client_id, seq, slots: np.zeros(len(slots), bool))
     fires("S6", range(3), **FAULTS)
+
+
+def test_s7_a_hand_over_reported_before_its_stream_drained(monkeypatch: pytest.MonkeyPatch) -> None:
+    def hand_over(self, timeout_s: float) -> bool:  # noqa: ANN001
+        view = self._view
+        if self.agent is None or not view.valid or not view.fenced.any():
+            return False
+        self.agent.handover_ready(np.flatnonzero(view.fenced).astype(np.int32), view.epoch)
+        return True
+
+    monkeypatch.setattr(Ownership, "hand_over", hand_over)
+    # The copy the early hand-over leaves behind is demoted first ("no failure, no demotion" fires then); the
+    # demotion count is hidden here so that the run goes on to the loss it comes with.
+    monkeypatch.setattr(SchedulerNode, "demotions", lambda self, reason="replication_failed": 0)
+    script = tuple(Op(2.0 + 0.4 * k, "move_primary", f"replica:{k}", slot=k) for k in range(12))
+    fires("S7", range(3), busy_s=8.0, script=script, **QUIET)
 
 
 def test_s8_a_push_applied_in_part(monkeypatch: pytest.MonkeyPatch) -> None:
