@@ -20,7 +20,6 @@ with an in-sync copy here (``stream``), so a map change with items in flight dem
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -197,7 +196,8 @@ def apply_item(msg: Any, source: str, request_epoch: int, hosted_of: Callable[[s
                 # The slots' old rows are deleted below, a chunk per lock hold; nothing can land in them
                 # meanwhile: this stream's later items wait for this one, the new copy's rows wait for the change
                 # lane to pass it (S11), and an older copy's rows are no longer admitted once this one began.
-                hosted.table.tombstones_unknown_before(time.time())  # the copy's rows come from elsewhere: so do removals
+                # the copy's rows come from elsewhere: so do removals (on the table's clock, which stamps them)
+                hosted.table.tombstones_unknown_before(hosted.table.wall_clock())
                 hosted.dedup.forget_slots(slots)
                 hosted.dedup.merge(item.dedup)
                 hosted.log.reset(slots, item.prev)

@@ -14,6 +14,7 @@ import hashlib
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -71,8 +72,11 @@ class HostedTables:
     Nothing here waits on the network."""
 
     def __init__(self, config: ServerConfig, catalog: Catalog | None, *, clustered: bool,
-                 epoch: Callable[[], int], leads_ids: Callable[[np.ndarray], np.ndarray]) -> None:
+                 epoch: Callable[[], int], leads_ids: Callable[[np.ndarray], np.ndarray],
+                 wall_clock: Callable[[], float] | None = None) -> None:
         self.config, self.catalog, self.clustered = config, catalog, clustered
+        # the server's wall clock, handed to every table it makes (rows' update times and removals)
+        self.wall_clock: Callable[[], float] = wall_clock or (lambda: time.time())
         self.num_slots = config.num_slots
         self.lock = threading.RLock()  # the registry lock
         self._epoch, self._leads_ids = epoch, leads_ids
@@ -185,6 +189,7 @@ class HostedTables:
                    slot_log: SlotLog | None = None) -> _Hosted:
         """A ``_Hosted`` for ``spec`` (a new engine table with ``effective`` settings unless given), not served."""
         table = table or EmbeddingTable(self.effective(spec.config))
+        table.wall_clock = self.wall_clock  # rows' update times and removals on the server's wall clock
         if self.clustered:  # only the primary of a row decides its eviction; copies apply it (replication)
             table.set_evictable(self._leads_ids)
         return _Hosted(spec, table, dedup or DedupWindow(self.num_slots, self.config.dedup_window),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -47,8 +48,10 @@ class Ownership:
     registry lock, then every table's write lock in name order; no RPC and no wait runs under any of them."""
 
     def __init__(self, config: ServerConfig, server_id: str, boot: str, holdings: Holdings, tables: HostedTables,
-                 persistence: Persistence, replicator: Replicator | None, links: ServerLinks) -> None:
+                 persistence: Persistence, replicator: Replicator | None, links: ServerLinks,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config, self.server_id, self.boot = config, server_id, boot
+        self.clock = clock  # request-rate decay (the simulator's world clock there)
         self.num_slots = config.num_slots
         self.holdings, self.tables, self.persistence = holdings, tables, persistence
         self.replicator, self.links = replicator, links
@@ -57,7 +60,7 @@ class Ownership:
         self._handover_started = False
         self._drop_lock = threading.Lock()
         self._drop_wanted = self._drop_running = False  # rows of slots no longer held to delete; a worker at it
-        self._last_decay = time.monotonic()
+        self._last_decay = clock()
 
     def cluster_figures(self) -> dict[str, float]:
         """Epoch, slots led/held/catching up and replication lag (the metrics endpoint and heartbeats)."""
@@ -230,7 +233,7 @@ class Ownership:
     def maintain(self) -> None:
         """Periodic work (the daemon calls it about once a second): decay request rates, restart broken
         streams nothing depends on, report again what the scheduler missed. Takes each table's lock briefly."""
-        now = time.monotonic()
+        now = self.clock()
         dt = max(1e-3, now - self._last_decay)
         self._last_decay = now
         keep = 0.5 ** (dt / _RATE_HALF_LIFE_S)

@@ -64,7 +64,9 @@ class ShardService(shard_pb2_grpc.ShardServicer):
     def __init__(self, config: ServerConfig, metrics: ServerMetrics | None = None, *,
                  security: Security = NONE, clock: Callable[[], float] = time.monotonic,
                  spawn: Callable[[str, Callable[[], None]], None] | None = None, boot: str | None = None,
-                 generation: int | None = None) -> None:
+                 generation: int | None = None, wall_clock: Callable[[], float] | None = None) -> None:
+        """``clock``: monotonic time (replication deadlines, request-rate decay); ``wall_clock``: the time rows
+        and cuts are stamped with (default ``time.time``, looked up at each call); a simulator passes its world's."""
         self.config = config
         self.security = security
         self.num_slots = config.num_slots
@@ -79,7 +81,8 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         self.holdings = Holdings(self.server_id, self.num_slots, self.links, clustered=self.clustered,
                                  owned=None if self.clustered else config.owned_slots())
         self.tables = HostedTables(config, self.catalog, clustered=self.clustered,
-                                   epoch=lambda: self.holdings.epoch, leads_ids=self.holdings.leads_ids)
+                                   epoch=lambda: self.holdings.epoch, leads_ids=self.holdings.leads_ids,
+                                   wall_clock=wall_clock)
         self.persistence = Persistence(config, self.tables, self.holdings, self.catalog, clustered=self.clustered)
         self.replicator: Replicator | None = None
         if self.clustered:
@@ -96,12 +99,12 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                 max_queue_bytes=config.replication_queue_bytes, copy_rate=config.copy_rate,
                 channel=security.channel, clock=clock, spawn=spawn, generation=generation)
         self.ownership = Ownership(config, self.server_id, self.boot, self.holdings, self.tables, self.persistence,
-                                   self.replicator, self.links)
+                                   self.replicator, self.links, clock=clock)
         self.metrics = metrics or ServerMetrics(self.tables.sizes, self.ownership.cluster_figures)
         self.writes = WritePath(config, self.tables, self.holdings, self.replicator, self.metrics, self.links,
                                 self.server_id)
-        # a cut's server_time (tables stamp their rows); looked up at each call, so a test may patch time.time
-        self.cuts = Cuts(self.tables, self.holdings, lambda: time.time())
+        # a cut's server_time: the clock the tables stamp their rows with
+        self.cuts = Cuts(self.tables, self.holdings, self.tables.wall_clock)
         self.exports = Exports(self.tables, self.holdings, self.writes, self.cuts, self.replicator, self.links,
                                server_id=self.server_id, data_dir=data_dir, ack_timeout_s=config.ack_timeout_s)
         self.receiver = Receiver(self.server_id, self.tables, self.holdings, self.links)

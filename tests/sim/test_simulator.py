@@ -63,3 +63,35 @@ def test_a_failing_run_prints_a_minimal_trace() -> None:
              "sync for slot 3 at epoch 9) has ledger_sync id 7 at 0, 1 acknowledged"]
     kept = shrink(trace, "S1: s2 (in sync for slot 3 at epoch 9) has ledger_sync id 7 at 0, 1 acknowledged")
     assert kept == [trace[0], trace[2], trace[3], trace[4]]
+
+
+@pytest.mark.parametrize("seed", range(100, 140))
+def test_many_short_seeds_keep_every_invariant(seed: int) -> None:
+    # Forty more schedules, short busy phases (every checker of docs/replication.md, "Checked by simulation").
+    out = run_seed(seed, Settings(busy_s=2.0, faults=True, ops_per_s=2.5))
+    assert out.ok, (out.violations, "\n".join(out.minimal_trace(120)))
+    assert out.convergence_s is not None
+
+
+def test_servers_read_the_worlds_clocks_only(tmp_path) -> None:  # noqa: ANN001
+    # The README's start-up with the tables made before the joins: each joiner's copies begin with a
+    # SNAPSHOT_BEGIN, whose apply marks the table's removals unknown before "now": the table's own clock (the
+    # server's wall clock, the world's in a simulation), as its rows' update times are; rate decay too.
+    from tigana.tools.testing.sim import Op
+    from tigana.tools.testing.sim.nodes import WALL_BASE
+    from tigana.tools.testing.sim.simulation import _Run
+
+    script = (Op(1.0, "join"), Op(1.5, "join"))
+    run = _Run(3, Settings(servers=1, busy_s=3.0, script=script, tables_at_s=0.5, faults=False), tmp_path)
+    try:
+        out = run.run()
+        assert out.ok, out.violations
+        for name in ("s1", "s2"):
+            svc = run.servers[name].svc
+            for table in ("ledger_sync", "ledger_async"):
+                floor = svc._tables[table].table._tombstones.floor
+                assert WALL_BASE <= floor <= WALL_BASE + run.world.now, (name, table, floor)
+            assert svc._last_decay <= run.world.now
+    finally:
+        for server in run.servers.values():
+            server.close()

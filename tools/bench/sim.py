@@ -4,7 +4,8 @@ Each seed runs the real scheduler core and shard services over a simulated netwo
 and faults, checking the invariants of docs/replication.md after every step. One JSON line: ``seeds``,
 ``steps``, ``violations`` (seeds that broke an invariant, with the first ones named and how to replay them),
 ``slowest_convergence_s`` (simulated seconds from the end of the busy phase to a fully replicated, settled
-cluster). The peer is the target: 0 violations. Exit 1 on any violation.
+cluster), ``sim_speed`` (simulated seconds per wall second, every checker included). The peer is the target:
+0 violations. Exit 1 on any violation.
 
 Replay one seed with its minimal trace: ``tigana bench sim --seed-from 17 --seeds 1 --trace`` (a failing
 seed prints its replay command). ``--snapshot-every S`` gives the servers data dirs, snapshots every S
@@ -48,10 +49,11 @@ def run(args: argparse.Namespace) -> int:
               f"{'' if args.faults else ' --no-faults'}{f' --hosts {args.hosts}' if args.hosts else ''}"
               f"{f' --snapshot-every {args.snapshot_every:g}' if args.snapshot_every else ''} --trace")
     started = time.perf_counter()
-    steps, failing, slowest, acked, demoted, pulls = 0, [], 0.0, 0, 0, 0
+    steps, failing, slowest, acked, demoted, pulls, simulated = 0, [], 0.0, 0, 0, 0, 0.0
     for seed in range(args.seed_from, args.seed_from + seeds):
         out = run_seed(seed, settings)
         steps += out.steps
+        simulated += out.simulated_s
         acked += out.acked
         demoted += out.demotions_without_fault
         pulls += out.pulls
@@ -63,9 +65,10 @@ def run(args: argparse.Namespace) -> int:
             log(f"bench sim: replay: {replay.replace('SEED', str(seed))}")
             if args.trace:
                 log("\n".join(out.minimal_trace()))
+    wall = time.perf_counter() - started
     emit("sim", "violations", float(len(failing)), "target", 0.0, seeds=seeds, seed_from=args.seed_from,
          steps=steps, violations=len(failing), failing=failing[:10], slowest_convergence_s=round(slowest, 3),
          acked_pushes=acked, faults=bool(args.faults), busy_s=args.busy, servers=args.servers,
          snapshot_every_s=args.snapshot_every, hosts=args.hosts, demotions_without_fault=demoted, pulls=pulls,
-         seconds=round(time.perf_counter() - started, 1), replay=replay)
+         seconds=round(wall, 1), simulated_s=round(simulated, 1), sim_speed=round(simulated / wall, 2), replay=replay)
     return 1 if failing else 0

@@ -1,8 +1,12 @@
 """A simulated trainer: ledger pushes routed by its map, retried (same client id and seq) until acknowledged.
 
-Every push adds exactly 1 to each element of its ids' rows (SGD, lr 1, zero rows, gradient -1), so the
-ledger knows, per table and id, how many pushes were acknowledged (``acked``) and how many distinct pushes
-were ever sent (``sent``): a copy below ``acked`` lost an update, anything above ``sent`` applied one twice.
+Every push adds 1 to column 0 of its ids' rows and its own weight (``push_weight``: 1..1000, from its client
+and seq) to column 1 (SGD, lr 1, zero rows, gradient -1 and -weight), so the ledger knows, per table and id,
+how many pushes were acknowledged (``acked``, their weights ``acked_w``) and sent (``sent``, ``sent_w``), and
+which pushes are still in doubt (``doubt``: sent, some ids not acknowledged; given-up pushes stay there). A
+copy that must hold every acknowledged push holds exactly ``acked`` plus the pushes in doubt its exactly-once
+window says it applied, in both columns: one push applied twice and another lost do not cancel out, as their
+weights differ (``tools.sim.exactness``).
 """
 
 from __future__ import annotations
@@ -23,28 +27,60 @@ __all__ = ["Ledger", "SimClient"]
 DIM = 2
 
 
-@dataclass
-class Ledger:
-    ids: int
-    acked: dict[str, np.ndarray] = field(default_factory=dict)
-    sent: dict[str, np.ndarray] = field(default_factory=dict)
-    lost_at: np.ndarray | None = None  # per id: when every copy of its slot was last lost (-inf: never)
-
-    def __post_init__(self) -> None:
-        self.lost_at = np.full(self.ids, -np.inf)
-
-    def table(self, name: str) -> None:
-        self.acked.setdefault(name, np.zeros(self.ids, np.int64))
-        self.sent.setdefault(name, np.zeros(self.ids, np.int64))
-
-
-@dataclass
+@dataclass(eq=False)
 class _Push:
     table: str
     ids: np.ndarray
     seq: int
     left: set[int] = field(default_factory=set)  # part numbers not yet acknowledged
     started: float = 0.0
+    client_id: str = ""
+    weight: int = 1
+    pending: np.ndarray | None = None  # per id: not acknowledged yet
+    slots: np.ndarray | None = None  # per id: its slot (set by the checkers)
+
+    def __post_init__(self) -> None:
+        if self.pending is None:
+            self.pending = np.ones(self.ids.size, bool)
+
+
+@dataclass
+class Ledger:
+    ids: int
+    acked: dict[str, np.ndarray] = field(default_factory=dict)
+    sent: dict[str, np.ndarray] = field(default_factory=dict)
+    acked_w: dict[str, np.ndarray] = field(default_factory=dict)
+    sent_w: dict[str, np.ndarray] = field(default_factory=dict)
+    doubt: dict[str, dict[tuple[str, int], _Push]] = field(default_factory=dict)  # (client id, seq) -> push
+    lost_at: np.ndarray | None = None  # per id: when every copy of its slot was last lost (-inf: never)
+
+    def __post_init__(self) -> None:
+        self.lost_at = np.full(self.ids, -np.inf)
+
+    def table(self, name: str) -> None:
+        for book in (self.acked, self.sent, self.acked_w, self.sent_w):
+            book.setdefault(name, np.zeros(self.ids, np.int64))
+        self.doubt.setdefault(name, {})
+
+    def sent_push(self, p: _Push) -> None:
+        self.sent[p.table][p.ids] += 1
+        self.sent_w[p.table][p.ids] += p.weight
+        self.doubt[p.table][(p.client_id, p.seq)] = p
+
+    def acked_part(self, p: _Push, sub: np.ndarray, counted: np.ndarray) -> None:
+        """Ids ``sub`` of push ``p`` acknowledged; ``counted``, those of them the ledger keeps (not lost with
+        every copy of their slot meanwhile, ``disk.lose_slots``)."""
+        self.acked[p.table][counted] += 1
+        self.acked_w[p.table][counted] += p.weight
+        p.pending &= ~np.isin(p.ids, sub)
+        if not p.pending.any():
+            self.doubt[p.table].pop((p.client_id, p.seq), None)
+
+
+def push_weight(stamp: int, seq: int) -> int:
+    """A push's weight (what it adds to column 1 of its rows): 1..1000, from its client and seq (no draw from
+    the world's random source, so the workload's schedule does not depend on it)."""
+    return 1 + (seq * 7919 + stamp * 104_729) % 1000
 
 
 class SimClient:
@@ -54,6 +90,7 @@ class SimClient:
                  ledger: Ledger, num_slots: int, give_up_s: float = 60.0) -> None:
         self.world, self.net, self.name, self.scheduler, self.servers = world, net, name, scheduler, servers
         self.client_id = f"{stamp:016x}.{name:0>32}"[:49]
+        self.stamp = stamp
         self.ledger, self.num_slots, self.give_up_s = ledger, num_slots, give_up_s
         self.map: ShardMap | None = None
         self.seq = 0
@@ -74,9 +111,10 @@ class SimClient:
 
     def push(self, table: str, ids: np.ndarray) -> None:
         self.seq += 1
-        p = _Push(table, ids, self.seq, started=self.world.now)
+        p = _Push(table, ids, self.seq, started=self.world.now, client_id=self.client_id,
+                  weight=push_weight(self.stamp, self.seq))
         self.pushes[self.seq] = p
-        self.ledger.sent[table][ids] += 1
+        self.ledger.sent_push(p)
         self._send(p, ids, part=0)
 
     def _send(self, p: _Push, ids: np.ndarray, part: int) -> None:
@@ -97,7 +135,8 @@ class SimClient:
                 continue
             server = self.servers[m.servers[int(o)].id]
             request = pb.PushRequest(table=p.table, ids=wire.encode_ids(sub),
-                                     grads=wire.encode_rows(-np.ones((sub.size, DIM), np.float32)),
+                                     grads=wire.encode_rows(np.repeat([[-1.0, -p.weight]], sub.size, 0)
+                                                            .astype(np.float32)),
                                      client_id=self.client_id, seq=p.seq, epoch=m.epoch)
             waiting = {"open": True, "sent": self.world.now}
 
@@ -106,7 +145,7 @@ class SimClient:
                     return
                 waiting["open"] = False
                 if error is None:
-                    self._part_done(p, key, sub[self.ledger.lost_at[sub] < waiting["sent"]])
+                    self._part_done(p, key, sub, sub[self.ledger.lost_at[sub] < waiting["sent"]])
                 elif isinstance(error, TableNotFound) and p.table.startswith("scratch"):
                     self._dropped(p)  # its table was dropped meanwhile: the push ends there
                 elif isinstance(error, (PSError, Lost)):
@@ -156,11 +195,11 @@ class SimClient:
         self.refresh()
         self._send(p, sub, part=key)
 
-    def _part_done(self, p: _Push, key: int, sub: np.ndarray) -> None:
+    def _part_done(self, p: _Push, key: int, sub: np.ndarray, counted: np.ndarray) -> None:
         # A part's acknowledgement is the server's promise for its ids (a later part may fail or be lost); an
         # answer that crossed the loss of every copy of its slot promises nothing (``disk.lose_slots``).
         if key in p.left and p.seq in self.pushes:
-            self.ledger.acked[p.table][sub] += 1
+            self.ledger.acked_part(p, sub, counted)
         p.left.discard(key)
         if not p.left and p.seq in self.pushes:
             del self.pushes[p.seq]

@@ -34,6 +34,8 @@ from tigana.tools.testing.sim.world import Deferred, Lost, Net, World
 __all__ = ["SchedulerNode", "SimServer"]
 
 SCHEDULER = "scheduler"
+WALL_BASE = 2.0e9  # a simulated machine's wall clock reads this + the world's time (+ its skew): past any real
+# time a table was created at, so that rows and removals the cluster stamps are all in the world's time
 
 
 class _Channel:
@@ -51,14 +53,27 @@ class _Security:
         return _Channel()
 
 
+class _WatchedStore(FileMapStore):
+    """The scheduler's store, telling ``saved`` every map it persists, in order (the checkers see each one,
+    also those a single event changed twice and announced once)."""
+
+    def __init__(self, folder: Path, saved: Callable[[ShardMap], None]) -> None:
+        super().__init__(folder)
+        self._saved = saved
+
+    def save(self, state: Any) -> None:
+        super().save(state)
+        self._saved(state.map)
+
+
 class SchedulerNode:
     """The scheduler: the real ``SchedulerCore`` (in its ``SchedulerDriver``, probes answered "unknown") on the world's clock and a store in ``folder``; ``restart``
     loads a new core from the store (a crash: nothing but the store survives)."""
 
     def __init__(self, world: World, net: Net, folder: Path, config: SchedulerConfig,
-                 announce: Callable[[ShardMap], None]) -> None:
+                 announce: Callable[[ShardMap], None], saved: Callable[[ShardMap], None] = lambda m: None) -> None:
         self.world, self.net, self.folder, self.config = world, net, folder, config
-        self._announce = announce
+        self._announce, self._saved = announce, saved
         self.up = True
         self.skew = 0.0  # how far this machine's clock is ahead of the world's (a clock jump)
         self.demoted_before = 0.0  # copies the cores replaced by restarts demoted
@@ -68,7 +83,7 @@ class SchedulerNode:
         return self.world.now + self.skew
 
     def _core(self) -> SchedulerDriver:
-        return SchedulerDriver(self.config, FileMapStore(self.folder), announce=self._announce, probe=None,
+        return SchedulerDriver(self.config, _WatchedStore(self.folder, self._saved), announce=self._announce, probe=None,
                                clock=self.clock, cluster_id=f"sim{self.world.seed}")
 
     def demotions(self, reason: str = "replication_failed") -> int:
@@ -197,6 +212,8 @@ class SimServer:
                                    copy_rate=None,
                                    data_dir=None if data_dir is None else str(data_dir))
         self.snapshots: list[tuple[float, dict[str, np.ndarray], np.ndarray]] = []  # (time, acked, complete)
+        self.writes = 0  # calls that may have changed its tables (the checkers re-read them only then)
+        self.pushed: list[tuple[pb.PushRequest, Any]] = []  # pushes applied since the checkers last looked
         self.alive = False
         self.paused = False
         self.svc: ShardService | None = None
@@ -209,6 +226,9 @@ class SimServer:
     def clock(self) -> float:
         return self.world.now + self.skew
 
+    def wall_clock(self) -> float:
+        return WALL_BASE + self.world.now + self.skew
+
     def start(self) -> None:
         if self.svc is not None:
             self.svc.close_tables()
@@ -217,7 +237,9 @@ class SimServer:
         self.acks: list[tuple[Any, Deferred, float]] = []
         self.boots = getattr(self, "boots", 0) + 1  # boot ids and stream generations from the seed, not uuid4/clock
         self.svc = ShardService(self.config, security=_Security(), clock=self.clock, spawn=self._spawn,
-                                boot=f"{self.name}-boot{self.boots}", generation=self.boots << 20)
+                                boot=f"{self.name}-boot{self.boots}", generation=self.boots << 20,
+                                wall_clock=self.wall_clock)
+        self.writes += 1
         self.svc.load()  # what its data dir holds: its snapshots, as the daemon does at start (none: nothing)
         self.svc.state = "serving"
         self.agent = RealSimAgent(self) if self.real_agent else SimAgent(self)
@@ -242,6 +264,7 @@ class SimServer:
 
     def install(self, m: ShardMap) -> None:
         if self.up:
+            self.writes += 1
             self.svc.install(m)
 
     # --- one step of the daemon's threads ---
@@ -249,6 +272,7 @@ class SimServer:
         if not self.up:
             return
         tasks, self.tasks = self.tasks, []
+        self.writes += bool(tasks)
         for task in tasks:
             task()
         rep = self.svc.replicator
@@ -277,7 +301,9 @@ class SimServer:
         ``real_sender`` the answer is made by whoever settles the wait, as on the daemon's streams
         (``Replicator.when_done``: an acknowledgement, a map, the deadline); else when a step finds it settled."""
         svc = self.svc
+        self.writes += 1
         pushed = svc.writes.push_apply(request)
+        self.pushed.append((request, pushed))
         answer = Deferred()
         if not self.real_sender or not pushed.marks:
             self.acks.append((pushed, answer, self.clock() + self.config.ack_timeout_s))
@@ -307,6 +333,7 @@ class SimServer:
 
     def pull(self, request: pb.PullRequest) -> np.ndarray:
         """The ``Pull`` handler: the rows read (and, when inserting, the new rows replicated)."""
+        self.writes += 1
         return self.svc.writes.pull(request)[1]
 
     def _settle_acks(self) -> None:
@@ -336,9 +363,11 @@ class SimServer:
 
     def receive(self, source: str, request: bytes) -> pb.ReplicateResponse:
         """The ``Replicate`` handler's body (``Receiver.receive``), without gRPC."""
+        self.writes += 1
         return self.svc.receiver.receive(cluster_wire.decode_replicate_request(request))
 
     def maintain(self) -> None:
         if self.up:
+            self.writes += 1
             self.svc.maintain()
             self.agent.beat()

@@ -30,8 +30,8 @@ class Op:
     """One scripted operation at simulated time ``at``.
 
     ``target`` names a server (``s1``), a table (``scratch0``, for create/drop), or a role resolved when the
-    operation runs: ``primary:SLOT`` (the server leading SLOT) or ``replica:SLOT`` (its first in-sync
-    replica). ``slot`` is the slot of a move, ``seconds`` how long a fault lasts (a pause, a partition, the
+    operation runs: ``primary:SLOT`` (the server leading SLOT), ``replica:SLOT`` (its first in-sync
+    replica) or ``spare:SLOT`` (the first server up that holds no copy of SLOT). ``slot`` is the slot of a move, ``seconds`` how long a fault lasts (a pause, a partition, the
     down time of a crash_restart, a clock jump's size, the delay of late reports). Kinds: create, drop,
     create_async, move, move_primary, rebalance, drain, undrain, join, crash, restart, crash_restart, pause,
     partition (from every other server, not the scheduler), domain_crash (``target`` a host: every server
@@ -54,6 +54,8 @@ def _resolve(run: Any, target: str) -> str:
     row, states = m.copies[int(slot)], m.states[int(slot)]
     if role == "primary":
         return m.servers[int(row[0])].id if row[0] >= 0 else ""
+    if role == "spare":
+        return next((e.id for i, e in enumerate(m.servers) if e.up and i not in row), "")
     picks = [int(k) for k in range(1, row.shape[0]) if row[k] >= 0 and states[k] == IN_SYNC]
     return m.servers[row[picks[0]]].id if picks else ""
 

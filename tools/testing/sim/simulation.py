@@ -4,10 +4,12 @@ after every step (docs/replication.md names them).
 A run has three phases: ``busy`` (pushes, planned operations, and faults when enabled), ``heal`` (faults
 lifted, crashed servers restarted, pushes finishing) and the liveness check: within ``converge_s`` simulated
 seconds every slot must reach 1 + replicas in-sync copies and every push must be settled. Checked after every
-step: S1 (every sync update acknowledged is on every in-sync copy the scheduler's map names) and no double
-apply (no copy above the pushes sent, no pull reading above them). With hosts (``Settings.hosts``), servers sit
-in failure domains, a fault can crash every server of one host at once (``domain_crash``), and at convergence no
-slot's in-sync copies may share a host while enough hosts are up. With data dirs (``snapshot_every_s``), S1
+step: every safety property (``checkers.Checkers``, the ledger exactly: ``exactness.Exactness``), no pull
+reading above the pushes sent, and no copy demoted before any fault; at convergence and at the deadline the
+liveness ones and what only a settled cluster shows (``convergence``). With hosts (``Settings.hosts``), servers
+sit in failure domains, a fault can crash every server of one host at once (``domain_crash``), and at
+convergence no slot's in-sync copies may share a host while enough hosts are up. With data dirs
+(``snapshot_every_s``), S1
 is relaxed exactly as docs/replication.md says: a slot that lost every in-sync copy at once may miss what was
 acknowledged after its newest snapshot (``disk.lose_slots``). Operations are random (``operations.operate``)
 or scripted (``Settings.script``, a tuple of ``operations.Op``). The ``Outcome`` carries the first violation,
@@ -25,12 +27,13 @@ from pathlib import Path
 import numpy as np
 
 from tigana.embeddings import SGD, TableConfig, Zeros
-from tigana.ps import domains
 from tigana.ps.domains import FailureDomain
 from tigana.ps.errors import PSError
-from tigana.ps.routing import CATCHING_UP, IN_SYNC, TableDef, slot_of
+from tigana.ps.routing import TableDef, slot_of
 from tigana.ps.scheduler import SchedulerConfig
+from tigana.tools.testing.sim.checkers import Checkers
 from tigana.tools.testing.sim.client import DIM, Ledger, SimClient
+from tigana.tools.testing.sim.convergence import check_settled, converged, why_not
 from tigana.tools.testing.sim.disk import snapshot
 from tigana.tools.testing.sim.nodes import SchedulerNode, SimServer
 from tigana.tools.testing.sim.realclient import RealSimClient
@@ -39,7 +42,7 @@ from tigana.tools.testing.sim.world import Net, World
 __all__ = ["Outcome", "Settings", "run_seed"]
 
 STEP_S = 0.01
-LEDGERS = {"ledger_sync": "sync", "ledger_async": "async"}
+LEDGERS = {"ledger_sync": "sync", "ledger_async": "async"}  # the order of ``exactness.LEDGERS``
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ class Outcome:
     demotions_without_fault: int = 0  # ... of them before the first fault
     pulls: int = 0
     copies_per_server: dict[str, int] = field(default_factory=dict)  # in the final map, up servers only
+    simulated_s: float = 0.0  # the world's time at the end of the run
 
     @property
     def ok(self) -> bool:
@@ -106,9 +110,11 @@ class _Run:
         self.world = World(seed)
         self.servers: dict[str, SimServer] = {}
         self.net = Net(self.world, self._up)
+        self.checkers = Checkers(self)
         config = SchedulerConfig(replicas=settings.replicas, num_slots=settings.num_slots, heartbeat_timeout_s=3.0,
                                  auto_rebalance=settings.auto_rebalance)
-        self.scheduler = SchedulerNode(self.world, self.net, folder / "scheduler", config, self._announce)
+        self.scheduler = SchedulerNode(self.world, self.net, folder / "scheduler", config, self._announce,
+                                       saved=self.checkers.on_map)
         self.ledger = Ledger(settings.ids)
         for name in LEDGERS:
             self.ledger.table(name)
@@ -123,6 +129,7 @@ class _Run:
         self.scratch = 0
         self._demoted_seen = 0
         self._fault_seen = False
+        self._demotions_due: list[tuple[float, str]] = []
         self.late_reports_s = 0.0  # a fault: caught-up reports delivered again this much later
         self.script = sorted(settings.script, key=lambda op: op.at)
         for _ in range(settings.servers):
@@ -202,14 +209,14 @@ class _Run:
             self._check()
             if self.out.violations:
                 break
-            if not busy and converged_at is None and self._converged():
+            if not busy and converged_at is None and converged(self):
                 converged_at = w.now
-                self._check_copies_equal(heal_by)
-                self._check_domains()
+                self.out.violations += check_settled(self, heal_by)
+                self._check(final=True)
                 break
+        self.out.violations += [text for _, text in self._demotions_due]
         if converged_at is None and not self.out.violations:
-            self.out.violations.append(f"liveness: not converged {s.converge_s:.0f}s after the busy phase "
-                                       f"({self._why_not()})")
+            self.out.violations.append(why_not(self))
         self.out.convergence_s = None if converged_at is None else converged_at - end_busy
         self.out.acked = sum(c.acked for c in self.clients)
         self.out.failed_pushes = sum(c.failed for c in self.clients)
@@ -218,6 +225,7 @@ class _Run:
         m = self.scheduler.core.map
         self.out.copies_per_server = {e.id: int((m.copies == i).sum()) for i, e in enumerate(m.servers) if e.up}
         self.out.trace = w.trace
+        self.out.simulated_s = w.now
         return self.out
 
     def _create_ledgers(self) -> None:
@@ -255,113 +263,24 @@ class _Run:
         self.log("healed: partitions lifted, every node up")
 
     # --- invariants ---
-    def _check(self) -> None:
+    def _check(self, final: bool = False) -> None:
         for c in self.clients:
             if c.doubled:
                 self.out.violations.append(c.doubled[0])
+        self.out.violations += self.checkers.after_step()
         demoted = self.scheduler.demotions()
         self._fault_seen |= self.faulty  # what a fault set off may end after the heal: counted as faulty
         if not self._fault_seen and demoted > self._demoted_seen:
             self.out.demotions_without_fault += demoted - self._demoted_seen
+            # reported a second later: the loss the demotion comes with, when there is one, names the cause
+            self._demotions_due.append((self.world.now + 1.0, f"no-demotion: {demoted - self._demoted_seen} cop(ies) "
+                                        "demoted with no fault (docs/replication.md, no failure, no demotion)"))
+        while self._demotions_due and (self._demotions_due[0][0] <= self.world.now or self.out.violations
+                                       or final):
+            self.out.violations.append(self._demotions_due.pop(0)[1])
         self._demoted_seen = demoted
-        core = self.scheduler.core
-        m = core.map
-        if not m.servers or "ledger_sync" not in m.tables:
-            return
-        for name in LEDGERS:
-            acked, sent = self.ledger.acked[name], self.ledger.sent[name]
-            ids, slots = self.ids, self.slots
-            for i, entry in enumerate(m.servers):
-                server = self.servers.get(entry.id)
-                if server is None or not server.alive or server.svc.boot != entry.boot:
-                    continue
-                hosted = server.svc.tables.find(name)
-                held = (m.copies[slots] == i) & (m.states[slots] != CATCHING_UP)
-                mine = ids[held.any(axis=1)]
-                if hosted is None or hosted.spec.created_epoch != m.tables[name].created_epoch:
-                    if mine.size and name == "ledger_sync" and acked[mine].any():
-                        self.out.violations.append(f"S1: {entry.id} is an in-sync copy of {name} without the table")
-                    continue
-                values = np.rint(hosted.table.pull(ids, insert=False)[:, 0]).astype(np.int64)
-                over = np.flatnonzero(values > sent)
-                if over.size:
-                    self.out.violations.append(f"S6: {entry.id} {name} id {int(over[0])} at {values[over[0]]}, only "
-                                               f"{sent[over[0]]} push(es) of it were sent (applied twice)")
-                if name == "ledger_sync" and mine.size:
-                    short = mine[values[mine] < acked[mine]]
-                    if short.size:
-                        self.out.violations.append(
-                            f"S1: {entry.id} (in sync for slot {int(slots[short[0]])} at epoch {m.epoch}) has "
-                            f"{name} id {int(short[0])} at {values[short[0]]}, {acked[short[0]]} acknowledged")
         if self.out.violations:
             self.world.log(f"VIOLATION {self.out.violations[0]}")
-
-    def _check_copies_equal(self, deadline: float) -> None:
-        """At convergence, once the primaries' streams are drained (async ones lag behind the pushes): every
-        in-sync copy holds its primary's rows, every id of the universe, in both ledgers (``admin verify``'s
-        check, S3). A copy missing rows at its primary's log position fails only here until its primary dies."""
-        w, m = self.world, self.scheduler.core.map
-        alive = [srv for srv in self.servers.values() if srv.alive and srv.svc is not None]
-        while w.now < deadline and any(srv.svc.cluster_figures().get("replication_lag_items", 0) for srv in alive):
-            w.run_until(w.now + STEP_S)
-            for srv in alive:
-                srv.step()
-        ids = np.arange(self.s.ids + 64, dtype=np.int64)  # every id pushed or pulled (pulls reach 64 beyond)
-        slot = slot_of(ids, m.num_slots)
-        for name in LEDGERS:
-            values = {}
-            for i, entry in enumerate(m.servers):
-                srv = self.servers.get(entry.id)
-                hosted = None if srv is None or srv.svc is None else srv.svc.tables.find(name)
-                if hosted is not None and srv.alive and srv.svc.boot == entry.boot:
-                    with hosted.lock:  # a row's presence too: a missing row reads as its initial values
-                        values[i] = np.column_stack([hosted.table.pull(ids, insert=False),
-                                                     hosted.table.contains(ids)])
-            for copy_col in range(1, m.copies.shape[1]):
-                for i, vals in values.items():
-                    mine = (m.copies[slot, copy_col] == i) & (m.states[slot, copy_col] == IN_SYNC)
-                    primary = m.copies[slot, 0]
-                    for p in np.unique(primary[mine]):
-                        if int(p) not in values:
-                            continue
-                        sel = mine & (primary == p)
-                        differ = np.flatnonzero(sel & (values[int(p)] != vals).any(axis=1))
-                        if differ.size:
-                            k = int(differ[0])
-                            self.out.violations.append(
-                                f"S3: {m.servers[i].id}, in sync for slot {int(slot[k])} at epoch {m.epoch}, holds "
-                                f"{name} id {k} at {vals[k].tolist()}, its primary {m.servers[int(p)].id} at "
-                                f"{values[int(p)][k].tolist()} (values, then 1 when the row is stored)")
-                            return
-
-    def _check_domains(self) -> None:
-        """At convergence, with hosts (``Settings.hosts``): no slot's copies share a host while the servers that
-        may hold copies (up, not draining) span as many hosts as a slot has copies (placement keeps them apart;
-        docs/cluster.md). Where they do not, the slots are domain-degraded, which status reports."""
-        if self.s.hosts <= 0:
-            return
-        core = self.scheduler.core
-        groups = core.domain_groups()
-        apart = domains.collapsed(core.map.copies, groups) if groups is not None else np.zeros(1, bool)
-        if apart.any():
-            slot = int(np.flatnonzero(apart)[0])
-            m = core.map
-            self.out.violations.append(f"domains: slot {slot}'s in-sync copies share a host at convergence (epoch "
-                                       f"{m.epoch}: {[m.servers[int(c)].id for c in m.copies[slot] if c >= 0]})")
-
-    def _converged(self) -> bool:
-        m = self.scheduler.core.map
-        up = sum(1 for e in m.servers if e.up)
-        want = min(1 + self.s.replicas, up)
-        return (self.scheduler.core.target is None and all(c.in_flight == 0 for c in self.clients)
-                and bool(((m.copies >= 0) & (m.states == IN_SYNC)).sum(axis=1).min() >= want)
-                and not ((m.copies >= 0) & (m.states != IN_SYNC)).any())
-
-    def _why_not(self) -> str:
-        m = self.scheduler.core.map
-        s = m.summary()
-        return (f"epoch {m.epoch}: {s}, target {'set' if self.scheduler.core.target is not None else 'none'}, "
-                f"pushes in flight {sum(c.in_flight for c in self.clients)}")
 
 
 class _ToTrace(logging.Handler):

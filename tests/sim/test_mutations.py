@@ -1,0 +1,165 @@
+"""A checker that never fires proves nothing: each test plants the bug an invariant forbids (in the real code,
+monkeypatched for the test's duration only) and shows the simulator's checker for it firing within a few
+seeds (docs/replication.md, "Checked by simulation": invariant -> checker -> mutation test)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import pytest
+
+from tigana.ps import placement
+from tigana.ps.replication import apply as apply_module
+from tigana.ps.replication.intake import CopyIntake
+from tigana.ps.replication.log import SlotLog
+from tigana.ps.replication.primary import Primary
+from tigana.ps.routing import CATCHING_UP, IN_SYNC, NO_SERVER, slot_of
+from tigana.ps.scheduler.driver import SchedulerDriver
+from tigana.ps.scheduler.moves import Moves
+from tigana.ps.shard.dedup import DedupWindow
+from tigana.ps.shard.ownership import Ownership
+from tigana.tools.testing.sim import Op, Settings, run_seed
+from tigana.tools.testing.sim.nodes import SchedulerNode
+from tigana.tools.testing.sim.simulation import Outcome
+
+FAULTS = dict(busy_s=5.0, faults=True, ops_per_s=1.5, converge_s=20.0)
+QUIET = dict(faults=False, converge_s=20.0)
+
+
+def fires(rule: str | tuple[str, ...], seeds: Iterable[int], **settings: object) -> Outcome:
+    """The first run among ``seeds`` whose first violation is ``rule``'s; fails when none is."""
+    rules = (rule,) if isinstance(rule, str) else rule
+    seen = []
+    for seed in seeds:
+        out = run_seed(seed, Settings(**settings))
+        if out.violations and out.violations[0].startswith(tuple(f"{r}:" for r in rules)):
+            return out
+        seen.append((seed, out.violations[:1]))
+    raise AssertionError(f"{rules} never fired: {seen}")
+
+
+def test_s1_a_primary_that_does_not_wait_for_its_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Primary, "mark_done", lambda self, m: True)
+    fires("S1", range(3), **FAULTS)
+
+
+def test_s2_a_catching_up_copy_promoted(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = placement.repair
+
+    def repair(copies, states, alive, replicas, placeable=None, groups=None):  # noqa: ANN001, ANN202
+        c, s = np.array(copies), np.array(states)
+        alive = np.asarray(alive, bool)
+        for slot in range(c.shape[0]):
+            if c[slot, 0] >= 0 and not alive[c[slot, 0]]:
+                for j in range(1, c.shape[1]):
+                    if c[slot, j] >= 0 and alive[c[slot, j]] and s[slot, j] == CATCHING_UP:
+                        c[slot, 0], s[slot, 0], c[slot, j], s[slot, j] = c[slot, j], IN_SYNC, NO_SERVER, 0
+                        break
+        return real(c, s, alive, replicas, placeable, groups)
+
+    monkeypatch.setattr(placement, "repair", repair)
+    # A copy of slot 0 is being added on s2 when its primary crashes: the failover finds it catching up.
+    script = (Op(3.0, "move", "spare:0", slot=0), Op(3.0, "crash", "primary:0"))
+    fires("S2", range(3), busy_s=8.0, script=script, **QUIET)
+
+
+def test_s3_copies_added_in_sync_without_their_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = placement.repair
+
+    def repair(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        c, s = real(*args, **kwargs)
+        return c, np.where(s == CATCHING_UP, IN_SYNC, s).astype(s.dtype)
+
+    monkeypatch.setattr(placement, "repair", repair)
+    fires("S3", range(3), busy_s=6.0, script=(Op(3.0, "crash", "s1"),), **QUIET)
+
+
+def test_s4_a_server_that_applies_pushes_for_slots_it_does_not_lead(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Ownership, "_check_leads",
+                        lambda self, table, ids, epoch: (self._view, slot_of(ids, self.num_slots)))
+    fires("S4", range(3), busy_s=6.0, ops_per_s=1.5, **QUIET)
+
+
+def test_s5_an_item_applied_where_it_does_not_follow(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(SlotLog, "matches", lambda self, slots, prev: np.ones(len(slots), bool))
+    # Three copies a slot: a primary that dies with a write on its way to one replica and not the other leaves
+    # them apart; the new primary's BARRIER no longer finds the one that missed it.
+    fires("S5", range(4), servers=4, replicas=2, **FAULTS)
+
+
+def test_s6_a_duplicate_push_applied_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(DedupWindow, "applied", lambda self, client_id, seq, slots: np.zeros(len(slots), bool))
+    fires("S6", range(3), **FAULTS)
+
+
+def test_s7_a_hand_over_reported_before_its_stream_drained(monkeypatch: pytest.MonkeyPatch) -> None:
+    def hand_over(self, timeout_s: float) -> bool:  # noqa: ANN001
+        view = self._view
+        if self.agent is None or not view.valid or not view.fenced.any():
+            return False
+        self.agent.handover_ready(np.flatnonzero(view.fenced).astype(np.int32), view.epoch)
+        return True
+
+    monkeypatch.setattr(Ownership, "hand_over", hand_over)
+    # The copy the early hand-over leaves behind is demoted first ("no failure, no demotion" fires then); the
+    # demotion count is hidden here so that the run goes on to the loss it comes with.
+    monkeypatch.setattr(SchedulerNode, "demotions", lambda self, reason="replication_failed": 0)
+    script = tuple(Op(2.0 + 0.4 * k, "move_primary", f"replica:{k}", slot=k) for k in range(12))
+    fires("S7", range(3), busy_s=8.0, script=script, **QUIET)
+
+
+def test_s8_a_push_applied_in_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tigana.embeddings import EmbeddingTable
+
+    real = EmbeddingTable.push
+
+    def push(self, ids, grads, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        return real(self, ids[:-1], grads[:-1], **kwargs) if len(ids) > 1 else real(self, ids, grads, **kwargs)
+
+    monkeypatch.setattr(EmbeddingTable, "push", push)
+    fires("S8", range(2), busy_s=3.0, **QUIET)
+
+
+def test_s11_copied_rows_that_overwrite_newer_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(CopyIntake, "admit",
+                        lambda self, ids, token, present: self.token[slot_of(ids, self.num_slots)] == token)
+    # Caught by the copy's join (S3: it enters the in-sync set without an acknowledged write), by the same
+    # position holding other rows (S5), or at convergence (S11), whichever comes first.
+    fires(("S11", "S5", "S3"), range(4), busy_s=6.0, ops_per_s=1.5, **QUIET)
+
+
+def test_s12_placement_that_ignores_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Moves, "_groups", lambda self, usable: None)  # no level keeps copies apart
+    fires("S12", range(3), servers=4, hosts=2, busy_s=3.0, **QUIET)
+
+
+def test_l1_caught_up_reports_never_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(SchedulerDriver, "copy_caught_up",
+                        lambda self, reporter, target, slots, since_epoch=0: (False, "planted: refused"))
+    # No target (auto-rebalance off): the copies a crash makes never finish, and no move is pending.
+    fires("L1", range(2), busy_s=3.0, auto_rebalance=False, script=(Op(1.0, "crash", "s1"),), **QUIET)
+
+
+def test_l2_no_auto_rebalance(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Moves, "_auto_rebalance", lambda self, copies, placeable: None)
+    fires("L2", range(2), servers=2, busy_s=4.0, script=(Op(1.0, "join"),), **QUIET)
+
+
+def test_l3_a_move_that_never_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(placement, "step_toward", lambda copies, states, target, **kwargs: (copies, states))
+    fires("L3", range(2), busy_s=3.0, script=(Op(1.0, "rebalance"), Op(1.5, "drain", "s0")), **QUIET)
+
+
+def test_l4_items_of_a_dropped_table_refused_for_ever(monkeypatch: pytest.MonkeyPatch) -> None:
+    def not_served(name, table_epoch, request_epoch, view, why):  # noqa: ANN001, ANN202
+        from tigana.proto import shard_pb2 as pb
+
+        return pb.REJECT_BEHIND, f"table {name!r}: planted: {why}", None
+
+    monkeypatch.setattr(apply_module, "_not_served", not_served)
+    script = tuple(op for k in range(2) for op in (
+        Op(1.0 + 1.5 * k, "create", f"scratch{k}"), Op(1.8 + 1.5 * k, "drop", f"scratch{k}")))
+    # The stream refuses them until the copy is demoted for it (before, it waited for ever): a demotion with no
+    # failure, or items still queued at the deadline.
+    fires(("L4", "no-demotion"), range(2), busy_s=5.0, script=script, **QUIET)

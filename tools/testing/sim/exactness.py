@@ -1,0 +1,231 @@
+"""The ledger's exact checks, after every step (docs/replication.md S1, S6, S7, S8): per table, id and copy,
+neither lost nor applied twice.
+
+What the client knows (``client.Ledger``): per id, the pushes acknowledged (count and weight sum) and the
+pushes still in doubt (sent, not acknowledged: in flight, or given up). A copy that must hold every
+acknowledged push (an in-sync copy of a sync table; the primary of an async table that never lost its
+primary unplanned) holds exactly ``acked`` plus the pushes in doubt that its own exactly-once window records
+as applied, in both columns (a count and a weight sum): below is a lost update (S1 for a sync copy, S7 for an
+async primary), above is one applied twice (S6), and a count that matches with a weight that does not is one
+push applied twice and another lost (S6). Every other copy stays within what was sent (S6). Where the window
+cannot tell (a seq it evicted, a client it may have forgotten) only the bounds are checked for those ids.
+
+S8 (whole): each push a server applied during the step added to every id of the slots it applied, on that
+server (its values before the step against after).
+
+Values are read once per server and table each time the server may have changed them (``SimServer.writes``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tigana.ps.routing import CATCHING_UP, slot_of
+from tigana.ps.session import client_stamp
+from tigana.ps.wire import data as wire
+
+__all__ = ["LEDGERS", "Exactness", "applied_in_window"]
+
+LEDGERS = ("ledger_sync", "ledger_async")
+ASYNC_GRACE_S = 5.0  # after an unplanned primary change, a deposed primary may still acknowledge (its lease)
+
+
+def applied_in_window(window: Any, client_id: str, seq: int, slots: np.ndarray) -> np.ndarray | None:
+    """(k,) bool: the ``slots`` for which ``window`` (a ``DedupWindow``) records ``seq`` of ``client_id`` as
+    applied, read from its records (not through ``applied``, which a mutation test may replace); None where it
+    cannot tell (a seq below its floor and not kept, a client it may have forgotten, a blind slot)."""
+    c = window._clients.get(client_id)
+    if c is None:
+        return None if client_stamp(client_id) <= window.horizon else np.zeros(slots.shape[0], bool)
+    row = c.row_of_seq.get(seq)
+    if row is None:
+        if seq <= c.floor:
+            return None
+        done = np.zeros(slots.shape[0], bool)
+    else:
+        done = ((c.bits[row][slots >> 3] >> (slots & 7).astype(np.uint8)) & 1).astype(bool)
+    if c.blind is not None and (((c.blind[slots >> 3] >> (slots & 7).astype(np.uint8)) & 1).astype(bool)
+                                & ~done).any():
+        return None
+    return done
+
+
+class Exactness:
+    """S1, S6, S7 and S8 over the run's ledger (``run``: a ``simulation._Run``)."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+        n = run.s.ids
+        self._values: dict[tuple[str, str], tuple[tuple[int, int], np.ndarray]] = {}
+        self._before: dict[tuple[str, str], np.ndarray] = {}
+        self.async_loss_until = np.full(run.s.num_slots, -np.inf)  # per slot: async losses allowed until then
+        self.async_allow = np.zeros(n, np.int64)  # per id: acknowledged async pushes that may be lost
+        self.async_lost_ever = np.zeros(n, bool)
+
+    # --- reading the copies ---
+    def values(self, server: Any, hosted: Any) -> np.ndarray:
+        """(ids, 2) int64: the table's rows as ``server`` holds them now (cached while it changed nothing)."""
+        key = (server.name, hosted.spec.config.name)
+        stamp = (server.writes, id(hosted))
+        cached = self._values.get(key)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        values = np.rint(hosted.table.pull(self.run.ids, insert=False)).astype(np.int64)
+        self._values[key] = (stamp, values)
+        return values
+
+    def primary_lost(self, slots: np.ndarray) -> None:
+        """Slots whose primary changed unplanned (died, or deposed): async writes it acknowledged may be lost,
+        also those it acknowledges for a while after (it may not know yet)."""
+        self.async_loss_until[slots] = self.run.world.now + ASYNC_GRACE_S
+
+    def _in_doubt(self, window: Any, pushes: list, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per id of the universe: (count, weight sum) of the pushes in doubt ``window`` records as applied for
+        the slots of ``ids`` (bool mask), and the ids it cannot tell about."""
+        n = self.run.s.ids
+        e0, e1, unknown = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
+        num_slots = self.run.s.num_slots
+        for p in pushes:
+            if p.slots is None:
+                p.slots = slot_of(p.ids, num_slots)
+            keep = p.pending & ids[p.ids]
+            if not keep.any():
+                continue
+            sub = p.ids[keep]
+            uslots, where = np.unique(p.slots[keep], return_inverse=True)
+            done = applied_in_window(window, p.client_id, p.seq, uslots)
+            if done is None:
+                unknown[sub] = True
+                continue
+            hit = sub[done[where]]
+            e0[hit] += 1
+            e1[hit] += p.weight
+        return e0, e1, unknown
+
+    # --- the checks ---
+    def check(self, pushed: dict[str, list]) -> list[str]:
+        """The violations now (``pushed``: per server, the pushes it applied during the step)."""
+        run = self.run
+        m = run.scheduler.core.map
+        if not m.servers or LEDGERS[0] not in m.tables:
+            return []
+        out = self._whole(pushed)
+        ledger, slots = run.ledger, run.slots
+        now = run.world.now
+        losing = self.async_loss_until[slots] >= now
+        acked_async = ledger.acked[LEDGERS[1]]
+        self.async_allow = np.where(losing, acked_async, self.async_allow)
+        self.async_lost_ever |= losing
+        lost = np.isfinite(ledger.lost_at)  # every copy of their slot lost at once (``disk.lose_slots``)
+        in_col = m.copies[slots]  # (ids, copies)
+        counted = in_col != -1
+        for name in LEDGERS:
+            spec = m.tables.get(name)
+            if spec is None:
+                continue
+            sync = name == LEDGERS[0]
+            acked, acked_w = ledger.acked[name], ledger.acked_w[name]
+            sent, sent_w = ledger.sent[name], ledger.sent_w[name]
+            doubt = list(ledger.doubt[name].values())
+            for i, entry in enumerate(m.servers):
+                server = run.servers.get(entry.id)
+                if server is None or not server.alive or server.svc is None or server.svc.boot != entry.boot:
+                    continue
+                held = ((in_col == i) & counted & (m.states[slots] != CATCHING_UP)).any(axis=1)
+                hosted = server.svc.tables.find(name)
+                if hosted is None or hosted.spec.created_epoch != spec.created_epoch:
+                    if sync and held.any() and acked[held].any():
+                        out.append(f"S1: {entry.id} is an in-sync copy of {name} without the table")
+                    continue
+                v = self.values(server, hosted)
+                over = np.flatnonzero((v[:, 0] > sent) | (v[:, 1] > sent_w))
+                if over.size:
+                    k = int(over[0])
+                    out.append(f"S6: {entry.id} {name} id {k} at {v[k].tolist()}, only {sent[k]} push(es) of it "
+                               f"were sent, weighing {sent_w[k]} (applied twice)")
+                    continue
+                primary = in_col[:, 0] == i
+                if sync:
+                    must = held
+                else:
+                    leads = server.svc.holdings.view.leads[slots] if server.svc.holdings.view.valid else np.zeros_like(primary)
+                    must = primary & leads & ~losing
+                out += self._exact(entry.id, name, sync, v, must & ~lost, primary, hosted.dedup, doubt,
+                                   acked, acked_w, m.epoch)
+                if sync:  # ids lost with every copy of their slot: at least the floor ``lose_slots`` left
+                    short = np.flatnonzero(held & lost & (v[:, 0] < acked))
+                    if short.size:
+                        k = int(short[0])
+                        out.append(f"S1: {entry.id} (in sync for slot {int(slots[k])} at epoch {m.epoch}) has {name} "
+                                   f"id {k} at {v[k, 0]}, {acked[k]} acknowledged since its last snapshot")
+                if out:
+                    return out
+        return out
+
+    def _exact(self, who: str, name: str, sync: bool, v: np.ndarray, must: np.ndarray, primary: np.ndarray,
+               window: Any, doubt: list, acked: np.ndarray, acked_w: np.ndarray, epoch: int) -> list[str]:
+        if not must.any():
+            return []
+        e0, e1, unknown = self._in_doubt(window, doubt, must)
+        allow = np.zeros_like(acked) if sync else self.async_allow
+        exact = must & ~unknown & (sync | ~self.async_lost_ever)
+        r0, r1 = v[:, 0] - acked, v[:, 1] - acked_w
+        slots = self.run.slots
+        rule = "S1" if sync else "S7"
+        low = np.flatnonzero(exact & (r0 < e0))
+        if low.size:
+            k = int(low[0])
+            role = "primary" if primary[k] else "in-sync copy"
+            return [f"{rule}: {who} ({role} of slot {int(slots[k])} at epoch {epoch}) has {name} id {k} at "
+                    f"{v[k].tolist()}, {acked[k]} push(es) acknowledged weighing {acked_w[k]} and {e0[k]} in "
+                    f"doubt applied here weighing {e1[k]} (lost)"]
+        high = np.flatnonzero(exact & (r0 > e0))
+        if high.size:
+            k = int(high[0])
+            return [f"S6: {who} has {name} id {k} at {v[k].tolist()}: {acked[k]} push(es) acknowledged and "
+                    f"{e0[k]} in doubt applied here (its exactly-once window) make {acked[k] + e0[k]} (applied twice)"]
+        swap = np.flatnonzero(exact & (r1 != e1))
+        if swap.size:
+            k = int(swap[0])
+            return [f"S6: {who} has {name} id {k} at {v[k].tolist()}: the right number of pushes, but weighing "
+                    f"{v[k, 1]}, not {acked_w[k] + e1[k]}: one push applied twice and another lost"]
+        loose = np.flatnonzero(must & ~exact & (v[:, 0] < acked - allow))
+        if loose.size:
+            k = int(loose[0])
+            return [f"{rule}: {who} (slot {int(slots[k])} at epoch {epoch}) has {name} id {k} at {v[k, 0]}, "
+                    f"{acked[k]} acknowledged ({allow[k]} of them may have been lost with a primary)"]
+        return []
+
+    def _whole(self, applied: dict[str, list]) -> list[str]:
+        """S8: every push applied during the step (``SimServer.pushed``) added to each id of the slots it
+        applied, on the server that applied it (its values before the step, against now)."""
+        out = []
+        for server in self.run.servers.values():
+            pushed = applied.get(server.name, [])
+            if not server.alive or server.svc is None:
+                self._before = {k: v for k, v in self._before.items() if k[0] != server.name}
+                continue
+            for request, p in pushed:
+                if p.duplicate or p.name not in LEDGERS:
+                    continue
+                hosted = server.svc.tables.find(p.name)
+                before = self._before.get((server.name, p.name))
+                ids = wire.decode_ids(request.ids, table=p.name)
+                if hosted is None or before is None or p.rows != ids.size:
+                    continue  # partly a duplicate: which slots it applied now is not told apart here
+                ids = ids[ids < self.run.s.ids]
+                still = server.svc.holdings.view.leads[slot_of(ids, self.run.s.num_slots)]
+                now = self.values(server, hosted)
+                missed = ids[still & (now[ids, 0] <= before[ids, 0])]
+                if missed.size:
+                    out.append(f"S8: {server.name} applied push seq {request.seq} of {p.name} in part: id "
+                               f"{int(missed[0])} unchanged at {now[int(missed[0])].tolist()}")
+        for server in self.run.servers.values():
+            if server.alive and server.svc is not None:
+                for name in LEDGERS:
+                    hosted = server.svc.tables.find(name)
+                    if hosted is not None:
+                        self._before[(server.name, name)] = self.values(server, hosted)
+        return out
