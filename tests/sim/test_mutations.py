@@ -9,16 +9,17 @@ from collections.abc import Iterable
 import numpy as np
 import pytest
 
-from tigana.ps import placement
 from tigana.ps.replication import apply as apply_module
 from tigana.ps.replication.intake import CopyIntake
 from tigana.ps.replication.log import SlotLog
 from tigana.ps.replication.primary import Primary
 from tigana.ps.routing import CATCHING_UP, IN_SYNC, NO_SERVER, slot_of
+from tigana.ps.scheduler import placement
 from tigana.ps.scheduler.driver import SchedulerDriver
 from tigana.ps.scheduler.moves import Moves
 from tigana.ps.shard.dedup import DedupWindow
 from tigana.ps.shard.ownership import Ownership
+from tigana.ps.shard.view import Holdings
 from tigana.tools.testing.sim import Op, Settings, run_seed
 from tigana.tools.testing.sim.nodes import SchedulerNode
 from tigana.tools.testing.sim.simulation import Outcome
@@ -76,8 +77,8 @@ def test_s3_copies_added_in_sync_without_their_rows(monkeypatch: pytest.MonkeyPa
 
 
 def test_s4_a_server_that_applies_pushes_for_slots_it_does_not_lead(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(Ownership, "_check_leads",
-                        lambda self, table, ids, epoch: (self._view, slot_of(ids, self.num_slots)))
+    monkeypatch.setattr(Holdings, "check_leads", lambda self, table, ids, epoch, created_epoch=None:
+                        (self.view, slot_of(ids, self.num_slots)))
     fires("S4", range(3), busy_s=6.0, ops_per_s=1.5, **QUIET)
 
 
@@ -95,10 +96,10 @@ def test_s6_a_duplicate_push_applied_again(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_s7_a_hand_over_reported_before_its_stream_drained(monkeypatch: pytest.MonkeyPatch) -> None:
     def hand_over(self, timeout_s: float) -> bool:  # noqa: ANN001
-        view = self._view
-        if self.agent is None or not view.valid or not view.fenced.any():
+        view = self.holdings.view
+        if self.links.agent is None or not view.valid or not view.fenced.any():
             return False
-        self.agent.handover_ready(np.flatnonzero(view.fenced).astype(np.int32), view.epoch)
+        self.links.agent.handover_ready(np.flatnonzero(view.fenced).astype(np.int32), view.epoch)
         return True
 
     monkeypatch.setattr(Ownership, "hand_over", hand_over)
