@@ -89,9 +89,9 @@ def test_servers_read_the_worlds_clocks_only(tmp_path) -> None:  # noqa: ANN001
         for name in ("s1", "s2"):
             svc = run.servers[name].svc
             for table in ("ledger_sync", "ledger_async"):
-                floor = svc._tables[table].table._tombstones.floor
+                floor = svc.tables.get(table).table._tombstones.floor
                 assert WALL_BASE <= floor <= WALL_BASE + run.world.now, (name, table, floor)
-            assert svc._last_decay <= run.world.now
+            assert svc.ownership._last_decay <= run.world.now
     finally:
         for server in run.servers.values():
             server.close()

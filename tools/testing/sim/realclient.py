@@ -38,7 +38,7 @@ from tigana.ps.errors import DeadlineExceeded, PSError, TableNotFound, Unavailab
 from tigana.ps.routing import ShardMap
 from tigana.ps.wire import data as wire
 from tigana.ps.wire import frames
-from tigana.tools.testing.sim.client import DIM, Ledger
+from tigana.tools.testing.sim.client import DIM, Ledger, _Push, push_weight
 from tigana.tools.testing.sim.world import Lost, Net, World
 
 __all__ = ["RealSimClient", "SimMapSource", "SimTransport"]
@@ -205,6 +205,8 @@ class RealSimClient:
         self.client: Client | None = None
         self.sessions = 0
         self.pending = 0  # pushes issued and not settled
+        self._pushes = 0  # pushes issued: each its own weight
+        self._last_seq = 0  # the seq the client gave the push just started
         self.failed = 0  # pushes the client gave up on (neither acknowledged nor known lost)
         self.to_dropped_tables = 0  # pushes whose (scratch) table was dropped under them
         self.acked = 0
@@ -234,6 +236,13 @@ class RealSimClient:
                 self.client = Client(config=self.config, scheduler=SCHEDULER, ports=self._ports())
             except Unavailable:
                 return None
+            take = self.client._next_seq
+
+            def next_seq() -> int:  # the seq of the push just started: its key in the ledger's pushes in doubt
+                self._last_seq = take()
+                return self._last_seq
+
+            self.client._next_seq = next_seq  # type: ignore[method-assign]
         return self.client
 
     def _table(self, c: Client, table: str) -> None:
@@ -247,23 +256,29 @@ class RealSimClient:
         if c is None:
             return
         self._table(c, table)
-        grads = -np.ones((ids.size, DIM), np.float32)
+        self._pushes += 1
+        weight = push_weight(self.stamp, self._pushes)  # column 1: this push's own weight (exact S6)
+        grads = np.repeat(np.array([[-1.0, -weight]], np.float32), ids.size, 0)
         try:
             fut = c.push(table, ids, grads)
         except PSError:  # an earlier push's failure, raised once by the next call: nothing was sent
             fut = c.push(table, ids, grads)
         started = self.world.now
-        self.ledger.sent[table][ids] += 1
+        p = _Push(table, ids, self._last_seq, started=started, client_id=c.client_id, weight=weight)
+        self.ledger.sent_push(p)
         self.pending += 1
-        fut.add_done_callback(lambda f: self._settled(f, table, ids, started))
+        fut.add_done_callback(lambda f: self._settled(f, p))
 
-    def _settled(self, fut: cf.Future, table: str, ids: np.ndarray, started: float) -> None:
+    def _settled(self, fut: cf.Future, p: _Push) -> None:
+        """A push's outcome: acknowledged (every id at once: the client answers for the whole push), or still
+        in doubt in the ledger (a failed push may have applied on some slots)."""
+        table, ids = p.table, p.ids
         self.pending -= 1
         error = fut.exception()
         if error is None:
             self.acked += 1
             assert self.ledger.lost_at is not None
-            self.ledger.acked[table][ids[self.ledger.lost_at[ids] < started]] += 1
+            self.ledger.acked_part(p, ids, ids[self.ledger.lost_at[ids] < p.started])
         elif isinstance(error, TableNotFound) and table.startswith("scratch"):
             self.to_dropped_tables += 1  # its table was dropped meanwhile: the push ends there
         else:
