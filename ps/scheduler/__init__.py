@@ -31,7 +31,7 @@ One room per concept:
 - ``config``: ``SchedulerConfig`` and ``load_scheduler_config``;
 - ``placement``: where copies go and the safe steps toward a target (pure functions, no I/O);
 - ``core``: ``SchedulerCore`` (state, commits, servers, copy reports, tables, reads), assembled from
-  ``liveness`` (failure detection, probes, elections) and ``moves`` (placement and its steps, hand-overs),
+  ``liveness`` (failure detection, probes, elections) and ``moves`` (placement and its steps, hand-overs) with ``spread`` (failure domains in placement),
   over the fields declared in ``_fields``; ``actions``: what it asks its driver to do (persist, announce,
   probe);
 - ``driver``: ``SchedulerDriver``, the core on threads, a ``MapStore`` and a clock;

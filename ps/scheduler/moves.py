@@ -28,14 +28,14 @@ import numpy as np
 from tigana.ps import domains
 from tigana.ps.errors import InvalidArgument
 from tigana.ps.logs import event, slots_text
-from tigana.ps.routing import CATCHING_UP, HANDING_OVER, IN_SYNC, NO_SERVER, format_slots
+from tigana.ps.routing import HANDING_OVER, IN_SYNC, NO_SERVER, format_slots
 from tigana.ps.scheduler import placement
-from tigana.ps.scheduler._fields import CoreFields
+from tigana.ps.scheduler.spread import Spread, _pad
 
 log = logging.getLogger("tigana.ps.scheduler")  # one logger for the whole scheduler
 
 
-class Moves(CoreFields):
+class Moves(Spread):
     """Placement: first placement, re-replication, targets and the steps toward them; see the module docstring."""
 
     def handover_ready(self, reporter: str, slots: np.ndarray, epoch: int, *, now: float) -> tuple[bool, str]:
@@ -380,74 +380,6 @@ class Moves(CoreFields):
                  ",".join(ids), len(placement.moves(copies, self.target)),
                  extra=event("auto_rebalance", epoch=self.map.epoch, server=ids))
 
-    # --- failure domains ---------------------------------------------------------------------------------
-    def _domains(self) -> list[domains.FailureDomain]:
-        return [s.domain for s in self.map.servers]
-
-    def _groups(self, usable: np.ndarray) -> np.ndarray | None:
-        """(num_servers,) domain ids at the widest level at which the ``usable`` servers keep a slot's copies
-        apart; None where no level can (placement then keeps copies on distinct servers only)."""
-        want = 1 + min(self.config.replicas, max(int(usable.sum()) - 1, 0))
-        groups, level = domains.groups_for(self._domains(), usable, want)
-        return None if level == domains.SERVER else groups
-
-    def domain_groups(self) -> np.ndarray | None:
-        """(num_servers,) the domain of each server at the level placement keeps copies apart at now (over the
-        servers that may hold copies); None where no level can."""
-        return self._groups(self._placeable())
-
-    def domain_degraded(self) -> tuple[np.ndarray, str]:
-        """((num_slots,) bool, level): the slots whose in-sync copies on servers up share a failure domain (at
-        the level placement uses, or a host where no level has enough domains), and that level."""
-        m = self.map
-        alive = self._alive()
-        c = m.copies
-        counted = (c >= 0) & (m.states != CATCHING_UP) & (alive[np.clip(c, 0, None)] if alive.size else False)
-        return domains.degraded_slots(c, counted, self._domains(), alive, 1 + self.config.replicas)
-
-    def _respread(self, copies: np.ndarray, placeable: np.ndarray) -> None:
-        """With no target: when copies of some slot share a domain and a balanced placement keeps more slots'
-        copies apart, aim for it (lock held)."""
-        if self.target is not None:
-            return
-        groups = self._groups(placeable)
-        if groups is None:
-            return
-        shared = int(domains.collapsed(copies, groups).sum())
-        if not shared:
-            return
-        target = placement.balance(copies, placeable, self.config.replicas, groups=groups)
-        if int(domains.collapsed(target, groups).sum()) >= shared or not placement.moves(copies, target):
-            return
-        self.target, self.target_kind = target, "balance"
-        self._save()
-        log.info("failure domains at epoch %d: copies of %d slot(s) share a domain; %d slot(s) to move",
-                 self.map.epoch, shared, len(placement.moves(copies, target)),
-                 extra=event("domain_respread", epoch=self.map.epoch))
-
-    def _collapses(self, usable: np.ndarray, target: np.ndarray, slots: np.ndarray | None = None) -> str:
-        """Why ``target`` puts copies of a slot (of ``slots``, default all) into one failure domain they do not
-        share now (judged at the level the ``usable`` servers allow), or "" when it does not."""
-        m = self.map
-        want = 1 + min(self.config.replicas, max(int(usable.sum()) - 1, 0))
-        level = domains.choose_level(self._domains(), usable, want)
-        level = level if level != domains.SERVER else "host"
-        judged = domains.group_ids(self._domains(), level)
-        rows = np.arange(m.num_slots) if slots is None else np.asarray(slots, np.int64)
-        width = max(m.width, target.shape[1])
-        now = domains.spread(_pad(m.copies, width)[rows], judged)
-        then = domains.spread(_pad(target, width)[rows], judged)
-        worse = rows[then < np.minimum(now, (target[rows] >= 0).sum(axis=1))]
-        if not worse.size:
-            return ""
-        slot = int(worse[0])
-        row = target[slot][target[slot] >= 0]
-        ids, counts = np.unique(judged[row], return_counts=True)
-        shared = row[judged[row] == ids[np.argmax(counts)]]
-        where = m.servers[int(shared[0])].domain.describe(level)
-        return (f"slot {slot}'s copies would share {level} {where} (on {','.join(self._ids(shared))}); "
-                f"{worse.size} slot(s) would (slots {slots_text(worse)})")
-
     def _describe_step(self, rebuilt: list[int], rebuilt_on: set[int], stepped: dict[str, list[int]],
                        step_servers: set[int], overall: tuple[dict[str, list[int]], set[int]]
                        ) -> tuple[str, dict[str, Any]]:
@@ -481,13 +413,6 @@ class Moves(CoreFields):
         if up >= self.config.expect_servers:
             return True
         return self.first_register is not None and self.now - self.first_register >= self.config.bootstrap_wait_s
-
-
-def _pad(a: np.ndarray, width: int) -> np.ndarray:
-    if a.shape[1] >= width:
-        return a
-    fill = NO_SERVER if a.dtype == np.int32 else 0
-    return np.concatenate([a, np.full((a.shape[0], width - a.shape[1]), fill, a.dtype)], axis=1)
 
 
 def _placement_changes(before: np.ndarray, after: np.ndarray) -> tuple[dict[str, list[int]], set[int]]:
