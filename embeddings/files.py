@@ -1,12 +1,14 @@
 """Durable-file helpers shared by the snapshot writer, checkpoints, the export log, the catalog, the scheduler's
 state file, the daemons' ready files and the trainer's elastic state: fsync of a path (a directory's entries
 too), the one atomic file replacement (``atomic_replace``/``atomic_write``), the one atomic folder publication
-(``publish_folder``) and a process-lifetime lock file."""
+(``publish_folder``), the one read of a file checked against its manifest's sha256 (``read_checked``) and a
+process-lifetime lock file."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
 import threading
 from collections.abc import Iterator
@@ -91,3 +93,17 @@ def hold_lock(path: str | os.PathLike) -> tuple[IO[str] | None, str]:
     f.write(f"pid {os.getpid()}\n")
     f.flush()
     return f, ""
+
+
+class FileMismatch(Exception):
+    """A file whose size or sha256 differs from what its manifest recorded (torn, corrupted, or another file)."""
+
+
+def read_checked(path: str | os.PathLike, sha256: str, nbytes: int | None = None) -> bytes:
+    """The bytes of ``path``, checked against the sha256 (and size, where recorded) that a manifest wrote for it.
+    ``OSError`` when it cannot be read, ``FileMismatch`` when it differs; each caller names the file in its own
+    error class (a snapshot's ``CorruptStore``, a checkpoint's or export's ``DataLoss``)."""
+    data = Path(path).read_bytes()
+    if (nbytes is not None and len(data) != nbytes) or hashlib.sha256(data).hexdigest() != sha256:
+        raise FileMismatch(str(path))
+    return data

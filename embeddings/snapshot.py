@@ -55,7 +55,7 @@ import numpy as np
 from tigana.embeddings import config as _config
 from tigana.embeddings.changes import sorted_unique
 from tigana.embeddings.errors import CorruptStore, InvalidArgument, SnapshotNotFound, StorageFull
-from tigana.embeddings.files import publish_folder
+from tigana.embeddings.files import FileMismatch, publish_folder, read_checked
 from tigana.embeddings.lmdbstore import RowStore
 from tigana.embeddings.rows import RowBatch
 
@@ -402,12 +402,11 @@ def read_extra(path: str | Path, name: str) -> bytes | None:
         return None
     file = snap / rel
     try:
-        data = file.read_bytes()
+        return read_checked(file, expect["sha256"], expect["bytes"])
     except OSError as exc:
         raise CorruptStore(f"snapshot file {file} cannot be read: {exc}") from exc
-    if len(data) != expect["bytes"] or hashlib.sha256(data).hexdigest() != expect["sha256"]:
-        raise CorruptStore(f"snapshot file {file} failed its sha256 checksum")
-    return data
+    except FileMismatch:
+        raise CorruptStore(f"snapshot file {file} failed its sha256 checksum") from None
 
 
 def read_snapshot(path: str | Path) -> tuple[dict[str, Any], RowBatch, dict[str, Any]]:

@@ -61,7 +61,6 @@ Design (what the follow loop guarantees, and why):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -76,7 +75,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from tigana.embeddings.files import atomic_write, fsync_path, hold_lock
+from tigana.embeddings.files import FileMismatch, atomic_write, fsync_path, hold_lock, read_checked
 from tigana.ps.client.checkpoint import export_table
 from tigana.ps.errors import DataLoss, InvalidArgument, PSError
 
@@ -110,6 +109,16 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any] | None:
     return manifest
 
 
+def _read(folder: Path, name: str, meta: dict[str, Any], verify: bool) -> bytes:
+    """One file of a log entry, checked (``verify``) against the sha256 its ``export.json`` recorded."""
+    if not verify:
+        return (folder / name).read_bytes()
+    try:
+        return read_checked(folder / name, meta["files"][name])
+    except FileMismatch:
+        raise DataLoss(f"export log entry {str(folder)!r}: {name} does not match its checksum") from None
+
+
 def load_entry(directory: str | os.PathLike, entry: dict[str, Any], *, verify: bool = True
                ) -> tuple[np.ndarray, np.ndarray]:
     """(ids sorted int64, rows float32) of one log entry; ``verify`` checks the files' sha256 against the
@@ -118,10 +127,7 @@ def load_entry(directory: str | os.PathLike, entry: dict[str, Any], *, verify: b
     meta = json.loads((folder / "export.json").read_text())
     files = {}
     for name in ("ids.npy", "rows.npy"):
-        raw = (folder / name).read_bytes()
-        if verify and hashlib.sha256(raw).hexdigest() != meta["files"][name]:
-            raise DataLoss(f"export log entry {str(folder)!r}: {name} does not match its checksum")
-        files[name] = raw
+        files[name] = _read(folder, name, meta, verify)
     ids = _npy(files["ids.npy"], folder / "ids.npy")
     rows = _npy(files["rows.npy"], folder / "rows.npy")
     if ids.dtype != np.int64 or rows.dtype != np.float32 or rows.shape != (ids.size, int(meta["dim"])):
@@ -161,10 +167,7 @@ def load_deleted(directory: str | os.PathLike, entry: dict[str, Any], *, verify:
     meta = json.loads((folder / "export.json").read_text())
     if "deleted.npy" not in meta["files"]:
         return np.empty(0, np.int64)
-    raw = (folder / "deleted.npy").read_bytes()
-    if verify and hashlib.sha256(raw).hexdigest() != meta["files"]["deleted.npy"]:
-        raise DataLoss(f"export log entry {str(folder)!r}: deleted.npy does not match its checksum")
-    out = _npy(raw, folder / "deleted.npy")
+    out = _npy(_read(folder, "deleted.npy", meta, verify), folder / "deleted.npy")
     if out.dtype != np.int64 or out.ndim != 1:
         raise DataLoss(f"export log entry {str(folder)!r}: deleted.npy is {out.dtype}{out.shape}, not int64 ids")
     return out

@@ -51,7 +51,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tigana.embeddings.files import atomic_write
+from tigana.embeddings.files import FileMismatch, atomic_write, read_checked
 from tigana.ps.errors import DataLoss, InvalidArgument
 
 MODEL_FILE = "model.json"
@@ -159,10 +159,12 @@ def newest_dense(root: str | Path) -> dict[str, Any] | None:
 def read_dense(root: str | Path, entry: dict[str, Any], *, verify: bool = True) -> bytes:
     """The bytes of a dense version's file, checked against its sha256 (``DataLoss`` when they differ)."""
     path = Path(root) / DENSE_DIR / entry["path"]
-    data = path.read_bytes()
-    if verify and hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise DataLoss(f"{path}: sha256 differs from dense/manifest.json's; not loaded")
-    return data
+    if not verify:
+        return path.read_bytes()
+    try:
+        return read_checked(path, entry["sha256"])
+    except FileMismatch:
+        raise DataLoss(f"{path}: sha256 differs from dense/manifest.json's; not loaded") from None
 
 
 def publish_dense(root: str | Path, version: int, data: bytes, *, keep: int = 20,

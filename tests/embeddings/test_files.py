@@ -4,16 +4,19 @@ replaces a file whole or leaves it as it was, with no temp file left behind; a f
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import pytest
 
 from tigana.embeddings.files import (
+    FileMismatch,
     atomic_replace,
     atomic_write,
     fsync_path,
     hold_lock,
     publish_folder,
+    read_checked,
     temp_beside,
 )
 
@@ -94,3 +97,18 @@ def test_a_folder_is_published_whole_under_its_final_name(tmp_path) -> None:
     with pytest.raises(OSError):  # a published folder is never replaced
         publish_folder(tmp_path / ".tmp-other", tmp_path / "part")
     assert (tmp_path / "part" / "manifest.json").exists()
+
+
+def test_a_checked_read_returns_the_bytes_and_refuses_another_size_or_sha256(tmp_path) -> None:
+    f = tmp_path / "part.npz"
+    f.write_bytes(b"rows" * 100)
+    digest = hashlib.sha256(b"rows" * 100).hexdigest()
+    assert read_checked(f, digest, 400) == b"rows" * 100
+    assert read_checked(f, digest) == b"rows" * 100  # no size recorded: the sha256 alone
+    with pytest.raises(FileMismatch, match="part.npz"):
+        read_checked(f, digest, 401)
+    f.write_bytes(b"rowz" * 100)  # same size, other bytes
+    with pytest.raises(FileMismatch):
+        read_checked(f, digest, 400)
+    with pytest.raises(OSError):
+        read_checked(tmp_path / "missing", digest)

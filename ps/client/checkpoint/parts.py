@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from tigana.embeddings import RowBatch
+from tigana.embeddings.files import FileMismatch, read_checked
 from tigana.ps.client.checkpoint.quantize import decode, encode
 from tigana.ps.errors import DataLoss
 
@@ -108,12 +109,11 @@ def _files(entry: dict[str, Any]) -> list[dict[str, Any]]:
 def _read(root: Path, entry: dict[str, Any], f: dict[str, Any]) -> bytes:
     path = root / entry["path"] / f["file"]
     try:
-        data = path.read_bytes()
+        return read_checked(path, f["sha256"], f["bytes"])
     except OSError as exc:
         raise DataLoss(f"checkpoint {str(root)!r}: {entry['path']}/{f['file']} is unreadable: {exc}") from None
-    if len(data) != f["bytes"] or hashlib.sha256(data).hexdigest() != f["sha256"]:
-        raise DataLoss(f"checkpoint {str(root)!r}: {entry['path']}/{f['file']} does not match its checksum")
-    return data
+    except FileMismatch:
+        raise DataLoss(f"checkpoint {str(root)!r}: {entry['path']}/{f['file']} does not match its checksum") from None
 
 
 def verify_part(root: Path, entry: dict[str, Any]) -> None:
