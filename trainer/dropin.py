@@ -106,7 +106,7 @@ class DropIn(nn.Module):
             for o in outs:
                 group_of[o.table] = group
         setattr(self, self._tables_attr, nn.ModuleDict({
-            t.name: PSTable(group_of[t.name], table_prefix + t.name, int(t.num_embeddings), int(t.embedding_dim),
+            t.name: PSTable(group_of[t.name], t.name, table_prefix + t.name, int(t.num_embeddings), int(t.embedding_dim),
                             max_rows=state_dict_rows, checkpoint_dir=checkpoint_dir) for t in tables}))
         self._register_load_state_dict_pre_hook(self._check_state_dict)
         if device is not None:

@@ -44,11 +44,12 @@ class PSTable(nn.Module):
     ``weight``: the (num_embeddings, embedding_dim) rows of ids 0..num_embeddings-1 now, a read-only copy
     (writing to it changes nothing on the PS: ``load_state_dict`` does)."""
 
-    def __init__(self, group: PSEmbeddingBags, table: str, num_embeddings: int, embedding_dim: int, *,
+    def __init__(self, group: PSEmbeddingBags, name: str, table: str, num_embeddings: int, embedding_dim: int, *,
                  max_rows: int, checkpoint_dir: str | None) -> None:
         super().__init__()
         self._group = [group]  # not a child: the group is the drop-in's
-        self.table = table
+        self.name = name  # TorchRec's table name
+        self.table = table  # the group's (logical) table: the PS table, or a table in the group's fused one
         self.num_embeddings = int(num_embeddings)
         self.embedding_dim = int(embedding_dim)
         self.max_rows = int(max_rows)
@@ -66,7 +67,7 @@ class PSTable(nn.Module):
     def weight(self) -> torch.Tensor:
         rows, why = self._bounded_rows()
         if rows is None:
-            raise ValueError(f"table {self.table!r}: {why}; its rows are read with table_rows(table, ids)")
+            raise ValueError(f"table {self.name!r}: {why}; its rows are read with table_rows(table, ids)")
         return torch.from_numpy(rows)
 
     def _bounded_rows(self) -> tuple[np.ndarray | None, str]:
@@ -100,7 +101,7 @@ class PSTable(nn.Module):
             "format": FORMAT, "saved_by": "cluster checkpoint", "checkpoint": checkpoint, "ps_table": self.ps_table,
             "embedding_dim": self.embedding_dim, "num_embeddings": self.num_embeddings,
             "rows": self.group.client.describe_table(self.ps_table).rows,
-            "why": f"table {self.table!r}: {why}" + ("" if checkpoint else
+            "why": f"table {self.name!r}: {why}" + ("" if checkpoint else
                                                       "; the rows stay on the cluster (its own checkpoints)")}
 
     def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: Any, strict: bool,
@@ -130,14 +131,14 @@ def check_state_dict(table: PSTable, state_dict: Mapping[str, Any], prefix: str)
         if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dim() != 2 or \
                 weight.shape[1] != table.embedding_dim or weight.shape[0] > table.num_embeddings:
             shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
-            raise ValueError(f"table {table.table!r}: {prefix}weight is {shape}, expected float rows "
+            raise ValueError(f"table {table.name!r}: {prefix}weight is {shape}, expected float rows "
                              f"({table.num_embeddings}, {table.embedding_dim})")
         if not bool(torch.isfinite(weight).all()):
-            raise ValueError(f"table {table.table!r}: {prefix}weight holds NaN or Inf")
+            raise ValueError(f"table {table.name!r}: {prefix}weight holds NaN or Inf")
     elif extra is not None:
         if not isinstance(extra, Mapping) or extra.get("format") != FORMAT:
-            raise ValueError(f"table {table.table!r}: {prefix}_extra_state is not a {FORMAT} entry")
+            raise ValueError(f"table {table.name!r}: {prefix}_extra_state is not a {FORMAT} entry")
         if extra.get("ps_table") != table.ps_table or extra.get("embedding_dim") != table.embedding_dim:
-            raise ValueError(f"table {table.table!r}: {prefix}_extra_state is PS table {extra.get('ps_table')!r} "
+            raise ValueError(f"table {table.name!r}: {prefix}_extra_state is PS table {extra.get('ps_table')!r} "
                              f"of dim {extra.get('embedding_dim')}, this one is {table.ps_table!r} of dim "
                              f"{table.embedding_dim}")
