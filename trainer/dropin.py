@@ -116,6 +116,9 @@ class DropIn(nn.Module):
     def _split(self, features: Any) -> list[SparseFeatures]:
         """A ``KeyedJaggedTensor`` (keys in any order; extra keys ignored) -> each group's SparseFeatures:
         the ids, lengths and weights of its outputs' features, in the group's order."""
+        if getattr(features, "variable_stride_per_key", lambda: False)():
+            raise ValueError(f"a {type(self).__name__} takes one batch size for every feature: this "
+                             "KeyedJaggedTensor has a batch size per feature (variable batch, VBE)")
         keys = list(features.keys())
         values, lengths = features.values(), features.lengths()
         weights = features.weights_or_none() if self._weighted else None

@@ -53,6 +53,8 @@ class PSEmbeddingCollection(DropIn):
                    table's name)
     device:        where the rows go (CUDA: copied from pinned memory without blocking)
     need_indices:  each output JaggedTensor carries its ids as ``weights()``
+    use_gather_select, use_gather_select_per_sharding: TorchRec's, accepted and answered (they choose a
+                   sharded module's lookup kernel; there is none to choose here)
     options, table_options, table_prefix, output, state_dict_rows, checkpoint_dir: as
                    ``PSEmbeddingBagCollection``'s
     """
@@ -68,7 +70,8 @@ class PSEmbeddingCollection(DropIn):
         return super().__new__(cls)
 
     def __init__(self, client: Any, tables: Sequence[Any], *, device: torch.device | str | None = None,
-                 need_indices: bool = False, options: TableOptions | None = None,
+                 need_indices: bool = False, use_gather_select: bool = False,
+                 use_gather_select_per_sharding: Mapping[str, bool] | None = None, options: TableOptions | None = None,
                  table_options: Mapping[str, TableOptions] | None = None, table_prefix: str = "",
                  output: str = "auto", state_dict_rows: int = DEFAULT_STATE_DICT_ROWS,
                  checkpoint_dir: str | None = None, **collection_kwargs: Any) -> None:
@@ -82,6 +85,9 @@ class PSEmbeddingCollection(DropIn):
         self.output = output
         self._weighted = False
         self._need_indices = bool(need_indices)
+        # TorchRec's lookup-kernel choices for its sharded modules: kept and answered, nothing to choose here
+        self._use_gather_select = bool(use_gather_select)
+        self._use_gather_select_per_sharding = use_gather_select_per_sharding
         self._build(client, tables, dict.fromkeys(dims, "sum"), options=options, table_options=table_options,
                     table_prefix=table_prefix, device=device, state_dict_rows=state_dict_rows,
                     checkpoint_dir=checkpoint_dir, collection_kwargs=collection_kwargs)
@@ -89,6 +95,12 @@ class PSEmbeddingCollection(DropIn):
 
     def need_indices(self) -> bool:
         return self._need_indices
+
+    def use_gather_select(self) -> bool:
+        return self._use_gather_select
+
+    def use_gather_select_per_sharding(self) -> Mapping[str, bool] | None:
+        return self._use_gather_select_per_sharding
 
     def embedding_dim(self) -> int:
         return self._embedding_dim

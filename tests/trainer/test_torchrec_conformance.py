@@ -209,3 +209,13 @@ def test_embedding_collection_empty_batch_and_refusals(client: ps.Client) -> Non
     with pytest.raises(ValueError, match="same embedding dimension"):
         PSEmbeddingCollection(client, mixed, options=_options(5), table_prefix="ec_bad_")
     assert "ec_bad_x" not in client.list_tables()  # refused before any table was created
+
+
+def test_variable_batch_per_feature_is_refused(client: ps.Client) -> None:
+    tables = [EmbeddingBagConfig(name="t_vbe", embedding_dim=4, num_embeddings=10, feature_names=["a", "b"])]
+    ours = PSEmbeddingBagCollection(client, tables, options=_options(6), table_prefix="vbe_")
+    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 1]),
+                            stride_per_key_per_rank=[[2], [1]])  # a: 2 samples, b: 1
+    with pytest.raises(ValueError, match="batch size per feature"):
+        ours(kjt)
+    assert ours.stats()["pulled_rows"] == 0
