@@ -120,7 +120,7 @@ def test_unbounded_tables_say_how_their_rows_are_saved(client: ps.Client, tmp_pa
     assert entry["saved_by"] == "cluster checkpoint" and entry["rows"] == 2 and "outside [0, 12)" in entry["why"]
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    saved = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    saved = torch.load(io.BytesIO(buffer.getvalue()))  # weights_only: plain types
     trained = client.pull("sd4_big", np.array([3, 2**40]), insert=False)
     ours(kjt).values().sum().backward()  # trained further, then back to the saved rows
     ours.flush()
