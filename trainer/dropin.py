@@ -28,6 +28,8 @@ from tigana.trainer.embedding import PSEmbeddingBags, TableOptions
 from tigana.trainer.table_rows import DEFAULT_STATE_DICT_ROWS, PSTable, check_state_dict
 from tigana.trainer.types import FeatureSpec, SparseFeatures
 
+__all__ = ["DEFAULT_STATE_DICT_ROWS", "DropIn", "FeatureMissing", "from_torchrec", "table_outputs"]
+
 
 class FeatureMissing(KeyError, ValueError):
     """A batch lacks a feature a table reads: a ``KeyError``, as TorchRec raises, that says which."""
@@ -181,5 +183,3 @@ class DropIn(nn.Module):
     def extra_repr(self) -> str:
         return ", ".join(f"{t.name}(dim={t.embedding_dim}, features={list(t.feature_names)})" for t in self._configs)
 
-
-__all__ = ["DEFAULT_STATE_DICT_ROWS", "DropIn", "FeatureMissing", "from_torchrec", "table_outputs"]
