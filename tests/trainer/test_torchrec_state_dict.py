@@ -159,3 +159,20 @@ def test_device_reset_parameters_and_the_old_name(client: ps.Client) -> None:
     with pytest.warns(DeprecationWarning, match="PSEmbeddingBags"):
         from tigana.trainer.embedding import PSEmbeddingCollection as old_name
     assert old_name is PSEmbeddingBags
+
+
+def test_write_rows_refuses_rows_that_do_not_fit(client: ps.Client) -> None:
+    coll = PSEmbeddingBags(client, [FeatureSpec("sd6_f")], 4, options=_options())
+    before = client.pull("sd6_f", np.arange(3, dtype=np.int64))
+    with pytest.raises(ValueError, match=r"table 'sd6_f': rows of shape \(3, 5\) for 3 ids, expected \(3, 4\)"):
+        coll.write_rows("sd6_f", np.arange(3), np.zeros((3, 5), np.float32))
+    with pytest.raises(ValueError, match="table 'sd6_f': the ids to write repeat"):
+        coll.write_rows("sd6_f", np.array([1, 1, 2]), np.zeros((3, 4), np.float32))
+    with pytest.raises(ValueError, match="table 'sd6_f': the rows to write hold NaN or Inf"):
+        coll.write_rows("sd6_f", np.arange(3), np.full((3, 4), np.inf, np.float32))
+    with pytest.raises(ValueError, match="no table named 'nope'"):
+        coll.write_rows("nope", np.arange(3), np.zeros((3, 4), np.float32))
+    np.testing.assert_array_equal(client.pull("sd6_f", np.arange(3, dtype=np.int64)), before)
+    rows = np.arange(12, dtype=np.float32).reshape(3, 4)
+    assert coll.write_rows("sd6_f", np.array([7, 2**62, -5]), rows) == 3  # any int64 ids
+    np.testing.assert_array_equal(client.pull("sd6_f", np.array([7, 2**62, -5]), insert=False), rows)
