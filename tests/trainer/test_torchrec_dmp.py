@@ -58,7 +58,7 @@ def _worker(rank: int, world: int, port: int, addresses: list[str]) -> None:
             loss.backward()
             optimizer.step()
             ebc.flush()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         assert losses[-1] < losses[0], losses
         flat = torch.cat([p.detach().reshape(-1) for p in dmp.parameters()])
         gathered = [torch.empty_like(flat) for _ in range(world)]
@@ -69,6 +69,8 @@ def _worker(rank: int, world: int, port: int, addresses: list[str]) -> None:
             after = client.pull(t, np.arange(100, dtype=np.int64), insert=False)
             moved = np.flatnonzero(np.abs(after - before[t]).sum(1) > 0)
             assert moved.tolist() == [*range(5), *range(50, 55)]  # both ranks' ids, no other
+        state = dmp.state_dict()  # the unwrapped DLRM's keys, the PS tables' too (100 rows: a tensor each)
+        assert state["sparse_arch.embedding_bag_collection.embedding_bags.dmp_user.weight"].shape == (100, 4)
         dist.barrier()
     finally:
         client.close()
