@@ -43,3 +43,11 @@ def test_example_reads_the_criteo_head(shard_cluster, capsys: pytest.CaptureFixt
     out = _run(capsys, ["--servers", ",".join(shard_cluster.addresses), "--data", str(CRITEO_HEAD), "--steps", "3",
                         "--batch-size", "64", "--dim", "8"])
     assert out["steps"] == 3 and out["rows"] > 26
+
+
+def test_hex_categories_parse_as_python_does() -> None:
+    import numpy as np
+
+    texts = ["68fd1e64", "0", "a", "ABCDEF12", "7fffffffffffffff", "ffffffffffffffff"]
+    got = _example().hex_ids(np.array(texts).astype("S16"))
+    assert got.tolist() == [int(t, 16) for t in texts]
