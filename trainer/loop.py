@@ -76,7 +76,7 @@ def build(config: TrainConfig, client: Any, data: TrainData, groups: Groups | No
                            cache_policy=config.cache_policy, unseen=config.unseen)
     fused = f"{config.table_prefix}{config.model}_{config.dataset}_fused" if config.fuse_tables else None
     collection = PSEmbeddingBags(client, features, config.dim, options=options, aggregate_group=aggregate,
-                                       fused_table=fused)
+                                 fused_table=fused)
     torch.manual_seed(config.seed)  # identical dense init on every rank
     model = build_model(config.model, collection, data.num_dense)
     return model, collection

@@ -74,7 +74,7 @@ class CriteoScorer:
         self._rows = _ServedRows()
         features = [FeatureSpec(f["name"], table=f["table"], pooling=f["pooling"]) for f in spec["features"]]
         self.collection = PSEmbeddingBags(self._rows, features, int(spec["dim"]),
-                                                fused_table=spec.get("fused_table"), create=False)
+                                          fused_table=spec.get("fused_table"), create=False)
         self.model = build_model(spec["model"], self.collection, self.num_dense)
         state = torch.load(io.BytesIO(dense_file), weights_only=True)
         self.model.load_dense_state_dict(state["model"])

@@ -149,7 +149,7 @@ def test_staleness0_sgd_matches_local_embeddingbag_step_by_step(client, fused: b
     features = _features(prefix)
     lr = 0.3
     ps_coll = PSEmbeddingBags(client, features, DIM, fused_table=f"{prefix}fused" if fused else None,
-                                    options=TableOptions(optimizer=ps.SGD(lr=lr), staleness=0, seed=5))
+                              options=TableOptions(optimizer=ps.SGD(lr=lr), staleness=0, seed=5))
     ids_a, ids_c = np.arange(12), np.arange(100, 112)
     rows_a = _table_rows(client, ps_coll, f"{prefix}a", ids_a)
     rows_c = _table_rows(client, ps_coll, f"{prefix}c", ids_c)
@@ -204,7 +204,7 @@ def test_prefetch_gives_the_same_rows_without_a_second_pull(client, monkeypatch:
     assert per_batch == len(coll.tables) and coll.pulled_rows == 2 * pulled
     torch.testing.assert_close(direct, prefetched)
     strict = PSEmbeddingBags(client, features, DIM, options=TableOptions(staleness=1),
-                                   table_options={f"{prefix}c": TableOptions(staleness=0)}, create=False)
+                             table_options={f"{prefix}c": TableOptions(staleness=0)}, create=False)
     strict.prefetch(sparse)  # a staleness-0 table: prefetch does nothing
     assert strict._prefetched == []
 
@@ -225,7 +225,7 @@ def test_bad_batches_are_refused_with_the_field_named(client) -> None:
         TableOptions(staleness=-1)
     with pytest.raises(ValueError, match="fused_table"):
         PSEmbeddingBags(client, _features(prefix), DIM, fused_table="f",
-                              table_options={f"{prefix}c": TableOptions(staleness=0)})
+                        table_options={f"{prefix}c": TableOptions(staleness=0)})
 
 
 def test_salting_keeps_tables_apart() -> None:
@@ -240,7 +240,7 @@ def test_rows_read_within_the_staleness_bound(client, staleness: int) -> None:
     pushes it saw, which must be at least s-1-staleness (and at most s-1)."""
     prefix = _name()
     coll = PSEmbeddingBags(client, [FeatureSpec(f"{prefix}x")], DIM,
-                                 options=TableOptions(optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros(),
+                           options=TableOptions(optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros(),
                                                       staleness=staleness))
     batches = [SparseFeatures([f"{prefix}x"], torch.tensor([7]), torch.tensor([1])) for _ in range(8)]
     seen = []
@@ -266,7 +266,7 @@ def test_evaluation_pulls_are_read_only(client, fused: bool) -> None:
     prefix = _name()
     features = _features(prefix)
     coll = PSEmbeddingBags(client, features, DIM, fused_table=f"{prefix}fused" if fused else None,
-                                 options=TableOptions(optimizer=ps.SGD(lr=0.5), staleness=1, seed=3,
+                           options=TableOptions(optimizer=ps.SGD(lr=0.5), staleness=1, seed=3,
                                                       unseen="initial"))
     physical = [coll.fused_table] if fused else coll.tables
     model = _Tiny(coll)
@@ -309,7 +309,7 @@ def test_table_rows_reads_without_inserting(client, fused: bool, compressed: boo
     their initial rows, with nothing inserted (it used to pull with inserts, growing the table it looked at)."""
     prefix = _name()
     coll = PSEmbeddingBags(client, _features(prefix), DIM, fused_table=f"{prefix}fused" if fused else None,
-                                 options=TableOptions(optimizer=ps.SGD(lr=0.5), staleness=0, seed=3,
+                           options=TableOptions(optimizer=ps.SGD(lr=0.5), staleness=0, seed=3,
                                                       compression="adaptive" if compressed else None))
     physical = coll.fused_table if fused else f"{prefix}a"
     trained = np.arange(6)

@@ -26,7 +26,7 @@ def _worker(rank: int, world: int, port: int, addresses: list[str]) -> None:
     try:
         features = [FeatureSpec("agg_u"), FeatureSpec("agg_g", pooling="mean")]
         coll = PSEmbeddingBags(client, features, DIM, aggregate_group=groups.sparse_node,
-                                     options=TableOptions(optimizer=ps.SGD(lr=LR), staleness=0))
+                               options=TableOptions(optimizer=ps.SGD(lr=LR), staleness=0))
         rng = np.random.default_rng(rank)
         b = 10
         u = rng.integers(0, VOCAB, b)          # overlapping ids across ranks

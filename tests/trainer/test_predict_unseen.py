@@ -53,7 +53,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ps.LocalCluste
 def _collection(client: ps.Client, spec: dict, unseen: str | None = None) -> PSEmbeddingBags:
     features = [FeatureSpec(f["name"], table=f["table"], pooling=f["pooling"]) for f in spec["features"]]
     return PSEmbeddingBags(client, features, spec["dim"], fused_table=spec["fused_table"], create=False,
-                                 options=None if unseen is None else TableOptions(unseen=unseen))
+                           options=None if unseen is None else TableOptions(unseen=unseen))
 
 
 def _evaluation_scores(client: ps.Client, spec: dict, dense_file: bytes, chunk, unseen: str) -> np.ndarray:

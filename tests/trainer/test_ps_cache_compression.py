@@ -79,7 +79,7 @@ def test_cached_rows_miss_at_most_staleness_own_pushes(client, staleness, fused)
     name = f"c{uuid.uuid4().hex[:8]}"
     features = [FeatureSpec("a", table=f"{name}_a"), FeatureSpec("b", table=f"{name}_b")]
     coll = PSEmbeddingBags(client, features, DIM, fused_table=f"{name}_f" if fused else None,
-                                 options=TableOptions(optimizer=ps.SGD(lr=LR), initializer=ps.Zeros(),
+                           options=TableOptions(optimizer=ps.SGD(lr=LR), initializer=ps.Zeros(),
                                                       staleness=staleness, cache_rows=64))
     batches = _batches(14)
     seen = _run(coll, batches)
@@ -117,7 +117,7 @@ def test_adaptive_compression_delivers_every_gradient(client) -> None:
         name = f"z{uuid.uuid4().hex[:8]}"
         features = [FeatureSpec("a", table=f"{name}_a"), FeatureSpec("b", table=f"{name}_b")]
         coll = PSEmbeddingBags(client, features, DIM, fused_table=f"{name}_f",
-                                     options=TableOptions(optimizer=ps.SGD(lr=LR), initializer=ps.Zeros(),
+                               options=TableOptions(optimizer=ps.SGD(lr=LR), initializer=ps.Zeros(),
                                                           staleness=1, compression=compression))
         _run(coll, batches)
         grads, _ = _history(batches)

@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
             for case, fused in (("train_ps", "bench_train_fused"), ("train_ps_unfused", None)):
                 specs = [FeatureSpec(f.name, table=f"bench_train_{f.name}", pooling=f.pooling) for f in features]
                 coll = PSEmbeddingBags(client, specs, DIM, fused_table=fused,
-                                             options=TableOptions(optimizer=ps.Adagrad(lr=0.05), staleness=1))
+                                       options=TableOptions(optimizer=ps.Adagrad(lr=0.05), staleness=1))
                 trainers[case] = _Trainer(coll, batches, collection=coll)
             peer = _torchrec_collection(features, cards, batches)
             if peer is not None:
