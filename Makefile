@@ -8,6 +8,10 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.installed
+# TorchRec, a test dependency (the conformance suite in tests/trainer/ runs against it), beside the CPU torch:
+# the CPU fbgemm-gpu, then torchrec itself without its requirements (they would pull the 0.5 GB CUDA build).
+TORCHREC_DEPS ?= "fbgemm-gpu-cpu==1.8.0" pyre-extensions tensordict
+TORCHREC_PIN ?= "torchrec==1.8.0"
 
 .PHONY: install test lint demo proto bench bench-peers bytecode clean
 
@@ -16,6 +20,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) tools/torch_wheel.py --pin "$(TORCH_PIN)" --index "$(TORCH_INDEX)"
 	$(PY) -m pip install -q -e ".[dev,train]" "$(TORCH_PIN)"
+	$(PY) -m pip install -q $(TORCHREC_DEPS) "$(TORCH_PIN)"
+	$(PY) -m pip install -q --no-deps $(TORCHREC_PIN)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -54,11 +60,10 @@ bench: $(STAMP)
 	$(VENV)/bin/tigana bench checkpoint --quick
 	$(VENV)/bin/tigana bench nemesis --quick
 
-# Optional benchmark peers, never dependencies: TorchRec beside the CPU torch, with the CPU fbgemm-gpu
-# (torchrec's own requirements would pull the 0.5 GB CUDA build).
+# The benchmark peers (TorchRec, as above: `make install` has it too); re-run after a venv made another way.
 bench-peers: $(STAMP)
-	$(PY) -m pip install -q "fbgemm-gpu-cpu==1.8.0" pyre-extensions tensordict
-	$(PY) -m pip install -q --no-deps "torchrec==1.8.0"
+	$(PY) -m pip install -q $(TORCHREC_DEPS) "$(TORCH_PIN)"
+	$(PY) -m pip install -q --no-deps $(TORCHREC_PIN)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

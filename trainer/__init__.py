@@ -1,6 +1,6 @@
 """tigana.trainer — CTR models trained through the parameter server.
 
-Embedding tables live on the shard servers (``PSEmbeddingCollection``: rows pulled per batch, prefetched one
+Embedding tables live on the shard servers (``PSEmbeddingBags``: rows pulled per batch, prefetched one
 step ahead within the staleness bound, row gradients pushed asynchronously from a custom autograd function);
 the dense layers are replicated on every trainer and kept in sync by DDP with a hierarchical all-reduce
 (reduce in the node, all-reduce among node leaders, broadcast in the node).
@@ -8,16 +8,18 @@ the dense layers are replicated on every trainer and kept in sync by DDP with a 
 Example::
 
     from tigana import ps
-    from tigana.trainer import PSEmbeddingCollection, TableOptions
+    from tigana.trainer import PSEmbeddingBags, TableOptions
     from tigana.trainer.models import build_model
 
     client = ps.connect(["127.0.0.1:7101", "127.0.0.1:7102"])
-    emb = PSEmbeddingCollection(client, features, dim=16, options=TableOptions(optimizer=ps.Adagrad(lr=0.05)))
+    emb = PSEmbeddingBags(client, features, dim=16, options=TableOptions(optimizer=ps.Adagrad(lr=0.05)))
     model = build_model("deepfm", emb, num_dense=13)
     optimizer = torch.optim.Adam(model.dense_parameters())  # the tables are not parameters
 
-A TorchRec model swaps its ``EmbeddingBagCollection`` for ``PSEmbeddingBagCollection(client, tables)``
-(TorchRec's EmbeddingBagConfig list and KeyedJaggedTensor, or ours from ``tigana.trainer.keyed``).
+A TorchRec model swaps its ``EmbeddingBagCollection`` for ``PSEmbeddingBagCollection(client, tables)`` and its
+``EmbeddingCollection`` for ``PSEmbeddingCollection(client, tables)`` (TorchRec's configs, KeyedJaggedTensor and
+outputs, or ours from ``tigana.trainer.keyed``). ``PSEmbeddingCollection(client, features, dim)``, the pooled
+collection's old name, still builds a ``PSEmbeddingBags`` (deprecated).
 
 Or the whole job from the command line: ``tigana train --config train.yaml`` (or
 ``torchrun --nproc-per-node N -m tigana.trainer ...``), whose last stdout line is a JSON result.
@@ -43,9 +45,12 @@ _EXPORTS = {  # public name -> the module that defines it
     "init_distributed": "tigana.trainer.distributed",
     "read_env": "tigana.trainer.launcher_env",
     "shutdown": "tigana.trainer.distributed",
-    "PSEmbeddingCollection": "tigana.trainer.embedding",
+    "PSEmbeddingBags": "tigana.trainer.embedding",
+    "PSEmbeddingCollection": "tigana.trainer.sequence_collection",
     "TableOptions": "tigana.trainer.embedding",
     "EmbeddingBagConfig": "tigana.trainer.keyed",
+    "EmbeddingConfig": "tigana.trainer.keyed",
+    "JaggedTensor": "tigana.trainer.keyed",
     "KeyedJaggedTensor": "tigana.trainer.keyed",
     "KeyedTensor": "tigana.trainer.keyed",
     "PoolingType": "tigana.trainer.keyed",
@@ -66,7 +71,8 @@ _EXPORTS = {  # public name -> the module that defines it
 
 __all__ = [
     "Batch", "ConfigError", "CriteoScorer", "DistEnv", "EmbeddingBagConfig", "EmbeddingCollection", "FeatureSpec", "Groups",
-    "KeyedJaggedTensor", "KeyedTensor", "LocalEmbeddingCollection", "PSEmbeddingBagCollection", "PSEmbeddingCollection",
+    "EmbeddingConfig", "JaggedTensor", "KeyedJaggedTensor", "KeyedTensor", "LocalEmbeddingCollection",
+    "PSEmbeddingBagCollection", "PSEmbeddingBags", "PSEmbeddingCollection",
     "PoolingType", "Publisher", "SparseFeatures", "TableOptions", "TrainConfig", "TrainData", "add_arguments",
     "config_from_args", "cross_node_bytes", "evaluate", "flat_all_reduce", "hierarchical_all_reduce",
     "hierarchical_hook", "init_distributed", "load_config", "load_data", "load_scorer", "read_env", "register_hook", "run",
@@ -100,10 +106,18 @@ if TYPE_CHECKING:  # the names, for type checkers and editors
     from tigana.trainer.bag_collection import PSEmbeddingBagCollection
     from tigana.trainer.config import ConfigError, TrainConfig, add_arguments, config_from_args, load_config
     from tigana.trainer.distributed import Groups, init_distributed, shutdown
-    from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
-    from tigana.trainer.keyed import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor, PoolingType
+    from tigana.trainer.embedding import PSEmbeddingBags, TableOptions
+    from tigana.trainer.keyed import (
+        EmbeddingBagConfig,
+        EmbeddingConfig,
+        JaggedTensor,
+        KeyedJaggedTensor,
+        KeyedTensor,
+        PoolingType,
+    )
     from tigana.trainer.launch import run
     from tigana.trainer.launcher_env import DistEnv, read_env
     from tigana.trainer.local import LocalEmbeddingCollection
     from tigana.trainer.loop import TrainData, evaluate, load_data, train
+    from tigana.trainer.sequence_collection import PSEmbeddingCollection
     from tigana.trainer.types import Batch, EmbeddingCollection, FeatureSpec, SparseFeatures

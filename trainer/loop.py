@@ -40,7 +40,7 @@ from tigana.trainer.config import TrainConfig
 from tigana.trainer.datasets import TrainData, load_data
 from tigana.trainer.distributed import DistEnv, Groups, collective_device
 from tigana.trainer.elastic import Position, elastic_state, restart_count, under_torch_elastic
-from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
+from tigana.trainer.embedding import PSEmbeddingBags, TableOptions
 from tigana.trainer.inputs import check_inputs, latest_checkpoint
 from tigana.trainer.metrics import TrainerMetrics, start_wandb
 from tigana.trainer.publish import Publisher
@@ -60,7 +60,7 @@ def _optimizer_of(config: TrainConfig) -> Any:
 
 
 def build(config: TrainConfig, client: Any, data: TrainData, groups: Groups | None = None
-          ) -> tuple[nn.Module, PSEmbeddingCollection]:
+          ) -> tuple[nn.Module, PSEmbeddingBags]:
     """The configured model over a PS collection of the data's features (tables created on the shards)."""
     from tigana.trainer.models import build_model
 
@@ -75,8 +75,8 @@ def build(config: TrainConfig, client: Any, data: TrainData, groups: Groups | No
                            cache_rows=config.cache_rows, cache_max_age=config.cache_max_age,
                            cache_policy=config.cache_policy, unseen=config.unseen)
     fused = f"{config.table_prefix}{config.model}_{config.dataset}_fused" if config.fuse_tables else None
-    collection = PSEmbeddingCollection(client, features, config.dim, options=options, aggregate_group=aggregate,
-                                       fused_table=fused)
+    collection = PSEmbeddingBags(client, features, config.dim, options=options, aggregate_group=aggregate,
+                                 fused_table=fused)
     torch.manual_seed(config.seed)  # identical dense init on every rank
     model = build_model(config.model, collection, data.num_dense)
     return model, collection
@@ -87,7 +87,7 @@ def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
-def evaluate(model: nn.Module, batches: Iterator[Batch], collection: PSEmbeddingCollection | None = None
+def evaluate(model: nn.Module, batches: Iterator[Batch], collection: PSEmbeddingBags | None = None
              ) -> dict[str, float]:
     """AUC, logloss and row count over ``batches`` (torchmetrics; summed over every rank when a process
     group is up, so every rank must call it)."""
@@ -387,7 +387,7 @@ def train(config: TrainConfig, env: DistEnv, groups: Groups | None, addresses: l
         client.close()
 
 
-def _ps_figures(client: Any, collection: PSEmbeddingCollection) -> dict[str, Any]:
+def _ps_figures(client: Any, collection: PSEmbeddingBags) -> dict[str, Any]:
     """This rank's data-path bytes (sent + received, pulls and pushes, every PS table of the run), and the
     hot-row cache's hit rate and the adaptive compressor's counters when they are on."""
     stats = client.stats()

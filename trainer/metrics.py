@@ -64,7 +64,7 @@ class TrainerMetrics(MetricsEndpoint):
 
     def attach(self, client: Any, collection: Any = None) -> None:
         """Report ``client``'s counters (``Client.stats()``, read when scraped) and time the pulls and pushes of
-        ``collection`` (a ``PSEmbeddingCollection``)."""
+        ``collection`` (a ``PSEmbeddingBags``)."""
         if self._client is None:
             self.registry.register(ClientCollector(client.stats))
         self._client = client

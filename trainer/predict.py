@@ -2,7 +2,7 @@
 tables, fed raw feature rows that it transforms and hashes exactly as the trainer's data reader did.
 
 ``load_scorer(spec, dense_file)`` (the ``Loader`` of ``tigana.ps.serving.model``) builds the model the run
-trained (``model.json``: its name, fields, tables and dim) over a ``PSEmbeddingCollection`` whose "client"
+trained (``model.json``: its name, fields, tables and dim) over a ``PSEmbeddingBags`` whose "client"
 reads the served tables' rows, and loads a published version's dense weights into it. The collection is the
 trainer's own: the same plan, the same per-table salts of a fused table, the same pooling; only its rows come
 from the export logs instead of the shard servers. A prediction is ``sigmoid(model(dense, sparse))`` in eval
@@ -28,7 +28,7 @@ import torch
 
 from tigana.trainer.data.criteo import ids_to_batch, transform_dense
 from tigana.trainer.data.hashing import hash_values
-from tigana.trainer.embedding import PSEmbeddingCollection
+from tigana.trainer.embedding import PSEmbeddingBags
 from tigana.trainer.types import FeatureSpec
 
 __all__ = ["CriteoScorer", "load_scorer"]
@@ -73,8 +73,8 @@ class CriteoScorer:
         self.transform = spec["dense_transform"]
         self._rows = _ServedRows()
         features = [FeatureSpec(f["name"], table=f["table"], pooling=f["pooling"]) for f in spec["features"]]
-        self.collection = PSEmbeddingCollection(self._rows, features, int(spec["dim"]),
-                                                fused_table=spec.get("fused_table"), create=False)
+        self.collection = PSEmbeddingBags(self._rows, features, int(spec["dim"]),
+                                          fused_table=spec.get("fused_table"), create=False)
         self.model = build_model(spec["model"], self.collection, self.num_dense)
         state = torch.load(io.BytesIO(dense_file), weights_only=True)
         self.model.load_dense_state_dict(state["model"])

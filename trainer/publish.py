@@ -24,14 +24,14 @@ from torch import nn
 
 from tigana.ps.serving import modeldir
 from tigana.trainer.config import TrainConfig, publish_interval
-from tigana.trainer.embedding import PSEmbeddingCollection
+from tigana.trainer.embedding import PSEmbeddingBags
 
 __all__ = ["Publisher", "model_spec"]
 
 log = logging.getLogger("tigana.trainer")
 
 
-def model_spec(config: TrainConfig, collection: PSEmbeddingCollection, num_dense: int) -> dict[str, Any]:
+def model_spec(config: TrainConfig, collection: PSEmbeddingBags, num_dense: int) -> dict[str, Any]:
     """``model.json`` of a run over a Criteo-format data set (criteo, synthetic): both readers hash a raw
     categorical value with its field's salt, ``criteo_salts(0)``, and transform the integer fields with log3."""
     from tigana.trainer.data.criteo import SPARSE_NAMES, criteo_salts
@@ -68,7 +68,7 @@ class Publisher:
         self._spec_written = False
 
     @classmethod
-    def for_run(cls, config: TrainConfig, collection: PSEmbeddingCollection, num_dense: int, rank: int
+    def for_run(cls, config: TrainConfig, collection: PSEmbeddingBags, num_dense: int, rank: int
                 ) -> Publisher | None:
         """The run's publisher on rank 0 with ``--publish-dir``, else None."""
         if config.publish_dir is None or rank != 0:

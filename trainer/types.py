@@ -15,11 +15,13 @@ class SparseFeatures:
     keys:    F feature names
     values:  (N,) int64 ids, feature 0's ids for samples 0..B-1 first, then feature 1's, ...
     lengths: (F*B,) int64 number of ids per (feature, sample); single-hot features have all lengths 1
+    weights: (N,) float32 per-id weights, applied to each row before pooling (and to its gradient), or None
     """
 
     keys: list[str]
     values: torch.Tensor
     lengths: torch.Tensor
+    weights: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -72,7 +74,7 @@ class EmbeddingCollection(Protocol):
     """What models take for their sparse part: a module mapping SparseFeatures to pooled rows.
 
     ``forward(sparse) -> (B, F, dim)`` float32, features in ``feature_names`` order.
-    Implemented locally (``nn.EmbeddingBag``) and by the parameter server (``PSEmbeddingCollection``).
+    Implemented locally (``nn.EmbeddingBag``) and by the parameter server (``PSEmbeddingBags``).
     """
 
     feature_names: list[str]

@@ -114,12 +114,28 @@ def test_bad_tables_and_batches_are_refused(client: ps.Client) -> None:
     t = EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=4, name="t", feature_names=["a"])
     with pytest.raises(ValueError, match="distinct"):
         PSEmbeddingBagCollection(client, [t, t])
-    with pytest.raises(ValueError, match="one table only"):
-        PSEmbeddingBagCollection(client, [t, EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=4, name="u",
-                                                                feature_names=["a"])])
     ebc = PSEmbeddingBagCollection(client, [t], options=_options(1), table_prefix="ebc2_")
     with pytest.raises(ValueError, match="lacks features"):
         ebc(KeyedJaggedTensor(["b"], torch.tensor([1]), torch.tensor([1])))
+    with pytest.raises(KeyError, match=r"lacks features \['a'\]"):  # a KeyError too, as TorchRec's
+        ebc(KeyedJaggedTensor(["b"], torch.tensor([1]), torch.tensor([1])))
+
+
+def test_shared_features_and_tables_named_after_their_feature(client: ps.Client) -> None:
+    """A table without feature_names reads the feature named after it; a feature two tables read gives the keys
+    feature@table (TorchRec's rules), with our own types."""
+    tables = [EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=4, name="user"),
+              EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=4, name="t_a", feature_names=["item"]),
+              EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=8, name="t_b", feature_names=["item"])]
+    ebc = PSEmbeddingBagCollection(client, tables, options=_options(2), table_prefix="ebc3_")
+    assert tables[0].feature_names == ["user"]
+    kt = ebc(KeyedJaggedTensor(["item", "user"], torch.tensor([3, 4, 5]), torch.tensor([1, 1, 0, 1])))
+    assert kt.keys() == ["user", "item@t_a", "item@t_b"] and kt.length_per_key() == [4, 4, 8]
+    rows = {t: torch.from_numpy(client.pull(f"ebc3_{t}", np.arange(6, dtype=np.int64), insert=False))
+            for t in ("user", "t_a", "t_b")}
+    torch.testing.assert_close(kt["user"], torch.stack([torch.zeros(4), rows["user"][5]]))
+    torch.testing.assert_close(kt["item@t_a"], rows["t_a"][[3, 4]])
+    torch.testing.assert_close(kt["item@t_b"], rows["t_b"][[3, 4]])
 
 
 def test_torchrec_dlrm_matches_local_training_step_by_step(client: ps.Client) -> None:

@@ -1,4 +1,4 @@
-"""PSEmbeddingCollection against real shard daemons: pooling, pushed gradients, prefetch, and step-by-step
+"""PSEmbeddingBags against real shard daemons: pooling, pushed gradients, prefetch, and step-by-step
 equality with the same model on a local ``nn.EmbeddingBag`` (staleness 0, SGD)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tigana import ps
-from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
+from tigana.trainer.embedding import PSEmbeddingBags, TableOptions
 from tigana.trainer.embedding.plan import _salted, _table_salt
 from tigana.trainer.loop import evaluate
 from tigana.trainer.types import Batch, FeatureSpec, SparseFeatures
@@ -67,7 +67,7 @@ def test_forward_pools_pulled_rows(client) -> None:
     prefix = _name()
     features = _features(prefix)
     # unseen initial: the no-grad forward reads the fresh tables' rows as a training pull would create them
-    coll = PSEmbeddingCollection(client, features, DIM, options=TableOptions(staleness=0, unseen="initial"))
+    coll = PSEmbeddingBags(client, features, DIM, options=TableOptions(staleness=0, unseen="initial"))
     assert coll.tables == [f"{prefix}a", f"{prefix}c"] and list(coll.parameters()) == []
     sparse = _batch(np.random.default_rng(0), prefix, 16)
     with torch.no_grad():
@@ -79,7 +79,7 @@ def test_forward_pools_pulled_rows(client) -> None:
 def test_backward_pushes_the_row_gradients(client) -> None:
     prefix = _name()
     features = _features(prefix)
-    coll = PSEmbeddingCollection(client, features, DIM, options=TableOptions(optimizer=ps.SGD(lr=0.5), staleness=0))
+    coll = PSEmbeddingBags(client, features, DIM, options=TableOptions(optimizer=ps.SGD(lr=0.5), staleness=0))
     sparse = _batch(np.random.default_rng(1), prefix, 8)
     ids_a = np.arange(12)
     ids_c = np.arange(100, 112)
@@ -135,7 +135,7 @@ class _LocalBags(nn.Module):
         return torch.stack(out, 1)
 
 
-def _table_rows(client, coll: PSEmbeddingCollection, table: str, ids: np.ndarray) -> np.ndarray:
+def _table_rows(client, coll: PSEmbeddingBags, table: str, ids: np.ndarray) -> np.ndarray:
     """A logical table's rows as the PS holds them (through the fused table's salted ids when fused)."""
     rows = coll.table_rows(table, ids)
     if coll.fused_table is not None:
@@ -148,8 +148,8 @@ def test_staleness0_sgd_matches_local_embeddingbag_step_by_step(client, fused: b
     prefix = _name()
     features = _features(prefix)
     lr = 0.3
-    ps_coll = PSEmbeddingCollection(client, features, DIM, fused_table=f"{prefix}fused" if fused else None,
-                                    options=TableOptions(optimizer=ps.SGD(lr=lr), staleness=0, seed=5))
+    ps_coll = PSEmbeddingBags(client, features, DIM, fused_table=f"{prefix}fused" if fused else None,
+                              options=TableOptions(optimizer=ps.SGD(lr=lr), staleness=0, seed=5))
     ids_a, ids_c = np.arange(12), np.arange(100, 112)
     rows_a = _table_rows(client, ps_coll, f"{prefix}a", ids_a)
     rows_c = _table_rows(client, ps_coll, f"{prefix}c", ids_c)
@@ -181,7 +181,7 @@ def test_staleness0_sgd_matches_local_embeddingbag_step_by_step(client, fused: b
 def test_prefetch_gives_the_same_rows_without_a_second_pull(client, monkeypatch: pytest.MonkeyPatch) -> None:
     prefix = _name()
     features = _features(prefix)
-    coll = PSEmbeddingCollection(client, features, DIM, options=TableOptions(staleness=1))
+    coll = PSEmbeddingBags(client, features, DIM, options=TableOptions(staleness=1))
     sparse = _batch(np.random.default_rng(2), prefix, 32)
     issued: list[str] = []  # every pull the collection sends, by table
     pull_many = client.pull_many
@@ -203,15 +203,15 @@ def test_prefetch_gives_the_same_rows_without_a_second_pull(client, monkeypatch:
         assert len(issued) == 2 * per_batch and coll._prefetched == []
     assert per_batch == len(coll.tables) and coll.pulled_rows == 2 * pulled
     torch.testing.assert_close(direct, prefetched)
-    strict = PSEmbeddingCollection(client, features, DIM, options=TableOptions(staleness=1),
-                                   table_options={f"{prefix}c": TableOptions(staleness=0)}, create=False)
+    strict = PSEmbeddingBags(client, features, DIM, options=TableOptions(staleness=1),
+                             table_options={f"{prefix}c": TableOptions(staleness=0)}, create=False)
     strict.prefetch(sparse)  # a staleness-0 table: prefetch does nothing
     assert strict._prefetched == []
 
 
 def test_bad_batches_are_refused_with_the_field_named(client) -> None:
     prefix = _name()
-    coll = PSEmbeddingCollection(client, _features(prefix), DIM)
+    coll = PSEmbeddingBags(client, _features(prefix), DIM)
     good = _batch(np.random.default_rng(3), prefix, 4)
     with pytest.raises(ValueError, match="do not match"):
         coll(SparseFeatures(["x", "y", "z"], good.values, good.lengths))
@@ -220,12 +220,12 @@ def test_bad_batches_are_refused_with_the_field_named(client) -> None:
     with pytest.raises(ValueError, match="lengths sum"):
         coll(SparseFeatures(good.keys, good.values[:-1], good.lengths))
     with pytest.raises(ValueError, match="table_options"):
-        PSEmbeddingCollection(client, _features(prefix), DIM, table_options={"nope": TableOptions()})
+        PSEmbeddingBags(client, _features(prefix), DIM, table_options={"nope": TableOptions()})
     with pytest.raises(ValueError, match="staleness"):
         TableOptions(staleness=-1)
     with pytest.raises(ValueError, match="fused_table"):
-        PSEmbeddingCollection(client, _features(prefix), DIM, fused_table="f",
-                              table_options={f"{prefix}c": TableOptions(staleness=0)})
+        PSEmbeddingBags(client, _features(prefix), DIM, fused_table="f",
+                        table_options={f"{prefix}c": TableOptions(staleness=0)})
 
 
 def test_salting_keeps_tables_apart() -> None:
@@ -239,8 +239,8 @@ def test_rows_read_within_the_staleness_bound(client, staleness: int) -> None:
     """One id, SGD lr 1, every step pushes a gradient of 1: the value step s reads tells how many earlier
     pushes it saw, which must be at least s-1-staleness (and at most s-1)."""
     prefix = _name()
-    coll = PSEmbeddingCollection(client, [FeatureSpec(f"{prefix}x")], DIM,
-                                 options=TableOptions(optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros(),
+    coll = PSEmbeddingBags(client, [FeatureSpec(f"{prefix}x")], DIM,
+                           options=TableOptions(optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros(),
                                                       staleness=staleness))
     batches = [SparseFeatures([f"{prefix}x"], torch.tensor([7]), torch.tensor([1])) for _ in range(8)]
     seen = []
@@ -265,8 +265,8 @@ def test_evaluation_pulls_are_read_only(client, fused: bool) -> None:
     do not grow. Training pulls still insert, also of a batch prefetched read-only during evaluation."""
     prefix = _name()
     features = _features(prefix)
-    coll = PSEmbeddingCollection(client, features, DIM, fused_table=f"{prefix}fused" if fused else None,
-                                 options=TableOptions(optimizer=ps.SGD(lr=0.5), staleness=1, seed=3,
+    coll = PSEmbeddingBags(client, features, DIM, fused_table=f"{prefix}fused" if fused else None,
+                           options=TableOptions(optimizer=ps.SGD(lr=0.5), staleness=1, seed=3,
                                                       unseen="initial"))
     physical = [coll.fused_table] if fused else coll.tables
     model = _Tiny(coll)
@@ -308,8 +308,8 @@ def test_table_rows_reads_without_inserting(client, fused: bool, compressed: boo
     """``table_rows`` is an inspection: the rows of ids a table holds as stored, and of ids it never saw as
     their initial rows, with nothing inserted (it used to pull with inserts, growing the table it looked at)."""
     prefix = _name()
-    coll = PSEmbeddingCollection(client, _features(prefix), DIM, fused_table=f"{prefix}fused" if fused else None,
-                                 options=TableOptions(optimizer=ps.SGD(lr=0.5), staleness=0, seed=3,
+    coll = PSEmbeddingBags(client, _features(prefix), DIM, fused_table=f"{prefix}fused" if fused else None,
+                           options=TableOptions(optimizer=ps.SGD(lr=0.5), staleness=0, seed=3,
                                                       compression="adaptive" if compressed else None))
     physical = coll.fused_table if fused else f"{prefix}a"
     trained = np.arange(6)

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from tigana import ps
 from tigana.trainer.distributed import free_port, init_distributed, read_env, shutdown
-from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
+from tigana.trainer.embedding import PSEmbeddingBags, TableOptions
 from tigana.trainer.types import FeatureSpec, SparseFeatures
 
 DIM, LR, VOCAB = 4, 0.5, 20
@@ -25,8 +25,8 @@ def _worker(rank: int, world: int, port: int, addresses: list[str]) -> None:
     client = ps.connect(addresses)
     try:
         features = [FeatureSpec("agg_u"), FeatureSpec("agg_g", pooling="mean")]
-        coll = PSEmbeddingCollection(client, features, DIM, aggregate_group=groups.sparse_node,
-                                     options=TableOptions(optimizer=ps.SGD(lr=LR), staleness=0))
+        coll = PSEmbeddingBags(client, features, DIM, aggregate_group=groups.sparse_node,
+                               options=TableOptions(optimizer=ps.SGD(lr=LR), staleness=0))
         rng = np.random.default_rng(rank)
         b = 10
         u = rng.integers(0, VOCAB, b)          # overlapping ids across ranks

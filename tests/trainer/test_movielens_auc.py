@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from tigana import ps
 from tigana.trainer.config import TrainConfig
 from tigana.trainer.distributed import DistEnv
-from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
+from tigana.trainer.embedding import PSEmbeddingBags, TableOptions
 from tigana.trainer.local import LocalEmbeddingCollection
 from tigana.trainer.loop import evaluate, load_data, train
 from tigana.trainer.models import build_model
@@ -62,7 +62,7 @@ def test_deepfm_through_the_ps_matches_local_and_reaches_auc() -> None:
             features = [FeatureSpec(f.name, table=config.table_prefix + f.table_name, pooling=f.pooling)
                         for f in data.features]
             fused = f"{config.table_prefix}{config.model}_{config.dataset}_fused"
-            probe = PSEmbeddingCollection(client, features, config.dim, fused_table=fused, options=TableOptions(
+            probe = PSEmbeddingBags(client, features, config.dim, fused_table=fused, options=TableOptions(
                 optimizer=ps.Adagrad(lr=config.embedding_lr), initializer=ps.Normal(std=config.init_std),
                 staleness=config.staleness, seed=config.seed))
             init = {t: probe.table_rows(t, np.arange(cards[t])) for t in probe.tables}

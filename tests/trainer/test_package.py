@@ -37,4 +37,4 @@ def test_the_launcher_and_the_cli_do_not_import_torch() -> None:
                               "with contextlib.suppress(SystemExit):\n    cli.main(['train', '--help'])")
     # a rank does (the trainer processes import it themselves)
     assert _imports_torch("import tigana.trainer.rank")
-    assert _imports_torch("from tigana.trainer import PSEmbeddingCollection")
+    assert _imports_torch("from tigana.trainer import PSEmbeddingBags")

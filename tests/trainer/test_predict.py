@@ -1,7 +1,7 @@
 """Serving a trained model's predictions on real processes, started as a user starts them: a cluster, ``tigana
 admin export --follow --model DIR`` before training, ``tigana train --publish-dir DIR``, then ``tigana serve
 --model DIR``. Its answers are held to the trainer's own path: the data reader's hashing (``chunk_to_batch``)
-and a ``PSEmbeddingCollection`` pulling the same rows from the shard servers, with the published dense weights.
+and a ``PSEmbeddingBags`` pulling the same rows from the shard servers, with the published dense weights.
 Every process a test starts, it stops by its handle."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from tigana.ps.serving.exportlog import read_manifest
 from tigana.tools.bench.serving_sync import spawn_follow_model, spawn_serve, wait_serving
 from tigana.trainer.data.criteo import chunk_to_batch, criteo_salts
 from tigana.trainer.data.synthetic import CRITEO_KAGGLE_CARDINALITIES, SyntheticCriteo
-from tigana.trainer.embedding import PSEmbeddingCollection
+from tigana.trainer.embedding import PSEmbeddingBags
 from tigana.trainer.models import build_model
 from tigana.trainer.types import FeatureSpec
 
@@ -48,7 +48,7 @@ def _reference(client: ps.Client, spec: dict, dense_file: bytes, chunk) -> np.nd
     """Probabilities of ``chunk``'s rows the way the trainer scores them: its reader's batch, its collection
     pulling from the shard servers (read-only), the published dense weights."""
     features = [FeatureSpec(f["name"], table=f["table"], pooling=f["pooling"]) for f in spec["features"]]
-    collection = PSEmbeddingCollection(client, features, spec["dim"], fused_table=spec["fused_table"], create=False)
+    collection = PSEmbeddingBags(client, features, spec["dim"], fused_table=spec["fused_table"], create=False)
     model = build_model(spec["model"], collection, spec["num_dense"])
     model.load_dense_state_dict(torch.load(io.BytesIO(dense_file), weights_only=True)["model"])
     model.eval()

@@ -4,7 +4,7 @@ Real processes, started as a user starts them: a cluster, ``tigana admin export 
 ``tigana train --publish-dir DIR`` (seeded synthetic Criteo-format rows; its held-out fifth draws many ids the
 training rows never did), then ``tigana serve --model DIR``. The served probabilities of the held-out rows
 give the AUC and logloss ``tigana train`` printed from ``tigana.trainer.evaluate``, and equal row by row the
-trainer's scoring path (a ``PSEmbeddingCollection`` reading the shard servers read-only, the published dense
+trainer's scoring path (a ``PSEmbeddingBags`` reading the shard servers read-only, the published dense
 weights), for the policy the model was trained with (zeros) and for ``--unseen initial``. Every process a test
 starts, it stops by its handle."""
 
@@ -31,7 +31,7 @@ from tigana.tools.bench.serving_sync import spawn_follow_model, spawn_serve, wai
 from tigana.trainer.data.criteo import chunk_to_batch, criteo_salts
 from tigana.trainer.data.hashing import hash_values
 from tigana.trainer.data.synthetic import CRITEO_KAGGLE_CARDINALITIES, SyntheticCriteo
-from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
+from tigana.trainer.embedding import PSEmbeddingBags, TableOptions
 from tigana.trainer.models import build_model
 from tigana.trainer.types import FeatureSpec
 
@@ -50,10 +50,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ps.LocalCluste
         c.close(timeout=30)
 
 
-def _collection(client: ps.Client, spec: dict, unseen: str | None = None) -> PSEmbeddingCollection:
+def _collection(client: ps.Client, spec: dict, unseen: str | None = None) -> PSEmbeddingBags:
     features = [FeatureSpec(f["name"], table=f["table"], pooling=f["pooling"]) for f in spec["features"]]
-    return PSEmbeddingCollection(client, features, spec["dim"], fused_table=spec["fused_table"], create=False,
-                                 options=None if unseen is None else TableOptions(unseen=unseen))
+    return PSEmbeddingBags(client, features, spec["dim"], fused_table=spec["fused_table"], create=False,
+                           options=None if unseen is None else TableOptions(unseen=unseen))
 
 
 def _evaluation_scores(client: ps.Client, spec: dict, dense_file: bytes, chunk, unseen: str) -> np.ndarray:

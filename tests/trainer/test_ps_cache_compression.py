@@ -1,4 +1,4 @@
-"""The hot-row cache and adaptive compression inside ``PSEmbeddingCollection``, on 2 real shard daemons.
+"""The hot-row cache and adaptive compression inside ``PSEmbeddingBags``, on 2 real shard daemons.
 
 SGD on the servers makes every row's history known from the gradients alone: with ``loss = sum(out * C)``
 the gradient of a row does not depend on its value, so after k pushes a row is ``-lr * sum of its first k
@@ -17,7 +17,7 @@ import torch
 from tigana import ps
 from tigana.trainer.config import ConfigError, TrainConfig
 from tigana.trainer.distributed import DistEnv
-from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
+from tigana.trainer.embedding import PSEmbeddingBags, TableOptions
 from tigana.trainer.loop import train
 from tigana.trainer.types import FeatureSpec, SparseFeatures
 
@@ -46,7 +46,7 @@ def _batches(steps: int, seed: int = 0) -> list[tuple[SparseFeatures, torch.Tens
     return out
 
 
-def _run(coll: PSEmbeddingCollection, batches, prefetch: bool = True) -> list[np.ndarray]:
+def _run(coll: PSEmbeddingBags, batches, prefetch: bool = True) -> list[np.ndarray]:
     """Train on ``batches`` (loss = sum(out * C)); returns the (B, 2, DIM) rows each step read."""
     seen = []
     for t, (sparse, c) in enumerate(batches):
@@ -78,8 +78,8 @@ def _history(batches) -> tuple[list[dict[tuple[int, int], np.ndarray]], list[set
 def test_cached_rows_miss_at_most_staleness_own_pushes(client, staleness, fused) -> None:
     name = f"c{uuid.uuid4().hex[:8]}"
     features = [FeatureSpec("a", table=f"{name}_a"), FeatureSpec("b", table=f"{name}_b")]
-    coll = PSEmbeddingCollection(client, features, DIM, fused_table=f"{name}_f" if fused else None,
-                                 options=TableOptions(optimizer=ps.SGD(lr=LR), initializer=ps.Zeros(),
+    coll = PSEmbeddingBags(client, features, DIM, fused_table=f"{name}_f" if fused else None,
+                           options=TableOptions(optimizer=ps.SGD(lr=LR), initializer=ps.Zeros(),
                                                       staleness=staleness, cache_rows=64))
     batches = _batches(14)
     seen = _run(coll, batches)
@@ -116,8 +116,8 @@ def test_adaptive_compression_delivers_every_gradient(client) -> None:
     for compression in ("adaptive", None):
         name = f"z{uuid.uuid4().hex[:8]}"
         features = [FeatureSpec("a", table=f"{name}_a"), FeatureSpec("b", table=f"{name}_b")]
-        coll = PSEmbeddingCollection(client, features, DIM, fused_table=f"{name}_f",
-                                     options=TableOptions(optimizer=ps.SGD(lr=LR), initializer=ps.Zeros(),
+        coll = PSEmbeddingBags(client, features, DIM, fused_table=f"{name}_f",
+                               options=TableOptions(optimizer=ps.SGD(lr=LR), initializer=ps.Zeros(),
                                                           staleness=1, compression=compression))
         _run(coll, batches)
         grads, _ = _history(batches)

@@ -32,7 +32,7 @@ from tigana.ps.allocator import ALLOCATOR_ENV, tune_allocator
 from tigana.tools.bench.report import emit, log
 from tigana.trainer.data import SyntheticCriteo
 from tigana.trainer.data.synthetic import CRITEO_KAGGLE_CARDINALITIES
-from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
+from tigana.trainer.embedding import PSEmbeddingBags, TableOptions
 from tigana.trainer.loop import evaluate
 from tigana.trainer.models import build_model
 from tigana.trainer.types import Batch
@@ -55,7 +55,7 @@ def _pull_bytes(client: ps.Client, table: str) -> int:
     return int(stats["bytes_sent"].get(table, {}).get("pull", 0) + stats["bytes_received"].get(table, {}).get("pull", 0))
 
 
-def _train(client: ps.Client, coll: PSEmbeddingCollection, batches: list[Batch], eval_batches: list[Batch]
+def _train(client: ps.Client, coll: PSEmbeddingBags, batches: list[Batch], eval_batches: list[Batch]
            ) -> dict[str, Any]:
     """Train DeepFM once over ``batches`` (prefetching the next), then score ``eval_batches``; with the bytes
     the training pulls moved (evaluation reads bypass the cache and are not counted)."""
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         client = ps.connect(cluster.addresses)
         try:
             features = gen.feature_specs()
-            _train(client, PSEmbeddingCollection(client, features, DIM, fused_table=f"{prefix}warm"), batches[:4],
+            _train(client, PSEmbeddingBags(client, features, DIM, fused_table=f"{prefix}warm"), batches[:4],
                    eval_batches[:1])  # untimed: the servers' kernels compile
             for k in STALENESS:
                 out = {}
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
                     # cache is bound 0 with prefetch (trainer.embedding: the client's k-1), staleness 0 is 0.
                     options = TableOptions(optimizer=ps.Adagrad(lr=0.05), staleness=k if cached else min(k, 1),
                                            cache_rows=args.cache_rows if cached else 0)
-                    coll = PSEmbeddingCollection(client, features, DIM, fused_table=table, options=options)
+                    coll = PSEmbeddingBags(client, features, DIM, fused_table=table, options=options)
                     out[cached] = _train(client, coll, batches, eval_batches)
                 _report(k, out, params)
         finally:

@@ -48,7 +48,7 @@ from torch.nn import functional as F
 from tigana import ps
 from tigana.tools.bench.report import emit, log
 from tigana.trainer.data import SyntheticCriteo
-from tigana.trainer.embedding import PSEmbeddingCollection
+from tigana.trainer.embedding import PSEmbeddingBags
 from tigana.trainer.loop import evaluate
 from tigana.trainer.models import build_model
 
@@ -96,7 +96,7 @@ class _Model:
 
     def __init__(self, client: ps.Client) -> None:
         self.data = SyntheticCriteo(seed=0)
-        self.collection = PSEmbeddingCollection(client, self.data.feature_specs(), DIM, fused_table="model")
+        self.collection = PSEmbeddingBags(client, self.data.feature_specs(), DIM, fused_table="model")
         torch.manual_seed(0)
         self.model = build_model("deepfm", self.collection, self.data.config.num_dense)
         self.opt = torch.optim.Adam(self.model.dense_parameters(), lr=1e-3)

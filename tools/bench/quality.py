@@ -41,7 +41,7 @@ from tigana import ps
 from tigana.ps.allocator import ALLOCATOR_ENV, tune_allocator
 from tigana.tools.bench.report import emit, log
 from tigana.trainer.data import MovieLens100K
-from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
+from tigana.trainer.embedding import PSEmbeddingBags, TableOptions
 from tigana.trainer.local import LocalEmbeddingCollection
 from tigana.trainer.loop import evaluate
 from tigana.trainer.models import build_model
@@ -93,7 +93,7 @@ class _Run:
     """One model, its optimizers and the data; ``train()`` runs every epoch and returns the training seconds."""
 
     def __init__(self, embeddings: nn.Module, ml: MovieLens100K, train: Any, epochs: int, batch_size: int,
-                 steps: int | None, collection: PSEmbeddingCollection | None = None) -> None:
+                 steps: int | None, collection: PSEmbeddingBags | None = None) -> None:
         torch.manual_seed(SEED)  # the same dense initialization in every setting
         self.model = build_model("deepfm", embeddings, ml.num_dense)
         self.collection = collection
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             features = ml.feature_specs()
             # The local tables start from the PS's initial rows (the same seed gives every setting these rows).
-            probe = PSEmbeddingCollection(client, features, DIM, fused_table=f"{prefix}probe", options=options_of("ps"))
+            probe = PSEmbeddingBags(client, features, DIM, fused_table=f"{prefix}probe", options=options_of("ps"))
             init = {t: probe.table_rows(t, np.arange(ml.cardinalities[t])) for t in probe.tables}
             _warm_up(client, ml, train_set, args.batch_size, prefix)
             for setting in SETTINGS:
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
                     results[setting] = dict(scores, samples_per_s=trainer.samples / seconds, wire={"pull": 0, "push": 0})
                     continue
                 table = f"{prefix}{setting.replace('=', '')}"
-                coll = PSEmbeddingCollection(client, features, DIM, fused_table=table, options=options_of(setting))
+                coll = PSEmbeddingBags(client, features, DIM, fused_table=table, options=options_of(setting))
                 trainer = _Run(coll, ml, train_set, epochs, args.batch_size, steps, coll)
                 seconds = trainer.train()
                 wire = _wire_bytes(client, table)  # training only: evaluation reads are not counted
@@ -227,7 +227,7 @@ def _report_one(setting: str, results: dict[str, dict[str, Any]], params: dict[s
 
 def _warm_up(client: ps.Client, ml: MovieLens100K, train_set: Any, batch_size: int, prefix: str) -> None:
     """A few untimed steps so the servers' kernels are compiled before any setting is timed."""
-    coll = PSEmbeddingCollection(client, ml.feature_specs(), DIM, fused_table=f"{prefix}warm", options=options_of("ps"))
+    coll = PSEmbeddingBags(client, ml.feature_specs(), DIM, fused_table=f"{prefix}warm", options=options_of("ps"))
     torch.manual_seed(SEED)
     model = build_model("deepfm", coll, ml.num_dense)
     for i, batch in enumerate(train_set.batches(batch_size)):

@@ -41,7 +41,7 @@ from tigana.tools.bench.report import emit, log
 from tigana.tools.bench.scale.resources import _self_cpu_s, process_cpu_s
 from tigana.trainer.data import SyntheticCriteo
 from tigana.trainer.data.synthetic import CRITEO_KAGGLE_CARDINALITIES
-from tigana.trainer.embedding import PSEmbeddingCollection, TableOptions
+from tigana.trainer.embedding import PSEmbeddingBags, TableOptions
 from tigana.trainer.local import LocalEmbeddingCollection
 from tigana.trainer.models import build_model
 from tigana.trainer.types import Batch, FeatureSpec
@@ -62,7 +62,7 @@ class _Trainer:
     """One DeepFM and its optimizers; ``epoch()`` trains on every batch once and returns the samples."""
 
     def __init__(self, embeddings: nn.Module, batches: list[Batch], sparse_params: list[nn.Parameter] = (),
-                 collection: PSEmbeddingCollection | None = None) -> None:
+                 collection: PSEmbeddingBags | None = None) -> None:
         torch.manual_seed(0)
         self.model = build_model("deepfm", embeddings, 13)
         self.batches, self.collection = batches, collection
@@ -150,8 +150,8 @@ def run(args: argparse.Namespace) -> int:
             trainers = {"local": _Trainer(local_coll, batches, list(local_coll.parameters()))}
             for case, fused in (("train_ps", "bench_train_fused"), ("train_ps_unfused", None)):
                 specs = [FeatureSpec(f.name, table=f"bench_train_{f.name}", pooling=f.pooling) for f in features]
-                coll = PSEmbeddingCollection(client, specs, DIM, fused_table=fused,
-                                             options=TableOptions(optimizer=ps.Adagrad(lr=0.05), staleness=1))
+                coll = PSEmbeddingBags(client, specs, DIM, fused_table=fused,
+                                       options=TableOptions(optimizer=ps.Adagrad(lr=0.05), staleness=1))
                 trainers[case] = _Trainer(coll, batches, collection=coll)
             peer = _torchrec_collection(features, cards, batches)
             if peer is not None:

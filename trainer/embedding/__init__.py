@@ -46,7 +46,22 @@ Rooms: ``options`` (TableOptions), ``collection`` (the module: tables, forward, 
 hot-row cache), ``pushes`` (row gradients to the servers), ``aggregate`` (hierarchical sparse aggregation).
 """
 
-from tigana.trainer.embedding.collection import PSEmbeddingCollection
+import warnings
+from typing import Any
+
+from tigana.trainer.embedding.collection import PSEmbeddingBags
 from tigana.trainer.embedding.options import COMPRESSIONS, TableOptions
 
-__all__ = ["COMPRESSIONS", "PSEmbeddingCollection", "TableOptions"]
+__all__ = ["COMPRESSIONS", "PSEmbeddingBags", "TableOptions"]
+
+
+def __getattr__(name: str) -> Any:
+    """``PSEmbeddingCollection``, this collection's old name (deprecated): TorchRec calls a pooling collection a
+    *bag* collection, so the name now belongs to ``tigana.trainer.PSEmbeddingCollection``, the drop-in for
+    TorchRec's ``EmbeddingCollection``, which still builds a ``PSEmbeddingBags`` (with a DeprecationWarning)
+    when called the old way."""
+    if name == "PSEmbeddingCollection":
+        warnings.warn("tigana.trainer.embedding.PSEmbeddingCollection is deprecated: use PSEmbeddingBags (pooled "
+                      "rows, the same arguments)", DeprecationWarning, stacklevel=2)
+        return PSEmbeddingBags
+    raise AttributeError(f"module 'tigana.trainer.embedding' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""``PSEmbeddingCollection``: sparse features -> pooled rows, every table held by the parameter server.
+"""``PSEmbeddingBags``: sparse features -> pooled rows, every table held by the parameter server.
 
 The module itself: its tables (created, fused, with their caches and compressors), ``forward`` and
 ``prefetch``, and what a trainer asks of it (stats, inspection, flush). It plans batches (``plan``), pools
@@ -20,6 +20,7 @@ from torch import nn
 from tigana import ps
 from tigana.trainer.cache import RowCache
 from tigana.trainer.compression import AdaptiveCompressor
+from tigana.trainer.embedding.assign import write_rows
 from tigana.trainer.embedding.options import TableOptions
 from tigana.trainer.embedding.plan import _plan_on, _Planner, _salted, _table_salt
 from tigana.trainer.embedding.pooling import _pool, _PooledLookup
@@ -27,10 +28,21 @@ from tigana.trainer.embedding.pulls import _Prefetch, _PullSide
 from tigana.trainer.embedding.pushes import _PUSH_LOG, _PushSide
 from tigana.trainer.types import FeatureSpec, SparseFeatures
 
-__all__ = ["PSEmbeddingCollection"]
+__all__ = ["PSEmbeddingBags"]
 
 
-class PSEmbeddingCollection(_Planner, _PullSide, _PushSide, nn.Module):
+def _to_device(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """(U, dim) pulled rows on ``device``: to a CUDA device from pinned (page-locked) memory with a
+    non-blocking copy, so the copy overlaps whatever the host does next (the pooling kernels queue behind it
+    on the stream); to any other device, a plain copy."""
+    if device.type == "cuda":
+        pinned = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        pinned.copy_(rows)
+        return pinned.to(device, non_blocking=True)
+    return rows.to(device)
+
+
+class PSEmbeddingBags(_Planner, _PullSide, _PushSide, nn.Module):
     """Sparse features -> pooled rows, with every table held by the parameter server behind ``client``.
 
     features: one FeatureSpec per sparse feature, in the order batches list them (features may share a table)
@@ -54,7 +66,7 @@ class PSEmbeddingCollection(_Planner, _PullSide, _PushSide, nn.Module):
         if dim < 1:
             raise ValueError(f"dim must be positive, got {dim}")
         if not features:
-            raise ValueError("a PSEmbeddingCollection needs at least one feature")
+            raise ValueError("a PSEmbeddingBags needs at least one feature")
         names = [f.name for f in features]
         if len(set(names)) != len(names):
             raise ValueError(f"feature names must be distinct, got {names}")
@@ -195,7 +207,7 @@ class PSEmbeddingCollection(_Planner, _PullSide, _PushSide, nn.Module):
         device = self._device_marker.device
         if device.type != "cpu":
             plan = _plan_on(plan, device)
-            rows = rows.to(device, non_blocking=True)
+            rows = _to_device(rows, device)
         if training:
             self.steps += 1
             pooled = _PooledLookup.apply(self._anchor, rows, self, plan)
@@ -251,6 +263,26 @@ class PSEmbeddingCollection(_Planner, _PullSide, _PushSide, nn.Module):
                 self.client.push(table, plan.ids, plan.grads)
                 self.pushed_rows += plan.ids.shape[0]
         self.client.flush()
+
+    def write_rows(self, table: str, ids: np.ndarray | torch.Tensor, rows: np.ndarray | torch.Tensor) -> int:
+        """Write ``rows`` (n, dim) as logical table ``table``'s rows of int64 ``ids`` (n,), replacing what the PS
+        holds (their optimizer state restarts): one import of every row, after every push of this collection
+        is applied; prefetched and cached rows are dropped. Returns n."""
+        physical, ids = self.ps_ids(table, ids)
+        self.flush()
+        for cache in self.caches.values():
+            cache.clear()
+        return write_rows(self.client, physical, ids, torch.as_tensor(rows).detach().cpu().numpy())
+
+    def reset_tables(self) -> None:
+        """Drop every PS table of this collection and create it again: every row restarts from the table's
+        initializer (as TorchRec's ``reset_parameters``). Other trainers on the same tables see it too."""
+        self.flush()
+        for cache in self.caches.values():
+            cache.clear()
+        for table in self.ps_tables:
+            self.client.drop_table(table)
+            self._create(table)
 
     def _drop_prefetch(self) -> None:
         while self._prefetched:

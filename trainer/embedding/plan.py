@@ -26,7 +26,8 @@ class _Plan:
     unique: list[np.ndarray]          # per table: (U_t,) int64 distinct ids, in first-seen order
     index: torch.Tensor               # (N,) int64 stacked row of each value
     offsets: torch.Tensor             # (F*B,) int64 bag starts in the values
-    weights: torch.Tensor | None      # (N,) float32 per-value weights (1/len of its bag for mean pooling)
+    weights: torch.Tensor | None      # (N,) float32 per-value weights (1/len of its bag for mean pooling, times
+                                      # the batch's per-id weights when it has them)
     order: torch.Tensor               # (N,) int64 the values grouped by row: values of row 0 first, ...
     row_starts: torch.Tensor          # (U,) int64 start of each row's group in ``order``
     bag_of_value: torch.Tensor | None  # (N,) int64 bag of each value (multi-hot batches only)
@@ -62,7 +63,7 @@ def _group(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndar
 
 
 class _Planner:
-    """The planning half of ``PSEmbeddingCollection`` (which sets every attribute annotated here)."""
+    """The planning half of ``PSEmbeddingBags`` (which sets every attribute annotated here)."""
 
     feature_names: list[str]
     fused_table: str | None
@@ -119,7 +120,14 @@ class _Planner:
             unique.append(uniq)
             rows_before += uniq.shape[0]
         offsets = torch.cumsum(lengths, 0) - lengths
-        single_hot = values.numel() == lengths.numel() and bool((lengths == 1).all())
+        per_id = sparse.weights
+        if per_id is not None:
+            if per_id.shape != values.shape or not per_id.is_floating_point():
+                raise ValueError(f"sparse weights must be floats shaped like the values {tuple(values.shape)}, "
+                                 f"got {per_id.dtype} {tuple(per_id.shape)}")
+            per_id = per_id.detach().to("cpu", torch.float32)
+        # a weighted batch pools through embedding_bag's per-sample weights, never the single-hot gather
+        single_hot = per_id is None and values.numel() == lengths.numel() and bool((lengths == 1).all())
         weights = bag_of_value = None
         if not single_hot:
             bag_of_value = torch.repeat_interleave(torch.arange(lengths.numel()), lengths,
@@ -128,6 +136,8 @@ class _Planner:
                 per_bag = torch.where(self._mean.repeat_interleave(b), 1.0 / lengths.clamp(min=1).float(),
                                       torch.ones(lengths.numel()))
                 weights = per_bag.index_select(0, bag_of_value)
+            if per_id is not None:  # (N,) each row times its id's weight, in the forward and in its gradient
+                weights = per_id if weights is None else weights * per_id
         cat = np.concatenate
         return _Plan(unique=unique, index=torch.from_numpy(index), offsets=offsets, weights=weights,
                      order=torch.from_numpy(cat(order_parts) if len(order_parts) > 1 else order_parts[0]),

@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from tigana.trainer.embedding.plan import _Plan
 
 if TYPE_CHECKING:
-    from tigana.trainer.embedding.collection import PSEmbeddingCollection
+    from tigana.trainer.embedding.collection import PSEmbeddingBags
 
 
 def _pool(rows: torch.Tensor, plan: _Plan) -> torch.Tensor:
@@ -27,7 +27,7 @@ class _PooledLookup(torch.autograd.Function):
     ``anchor`` (requires grad) is what makes autograd call backward; the rows themselves are plain data."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, rows: torch.Tensor, owner: PSEmbeddingCollection,
+    def forward(ctx, anchor: torch.Tensor, rows: torch.Tensor, owner: PSEmbeddingBags,
                 plan: _Plan) -> torch.Tensor:
         ctx.owner, ctx.plan, ctx.num_rows = owner, plan, rows.shape[0]
         return _pool(rows, plan)

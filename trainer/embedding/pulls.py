@@ -1,4 +1,4 @@
-"""The pull side of ``PSEmbeddingCollection``: sending a plan's pulls (all but the rows the hot-row cache
+"""The pull side of ``PSEmbeddingBags``: sending a plan's pulls (all but the rows the hot-row cache
 will serve), collecting the rows at the forward (the cache's promised rows checked again), and feeding the
 cache the pulled rows with the lag of the own pushes issued after each pull."""
 
@@ -45,7 +45,7 @@ class _Prefetch:
 
 
 class _PullSide:
-    """The pull half of ``PSEmbeddingCollection`` (which sets every attribute annotated here and defines
+    """The pull half of ``PSEmbeddingBags`` (which sets every attribute annotated here and defines
     ``_ps_ids``, ``_options_of``, ``_set_codecs`` and ``_timed``)."""
 
     client: Any

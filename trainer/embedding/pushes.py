@@ -1,4 +1,4 @@
-"""The push side of ``PSEmbeddingCollection``: a step's row gradients, scaled, counted by the hot-row cache
+"""The push side of ``PSEmbeddingBags``: a step's row gradients, scaled, counted by the hot-row cache
 and sent to the PS tables (summed at the node leader first with an ``aggregate_group``; through the table's
 compressor when it has one)."""
 
@@ -21,7 +21,7 @@ _PUSH_LOG = 8  # own pushes per PS table remembered for the lag of the pulls in 
 
 
 class _PushSide:
-    """The push half of ``PSEmbeddingCollection`` (which sets every attribute annotated here and defines
+    """The push half of ``PSEmbeddingBags`` (which sets every attribute annotated here and defines
     ``_ps_ids``, ``_fused_ids``, ``_set_codecs`` and ``_timed``)."""
 
     client: Any
