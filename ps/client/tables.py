@@ -19,11 +19,13 @@ from typing import Any
 import grpc
 import numpy as np
 
+from tigana.embeddings import RowBatch
 from tigana.embeddings import config as cfg
 from tigana.embeddings.errors import InvalidArgument as StorageInvalidArgument
+from tigana.embeddings.optimizers import initial_state
 from tigana.proto import shard_pb2 as pb
 from tigana.ps.client._fields import ClientFields
-from tigana.ps.client.checkpoint import export_table, restore_checkpoint, write_checkpoint
+from tigana.ps.client.checkpoint import export_table, import_rows, restore_checkpoint, write_checkpoint
 from tigana.ps.client.checkpoint.port import CheckpointPort
 from tigana.ps.client.config import ClientConfig, Compression
 from tigana.ps.client.inflight import retryable
@@ -184,6 +186,34 @@ class Tables(ClientFields):
         """Write ``table``'s ids and float32 rows (no optimizer state) as ``out/ids.npy``, ``out/rows.npy`` and
         ``out/export.json``; with ``since`` (an earlier export) only the rows updated after it."""
         return export_table(self.checkpoint_port(), table, out, since)
+
+    def write_rows(self, table: str, ids: np.ndarray, rows: np.ndarray) -> int:
+        """Write ``rows`` (n, dim) float32 as the whole rows of int64 ``ids`` (n,) of ``table``, replacing what
+        the table holds for them: what loading weights needs (a push carries gradients, which the optimizer turns
+        into an update). The rows go through each slot's primary as a checkpoint restore writes them
+        (``ImportRows``, replicated like pushes, retried on a map move), with the optimizer state a fresh row
+        starts with and no updates counted. Flushes this client's pushes first, so none lands on the written
+        rows after them; blocks until every row is acknowledged; returns n. ``InvalidArgument`` naming the table
+        for rows that do not fit it, repeated ids or non-finite values, with nothing written."""
+        info = self.describe_table(table)
+        dim = int(info.config.dim)
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        rows = np.ascontiguousarray(rows, dtype=np.float32)
+        if ids.ndim != 1 or rows.shape != (ids.shape[0], dim):
+            raise InvalidArgument(f"table {table!r}: rows of shape {rows.shape} for {ids.shape[0]} ids, expected "
+                                  f"({ids.shape[0]}, {dim})")
+        if np.unique(ids).shape[0] != ids.shape[0]:
+            raise InvalidArgument(f"table {table!r}: the ids to write repeat")
+        if not np.isfinite(rows).all():
+            raise InvalidArgument(f"table {table!r}: the rows to write hold NaN or Inf")
+        n = ids.shape[0]
+        if not n:
+            return 0
+        self.flush()
+        batch = RowBatch(ids=ids, weights=rows, state=initial_state(info.config.optimizer, n, dim),
+                         update_count=np.zeros(n, np.int64), last_step=np.zeros(n, np.int64),
+                         last_time=np.full(n, time.time(), np.float64))
+        return import_rows(self.checkpoint_port(), table, batch, 0)
 
     def checkpoint_port(self) -> CheckpointPort:
         """This client as the functions of ``tigana.ps.client.checkpoint`` take it."""

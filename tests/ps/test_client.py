@@ -95,6 +95,22 @@ def test_duplicates_order_shapes_and_torch(client):
     np.testing.assert_allclose(after, before - 0.01 * 3, rtol=1e-6)
 
 
+def test_write_rows_replaces_whole_rows_and_restarts_their_optimizer_state(client):
+    client.create_table("written", dim=3, optimizer=ps.Adagrad(lr=0.1), initializer=ps.Uniform(low=-1, high=1))
+    ids = np.array([4, -7, 2**62], np.int64)
+    client.push("written", ids, np.ones((3, 3), np.float32)).result()  # accumulators grow
+    rows = np.arange(9, dtype=np.float32).reshape(3, 3)
+    assert client.write_rows("written", ids, rows) == 3
+    np.testing.assert_array_equal(client.pull("written", ids, insert=False), rows)
+    # the state restarted: the next step is a fresh row's first Adagrad step (lr * g / sqrt(g^2 + eps) ~ lr)
+    client.push("written", ids, np.ones((3, 3), np.float32)).result()
+    np.testing.assert_allclose(client.pull("written", ids), rows - 0.1, atol=1e-4)
+    with pytest.raises(ps.InvalidArgument, match="table 'written': the ids to write repeat"):
+        client.write_rows("written", np.array([1, 1]), np.zeros((2, 3), np.float32))
+    with pytest.raises(ps.InvalidArgument, match="table 'written': rows of shape"):
+        client.write_rows("written", ids, np.zeros((3, 4), np.float32))
+
+
 def test_chunking_a_batch_above_4mib(make_shard_server):
     # Servers that refuse messages above 4 MiB: only chunked batches get through.
     handles = []

@@ -20,7 +20,6 @@ from torch import nn
 from tigana import ps
 from tigana.trainer.cache import RowCache
 from tigana.trainer.compression import AdaptiveCompressor
-from tigana.trainer.embedding.assign import write_rows
 from tigana.trainer.embedding.options import TableOptions
 from tigana.trainer.embedding.plan import _plan_on, _Planner, _salted, _table_salt
 from tigana.trainer.embedding.pooling import _pool, _PooledLookup
@@ -272,7 +271,7 @@ class PSEmbeddingBags(_Planner, _PullSide, _PushSide, nn.Module):
         self.flush()
         for cache in self.caches.values():
             cache.clear()
-        return write_rows(self.client, physical, ids, torch.as_tensor(rows).detach().cpu().numpy())
+        return self.client.write_rows(physical, ids, torch.as_tensor(rows).detach().cpu().numpy())
 
     def reset_tables(self) -> None:
         """Drop every PS table of this collection and create it again: every row restarts from the table's

@@ -26,7 +26,13 @@ servers' stubs, its map follower, its table calls; ``Client.checkpoint_port()`` 
 
 from tigana.ps.client.checkpoint.export import export_table
 from tigana.ps.client.checkpoint.port import CheckpointPort
-from tigana.ps.client.checkpoint.restore import checkpoint_rows, read_chain, read_manifest, restore_checkpoint
+from tigana.ps.client.checkpoint.restore import (
+    checkpoint_rows,
+    import_rows,
+    read_chain,
+    read_manifest,
+    restore_checkpoint,
+)
 from tigana.ps.client.checkpoint.write import write_checkpoint
 
-__all__ = ["CheckpointPort", "checkpoint_rows", "export_table", "read_chain", "read_manifest", "restore_checkpoint", "write_checkpoint"]
+__all__ = ["CheckpointPort", "checkpoint_rows", "export_table", "import_rows", "read_chain", "read_manifest", "restore_checkpoint", "write_checkpoint"]

@@ -111,7 +111,7 @@ def restore_checkpoint(port: CheckpointPort, directory: str | os.PathLike, table
         with futures.ThreadPoolExecutor(IMPORT_WINDOW, thread_name_prefix="tigana-restore") as pool:
             pending: collections.deque[futures.Future] = collections.deque()
             for batch in _chain_rows(chain, name, num_slots, dim=int(t.get("dim", 0))):
-                pending.append(pool.submit(_import, port, name, batch, int(t["step"])))
+                pending.append(pool.submit(import_rows, port, name, batch, int(t["step"])))
                 slots = routing.slot_of(batch.ids, num_slots)
                 with np.errstate(over="ignore"):
                     np.add.at(sums, slots, row_digests(batch))
@@ -215,8 +215,9 @@ def _verify_restored(port: CheckpointPort, name: str, sums: np.ndarray, counts: 
                        f"(slots {routing.format_slots(bad[:50])}); run the restore again")
 
 
-def _import(port: CheckpointPort, name: str, batch: RowBatch, step: int) -> int:
-    """Write complete rows through their primaries (chunked under the message limit), retrying on a map move."""
+def import_rows(port: CheckpointPort, name: str, batch: RowBatch, step: int) -> int:
+    """Write complete rows (weights, optimizer state, counters) through their primaries (``ImportRows``, chunked
+    under the message limit, replicated like pushes), retrying on a map move; returns how many."""
     deadline = time.monotonic() + port.config.failover_timeout_s
     pending = batch
     while True:
