@@ -37,6 +37,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+import os
+import resource
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -76,6 +79,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     here = Path(__file__).parent
     rank = {str(here / name): k for k, name in enumerate(HEAVIEST_FIRST)}
     items.sort(key=lambda item: rank.get(str(item.path), len(rank)))
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+_CPU_BY_FILE: dict[str, float] = {}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """With ``TIGANA_CPU_REPORT=FILE``: the CPU seconds of each test file (this process and every child it
+    waited for), appended to FILE as one JSON line per worker at the end; how ``suite_order.py`` is measured."""
+    if not os.environ.get("TIGANA_CPU_REPORT"):
+        return (yield)
+    before = _cpu_seconds()
+    try:
+        return (yield)
+    finally:
+        key = str(item.path.relative_to(Path(__file__).parent))
+        _CPU_BY_FILE[key] = _CPU_BY_FILE.get(key, 0.0) + _cpu_seconds() - before
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    report = os.environ.get("TIGANA_CPU_REPORT")
+    if report and _CPU_BY_FILE:
+        with open(report, "a") as f:
+            f.write(json.dumps({k: round(v, 1) for k, v in _CPU_BY_FILE.items()}) + "\n")
 
 
 @pytest.fixture
