@@ -1,5 +1,5 @@
 """The files that take the most CPU, heaviest first, measured with ``make test`` on 2 cores (CPU seconds of the
-test process and every process it started, a ``resource.getrusage`` plugin; December 6, 2026).
+test process and every process it started: ``TIGANA_CPU_REPORT=FILE make test``, see conftest.py).
 
 ``make test`` runs each file on one pytest-xdist worker and hands files out in collection order
 (``--no-loadscope-reorder``; xdist's default orders them by their number of tests). The conftest's
