@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["LEVELS", "SERVER", "FailureDomain", "choose_level", "collapsed", "degraded_slots", "fits", "group_ids",
-           "groups_for", "separate", "spread"]
+           "groups_for", "relay", "separate", "spread"]
 
 LEVELS = ("zone", "rack", "host")  # widest first
 SERVER = "server"  # the fallback level: every server a domain of its own
@@ -178,3 +178,87 @@ def fits(rows: np.ndarray, cols: np.ndarray | int, server: int, groups: np.ndarr
     other = rows.copy()
     other[k, cols] = -1
     return ~(gg == groups[server]).any(axis=1) & ~(other == server).any(axis=1)
+
+
+def relay(copies: np.ndarray, alive: np.ndarray, groups: np.ndarray, load: np.ndarray, weights: np.ndarray) -> bool:
+    """In place: take a replica's load off a busy server along a chain ``busy -> m1 -> ... -> idle``, for when
+    the domains forbid every direct move to a less loaded server (each slot on the busy one already has a copy
+    in the idle ones' domains). Each hop moves a replica (columns 1+ of ``copies``) of another slot to a server
+    whose domain that slot lacks (``fits``), so each server in between gives one copy and takes one, and the
+    idle server ends up with one more. Example: hosts A, B of servers {a1, a2}, {b1, b2}, every slot on b2 also
+    on host A: a copy moves b2 -> b1 (same host) and another b1 -> a1.
+
+    ``load``: (num_servers,) float, the weighted copies held; ``weights``: (num_slots,) float, a copy's load.
+    Busy servers are tried busiest first, each with the shortest chain to every less loaded server, idlest
+    first; a chain is taken only if it lowers the sum of squared loads (so repeated relays end). Returns
+    whether one was taken. Cost: one ``fits`` per alive server over every replica, then a breadth-first search
+    (num_servers^2) per busy server and a walk per chain tried."""
+    n = alive.shape[0]
+    live = np.flatnonzero(alive)
+    rows, cols = np.nonzero(copies[:, 1:] >= 0)
+    cols = cols + 1
+    held = copies[rows, cols]
+    reach = np.zeros((n, n), bool)  # reach[u, v]: some replica on u may move to v
+    for v in live:
+        reach[held[fits(copies[rows], cols, int(v), groups)], v] = True
+    np.fill_diagonal(reach, False)
+    before = float((load ** 2).sum())
+    for busy in live[np.argsort(-load[live], kind="stable")]:
+        parent = _chains(reach, int(busy))
+        ends = [int(t) for t in live[np.argsort(load[live], kind="stable")]
+                if parent[t] >= 0 and t != busy and load[t] < load[busy]]
+        for end in ends:
+            path = [end]
+            while path[-1] != busy:
+                path.append(int(parent[path[-1]]))
+            if _walk(copies, groups, load, weights, path[::-1], before):
+                return True
+    return False
+
+
+def _chains(reach: np.ndarray, start: int) -> np.ndarray:
+    """(n,) int64: each server's predecessor on a shortest chain from ``start`` over ``reach`` (-1: none)."""
+    parent = np.full(reach.shape[0], -1, np.int64)
+    parent[start] = start
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for u in frontier:
+            for v in np.flatnonzero(reach[u] & (parent < 0)):
+                parent[v] = u
+                nxt.append(int(v))
+        frontier = nxt
+    return parent
+
+
+def _walk(copies: np.ndarray, groups: np.ndarray, load: np.ndarray, weights: np.ndarray, path: list[int],
+          before: float) -> bool:
+    """Move a replica along each hop of ``path`` (a different slot each hop; the first the heaviest that narrows
+    the gap between the ends, the later ones closest to its weight, so the servers between keep their load);
+    keep the moves if every hop found one and the sum of squared loads fell below ``before``, else undo them."""
+    after = load.astype(float).copy()
+    done: list[tuple[int, int, int]] = []
+    first = 0.0
+    for u, v in zip(path[:-1], path[1:], strict=True):
+        r, k = np.nonzero(copies[:, 1:] == u)
+        k = k + 1
+        keep = fits(copies[r], k, v, groups) & ~np.isin(r, [d[0] for d in done])
+        r, k = r[keep], k[keep]
+        if not r.size:
+            break
+        if not done:
+            narrows = weights[r] < load[path[0]] - load[path[-1]]
+            i = int(np.argmax(np.where(narrows, weights[r], -np.inf))) if narrows.any() else int(np.argmin(weights[r]))
+            first = float(weights[r[i]])
+        else:
+            i = int(np.argmin(np.abs(weights[r] - first)))
+        copies[r[i], k[i]] = v
+        after[u] -= weights[r[i]]
+        after[v] += weights[r[i]]
+        done.append((int(r[i]), int(k[i]), u))
+    else:
+        if float((after ** 2).sum()) < before - 1e-9:
+            return True
+    for row, col, server in reversed(done):
+        copies[row, col] = server
+    return False
