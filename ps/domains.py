@@ -191,16 +191,26 @@ def relay(copies: np.ndarray, alive: np.ndarray, groups: np.ndarray, load: np.nd
     ``load``: (num_servers,) float, the weighted copies held; ``weights``: (num_slots,) float, a copy's load.
     Busy servers are tried busiest first, each with the shortest chain to every less loaded server, idlest
     first; a chain is taken only if it lowers the sum of squared loads (so repeated relays end). Returns
-    whether one was taken. Cost: one ``fits`` per alive server over every replica, then a breadth-first search
+    whether one was taken. Cost: a pass over every replica per alive server, then a breadth-first search
     (num_servers^2) per busy server and a walk per chain tried."""
     n = alive.shape[0]
     live = np.flatnonzero(alive)
-    rows, cols = np.nonzero(copies[:, 1:] >= 0)
-    cols = cols + 1
-    held = copies[rows, cols]
-    reach = np.zeros((n, n), bool)  # reach[u, v]: some replica on u may move to v
+    num_slots, width = copies.shape
+    present = copies >= 0
+    rows, cols = np.nonzero(present[:, 1:])
+    held = copies[rows, cols + 1]
+    # per slot: the copies in each domain (one column more for none), and the servers holding one
+    ng = int(groups.max(initial=0)) + 1
+    gid = np.where(present, groups[np.clip(copies, 0, None)], ng)
+    count = np.bincount((np.arange(num_slots)[:, None] * (ng + 1) + gid).ravel(),
+                        minlength=num_slots * (ng + 1)).reshape(num_slots, ng + 1)
+    holds = np.zeros((num_slots, n), bool)
+    holds[np.nonzero(present)[0], copies[present]] = True
+    reach = np.zeros((n, n), bool)  # reach[u, v]: some replica on u may move to v (as ``fits`` says)
     for v in live:
-        reach[held[fits(copies[rows], cols, int(v), groups)], v] = True
+        gv = groups[v]
+        alone = count[rows, gv] - (groups[held] == gv) == 0  # no other copy of the slot in v's domain
+        reach[held[alone & ~holds[rows, v]], v] = True
     np.fill_diagonal(reach, False)
     before = float((load ** 2).sum())
     for busy in live[np.argsort(-load[live], kind="stable")]:
