@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["LEVELS", "SERVER", "FailureDomain", "choose_level", "collapsed", "degraded_slots", "fits", "group_ids",
-           "groups_for", "relay", "separate", "spread"]
+           "groups_for", "relay", "relay_roles", "separate", "spread"]
 
 LEVELS = ("zone", "rack", "host")  # widest first
 SERVER = "server"  # the fallback level: every server a domain of its own
@@ -272,3 +272,72 @@ def _walk(copies: np.ndarray, groups: np.ndarray, load: np.ndarray, weights: np.
     for row, col, server in reversed(done):
         copies[row, col] = server
     return False
+
+
+def relay_roles(copies: np.ndarray, alive: np.ndarray, groups: np.ndarray, load: np.ndarray, weights: np.ndarray,
+                busy: int) -> bool:
+    """In place: move primary roles (column 0 of ``copies``) off ``busy`` two hops at once, ``busy -> mid ->
+    idle`` (``idle`` the least loaded alive server), for when the domains let ``busy``'s roles go only to servers
+    already at their share. Each role moves to a server holding a copy of its slot (the roles swap) or to one
+    whose domain the slot lacks (``fits``, the copy moving with it). Example: hosts A = {a1, a2}, B = {b1, b2},
+    every replica on b1: a1's roles can go to b1 alone, and b1's (replicas on A) to b2; a batch of each.
+
+    ``load``: (num_servers,) float, the primaries' weighted load; ``weights``: (num_slots,) float, a role's load.
+    The ``mid`` with the most roles to pass is taken, as many roles per hop as bring ``busy`` down to the mean
+    or ``idle`` up to it; kept only if the sum of squared loads falls. Returns whether roles moved."""
+    live = np.flatnonzero(alive)
+    mean = float(load[live].mean())
+    idle = int(live[np.argmin(load[live])])
+    room = min(float(load[busy]) - mean, mean - float(load[idle]))
+    if room <= 0 or idle == busy:
+        return False
+    led = np.flatnonzero(copies[:, 0] == busy)
+    best: tuple[int, np.ndarray, np.ndarray] | None = None
+    for mid in live:
+        if mid in (busy, idle):
+            continue
+        onward = np.flatnonzero(copies[:, 0] == mid)
+        a, b = _takers(copies, led, int(mid), groups, weights), _takers(copies, onward, idle, groups, weights)
+        k = min(_within(weights[a], room), _within(weights[b], room))
+        if k and (best is None or k > best[1].size):
+            best = (int(mid), a[:k], b[:k])
+    if best is None:
+        return False
+    mid, a, b = best
+    saved = copies[a].copy(), copies[b].copy()
+    _hand(copies, a, busy, mid)
+    _hand(copies, b, mid, idle)
+    after = load.astype(float).copy()
+    after[busy] -= weights[a].sum()
+    after[mid] += weights[a].sum() - weights[b].sum()
+    after[idle] += weights[b].sum()
+    if float((after ** 2).sum()) < float((load ** 2).sum()) - 1e-9:
+        return True
+    copies[a], copies[b] = saved
+    return False
+
+
+def _takers(copies: np.ndarray, slots: np.ndarray, server: int, groups: np.ndarray, weights: np.ndarray
+            ) -> np.ndarray:
+    """Of ``slots`` (led by one server), those whose role ``server`` may take: it holds a copy (a swap, first) or
+    its domain holds none (``fits``); heaviest first within each."""
+    holds = (copies[slots] == server).any(axis=1)
+    ok = holds | fits(copies[slots], 0, server, groups)
+    slots, holds = slots[ok], holds[ok]
+    return slots[np.lexsort((-weights[slots], ~holds))]
+
+
+def _within(weights: np.ndarray, room: float) -> int:
+    """How many of ``weights`` (in order) fit in ``room`` (at least one when there is any)."""
+    if not weights.size:
+        return 0
+    return max(1, int(np.searchsorted(np.cumsum(weights), room + 1e-9, side="right")))
+
+
+def _hand(copies: np.ndarray, slots: np.ndarray, old: int, new: int) -> None:
+    """The role of ``slots`` from ``old`` to ``new``: where ``new`` holds a copy the two swap, else ``new``
+    takes ``old``'s copy."""
+    rows = copies[slots]
+    rows[rows == new] = old
+    rows[:, 0] = new
+    copies[slots] = rows

@@ -221,7 +221,9 @@ def _even_primaries(c: np.ndarray, alive: np.ndarray, w: np.ndarray, g: np.ndarr
     """Move primary roles from the most to the least loaded alive servers until no move helps. Each round
     moves a batch from the busiest to the idlest server: the slots whose copy on the idlest exists first (a
     role swap, no data moves), heaviest first, as many as narrow the gap (at most half of it). A role that
-    needs a new copy moves only where ``domains.fits`` allows (``every``: try other pairs when groups block one)."""
+    needs a new copy moves only where ``domains.fits`` allows (``every``: try other pairs when groups block one,
+    and where the only pair left moves roles into a server at its share, move them on through it in one batch:
+    ``domains.relay_roles``)."""
     n = alive.shape[0]
     for _ in range(c.shape[0]):
         load = _weighted(c, n, w, primaries=True)
@@ -236,6 +238,8 @@ def _even_primaries(c: np.ndarray, alive: np.ndarray, w: np.ndarray, g: np.ndarr
                 break
         else:
             return
+        if every and load[lo] >= load[alive].mean() - 1e-9 and domains.relay_roles(c, alive, g, load, w, hi):
+            continue  # lo is at its share: the roles went on through it in one batch
         picks = led[np.lexsort((-w[led], ~holds_lo))]
         k = _batch(w[picks], load, alive, hi, lo)
         for pick in picks[:k]:

@@ -182,3 +182,28 @@ def test_parse_refuses_naming_the_field(text, says):
     with pytest.raises(ValueError, match=says) as err:
         FailureDomain.parse(text, field="flag --domain")
     assert "flag --domain" in str(err.value)
+
+
+def test_primaries_pass_through_a_server_at_its_share_in_batches(monkeypatch):
+    """The real-daemon layout once host B's second server joins: every slot on {a1 or a2, b1}. a1 and a2 lead
+    everything, and their roles reach b2 only through b1 (which holds every replica): balance moves them two hops
+    at once, in batches, not one role per round (4096 slots took 2,051 rounds, seconds under the scheduler's
+    lock)."""
+    rounds = []
+    real = placement._weighted
+
+    def counted(*args, **kwargs):
+        rounds.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(placement, "_weighted", counted)
+    doms = [FailureDomain(host="a"), FailureDomain(host="a"), FailureDomain(host="b"), FailureDomain(host="b")]
+    alive = np.ones(4, bool)
+    groups, _ = domains.groups_for(doms, alive, 2)
+    start = placement.initial(2, 4096, 1).astype(np.int32)
+    start[:, 1] = 2
+    t = placement.balance(start, alive, 1, groups=groups)
+    prim, total = placement.copy_counts(t, 4)
+    assert prim.tolist() == [1024] * 4 and total.tolist() == [2048] * 4
+    assert not domains.collapsed(t, groups).any()
+    assert len(rounds) < 50, len(rounds)
