@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["LEVELS", "SERVER", "FailureDomain", "choose_level", "collapsed", "degraded_slots", "fits", "group_ids",
-           "groups_for", "separate", "spread"]
+           "groups_for", "relay", "relay_roles", "separate", "spread"]
 
 LEVELS = ("zone", "rack", "host")  # widest first
 SERVER = "server"  # the fallback level: every server a domain of its own
@@ -178,3 +178,166 @@ def fits(rows: np.ndarray, cols: np.ndarray | int, server: int, groups: np.ndarr
     other = rows.copy()
     other[k, cols] = -1
     return ~(gg == groups[server]).any(axis=1) & ~(other == server).any(axis=1)
+
+
+def relay(copies: np.ndarray, alive: np.ndarray, groups: np.ndarray, load: np.ndarray, weights: np.ndarray) -> bool:
+    """In place: take a replica's load off a busy server along a chain ``busy -> m1 -> ... -> idle``, for when
+    the domains forbid every direct move to a less loaded server (each slot on the busy one already has a copy
+    in the idle ones' domains). Each hop moves a replica (columns 1+ of ``copies``) of another slot to a server
+    whose domain that slot lacks (``fits``), so each server in between gives one copy and takes one, and the
+    idle server ends up with one more. Example: hosts A, B of servers {a1, a2}, {b1, b2}, every slot on b2 also
+    on host A: a copy moves b2 -> b1 (same host) and another b1 -> a1.
+
+    ``load``: (num_servers,) float, the weighted copies held; ``weights``: (num_slots,) float, a copy's load.
+    Busy servers are tried busiest first, each with the shortest chain to every less loaded server, idlest
+    first; a chain is taken only if it lowers the sum of squared loads (so repeated relays end). Returns
+    whether one was taken. Cost: a pass over every replica per alive server, then a breadth-first search
+    (num_servers^2) per busy server and a walk per chain tried."""
+    n = alive.shape[0]
+    live = np.flatnonzero(alive)
+    num_slots, width = copies.shape
+    present = copies >= 0
+    rows, cols = np.nonzero(present[:, 1:])
+    held = copies[rows, cols + 1]
+    # per slot: the copies in each domain (one column more for none), and the servers holding one
+    ng = int(groups.max(initial=0)) + 1
+    gid = np.where(present, groups[np.clip(copies, 0, None)], ng)
+    count = np.bincount((np.arange(num_slots)[:, None] * (ng + 1) + gid).ravel(),
+                        minlength=num_slots * (ng + 1)).reshape(num_slots, ng + 1)
+    holds = np.zeros((num_slots, n), bool)
+    holds[np.nonzero(present)[0], copies[present]] = True
+    reach = np.zeros((n, n), bool)  # reach[u, v]: some replica on u may move to v (as ``fits`` says)
+    for v in live:
+        gv = groups[v]
+        alone = count[rows, gv] - (groups[held] == gv) == 0  # no other copy of the slot in v's domain
+        reach[held[alone & ~holds[rows, v]], v] = True
+    np.fill_diagonal(reach, False)
+    before = float((load ** 2).sum())
+    for busy in live[np.argsort(-load[live], kind="stable")]:
+        parent = _chains(reach, int(busy))
+        ends = [int(t) for t in live[np.argsort(load[live], kind="stable")]
+                if parent[t] >= 0 and t != busy and load[t] < load[busy]]
+        for end in ends:
+            path = [end]
+            while path[-1] != busy:
+                path.append(int(parent[path[-1]]))
+            if _walk(copies, groups, load, weights, path[::-1], before):
+                return True
+    return False
+
+
+def _chains(reach: np.ndarray, start: int) -> np.ndarray:
+    """(n,) int64: each server's predecessor on a shortest chain from ``start`` over ``reach`` (-1: none)."""
+    parent = np.full(reach.shape[0], -1, np.int64)
+    parent[start] = start
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for u in frontier:
+            for v in np.flatnonzero(reach[u] & (parent < 0)):
+                parent[v] = u
+                nxt.append(int(v))
+        frontier = nxt
+    return parent
+
+
+def _walk(copies: np.ndarray, groups: np.ndarray, load: np.ndarray, weights: np.ndarray, path: list[int],
+          before: float) -> bool:
+    """Move a replica along each hop of ``path`` (a different slot each hop; the first the heaviest that narrows
+    the gap between the ends, the later ones closest to its weight, so the servers between keep their load);
+    keep the moves if every hop found one and the sum of squared loads fell below ``before``, else undo them."""
+    after = load.astype(float).copy()
+    done: list[tuple[int, int, int]] = []
+    first = 0.0
+    for u, v in zip(path[:-1], path[1:], strict=True):
+        r, k = np.nonzero(copies[:, 1:] == u)
+        k = k + 1
+        keep = fits(copies[r], k, v, groups) & ~np.isin(r, [d[0] for d in done])
+        r, k = r[keep], k[keep]
+        if not r.size:
+            break
+        if not done:
+            narrows = weights[r] < load[path[0]] - load[path[-1]]
+            i = int(np.argmax(np.where(narrows, weights[r], -np.inf))) if narrows.any() else int(np.argmin(weights[r]))
+            first = float(weights[r[i]])
+        else:
+            i = int(np.argmin(np.abs(weights[r] - first)))
+        copies[r[i], k[i]] = v
+        after[u] -= weights[r[i]]
+        after[v] += weights[r[i]]
+        done.append((int(r[i]), int(k[i]), u))
+    else:
+        if float((after ** 2).sum()) < before - 1e-9:
+            return True
+    for row, col, server in reversed(done):
+        copies[row, col] = server
+    return False
+
+
+def relay_roles(copies: np.ndarray, alive: np.ndarray, groups: np.ndarray, load: np.ndarray, weights: np.ndarray,
+                busy: int) -> bool:
+    """In place: move primary roles (column 0 of ``copies``) off ``busy`` two hops at once, ``busy -> mid ->
+    idle`` (``idle`` the least loaded alive server), for when the domains let ``busy``'s roles go only to servers
+    already at their share. Each role moves to a server holding a copy of its slot (the roles swap) or to one
+    whose domain the slot lacks (``fits``, the copy moving with it). Example: hosts A = {a1, a2}, B = {b1, b2},
+    every replica on b1: a1's roles can go to b1 alone, and b1's (replicas on A) to b2; a batch of each.
+
+    ``load``: (num_servers,) float, the primaries' weighted load; ``weights``: (num_slots,) float, a role's load.
+    The ``mid`` with the most roles to pass is taken, as many roles per hop as bring ``busy`` down to the mean
+    or ``idle`` up to it; kept only if the sum of squared loads falls. Returns whether roles moved."""
+    live = np.flatnonzero(alive)
+    mean = float(load[live].mean())
+    idle = int(live[np.argmin(load[live])])
+    room = min(float(load[busy]) - mean, mean - float(load[idle]))
+    if room <= 0 or idle == busy:
+        return False
+    led = np.flatnonzero(copies[:, 0] == busy)
+    best: tuple[int, np.ndarray, np.ndarray] | None = None
+    for mid in live:
+        if mid in (busy, idle):
+            continue
+        onward = np.flatnonzero(copies[:, 0] == mid)
+        a, b = _takers(copies, led, int(mid), groups, weights), _takers(copies, onward, idle, groups, weights)
+        k = min(_within(weights[a], room), _within(weights[b], room))
+        if k and (best is None or k > best[1].size):
+            best = (int(mid), a[:k], b[:k])
+    if best is None:
+        return False
+    mid, a, b = best
+    saved = copies[a].copy(), copies[b].copy()
+    _hand(copies, a, busy, mid)
+    _hand(copies, b, mid, idle)
+    after = load.astype(float).copy()
+    after[busy] -= weights[a].sum()
+    after[mid] += weights[a].sum() - weights[b].sum()
+    after[idle] += weights[b].sum()
+    if float((after ** 2).sum()) < float((load ** 2).sum()) - 1e-9:
+        return True
+    copies[a], copies[b] = saved
+    return False
+
+
+def _takers(copies: np.ndarray, slots: np.ndarray, server: int, groups: np.ndarray, weights: np.ndarray
+            ) -> np.ndarray:
+    """Of ``slots`` (led by one server), those whose role ``server`` may take: it holds a copy (a swap, first) or
+    its domain holds none (``fits``); heaviest first within each."""
+    holds = (copies[slots] == server).any(axis=1)
+    ok = holds | fits(copies[slots], 0, server, groups)
+    slots, holds = slots[ok], holds[ok]
+    return slots[np.lexsort((-weights[slots], ~holds))]
+
+
+def _within(weights: np.ndarray, room: float) -> int:
+    """How many of ``weights`` (in order) fit in ``room`` (at least one when there is any)."""
+    if not weights.size:
+        return 0
+    return max(1, int(np.searchsorted(np.cumsum(weights), room + 1e-9, side="right")))
+
+
+def _hand(copies: np.ndarray, slots: np.ndarray, old: int, new: int) -> None:
+    """The role of ``slots`` from ``old`` to ``new``: where ``new`` holds a copy the two swap, else ``new``
+    takes ``old``'s copy."""
+    rows = copies[slots]
+    rows[rows == new] = old
+    rows[:, 0] = new
+    copies[slots] = rows

@@ -398,13 +398,15 @@ class SchedulerCore(Liveness, Moves):
         return sorted({servers[int(i)].id for i in indexes if 0 <= int(i) < len(servers)})
 
     # --- reads -------------------------------------------------------------------------------------------
-    def figures(self) -> dict[str, float]:
+    def figures(self, state: SchedulerState | None = None) -> dict[str, float]:
         """The map's state for the metrics endpoint: epoch, servers up and down, slots unavailable, degraded,
-        domain-degraded and moving, copies catching up."""
-        m = self.map
+        domain-degraded and moving, copies catching up; of ``state`` (the driver passes the one whose map is
+        published), default the core's own."""
+        state = self.state() if state is None else state
+        m = state.map
         summary = m.summary()
-        moving = len(placement.moves(m.copies, self.target)) if self.target is not None else 0
-        apart = float(self.domain_degraded()[0].sum())
+        moving = len(placement.moves(m.copies, state.target))
+        apart = float(self.domain_degraded(m)[0].sum())
         return {"leader": 1.0, "epoch": float(m.epoch), "servers_up": float(summary["servers_up"]),
                 "servers_down": float(len(m.servers) - summary["servers_up"]),
                 "slots_unavailable": float(summary["unavailable_slots"]),
@@ -413,15 +415,18 @@ class SchedulerCore(Liveness, Moves):
                 "copies_catching_up": float(summary["catching_up"]), "slots_moving": float(moving),
                 "slots_domain_degraded": apart}
 
-    def status(self, *, now: float) -> spb.StatusResponse:
-        m = self.map
+    def status(self, *, now: float, state: SchedulerState | None = None) -> spb.StatusResponse:
+        """What ``admin status`` shows: the map of ``state`` (the driver passes the one whose map is published,
+        so that a map still being saved is shown by no read, this one included), what it still moves toward,
+        the servers draining; and each server's heartbeat and stats as the core heard them last."""
+        state = self.state() if state is None else state
+        m = state.map
         out = spb.StatusResponse(map=cluster_wire.map_to_pb(m))
         s = m.summary()
         out.degraded_slots, out.unavailable_slots = s["degraded_slots"], s["unavailable_slots"]
-        if self.target is not None:
-            out.moving_slots = len(placement.moves(m.copies, self.target))
-        out.draining.extend(sorted(self.draining))
-        apart, out.domain_level = self.domain_degraded()
+        out.moving_slots = len(placement.moves(m.copies, state.target))  # no target: the copies themselves
+        out.draining.extend(sorted(state.draining))
+        apart, out.domain_level = self.domain_degraded(m)
         out.domain_degraded_slots = int(apart.sum())
         for i, srv in enumerate(m.servers):
             hit = m.copies == i

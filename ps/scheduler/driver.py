@@ -10,8 +10,10 @@ before it is done.
 What stays true: nobody is shown a map that was not saved. Every event is given a ticket (the newest
 ``Ready`` it may depend on, its own or an earlier event's) and its caller gets the answer only once the
 states up to that ticket are saved and their map published; long polls, reads and the announcer see only
-``published``. A heartbeat, whose answer is the map to install, is answered at once with the newest
-*published* map and waits for nothing. A store that refuses a write (``stores.etcd.Deposed``, a full disk)
+``published``, and ``status`` and ``figures`` describe ``shown``, the state saved with it (the target and the
+servers draining as of that map), so a cluster reads settled only once its settled map is what ``GetMap``
+gives. A heartbeat, whose answer is the map to install, is answered at once with the newest *published* map
+and waits for nothing. A store that refuses a write (``stores.etcd.Deposed``, a full disk)
 leaves nothing of it visible: the core is rebuilt from the store, as after a restart, and the callers of that
 event and of every event run after it (whose answers may rest on it) get the error. Probes run on their own
 threads; a probe's answer comes back as an event (``probe_answered``). The announcer must not block: it is
@@ -74,6 +76,7 @@ class SchedulerDriver:
         self.core = SchedulerCore(config, state, now=clock(), metrics=self.metrics)
         self.published: ShardMap = self.core.map  # the newest saved map: what readers see
         self.saved = _kept(state)  # the last state saved: what a refused write falls back to
+        self.shown = self.saved  # the state whose map is published: what status and figures describe
         # Tickets: every Ready the core returned gets the next one; ``_done`` is the newest carried out (or
         # refused). ``_pending`` holds the rest in order; ``_refused`` the error of each refused ticket.
         self._issued = 0
@@ -134,6 +137,8 @@ class SchedulerDriver:
                             self.published = ready.announce
                             self.cond.notify_all()
                             self.announce(ready.announce)
+                        if ready.persist:
+                            self.shown = self.saved  # its map is the one just published (or unchanged)
                         self._done = number
                     probes.extend(ready.probes)
         for p in probes:
@@ -157,6 +162,7 @@ class SchedulerDriver:
             state = _kept(self.saved)  # the map, its target and the servers draining, as last saved
         self.core = SchedulerCore(self.config, state, now=self.clock(), metrics=self.metrics)
         self.published = self.core.map
+        self.shown = _kept(state)
 
     def _run_probe(self, p: Probe) -> None:
         closed: bool | None = None
@@ -233,12 +239,15 @@ class SchedulerDriver:
         return self.published
 
     def figures(self) -> dict[str, float]:
+        """The metrics of the published state (``shown``): a map still being saved counts nowhere."""
         with self.lock:
-            return self.core.figures()
+            return self.core.figures(self.shown)
 
     def status(self) -> spb.StatusResponse:
+        """``Status`` of the published state (``shown``): its map is the one ``GetMap`` gives, so a cluster
+        that reads settled here has its settled map published (servers and clients get it)."""
         with self.lock:
-            return self.core.status(now=self.clock())
+            return self.core.status(now=self.clock(), state=self.shown)
 
     def wait_map(self, known_epoch: int, wait_s: float) -> ShardMap | None:
         """The map when newer than ``known_epoch``, waiting up to ``wait_s`` for one; else None."""

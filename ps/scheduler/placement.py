@@ -178,9 +178,15 @@ def balance(copies: np.ndarray, alive: np.ndarray, replicas: int,
     c = np.concatenate([c[:, :1], np.take_along_axis(c[:, 1:], order, axis=1)], axis=1)[:, :1 + r]
     domains.separate(c, alive, g, _weighted(c, n, w, primaries=False), w)
     pw = w if primary_weights is None else np.asarray(primary_weights, float)
-    if pw.max(initial=0.0) > 0:
-        _even_primaries(c, alive, np.maximum(pw, 1e-9), g, groups is not None)
-    _even_copies(c, alive, w, g, groups is not None)
+    # Primaries, then copies, again until the copies' moves open no role move: a target balance would change
+    # again is a target the scheduler would re-plan (each round of roles lowers their spread, so it ends).
+    for round_ in range(c.shape[0] + 1):
+        before = c[:, 0].copy()
+        if pw.max(initial=0.0) > 0:
+            _even_primaries(c, alive, np.maximum(pw, 1e-9), g, groups is not None)
+        if round_ and np.array_equal(before, c[:, 0]):
+            break
+        _even_copies(c, alive, w, g, groups is not None)
     return c
 
 
@@ -215,7 +221,9 @@ def _even_primaries(c: np.ndarray, alive: np.ndarray, w: np.ndarray, g: np.ndarr
     """Move primary roles from the most to the least loaded alive servers until no move helps. Each round
     moves a batch from the busiest to the idlest server: the slots whose copy on the idlest exists first (a
     role swap, no data moves), heaviest first, as many as narrow the gap (at most half of it). A role that
-    needs a new copy moves only where ``domains.fits`` allows (``every``: try other pairs when groups block one)."""
+    needs a new copy moves only where ``domains.fits`` allows (``every``: try other pairs when groups block one,
+    and where the only pair left moves roles into a server at its share, move them on through it in one batch:
+    ``domains.relay_roles``)."""
     n = alive.shape[0]
     for _ in range(c.shape[0]):
         load = _weighted(c, n, w, primaries=True)
@@ -230,6 +238,8 @@ def _even_primaries(c: np.ndarray, alive: np.ndarray, w: np.ndarray, g: np.ndarr
                 break
         else:
             return
+        if every and load[lo] >= load[alive].mean() - 1e-9 and domains.relay_roles(c, alive, g, load, w, hi):
+            continue  # lo is at its share: the roles went on through it in one batch
         picks = led[np.lexsort((-w[led], ~holds_lo))]
         k = _batch(w[picks], load, alive, hi, lo)
         for pick in picks[:k]:
@@ -250,7 +260,9 @@ def _batch(weights: np.ndarray, load: np.ndarray, alive: np.ndarray, hi: int, lo
 
 def _even_copies(c: np.ndarray, alive: np.ndarray, w: np.ndarray, g: np.ndarray, every: bool) -> None:
     """Move replica copies from the most to the least loaded alive servers until no move helps (in batches,
-    heaviest first, as many as narrow the gap between the two), only where ``domains.fits`` allows."""
+    heaviest first, as many as narrow the gap between the two), only where ``domains.fits`` allows; where the
+    domains forbid every such move (``every``), a copy is relayed through servers in between
+    (``domains.relay``)."""
     n = alive.shape[0]
     if c.shape[1] < 2:
         return
@@ -265,6 +277,8 @@ def _even_copies(c: np.ndarray, alive: np.ndarray, w: np.ndarray, g: np.ndarray,
             if rows.size:
                 break
         else:
+            if every and domains.relay(c, alive, g, load, w):  # the domains forbid every direct move
+                continue
             return
         order = np.argsort(-w[rows], kind="stable")
         rows, cols = rows[order], cols[order]

@@ -12,7 +12,7 @@ import numpy as np
 
 from tigana.ps import domains
 from tigana.ps.logs import event, slots_text
-from tigana.ps.routing import CATCHING_UP, NO_SERVER
+from tigana.ps.routing import CATCHING_UP, NO_SERVER, ShardMap
 from tigana.ps.scheduler import placement
 from tigana.ps.scheduler._fields import CoreFields
 
@@ -37,14 +37,15 @@ class Spread(CoreFields):
         servers that may hold copies); None where no level can."""
         return self._groups(self._placeable())
 
-    def domain_degraded(self) -> tuple[np.ndarray, str]:
+    def domain_degraded(self, m: ShardMap | None = None) -> tuple[np.ndarray, str]:
         """((num_slots,) bool, level): the slots whose in-sync copies on servers up share a failure domain (at
-        the level placement uses, or a host where no level has enough domains), and that level."""
-        m = self.map
-        alive = self._alive()
+        the level placement uses, or a host where no level has enough domains), and that level; in map ``m``
+        (default: the core's)."""
+        m = self.map if m is None else m
+        alive = np.array([s.up for s in m.servers], bool)
         c = m.copies
         counted = (c >= 0) & (m.states != CATCHING_UP) & (alive[np.clip(c, 0, None)] if alive.size else False)
-        return domains.degraded_slots(c, counted, self._domains(), alive, 1 + self.config.replicas)
+        return domains.degraded_slots(c, counted, [s.domain for s in m.servers], alive, 1 + self.config.replicas)
 
     def _respread(self, copies: np.ndarray, placeable: np.ndarray) -> None:
         """With no target: when copies of some slot share a domain and a balanced placement keeps more slots'

@@ -3,14 +3,15 @@
 Property tests draw clusters whose servers sit in zones, racks and hosts, and check: every slot's copies are
 in distinct domains at the widest level that has enough of them; a slot is domain-degraded exactly when no
 level has enough; on a regular topology (every host the same size, every rack the same hosts...) balance still
-evens the primaries and copies to max - min <= 1, as without domains.
+evens the primaries and copies to max - min <= 1, as without domains (relaying a copy through a third server
+where the domains forbid every direct move).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tigana.ps import domains
@@ -66,6 +67,8 @@ def check_target(t: np.ndarray, alive: np.ndarray, replicas: int, doms: list[Fai
 @SETTINGS
 @given(n=st.integers(1, 8), num_slots=st.integers(16, 96), replicas=st.integers(0, 3),
        seed=st.integers(0, 2**32 - 1))
+# Evening the copies put a replica where a primary role could then move for free: balance evens the roles again.
+@example(n=8, num_slots=21, replicas=1, seed=14910)
 def test_balance_puts_copies_in_distinct_domains(n, num_slots, replicas, seed):
     rng = np.random.default_rng(seed)
     doms = random_domains(rng, n)
@@ -84,6 +87,9 @@ def test_balance_puts_copies_in_distinct_domains(n, num_slots, replicas, seed):
 @SETTINGS
 @given(zones=st.integers(1, 3), racks=st.integers(1, 2), hosts=st.integers(1, 3), per_host=st.integers(1, 3),
        num_slots=st.integers(16, 96), replicas=st.integers(0, 2), seed=st.integers(0, 2**32 - 1))
+# Four hosts of three servers, three copies: every slot on the busiest server already has a copy on the idlest
+# one's host, so evening out needs a copy relayed through a third server.
+@example(zones=1, racks=2, hosts=2, per_host=3, num_slots=16, replicas=2, seed=1)
 def test_balance_stays_even_on_a_regular_topology(zones, racks, hosts, per_host, num_slots, replicas, seed):
     """Every domain of a level the same size: the domain rule costs no balance (max - min <= 1, as before)."""
     doms = regular_domains(zones, racks, hosts, per_host)
@@ -176,3 +182,28 @@ def test_parse_refuses_naming_the_field(text, says):
     with pytest.raises(ValueError, match=says) as err:
         FailureDomain.parse(text, field="flag --domain")
     assert "flag --domain" in str(err.value)
+
+
+def test_primaries_pass_through_a_server_at_its_share_in_batches(monkeypatch):
+    """The real-daemon layout once host B's second server joins: every slot on {a1 or a2, b1}. a1 and a2 lead
+    everything, and their roles reach b2 only through b1 (which holds every replica): balance moves them two hops
+    at once, in batches, not one role per round (4096 slots took 2,051 rounds, seconds under the scheduler's
+    lock)."""
+    rounds = []
+    real = placement._weighted
+
+    def counted(*args, **kwargs):
+        rounds.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(placement, "_weighted", counted)
+    doms = [FailureDomain(host="a"), FailureDomain(host="a"), FailureDomain(host="b"), FailureDomain(host="b")]
+    alive = np.ones(4, bool)
+    groups, _ = domains.groups_for(doms, alive, 2)
+    start = placement.initial(2, 4096, 1).astype(np.int32)
+    start[:, 1] = 2
+    t = placement.balance(start, alive, 1, groups=groups)
+    prim, total = placement.copy_counts(t, 4)
+    assert prim.tolist() == [1024] * 4 and total.tolist() == [2048] * 4
+    assert not domains.collapsed(t, groups).any()
+    assert len(rounds) < 50, len(rounds)

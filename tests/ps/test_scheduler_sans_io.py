@@ -316,3 +316,50 @@ def test_a_refused_write_refuses_the_events_queued_behind_it(tmp_path) -> None:
     store.refuse = False
     _, created = driver.create_table(spec("two"), exist_ok=False)
     assert created and "two" in driver.map.tables
+
+
+def test_status_describes_the_published_map_while_the_next_is_saved(tmp_path) -> None:
+    """``Status`` and the metrics describe the state whose map is published (what ``GetMap`` gives), never a
+    map still being saved: a drain is stepped to its end with every write held, and at each held write status
+    shows the published map and what it still moves toward. (Reading the core's newest state, the step that
+    reached the target read as settled while ``GetMap`` still gave the map before it, its old copies not yet
+    dropped: a test that waited for "settled" then read a map 4 copies wide.)"""
+    from primaries import report_all
+
+    from tigana.ps.scheduler import placement
+
+    store = _SlowStore(tmp_path / "s")
+    t = [0.0]
+    driver = SchedulerDriver(SchedulerConfig(num_slots=12, replicas=1, expect_servers=3), store, clock=lambda: t[0])
+    for s in "abc":
+        driver.register(s, f"h{s}:1", f"{s}1")
+    driver.drain("c")
+    held_at_the_end = False
+    for _ in range(40):
+        if driver.core.target is None:
+            break
+        report_all(driver)
+        t[0] += 0.5
+        store.release.clear()
+        store.saving.clear()
+        store.hold.set()
+        ticking, out = _in_thread(driver.tick)
+        while ticking.is_alive() and not store.saving.is_set():
+            time.sleep(0.002)
+        if store.saving.is_set():  # the tick's state is being written: its map is not published yet
+            held_at_the_end |= driver.core.target is None  # the step that reaches the target
+            published, st = driver.map, driver.status()
+            assert driver.core.map.epoch > published.epoch
+            assert st.map.epoch == published.epoch, (st.map.epoch, published.epoch)
+            assert driver.figures()["epoch"] == published.epoch
+            assert st.moving_slots == len(placement.moves(published.copies, driver.shown.target))
+            if not st.moving_slots:  # reads settled: then the published map is the settled one
+                assert published.width == 2 and not published.holds(2).any()
+        store.hold.clear()
+        store.release.set()
+        ticking.join(5)
+        assert "error" not in out, out
+    assert driver.core.target is None and held_at_the_end
+    st = driver.status()
+    assert st.map.epoch == driver.map.epoch and st.moving_slots == 0 and list(st.draining) == ["c"]
+    assert not driver.map.holds(2).any() and driver.map.width == 2

@@ -13,15 +13,18 @@ from tigana.ps.replication import apply as apply_module
 from tigana.ps.replication.intake import CopyIntake
 from tigana.ps.replication.log import SlotLog
 from tigana.ps.replication.primary import Primary
+from tigana.ps.replication.replicator import Replicator
 from tigana.ps.routing import CATCHING_UP, IN_SYNC, NO_SERVER, slot_of
 from tigana.ps.scheduler import placement
 from tigana.ps.scheduler.driver import SchedulerDriver
+from tigana.ps.scheduler.liveness import Liveness
 from tigana.ps.scheduler.moves import Moves
 from tigana.ps.shard.dedup import DedupWindow
 from tigana.ps.shard.ownership import Ownership
 from tigana.ps.shard.view import Holdings
+from tigana.ps.shard.writes import WritePath
 from tigana.tools.testing.sim import Op, Settings, run_seed
-from tigana.tools.testing.sim.nodes import SchedulerNode
+from tigana.tools.testing.sim.nodes import SchedulerNode, SimServer
 from tigana.tools.testing.sim.simulation import Outcome
 
 FAULTS = dict(busy_s=5.0, faults=True, ops_per_s=1.5, converge_s=20.0)
@@ -38,6 +41,30 @@ def fires(rule: str | tuple[str, ...], seeds: Iterable[int], **settings: object)
             return out
         seen.append((seed, out.violations[:1]))
     raise AssertionError(f"{rules} never fired: {seen}")
+
+
+def clean(seed: int, **settings: object) -> Outcome:
+    """The scenario without the planted bug breaks nothing: what fires with it, fires for the bug."""
+    out = run_seed(seed, Settings(**settings))
+    assert out.ok and out.acked > 0, (out.violations, "\n".join(out.minimal_trace(60)))
+    return out
+
+
+def refusals(monkeypatch: pytest.MonkeyPatch, cls: type, name: str) -> list[str]:
+    """The ``Unavailable`` refusals ``cls.name`` raises from now on (counted, not changed)."""
+    from tigana.ps.errors import Unavailable
+
+    real, seen = getattr(cls, name), []
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        try:
+            return real(*args, **kwargs)
+        except Unavailable as exc:
+            seen.append(str(exc))
+            raise
+
+    monkeypatch.setattr(cls, name, counted)
+    return seen
 
 
 def test_s1_a_primary_that_does_not_wait_for_its_copies(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,6 +149,64 @@ def test_s8_a_push_applied_in_part(monkeypatch: pytest.MonkeyPatch) -> None:
     fires("S8", range(2), busy_s=3.0, **QUIET)
 
 
+def _tables_before_views(monkeypatch: pytest.MonkeyPatch, gap_s: float = 0.3) -> None:
+    """Each server installs a map that creates a table in two steps ``gap_s`` apart, as the daemon's
+    ``Ownership.install`` may be seen from a push: the new tables first, then (with every table's lock) the new
+    view; maps that come meanwhile wait for the second step. A simulated install is otherwise one step, and no
+    push could arrive in between."""
+    real = SimServer.install
+
+    def install(self: SimServer, m) -> None:  # noqa: ANN001
+        svc = self.svc
+        if self.up and svc is not None and m.epoch > svc.epoch:
+            if any(svc.tables.find(name) is None for name in m.tables):
+                with svc.tables.lock:
+                    svc.ownership._sync_tables(m)  # the tables exist; the view is still the old map's
+                self.held_until = self.world.now + gap_s
+            until = getattr(self, "held_until", 0.0)
+            if self.world.now < until:
+                self.world.at(until - self.world.now, lambda: real(self, m))
+                return
+        real(self, m)
+
+    monkeypatch.setattr(SimServer, "install", install)
+
+
+def test_s9_a_table_that_takes_writes_before_its_map_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    _tables_before_views(monkeypatch)
+    script = (Op(2.0, "create", "scratch0"),)  # the ledgers' creation, and a scratch table's, under pushes
+    refused = refusals(monkeypatch, Holdings, "check_leads")
+    clean(0, busy_s=4.0, script=script, **QUIET)
+    assert any("before it installs that map" in r for r in refused)  # pushes came in the gap: refused, retried
+    real = Holdings.check_leads
+    monkeypatch.setattr(Holdings, "check_leads", lambda self, table, ids, epoch, created_epoch=None:
+                        real(self, table, ids, epoch, None))  # the table's incarnation not checked
+    fires("S9", range(3), busy_s=4.0, script=script, **QUIET)
+
+
+def test_s10_an_election_that_names_the_oldest_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Data dirs, no periodic snapshot: slot 3's replica is snapshotted at 2.0 s and its primary at 3.5 s, with
+    # pushes in between, so when every copy of it is lost at 4.0 s the two come back at different positions
+    # (and so do the other slots the two servers held alone).
+    script = (Op(2.0, "snapshot", "replica:3"), Op(3.5, "snapshot", "primary:3"),
+              Op(4.0, "lose_slot", slot=3, seconds=1.0))
+    settings = dict(busy_s=6.0, snapshot_every_s=1000.0, script=script, **QUIET)
+    assert any("unclean election" in line for line in clean(0, **settings).trace)
+    real = Liveness._elect
+
+    def elect(self) -> None:  # noqa: ANN001
+        saved = self.positions  # the election reads positions negated: the oldest rows win
+        self.positions = {s: {t: {k: (-int(e), -int(i)) for k, (e, i) in slots.items()} for t, slots in tables.items()}
+                          for s, tables in saved.items()}
+        try:
+            real(self)
+        finally:
+            self.positions = saved
+
+    monkeypatch.setattr(Liveness, "_elect", elect)
+    fires("S10", range(3), **settings)
+
+
 def test_s11_copied_rows_that_overwrite_newer_changes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(CopyIntake, "admit",
                         lambda self, ids, token, present: self.token[slot_of(ids, self.num_slots)] == token)
@@ -164,3 +249,15 @@ def test_l4_items_of_a_dropped_table_refused_for_ever(monkeypatch: pytest.Monkey
     # The stream refuses them until the copy is demoted for it (before, it waited for ever): a demotion with no
     # failure, or items still queued at the deadline.
     fires(("L4", "no-demotion"), range(2), busy_s=5.0, script=script, **QUIET)
+
+
+def test_l5_writers_that_never_wait_for_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A 4 KiB bound per stream, and slot 0's replica cut off from the other servers for 1.5 s: its primary's
+    # stream fills, and the writers are refused (the simulated ones never wait) until the partition heals.
+    script = (Op(2.0, "partition", "replica:0", seconds=1.5),)
+    settings = dict(busy_s=5.0, queue_bytes=4096, script=script, **QUIET)
+    refused = refusals(monkeypatch, WritePath, "wait_for_room")
+    clean(0, **settings)
+    assert refused and all("more than max_queue_bytes" in r for r in refused)  # the bound met, and held
+    monkeypatch.setattr(Replicator, "room", lambda self, slots, timeout_s: None)  # every writer finds room
+    fires("L5", range(2), **settings)

@@ -9,6 +9,7 @@ windows, the pushes they applied) after every step of the world.
 | ``exactness.Exactness`` | S1, S6, S7, S8 (the ledger, exactly) |
 | ``Checkers._order`` | S5: two copies at the same log position of a slot hold the same rows of it |
 | ``Checkers._domains`` | S12: a slot whose in-sync copies share a host is reported domain-degraded |
+| ``Checkers._bounded`` | L5: a write is queued to the copies only while the replication queue is within its bound |
 
 The liveness properties (L1-L4) and the properties only a quiet cluster shows (S11: every in-sync copy equal to
 its primary; S12: no slot's copies share a host) are checked at convergence and at the deadline
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from tigana.ps.routing import CATCHING_UP, HANDING_OVER, IN_SYNC, ShardMap
+from tigana.ps.wire.cluster import CHANGES
 from tigana.tools.testing.sim.exactness import LEDGERS, Exactness
 
 __all__ = ["Checkers"]
@@ -60,6 +62,7 @@ class Checkers:
         out += self.exact.check(pushed)
         out += self._order()
         out += self._domains()
+        out += self._bounded()
         return out
 
     # --- S4, S9: what a server applies ---
@@ -249,4 +252,32 @@ class Checkers:
             s = int(silent[0])
             return [f"S12: slot {s}'s in-sync copies share a host at epoch {m.epoch} and it is not reported "
                     "domain-degraded"]
+        return []
+
+    # --- L5: back-pressure, not an unbounded queue ---
+    def _bounded(self) -> list[str]:
+        """L5: a write (a ``CHANGES`` item: a push, a pull that inserted, ``ImportRows``) is queued only after its
+        server found every replication stream within ``replication_queue_bytes`` (a writer waits for room, or
+        is refused, before it takes its table's lock). What is queued ahead of a write now is what was queued
+        when it was admitted less what was acknowledged since, so it never exceeds the bound; only the items
+        the primary queues itself (barriers, slot copy steps) and the one write admitted last may go past it.
+        The simulated writers never wait (the world would stop): they are refused at once."""
+        for server in self.run.servers.values():
+            if not server.up or server.svc is None or server.svc.replicator is None:
+                continue
+            core = server.svc.replicator.core
+            bound = core.max_queue_bytes
+            for s in list(core.streams.values()):
+                if s.queued_bytes <= bound:
+                    continue  # nothing can be queued behind more than the bound
+                queued = list(s.queue)
+                sizes = np.array([q.nbytes for q in queued], np.int64)
+                ahead = np.cumsum(sizes) - sizes
+                writes = np.array([q.item.kind == CHANGES for q in queued], bool)
+                over = np.flatnonzero(writes & (ahead > bound))
+                if over.size:
+                    q = queued[int(over[0])]
+                    return [f"L5: {server.name} queued a write of {q.item.table} (seq {q.seq}) to {s.target_id} "
+                            f"behind {int(ahead[over[0]])} bytes, more than its replication queue's bound of "
+                            f"{bound} bytes"]
         return []

@@ -19,11 +19,12 @@ from tigana.ps.routing import IN_SYNC
 __all__ = ["lose_slots", "snapshot"]
 
 
-def snapshot(run: Any, incremental: bool) -> None:
-    """Snapshot every up server with a data dir (the daemon's periodic snapshot), noting what the ledger had
-    acknowledged then and the slots complete in it."""
+def snapshot(run: Any, incremental: bool, only: str = "") -> None:
+    """Snapshot every up server with a data dir (the daemon's periodic snapshot), or the server named ``only``
+    (a scripted ``snapshot``: servers whose snapshots hold a slot at different log positions), noting what the
+    ledger had acknowledged then and the slots complete in it."""
     for server in run.servers.values():
-        if not server.up or server.svc.catalog is None:
+        if not server.up or server.svc.catalog is None or (only and server.name != only):
             continue
         complete = server.svc.holdings.view.complete_slots().copy()
         acked = {name: a.copy() for name, a in run.ledger.acked.items()}

@@ -11,6 +11,7 @@ agent's I/O (``SimAgent`` drives the real ``Membership`` core: heartbeats, regis
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -197,7 +198,7 @@ class SimServer:
     def __init__(self, world: World, net: Net, name: str, scheduler: SchedulerNode, servers: dict[str, SimServer],
                  num_slots: int, late_reports_s: Callable[[], float] = lambda: 0.0,
                  data_dir: Path | None = None, domain: FailureDomain = FailureDomain(), real_agent: bool = False,
-                 real_sender: bool = False) -> None:
+                 real_sender: bool = False, queue_bytes: int = 0) -> None:
         self.world, self.net, self.name, self.scheduler, self.servers = world, net, name, scheduler, servers
         self.real_agent = real_agent  # the daemon's ``Agent`` (``realagent``) instead of ``SimAgent``
         self.real_sender = real_sender  # a lane waits after each send as its sender thread would (``sent``)
@@ -211,6 +212,8 @@ class SimServer:
                                    # node; pacing only delays a copy, which the world's schedules explore anyway
                                    copy_rate=None,
                                    data_dir=None if data_dir is None else str(data_dir))
+        if queue_bytes > 0:  # a small bound, so that the writers meet it (L5)
+            self.config = dataclasses.replace(self.config, replication_queue_bytes=queue_bytes)
         self.snapshots: list[tuple[float, dict[str, np.ndarray], np.ndarray]] = []  # (time, acked, complete)
         self.writes = 0  # calls that may have changed its tables (the checkers re-read them only then)
         self.pushed: list[tuple[pb.PushRequest, Any]] = []  # pushes applied since the checkers last looked
@@ -302,7 +305,9 @@ class SimServer:
         (``Replicator.when_done``: an acknowledgement, a map, the deadline); else when a step finds it settled."""
         svc = self.svc
         self.writes += 1
-        pushed = svc.writes.push_apply(request)
+        # No wait for room in a full replication queue (a wait would stop the world): a push that finds a
+        # stream over ``replication_queue_bytes`` is refused at once, nothing applied, and retried (L5).
+        pushed = svc.writes.push_apply(request, 0.0)
         self.pushed.append((request, pushed))
         answer = Deferred()
         if not self.real_sender or not pushed.marks:
@@ -334,7 +339,7 @@ class SimServer:
     def pull(self, request: pb.PullRequest) -> np.ndarray:
         """The ``Pull`` handler: the rows read (and, when inserting, the new rows replicated)."""
         self.writes += 1
-        return self.svc.writes.pull(request)[1]
+        return self.svc.writes.pull(request, 0.0)[1]  # refused at once by a full queue, as a push is
 
     def _settle_acks(self) -> None:
         keep = []

@@ -37,7 +37,8 @@ class Op:
     partition (from every other server, not the scheduler), domain_crash (``target`` a host: every server
     there crashes at once, and restarts ``seconds`` later), scheduler_restart, clock_jump (``target``
     ``scheduler`` or a server), late_reports (every caught-up report is delivered again ``seconds`` later, a
-    retried RPC whose first answer was lost), heal."""
+    retried RPC whose first answer was lost), snapshot (a full snapshot of ``target`` alone, with data dirs),
+    heal."""
 
     at: float
     kind: str
@@ -91,6 +92,10 @@ def perform(run: Any, op: Op) -> None:
         elif op.kind == "lose_slot":
             _lose_slot(run, op.slot, op.seconds)
             return
+        elif op.kind == "snapshot":
+            from tigana.tools.testing.sim.disk import snapshot
+
+            snapshot(run, incremental=False, only=target)
         elif op.kind == "domain_crash":
             _domain_crash(run, op.target, op.seconds)
             return

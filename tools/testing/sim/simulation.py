@@ -65,6 +65,7 @@ class Settings:
     real_client: bool = False  # the trainers run the real ``tigana.ps.Client`` (``realclient``), not ``SimClient``
     real_agent: bool = False  # the servers run the daemon's membership ``Agent`` (``realagent``), not ``SimAgent``
     real_sender: bool = False  # stream lanes pause as the daemon's senders do; sync pushes answered by when_done
+    queue_bytes: int = 0  # > 0: each replication stream's bound (``replication_queue_bytes``; 0: the default)
 
 
 @dataclass
@@ -154,7 +155,7 @@ class _Run:
                                        late_reports_s=lambda: self.late_reports_s,
                                        data_dir=self.folder / name if self.s.snapshot_every_s > 0 else None,
                                        domain=domain, real_agent=self.s.real_agent,
-                                       real_sender=self.s.real_sender)
+                                       real_sender=self.s.real_sender, queue_bytes=self.s.queue_bytes)
 
     def log(self, text: str) -> None:
         self.world.log(f"op {text}")
