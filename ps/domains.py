@@ -11,8 +11,8 @@ is unknown (empty: a map saved before domains existed, or a test that names none
 
 When no level has enough domains (two hosts and three copies, or every server on one machine), the level is
 ``server``: placement only keeps copies on distinct servers, as it always did, and the slots whose in-sync copies
-share a host count as *domain-degraded*; so does any slot whose in-sync copies share a domain at the chosen
-level. Losing that one domain loses what those copies acknowledged, so the scheduler reports them (status,
+span fewer hosts than the copies a slot wants count as *domain-degraded*; so does any slot whose in-sync copies
+span fewer domains than that at the chosen level. Losing that one domain loses what those copies acknowledged, so the scheduler reports them (status,
 health, metrics) as it reports under-replicated slots.
 
 Example::
@@ -140,11 +140,16 @@ def collapsed(copies: np.ndarray, groups: np.ndarray, counted: np.ndarray | None
 def degraded_slots(copies: np.ndarray, counted: np.ndarray, domains: Sequence[FailureDomain],
                    usable: np.ndarray, want: int) -> tuple[np.ndarray, str]:
     """((num_slots,) bool, level): the domain-degraded slots, those whose ``counted`` copies (the in-sync ones on
-    servers up) share a domain at the level that ``usable`` servers allow for ``want`` copies, or share a host
-    where no level does; and that level (``server`` when none)."""
+    servers up) span fewer distinct domains than ``want`` copies should (or than they are, when fewer) at the
+    level that ``usable`` servers allow for ``want`` copies, or at the host level where no level does; and that
+    level (``server`` when none). A slot moving within a domain holds one copy more than it wants for a moment
+    (three in-sync copies on two hosts, two wanted): losing either domain still leaves a copy, so it is not
+    degraded."""
     level = choose_level(domains, usable, want)
     judged = group_ids(domains, level if level != SERVER else "host")
-    return collapsed(copies, judged, counted), level
+    c = np.asarray(copies)
+    ok = (c >= 0) & np.asarray(counted, bool)
+    return spread(c, judged, ok) < np.minimum(ok.sum(axis=1), want), level
 
 
 def separate(copies: np.ndarray, alive: np.ndarray, groups: np.ndarray, load: np.ndarray, weights: np.ndarray

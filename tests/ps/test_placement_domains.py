@@ -207,3 +207,19 @@ def test_primaries_pass_through_a_server_at_its_share_in_batches(monkeypatch):
     assert prim.tolist() == [1024] * 4 and total.tolist() == [2048] * 4
     assert not domains.collapsed(t, groups).any()
     assert len(rounds) < 50, len(rounds)
+
+
+def test_a_slot_moving_within_a_host_is_not_domain_degraded():
+    """Two hosts, two copies wanted: a slot whose copy moves from a1 to a2 holds three in-sync copies on two hosts
+    for a moment; losing either host still leaves a copy, so it is not reported. Two copies on one host are."""
+    doms = [FailureDomain(host="a"), FailureDomain(host="a"), FailureDomain(host="b")]
+    alive = np.ones(3, bool)
+    copies = np.array([[0, 2, NO_SERVER],   # one copy per host
+                       [0, 2, 1],           # mid-move within host a: three copies, two hosts
+                       [0, 1, NO_SERVER],   # both copies on host a
+                       [0, 1, 2]], np.int32)  # three copies, two of them counted (the third catching up)
+    counted = copies >= 0
+    counted[3, 2] = False
+    degraded, level = domains.degraded_slots(copies, counted, doms, alive, 2)
+    assert level == "host"
+    assert degraded.tolist() == [False, False, True, True]
