@@ -75,12 +75,12 @@ class PSTable(nn.Module):
     def _bounded_rows(self) -> tuple[np.ndarray | None, str]:
         """(num_embeddings, dim) rows of ids 0..n-1 if they are the whole table, else (None, why not)."""
         n = self.num_embeddings
+        if self.group.fused_table is not None:
+            return None, f"it shares the fused PS table {self.group.fused_table!r} with other tables"
         if n is None:
             return None, "it is not bounded by a num_embeddings (any int64 id)"
         if n > self.max_rows:
             return None, f"num_embeddings {n} is over the {self.max_rows} rows a state dict tensor holds"
-        if self.group.fused_table is not None:
-            return None, f"it shares the fused PS table {self.group.fused_table!r} with other tables"
         self.group.flush()
         physical, ids = self.group.ps_ids(self.table, np.arange(n, dtype=np.int64))
         client = self.group.client
@@ -99,6 +99,7 @@ class PSTable(nn.Module):
             return
         checkpoint = None
         if self.checkpoint_dir is not None:
+            self.group.flush()  # with the gradients adaptive compression still holds
             checkpoint = os.path.join(self.checkpoint_dir, f"{self.ps_table}-{time.time_ns()}")
             self.group.client.checkpoint(checkpoint, tables=[self.ps_table])
         destination[prefix + "_extra_state"] = {
