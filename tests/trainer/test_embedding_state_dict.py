@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 import os
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,15 +22,6 @@ from tigana.trainer.types import FeatureSpec, SparseFeatures
 DIM = 4
 VOCAB = 12
 NUM_DENSE = 3
-
-
-@pytest.fixture(scope="module")
-def client(shard_cluster) -> Iterator[ps.Client]:
-    c = ps.connect(shard_cluster.addresses)
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def _collection(client: ps.Client, prefix: str, **kwargs: object) -> PSEmbeddingBags:

@@ -13,9 +13,7 @@ from __future__ import annotations
 import io
 import json
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +24,7 @@ from torchmetrics.functional.classification import binary_auroc
 from tigana import ps
 from tigana.ps.ops.local import stop_process
 from tigana.ps.serving import ServingClient, modeldir
-from tigana.ps.serving.exportlog import read_manifest
-from tigana.tools.bench.serving_sync import spawn_follow_model, spawn_serve, wait_serving
+from tigana.tools.bench.serving_sync import spawn_serve, wait_serving
 from tigana.trainer.data.criteo import chunk_to_batch, criteo_salts
 from tigana.trainer.data.hashing import hash_values
 from tigana.trainer.data.synthetic import CRITEO_KAGGLE_CARDINALITIES, SyntheticCriteo
@@ -39,15 +36,6 @@ pytestmark = pytest.mark.timeout(240)
 
 VOCAB = 3_000
 ROWS = 4096  # 8 steps of 512; the held-out rows are the next 819 the generator draws
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ps.LocalCluster]:
-    c = ps.LocalCluster(2, data_dir=tmp_path_factory.mktemp("unseen-cluster"))
-    try:
-        yield c
-    finally:
-        c.close(timeout=30)
 
 
 def _collection(client: ps.Client, spec: dict, unseen: str | None = None) -> PSEmbeddingBags:
@@ -84,28 +72,18 @@ def _rows_with_unseen(serving: ServingClient, client: ps.Client, spec: dict, chu
     return unseen.any(axis=1)
 
 
-def test_served_scores_equal_the_trainers_evaluation_with_unseen_ids(cluster, tmp_path: Path) -> None:
+def test_served_scores_equal_the_trainers_evaluation_with_unseen_ids(
+        publish_cluster: ps.LocalCluster, train_published, tmp_path: Path) -> None:
     root = tmp_path / "published"
     procs: list[subprocess.Popen] = []
     try:
-        procs.append(spawn_follow_model(cluster.scheduler, root, tmp_path / "follow.log", interval=0.3))
         # rows that start at std 0.3 (not 0.01) make the row an unseen id reads weigh on the scores, as a trained
         # model's larger weights did on real data (probabilities moved by up to 0.25 there): reading them as the
         # initial rows moves this AUC by 9e-4 and the logloss by 0.19 (at 0.01: 3e-4 and 3e-4, near the bound)
-        train = subprocess.run(
-            [sys.executable, "-m", "tigana.tools.cli", "train", "--dataset", "synthetic", "--ps", cluster.scheduler,
-             "--synthetic-rows", str(ROWS), "--synthetic-vocab", str(VOCAB), "--publish-dir", str(root),
-             "--publish-every", "4", "--init-std", "0.3", "--no-progress"], capture_output=True, text=True, timeout=180)
-        assert train.returncode == 0, train.stderr[-3000:]
-        evaluation = json.loads(train.stdout.strip().splitlines()[-1])  # tigana.trainer.evaluate's, at the end
-        trained = time.time()
-        spec = modeldir.read_spec(root)
-        assert spec is not None
-        log = modeldir.table_log(root, spec["tables"][0])
-        deadline = time.monotonic() + 60
-        while (m := read_manifest(log)) is None or m["time"] < trained + 0.5:  # cut after the last push
-            assert time.monotonic() < deadline, (tmp_path / "follow.log").read_text()[-2000:]
-            time.sleep(0.1)
+        published = train_published(root, "--synthetic-rows", str(ROWS), "--synthetic-vocab", str(VOCAB),
+                                    "--publish-every", "4", "--init-std", "0.3")
+        spec = published.spec
+        evaluation = json.loads(published.train.stdout.strip().splitlines()[-1])  # tigana.trainer.evaluate's
         newest = modeldir.read_versions(root)["versions"][-1]
         dense_file = modeldir.read_dense(root, modeldir.read_dense_manifest(root)["versions"][-1])
 
@@ -115,7 +93,7 @@ def test_served_scores_equal_the_trainers_evaluation_with_unseen_ids(cluster, tm
         serve, address = spawn_serve(root, tmp_path / "serve.log", model=True)  # the model's policy
         procs.append(serve)
         wait_serving(address, timeout=60)
-        with ServingClient(address) as serving, ps.connect(cluster.target) as client:
+        with ServingClient(address) as serving, ps.connect(publish_cluster.target) as client:
             deadline = time.monotonic() + 30
             while serving.info().version < newest["version"]:
                 assert time.monotonic() < deadline, "the newest version never went live"
