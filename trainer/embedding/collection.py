@@ -338,8 +338,8 @@ class PSEmbeddingBags(_Planner, _PullSide, _PushSide, nn.Module):
             entry._load_from_state_dict(state_dict, prefixes[key], local_metadata, strict, missing_keys,
                                         unexpected_keys, error_msgs)
         if strict:  # the collection has no parameters or persistent buffers: any other key of ours is unknown
-            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and
-                                   not k.startswith(tuple(prefixes.values())))
+            known = (*prefixes.values(), *(f"{prefix}{name}." for name in self._modules))
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and not k.startswith(known))
 
     def _drop_prefetch(self) -> None:
         while self._prefetched:
