@@ -8,11 +8,13 @@ its handle at teardown, also on failure).
                         (log ``follow.log`` in the test's ``tmp_path``; it runs until teardown), runs ``tigana train
                         --dataset synthetic --ps SCHEDULER --publish-dir ROOT --no-progress *train_args`` (which
                         must succeed), and waits until the follower has cut the model's first table after the
-                        training ended (a manifest written 0.5 s past it: the model as trained).
+                        training ended (a manifest written 0.5 s past it: the model as trained). The
+                        ``Published`` it returns also scores rows the trainer's way (``trainer_scores``).
 """
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 import time
@@ -21,13 +23,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
 from tigana import ps
 from tigana.ps.ops.local import stop_process
 from tigana.ps.serving import modeldir
 from tigana.ps.serving.exportlog import read_manifest
 from tigana.tools.bench.serving_sync import spawn_follow_model
+from tigana.trainer.data.criteo import chunk_to_batch, criteo_salts
+from tigana.trainer.embedding import PSEmbeddingBags, TableOptions
+from tigana.trainer.models import build_model
+from tigana.trainer.types import FeatureSpec
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +63,25 @@ class Published:
     root: Path
     spec: dict[str, Any]
     train: subprocess.CompletedProcess
+
+    def collection(self, client: ps.Client, unseen: str | None = None) -> PSEmbeddingBags:
+        """The trainer's collection of the published tables (not created: they are on the cluster), reading an
+        id the tables do not hold by ``unseen`` (None: the default policy)."""
+        features = [FeatureSpec(f["name"], table=f["table"], pooling=f["pooling"]) for f in self.spec["features"]]
+        return PSEmbeddingBags(client, features, self.spec["dim"], fused_table=self.spec["fused_table"],
+                               create=False, options=None if unseen is None else TableOptions(unseen=unseen))
+
+    def trainer_scores(self, client: ps.Client, dense_file: bytes, chunk: Any, unseen: str | None = None
+                       ) -> np.ndarray:
+        """(n,) probabilities of ``chunk``'s rows the way the trainer (``tigana.trainer.evaluate``) scores them:
+        the reader's batch, the model in eval mode without gradients over a collection pulling read-only from
+        the shard servers, with the dense weights of ``dense_file`` (a published version's)."""
+        model = build_model(self.spec["model"], self.collection(client, unseen), self.spec["num_dense"])
+        model.load_dense_state_dict(torch.load(io.BytesIO(dense_file), weights_only=True)["model"])
+        model.eval()
+        batch = chunk_to_batch(chunk, criteo_salts(0))
+        with torch.no_grad():
+            return torch.sigmoid(model(batch.dense, batch.sparse).float()).numpy()
 
 
 @pytest.fixture

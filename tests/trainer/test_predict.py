@@ -21,29 +21,12 @@ from tigana import ps
 from tigana.ps.ops.local import stop_process
 from tigana.ps.serving import ServingClient, modeldir
 from tigana.tools.bench.serving_sync import spawn_serve, wait_serving
-from tigana.trainer.data.criteo import chunk_to_batch, criteo_salts
 from tigana.trainer.data.synthetic import CRITEO_KAGGLE_CARDINALITIES, SyntheticCriteo
-from tigana.trainer.embedding import PSEmbeddingBags
-from tigana.trainer.models import build_model
-from tigana.trainer.types import FeatureSpec
 
 pytestmark = pytest.mark.timeout(240)
 
 VOCAB = 20_000
 ROWS = 20_000  # 40 steps of 512: versions published at steps 20 and 40
-
-
-def _reference(client: ps.Client, spec: dict, dense_file: bytes, chunk) -> np.ndarray:
-    """Probabilities of ``chunk``'s rows the way the trainer scores them: its reader's batch, its collection
-    pulling from the shard servers (read-only), the published dense weights."""
-    features = [FeatureSpec(f["name"], table=f["table"], pooling=f["pooling"]) for f in spec["features"]]
-    collection = PSEmbeddingBags(client, features, spec["dim"], fused_table=spec["fused_table"], create=False)
-    model = build_model(spec["model"], collection, spec["num_dense"])
-    model.load_dense_state_dict(torch.load(io.BytesIO(dense_file), weights_only=True)["model"])
-    model.eval()
-    batch = chunk_to_batch(chunk, criteo_salts(0))
-    with torch.no_grad():
-        return torch.sigmoid(model(batch.dense, batch.sparse).float()).numpy()
 
 
 def _raw(chunk) -> tuple[np.ndarray, np.ndarray]:
@@ -102,8 +85,9 @@ def test_a_published_model_is_served_gated_and_rolled_back_as_the_trainer_scores
     try:
         # the follower has cut every table after the last acknowledged push (its rounds since changed nothing,
         # so the newest version is the model as trained)
-        spec = train_published(root, "--synthetic-rows", str(ROWS), "--synthetic-vocab", str(VOCAB),
-                               "--publish-every", "20").spec
+        published = train_published(root, "--synthetic-rows", str(ROWS), "--synthetic-vocab", str(VOCAB),
+                                    "--publish-every", "20")
+        spec = published.spec
         assert spec["tables"] == ["deepfm_synthetic_fused"] and spec["num_sparse"] == 26
         dense_log = modeldir.read_dense_manifest(root)
         assert [v["version"] for v in dense_log["versions"]] == [20, 40]  # every 20 steps; the end is step 40
@@ -127,7 +111,7 @@ def test_a_published_model_is_served_gated_and_rolled_back_as_the_trainer_scores
             live = info.version
             probabilities, version = serving.predict(*_raw(chunk))
             assert version == live
-            want = _reference(client, spec, modeldir.read_dense(root, dense_log["versions"][-1]), chunk)
+            want = published.trainer_scores(client, modeldir.read_dense(root, dense_log["versions"][-1]), chunk)
             np.testing.assert_allclose(probabilities, want, rtol=0, atol=2e-6)
             assert 0.05 < float(probabilities.mean()) < 0.95
 

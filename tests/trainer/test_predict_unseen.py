@@ -10,7 +10,6 @@ starts, it stops by its handle."""
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import time
@@ -25,34 +24,14 @@ from tigana import ps
 from tigana.ps.ops.local import stop_process
 from tigana.ps.serving import ServingClient, modeldir
 from tigana.tools.bench.serving_sync import spawn_serve, wait_serving
-from tigana.trainer.data.criteo import chunk_to_batch, criteo_salts
+from tigana.trainer.data.criteo import criteo_salts
 from tigana.trainer.data.hashing import hash_values
 from tigana.trainer.data.synthetic import CRITEO_KAGGLE_CARDINALITIES, SyntheticCriteo
-from tigana.trainer.embedding import PSEmbeddingBags, TableOptions
-from tigana.trainer.models import build_model
-from tigana.trainer.types import FeatureSpec
 
 pytestmark = pytest.mark.timeout(240)
 
 VOCAB = 3_000
 ROWS = 4096  # 8 steps of 512; the held-out rows are the next 819 the generator draws
-
-
-def _collection(client: ps.Client, spec: dict, unseen: str | None = None) -> PSEmbeddingBags:
-    features = [FeatureSpec(f["name"], table=f["table"], pooling=f["pooling"]) for f in spec["features"]]
-    return PSEmbeddingBags(client, features, spec["dim"], fused_table=spec["fused_table"], create=False,
-                           options=None if unseen is None else TableOptions(unseen=unseen))
-
-
-def _evaluation_scores(client: ps.Client, spec: dict, dense_file: bytes, chunk, unseen: str) -> np.ndarray:
-    """Probabilities of ``chunk``'s rows the way ``tigana.trainer.evaluate`` scores them: the reader's batch, the
-    model in eval mode without gradients over a collection pulling read-only from the shard servers."""
-    model = build_model(spec["model"], _collection(client, spec, unseen), spec["num_dense"])
-    model.load_dense_state_dict(torch.load(io.BytesIO(dense_file), weights_only=True)["model"])
-    model.eval()
-    batch = chunk_to_batch(chunk, criteo_salts(0))
-    with torch.no_grad():
-        return torch.sigmoid(model(batch.dense, batch.sparse).float()).numpy()
 
 
 def _raw(chunk) -> tuple[np.ndarray, np.ndarray]:
@@ -61,9 +40,9 @@ def _raw(chunk) -> tuple[np.ndarray, np.ndarray]:
     return dense, chunk.raw
 
 
-def _rows_with_unseen(serving: ServingClient, client: ps.Client, spec: dict, chunk) -> np.ndarray:
+def _rows_with_unseen(serving: ServingClient, client: ps.Client, published, chunk) -> np.ndarray:
     """(n,) bool: the rows of ``chunk`` with at least one categorical id the served tables do not hold."""
-    collection = _collection(client, spec)
+    collection = published.collection(client)
     ids = hash_values(chunk.raw, criteo_salts(0))  # (n, 26) as the reader hashes them
     unseen = np.zeros(chunk.raw.shape, bool)
     for f, feature in enumerate(collection.features):
@@ -99,7 +78,7 @@ def test_served_scores_equal_the_trainers_evaluation_with_unseen_ids(
                 assert time.monotonic() < deadline, "the newest version never went live"
                 time.sleep(0.02)
             assert serving.info().default_row == "zeros"  # the model's policy, as Info reports it
-            unseen = _rows_with_unseen(serving, client, spec, held)
+            unseen = _rows_with_unseen(serving, client, published, held)
             assert unseen.sum() >= 50 and (~unseen).sum() >= 50, unseen.mean()  # rows with and without a new id
             served, _ = serving.predict(*_raw(held))
 
@@ -113,7 +92,7 @@ def test_served_scores_equal_the_trainers_evaluation_with_unseen_ids(
             assert logloss == pytest.approx(evaluation["logloss"], abs=1e-5), (logloss, evaluation)
             # and row by row, rows with an unseen id included, for the policy the model was trained with
             assert spec["unseen"] == "zeros"  # the default, published with the model
-            want = _evaluation_scores(client, spec, dense_file, held, "zeros")
+            want = published.trainer_scores(client, dense_file, held, "zeros")
             np.testing.assert_allclose(served, want, rtol=0, atol=2e-6)
 
             # the initializer's rows, in both places
@@ -128,7 +107,7 @@ def test_served_scores_equal_the_trainers_evaluation_with_unseen_ids(
                     time.sleep(0.02)
                 assert initial.info().default_row == "initial"
                 served_initial, _ = initial.predict(*_raw(held))
-            want = _evaluation_scores(client, spec, dense_file, held, "initial")
+            want = published.trainer_scores(client, dense_file, held, "initial")
             np.testing.assert_allclose(served_initial, want, rtol=0, atol=2e-6)
             # the policies differ on exactly the rows with an unseen id
             np.testing.assert_array_equal(served_initial[~unseen], served[~unseen])
