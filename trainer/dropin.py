@@ -102,7 +102,8 @@ class DropIn(nn.Module):
             specs = [FeatureSpec(name=o.key, table=table_prefix + o.table, pooling=poolings[o.table])  # type: ignore[arg-type]
                      for o in outs]
             mine = {t: o for t, o in overrides.items() if t in {s.table_name for s in specs}}
-            group = PSEmbeddingBags(client, specs, dim, options=options, table_options=mine, **collection_kwargs)
+            group = PSEmbeddingBags(client, specs, dim, options=options, table_options=mine, table_state=False,
+                                    **collection_kwargs)
             self.groups.append(group)
             self._group_outputs.append(outs)
             for o in outs:

@@ -23,13 +23,14 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from tigana.trainer.embedding import PSEmbeddingBags
+if TYPE_CHECKING:  # PSEmbeddingBags builds PSTables of its own: no import at run time
+    from tigana.trainer.embedding import PSEmbeddingBags
 
 __all__ = ["DEFAULT_STATE_DICT_ROWS", "FORMAT", "PSTable", "check_state_dict"]
 
@@ -39,18 +40,19 @@ FORMAT = "tigana.ps-table/1"
 
 class PSTable(nn.Module):
     """One table on the PS, as TorchRec's ``nn.EmbeddingBag``/``nn.Embedding`` of a collection stands in the
-    module tree: no parameters, its state dict entry as the module docstring says.
+    module tree: no parameters, its state dict entry as the module docstring says. ``num_embeddings`` None: the
+    table is not bounded (any int64 id), so its entry is always the ``_extra_state`` one.
 
     ``weight``: the (num_embeddings, embedding_dim) rows of ids 0..num_embeddings-1 now, a read-only copy
     (writing to it changes nothing on the PS: ``load_state_dict`` does)."""
 
-    def __init__(self, group: PSEmbeddingBags, name: str, table: str, num_embeddings: int, embedding_dim: int, *,
+    def __init__(self, group: PSEmbeddingBags, name: str, table: str, num_embeddings: int | None, embedding_dim: int, *,
                  max_rows: int, checkpoint_dir: str | None) -> None:
         super().__init__()
         self._group = [group]  # not a child: the group is the drop-in's
         self.name = name  # TorchRec's table name
         self.table = table  # the group's (logical) table: the PS table, or a table in the group's fused one
-        self.num_embeddings = int(num_embeddings)
+        self.num_embeddings = None if num_embeddings is None else int(num_embeddings)
         self.embedding_dim = int(embedding_dim)
         self.max_rows = int(max_rows)
         self.checkpoint_dir = checkpoint_dir
@@ -73,10 +75,12 @@ class PSTable(nn.Module):
     def _bounded_rows(self) -> tuple[np.ndarray | None, str]:
         """(num_embeddings, dim) rows of ids 0..n-1 if they are the whole table, else (None, why not)."""
         n = self.num_embeddings
-        if n > self.max_rows:
-            return None, f"num_embeddings {n} is over the {self.max_rows} rows a state dict tensor holds"
         if self.group.fused_table is not None:
             return None, f"it shares the fused PS table {self.group.fused_table!r} with other tables"
+        if n is None:
+            return None, "it is not bounded by a num_embeddings (any int64 id)"
+        if n > self.max_rows:
+            return None, f"num_embeddings {n} is over the {self.max_rows} rows a state dict tensor holds"
         self.group.flush()
         physical, ids = self.group.ps_ids(self.table, np.arange(n, dtype=np.int64))
         client = self.group.client
@@ -95,6 +99,7 @@ class PSTable(nn.Module):
             return
         checkpoint = None
         if self.checkpoint_dir is not None:
+            self.group.flush()  # with the gradients adaptive compression still holds
             checkpoint = os.path.join(self.checkpoint_dir, f"{self.ps_table}-{time.time_ns()}")
             self.group.client.checkpoint(checkpoint, tables=[self.ps_table])
         destination[prefix + "_extra_state"] = {
@@ -118,21 +123,25 @@ class PSTable(nn.Module):
             if checkpoint is not None:
                 self.group.flush()
                 self.group.client.restore_checkpoint(checkpoint, tables=[self.ps_table])
+                for cache in self.group.caches.values():  # cached rows predate the restored ones
+                    cache.clear()
         elif strict:
             missing_keys.append(ours[0])
 
 
 def check_state_dict(table: PSTable, state_dict: Mapping[str, Any], prefix: str) -> None:
     """Raise ``ValueError`` naming the table unless ``state_dict``'s entry for ``table`` (if any) is one it
-    loads: a (rows <= num_embeddings, embedding_dim) finite float tensor, or an entry of this format for its
+    loads: a (rows <= num_embeddings if bounded, embedding_dim) finite float tensor, or an entry of this format for its
     PS table and dim."""
     weight, extra = state_dict.get(prefix + "weight"), state_dict.get(prefix + "_extra_state")
     if weight is not None:
         if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dim() != 2 or \
-                weight.shape[1] != table.embedding_dim or weight.shape[0] > table.num_embeddings:
+                weight.shape[1] != table.embedding_dim or \
+                (table.num_embeddings is not None and weight.shape[0] > table.num_embeddings):
             shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+            rows = "n" if table.num_embeddings is None else table.num_embeddings
             raise ValueError(f"table {table.name!r}: {prefix}weight is {shape}, expected float rows "
-                             f"({table.num_embeddings}, {table.embedding_dim})")
+                             f"({rows}, {table.embedding_dim})")
         if not bool(torch.isfinite(weight).all()):
             raise ValueError(f"table {table.name!r}: {prefix}weight holds NaN or Inf")
     elif extra is not None:

@@ -19,15 +19,6 @@ from tigana.trainer.types import Batch, FeatureSpec, SparseFeatures
 DIM = 4
 
 
-@pytest.fixture(scope="module")
-def client(shard_cluster):
-    c = ps.connect(shard_cluster.addresses)
-    try:
-        yield c
-    finally:
-        c.close()
-
-
 def _name() -> str:
     return f"t{uuid.uuid4().hex[:10]}"
 

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,40 +20,13 @@ import torch
 from tigana import ps
 from tigana.ps.ops.local import stop_process
 from tigana.ps.serving import ServingClient, modeldir
-from tigana.ps.serving.exportlog import read_manifest
-from tigana.tools.bench.serving_sync import spawn_follow_model, spawn_serve, wait_serving
-from tigana.trainer.data.criteo import chunk_to_batch, criteo_salts
+from tigana.tools.bench.serving_sync import spawn_serve, wait_serving
 from tigana.trainer.data.synthetic import CRITEO_KAGGLE_CARDINALITIES, SyntheticCriteo
-from tigana.trainer.embedding import PSEmbeddingBags
-from tigana.trainer.models import build_model
-from tigana.trainer.types import FeatureSpec
 
 pytestmark = pytest.mark.timeout(240)
 
 VOCAB = 20_000
 ROWS = 20_000  # 40 steps of 512: versions published at steps 20 and 40
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ps.LocalCluster]:
-    c = ps.LocalCluster(2, data_dir=tmp_path_factory.mktemp("predict-cluster"))
-    try:
-        yield c
-    finally:
-        c.close(timeout=30)
-
-
-def _reference(client: ps.Client, spec: dict, dense_file: bytes, chunk) -> np.ndarray:
-    """Probabilities of ``chunk``'s rows the way the trainer scores them: its reader's batch, its collection
-    pulling from the shard servers (read-only), the published dense weights."""
-    features = [FeatureSpec(f["name"], table=f["table"], pooling=f["pooling"]) for f in spec["features"]]
-    collection = PSEmbeddingBags(client, features, spec["dim"], fused_table=spec["fused_table"], create=False)
-    model = build_model(spec["model"], collection, spec["num_dense"])
-    model.load_dense_state_dict(torch.load(io.BytesIO(dense_file), weights_only=True)["model"])
-    model.eval()
-    batch = chunk_to_batch(chunk, criteo_salts(0))
-    with torch.no_grad():
-        return torch.sigmoid(model(batch.dense, batch.sparse).float()).numpy()
 
 
 def _raw(chunk) -> tuple[np.ndarray, np.ndarray]:
@@ -106,30 +78,19 @@ def _wait_info(serving: ServingClient, ready, what: str, timeout: float = 30.0):
     return info
 
 
-def test_a_published_model_is_served_gated_and_rolled_back_as_the_trainer_scores(cluster, tmp_path: Path) -> None:
+def test_a_published_model_is_served_gated_and_rolled_back_as_the_trainer_scores(
+        publish_cluster: ps.LocalCluster, train_published, tmp_path: Path) -> None:
     root = tmp_path / "published"
     procs: list[subprocess.Popen] = []
     try:
-        # the follower starts first and waits for the trainer's first publish
-        procs.append(spawn_follow_model(cluster.scheduler, root, tmp_path / "follow.log", interval=0.3))
-        train = subprocess.run(
-            [sys.executable, "-m", "tigana.tools.cli", "train", "--dataset", "synthetic", "--ps", cluster.scheduler,
-             "--synthetic-rows", str(ROWS), "--synthetic-vocab", str(VOCAB), "--publish-dir", str(root),
-             "--publish-every", "20", "--no-progress"], capture_output=True, text=True, timeout=180)
-        assert train.returncode == 0, train.stderr[-3000:]
-        trained = time.time()
-        spec = modeldir.read_spec(root)
-        assert spec is not None and spec["tables"] == ["deepfm_synthetic_fused"] and spec["num_sparse"] == 26
-        dense_log = modeldir.read_dense_manifest(root)
-        assert [v["version"] for v in dense_log["versions"]] == [20, 40]  # every 20 steps; the end is step 40
-
         # the follower has cut every table after the last acknowledged push (its rounds since changed nothing,
         # so the newest version is the model as trained)
-        log = modeldir.table_log(root, spec["tables"][0])
-        deadline = time.monotonic() + 60
-        while (m := read_manifest(log)) is None or m["time"] < trained + 0.5:
-            assert time.monotonic() < deadline, (tmp_path / "follow.log").read_text()[-2000:]
-            time.sleep(0.1)
+        published = train_published(root, "--synthetic-rows", str(ROWS), "--synthetic-vocab", str(VOCAB),
+                                    "--publish-every", "20")
+        spec = published.spec
+        assert spec["tables"] == ["deepfm_synthetic_fused"] and spec["num_sparse"] == 26
+        dense_log = modeldir.read_dense_manifest(root)
+        assert [v["version"] for v in dense_log["versions"]] == [20, 40]  # every 20 steps; the end is step 40
         newest = modeldir.read_versions(root)["versions"][-1]
         assert newest["step"] == 40 and list(newest["tables"]) == spec["tables"]
 
@@ -142,7 +103,7 @@ def test_a_published_model_is_served_gated_and_rolled_back_as_the_trainer_scores
         wait_serving(address, timeout=60)
         chunk = gen.chunk(0, 512)  # training rows: every id is in the table
         assert chunk.int_missing.any() and chunk.cat_missing.any()
-        with ServingClient(address) as serving, ps.connect(cluster.target) as client:
+        with ServingClient(address) as serving, ps.connect(publish_cluster.target) as client:
             info = _wait_info(serving, lambda i: i.version >= newest["version"], "the newest version")
             assert (info.model, info.step, list(info.tables)) == ("deepfm", 40, spec["tables"])
             assert (info.num_dense, info.num_sparse, info.pinned, info.versions_refused) == (13, 26, False, 0)
@@ -150,7 +111,7 @@ def test_a_published_model_is_served_gated_and_rolled_back_as_the_trainer_scores
             live = info.version
             probabilities, version = serving.predict(*_raw(chunk))
             assert version == live
-            want = _reference(client, spec, modeldir.read_dense(root, dense_log["versions"][-1]), chunk)
+            want = published.trainer_scores(client, modeldir.read_dense(root, dense_log["versions"][-1]), chunk)
             np.testing.assert_allclose(probabilities, want, rtol=0, atol=2e-6)
             assert 0.05 < float(probabilities.mean()) < 0.95
 

@@ -10,12 +10,9 @@ starts, it stops by its handle."""
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,45 +23,15 @@ from torchmetrics.functional.classification import binary_auroc
 from tigana import ps
 from tigana.ps.ops.local import stop_process
 from tigana.ps.serving import ServingClient, modeldir
-from tigana.ps.serving.exportlog import read_manifest
-from tigana.tools.bench.serving_sync import spawn_follow_model, spawn_serve, wait_serving
-from tigana.trainer.data.criteo import chunk_to_batch, criteo_salts
+from tigana.tools.bench.serving_sync import spawn_serve, wait_serving
+from tigana.trainer.data.criteo import criteo_salts
 from tigana.trainer.data.hashing import hash_values
 from tigana.trainer.data.synthetic import CRITEO_KAGGLE_CARDINALITIES, SyntheticCriteo
-from tigana.trainer.embedding import PSEmbeddingBags, TableOptions
-from tigana.trainer.models import build_model
-from tigana.trainer.types import FeatureSpec
 
 pytestmark = pytest.mark.timeout(240)
 
 VOCAB = 3_000
 ROWS = 4096  # 8 steps of 512; the held-out rows are the next 819 the generator draws
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ps.LocalCluster]:
-    c = ps.LocalCluster(2, data_dir=tmp_path_factory.mktemp("unseen-cluster"))
-    try:
-        yield c
-    finally:
-        c.close(timeout=30)
-
-
-def _collection(client: ps.Client, spec: dict, unseen: str | None = None) -> PSEmbeddingBags:
-    features = [FeatureSpec(f["name"], table=f["table"], pooling=f["pooling"]) for f in spec["features"]]
-    return PSEmbeddingBags(client, features, spec["dim"], fused_table=spec["fused_table"], create=False,
-                           options=None if unseen is None else TableOptions(unseen=unseen))
-
-
-def _evaluation_scores(client: ps.Client, spec: dict, dense_file: bytes, chunk, unseen: str) -> np.ndarray:
-    """Probabilities of ``chunk``'s rows the way ``tigana.trainer.evaluate`` scores them: the reader's batch, the
-    model in eval mode without gradients over a collection pulling read-only from the shard servers."""
-    model = build_model(spec["model"], _collection(client, spec, unseen), spec["num_dense"])
-    model.load_dense_state_dict(torch.load(io.BytesIO(dense_file), weights_only=True)["model"])
-    model.eval()
-    batch = chunk_to_batch(chunk, criteo_salts(0))
-    with torch.no_grad():
-        return torch.sigmoid(model(batch.dense, batch.sparse).float()).numpy()
 
 
 def _raw(chunk) -> tuple[np.ndarray, np.ndarray]:
@@ -73,9 +40,9 @@ def _raw(chunk) -> tuple[np.ndarray, np.ndarray]:
     return dense, chunk.raw
 
 
-def _rows_with_unseen(serving: ServingClient, client: ps.Client, spec: dict, chunk) -> np.ndarray:
+def _rows_with_unseen(serving: ServingClient, client: ps.Client, published, chunk) -> np.ndarray:
     """(n,) bool: the rows of ``chunk`` with at least one categorical id the served tables do not hold."""
-    collection = _collection(client, spec)
+    collection = published.collection(client)
     ids = hash_values(chunk.raw, criteo_salts(0))  # (n, 26) as the reader hashes them
     unseen = np.zeros(chunk.raw.shape, bool)
     for f, feature in enumerate(collection.features):
@@ -84,28 +51,18 @@ def _rows_with_unseen(serving: ServingClient, client: ps.Client, spec: dict, chu
     return unseen.any(axis=1)
 
 
-def test_served_scores_equal_the_trainers_evaluation_with_unseen_ids(cluster, tmp_path: Path) -> None:
+def test_served_scores_equal_the_trainers_evaluation_with_unseen_ids(
+        publish_cluster: ps.LocalCluster, train_published, tmp_path: Path) -> None:
     root = tmp_path / "published"
     procs: list[subprocess.Popen] = []
     try:
-        procs.append(spawn_follow_model(cluster.scheduler, root, tmp_path / "follow.log", interval=0.3))
         # rows that start at std 0.3 (not 0.01) make the row an unseen id reads weigh on the scores, as a trained
         # model's larger weights did on real data (probabilities moved by up to 0.25 there): reading them as the
         # initial rows moves this AUC by 9e-4 and the logloss by 0.19 (at 0.01: 3e-4 and 3e-4, near the bound)
-        train = subprocess.run(
-            [sys.executable, "-m", "tigana.tools.cli", "train", "--dataset", "synthetic", "--ps", cluster.scheduler,
-             "--synthetic-rows", str(ROWS), "--synthetic-vocab", str(VOCAB), "--publish-dir", str(root),
-             "--publish-every", "4", "--init-std", "0.3", "--no-progress"], capture_output=True, text=True, timeout=180)
-        assert train.returncode == 0, train.stderr[-3000:]
-        evaluation = json.loads(train.stdout.strip().splitlines()[-1])  # tigana.trainer.evaluate's, at the end
-        trained = time.time()
-        spec = modeldir.read_spec(root)
-        assert spec is not None
-        log = modeldir.table_log(root, spec["tables"][0])
-        deadline = time.monotonic() + 60
-        while (m := read_manifest(log)) is None or m["time"] < trained + 0.5:  # cut after the last push
-            assert time.monotonic() < deadline, (tmp_path / "follow.log").read_text()[-2000:]
-            time.sleep(0.1)
+        published = train_published(root, "--synthetic-rows", str(ROWS), "--synthetic-vocab", str(VOCAB),
+                                    "--publish-every", "4", "--init-std", "0.3")
+        spec = published.spec
+        evaluation = json.loads(published.train.stdout.strip().splitlines()[-1])  # tigana.trainer.evaluate's
         newest = modeldir.read_versions(root)["versions"][-1]
         dense_file = modeldir.read_dense(root, modeldir.read_dense_manifest(root)["versions"][-1])
 
@@ -115,13 +72,13 @@ def test_served_scores_equal_the_trainers_evaluation_with_unseen_ids(cluster, tm
         serve, address = spawn_serve(root, tmp_path / "serve.log", model=True)  # the model's policy
         procs.append(serve)
         wait_serving(address, timeout=60)
-        with ServingClient(address) as serving, ps.connect(cluster.target) as client:
+        with ServingClient(address) as serving, ps.connect(publish_cluster.target) as client:
             deadline = time.monotonic() + 30
             while serving.info().version < newest["version"]:
                 assert time.monotonic() < deadline, "the newest version never went live"
                 time.sleep(0.02)
             assert serving.info().default_row == "zeros"  # the model's policy, as Info reports it
-            unseen = _rows_with_unseen(serving, client, spec, held)
+            unseen = _rows_with_unseen(serving, client, published, held)
             assert unseen.sum() >= 50 and (~unseen).sum() >= 50, unseen.mean()  # rows with and without a new id
             served, _ = serving.predict(*_raw(held))
 
@@ -135,7 +92,7 @@ def test_served_scores_equal_the_trainers_evaluation_with_unseen_ids(cluster, tm
             assert logloss == pytest.approx(evaluation["logloss"], abs=1e-5), (logloss, evaluation)
             # and row by row, rows with an unseen id included, for the policy the model was trained with
             assert spec["unseen"] == "zeros"  # the default, published with the model
-            want = _evaluation_scores(client, spec, dense_file, held, "zeros")
+            want = published.trainer_scores(client, dense_file, held, "zeros")
             np.testing.assert_allclose(served, want, rtol=0, atol=2e-6)
 
             # the initializer's rows, in both places
@@ -150,7 +107,7 @@ def test_served_scores_equal_the_trainers_evaluation_with_unseen_ids(cluster, tm
                     time.sleep(0.02)
                 assert initial.info().default_row == "initial"
                 served_initial, _ = initial.predict(*_raw(held))
-            want = _evaluation_scores(client, spec, dense_file, held, "initial")
+            want = published.trainer_scores(client, dense_file, held, "initial")
             np.testing.assert_allclose(served_initial, want, rtol=0, atol=2e-6)
             # the policies differ on exactly the rows with an unseen id
             np.testing.assert_array_equal(served_initial[~unseen], served[~unseen])

@@ -24,15 +24,6 @@ from tigana.trainer.types import FeatureSpec, SparseFeatures
 DIM, LR, B = 4, 0.1, 32
 
 
-@pytest.fixture(scope="module")
-def client(shard_cluster):
-    c = ps.connect(shard_cluster.addresses)
-    try:
-        yield c
-    finally:
-        c.close()
-
-
 def _batches(steps: int, seed: int = 0) -> list[tuple[SparseFeatures, torch.Tensor]]:
     """Two single-hot features over a small, skewed vocabulary (hot ids recur every step), and C."""
     rng = np.random.default_rng(seed)

@@ -2,7 +2,8 @@
 
 The module itself: its tables (created, fused, with their caches and compressors), ``forward`` and
 ``prefetch``, and what a trainer asks of it (stats, inspection, flush). It plans batches (``plan``), pools
-them (``pooling``), pulls (``pulls``) and pushes (``pushes``) through the rooms named so.
+them (``pooling``), pulls (``pulls``) and pushes (``pushes``) through the rooms named so. Its state dict entries
+are ``tigana.trainer.table_rows``'s, one ``PSTable`` per table (per fused PS table).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tigana.trainer.embedding.plan import _plan_on, _Planner, _salted, _table_sa
 from tigana.trainer.embedding.pooling import _pool, _PooledLookup
 from tigana.trainer.embedding.pulls import _Prefetch, _PullSide
 from tigana.trainer.embedding.pushes import _PUSH_LOG, _PushSide
+from tigana.trainer.table_rows import DEFAULT_STATE_DICT_ROWS, PSTable, check_state_dict
 from tigana.trainer.types import FeatureSpec, SparseFeatures
 
 __all__ = ["PSEmbeddingBags"]
@@ -53,14 +55,29 @@ class PSEmbeddingBags(_Planner, _PullSide, _PushSide, nn.Module):
     fused_table: store every table in this one PS table (ids salted per table, so the tables stay apart):
               a step then costs one pull and one push per shard instead of one per table; every table must
               have the same TableOptions
+    num_embeddings: table name -> n for tables whose ids are all in [0, n) (the state dict's tensor size);
+              other tables take any int64 id
+    state_dict_rows, checkpoint_dir: how ``state_dict()`` saves the tables (below)
+    table_state: False leaves the tables out of ``state_dict()``, for a module that holds this one and gives
+              their entries itself (the TorchRec drop-ins do, under TorchRec's keys)
 
     Tables are created on construction (identical specs from several ranks are fine).
+
+    ``state_dict()`` holds one entry per table, keyed ``embedding_bags.<table>.`` (a fused collection: one for
+    its PS table, ``embedding_bags.<fused_table>.``), as ``tigana.trainer.table_rows`` describes: ``weight``,
+    the (n, dim) rows of ids 0..n-1, for a table bounded by ``num_embeddings`` n <= ``state_dict_rows`` that
+    holds no other id; otherwise ``_extra_state``, a cluster checkpoint written under ``checkpoint_dir`` (or,
+    without one, a note that the rows stay on the cluster). ``load_state_dict`` writes them back (rows i as
+    ids i, or the checkpoint restored), after checking every entry: a bad one raises ``ValueError`` naming
+    the table, with nothing written. A model's ``dense_state_dict()`` leaves them out.
     """
 
     def __init__(self, client: Any, features: Sequence[FeatureSpec], dim: int, *,
                  options: TableOptions | None = None, table_options: Mapping[str, TableOptions] | None = None,
                  aggregate_group: dist.ProcessGroup | None = None, grad_scale: float = 1.0,
-                 fused_table: str | None = None, create: bool = True) -> None:
+                 fused_table: str | None = None, create: bool = True,
+                 num_embeddings: Mapping[str, int] | None = None, state_dict_rows: int = DEFAULT_STATE_DICT_ROWS,
+                 checkpoint_dir: str | None = None, table_state: bool = True) -> None:
         super().__init__()
         if dim < 1:
             raise ValueError(f"dim must be positive, got {dim}")
@@ -122,9 +139,29 @@ class PSEmbeddingBags(_Planner, _PullSide, _PushSide, nn.Module):
                                               policy=o.cache_policy, table=table)
             if o.compression == "adaptive":
                 self.compressors[table] = AdaptiveCompressor(self.dim, o.adaptive, table=table)
+        self._state_tables = self._table_entries(num_embeddings or {}, state_dict_rows, checkpoint_dir) \
+            if table_state else {}
         if create:
             for table in self.ps_tables:
                 self._create(table)
+
+    def _table_entries(self, num_embeddings: Mapping[str, int], max_rows: int, checkpoint_dir: str | None
+                       ) -> dict[str, PSTable]:
+        """The state dict entry of each table (of the fused PS table), by key: not child modules, so table
+        names need not be attribute names."""
+        unknown = sorted(set(num_embeddings) - set(self.tables))
+        if unknown:
+            raise ValueError(f"num_embeddings names tables no feature reads: {unknown}")
+        bad = {t: n for t, n in num_embeddings.items() if int(n) < 1}
+        if bad:
+            raise ValueError(f"num_embeddings must be positive, got {bad}")
+        if max_rows < 0:
+            raise ValueError(f"state_dict_rows must be >= 0, got {max_rows}")
+        if self.fused_table is not None:  # one PS table, one entry: its rows are saved together
+            return {self.fused_table: PSTable(self, self.fused_table, self.tables[0], None, self.dim,
+                                              max_rows=max_rows, checkpoint_dir=checkpoint_dir)}
+        return {t: PSTable(self, t, t, num_embeddings.get(t), self.dim, max_rows=max_rows,
+                           checkpoint_dir=checkpoint_dir) for t in self.tables}
 
     # ------------------------------------------------------------------ tables
     def _options_of(self, table: str) -> TableOptions:
@@ -282,6 +319,27 @@ class PSEmbeddingBags(_Planner, _PullSide, _PushSide, nn.Module):
         for table in self.ps_tables:
             self.client.drop_table(table)
             self._create(table)
+
+    # ------------------------------------------------------------------ state dict
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for key, entry in self._state_tables.items():
+            entry._save_to_state_dict(destination, f"{prefix}embedding_bags.{key}.", keep_vars)
+
+    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        prefixes = {key: f"{prefix}embedding_bags.{key}." for key in self._state_tables}
+        for key, entry in self._state_tables.items():  # every entry fits before any table is written
+            check_state_dict(entry, state_dict, prefixes[key])
+            if self.fused_table is not None and prefixes[key] + "weight" in state_dict:
+                raise ValueError(f"table {key!r}: {prefixes[key]}weight is rows of one table, and {key!r} is the "
+                                 f"fused PS table of {self.tables}: its entry is {prefixes[key]}_extra_state")
+        for key, entry in self._state_tables.items():
+            entry._load_from_state_dict(state_dict, prefixes[key], local_metadata, strict, missing_keys,
+                                        unexpected_keys, error_msgs)
+        if strict:  # the collection has no parameters or persistent buffers: any other key of ours is unknown
+            known = (*prefixes.values(), *(f"{prefix}{name}." for name in self._modules))
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and not k.startswith(known))
 
     def _drop_prefetch(self) -> None:
         while self._prefetched:

@@ -79,7 +79,14 @@ class CTRModel(nn.Module):
         return [name for name, _ in self.named_parameters() if name.startswith(EMBEDDING_PREFIXES)]
 
     def dense_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.state_dict().items() if not k.startswith(EMBEDDING_PREFIXES)}
+        """``state_dict()`` without the collections' entries, which are not even computed (a PS collection's
+        would read its rows or write a cluster checkpoint)."""
+        state: dict[str, torch.Tensor] = {}
+        self._save_to_state_dict(state, "", keep_vars=False)
+        for name, child in self.named_children():
+            if f"{name}." not in EMBEDDING_PREFIXES:
+                state.update(child.state_dict(prefix=f"{name}."))
+        return state
 
     def load_dense_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load a ``dense_state_dict``; every dense key must be present and no table key may be."""
