@@ -62,9 +62,9 @@ class Settings:
     snapshot_every_s: float = 0.0  # > 0: servers have a data dir, snapshots this often (every 4th full)
     tables_at_s: float = 0.0  # the ledger tables are created then (a trainer that starts after the servers)
     hosts: int = 0  # > 0: server k runs on host h{k % hosts} (its failure domain); 0: every server its own
-    real_client: bool = False  # the trainers run the real ``tigana.ps.Client`` (``realclient``), not ``SimClient``
-    real_agent: bool = False  # the servers run the daemon's membership ``Agent`` (``realagent``), not ``SimAgent``
-    real_sender: bool = False  # stream lanes pause as the daemon's senders do; sync pushes answered by when_done
+    real_client: bool = True  # the trainers run the real ``tigana.ps.Client`` (``realclient``), not ``SimClient``
+    real_agent: bool = True  # the servers run the daemon's membership ``Agent`` (``realagent``), not ``SimAgent``
+    real_sender: bool = True  # stream lanes pause as the daemon's senders do; sync pushes answered by when_done
 
 
 @dataclass
