@@ -23,6 +23,7 @@ from tigana.ps.domains import FailureDomain
 from tigana.ps.membership import REGISTER, Membership, caught_up_answer
 from tigana.ps.routing import ShardMap
 from tigana.ps.scheduler import SchedulerConfig, SchedulerDriver
+from tigana.ps.scheduler.liveness import stalled_between
 from tigana.ps.scheduler.service import _positions
 from tigana.ps.scheduler.stores.file import FileMapStore
 from tigana.ps.shard import ShardService
@@ -78,6 +79,16 @@ class SchedulerNode:
         self.skew = 0.0  # how far this machine's clock is ahead of the world's (a clock jump)
         self.demoted_before = 0.0  # copies the cores replaced by restarts demoted
         self.core = self._core()
+        self._last_tick: float | None = None  # the tick loop's last pass, on this machine's clock
+
+    def tick(self) -> None:
+        """One pass of the daemon's tick loop: a gap since the last pass (this machine's clock jumped) is the
+        scheduler's own silence, as the daemon's loop judges it (``stalled_between``)."""
+        now = self.clock()
+        stalled = self._last_tick is not None and stalled_between(self._last_tick, now,
+                                                                  self.config.heartbeat_timeout_s)
+        self._last_tick = now
+        self.core.tick(stalled)
 
     def clock(self) -> float:
         return self.world.now + self.skew
@@ -93,6 +104,7 @@ class SchedulerNode:
     def restart(self) -> None:
         self.demoted_before = self.demotions()
         self.core = self._core()
+        self._last_tick = None  # a new process: its loop starts afresh
 
 
 class SimAgent:

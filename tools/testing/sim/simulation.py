@@ -177,7 +177,7 @@ class _Run:
                 for server in list(self.servers.values()):
                     server.maintain()
                 if self.scheduler.up:
-                    self.scheduler.core.tick()
+                    self.scheduler.tick()
             for server in list(self.servers.values()):
                 server.step()
             if s.snapshot_every_s > 0 and w.now >= next_snapshot:
