@@ -169,6 +169,8 @@ class _Run:
         end_busy = s.busy_s
         heal_by = end_busy + s.converge_s
         converged_at = None
+        while self.script and self.script[0].at <= 0.0:  # in effect from the first moment (late reports)
+            self._perform(self.script.pop(0))
         while w.now < heal_by:
             w.run_until(w.now + STEP_S)
             self.out.steps += 1
