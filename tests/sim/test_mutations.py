@@ -84,9 +84,11 @@ def test_s4_a_server_that_applies_pushes_for_slots_it_does_not_lead(monkeypatch:
 
 def test_s5_an_item_applied_where_it_does_not_follow(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(SlotLog, "matches", lambda self, slots, prev: np.ones(len(slots), bool))
-    # Three copies a slot: a primary that dies with a write on its way to one replica and not the other leaves
-    # them apart; the new primary's BARRIER no longer finds the one that missed it.
-    fires("S5", range(4), servers=4, replicas=2, **FAULTS)
+    # Three copies a slot: a primary that dies with writes on their way to one replica and not the other (cut
+    # off for half a second) leaves them apart; the new primary's BARRIER no longer finds the one that missed
+    # them.
+    script = (Op(3.0, "partition", "replica:0", seconds=0.5), Op(3.3, "crash", "primary:0"))
+    fires("S5", range(3), servers=4, replicas=2, busy_s=8.0, script=script, **QUIET)
 
 
 def test_s6_a_duplicate_push_applied_again(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -107,7 +109,7 @@ def test_s7_a_hand_over_reported_before_its_stream_drained(monkeypatch: pytest.M
     # demotion count is hidden here so that the run goes on to the loss it comes with.
     monkeypatch.setattr(SchedulerNode, "demotions", lambda self, reason="replication_failed": 0)
     script = tuple(Op(2.0 + 0.4 * k, "move_primary", f"replica:{k}", slot=k) for k in range(12))
-    fires("S7", range(3), busy_s=8.0, script=script, **QUIET)
+    fires("S7", range(4), busy_s=8.0, script=script, **QUIET)
 
 
 def test_s8_a_push_applied_in_part(monkeypatch: pytest.MonkeyPatch) -> None:
