@@ -1,7 +1,7 @@
-"""The simulator running the daemon's membership agent (``Settings.real_agent``: ``tigana.tools.testing.sim.realagent``):
-registration, heartbeats, the lease and the map refresh a report's answer asks for are ``Agent``'s own code,
-over the world's network and clock; every invariant holds and a seed replays exactly. With the real client and
-the stream lanes paced as the daemon's senders pace them (``Settings.real_sender``)."""
+"""The simulator runs the daemon's membership agent (``tigana.tools.testing.sim.realagent``): registration,
+heartbeats, the lease and the map refresh a report's answer asks for are ``Agent``'s own code, over the world's
+network and clock; every invariant holds and a seed replays exactly. With the real client, and the stream lanes
+paced as the daemon's senders pace them, sync pushes answered by ``Replicator.when_done``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from tigana.ps.membership.agent import Agent
 from tigana.tools.testing.sim import Op, Settings, run_seed
 
-REAL = Settings(busy_s=4.0, faults=True, ops_per_s=1.0, real_client=True, real_agent=True, real_sender=True)
+REAL = Settings(busy_s=4.0, faults=True, ops_per_s=1.0)
 
 
 @pytest.mark.parametrize("seed", [0, 3])
@@ -36,7 +36,7 @@ def test_the_real_agent_client_and_sender_under_faults_keep_every_invariant(seed
 
 
 def test_a_seed_with_the_real_agent_replays_exactly() -> None:
-    settings = Settings(busy_s=3.0, real_agent=True, real_sender=True)
+    settings = Settings(busy_s=3.0)
     a, b = run_seed(5, settings), run_seed(5, settings)
     assert a.acked > 0
     assert a.ops == b.ops and a.steps == b.steps and a.acked == b.acked
@@ -45,7 +45,7 @@ def test_a_seed_with_the_real_agent_replays_exactly() -> None:
 
 def test_a_write_acknowledged_before_its_copies_have_it_is_caught_as_s1(monkeypatch: pytest.MonkeyPatch) -> None:
     # The mutation (test code only): the wait of a sync push for its copies' acknowledgements ends at once.
-    # With ``real_sender`` the simulated pushes are answered by ``Replicator.when_done``, as the daemon's are.
+    # The simulated pushes are answered by ``Replicator.when_done``, as the daemon's are.
     from tigana.ps.replication.replicator import Replicator
 
     monkeypatch.setattr(Replicator, "when_done", lambda self, marks, timeout_s, callback: callback(True))

@@ -208,7 +208,3 @@ class RealSimAgent(Agent):
             s.world.at(self.interval, self._refresh)
         else:
             self._refreshing = False
-
-    def beat(self) -> None:
-        """Nothing: the agent's own loop heartbeats (``SimServer.maintain`` beats ``SimAgent`` only)."""
-        return None

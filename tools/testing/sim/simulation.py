@@ -32,9 +32,9 @@ from tigana.ps.errors import PSError
 from tigana.ps.routing import TableDef, slot_of
 from tigana.ps.scheduler import SchedulerConfig
 from tigana.tools.testing.sim.checkers import Checkers
-from tigana.tools.testing.sim.client import DIM, Ledger, SimClient
 from tigana.tools.testing.sim.convergence import check_settled, converged, why_not
 from tigana.tools.testing.sim.disk import snapshot
+from tigana.tools.testing.sim.ledger import DIM, Ledger
 from tigana.tools.testing.sim.nodes import SchedulerNode, SimServer
 from tigana.tools.testing.sim.realclient import RealSimClient
 from tigana.tools.testing.sim.world import Net, World
@@ -62,9 +62,6 @@ class Settings:
     snapshot_every_s: float = 0.0  # > 0: servers have a data dir, snapshots this often (every 4th full)
     tables_at_s: float = 0.0  # the ledger tables are created then (a trainer that starts after the servers)
     hosts: int = 0  # > 0: server k runs on host h{k % hosts} (its failure domain); 0: every server its own
-    real_client: bool = True  # the trainers run the real ``tigana.ps.Client`` (``realclient``), not ``SimClient``
-    real_agent: bool = True  # the servers run the daemon's membership ``Agent`` (``realagent``), not ``SimAgent``
-    real_sender: bool = True  # stream lanes pause as the daemon's senders do; sync pushes answered by when_done
 
 
 @dataclass
@@ -118,9 +115,8 @@ class _Run:
         self.ledger = Ledger(settings.ids)
         for name in LEDGERS:
             self.ledger.table(name)
-        make = RealSimClient if settings.real_client else SimClient
-        self.clients = [make(self.world, self.net, f"c{k}", k + 1, self.scheduler, self.servers, self.ledger,
-                             settings.num_slots) for k in range(settings.clients)]
+        self.clients = [RealSimClient(self.world, self.net, f"c{k}", k + 1, self.scheduler, self.servers,
+                                      self.ledger, settings.num_slots) for k in range(settings.clients)]
         self.out = Outcome(seed)
         self.ids = np.arange(settings.ids, dtype=np.int64)
         self.slots = slot_of(self.ids, settings.num_slots)
@@ -153,8 +149,7 @@ class _Run:
         self.servers[name] = SimServer(self.world, self.net, name, self.scheduler, self.servers, self.s.num_slots,
                                        late_reports_s=lambda: self.late_reports_s,
                                        data_dir=self.folder / name if self.s.snapshot_every_s > 0 else None,
-                                       domain=domain, real_agent=self.s.real_agent,
-                                       real_sender=self.s.real_sender)
+                                       domain=domain)
 
     def log(self, text: str) -> None:
         self.world.log(f"op {text}")
