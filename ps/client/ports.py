@@ -4,7 +4,7 @@
 I/O to ports. The defaults are the daemon-facing ones: a gRPC ``routes.Server`` per shard server, a
 ``MapFollower`` long-polling the scheduler, ``threading.Timer``, ``time.monotonic`` and session ids stamped
 by the wall clock. The deterministic
-simulator (``tigana.tools.sim.realclient``) plugs in its own (the world's network, event queue and clock),
+simulator (``tigana.tools.testing.sim.realclient``) plugs in its own (the world's network, event queue and clock),
 so the client it drives runs the same code as a trainer's.
 
 Contracts (what every implementation keeps):
