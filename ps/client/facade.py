@@ -6,7 +6,7 @@ becomes a ``Route`` (``routes``) that new operations take; operations in flight 
 their parts sent to a server the new map no longer names as primary of their slots are given up and routed
 again at once (``sentparts``), and calls to servers a new map declares dead are cancelled. Its I/O (transports,
 the map source, timers, the clock, session ids) goes through ``ports.ClientPorts``: gRPC and threads by
-default, the world's network and events in the simulator (``tigana.tools.sim.realclient``).
+default, the world's network and events in the simulator (``tigana.tools.testing.sim.realclient``).
 
 Thread-safety: a ``Client`` may be shared by threads.
 """

@@ -25,6 +25,7 @@ import numpy as np
 
 from tigana.proto import shard_pb2 as pb
 from tigana.ps import _kernels
+from tigana.ps.client.ports import PushKeyed
 from tigana.ps.client.routes import Route, Server
 from tigana.ps.errors import (
     DeadlineExceeded,
@@ -297,11 +298,15 @@ class PushOp(_Op):
 
     def __init__(self, client: Any, st: Any, fut: cf.Future, uniq: np.ndarray, summed: np.ndarray,
                  starts: np.ndarray | None, route: Route | None, seq: int, attempt: Attempt,
-                 *, top: bool = True, client_id: str | None = None, permit: bool = True) -> None:
+                 *, top: bool = True, client_id: str | None = None, permit: bool = True,
+                 first: tuple[str, int] | None = None) -> None:
         super().__init__(client, st, fut, attempt)
         self.permit = permit  # False: the caller holds one permit for a whole bundle (``DataPath.push_many``)
         self.uniq, self.summed, self.starts, self.route, self.seq = uniq, summed, starts, route, seq
         self.client_id: str = client_id if client_id is not None else client.client_id
+        self.first = first if first is not None else (self.client_id, seq)  # the key the push started with
+        if top and client._ports.on_push is not None:
+            client._ports.on_push(PushKeyed(st.name, self.client_id, seq, uniq))
         self.top = top
         self.rows = int(uniq.size)
         self.applied = 0
@@ -356,8 +361,11 @@ class PushOp(_Op):
                 cid, seq = self.client_id, self.seq
             else:
                 cid, seq = client_id, self.client._next_seq()
+                on_push = self.client._ports.on_push
+                if on_push is not None:
+                    on_push(PushKeyed(self.st.name, cid, seq, uniq, self.first))
             PushOp(self.client, self.st, fut, uniq, summed, None, None, seq, attempt, top=False,
-                   client_id=cid).start()
+                   client_id=cid, first=self.first).start()
             return fut
         return again
 

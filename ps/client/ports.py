@@ -4,7 +4,7 @@
 I/O to ports. The defaults are the daemon-facing ones: a gRPC ``routes.Server`` per shard server, a
 ``MapFollower`` long-polling the scheduler, ``threading.Timer``, ``time.monotonic`` and session ids stamped
 by the wall clock. The deterministic
-simulator (``tigana.tools.sim.realclient``) plugs in its own (the world's network, event queue and clock),
+simulator (``tigana.tools.testing.sim.realclient``) plugs in its own (the world's network, event queue and clock),
 so the client it drives runs the same code as a trainer's.
 
 Contracts (what every implementation keeps):
@@ -18,6 +18,12 @@ Contracts (what every implementation keeps):
   gets every newer map, in epoch order.
 - ``call_later(delay_s, fn)`` runs ``fn()`` once, ``delay_s`` seconds on the ``clock``, never in the calling
   frame (callers may hold a lock that ``fn`` takes).
+- ``describe_table(name)`` (optional) returns the table's ``TableInfo`` or raises ``TableNotFound`` naming
+  it; None: a ``DescribeTable`` call to every shard server (the client asks once per table, for its width).
+- ``on_push(PushKeyed)`` (optional) is told each exactly-once key a push takes: when the push starts, and when
+  a part of it is sent again under a new session (``of``: the push's first key). Called on the thread that
+  starts the push or the part, before anything is sent; it must not block. The simulator's exact ledger
+  keys the pushes in doubt by it.
 
 Thread-safety: the defaults may be used from any thread.
 """
@@ -28,11 +34,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
 
 from tigana.ps.errors import PSError
 from tigana.ps.routing import ShardMap
 from tigana.ps.session import new_client_id
+
+if TYPE_CHECKING:
+    from tigana.ps.client.tables import TableInfo
 
 Done = Callable[[Any, "PSError | None"], None]
 
@@ -78,12 +89,28 @@ def call_later(delay_s: float, fn: Callable[[], None]) -> None:
 
 
 @dataclass(frozen=True)
+class PushKeyed:
+    """An exactly-once key (``client_id``, ``seq``) a push took: as it started (``of`` None), or for a part of
+    it sent again under a new session (``of``: the key the push started with). ``ids``: (k,) int64, the
+    distinct ids sent under this key."""
+
+    table: str
+    client_id: str
+    seq: int
+    ids: np.ndarray
+    of: tuple[str, int] | None = None
+
+
+@dataclass(frozen=True)
 class ClientPorts:
     """The I/O a ``Client`` runs on. ``transport(address)``: a ``Transport`` to that shard server (None: gRPC,
-    ``routes.Server``); ``map_source(addresses, on_map)``: the scheduler's map (None: ``MapFollower``)."""
+    ``routes.Server``); ``map_source(addresses, on_map)``: the scheduler's map (None: ``MapFollower``);
+    ``describe_table`` and ``on_push``: see the module docstring."""
 
     clock: Callable[[], float] = time.monotonic
     call_later: Callable[[float, Callable[[], None]], None] = call_later
     transport: Callable[[str], Transport] | None = None
     map_source: Callable[[str, Callable[[ShardMap], None]], MapSource] | None = None
     new_session: Callable[[int], str] = new_client_id
+    describe_table: Callable[[str], TableInfo] | None = None
+    on_push: Callable[[PushKeyed], None] | None = None

@@ -26,6 +26,7 @@ from tigana.ps.metrics import SchedulerMetrics
 from tigana.ps.scheduler.announcer import Announcer
 from tigana.ps.scheduler.config import SchedulerConfig
 from tigana.ps.scheduler.driver import SchedulerDriver
+from tigana.ps.scheduler.liveness import stalled_between
 from tigana.ps.scheduler.service import SERVICE_NAME, SchedulerService
 from tigana.ps.scheduler.stores.file import FileMapStore, MapStore
 from tigana.ps.security import NONE, Security
@@ -191,7 +192,7 @@ class SchedulerHandle:
         last = time.monotonic()
         while not self._stop.wait(interval):
             now = time.monotonic()
-            stalled, last = now - last > max(1.0, self.config.heartbeat_timeout_s / 3), now
+            stalled, last = stalled_between(last, now, self.config.heartbeat_timeout_s), now
             core = self.core
             if core is None:
                 continue

@@ -31,6 +31,13 @@ from tigana.ps.scheduler.actions import Probe
 log = logging.getLogger("tigana.ps.scheduler")  # one logger for the whole scheduler
 
 
+def stalled_between(last: float, now: float, heartbeat_timeout_s: float) -> bool:
+    """Whether two passes of the scheduler's tick loop, at ``last`` and ``now`` on its own clock, lie so far
+    apart that the scheduler itself was paused or starved (or its clock jumped): the silence meanwhile is its
+    own, not the servers' (``Liveness.tick(stalled=True)``). The daemon's loop and the simulator's both ask."""
+    return now - last > max(1.0, heartbeat_timeout_s / 3)
+
+
 class Liveness(CoreFields):
     """Failure detection, probes and unclean elections; see the module docstring."""
 

@@ -1,4 +1,4 @@
-"""The simulator driving the real client (``Settings.real_client``: ``tigana.tools.testing.sim.realclient``): the
+"""The simulator drives the real client (``tigana.tools.testing.sim.realclient``): the
 trainer's own routing, parts in flight, retries and sessions over the world's network and clock keep every
 invariant, replay exactly, and a client that breaks exactly-once is caught."""
 
@@ -12,7 +12,7 @@ from tigana.ps.client import inflight
 from tigana.tools.testing.sim import Settings, realclient, run_seed
 from tigana.tools.testing.sim.realclient import RealSimClient
 
-REAL = Settings(busy_s=4.0, faults=True, ops_per_s=1.0, real_client=True)
+REAL = Settings(busy_s=4.0, faults=True, ops_per_s=1.0)
 
 
 @pytest.fixture
@@ -41,14 +41,14 @@ def test_the_real_client_under_faults_keeps_every_invariant(seed: int, clients: 
 
 
 def test_the_real_client_with_planned_operations_alone_fails_no_push() -> None:
-    out = run_seed(10, Settings(busy_s=4.0, faults=False, ops_per_s=1.0, real_client=True))
+    out = run_seed(10, Settings(busy_s=4.0, faults=False, ops_per_s=1.0))
     assert out.ok, (out.violations, "\n".join(out.minimal_trace(120)))
     assert out.failed_pushes == 0 and out.acked > 0
     assert out.demotions == 0
 
 
 def test_a_seed_with_the_real_client_replays_exactly() -> None:
-    settings = Settings(busy_s=3.0, real_client=True)
+    settings = Settings(busy_s=3.0)
     a, b = run_seed(5, settings), run_seed(5, settings)
     assert a.acked > 0
     assert a.ops == b.ops and a.steps == b.steps and a.acked == b.acked and a.pulls == b.pulls

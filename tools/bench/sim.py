@@ -1,7 +1,7 @@
 """``tigana bench sim --seeds N``: the deterministic simulator (``tigana.tools.testing.sim``) over many seeds.
 
-Each seed runs the real scheduler core and shard services over a simulated network with planned operations
-and faults, checking the invariants of docs/replication.md after every step. One JSON line: ``seeds``,
+Each seed runs the real scheduler core, shard services and membership agents, and trainers on the real client,
+over a simulated network with planned operations and faults, checking the invariants of docs/replication.md after every step. One JSON line: ``seeds``,
 ``steps``, ``violations`` (seeds that broke an invariant, with the first ones named and how to replay them),
 ``slowest_convergence_s`` (simulated seconds from the end of the busy phase to a fully replicated, settled
 cluster), ``sim_speed`` (simulated seconds per wall second, every checker included). The peer is the target:

@@ -1,7 +1,7 @@
 """A deterministic simulator of a Tigana cluster, after FoundationDB's simulation testing and TigerBeetle's
-VOPR: the real scheduler core and shard services, one seeded random source, a simulated network (delays,
-drops, partitions), crashes, pauses and restarts, planned operations, and the invariants of
-docs/replication.md checked after every step.
+VOPR: the real scheduler core and shard services, the daemon's membership agent and stream senders, and the
+trainers' real client, on one seeded random source, a simulated network (delays, drops, partitions), crashes,
+pauses and restarts, planned operations, and the invariants of docs/replication.md checked after every step.
 
 Example::
 

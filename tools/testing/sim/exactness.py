@@ -1,7 +1,7 @@
 """The ledger's exact checks, after every step (docs/replication.md S1, S6, S7, S8): per table, id and copy,
 neither lost nor applied twice.
 
-What the client knows (``client.Ledger``): per id, the pushes acknowledged (count and weight sum) and the
+What the trainers know (``ledger.Ledger``): per id, the pushes acknowledged (count and weight sum) and the
 pushes still in doubt (sent, not acknowledged: in flight, or given up). A copy that must hold every
 acknowledged push (an in-sync copy of a sync table; the primary of an async table that never lost its
 primary unplanned) holds exactly ``acked`` plus the pushes in doubt that its own exactly-once window records

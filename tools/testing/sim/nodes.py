@@ -2,15 +2,16 @@
 
 Nothing of the protocol is re-implemented here: a server's pushes, map installs, replication (its
 ``Primary`` core and its streams, the copies' ``apply_item``), slot copies and hand-overs are the daemon's own code.
-These adapters replace only the I/O: threads (the ``Replicator`` adapter's ``spawn`` is collected and run by the world),
-gRPC (the ``Net``), the scheduler's store (a real ``FileMapStore`` in a scratch folder) and the membership
-agent's I/O (``SimAgent`` drives the real ``Membership`` core: heartbeats, registration and reports over the
-``Net``; with ``real_agent``, ``realagent.RealSimAgent`` runs the daemon's ``Agent`` itself).
+These adapters replace only the I/O: threads (the ``Replicator`` adapter's ``spawn`` is collected and run by the world;
+each stream lane is sent as its sender thread sends it, waiting the pause ``Replicator.sent`` returns; a sync
+push is answered by ``Replicator.when_done``, its deadline by ``Replicator.expire``, as on the daemon's
+streams), gRPC (the ``Net``), the scheduler's store (a real ``FileMapStore`` in a scratch folder, its tick loop
+judging its own stalls as the daemon's does) and the membership agent's I/O (``realagent.RealSimAgent``: the
+daemon's ``Agent`` itself, its channels over the ``Net``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
@@ -21,16 +22,15 @@ import numpy as np
 from tigana.proto import shard_pb2 as pb
 from tigana.ps.background import DROP_THREAD, SLOT_COPY_THREAD, SLOT_RESTORE_THREAD
 from tigana.ps.domains import FailureDomain
-from tigana.ps.membership import REGISTER, Membership, caught_up_answer
 from tigana.ps.routing import ShardMap
 from tigana.ps.scheduler import SchedulerConfig, SchedulerDriver
-from tigana.ps.scheduler.service import _positions
+from tigana.ps.scheduler.liveness import stalled_between
 from tigana.ps.scheduler.stores.file import FileMapStore
 from tigana.ps.shard import ShardService
 from tigana.ps.shard.config import ServerConfig
 from tigana.ps.wire import cluster as cluster_wire
 from tigana.tools.testing.sim.realagent import RealSimAgent
-from tigana.tools.testing.sim.world import Deferred, Lost, Net, World
+from tigana.tools.testing.sim.world import Deferred, Net, World
 
 __all__ = ["SchedulerNode", "SimServer"]
 
@@ -79,6 +79,16 @@ class SchedulerNode:
         self.skew = 0.0  # how far this machine's clock is ahead of the world's (a clock jump)
         self.demoted_before = 0.0  # copies the cores replaced by restarts demoted
         self.core = self._core()
+        self._last_tick: float | None = None  # the tick loop's last pass, on this machine's clock
+
+    def tick(self) -> None:
+        """One pass of the daemon's tick loop: a gap since the last pass (this machine's clock jumped) is the
+        scheduler's own silence, as the daemon's loop judges it (``stalled_between``)."""
+        now = self.clock()
+        stalled = self._last_tick is not None and stalled_between(self._last_tick, now,
+                                                                  self.config.heartbeat_timeout_s)
+        self._last_tick = now
+        self.core.tick(stalled)
 
     def clock(self) -> float:
         return self.world.now + self.skew
@@ -94,101 +104,7 @@ class SchedulerNode:
     def restart(self) -> None:
         self.demoted_before = self.demotions()
         self.core = self._core()
-
-
-class SimAgent:
-    """A server's link to the scheduler (the ``membership.Agent`` surface the service calls): the real
-    ``Membership`` core, its calls made over the ``Net`` on the world's clock."""
-
-    def __init__(self, server: SimServer) -> None:
-        self.server = server
-        self.core = Membership(interval_s=0.5, lease_s=server.config.lease_s)
-
-    @property
-    def registered(self) -> bool:
-        return self.core.registered
-
-    def _call(self, fn: Callable[[SchedulerDriver], Any]) -> Any:
-        s = self.server
-        return s.net.now_call(s.name, SCHEDULER, lambda: fn(s.scheduler.core))
-
-    def lease_ok(self) -> bool:
-        return self.core.lease_ok(self.server.clock())
-
-    def refresh(self, epoch: int = 0, wait_s: float = 0.0) -> None:
-        try:
-            m = self._call(lambda core: core.map)
-        except Lost:
-            return
-        self.server.install(m)
-
-    def refresh_soon(self, epoch: int) -> None:
-        if self.core.want(epoch):  # coalesced, as the daemon's refresher does
-            self.server.world.at(0.01, self._refresh_wanted)
-
-    def _refresh_wanted(self) -> None:
-        s = self.server
-        if s.agent is not self or not s.up:
-            return  # a process that is gone (or paused) refreshes nothing
-        self.refresh(self.core.wanted)
-        if self.core.wants_more(s.svc.epoch):
-            s.world.at(self.core.interval_s, self._refresh_wanted)
-
-    def report_copy_failure(self, target: str, slots: np.ndarray, reason: str, epoch: int = 0) -> None:
-        me = self.server.name
-        with contextlib.suppress(Lost):
-            self._call(lambda core: core.copy_failed(me, target, np.asarray(slots), reason, epoch))
-
-    def copy_caught_up(self, target: str, slots: np.ndarray, since_epoch: int) -> bool | None:
-        me, w = self.server.name, self.server.world
-        slots = np.array(slots)
-        try:
-            ok, message = self._call(lambda core: core.copy_caught_up(me, target, slots, since_epoch))
-        except Lost:
-            return None
-        late = self.server.late_reports_s()
-        if late > 0:  # a retried report whose first answer was lost: it arrives again, later, unchanged
-            def again() -> None:
-                with contextlib.suppress(Lost):
-                    done = self._call(lambda core: core.copy_caught_up(me, target, slots, since_epoch))
-                    w.log(f"late caught-up report {me} -> {target} (slot copy of epoch {since_epoch}, slots "
-                          f"{slots.tolist()[:8]}): {done}")
-            w.at(late, again)
-        return caught_up_answer(ok, message)
-
-    def handover_ready(self, slots: np.ndarray, epoch: int) -> None:
-        me = self.server.name
-        with contextlib.suppress(Lost):
-            self._call(lambda core: core.handover_ready(me, np.asarray(slots), epoch))
-
-    def report_unreachable(self, address: str) -> None:
-        return None
-
-    def beat(self) -> None:
-        """Register, or heartbeat; install the map that comes back (the daemon's agent loop, once)."""
-        s = self.server
-        sent = s.clock()
-        try:
-            if self.core.next_call() == REGISTER:
-                positions = _positions(s.svc.positions())  # what it loaded, for an unclean election
-                m = self._call(lambda core: core.register(s.name, s.name, s.svc.boot, positions, s.domain))
-                s.install(m)
-                self.core.registered_ok(sent)
-            else:
-                self.core.beat_sent(sent)
-                try:
-                    m, again = self._call(lambda core: core.heartbeat(s.name, s.svc.boot, s.svc.epoch, {}))
-                except Lost:
-                    self.core.heartbeat_failed(sent)  # the world's beat timer, not the backoff, spaces the next
-                    return
-                if again:
-                    self.core.heartbeat_answered(sent, True)
-                    return
-                if m is not None:
-                    s.install(m)
-                self.core.heartbeat_answered(sent, False)
-        except Lost:
-            self.core.call_failed()  # the world's beat timer, not the backoff, spaces the next try
+        self._last_tick = None  # a new process: its loop starts afresh
 
 
 class SimServer:
@@ -197,11 +113,8 @@ class SimServer:
 
     def __init__(self, world: World, net: Net, name: str, scheduler: SchedulerNode, servers: dict[str, SimServer],
                  num_slots: int, late_reports_s: Callable[[], float] = lambda: 0.0,
-                 data_dir: Path | None = None, domain: FailureDomain = FailureDomain(), real_agent: bool = False,
-                 real_sender: bool = False, queue_bytes: int = 0) -> None:
+                 data_dir: Path | None = None, domain: FailureDomain = FailureDomain(), queue_bytes: int = 0) -> None:
         self.world, self.net, self.name, self.scheduler, self.servers = world, net, name, scheduler, servers
-        self.real_agent = real_agent  # the daemon's ``Agent`` (``realagent``) instead of ``SimAgent``
-        self.real_sender = real_sender  # a lane waits after each send as its sender thread would (``sent``)
         self.domain = domain
         self.late_reports_s = late_reports_s
         self.skew = 0.0  # how far this machine's clock is ahead of the world's (a clock jump)
@@ -237,7 +150,6 @@ class SimServer:
             self.svc.close_tables()
         self.tasks: list[Callable[[], None]] = []
         self.in_flight: set[tuple[int, int]] = set()  # (stream, lane) with a batch on the wire
-        self.acks: list[tuple[Any, Deferred, float]] = []
         self.boots = getattr(self, "boots", 0) + 1  # boot ids and stream generations from the seed, not uuid4/clock
         self.svc = ShardService(self.config, security=_Security(), clock=self.clock, spawn=self._spawn,
                                 boot=f"{self.name}-boot{self.boots}", generation=self.boots << 20,
@@ -245,13 +157,12 @@ class SimServer:
         self.writes += 1
         self.svc.load()  # what its data dir holds: its snapshots, as the daemon does at start (none: nothing)
         self.svc.state = "serving"
-        self.agent = RealSimAgent(self) if self.real_agent else SimAgent(self)
+        self.agent = RealSimAgent(self)
         self.svc.agent = self.agent
         self.alive, self.paused = True, False
 
     def crash(self) -> None:
-        self.alive = False
-        self.acks = []  # a process that is gone answers nothing
+        self.alive = False  # a process that is gone answers nothing (``push``'s answers check it)
         if self.svc is not None:
             self.svc.state = "closed"
 
@@ -295,14 +206,12 @@ class SimServer:
                               lambda reply, error, s=s, lane=lane, svc=self.svc:
                               self._answered(svc, s, lane, reply, error))
         self.svc.hand_over(0.0)
-        if self.real_sender:
-            self.svc.replicator.expire()  # the deadline sweeper's pass
-        self._settle_acks()
+        self.svc.replicator.expire()  # the deadline sweeper's pass
 
     def push(self, request: pb.PushRequest) -> Any:
-        """The ``Push`` handler: applied now (or refused, raising), answered once its copies have it. With
-        ``real_sender`` the answer is made by whoever settles the wait, as on the daemon's streams
-        (``Replicator.when_done``: an acknowledgement, a map, the deadline); else when a step finds it settled."""
+        """The ``Push`` handler: applied now (or refused, raising), answered once its copies have it, by
+        whoever settles the wait, as on the daemon's streams (``Replicator.when_done``: an acknowledgement, a
+        map, the deadline); a push that waits for no copy is answered at once."""
         svc = self.svc
         self.writes += 1
         # No wait for room in a full replication queue (a wait would stop the world): a push that finds a
@@ -310,9 +219,6 @@ class SimServer:
         pushed = svc.writes.push_apply(request, 0.0)
         self.pushed.append((request, pushed))
         answer = Deferred()
-        if not self.real_sender or not pushed.marks:
-            self.acks.append((pushed, answer, self.clock() + self.config.ack_timeout_s))
-            return answer
         now: list[Any] = []  # the outcome, when the wait was settled already (before the handler returned)
         returned = [False]
 
@@ -341,18 +247,6 @@ class SimServer:
         self.writes += 1
         return self.svc.writes.pull(request, 0.0)[1]  # refused at once by a full queue, as a push is
 
-    def _settle_acks(self) -> None:
-        keep = []
-        for pushed, answer, deadline in self.acks:
-            if not pushed.marks or self.svc.replicator.wait(pushed.marks, 0.0) or self.clock() >= deadline:
-                try:
-                    answer.resolve(self.svc.writes.push_ack(pushed, 0.0))
-                except Exception as exc:  # noqa: BLE001 - the error answer the client gets
-                    answer.resolve(None, exc)
-            else:
-                keep.append((pushed, answer, deadline))
-        self.acks = keep
-
     def _answered(self, svc: ShardService, s: Any, lane: int, reply: pb.ReplicateResponse | None,
                   error: BaseException | None) -> None:
         key = (id(s), lane)
@@ -361,7 +255,7 @@ class SimServer:
             return  # an answer to a process that is gone, or to a stream replaced meanwhile
         failure = "" if error is None else f"{type(error).__name__}: {error}"
         pause = svc.replicator.sent(s, lane, None if error is not None else reply, failure)
-        if self.real_sender and pause > 0:  # the lane's sender thread waits (its backoff, the core's pause)
+        if pause > 0:  # the lane's sender thread waits (its backoff, the core's pause)
             self.world.at(pause, lambda: self.in_flight.discard(key))
         else:
             self.in_flight.discard(key)
@@ -372,7 +266,7 @@ class SimServer:
         return self.svc.receiver.receive(cluster_wire.decode_replicate_request(request))
 
     def maintain(self) -> None:
+        """The daemon's upkeep timer (the agent runs its own loop)."""
         if self.up:
             self.writes += 1
             self.svc.maintain()
-            self.agent.beat()

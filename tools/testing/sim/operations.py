@@ -38,7 +38,8 @@ class Op:
     there crashes at once, and restarts ``seconds`` later), scheduler_restart, clock_jump (``target``
     ``scheduler`` or a server), late_reports (every caught-up report is delivered again ``seconds`` later, a
     retried RPC whose first answer was lost), snapshot (a full snapshot of ``target`` alone, with data dirs),
-    heal."""
+    fault (``target`` a fault kind, ``crash`` say: the random nemesis's pick, its victim drawn and its
+    survivability checked as in a random run), heal."""
 
     at: float
     kind: str
@@ -98,6 +99,9 @@ def perform(run: Any, op: Op) -> None:
             snapshot(run, incremental=False, only=target)
         elif op.kind == "domain_crash":
             _domain_crash(run, op.target, op.seconds)
+            return
+        elif op.kind == "fault":  # the nemesis's own pick: ``target`` names the kind, the victim is drawn
+            _fault(run, op.target)
             return
         elif op.kind == "heal":
             run._heal()

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+import numpy as np
 
 from tigana.proto import scheduler_pb2 as spb
 from tigana.ps.errors import PSError, to_status
@@ -96,9 +97,29 @@ class _Method:
     def __call__(self, request: Any, timeout: float | None = None, **_: Any) -> Any:
         ch = self.channel
         try:
-            return ch.net.now_call(ch.src, SCHEDULER, self._handler(request))
+            reply = ch.net.now_call(ch.src, SCHEDULER, self._handler(request))
         except Lost as exc:
             raise CallFailed(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        late = ch.late_s()
+        if self.name == "CopyCaughtUp" and late > 0:
+            self._again(request, late)
+        return reply
+
+    def _again(self, request: Any, late: float) -> None:
+        """The fault ``late_reports``: a retried report whose first answer was lost arrives again, unchanged,
+        ``late`` seconds later."""
+        ch = self.channel
+        world = ch.net.world
+
+        def again() -> None:
+            try:
+                reply = ch.net.now_call(ch.src, SCHEDULER, self._handler(request))
+            except (Lost, CallFailed):
+                return
+            slots = np.frombuffer(request.slots, "<i4").tolist()
+            world.log(f"late caught-up report {request.reporter} -> {request.target} (slot copy of epoch "
+                      f"{request.since_epoch}, slots {slots[:8]}): {(reply.accepted, reply.message)}")
+        world.at(late, again)
 
     def future(self, request: Any, timeout: float | None = None, **_: Any) -> _Future:
         ch = self.channel
@@ -120,8 +141,10 @@ class SchedulerChannel:
     """What ``spb_grpc.SchedulerStub`` is built on: every method over the world's ``Net`` to ``scheduler``
     (a ``SchedulerNode``: its current core answers). ``answered()`` runs after a heartbeat's answer lands."""
 
-    def __init__(self, net: Any, src: str, scheduler: Any, answered: Callable[[], None]) -> None:
+    def __init__(self, net: Any, src: str, scheduler: Any, answered: Callable[[], None],
+                 late_s: Callable[[], float] = lambda: 0.0) -> None:
         self.net, self.src, self.scheduler, self.answered = net, src, scheduler, answered
+        self.late_s = late_s  # > 0: caught-up reports are delivered again this much later (a fault)
 
     def unary_unary(self, path: str, *args: Any, **kwargs: Any) -> _Method:
         return _Method(self, path.rsplit("/", 1)[-1])
@@ -143,7 +166,8 @@ class RealSimAgent(Agent):
 
     def __init__(self, server: Any) -> None:
         self.server = server
-        security = _Security(lambda: SchedulerChannel(server.net, server.name, server.scheduler, self._woken))
+        security = _Security(lambda: SchedulerChannel(server.net, server.name, server.scheduler, self._woken,
+                                                       server.late_reports_s))
         super().__init__(server.svc, SCHEDULER, server.name, heartbeat_interval_s=0.5,
                          lease_s=server.config.lease_s, security=security, domain=server.domain,
                          clock=server.clock)
@@ -184,7 +208,3 @@ class RealSimAgent(Agent):
             s.world.at(self.interval, self._refresh)
         else:
             self._refreshing = False
-
-    def beat(self) -> None:
-        """Nothing: the agent's own loop heartbeats (``SimServer.maintain`` beats ``SimAgent`` only)."""
-        return None

@@ -1,9 +1,8 @@
-"""The real client in the simulated world: ``tigana.ps.Client`` on the world's network, event queue and clock.
+"""The trainers of the simulated cluster: ``tigana.ps.Client`` on the world's network, event queue and clock.
 
-``RealSimClient`` has ``SimClient``'s surface (``push``, ``pull``, the counters the run reads) but nothing of
-the trainer's side is re-implemented: routing, the parts in flight, re-routing on ``WrongShard`` and on a
-newer map (``sentparts``), retries under the same (client id, seq), new sessions on ``UnknownClient``, the
-backoff and the failover deadline are ``tigana.ps.client``'s own code. Only its ports
+Nothing of the trainer's side is re-implemented here: routing, the parts in flight, re-routing on
+``WrongShard`` and on a newer map (``sentparts``), retries under the same (client id, seq), new sessions on
+``UnknownClient``, the backoff and the failover deadline are ``tigana.ps.client``'s own code. Only its ports
 (``tigana.ps.client.ports``) are the world's:
 
 - ``SimTransport``: a part travels over the ``Net`` to the ``SimServer`` its address names (the server's own
@@ -12,13 +11,17 @@ backoff and the failover deadline are ``tigana.ps.client``'s own code. Only its 
 - ``SimMapSource``: the scheduler's map, fetched over the ``Net`` when the client asks (``refresh``) and
   every ``poll_s`` (the long poll's answer comes as soon as the epoch moves); ``report_unreachable`` reaches
   the scheduler's core.
+- ``describe_table``: the table's definition in the scheduler's map, answered at once (the client asks once
+  per table, for its width; answered without the ``Net``, it draws nothing from the world's random source).
+- ``on_push``: each exactly-once key a push takes (as it starts, and for a part sent again under a new
+  session) keys it in the ledger's pushes in doubt.
 - timers are the world's events, the clock its ``now``, and session ids are stamped from the seed, so a
   seed replays exactly.
 
-Every push adds exactly 1 to each element of its ids' rows (as ``SimClient``'s), and feeds the same ``Ledger``:
-``sent`` when it is issued, ``acked`` for its ids once the client's future succeeds (ids whose slot lost
-every copy after the push began excepted: that acknowledgement promises nothing, ``disk.lose_slots``). Runs on
-the world's one thread: nothing here blocks, and the client's callbacks run from world events.
+Every push adds 1 and its own weight to its ids' rows (``ledger``): ``sent`` when it is issued, ``acked``
+for its ids once the client's future succeeds (ids whose slot lost every copy after the push began excepted:
+that acknowledgement promises nothing, ``disk.lose_slots``). Runs on the world's one thread: nothing here
+blocks, and the client's callbacks run from world events.
 """
 
 from __future__ import annotations
@@ -31,20 +34,19 @@ import numpy as np
 
 from tigana.proto import shard_pb2 as pb
 from tigana.ps.client import Client, ClientConfig
-from tigana.ps.client.config import Compression
-from tigana.ps.client.ports import ClientPorts
-from tigana.ps.client.tablestate import TableState
+from tigana.ps.client.ports import ClientPorts, PushKeyed
+from tigana.ps.client.tables import TableInfo
 from tigana.ps.errors import DeadlineExceeded, PSError, TableNotFound, Unavailable
 from tigana.ps.routing import ShardMap
 from tigana.ps.wire import data as wire
 from tigana.ps.wire import frames
-from tigana.tools.testing.sim.client import DIM, Ledger, _Push, push_weight
+from tigana.tools.testing.sim.ledger import Ledger, Push, push_weight
 from tigana.tools.testing.sim.world import Lost, Net, World
 
 __all__ = ["RealSimClient", "SimMapSource", "SimTransport"]
 
 SCHEDULER = "scheduler"
-LOST_AFTER_S = 1.0  # a lost request or answer is noticed this long after the call (as SimClient's)
+LOST_AFTER_S = 1.0  # a lost request or answer is noticed this long after the call
 
 
 class _Permits:
@@ -194,7 +196,8 @@ class SimMapSource:
 
 
 class RealSimClient:
-    """One trainer of the simulated cluster running the real ``Client`` (``SimClient``'s surface)."""
+    """One trainer of the simulated cluster: the real ``Client`` (``push``, ``pull`` and the counters the run
+    reads)."""
 
     def __init__(self, world: World, net: Net, name: str, stamp: int, scheduler: Any, servers: dict[str, Any],
                  ledger: Ledger, num_slots: int, give_up_s: float = 30.0) -> None:
@@ -206,7 +209,7 @@ class RealSimClient:
         self.sessions = 0
         self.pending = 0  # pushes issued and not settled
         self._pushes = 0  # pushes issued: each its own weight
-        self._last_seq = 0  # the seq the client gave the push just started
+        self._key: tuple[str, int] | None = None  # the (client id, seq) the push just started took
         self.failed = 0  # pushes the client gave up on (neither acknowledged nor known lost)
         self.to_dropped_tables = 0  # pushes whose (scratch) table was dropped under them
         self.acked = 0
@@ -227,7 +230,19 @@ class RealSimClient:
             transport=lambda address: SimTransport(w, self.net, self.name, address, self.servers,
                                                    self.config.max_pushes_in_flight),
             map_source=lambda _, on_map: SimMapSource(w, self.net, self.name, self.scheduler, on_map),
-            new_session=self._session)
+            new_session=self._session, describe_table=self._describe, on_push=self._keyed)
+
+    def _describe(self, table: str) -> TableInfo:
+        spec = self.scheduler.core.map.tables.get(table)
+        if spec is None:
+            raise TableNotFound(f"table {table!r} does not exist (not in the scheduler's map)")
+        return TableInfo(spec.config, {})
+
+    def _keyed(self, k: PushKeyed) -> None:
+        if k.of is None:
+            self._key = (k.client_id, k.seq)  # the push ``push`` is starting (this frame)
+        else:
+            self.ledger.rekeyed(k.table, k.of, k.client_id, k.seq, k.ids)
 
     def _connected(self) -> Client | None:
         """The client, connected on first use (``None`` while the scheduler has no map for it yet)."""
@@ -236,40 +251,29 @@ class RealSimClient:
                 self.client = Client(config=self.config, scheduler=SCHEDULER, ports=self._ports())
             except Unavailable:
                 return None
-            take = self.client._next_seq
-
-            def next_seq() -> int:  # the seq of the push just started: its key in the ledger's pushes in doubt
-                self._last_seq = take()
-                return self._last_seq
-
-            self.client._next_seq = next_seq  # type: ignore[method-assign]
         return self.client
-
-    def _table(self, c: Client, table: str) -> None:
-        # What ``describe_table`` would tell the client (a gRPC call to every server): the ledgers' width.
-        if table not in c._tables:
-            c._tables[table] = TableState(table, DIM, Compression(), 0)
 
     # --- the workload ---
     def push(self, table: str, ids: np.ndarray) -> None:
         c = self._connected()
         if c is None:
             return
-        self._table(c, table)
         self._pushes += 1
         weight = push_weight(self.stamp, self._pushes)  # column 1: this push's own weight (exact S6)
         grads = np.repeat(np.array([[-1.0, -weight]], np.float32), ids.size, 0)
+        self._key = None
         try:
             fut = c.push(table, ids, grads)
         except PSError:  # an earlier push's failure, raised once by the next call: nothing was sent
             fut = c.push(table, ids, grads)
-        started = self.world.now
-        p = _Push(table, ids, self._last_seq, started=started, client_id=c.client_id, weight=weight)
+        assert self._key is not None, "the client started a push without telling its key (ports.on_push)"
+        client_id, seq = self._key
+        p = Push(table, ids, seq, started=self.world.now, client_id=client_id, weight=weight)
         self.ledger.sent_push(p)
         self.pending += 1
         fut.add_done_callback(lambda f: self._settled(f, p))
 
-    def _settled(self, fut: cf.Future, p: _Push) -> None:
+    def _settled(self, fut: cf.Future, p: Push) -> None:
         """A push's outcome: acknowledged (every id at once: the client answers for the whole push), or still
         in doubt in the ledger (a failed push may have applied on some slots)."""
         table, ids = p.table, p.ids
@@ -290,7 +294,6 @@ class RealSimClient:
         c = self._connected()
         if c is None or c.shard_map is None or table not in c.shard_map.tables:
             return
-        self._table(c, table)
         try:
             fut = c.pull_async(table, ids, insert=not read_only)
         except PSError:  # an earlier push's failure, raised once by the next call

@@ -32,9 +32,9 @@ from tigana.ps.errors import PSError
 from tigana.ps.routing import TableDef, slot_of
 from tigana.ps.scheduler import SchedulerConfig
 from tigana.tools.testing.sim.checkers import Checkers
-from tigana.tools.testing.sim.client import DIM, Ledger, SimClient
 from tigana.tools.testing.sim.convergence import check_settled, converged, why_not
 from tigana.tools.testing.sim.disk import snapshot
+from tigana.tools.testing.sim.ledger import DIM, Ledger
 from tigana.tools.testing.sim.nodes import SchedulerNode, SimServer
 from tigana.tools.testing.sim.realclient import RealSimClient
 from tigana.tools.testing.sim.world import Net, World
@@ -62,9 +62,6 @@ class Settings:
     snapshot_every_s: float = 0.0  # > 0: servers have a data dir, snapshots this often (every 4th full)
     tables_at_s: float = 0.0  # the ledger tables are created then (a trainer that starts after the servers)
     hosts: int = 0  # > 0: server k runs on host h{k % hosts} (its failure domain); 0: every server its own
-    real_client: bool = False  # the trainers run the real ``tigana.ps.Client`` (``realclient``), not ``SimClient``
-    real_agent: bool = False  # the servers run the daemon's membership ``Agent`` (``realagent``), not ``SimAgent``
-    real_sender: bool = False  # stream lanes pause as the daemon's senders do; sync pushes answered by when_done
     queue_bytes: int = 0  # > 0: each replication stream's bound (``replication_queue_bytes``; 0: the default)
 
 
@@ -119,9 +116,8 @@ class _Run:
         self.ledger = Ledger(settings.ids)
         for name in LEDGERS:
             self.ledger.table(name)
-        make = RealSimClient if settings.real_client else SimClient
-        self.clients = [make(self.world, self.net, f"c{k}", k + 1, self.scheduler, self.servers, self.ledger,
-                             settings.num_slots) for k in range(settings.clients)]
+        self.clients = [RealSimClient(self.world, self.net, f"c{k}", k + 1, self.scheduler, self.servers,
+                                      self.ledger, settings.num_slots) for k in range(settings.clients)]
         self.out = Outcome(seed)
         self.ids = np.arange(settings.ids, dtype=np.int64)
         self.slots = slot_of(self.ids, settings.num_slots)
@@ -154,8 +150,7 @@ class _Run:
         self.servers[name] = SimServer(self.world, self.net, name, self.scheduler, self.servers, self.s.num_slots,
                                        late_reports_s=lambda: self.late_reports_s,
                                        data_dir=self.folder / name if self.s.snapshot_every_s > 0 else None,
-                                       domain=domain, real_agent=self.s.real_agent,
-                                       real_sender=self.s.real_sender, queue_bytes=self.s.queue_bytes)
+                                       domain=domain, queue_bytes=self.s.queue_bytes)
 
     def log(self, text: str) -> None:
         self.world.log(f"op {text}")
@@ -170,6 +165,8 @@ class _Run:
         end_busy = s.busy_s
         heal_by = end_busy + s.converge_s
         converged_at = None
+        while self.script and self.script[0].at <= 0.0:  # in effect from the first moment (late reports)
+            self._perform(self.script.pop(0))
         while w.now < heal_by:
             w.run_until(w.now + STEP_S)
             self.out.steps += 1
@@ -178,7 +175,7 @@ class _Run:
                 for server in list(self.servers.values()):
                     server.maintain()
                 if self.scheduler.up:
-                    self.scheduler.core.tick()
+                    self.scheduler.tick()
             for server in list(self.servers.values()):
                 server.step()
             if s.snapshot_every_s > 0 and w.now >= next_snapshot:
