@@ -254,10 +254,11 @@ def test_l4_items_of_a_dropped_table_refused_for_ever(monkeypatch: pytest.Monkey
 
 
 def test_l5_writers_that_never_wait_for_room(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A 4 KiB bound per stream, and slot 0's replica cut off from the other servers for 1.5 s: its primary's
-    # stream fills, and the writers are refused (the simulated ones never wait) until the partition heals.
+    # A 1 KiB bound per stream (the real client keeps few sync pushes in flight: what they queue stays under
+    # 4 KiB), and slot 0's replica cut off from the other servers for 1.5 s: its primary's stream fills, and the
+    # writers are refused (the simulated ones never wait) until the partition heals.
     script = (Op(2.0, "partition", "replica:0", seconds=1.5),)
-    settings = dict(busy_s=5.0, queue_bytes=4096, script=script, **QUIET)
+    settings = dict(busy_s=5.0, queue_bytes=1024, script=script, **QUIET)
     refused = refusals(monkeypatch, WritePath, "wait_for_room")
     clean(0, **settings)
     assert refused and all("more than max_queue_bytes" in r for r in refused)  # the bound met, and held

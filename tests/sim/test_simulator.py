@@ -15,9 +15,9 @@ def test_seeds_with_faults_keep_every_invariant(seed: int) -> None:
     assert out.acked > 0 and out.convergence_s is not None
 
 
-@pytest.mark.parametrize("seed", [1, 5])
+@pytest.mark.parametrize("seed", [3, 11])
 def test_seeds_with_hosts_keep_every_invariant(seed: int) -> None:
-    # Four servers on two hosts; the faults include a whole host crashing at once (seeds 1 and 5 draw one).
+    # Four servers on two hosts; the faults include a whole host crashing at once (seeds 3 and 11 draw one).
     out = run_seed(seed, Settings(servers=4, hosts=2, busy_s=6.0, faults=True, ops_per_s=1.0))
     assert out.ok, (out.violations, "\n".join(out.minimal_trace(120)))
     assert out.acked > 0 and out.convergence_s is not None
