@@ -29,7 +29,8 @@ class Passed:
     def again(self, subject: Hashable, objects: tuple[Any, ...], values: tuple[Any, ...]) -> bool:
         """Whether ``subject`` passed last with the very same ``objects`` and equal ``values``."""
         prev = self._seen.get(subject)
-        same = (prev is not None and len(prev[0]) == len(objects) and all(a is b for a, b in zip(prev[0], objects))
+        same = (prev is not None and len(prev[0]) == len(objects)
+                and all(a is b for a, b in zip(prev[0], objects, strict=True))
                 and prev[1] == values)
         if not self.verify:
             return same

@@ -3,7 +3,7 @@
 Nothing of the protocol is re-implemented here: a server's pushes, map installs, replication (its
 ``Primary`` core and its streams, the copies' ``apply_item``), slot copies and hand-overs are the daemon's own code.
 These adapters replace only the I/O: threads (the ``Replicator`` adapter's ``spawn`` is collected and run by the world),
-gRPC (the ``Net``), the scheduler's store (a real ``FileMapStore`` in a scratch folder) and the membership
+gRPC (the ``Net``), the scheduler's store (the bytes a real store writes, on the simulated disk) and the membership
 agent's I/O (``SimAgent`` drives the real ``Membership`` core: heartbeats, registration and reports over the
 ``Net``; with ``real_agent``, ``realagent.RealSimAgent`` runs the daemon's ``Agent`` itself).
 """
@@ -24,7 +24,7 @@ from tigana.ps.membership import REGISTER, Membership, caught_up_answer
 from tigana.ps.routing import ShardMap
 from tigana.ps.scheduler import SchedulerConfig, SchedulerDriver
 from tigana.ps.scheduler.service import _positions
-from tigana.ps.scheduler.stores.file import FileMapStore
+from tigana.ps.scheduler.stores.file import SchedulerState, decode_state, encode_state
 from tigana.ps.shard import ShardService
 from tigana.ps.shard.config import ServerConfig
 from tigana.ps.wire import cluster as cluster_wire
@@ -53,37 +53,48 @@ class _Security:
         return _Channel()
 
 
-class _WatchedStore(FileMapStore):
-    """The scheduler's store, telling ``saved`` every map it persists, in order (the checkers see each one,
-    also those a single event changed twice and announced once)."""
+class _WatchedStore:
+    """The scheduler's store on the simulated disk: the bytes the daemon's stores write (``encode_state``, as
+    ``FileMapStore`` and ``EtcdMapStore`` do), kept by the ``SchedulerNode`` across restarts and read back through
+    ``decode_state`` (a real file's fsyncs cost more wall time than the rest of a save). Tells ``saved`` every
+    map it persists, in order (the checkers see each one, also those a single event changed twice and announced
+    once)."""
 
-    def __init__(self, folder: Path, saved: Callable[[ShardMap], None]) -> None:
-        super().__init__(folder)
-        self._saved = saved
+    def __init__(self, node: SchedulerNode, saved: Callable[[ShardMap], None]) -> None:
+        self._node, self._saved = node, saved
 
-    def save(self, state: Any) -> None:
-        super().save(state)
+    def describe(self) -> str:
+        return f"the simulated disk of {SCHEDULER}"
+
+    def load(self) -> SchedulerState | None:
+        data = self._node.stored
+        return None if data is None else decode_state(data, self.describe())
+
+    def save(self, state: SchedulerState) -> None:
+        self._node.stored = encode_state(state)
         self._saved(state.map)
 
 
 class SchedulerNode:
-    """The scheduler: the real ``SchedulerCore`` (in its ``SchedulerDriver``, probes answered "unknown") on the world's clock and a store in ``folder``; ``restart``
-    loads a new core from the store (a crash: nothing but the store survives)."""
+    """The scheduler: the real ``SchedulerCore`` (in its ``SchedulerDriver``, probes answered "unknown") on the
+    world's clock and its store on the simulated disk (``stored``); ``restart`` loads a new core from the store
+    (a crash: nothing but the store survives)."""
 
-    def __init__(self, world: World, net: Net, folder: Path, config: SchedulerConfig,
+    def __init__(self, world: World, net: Net, config: SchedulerConfig,
                  announce: Callable[[ShardMap], None], saved: Callable[[ShardMap], None] = lambda m: None) -> None:
-        self.world, self.net, self.folder, self.config = world, net, folder, config
+        self.world, self.net, self.config = world, net, config
         self._announce, self._saved = announce, saved
         self.up = True
         self.skew = 0.0  # how far this machine's clock is ahead of the world's (a clock jump)
         self.demoted_before = 0.0  # copies the cores replaced by restarts demoted
+        self.stored: bytes | None = None  # the store's state on the simulated disk (what survives a crash)
         self.core = self._core()
 
     def clock(self) -> float:
         return self.world.now + self.skew
 
     def _core(self) -> SchedulerDriver:
-        return SchedulerDriver(self.config, _WatchedStore(self.folder, self._saved), announce=self._announce, probe=None,
+        return SchedulerDriver(self.config, _WatchedStore(self, self._saved), announce=self._announce, probe=None,
                                clock=self.clock, cluster_id=f"sim{self.world.seed}")
 
     def demotions(self, reason: str = "replication_failed") -> int:
