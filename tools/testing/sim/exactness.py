@@ -27,30 +27,25 @@ from tigana.ps.session import client_stamp
 from tigana.ps.wire import data as wire
 from tigana.tools.testing.sim.memo import Passed
 
-__all__ = ["LEDGERS", "Exactness", "applied_in_window"]
+__all__ = ["LEDGERS", "Exactness", "window_record"]
 
 LEDGERS = ("ledger_sync", "ledger_async")
 ASYNC_GRACE_S = 5.0  # after an unplanned primary change, a deposed primary may still acknowledge (its lease)
 
 
-def applied_in_window(window: Any, client_id: str, seq: int, slots: np.ndarray) -> np.ndarray | None:
-    """(k,) bool: the ``slots`` for which ``window`` (a ``DedupWindow``) records ``seq`` of ``client_id`` as
-    applied, read from its records (not through ``applied``, which a mutation test may replace); None where it
-    cannot tell (a seq below its floor and not kept, a client it may have forgotten, a blind slot)."""
+def window_record(window: Any, client_id: str, seq: int) -> tuple[np.ndarray | None, np.ndarray | None] | None:
+    """What ``window`` (a ``DedupWindow``) records of ``seq`` of ``client_id``, read from its records (not
+    through ``applied``, which a mutation test may replace): (the slots' bitmap it applied the seq for, None:
+    none of them; the bitmap of blind slots, which it may lack records for, or None), or None where it cannot
+    tell for any slot (a seq below its floor and not kept, a client it may have forgotten). Bitmaps: (nbytes,)
+    uint8, slot ``s`` at bit ``s & 7`` of byte ``s >> 3``."""
     c = window._clients.get(client_id)
     if c is None:
-        return None if client_stamp(client_id) <= window.horizon else np.zeros(slots.shape[0], bool)
+        return None if client_stamp(client_id) <= window.horizon else (None, None)
     row = c.row_of_seq.get(seq)
-    if row is None:
-        if seq <= c.floor:
-            return None
-        done = np.zeros(slots.shape[0], bool)
-    else:
-        done = ((c.bits[row][slots >> 3] >> (slots & 7).astype(np.uint8)) & 1).astype(bool)
-    if c.blind is not None and (((c.blind[slots >> 3] >> (slots & 7).astype(np.uint8)) & 1).astype(bool)
-                                & ~done).any():
+    if row is None and seq <= c.floor:
         return None
-    return done
+    return (None if row is None else c.bits[row]), c.blind
 
 
 class Exactness:
@@ -91,25 +86,42 @@ class Exactness:
 
     def _in_doubt(self, window: Any, pushes: list, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per id of the universe: (count, weight sum) of the pushes in doubt ``window`` records as applied for
-        the slots of ``ids`` (bool mask), and the ids it cannot tell about."""
+        the slots of ``ids`` (bool mask), and the ids it cannot tell about (every id of a push with a slot it
+        cannot tell about: blind and not recorded). One pass over every push's ids at once."""
         n = self.run.s.ids
         e0, e1, unknown = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
-        num_slots = self.run.s.num_slots
-        for p in pushes:
+        if not pushes:
+            return e0, e1, unknown
+        num_slots, nbytes = self.run.s.num_slots, (self.run.s.num_slots + 7) // 8
+        applied = np.zeros((len(pushes), nbytes), np.uint8)  # per push: the slots the window applied it for
+        blind = np.zeros((len(pushes), nbytes), np.uint8)  # ... the slots it may lack records of
+        untold = np.zeros(len(pushes), bool)  # ... the window cannot tell for any slot
+        for j, p in enumerate(pushes):
             if p.slots is None:
                 p.slots = slot_of(p.ids, num_slots)
-            keep = p.pending & ids[p.ids]
-            if not keep.any():
+            record = window_record(window, p.client_id, p.seq)
+            if record is None:
+                untold[j] = True
                 continue
-            sub = p.ids[keep]
-            uslots, where = np.unique(p.slots[keep], return_inverse=True)
-            done = applied_in_window(window, p.client_id, p.seq, uslots)
-            if done is None:
-                unknown[sub] = True
-                continue
-            hit = sub[done[where]]
-            e0[hit] += 1
-            e1[hit] += p.weight
+            if record[0] is not None:
+                applied[j] = record[0]
+            if record[1] is not None:
+                blind[j] = record[1]
+        sizes = [p.ids.size for p in pushes]
+        owner = np.repeat(np.arange(len(pushes)), sizes)
+        at = np.concatenate([p.ids for p in pushes])
+        slot = np.concatenate([p.slots for p in pushes])
+        keep = np.concatenate([p.pending for p in pushes]) & ids[at]
+        byte, bit = slot >> 3, (slot & 7).astype(np.uint8)
+        done = ((applied[owner, byte] >> bit) & 1).astype(bool)
+        unsure = keep & ~done & ((blind[owner, byte] >> bit) & 1).astype(bool)
+        untold[owner[unsure]] = True
+        out = keep & untold[owner]
+        unknown[at[out]] = True
+        hit = keep & done & ~out
+        e0 += np.bincount(at[hit], minlength=n)
+        weights = np.array([p.weight for p in pushes], np.int64)[owner[hit]]
+        np.add.at(e1, at[hit], weights)
         return e0, e1, unknown
 
     # --- the checks ---
