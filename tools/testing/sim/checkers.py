@@ -204,7 +204,7 @@ class Checkers:
                     copies.append((i, server, hosted))
             # checked again only when the map or a copy read changed (a call, a map installed: ``memo``)
             objects = (m, *(o for _, server, hosted in copies for o in (server.svc, hosted, server.svc.holdings.view)))
-            seen = tuple((i, server.writes) for i, server, _ in copies)
+            seen = tuple((i, server.stamp(name)) for i, server, _ in copies)
             if self.passed.again(name, objects, seen):
                 continue
             positions = np.zeros((n, m.num_slots, 2), np.uint64)

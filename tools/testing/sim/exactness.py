@@ -13,7 +13,7 @@ cannot tell (a seq it evicted, a client it may have forgotten) only the bounds a
 S8 (whole): each push a server applied during the step added to every id of the slots it applied, on that
 server (its values before the step against after).
 
-Values are read once per server and table each time the server may have changed them (``SimServer.writes``).
+Values are read once per server and table each time the server may have changed them (``SimServer.stamp``).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class Exactness:
     def __init__(self, run: Any) -> None:
         self.run = run
         n = run.s.ids
-        self._values: dict[tuple[str, str], tuple[int, Any, Any, np.ndarray]] = {}  # (writes, hosted, view, values)
+        self._values: dict[tuple[str, str], tuple[tuple[int, int], Any, Any, np.ndarray]] = {}  # (stamp, hosted, view, values)
         self._before: dict[tuple[str, str], np.ndarray] = {}
         self.async_loss_until = np.full(run.s.num_slots, -np.inf)  # per slot: async losses allowed until then
         self.async_allow = np.zeros(n, np.int64)  # per id: acknowledged async pushes that may be lost
@@ -68,15 +68,16 @@ class Exactness:
         """(ids, 2) int64: the table's rows as ``server`` holds them now (cached while it changed nothing: no
         call, no map installed). A read equal to the cached one returns the cached array itself, so that a
         checker may take the array's identity for its content (``memo.Passed``)."""
-        key = (server.name, hosted.spec.config.name)
+        name = hosted.spec.config.name
+        key, stamp = (server.name, name), server.stamp(name)
         view = server.svc.holdings.view
         cached = self._values.get(key)
-        if cached is not None and cached[0] == server.writes and cached[1] is hosted and cached[2] is view:
+        if cached is not None and cached[0] == stamp and cached[1] is hosted and cached[2] is view:
             return cached[3]
         values = np.rint(hosted.table.pull(self.run.ids, insert=False)).astype(np.int64)
         if cached is not None and np.array_equal(cached[3], values):
             values = cached[3]
-        self._values[key] = (server.writes, hosted, view, values)
+        self._values[key] = (stamp, hosted, view, values)
         return values
 
     def primary_lost(self, slots: np.ndarray) -> None:
@@ -172,7 +173,7 @@ class Exactness:
                     if not sync:
                         books += (losing.tobytes(), self.async_allow.tobytes(), self.async_lost_ever.tobytes())
                 subject, objects = (entry.id, name), (m, server.svc, hosted, hosted.dedup, view, v)
-                values = (server.writes, books)
+                values = (server.stamp(name), books)
                 if self.passed.again(subject, objects, values):
                     continue
                 found = self._copy(entry.id, name, sync, v, held, primary, lost, losing, server, hosted, doubt,

@@ -223,7 +223,8 @@ class SimServer:
                                    copy_rate=None,
                                    data_dir=None if data_dir is None else str(data_dir))
         self.snapshots: list[tuple[float, dict[str, np.ndarray], np.ndarray]] = []  # (time, acked, complete)
-        self.writes = 0  # calls that may have changed its tables (the checkers re-read them only then)
+        self.writes = 0  # calls that may have changed any of its tables (the checkers re-read them only then)
+        self.table_writes: dict[str, int] = {}  # calls that may have changed one table only (``stamp``)
         self.pushed: list[tuple[pb.PushRequest, Any]] = []  # pushes applied since the checkers last looked
         self.alive = False
         self.paused = False
@@ -266,6 +267,15 @@ class SimServer:
     def close(self) -> None:
         if self.svc is not None:
             self.svc.close_tables()
+
+    def stamp(self, table: str) -> tuple[int, int]:
+        """Changes whenever a call may have changed ``table`` here (its rows, log positions, exactly-once window):
+        what the checkers' reads of it are cached by. A push, a pull and a replicated item change their own table
+        only; a map, a task, a restart may change any."""
+        return self.writes, self.table_writes.get(table, 0)
+
+    def _touched(self, table: str) -> None:
+        self.table_writes[table] = self.table_writes.get(table, 0) + 1
 
     def _spawn(self, name: str, fn: Callable[[], None]) -> None:
         if name in (SLOT_COPY_THREAD, SLOT_RESTORE_THREAD, DROP_THREAD):
@@ -312,7 +322,7 @@ class SimServer:
         ``real_sender`` the answer is made by whoever settles the wait, as on the daemon's streams
         (``Replicator.when_done``: an acknowledgement, a map, the deadline); else when a step finds it settled."""
         svc = self.svc
-        self.writes += 1
+        self._touched(request.table)
         pushed = svc.writes.push_apply(request)
         self.pushed.append((request, pushed))
         answer = Deferred()
@@ -344,7 +354,7 @@ class SimServer:
 
     def pull(self, request: pb.PullRequest) -> np.ndarray:
         """The ``Pull`` handler: the rows read (and, when inserting, the new rows replicated)."""
-        self.writes += 1
+        self._touched(request.table)
         return self.svc.writes.pull(request)[1]
 
     def _settle_acks(self) -> None:
@@ -374,8 +384,10 @@ class SimServer:
 
     def receive(self, source: str, request: bytes) -> pb.ReplicateResponse:
         """The ``Replicate`` handler's body (``Receiver.receive``), without gRPC."""
-        self.writes += 1
-        return self.svc.receiver.receive(cluster_wire.decode_replicate_request(request))
+        decoded = cluster_wire.decode_replicate_request(request)
+        for item in decoded.items:
+            self._touched(cluster_wire.item_header(item)[0])
+        return self.svc.receiver.receive(decoded)
 
     def maintain(self) -> None:
         if self.up:
