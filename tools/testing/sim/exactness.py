@@ -113,6 +113,8 @@ class Exactness:
         at = np.concatenate([p.ids for p in pushes])
         slot = np.concatenate([p.slots for p in pushes])
         keep = np.concatenate([p.pending for p in pushes]) & ids[at]
+        if not keep.any():
+            return e0, e1, unknown
         byte, bit = slot >> 3, (slot & 7).astype(np.uint8)
         done = ((applied[owner, byte] >> bit) & 1).astype(bool)
         unsure = keep & ~done & ((blind[owner, byte] >> bit) & 1).astype(bool)
@@ -120,9 +122,9 @@ class Exactness:
         out = keep & untold[owner]
         unknown[at[out]] = True
         hit = keep & done & ~out
-        e0 += np.bincount(at[hit], minlength=n)
-        weights = np.array([p.weight for p in pushes], np.int64)[owner[hit]]
-        np.add.at(e1, at[hit], weights)
+        e0 = np.bincount(at[hit], minlength=n)
+        weights = np.array([p.weight for p in pushes], np.float64)[owner[hit]]
+        e1 = np.rint(np.bincount(at[hit], weights=weights, minlength=n)).astype(np.int64)  # sums far below 2**53
         return e0, e1, unknown
 
     # --- the checks ---

@@ -354,7 +354,8 @@ class SimServer:
 
     def pull(self, request: pb.PullRequest) -> np.ndarray:
         """The ``Pull`` handler: the rows read (and, when inserting, the new rows replicated)."""
-        self._touched(request.table)
+        if not request.read_only:  # a read-only pull changes no row, position or window
+            self._touched(request.table)
         return self.svc.writes.pull(request)[1]
 
     def _settle_acks(self) -> None:
