@@ -119,7 +119,7 @@ class PartitionedIndex:
         self._where: _Where | None = None
 
     def __len__(self) -> int:
-        return sum(len(p) for p in self._parts)
+        return sum(map(len, self._parts))
 
     @property
     def nbytes(self) -> int:
