@@ -183,8 +183,17 @@ class Exactness:
                 if found:
                     self.passed.failed(subject, found[0])
                     return out + found
-                self.passed.passed(subject, objects, values)
+                self.passed.passed(subject, objects, values, self._digest(hosted, view, doubt) if Passed.verify else None)
         return out
+
+    def _digest(self, hosted: Any, view: Any, doubt: list) -> tuple[bytes, ...]:
+        """What a copy's check reads, read afresh past every cache (``memo.Passed.verify`` only): its rows, its
+        view's leads, and its window's records of every push in doubt."""
+        ids = self.run.ids
+        fresh = np.rint(hosted.table.pull(ids, insert=False)).astype(np.int64)
+        every = np.ones(ids.shape[0], bool)
+        return (fresh.tobytes(), view.leads.tobytes() if view.valid else b"",
+                *(a.tobytes() for a in self._in_doubt(hosted.dedup, doubt, every)))
 
     def _roles(self, m: Any, i: int, in_col: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per id of the universe: whether server ``i`` of map ``m`` holds its slot in sync, and leads it."""

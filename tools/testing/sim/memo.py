@@ -7,8 +7,10 @@ it reads (compared by ``==``: counters, ``bytes`` of arrays). ``again`` says whe
 those it last passed with; the checker records a pass with ``passed``. A violation is never recorded: the run
 stops at its first.
 
-``Passed.verify`` (a test sets it) makes ``again`` always False and ``passed`` check that a subject whose inputs
-had not changed did pass: a skip that would have hidden a violation raises ``AssertionError``.
+``Passed.verify`` (a test sets it) makes ``again`` always False, and checks each skip it would have made: the
+subject must pass, and what the checker derived from everything it read, read afresh (``digest``: a copy's rows
+read again past every cache, its window's records of the pushes in doubt), must be what it was at the last
+pass. A skip that would have hidden a violation, or inputs that changed unseen, raise ``AssertionError``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ class Passed:
     verify = False  # check every subject and assert that each skip would have been right (tests only)
 
     def __init__(self) -> None:
-        self._seen: dict[Hashable, tuple[tuple[Any, ...], tuple[Any, ...]]] = {}
+        self._seen: dict[Hashable, tuple[tuple[Any, ...], tuple[Any, ...], Any]] = {}
         self._would_skip: set[Hashable] = set()
 
     def again(self, subject: Hashable, objects: tuple[Any, ...], values: tuple[Any, ...]) -> bool:
@@ -38,9 +40,13 @@ class Passed:
             self._would_skip.add(subject)
         return False
 
-    def passed(self, subject: Hashable, objects: tuple[Any, ...], values: tuple[Any, ...]) -> None:
-        """``subject`` passed with these inputs."""
-        self._seen[subject] = (objects, values)
+    def passed(self, subject: Hashable, objects: tuple[Any, ...], values: tuple[Any, ...],
+               digest: Any = None) -> None:
+        """``subject`` passed with these inputs (``digest``: under ``verify``, what the check derived from them,
+        read afresh; compared by ``==`` at the next pass the memo would have skipped)."""
+        if subject in self._would_skip and self._seen[subject][2] != digest:
+            raise AssertionError(f"a checker would have skipped {subject!r} as unchanged, yet what it reads changed")
+        self._seen[subject] = (objects, values, digest)
         self._would_skip.discard(subject)
 
     def failed(self, subject: Hashable, violation: str) -> None:
