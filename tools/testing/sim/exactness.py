@@ -183,17 +183,20 @@ class Exactness:
                 if found:
                     self.passed.failed(subject, found[0])
                     return out + found
-                self.passed.passed(subject, objects, values, self._digest(hosted, view, doubt) if Passed.verify else None)
+                digest = self._digest(name, hosted, view, doubt, losing) if Passed.verify else None
+                self.passed.passed(subject, objects, values, digest)
         return out
 
-    def _digest(self, hosted: Any, view: Any, doubt: list) -> tuple[bytes, ...]:
+    def _digest(self, name: str, hosted: Any, view: Any, doubt: list, losing: np.ndarray) -> tuple[bytes, ...]:
         """What a copy's check reads, read afresh past every cache (``memo.Passed.verify`` only): its rows, its
-        view's leads, and its window's records of every push in doubt."""
-        ids = self.run.ids
+        view's leads, its window's records of every push in doubt, and the ledger's books of the table."""
+        run, ids = self.run, self.run.ids
         fresh = np.rint(hosted.table.pull(ids, insert=False)).astype(np.int64)
         every = np.ones(ids.shape[0], bool)
+        books = [run.ledger.lost_at, losing, self.async_allow, self.async_lost_ever] + [
+            getattr(run.ledger, book)[name] for book in ("acked", "acked_w", "sent", "sent_w")]
         return (fresh.tobytes(), view.leads.tobytes() if view.valid else b"",
-                *(a.tobytes() for a in self._in_doubt(hosted.dedup, doubt, every)))
+                *(a.tobytes() for a in self._in_doubt(hosted.dedup, doubt, every)), *(a.tobytes() for a in books))
 
     def _roles(self, m: Any, i: int, in_col: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per id of the universe: whether server ``i`` of map ``m`` holds its slot in sync, and leads it."""
