@@ -193,8 +193,9 @@ class Exactness:
         run, ids = self.run, self.run.ids
         fresh = np.rint(hosted.table.pull(ids, insert=False)).astype(np.int64)
         every = np.ones(ids.shape[0], bool)
-        books = [run.ledger.lost_at, losing, self.async_allow, self.async_lost_ever] + [
-            getattr(run.ledger, book)[name] for book in ("acked", "acked_w", "sent", "sent_w")]
+        books = [run.ledger.lost_at] + [getattr(run.ledger, book)[name] for book in ("acked", "acked_w", "sent", "sent_w")]
+        if name != LEDGERS[0]:  # what only an async table's check reads
+            books += [losing, self.async_allow, self.async_lost_ever]
         return (fresh.tobytes(), view.leads.tobytes() if view.valid else b"",
                 *(a.tobytes() for a in self._in_doubt(hosted.dedup, doubt, every)), *(a.tobytes() for a in books))
 
