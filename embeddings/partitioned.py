@@ -11,8 +11,6 @@ split the batch by partition first (a counting sort) and reserve room partition 
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 
 from tigana.embeddings import _part_kernels
@@ -114,13 +112,14 @@ class PartitionedIndex:
         self.salt = new_salt()  # one for all partitions: it also picks a key's partition
         self._parts = [HashIndex(_PART_MIN, backend=self.backend, min_capacity=_PART_MIN, salt=self.salt)
                        for _ in range(PARTS)]
-        # the partitions' addresses for probes, and weak references to the arrays they are of (a growth or a clear
-        # replaces them): holding the arrays themselves kept every partition's old arrays alive after a growth
-        # until the next lookup, the whole index twice over (a 1 GiB spilling daemon peaked 0.15 GiB higher)
-        self._where: tuple[list[weakref.ref], _Where] | None = None
+        # the partitions' addresses for probes, dropped by the two calls that replace a partition's arrays (an
+        # insert that grows it, ``clear``): holding the arrays themselves kept every partition's old arrays alive
+        # after a growth until the next lookup, the whole index twice over (a 1 GiB spilling daemon peaked
+        # 0.15 GiB higher); checking weak references to them at each lookup cost a small pull a fifth of its time
+        self._where: _Where | None = None
 
     def __len__(self) -> int:
-        return sum(len(p) for p in self._parts)
+        return sum(map(len, self._parts))
 
     @property
     def nbytes(self) -> int:
@@ -146,14 +145,11 @@ class PartitionedIndex:
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """(n,) ids -> (n,) int64 values, -1 where absent."""
-        parts = [p.buckets() for p in self._parts]
-        where = None
-        if self.backend == "numba":
-            arrays = [a for kv in parts for a in kv]
-            if self._where is None or any(a is not r() for a, r in zip(arrays, self._where[0], strict=True)):
-                self._where = ([weakref.ref(a) for a in arrays], _where_of(parts))
-            where = self._where[1]
-        return _probe_parts(parts, as_id_bits(ids), self.backend, self.salt, where=where)[1]
+        if self.backend != "numba":
+            return _probe_parts([p.buckets() for p in self._parts], as_id_bits(ids), self.backend, self.salt)[1]
+        if self._where is None:
+            self._where = _where_of([p.buckets() for p in self._parts])
+        return _probe_parts([], as_id_bits(ids), self.backend, self.salt, where=self._where)[1]
 
     def values_at_least(self, threshold: int) -> tuple[np.ndarray, np.ndarray]:
         """(global buckets, values), both int64, of the live buckets whose value is ``threshold`` or more, in
@@ -181,7 +177,10 @@ class PartitionedIndex:
         for p, part in enumerate(self._parts):
             lo, hi = int(bounds[p]), int(bounds[p + 1])
             if lo < hi:
+                keys = part.buckets()[0]
                 part.insert(sq[lo:hi].view(np.int64), v[order[lo:hi]])
+                if part.buckets()[0] is not keys:  # it grew: new arrays, the old ones freed (no probe may read them)
+                    self._where = None
 
     def delete(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Remove ids (duplicates and absent ids allowed). Returns (removed ids, their values), unique."""
@@ -204,6 +203,7 @@ class PartitionedIndex:
     def clear(self) -> None:
         for p in self._parts:
             p.clear()
+        self._where = None
 
 
 class IndexView:

@@ -240,7 +240,10 @@ class Slab:
         """int64 steps -> their uint32 codes, moving ``step_base`` first when one is past its range."""
         steps = np.asarray(steps, np.int64)
         self._cover_step(int(steps.max()) if steps.size else self.step_base)
-        return np.clip(steps - self.step_base, 0, _CODE_MAX).astype(np.uint32)
+        codes = steps - self.step_base
+        np.maximum(codes, 0, out=codes)  # ufuncs in place: ``np.clip``'s wrapper cost more than a small batch's work
+        np.minimum(codes, _CODE_MAX, out=codes)
+        return codes.astype(np.uint32)
 
     def step_code(self, step: int) -> int:
         """``step_codes`` of one step (a write's), in plain ints: the array path's clip, max and casts cost
@@ -259,6 +262,13 @@ class Slab:
         times = np.asarray(times, np.float64)
         if not times.size:
             return np.empty(times.shape, np.uint32)
+        hi = float(times.max())
+        if math.isfinite(hi):  # no NaN, no +inf (the common case: the same codes without the NaN handling's cost)
+            self._cover_time(hi)
+            codes = np.ceil((times - self.time_base) * TIME_TICKS)
+            np.maximum(codes, 0, out=codes)
+            np.minimum(codes, _CODE_MAX, out=codes)
+            return codes.astype(np.uint32)
         self._cover_time(float(np.nanmax(times)) if np.isfinite(times).any() else 0.0)
         with np.errstate(invalid="ignore"):
             codes = np.ceil((times - self.time_base) * TIME_TICKS)

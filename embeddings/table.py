@@ -229,6 +229,8 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         ``hold``: the slab positions the caller already resolved for this batch (-1 entries ignored); they
         must stay where they are, so the memory ceiling never spills them to make room.
         Returns (len(ids),) positions, -1 for ids left unstored."""
+        if not insert and not len(self._spilled):  # nothing to bring back, nothing to store (a read-only pull)
+            return np.full(ids.shape[0], -1, np.int64)
         uniq, sightings = np.unique(ids, return_counts=True)
         if len(self._spilled):
             spilled = self._spilled.lookup(uniq) >= 0

@@ -150,6 +150,25 @@ def test_a_partitioned_index_grows_a_partition_at_a_time(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_partitioned_lookup_reads_the_arrays_a_growth_or_a_clear_put_in_place(backend: str) -> None:
+    """A lookup keeps the partitions' addresses between calls: each growth and each clear must give it the new
+    arrays (a probe of the old ones reads freed memory), with lookups between every change."""
+    rng = np.random.default_rng(9)
+    index, ref = PartitionedIndex(backend=backend), {}
+    for round_ in range(3):
+        for _ in range(40):  # small batches: partitions grow one by one between lookups
+            ids = np.unique(rng.integers(-(2**63), 2**63 - 1, 37, dtype=np.int64))
+            ids = ids[index.lookup(ids) < 0]
+            index.insert(ids, np.arange(len(ref), len(ref) + ids.size))
+            ref.update(zip(ids.tolist(), range(len(ref), len(ref) + ids.size), strict=True))
+            probe = np.array(list(ref), np.int64)
+            assert index.lookup(probe).tolist() == list(ref.values())
+        index.clear()
+        assert (index.lookup(probe) == -1).all(), round_
+        ref = {}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=40, deadline=None)
 @given(ids=st.lists(ids_st, max_size=300, unique=True), gone=st.integers(0, 300), threshold=st.integers(0, 300))
 def test_a_partitioned_index_moves_values_by_global_bucket(backend: str, ids: list[int], gone: int,

@@ -146,11 +146,12 @@ def test_replication_items_from_a_server_that_does_not_lead_are_refused(cluster)
     assert before == after
 
 
-def test_replication_codec_matches_protobuf() -> None:
+@pytest.mark.parametrize("n", [3, 5000])  # small: protobuf's coder; over 64 KiB: the hand-written one
+def test_replication_codec_matches_protobuf(n: int) -> None:
     rng = np.random.default_rng(0)
-    rows = RowBatch(np.array([5, -9, 2**62], np.int64), rng.normal(size=(3, 4)).astype(np.float32),
-                    rng.normal(size=(3, 4)).astype(np.float32), np.array([1, 2, 3], np.int64),
-                    np.array([4, 5, 6], np.int64), np.array([0.5, 1.5, 2.5]))
+    ids = np.concatenate([[5, -9, 2**62], np.arange(10, 10 + n - 3)]).astype(np.int64)
+    rows = RowBatch(ids, rng.normal(size=(n, 4)).astype(np.float32), rng.normal(size=(n, 4)).astype(np.float32),
+                    np.arange(1, n + 1, dtype=np.int64), np.arange(4, n + 4, dtype=np.int64), np.arange(n) + 0.5)
     item = Item(CHANGES, "t", np.array([1, 7], np.int32), (3, 11), np.array([[1, 2], [3, 4]], np.uint64), rows,
                 np.array([8, 9], np.int64), (np.array([10], np.int64), np.array([2], np.int64)), 42,
                 [("c1", 5, np.array([1], np.int32))])
@@ -159,6 +160,7 @@ def test_replication_codec_matches_protobuf() -> None:
     assert (msg.source, msg.source_boot, msg.generation, msg.epoch, msg.first_seq) == ("src", "boot", 9, 12, 3)
     assert msg == pb.ReplicateRequest(source="src", source_boot="boot", generation=9, epoch=12, first_seq=3,
                                       items=[item.to_pb(), item.to_pb()])
+    assert raw == msg.SerializeToString()  # the same bytes, whichever coder wrote them
     fast = cluster_wire.decode_replicate_request(raw)
     assert isinstance(fast, cluster_wire.RawReplicate) and len(fast.items) == 2
     for view in (fast.items[0], msg.items[0]):

@@ -13,7 +13,7 @@ cannot tell (a seq it evicted, a client it may have forgotten) only the bounds a
 S8 (whole): each push a server applied during the step added to every id of the slots it applied, on that
 server (its values before the step against after).
 
-Values are read once per server and table each time the server may have changed them (``SimServer.writes``).
+Values are read once per server and table each time the server may have changed them (``SimServer.stamp``).
 """
 
 from __future__ import annotations
@@ -25,31 +25,27 @@ import numpy as np
 from tigana.ps.routing import CATCHING_UP, slot_of
 from tigana.ps.session import client_stamp
 from tigana.ps.wire import data as wire
+from tigana.tools.testing.sim.memo import Passed
 
-__all__ = ["LEDGERS", "Exactness", "applied_in_window"]
+__all__ = ["LEDGERS", "Exactness", "window_record"]
 
 LEDGERS = ("ledger_sync", "ledger_async")
 ASYNC_GRACE_S = 5.0  # after an unplanned primary change, a deposed primary may still acknowledge (its lease)
 
 
-def applied_in_window(window: Any, client_id: str, seq: int, slots: np.ndarray) -> np.ndarray | None:
-    """(k,) bool: the ``slots`` for which ``window`` (a ``DedupWindow``) records ``seq`` of ``client_id`` as
-    applied, read from its records (not through ``applied``, which a mutation test may replace); None where it
-    cannot tell (a seq below its floor and not kept, a client it may have forgotten, a blind slot)."""
+def window_record(window: Any, client_id: str, seq: int) -> tuple[np.ndarray | None, np.ndarray | None] | None:
+    """What ``window`` (a ``DedupWindow``) records of ``seq`` of ``client_id``, read from its records (not
+    through ``applied``, which a mutation test may replace): (the slots' bitmap it applied the seq for, None:
+    none of them; the bitmap of blind slots, which it may lack records for, or None), or None where it cannot
+    tell for any slot (a seq below its floor and not kept, a client it may have forgotten). Bitmaps: (nbytes,)
+    uint8, slot ``s`` at bit ``s & 7`` of byte ``s >> 3``."""
     c = window._clients.get(client_id)
     if c is None:
-        return None if client_stamp(client_id) <= window.horizon else np.zeros(slots.shape[0], bool)
+        return None if client_stamp(client_id) <= window.horizon else (None, None)
     row = c.row_of_seq.get(seq)
-    if row is None:
-        if seq <= c.floor:
-            return None
-        done = np.zeros(slots.shape[0], bool)
-    else:
-        done = ((c.bits[row][slots >> 3] >> (slots & 7).astype(np.uint8)) & 1).astype(bool)
-    if c.blind is not None and (((c.blind[slots >> 3] >> (slots & 7).astype(np.uint8)) & 1).astype(bool)
-                                & ~done).any():
+    if row is None and seq <= c.floor:
         return None
-    return done
+    return (None if row is None else c.bits[row]), c.blind
 
 
 class Exactness:
@@ -58,22 +54,30 @@ class Exactness:
     def __init__(self, run: Any) -> None:
         self.run = run
         n = run.s.ids
-        self._values: dict[tuple[str, str], tuple[tuple[int, int], np.ndarray]] = {}
+        self._values: dict[tuple[str, str], tuple[tuple[int, int], Any, Any, np.ndarray]] = {}  # (stamp, hosted, view, values)
         self._before: dict[tuple[str, str], np.ndarray] = {}
         self.async_loss_until = np.full(run.s.num_slots, -np.inf)  # per slot: async losses allowed until then
         self.async_allow = np.zeros(n, np.int64)  # per id: acknowledged async pushes that may be lost
         self.async_lost_ever = np.zeros(n, bool)
+        self.passed = Passed()  # (server, table): the inputs its last check passed with
+        self._map: Any = None  # the map the per-map arrays below are of
+        self._held: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # server index -> (held, primary) per id
 
     # --- reading the copies ---
     def values(self, server: Any, hosted: Any) -> np.ndarray:
-        """(ids, 2) int64: the table's rows as ``server`` holds them now (cached while it changed nothing)."""
-        key = (server.name, hosted.spec.config.name)
-        stamp = (server.writes, id(hosted))
+        """(ids, 2) int64: the table's rows as ``server`` holds them now (cached while it changed nothing: no
+        call, no map installed). A read equal to the cached one returns the cached array itself, so that a
+        checker may take the array's identity for its content (``memo.Passed``)."""
+        name = hosted.spec.config.name
+        key, stamp = (server.name, name), server.stamp(name)
+        view = server.svc.holdings.view
         cached = self._values.get(key)
-        if cached is not None and cached[0] == stamp:
-            return cached[1]
+        if cached is not None and cached[0] == stamp and cached[1] is hosted and cached[2] is view:
+            return cached[3]
         values = np.rint(hosted.table.pull(self.run.ids, insert=False)).astype(np.int64)
-        self._values[key] = (stamp, values)
+        if cached is not None and np.array_equal(cached[3], values):
+            values = cached[3]
+        self._values[key] = (stamp, hosted, view, values)
         return values
 
     def primary_lost(self, slots: np.ndarray) -> None:
@@ -83,30 +87,51 @@ class Exactness:
 
     def _in_doubt(self, window: Any, pushes: list, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per id of the universe: (count, weight sum) of the pushes in doubt ``window`` records as applied for
-        the slots of ``ids`` (bool mask), and the ids it cannot tell about."""
+        the slots of ``ids`` (bool mask), and the ids it cannot tell about (every id of a push with a slot it
+        cannot tell about: blind and not recorded). One pass over every push's ids at once."""
         n = self.run.s.ids
         e0, e1, unknown = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
-        num_slots = self.run.s.num_slots
-        for p in pushes:
+        if not pushes:
+            return e0, e1, unknown
+        num_slots, nbytes = self.run.s.num_slots, (self.run.s.num_slots + 7) // 8
+        applied = np.zeros((len(pushes), nbytes), np.uint8)  # per push: the slots the window applied it for
+        blind = np.zeros((len(pushes), nbytes), np.uint8)  # ... the slots it may lack records of
+        untold = np.zeros(len(pushes), bool)  # ... the window cannot tell for any slot
+        for j, p in enumerate(pushes):
             if p.slots is None:
                 p.slots = slot_of(p.ids, num_slots)
-            keep = p.pending & ids[p.ids]
-            if not keep.any():
+            record = window_record(window, p.client_id, p.seq)
+            if record is None:
+                untold[j] = True
                 continue
-            sub = p.ids[keep]
-            uslots, where = np.unique(p.slots[keep], return_inverse=True)
-            done = applied_in_window(window, p.client_id, p.seq, uslots)
-            if done is None:
-                unknown[sub] = True
-                continue
-            hit = sub[done[where]]
-            e0[hit] += 1
-            e1[hit] += p.weight
+            if record[0] is not None:
+                applied[j] = record[0]
+            if record[1] is not None:
+                blind[j] = record[1]
+        sizes = [p.ids.size for p in pushes]
+        owner = np.repeat(np.arange(len(pushes)), sizes)
+        at = np.concatenate([p.ids for p in pushes])
+        slot = np.concatenate([p.slots for p in pushes])
+        keep = np.concatenate([p.pending for p in pushes]) & ids[at]
+        if not keep.any():
+            return e0, e1, unknown
+        byte, bit = slot >> 3, (slot & 7).astype(np.uint8)
+        done = ((applied[owner, byte] >> bit) & 1).astype(bool)
+        unsure = keep & ~done & ((blind[owner, byte] >> bit) & 1).astype(bool)
+        untold[owner[unsure]] = True
+        out = keep & untold[owner]
+        unknown[at[out]] = True
+        hit = keep & done & ~out
+        e0 = np.bincount(at[hit], minlength=n)
+        weights = np.array([p.weight for p in pushes], np.float64)[owner[hit]]
+        e1 = np.rint(np.bincount(at[hit], weights=weights, minlength=n)).astype(np.int64)  # sums far below 2**53
         return e0, e1, unknown
 
     # --- the checks ---
     def check(self, pushed: dict[str, list]) -> list[str]:
-        """The violations now (``pushed``: per server, the pushes it applied during the step)."""
+        """The violations now (``pushed``: per server, the pushes it applied during the step). A server's copy
+        of a table is checked again only when something it is checked by changed since it last passed: the
+        map, the server (a call, a map installed, a restart), the ledger's books of the table (``memo``)."""
         run = self.run
         m = run.scheduler.core.map
         if not m.servers or LEDGERS[0] not in m.tables:
@@ -115,12 +140,14 @@ class Exactness:
         ledger, slots = run.ledger, run.slots
         now = run.world.now
         losing = self.async_loss_until[slots] >= now
-        acked_async = ledger.acked[LEDGERS[1]]
-        self.async_allow = np.where(losing, acked_async, self.async_allow)
-        self.async_lost_ever |= losing
+        if losing.any():
+            self.async_allow = np.where(losing, ledger.acked[LEDGERS[1]], self.async_allow)
+            self.async_lost_ever |= losing
         lost = np.isfinite(ledger.lost_at)  # every copy of their slot lost at once (``disk.lose_slots``)
+        if m is not self._map:
+            self._map, self._held = m, {}
         in_col = m.copies[slots]  # (ids, copies)
-        counted = in_col != -1
+        shared = (ledger.lost_at.tobytes(),)
         for name in LEDGERS:
             spec = m.tables.get(name)
             if spec is None:
@@ -128,40 +155,80 @@ class Exactness:
             sync = name == LEDGERS[0]
             acked, acked_w = ledger.acked[name], ledger.acked_w[name]
             sent, sent_w = ledger.sent[name], ledger.sent_w[name]
-            doubt = list(ledger.doubt[name].values())
+            books = doubt = None
             for i, entry in enumerate(m.servers):
                 server = run.servers.get(entry.id)
                 if server is None or not server.alive or server.svc is None or server.svc.boot != entry.boot:
                     continue
-                held = ((in_col == i) & counted & (m.states[slots] != CATCHING_UP)).any(axis=1)
+                held, primary = self._roles(m, i, in_col)
                 hosted = server.svc.tables.find(name)
                 if hosted is None or hosted.spec.created_epoch != spec.created_epoch:
                     if sync and held.any() and acked[held].any():
                         out.append(f"S1: {entry.id} is an in-sync copy of {name} without the table")
                     continue
                 v = self.values(server, hosted)
-                over = np.flatnonzero((v[:, 0] > sent) | (v[:, 1] > sent_w))
-                if over.size:
-                    k = int(over[0])
-                    out.append(f"S6: {entry.id} {name} id {k} at {v[k].tolist()}, only {sent[k]} push(es) of it "
-                               f"were sent, weighing {sent_w[k]} (applied twice)")
+                view = server.svc.holdings.view
+                if books is None:  # what the ledger knows of the table, as the checks read it
+                    doubt = list(ledger.doubt[name].values())
+                    books = (*shared, acked.tobytes(), acked_w.tobytes(), sent.tobytes(), sent_w.tobytes(),
+                             tuple((p.client_id, p.seq, p.pending.tobytes()) for p in doubt))
+                    if not sync:
+                        books += (losing.tobytes(), self.async_allow.tobytes(), self.async_lost_ever.tobytes())
+                subject, objects = (entry.id, name), (m, server.svc, hosted, hosted.dedup, view, v)
+                values = (server.stamp(name), books)
+                if self.passed.again(subject, objects, values):
                     continue
-                primary = in_col[:, 0] == i
-                if sync:
-                    must = held
-                else:
-                    leads = server.svc.holdings.view.leads[slots] if server.svc.holdings.view.valid else np.zeros_like(primary)
-                    must = primary & leads & ~losing
-                out += self._exact(entry.id, name, sync, v, must & ~lost, primary, hosted.dedup, doubt,
-                                   acked, acked_w, m.epoch)
-                if sync:  # ids lost with every copy of their slot: at least the floor ``lose_slots`` left
-                    short = np.flatnonzero(held & lost & (v[:, 0] < acked))
-                    if short.size:
-                        k = int(short[0])
-                        out.append(f"S1: {entry.id} (in sync for slot {int(slots[k])} at epoch {m.epoch}) has {name} "
-                                   f"id {k} at {v[k, 0]}, {acked[k]} acknowledged since its last snapshot")
-                if out:
-                    return out
+                found = self._copy(entry.id, name, sync, v, held, primary, lost, losing, server, hosted, doubt,
+                                   acked, acked_w, sent, sent_w, m.epoch)
+                if found:
+                    self.passed.failed(subject, found[0])
+                    return out + found
+                digest = self._digest(name, hosted, view, doubt, losing) if Passed.verify else None
+                self.passed.passed(subject, objects, values, digest)
+        return out
+
+    def _digest(self, name: str, hosted: Any, view: Any, doubt: list, losing: np.ndarray) -> tuple[bytes, ...]:
+        """What a copy's check reads, read afresh past every cache (``memo.Passed.verify`` only): its rows, its
+        view's leads, its window's records of every push in doubt, and the ledger's books of the table."""
+        run, ids = self.run, self.run.ids
+        fresh = np.rint(hosted.table.pull(ids, insert=False)).astype(np.int64)
+        every = np.ones(ids.shape[0], bool)
+        books = [run.ledger.lost_at] + [getattr(run.ledger, book)[name] for book in ("acked", "acked_w", "sent", "sent_w")]
+        if name != LEDGERS[0]:  # what only an async table's check reads
+            books += [losing, self.async_allow, self.async_lost_ever]
+        return (fresh.tobytes(), view.leads.tobytes() if view.valid else b"",
+                *(a.tobytes() for a in self._in_doubt(hosted.dedup, doubt, every)), *(a.tobytes() for a in books))
+
+    def _roles(self, m: Any, i: int, in_col: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per id of the universe: whether server ``i`` of map ``m`` holds its slot in sync, and leads it."""
+        got = self._held.get(i)
+        if got is None:
+            in_sync = m.states[self.run.slots] != CATCHING_UP
+            got = self._held[i] = (((in_col == i) & (in_col != -1) & in_sync).any(axis=1), in_col[:, 0] == i)
+        return got
+
+    def _copy(self, who: str, name: str, sync: bool, v: np.ndarray, held: np.ndarray, primary: np.ndarray,
+              lost: np.ndarray, losing: np.ndarray, server: Any, hosted: Any, doubt: list, acked: np.ndarray,
+              acked_w: np.ndarray, sent: np.ndarray, sent_w: np.ndarray, epoch: int) -> list[str]:
+        """The violations of one server's copy of one ledger table (values ``v``)."""
+        over = np.flatnonzero((v[:, 0] > sent) | (v[:, 1] > sent_w))
+        if over.size:
+            k = int(over[0])
+            return [f"S6: {who} {name} id {k} at {v[k].tolist()}, only {sent[k]} push(es) of it were sent, "
+                    f"weighing {sent_w[k]} (applied twice)"]
+        if sync:
+            must = held
+        else:
+            view = server.svc.holdings.view
+            leads = view.leads[self.run.slots] if view.valid else np.zeros_like(primary)
+            must = primary & leads & ~losing
+        out = self._exact(who, name, sync, v, must & ~lost, primary, hosted.dedup, doubt, acked, acked_w, epoch)
+        if sync and not out:  # ids lost with every copy of their slot: at least the floor ``lose_slots`` left
+            short = np.flatnonzero(held & lost & (v[:, 0] < acked))
+            if short.size:
+                k = int(short[0])
+                out.append(f"S1: {who} (in sync for slot {int(self.run.slots[k])} at epoch {epoch}) has {name} "
+                           f"id {k} at {v[k, 0]}, {acked[k]} acknowledged since its last snapshot")
         return out
 
     def _exact(self, who: str, name: str, sync: bool, v: np.ndarray, must: np.ndarray, primary: np.ndarray,

@@ -5,9 +5,9 @@ Nothing of the protocol is re-implemented here: a server's pushes, map installs,
 These adapters replace only the I/O: threads (the ``Replicator`` adapter's ``spawn`` is collected and run by the world;
 each stream lane is sent as its sender thread sends it, waiting the pause ``Replicator.sent`` returns; a sync
 push is answered by ``Replicator.when_done``, its deadline by ``Replicator.expire``, as on the daemon's
-streams), gRPC (the ``Net``), the scheduler's store (a real ``FileMapStore`` in a scratch folder, its tick loop
-judging its own stalls as the daemon's does) and the membership agent's I/O (``realagent.RealSimAgent``: the
-daemon's ``Agent`` itself, its channels over the ``Net``).
+streams), gRPC (the ``Net``), the scheduler's store (the bytes a real store writes, on the simulated disk; its
+tick loop judging its own stalls as the daemon's does) and the membership agent's I/O
+(``realagent.RealSimAgent``: the daemon's ``Agent`` itself, its channels over the ``Net``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from tigana.ps.domains import FailureDomain
 from tigana.ps.routing import ShardMap
 from tigana.ps.scheduler import SchedulerConfig, SchedulerDriver
 from tigana.ps.scheduler.liveness import stalled_between
-from tigana.ps.scheduler.stores.file import FileMapStore
+from tigana.ps.scheduler.stores.file import SchedulerState, decode_state, encode_state
 from tigana.ps.shard import ShardService
 from tigana.ps.shard.config import ServerConfig
 from tigana.ps.wire import cluster as cluster_wire
@@ -54,30 +54,41 @@ class _Security:
         return _Channel()
 
 
-class _WatchedStore(FileMapStore):
-    """The scheduler's store, telling ``saved`` every map it persists, in order (the checkers see each one,
-    also those a single event changed twice and announced once)."""
+class _WatchedStore:
+    """The scheduler's store on the simulated disk: the bytes the daemon's stores write (``encode_state``, as
+    ``FileMapStore`` and ``EtcdMapStore`` do), kept by the ``SchedulerNode`` across restarts and read back through
+    ``decode_state`` (a real file's fsyncs cost more wall time than the rest of a save). Tells ``saved`` every
+    map it persists, in order (the checkers see each one, also those a single event changed twice and announced
+    once)."""
 
-    def __init__(self, folder: Path, saved: Callable[[ShardMap], None]) -> None:
-        super().__init__(folder)
-        self._saved = saved
+    def __init__(self, node: SchedulerNode, saved: Callable[[ShardMap], None]) -> None:
+        self._node, self._saved = node, saved
 
-    def save(self, state: Any) -> None:
-        super().save(state)
+    def describe(self) -> str:
+        return f"the simulated disk of {SCHEDULER}"
+
+    def load(self) -> SchedulerState | None:
+        data = self._node.stored
+        return None if data is None else decode_state(data, self.describe())
+
+    def save(self, state: SchedulerState) -> None:
+        self._node.stored = encode_state(state)
         self._saved(state.map)
 
 
 class SchedulerNode:
-    """The scheduler: the real ``SchedulerCore`` (in its ``SchedulerDriver``, probes answered "unknown") on the world's clock and a store in ``folder``; ``restart``
-    loads a new core from the store (a crash: nothing but the store survives)."""
+    """The scheduler: the real ``SchedulerCore`` (in its ``SchedulerDriver``, probes answered "unknown") on the
+    world's clock and its store on the simulated disk (``stored``); ``restart`` loads a new core from the store
+    (a crash: nothing but the store survives)."""
 
-    def __init__(self, world: World, net: Net, folder: Path, config: SchedulerConfig,
+    def __init__(self, world: World, net: Net, config: SchedulerConfig,
                  announce: Callable[[ShardMap], None], saved: Callable[[ShardMap], None] = lambda m: None) -> None:
-        self.world, self.net, self.folder, self.config = world, net, folder, config
+        self.world, self.net, self.config = world, net, config
         self._announce, self._saved = announce, saved
         self.up = True
         self.skew = 0.0  # how far this machine's clock is ahead of the world's (a clock jump)
         self.demoted_before = 0.0  # copies the cores replaced by restarts demoted
+        self.stored: bytes | None = None  # the store's state on the simulated disk (what survives a crash)
         self.core = self._core()
         self._last_tick: float | None = None  # the tick loop's last pass, on this machine's clock
 
@@ -94,7 +105,7 @@ class SchedulerNode:
         return self.world.now + self.skew
 
     def _core(self) -> SchedulerDriver:
-        return SchedulerDriver(self.config, _WatchedStore(self.folder, self._saved), announce=self._announce, probe=None,
+        return SchedulerDriver(self.config, _WatchedStore(self, self._saved), announce=self._announce, probe=None,
                                clock=self.clock, cluster_id=f"sim{self.world.seed}")
 
     def demotions(self, reason: str = "replication_failed") -> int:
@@ -128,7 +139,8 @@ class SimServer:
         if queue_bytes > 0:  # a small bound, so that the writers meet it (L5)
             self.config = dataclasses.replace(self.config, replication_queue_bytes=queue_bytes)
         self.snapshots: list[tuple[float, dict[str, np.ndarray], np.ndarray]] = []  # (time, acked, complete)
-        self.writes = 0  # calls that may have changed its tables (the checkers re-read them only then)
+        self.writes = 0  # calls that may have changed any of its tables (the checkers re-read them only then)
+        self.table_writes: dict[str, int] = {}  # calls that may have changed one table only (``stamp``)
         self.pushed: list[tuple[pb.PushRequest, Any]] = []  # pushes applied since the checkers last looked
         self.alive = False
         self.paused = False
@@ -169,6 +181,15 @@ class SimServer:
     def close(self) -> None:
         if self.svc is not None:
             self.svc.close_tables()
+
+    def stamp(self, table: str) -> tuple[int, int]:
+        """Changes whenever a call may have changed ``table`` here (its rows, log positions, exactly-once window):
+        what the checkers' reads of it are cached by. A push, a pull and a replicated item change their own table
+        only; a map, a task, a restart may change any."""
+        return self.writes, self.table_writes.get(table, 0)
+
+    def _touched(self, table: str) -> None:
+        self.table_writes[table] = self.table_writes.get(table, 0) + 1
 
     def _spawn(self, name: str, fn: Callable[[], None]) -> None:
         if name in (SLOT_COPY_THREAD, SLOT_RESTORE_THREAD, DROP_THREAD):
@@ -213,7 +234,7 @@ class SimServer:
         whoever settles the wait, as on the daemon's streams (``Replicator.when_done``: an acknowledgement, a
         map, the deadline); a push that waits for no copy is answered at once."""
         svc = self.svc
-        self.writes += 1
+        self._touched(request.table)
         # No wait for room in a full replication queue (a wait would stop the world): a push that finds a
         # stream over ``replication_queue_bytes`` is refused at once, nothing applied, and retried (L5).
         pushed = svc.writes.push_apply(request, 0.0)
@@ -244,7 +265,8 @@ class SimServer:
 
     def pull(self, request: pb.PullRequest) -> np.ndarray:
         """The ``Pull`` handler: the rows read (and, when inserting, the new rows replicated)."""
-        self.writes += 1
+        if not request.read_only:  # a read-only pull changes no row, position or window
+            self._touched(request.table)
         return self.svc.writes.pull(request, 0.0)[1]  # refused at once by a full queue, as a push is
 
     def _answered(self, svc: ShardService, s: Any, lane: int, reply: pb.ReplicateResponse | None,
@@ -262,8 +284,10 @@ class SimServer:
 
     def receive(self, source: str, request: bytes) -> pb.ReplicateResponse:
         """The ``Replicate`` handler's body (``Receiver.receive``), without gRPC."""
-        self.writes += 1
-        return self.svc.receiver.receive(cluster_wire.decode_replicate_request(request))
+        decoded = cluster_wire.decode_replicate_request(request)
+        for item in decoded.items:
+            self._touched(cluster_wire.item_header(item)[0])
+        return self.svc.receiver.receive(decoded)
 
     def maintain(self) -> None:
         """The daemon's upkeep timer (the agent runs its own loop)."""

@@ -111,7 +111,7 @@ class _Run:
         self.checkers = Checkers(self)
         config = SchedulerConfig(replicas=settings.replicas, num_slots=settings.num_slots, heartbeat_timeout_s=3.0,
                                  auto_rebalance=settings.auto_rebalance)
-        self.scheduler = SchedulerNode(self.world, self.net, folder / "scheduler", config, self._announce,
+        self.scheduler = SchedulerNode(self.world, self.net, config, self._announce,
                                        saved=self.checkers.on_map)
         self.ledger = Ledger(settings.ids)
         for name in LEDGERS:
