@@ -254,8 +254,8 @@ class Moves(Spread):
                       current: np.ndarray) -> np.ndarray:
         """The target with slots that name a dead server rolled back to their current copies, and re-planned
         when it names a server being drained."""
-        if target.shape[0] != current.shape[0]:
-            return current.copy()
+        if target.shape[0] != current.shape[0] or not placeable.any():
+            return current.copy()  # nothing to plan toward while no server can hold a slot (every one down)
         named = target[target >= 0]
         groups = self._groups(placeable)
         if named.size and not placeable[named].all() and self.target_kind == "balance":  # plan again without them

@@ -50,7 +50,7 @@ class Spread(CoreFields):
     def _respread(self, copies: np.ndarray, placeable: np.ndarray) -> None:
         """With no target: when copies of some slot share a domain and a balanced placement keeps more slots'
         copies apart, aim for it (lock held)."""
-        if self.target is not None:
+        if self.target is not None or not placeable.any():
             return
         groups = self._groups(placeable)
         if groups is None:

@@ -399,3 +399,16 @@ def test_dead_server_registering_with_same_boot_is_back(tmp_path):
     c.advance(TIMEOUT + 1, alive=("a",))
     c.register("b")
     assert c.map.servers[1].up and (c.map.copy_state(1) == CATCHING_UP).all()
+
+
+def test_a_balance_target_with_every_server_down_keeps_the_copies_and_raises_nothing(tmp_path):
+    """Found by the simulator (hosts, faults): a tick whose balance target names a server that is down re-plans
+    the balance over the placeable servers, and with none left (every server down, or a new leader that has
+    heard none yet) placement raised ``ValueError: no alive server`` out of the tick. It keeps the copies."""
+    c = started(tmp_path, ("a", "b", "c"))
+    c.register("d")  # joins: auto-rebalance aims for a balance target
+    assert c.core.core.target_kind == "balance"
+    current = c.map.copies
+    none = np.zeros(len(c.map.servers), bool)
+    target = c.core.core._fixed_target(c.core.core.target, none, none, current)
+    assert np.array_equal(target, current)
