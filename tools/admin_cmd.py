@@ -418,12 +418,15 @@ def _publish(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
 def _verify(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     result = admin.verify(args.scheduler, args.table, security=args.security)
     for d in result["differing"][:50]:
+        at = (f"at log position {d['primary_lsn']}" if d["primary_lsn"] and d["copy_lsn"] else
+              f"(the {'copy' if d['copy_lsn'] is None else 'primary'} holds nothing of the slot under the map)")
         _say(args, f"slot {d['slot']} of {d['table']!r}: copy on {d['copy']} differs from the primary {d['primary']} "
-                   f"at log position {d['primary_lsn']} (rows: primary {d['primary_rows']}, copy {d['copy_rows']})")
+                   f"{at} (rows: primary {d['primary_rows']}, copy {d['copy_rows']})")
     behind = result["behind"]
-    if behind:  # still written, or replication lagging, after the settle time: not compared, not a difference
-        _say(args, f"{len(behind)} cop(ies) still behind their primary's log position (replication in flight), "
-                   f"not compared; e.g. slot {behind[0]['slot']} of {behind[0]['table']!r} on {behind[0]['copy']}")
+    if behind:  # still written, replication lagging, or a map not installed, after the settle time: not compared
+        _say(args, f"{len(behind)} cop(ies) still behind their primary's log position (replication in flight) or on "
+                   "a server not under the scheduler's map, not compared; e.g. slot "
+                   f"{behind[0]['slot']} of {behind[0]['table']!r} on {behind[0]['copy']}")
     ok = not result["differing"] and not result["unreachable"]
     _say(args, f"verify: {result['copies_checked']} cop(ies) checked at epoch {result['epoch']}: "
                + ("all equal" if ok else f"{len(result['differing'])} differ, unreachable {result['unreachable']}"))

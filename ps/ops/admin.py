@@ -17,7 +17,7 @@ from tigana.proto import scheduler_pb2 as spb
 from tigana.proto import scheduler_pb2_grpc as spb_grpc
 from tigana.proto import shard_pb2 as pb
 from tigana.proto import shard_pb2_grpc
-from tigana.ps.errors import DeadlineExceeded, Unavailable, from_rpc_error
+from tigana.ps.errors import DeadlineExceeded, TableNotFound, Unavailable, from_rpc_error
 from tigana.ps.routing import IN_SYNC, ShardMap
 from tigana.ps.security import NONE, Security
 from tigana.ps.wire import cluster as cluster_wire
@@ -102,6 +102,12 @@ def slot_info(server_address: str, table: str = "", *, checksums: bool = True, s
               timeout_s: float = 60.0) -> dict[str, dict[str, np.ndarray]]:
     """Per table: {slots, rows, checksums, lsn_epochs, lsn_indexes, pull_rates, push_rates, bytes} of the
     copies one server holds (numpy arrays aligned on slots)."""
+    return _slot_info(server_address, table, checksums=checksums, security=security, timeout_s=timeout_s)[1]
+
+
+def _slot_info(server_address: str, table: str, *, checksums: bool, security: Security, timeout_s: float
+               ) -> tuple[int, dict[str, dict[str, np.ndarray]]]:
+    """(the epoch of the map the server answered under, ``slot_info``'s tables)."""
     channel = security.channel(server_address, _OPTIONS)
     try:
         reply = shard_pb2_grpc.ShardStub(channel).SlotInfo(pb.SlotInfoRequest(table=table, checksums=checksums),
@@ -120,71 +126,89 @@ def slot_info(server_address: str, table: str = "", *, checksums: bool = True, s
                         "pull_rates": a(t.pull_rates, "<f8", field="pull_rates"),
                         "push_rates": a(t.push_rates, "<f8", field="push_rates"),
                         "bytes": a(t.bytes, "<i8", field="bytes")}
-    return out
+    return int(reply.epoch), out
 
 
 def verify(scheduler: str, table: str = "", timeout_s: float = 120.0, security: Security = NONE,
            settle_s: float = 30.0) -> dict[str, Any]:
     """Compare every in-sync copy's per-slot checksum with its primary's, at the same log position.
 
-    Each server reads a slot's checksum and its log position (epoch, index) at one moment. A copy at the
-    primary's position must have the primary's checksum (else it ``differs``); a copy at another position has not
-    applied the primary's last items yet (asynchronous replication, or a write in flight), so it is read again
-    until it has, for up to ``settle_s`` seconds; copies still elsewhere then are reported as ``behind``, not
-    compared. Returns {epoch, copies_checked, differing: [{table, slot, primary, copy}], behind: [...],
-    unreachable}."""
+    Each server reads a slot's checksum and its log position (epoch, index) at one moment, and says which map
+    it answers under. A copy at the primary's position must have the primary's checksum (else it ``differs``).
+    What cannot be compared yet is read again, with the scheduler's map, for up to ``settle_s`` seconds: a copy
+    at another position (asynchronous replication, or a write in flight), and a side with no position for the
+    slot (a server that has not installed the map yet, or one that installed a newer map the slot left; a
+    restarted process answers for a map that names its predecessor, holding nothing, until the scheduler hears
+    it). Copies still so then are reported ``behind``, not compared; a server still under the map's own epoch
+    that holds nothing of a slot the map gives it then ``differs``. Returns {epoch, copies_checked, differing:
+    [{table, slot, primary, copy, ...}], behind: [...], unreachable}."""
     deadline = time.monotonic() + settle_s
     while True:
+        final = time.monotonic() > deadline
         m = shard_map(scheduler, security=security)
         infos: dict[int, dict[str, dict[str, np.ndarray]]] = {}
+        epochs: dict[int, int] = {}
         unreachable = []
         for i, s in enumerate(m.servers):
             if not s.up or not m.holds(i).any():
                 continue
             try:
-                infos[i] = slot_info(s.address, table, checksums=True, timeout_s=timeout_s, security=security)
+                try:
+                    epochs[i], infos[i] = _slot_info(s.address, table, checksums=True, timeout_s=timeout_s,
+                                                     security=security)
+                except TableNotFound:  # not created there yet, or no longer: only the map it is under is asked
+                    epochs[i], infos[i] = _slot_info(s.address, "", checksums=False, timeout_s=timeout_s,
+                                                     security=security)[0], {}
             except Unavailable:
                 unreachable.append(s.id)
-        checked, differing, behind = _compare_copies(m, infos, [table] if table else sorted(m.tables))
-        if not behind or time.monotonic() > deadline:
+        checked, differing, behind = _compare_copies(m, infos, [table] if table else sorted(m.tables), epochs,
+                                                     final=final)
+        if not behind or final:
             return {"epoch": m.epoch, "copies_checked": checked, "differing": differing, "behind": behind,
                     "unreachable": unreachable}
         time.sleep(0.5)
 
 
-def _compare_copies(m: ShardMap, infos: dict[int, dict[str, dict[str, np.ndarray]]], tables: list[str]
+def _compare_copies(m: ShardMap, infos: dict[int, dict[str, dict[str, np.ndarray]]], tables: list[str],
+                    epochs: dict[int, int] | None = None, *, final: bool = True
                     ) -> tuple[int, list[dict[str, Any]], list[dict[str, Any]]]:
-    """(copies compared, copies that differ at the primary's log position, copies at another position)."""
+    """(copies compared, copies that differ, copies not comparable: ``behind``) of the servers in ``infos``
+    (server index → ``slot_info``), which answered under the maps of ``epochs`` (server index → epoch; m's
+    own where absent). A side with no position for a slot is behind when its server answered under another
+    map than ``m``, or when this is not the ``final`` read; else the copy differs."""
     differing: list[dict[str, Any]] = []
     behind: list[dict[str, Any]] = []
     checked = 0
+    epochs = epochs or {}
     for name in tables:
-        sums: dict[int, dict[int, tuple[int, int, int]]] = {}
+        sums: dict[int, dict[int, tuple[int, int, int, int]]] = {}
         for i, per_table in infos.items():
             t = per_table.get(name)
-            if t is None:
-                continue
-            sums[i] = dict(zip(t["slots"].tolist(), zip(t["checksums"].tolist(), t["lsn_epochs"].tolist(),
-                                                        t["lsn_indexes"].tolist(), t["rows"].tolist(), strict=True),
-                               strict=True))
+            sums[i] = {} if t is None else dict(zip(
+                t["slots"].tolist(), zip(t["checksums"].tolist(), t["lsn_epochs"].tolist(),
+                                         t["lsn_indexes"].tolist(), t["rows"].tolist(), strict=True), strict=True))
         for slot in range(m.num_slots):
             primary = int(m.copies[slot, 0])
-            if primary < 0 or primary not in sums:
+            if primary < 0 or primary not in sums:  # no primary, or one that did not answer (``unreachable``)
                 continue
+            mine = sums[primary].get(slot)
             for j in range(1, m.width):
                 c = int(m.copies[slot, j])
                 if c < 0 or m.states[slot, j] != IN_SYNC or c not in sums:
                     continue
-                mine, theirs = sums[primary].get(slot), sums[c].get(slot)
-                where = {"table": name, "slot": slot, "primary": m.servers[primary].id, "copy": m.servers[c].id}
-                if mine is not None and theirs is not None and mine[1:3] != theirs[1:3]:
-                    behind.append({**where, "primary_lsn": list(mine[1:3]), "copy_lsn": list(theirs[1:3])})
+                theirs = sums[c].get(slot)
+                where = {"table": name, "slot": slot, "primary": m.servers[primary].id, "copy": m.servers[c].id,
+                         "primary_lsn": list(mine[1:3]) if mine else None,
+                         "copy_lsn": list(theirs[1:3]) if theirs else None}
+                lacking = [k for k, got in ((primary, mine), (c, theirs)) if got is None]
+                elsewhere = any(epochs.get(k, m.epoch) != m.epoch for k in lacking)
+                if (lacking and (elsewhere or not final)) or (not lacking and mine[1:3] != theirs[1:3]):
+                    behind.append({**where, "primary_map_epoch": epochs.get(primary, m.epoch),
+                                   "copy_map_epoch": epochs.get(c, m.epoch)})
                     continue
                 checked += 1
-                if (mine or (None,))[0] != (theirs or (None,))[0]:  # what differs, for whoever looks into it
-                    differing.append({**where, "primary_lsn": list(mine[1:3]) if mine else None,
-                                      "copy_lsn": list(theirs[1:3]) if theirs else None,
-                                      "primary_rows": mine[3] if mine else None,
+                if lacking or mine[0] != theirs[0]:  # what differs, for whoever looks into it
+                    differing.append({**where, "primary_rows": mine[3] if mine else None,
                                       "copy_rows": theirs[3] if theirs else None})
     return checked, differing, behind
 
