@@ -11,7 +11,6 @@ the same rows: the pooled rows, the loss and the rows after each step match. Two
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -26,15 +25,6 @@ from tigana.trainer.keyed import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTen
 LR = 0.1
 ROWS = 50  # ids 0..49 per table
 STEPS = 5
-
-
-@pytest.fixture
-def client(shard_cluster) -> Iterator[ps.Client]:
-    c = ps.connect(shard_cluster.addresses)
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def _options(seed: int) -> TableOptions:

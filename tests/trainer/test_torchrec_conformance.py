@@ -11,8 +11,6 @@ and rows; a batch lacking a feature is refused by both with a ``KeyError``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -31,15 +29,6 @@ BATCH = 6
 VOCAB = np.sort(np.concatenate([np.arange(10), [2**63 - 1, 2**63 - 2, -2**63, -2**63 + 1, 2**62 + 7]])
                 ).astype(np.int64)
 TOL = {"rtol": 1e-5, "atol": 1e-6}
-
-
-@pytest.fixture(scope="module")
-def client(shard_cluster) -> Iterator[ps.Client]:
-    c = ps.connect(shard_cluster.addresses)
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def _options(seed: int) -> TableOptions:

@@ -7,8 +7,6 @@ step. Skipped where CUDA is not available. Run alone on a GPU machine:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -26,15 +24,6 @@ from tigana.trainer import (
 from tigana.trainer.embedding.collection import _to_device
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.fixture(scope="module")
-def client(shard_cluster) -> Iterator[ps.Client]:
-    c = ps.connect(shard_cluster.addresses)
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def _options() -> TableOptions:  # the same seed: both prefixes' tables start from the same rows

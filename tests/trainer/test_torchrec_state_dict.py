@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -30,15 +29,6 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConf
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
 
 ROWS = 12
-
-
-@pytest.fixture(scope="module")
-def client(shard_cluster) -> Iterator[ps.Client]:
-    c = ps.connect(shard_cluster.addresses)
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def _options(optimizer: object = None) -> TableOptions:
