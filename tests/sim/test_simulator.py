@@ -95,3 +95,11 @@ def test_servers_read_the_worlds_clocks_only(tmp_path) -> None:  # noqa: ANN001
     finally:
         for server in run.servers.values():
             server.close()
+
+
+def test_a_primary_restarted_mid_hand_over_may_lose_its_async_writes() -> None:
+    # Seed 517 (busy 15): s1 is handing slots 0-4 over when it crash-restarts; the map then names s0 primary
+    # with s1 up again under a new boot. A new process never drained what the old one acknowledged: an unplanned
+    # primary change, where async writes may be lost (S7 fired here while the checker took it for a hand-over).
+    out = run_seed(517, Settings(busy_s=15.0, faults=True, servers=3))
+    assert out.ok, (out.violations, "\n".join(out.minimal_trace(120)))

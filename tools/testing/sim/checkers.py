@@ -119,8 +119,10 @@ class Checkers:
             old_primary = old_ids[int(was[0])] if was[0] >= 0 else None
             if primary is not None and primary != old_primary:
                 # planned: a hand-over its old primary completed (it drained first); unplanned: a failover,
-                # also one that cut a hand-over short (its old primary declared dead meanwhile)
-                if old_primary is not None and (int(was_states[0]) != HANDING_OVER or not new_up.get(old_primary)):
+                # also one that cut a hand-over short (its old primary declared dead meanwhile, or restarted: a
+                # new process, up again under another boot, never drained what the old one acknowledged)
+                if old_primary is not None and (int(was_states[0]) != HANDING_OVER or not new_up.get(old_primary)
+                                                or boots.get(old_primary) != old_boots.get(old_primary)):
                     self.exact.primary_lost(np.array([slot]))
                 if before.get(primary, CATCHING_UP) != CATCHING_UP and boots.get(primary) == old_boots.get(primary):
                     pass  # an in-sync copy promoted (or a hand-over completed)
