@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import os
 import resource
 import signal
 from collections.abc import Callable, Iterator
@@ -89,11 +88,17 @@ def _cpu_seconds() -> float:
 _CPU_BY_FILE: dict[str, float] = {}
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--cpu-report", metavar="FILE", default=None,
+                     help="append each test file's CPU seconds (the test process and the children it waited for) "
+                          "to FILE, one JSON line per worker: how tests/suite_order.py is measured")
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    """With ``TIGANA_CPU_REPORT=FILE``: the CPU seconds of each test file (this process and every child it
-    waited for), appended to FILE as one JSON line per worker at the end; how ``suite_order.py`` is measured."""
-    if not os.environ.get("TIGANA_CPU_REPORT"):
+    """With ``--cpu-report FILE``: the CPU seconds of each test file (this process and every child it waited
+    for), appended to FILE as one JSON line per worker at the end; how ``suite_order.py`` is measured."""
+    if not item.config.getoption("--cpu-report"):
         return (yield)
     before = _cpu_seconds()
     try:
@@ -104,7 +109,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    report = os.environ.get("TIGANA_CPU_REPORT")
+    report = session.config.getoption("--cpu-report")
     if report and _CPU_BY_FILE:
         with open(report, "a") as f:
             f.write(json.dumps({k: round(v, 1) for k, v in _CPU_BY_FILE.items()}) + "\n")
