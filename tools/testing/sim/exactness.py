@@ -211,9 +211,9 @@ class Exactness:
               lost: np.ndarray, losing: np.ndarray, server: Any, hosted: Any, doubt: list, acked: np.ndarray,
               acked_w: np.ndarray, sent: np.ndarray, sent_w: np.ndarray, epoch: int) -> list[str]:
         """The violations of one server's copy of one ledger table (values ``v``)."""
-        over = np.flatnonzero((v[:, 0] > sent) | (v[:, 1] > sent_w))
-        if over.size:
-            k = int(over[0])
+        over = (v[:, 0] > sent) | (v[:, 1] > sent_w)
+        if over.any():
+            k = int(over.argmax())  # the first one
             return [f"S6: {who} {name} id {k} at {v[k].tolist()}, only {sent[k]} push(es) of it were sent, "
                     f"weighing {sent_w[k]} (applied twice)"]
         if sync:
@@ -224,9 +224,9 @@ class Exactness:
             must = primary & leads & ~losing
         out = self._exact(who, name, sync, v, must & ~lost, primary, hosted.dedup, doubt, acked, acked_w, epoch)
         if sync and not out:  # ids lost with every copy of their slot: at least the floor ``lose_slots`` left
-            short = np.flatnonzero(held & lost & (v[:, 0] < acked))
-            if short.size:
-                k = int(short[0])
+            short = held & lost & (v[:, 0] < acked)
+            if short.any():
+                k = int(short.argmax())
                 out.append(f"S1: {who} (in sync for slot {int(self.run.slots[k])} at epoch {epoch}) has {name} "
                            f"id {k} at {v[k, 0]}, {acked[k]} acknowledged since its last snapshot")
         return out
@@ -241,26 +241,26 @@ class Exactness:
         r0, r1 = v[:, 0] - acked, v[:, 1] - acked_w
         slots = self.run.slots
         rule = "S1" if sync else "S7"
-        low = np.flatnonzero(exact & (r0 < e0))
-        if low.size:
-            k = int(low[0])
+        low = exact & (r0 < e0)
+        if low.any():
+            k = int(low.argmax())
             role = "primary" if primary[k] else "in-sync copy"
             return [f"{rule}: {who} ({role} of slot {int(slots[k])} at epoch {epoch}) has {name} id {k} at "
                     f"{v[k].tolist()}, {acked[k]} push(es) acknowledged weighing {acked_w[k]} and {e0[k]} in "
                     f"doubt applied here weighing {e1[k]} (lost)"]
-        high = np.flatnonzero(exact & (r0 > e0))
-        if high.size:
-            k = int(high[0])
+        high = exact & (r0 > e0)
+        if high.any():
+            k = int(high.argmax())
             return [f"S6: {who} has {name} id {k} at {v[k].tolist()}: {acked[k]} push(es) acknowledged and "
                     f"{e0[k]} in doubt applied here (its exactly-once window) make {acked[k] + e0[k]} (applied twice)"]
-        swap = np.flatnonzero(exact & (r1 != e1))
-        if swap.size:
-            k = int(swap[0])
+        swap = exact & (r1 != e1)
+        if swap.any():
+            k = int(swap.argmax())
             return [f"S6: {who} has {name} id {k} at {v[k].tolist()}: the right number of pushes, but weighing "
                     f"{v[k, 1]}, not {acked_w[k] + e1[k]}: one push applied twice and another lost"]
-        loose = np.flatnonzero(must & ~exact & (v[:, 0] < acked - allow))
-        if loose.size:
-            k = int(loose[0])
+        loose = must & ~exact & (v[:, 0] < acked - allow)
+        if loose.any():
+            k = int(loose.argmax())
             return [f"{rule}: {who} (slot {int(slots[k])} at epoch {epoch}) has {name} id {k} at {v[k, 0]}, "
                     f"{acked[k]} acknowledged ({allow[k]} of them may have been lost with a primary)"]
         return []
