@@ -62,6 +62,7 @@ class Exactness:
         self.passed = Passed()  # (server, table): the inputs its last check passed with
         self._map: Any = None  # the map the per-map arrays below are of
         self._held: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # server index -> (held, primary) per id
+        self._join: tuple[list, tuple[np.ndarray, ...]] | None = None  # the pushes in doubt last joined (``_joined``)
 
     # --- reading the copies ---
     def values(self, server: Any, hosted: Any) -> np.ndarray:
@@ -93,13 +94,12 @@ class Exactness:
         e0, e1, unknown = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
         if not pushes:
             return e0, e1, unknown
-        num_slots, nbytes = self.run.s.num_slots, (self.run.s.num_slots + 7) // 8
+        owner, at, slot, pending, weight = self._joined(pushes)
+        nbytes = (self.run.s.num_slots + 7) // 8
         applied = np.zeros((len(pushes), nbytes), np.uint8)  # per push: the slots the window applied it for
         blind = np.zeros((len(pushes), nbytes), np.uint8)  # ... the slots it may lack records of
         untold = np.zeros(len(pushes), bool)  # ... the window cannot tell for any slot
         for j, p in enumerate(pushes):
-            if p.slots is None:
-                p.slots = slot_of(p.ids, num_slots)
             record = window_record(window, p.client_id, p.seq)
             if record is None:
                 untold[j] = True
@@ -108,11 +108,7 @@ class Exactness:
                 applied[j] = record[0]
             if record[1] is not None:
                 blind[j] = record[1]
-        sizes = [p.ids.size for p in pushes]
-        owner = np.repeat(np.arange(len(pushes)), sizes)
-        at = np.concatenate([p.ids for p in pushes])
-        slot = np.concatenate([p.slots for p in pushes])
-        keep = np.concatenate([p.pending for p in pushes]) & ids[at]
+        keep = pending & ids[at]
         if not keep.any():
             return e0, e1, unknown
         byte, bit = slot >> 3, (slot & 7).astype(np.uint8)
@@ -123,9 +119,24 @@ class Exactness:
         unknown[at[out]] = True
         hit = keep & done & ~out
         e0 = np.bincount(at[hit], minlength=n)
-        weights = np.array([p.weight for p in pushes], np.float64)[owner[hit]]
+        weights = weight[owner[hit]]
         e1 = np.rint(np.bincount(at[hit], weights=weights, minlength=n)).astype(np.int64)  # sums far below 2**53
         return e0, e1, unknown
+
+    def _joined(self, pushes: list) -> tuple[np.ndarray, ...]:
+        """Every push's ids at once: (push of each, id, slot, pending) per id and (weight) per push. Joined once
+        per list: a check reads the same list of pushes in doubt for every copy of a table."""
+        if self._join is not None and self._join[0] is pushes:
+            return self._join[1]
+        num_slots = self.run.s.num_slots
+        for p in pushes:
+            if p.slots is None:
+                p.slots = slot_of(p.ids, num_slots)
+        joined = (np.repeat(np.arange(len(pushes)), [p.ids.size for p in pushes]),
+                  np.concatenate([p.ids for p in pushes]), np.concatenate([p.slots for p in pushes]),
+                  np.concatenate([p.pending for p in pushes]), np.array([p.weight for p in pushes], np.float64))
+        self._join = (pushes, joined)
+        return joined
 
     # --- the checks ---
     def check(self, pushed: dict[str, list]) -> list[str]:
