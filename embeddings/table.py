@@ -130,13 +130,18 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
             self._counters["lookups"] += n
             self._counters["hits"] += n - misses
             if misses:
-                miss = np.flatnonzero(positions < 0)
-                positions[miss] = self._materialize(ids[miss], insert=insert, count=True, hold=positions)
+                miss = (positions < 0).nonzero()[0]
+                # a read-only pull with nothing spilled stores nor brings back any row: its misses stay misses
+                brings = insert or len(self._spilled)
+                if brings:
+                    positions[miss] = self._materialize(ids[miss], insert=insert, count=True, hold=positions)
                 if gathered:  # fill in what the gather could not
-                    got = miss[positions[miss] >= 0]
-                    out[got] = self._slab.read_weights(positions[got])
-                    self._slab.stamp_access(positions[got], self._clock)
-                    none = miss[positions[miss] < 0]
+                    none = miss
+                    if brings:
+                        got = miss[positions[miss] >= 0]
+                        out[got] = self._slab.read_weights(positions[got])
+                        self._slab.stamp_access(positions[got], self._clock)
+                        none = miss[positions[miss] < 0]
                     out[none] = absent(ids[none])
             if not gathered:
                 have = positions >= 0
