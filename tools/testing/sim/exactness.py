@@ -95,6 +95,9 @@ class Exactness:
         if not pushes:
             return e0, e1, unknown
         owner, at, slot, pending, weight = self._joined(pushes)
+        keep = pending & ids[at]
+        if not keep.any():  # no push in doubt of these ids: nothing to read of the window
+            return e0, e1, unknown
         nbytes = (self.run.s.num_slots + 7) // 8
         applied = np.zeros((len(pushes), nbytes), np.uint8)  # per push: the slots the window applied it for
         blind = np.zeros((len(pushes), nbytes), np.uint8)  # ... the slots it may lack records of
@@ -108,9 +111,6 @@ class Exactness:
                 applied[j] = record[0]
             if record[1] is not None:
                 blind[j] = record[1]
-        keep = pending & ids[at]
-        if not keep.any():
-            return e0, e1, unknown
         byte, bit = slot >> 3, (slot & 7).astype(np.uint8)
         done = ((applied[owner, byte] >> bit) & 1).astype(bool)
         unsure = keep & ~done & ((blind[owner, byte] >> bit) & 1).astype(bool)
