@@ -43,6 +43,7 @@ from tigana.embeddings.tombstones import Tombstones
 from tigana.embeddings.unseen import Unseen
 
 _log = logging.getLogger(__name__)
+_NOT_RECORDING = contextlib.nullcontext()  # reentrant and stateless: one for every call
 
 
 def _wall_time() -> float:
@@ -379,12 +380,13 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
             return out
 
     # --- replication support -----------------------------------------------------------------------------------------
+    def _recording(self, changes: Changes | None) -> contextlib.AbstractContextManager[None]:
+        """Record into ``changes`` for the duration of one call (the caller holds the table lock); nothing to
+        record: a shared no-op context (a generator-based one cost each call almost a microsecond)."""
+        return _NOT_RECORDING if changes is None else self._recording_into(changes)
+
     @contextlib.contextmanager
-    def _recording(self, changes: Changes | None) -> Iterator[None]:
-        """Record into ``changes`` for the duration of one call (the caller holds the table lock)."""
-        if changes is None:
-            yield
-            return
+    def _recording_into(self, changes: Changes) -> Iterator[None]:
         self._changes = changes
         try:
             yield
