@@ -152,6 +152,8 @@ class TableFields:
             if g.ndim == 2 and g.shape[0] == n:
                 raise self._bad(field, f"has dim {g.shape[1]} but the table's dim is {self.dim}")
             raise self._bad(field, f"must have shape ({n}, {self.dim}) to match ids, got {g.shape}")
+        if g.dtype == np.float32:  # nothing to narrow (``errstate`` costs a small batch's check three times over)
+            return np.ascontiguousarray(g)
         with np.errstate(over="ignore"):  # float64 beyond float32 becomes Inf, which push then rejects
             return np.ascontiguousarray(g, np.float32)
 

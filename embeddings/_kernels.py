@@ -233,6 +233,22 @@ if AVAILABLE:
                 last_access[r] = clock
             dirty[r] = mark
 
+    @njit(nogil=True, cache=True)
+    def write_meta(rows, counts, steps, times, update_count, last_step, last_time, last_access, dirty, step_base,
+                   time_base, access, mark):
+        """``Slab.write``'s columns of whole rows at unique ``rows``: update counts (clamped to uint32), step and
+        time codes (``Slab.step_codes``/``time_codes`` of finite times, the same float64 operations), access
+        clock (when kept), snapshot mark."""
+        track = last_access.shape[0] > 0
+        for i in range(rows.shape[0]):
+            r = rows[i]
+            update_count[r] = min(counts[i], 4294967295)
+            last_step[r] = min(max(steps[i] - step_base, 0), 4294967295)
+            last_time[r] = np.uint32(min(max(np.ceil((times[i] - time_base) * 128.0), 0.0), 4294967295.0))
+            if track:
+                last_access[r] = access
+            dirty[r] = mark
+
     # Reassociation lets the row reductions (row-wise Adagrad's mean of g²) vectorize: about 5x faster.
     # No finite-math assumptions: NaN/Inf stay well defined. error_model="numpy" drops numba's per-divide
     # zero check (which blocks vectorization): the adagrad kernel ran about 4x faster with it.

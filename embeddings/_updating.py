@@ -66,7 +66,7 @@ class Updating:
         """The rows the optimizer would make of ``grads`` of ``ids`` (resident at ``positions``, -1 elsewhere),
         and which would not be finite; the table is not changed. Duplicate ids are summed in batch order."""
         keys = np.array(positions, np.int64)
-        miss = np.flatnonzero(keys < 0)
+        miss = (keys < 0).nonzero()[0]  # 1-D: ``np.flatnonzero``'s ravel and wrappers cost more than a small batch
         missing = np.empty(0, np.int64)
         if miss.size:
             missing, inverse = np.unique(ids[miss], return_inverse=True)
@@ -78,7 +78,7 @@ class Updating:
         slab, opt = self._slab, self.config.optimizer
         k = groups.shape[0]
         live = np.ones(k, bool)
-        at, absent = np.flatnonzero(groups >= 0), np.flatnonzero(groups < 0)
+        at, absent = (groups >= 0).nonzero()[0], (groups < 0).nonzero()[0]
         a_w, a_s, a_count = self._absent_rows(missing[-2 - groups[absent]], live, absent)
         steps = None
         if isinstance(opt, Adam):

@@ -43,6 +43,7 @@ from tigana.embeddings.tombstones import Tombstones
 from tigana.embeddings.unseen import Unseen
 
 _log = logging.getLogger(__name__)
+_NOT_RECORDING = contextlib.nullcontext()  # reentrant and stateless: one for every call
 
 
 def _wall_time() -> float:
@@ -130,13 +131,18 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
             self._counters["lookups"] += n
             self._counters["hits"] += n - misses
             if misses:
-                miss = np.flatnonzero(positions < 0)
-                positions[miss] = self._materialize(ids[miss], insert=insert, count=True, hold=positions)
+                miss = (positions < 0).nonzero()[0]
+                # a read-only pull with nothing spilled stores nor brings back any row: its misses stay misses
+                brings = insert or len(self._spilled)
+                if brings:
+                    positions[miss] = self._materialize(ids[miss], insert=insert, count=True, hold=positions)
                 if gathered:  # fill in what the gather could not
-                    got = miss[positions[miss] >= 0]
-                    out[got] = self._slab.read_weights(positions[got])
-                    self._slab.stamp_access(positions[got], self._clock)
-                    none = miss[positions[miss] < 0]
+                    none = miss
+                    if brings:
+                        got = miss[positions[miss] >= 0]
+                        out[got] = self._slab.read_weights(positions[got])
+                        self._slab.stamp_access(positions[got], self._clock)
+                        none = miss[positions[miss] < 0]
                     out[none] = absent(ids[none])
             if not gathered:
                 have = positions >= 0
@@ -374,12 +380,13 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
             return out
 
     # --- replication support -----------------------------------------------------------------------------------------
+    def _recording(self, changes: Changes | None) -> contextlib.AbstractContextManager[None]:
+        """Record into ``changes`` for the duration of one call (the caller holds the table lock); nothing to
+        record: a shared no-op context (a generator-based one cost each call almost a microsecond)."""
+        return _NOT_RECORDING if changes is None else self._recording_into(changes)
+
     @contextlib.contextmanager
-    def _recording(self, changes: Changes | None) -> Iterator[None]:
-        """Record into ``changes`` for the duration of one call (the caller holds the table lock)."""
-        if changes is None:
-            yield
-            return
+    def _recording_into(self, changes: Changes) -> Iterator[None]:
         self._changes = changes
         try:
             yield

@@ -22,15 +22,24 @@ _DURABILITY = {"sync": pb.DURABILITY_SYNC, "async": pb.DURABILITY_ASYNC}
 _DURABILITY_NAME = {pb.DURABILITY_SYNC: "sync", pb.DURABILITY_ASYNC: "async", pb.DURABILITY_DEFAULT: "sync"}
 
 
-def array(data: bytes, dtype: str, *, field: str, count: int | None = None) -> np.ndarray:
-    """Packed bytes -> a read-only numpy array of ``dtype``, checking the size (and ``count`` when given)."""
-    itemsize = np.dtype(dtype).itemsize
+def array(data: bytes, dtype: str, *, field: str, count: int | None = None, table: str | None = None) -> np.ndarray:
+    """Packed bytes -> a read-only numpy array of ``dtype``, checking the size (and ``count`` when given).
+    ``table``: the field is named ``table {table!r}: {field}`` (formatted only for an error: a replicated item
+    decodes a dozen fields)."""
+    itemsize = _ITEMSIZE.get(dtype) or np.dtype(dtype).itemsize
     if len(data) % itemsize:
-        raise InvalidArgument(f"field {field!r} has {len(data)} bytes, not a multiple of {itemsize}")
+        raise InvalidArgument(f"field {_named(field, table)!r} has {len(data)} bytes, not a multiple of {itemsize}")
     a = np.frombuffer(data, dtype)
     if count is not None and a.shape[0] != count:
-        raise InvalidArgument(f"field {field!r} has {a.shape[0]} values, expected {count}")
+        raise InvalidArgument(f"field {_named(field, table)!r} has {a.shape[0]} values, expected {count}")
     return a
+
+
+_ITEMSIZE = {"<i4": 4, "<i8": 8, "<u8": 8, "<f4": 4, "<f8": 8}
+
+
+def _named(field: str, table: str | None) -> str:
+    return field if table is None else f"table {table!r}: {field}"
 
 
 def packed(a: np.ndarray, dtype: str) -> bytes:
@@ -107,18 +116,17 @@ def rows_to_pb(b: RowBatch) -> pb.RowBlock:
 
 
 def rows_from_pb(msg: pb.RowBlock, *, dim: int, state_width: int, table: str) -> RowBatch:
-    where = f"table {table!r}: RowBlock"
     if msg.dim != dim or msg.state_width != state_width:
-        raise InvalidArgument(f"{where} has dim {msg.dim} and state width {msg.state_width}, the table "
+        raise InvalidArgument(f"table {table!r}: RowBlock has dim {msg.dim} and state width {msg.state_width}, the table "
                               f"{dim} and {state_width}")
-    ids = array(msg.ids, "<i8", field=f"{where}.ids")
+    ids = array(msg.ids, "<i8", field="RowBlock.ids", table=table)
     n = ids.shape[0]
     return RowBatch(
-        ids, array(msg.weights, "<f4", field=f"{where}.weights", count=n * dim).reshape(n, dim),
-        array(msg.state, "<f4", field=f"{where}.state", count=n * state_width).reshape(n, state_width),
-        array(msg.update_count, "<i8", field=f"{where}.update_count", count=n),
-        array(msg.last_step, "<i8", field=f"{where}.last_step", count=n),
-        array(msg.last_time, "<f8", field=f"{where}.last_time", count=n))
+        ids, array(msg.weights, "<f4", field="RowBlock.weights", table=table, count=n * dim).reshape(n, dim),
+        array(msg.state, "<f4", field="RowBlock.state", table=table, count=n * state_width).reshape(n, state_width),
+        array(msg.update_count, "<i8", field="RowBlock.update_count", table=table, count=n),
+        array(msg.last_step, "<i8", field="RowBlock.last_step", table=table, count=n),
+        array(msg.last_time, "<f8", field="RowBlock.last_time", table=table, count=n))
 
 
 # --- replication items ----------------------------------------------------------------------------------
@@ -171,23 +179,23 @@ class Item:
 
 def item_from_pb(msg: pb.ReplicationItem, *, dim: int, state_width: int) -> Item:
     t = msg.table
-    slots = array(msg.slots, "<i4", field=f"table {t!r}: item.slots")
+    slots = array(msg.slots, "<i4", field="item.slots", table=t)
     prev = np.zeros((0, 2), np.uint64)
     if msg.prev_epochs or msg.prev_indexes:
         k = slots.shape[0]
-        prev = np.stack([array(msg.prev_epochs, "<u8", field=f"table {t!r}: item.prev_epochs", count=k),
-                         array(msg.prev_indexes, "<u8", field=f"table {t!r}: item.prev_indexes", count=k)],
+        prev = np.stack([array(msg.prev_epochs, "<u8", field="item.prev_epochs", table=t, count=k),
+                         array(msg.prev_indexes, "<u8", field="item.prev_indexes", table=t, count=k)],
                         axis=1)
     rows = rows_from_pb(msg.rows, dim=dim, state_width=state_width, table=t) if msg.HasField("rows") else None
     sightings = None
     if msg.sighting_ids:
-        ids = array(msg.sighting_ids, "<i8", field=f"table {t!r}: item.sighting_ids")
-        sightings = (ids, array(msg.sighting_counts, "<i8", field=f"table {t!r}: item.sighting_counts",
+        ids = array(msg.sighting_ids, "<i8", field="item.sighting_ids", table=t)
+        sightings = (ids, array(msg.sighting_counts, "<i8", field="item.sighting_counts", table=t,
                                 count=ids.shape[0]))
-    dedup = [(d.client_id, int(d.seq), array(d.slots, "<i4", field=f"table {t!r}: item.dedup.slots"))
+    dedup = [(d.client_id, int(d.seq), array(d.slots, "<i4", field="item.dedup.slots", table=t))
              for d in msg.dedup]
     return Item(msg.kind, t, slots, (int(msg.lsn_epoch), int(msg.lsn_index)), prev, rows,
-                array(msg.deletes, "<i8", field=f"table {t!r}: item.deletes"), sightings, int(msg.step), dedup,
+                array(msg.deletes, "<i8", field="item.deletes", table=t), sightings, int(msg.step), dedup,
                 table_epoch=int(msg.table_epoch), copy_id=int(msg.copy_id), after=int(msg.after_seq))
 
 
@@ -354,12 +362,12 @@ def decode_item(view: memoryview | pb.ReplicationItem, *, dim: int, state_width:
             f[field_no] = wire._len_value(value, field_no)
     where = f"table {table!r}: item"
     empty = memoryview(b"")
-    slots = array(f.get(5, empty), "<i4", field=f"{where}.slots")
+    slots = array(f.get(5, empty), "<i4", field="item.slots", table=table)
     prev = np.zeros((0, 2), np.uint64)
     if 6 in f or 7 in f:
         k = slots.shape[0]
-        prev = np.stack([array(f.get(6, empty), "<u8", field=f"{where}.prev_epochs", count=k),
-                         array(f.get(7, empty), "<u8", field=f"{where}.prev_indexes", count=k)], axis=1)
+        prev = np.stack([array(f.get(6, empty), "<u8", field="item.prev_epochs", table=table, count=k),
+                         array(f.get(7, empty), "<u8", field="item.prev_indexes", table=table, count=k)], axis=1)
     rows = None
     if rows_view is not None:
         g: dict[int, memoryview] = {}
@@ -384,10 +392,11 @@ def decode_item(view: memoryview | pb.ReplicationItem, *, dim: int, state_width:
                         _view_array(g.get(6, empty), "<f8", f"{where}.rows.last_time", n))
     sightings = None
     if 10 in f:
-        sid = array(f[10], "<i8", field=f"{where}.sighting_ids")
-        sightings = (sid, array(f.get(11, empty), "<i8", field=f"{where}.sighting_counts", count=sid.shape[0]))
+        sid = array(f[10], "<i8", field="item.sighting_ids", table=table)
+        sightings = (sid, array(f.get(11, empty), "<i8", field="item.sighting_counts", table=table,
+                                count=sid.shape[0]))
     return Item(kind, table, slots, (int(lsn_e), int(lsn_i)), prev, rows,
-                array(f.get(9, empty), "<i8", field=f"{where}.deletes"), sightings, int(step), dedup,
+                array(f.get(9, empty), "<i8", field="item.deletes", table=table), sightings, int(step), dedup,
                 table_epoch=int(table_epoch), copy_id=int(copy_id), after=int(after))
 
 

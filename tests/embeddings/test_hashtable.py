@@ -163,8 +163,10 @@ def test_a_partitioned_lookup_reads_the_arrays_a_growth_or_a_clear_put_in_place(
             ref.update(zip(ids.tolist(), range(len(ref), len(ref) + ids.size), strict=True))
             probe = np.array(list(ref), np.int64)
             assert index.lookup(probe).tolist() == list(ref.values())
+            assert len(index) == len(ref) == sum(map(len, index.partitions()))
         index.clear()
         assert (index.lookup(probe) == -1).all(), round_
+        assert len(index) == 0
         ref = {}
 
 

@@ -10,11 +10,13 @@
 from __future__ import annotations
 
 import time
+from unittest.mock import patch
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tigana.embeddings import slab as slab_module
 from tigana.embeddings.rows import RowBatch
 from tigana.embeddings.slab import TIME_TICKS, Slab
 
@@ -108,3 +110,27 @@ def test_one_write_codes_match_the_array_path(writes: list[tuple[int, float]]) -
         assert scalar.step_code(step) == int(arrays.step_codes(np.array([step], np.int64))[0])
         assert scalar.time_code(t) == int(arrays.time_codes(np.array([t], np.float64))[0])
         assert (scalar.step_base, scalar.time_base) == (arrays.step_base, arrays.time_base)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.tuples(step_st, st.one_of(time_st, st.sampled_from([float("nan"), -float("inf")])),
+                                   st.integers(-3, 2**33)), min_size=1, max_size=12), min_size=1, max_size=8),
+       st.booleans())
+def test_a_whole_row_write_codes_its_columns_as_the_array_path(batches: list[list[tuple[int, float, int]]],
+                                                                track: bool) -> None:
+    # a replicated item's rows are written in one compiled pass when the kernels are there: the same columns
+    # (counts clamped, step and time codes, bases moved, access clock, mark) as the numpy path, batch after batch
+    fused, arrays = Slab(2, 1, track_access=track), Slab(2, 1, track_access=track)
+    for k, rows in enumerate(batches):
+        positions = np.arange(len(rows), dtype=np.int64)[::-1].copy()
+        batch = _batch([r[0] for r in rows], [r[1] for r in rows])
+        batch = RowBatch(batch.ids, batch.weights, batch.state, np.asarray([r[2] for r in rows], np.int64),
+                         batch.last_step, batch.last_time)
+        for slab in (fused, arrays):
+            slab.allocate(max(0, len(rows) - slab.high_water))
+        fused.write(positions, batch, access=k + 1)
+        with patch.object(slab_module._kernels, "AVAILABLE", False):
+            arrays.write(positions, batch, access=k + 1)
+        for column in ("update_count", "last_step", "last_time", "last_access", "dirty"):
+            np.testing.assert_array_equal(getattr(fused, column), getattr(arrays, column), err_msg=column)
+        assert (fused.step_base, fused.time_base) == (arrays.step_base, arrays.time_base)

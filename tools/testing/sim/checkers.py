@@ -29,6 +29,8 @@ from tigana.tools.testing.sim.memo import Passed
 
 __all__ = ["Checkers"]
 
+_NO_POSITION = np.iinfo(np.uint64).max  # a log position no item reached
+
 
 def _position_key(positions: np.ndarray) -> tuple[int, int]:
     """One slot's (epoch, index) as a comparable key; no position (a slot not held) is the lowest."""
@@ -218,19 +220,19 @@ class Checkers:
             for i, server, hosted in copies:
                 positions[i], values[i], valid[i] = hosted.log.positions, self.exact.values(server, hosted), True
             p = m.copies[:, 0]
-            pi = np.clip(p, 0, None)
+            pi = np.maximum(p, 0)  # np.clip's wrappers cost more than the work
             for col in range(1, m.copies.shape[1]):
                 c = m.copies[:, col]
-                ci = np.clip(c, 0, None)
+                ci = np.maximum(c, 0)
                 same = ((p >= 0) & (c >= 0) & valid[pi] & valid[ci] & (m.states[:, col] == IN_SYNC)
                         & (positions[pi, every] == positions[ci, every]).all(axis=1)
-                        & (positions[pi, every, 0] != np.iinfo(np.uint64).max))
+                        & (positions[pi, every, 0] != _NO_POSITION))
                 if not same.any():
                     continue
                 vp, vc = values[pi[slots], run.ids], values[ci[slots], run.ids]
-                differ = np.flatnonzero(same[slots] & (vp != vc).any(axis=1))
-                if differ.size:
-                    k = int(differ[0])
+                differ = same[slots] & (vp != vc).any(axis=1)
+                if differ.any():
+                    k = int(differ.argmax())  # the first one
                     slot = int(slots[k])
                     found = (f"S5: {m.servers[int(c[slot])].id} and its primary {m.servers[int(p[slot])].id} are both "
                              f"at position {positions[pi[slot], slot].tolist()} of slot {slot} of {name} and differ: "

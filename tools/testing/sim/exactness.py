@@ -62,6 +62,7 @@ class Exactness:
         self.passed = Passed()  # (server, table): the inputs its last check passed with
         self._map: Any = None  # the map the per-map arrays below are of
         self._held: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # server index -> (held, primary) per id
+        self._join: tuple[list, tuple[np.ndarray, ...]] | None = None  # the pushes in doubt last joined (``_joined``)
 
     # --- reading the copies ---
     def values(self, server: Any, hosted: Any) -> np.ndarray:
@@ -93,13 +94,15 @@ class Exactness:
         e0, e1, unknown = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
         if not pushes:
             return e0, e1, unknown
-        num_slots, nbytes = self.run.s.num_slots, (self.run.s.num_slots + 7) // 8
+        owner, at, slot, pending, weight = self._joined(pushes)
+        keep = pending & ids[at]
+        if not keep.any():  # no push in doubt of these ids: nothing to read of the window
+            return e0, e1, unknown
+        nbytes = (self.run.s.num_slots + 7) // 8
         applied = np.zeros((len(pushes), nbytes), np.uint8)  # per push: the slots the window applied it for
         blind = np.zeros((len(pushes), nbytes), np.uint8)  # ... the slots it may lack records of
         untold = np.zeros(len(pushes), bool)  # ... the window cannot tell for any slot
         for j, p in enumerate(pushes):
-            if p.slots is None:
-                p.slots = slot_of(p.ids, num_slots)
             record = window_record(window, p.client_id, p.seq)
             if record is None:
                 untold[j] = True
@@ -108,13 +111,6 @@ class Exactness:
                 applied[j] = record[0]
             if record[1] is not None:
                 blind[j] = record[1]
-        sizes = [p.ids.size for p in pushes]
-        owner = np.repeat(np.arange(len(pushes)), sizes)
-        at = np.concatenate([p.ids for p in pushes])
-        slot = np.concatenate([p.slots for p in pushes])
-        keep = np.concatenate([p.pending for p in pushes]) & ids[at]
-        if not keep.any():
-            return e0, e1, unknown
         byte, bit = slot >> 3, (slot & 7).astype(np.uint8)
         done = ((applied[owner, byte] >> bit) & 1).astype(bool)
         unsure = keep & ~done & ((blind[owner, byte] >> bit) & 1).astype(bool)
@@ -123,9 +119,24 @@ class Exactness:
         unknown[at[out]] = True
         hit = keep & done & ~out
         e0 = np.bincount(at[hit], minlength=n)
-        weights = np.array([p.weight for p in pushes], np.float64)[owner[hit]]
+        weights = weight[owner[hit]]
         e1 = np.rint(np.bincount(at[hit], weights=weights, minlength=n)).astype(np.int64)  # sums far below 2**53
         return e0, e1, unknown
+
+    def _joined(self, pushes: list) -> tuple[np.ndarray, ...]:
+        """Every push's ids at once: (push of each, id, slot, pending) per id and (weight) per push. Joined once
+        per list: a check reads the same list of pushes in doubt for every copy of a table."""
+        if self._join is not None and self._join[0] is pushes:
+            return self._join[1]
+        num_slots = self.run.s.num_slots
+        for p in pushes:
+            if p.slots is None:
+                p.slots = slot_of(p.ids, num_slots)
+        joined = (np.repeat(np.arange(len(pushes)), [p.ids.size for p in pushes]),
+                  np.concatenate([p.ids for p in pushes]), np.concatenate([p.slots for p in pushes]),
+                  np.concatenate([p.pending for p in pushes]), np.array([p.weight for p in pushes], np.float64))
+        self._join = (pushes, joined)
+        return joined
 
     # --- the checks ---
     def check(self, pushed: dict[str, list]) -> list[str]:
@@ -211,9 +222,9 @@ class Exactness:
               lost: np.ndarray, losing: np.ndarray, server: Any, hosted: Any, doubt: list, acked: np.ndarray,
               acked_w: np.ndarray, sent: np.ndarray, sent_w: np.ndarray, epoch: int) -> list[str]:
         """The violations of one server's copy of one ledger table (values ``v``)."""
-        over = np.flatnonzero((v[:, 0] > sent) | (v[:, 1] > sent_w))
-        if over.size:
-            k = int(over[0])
+        over = (v[:, 0] > sent) | (v[:, 1] > sent_w)
+        if over.any():
+            k = int(over.argmax())  # the first one
             return [f"S6: {who} {name} id {k} at {v[k].tolist()}, only {sent[k]} push(es) of it were sent, "
                     f"weighing {sent_w[k]} (applied twice)"]
         if sync:
@@ -224,9 +235,9 @@ class Exactness:
             must = primary & leads & ~losing
         out = self._exact(who, name, sync, v, must & ~lost, primary, hosted.dedup, doubt, acked, acked_w, epoch)
         if sync and not out:  # ids lost with every copy of their slot: at least the floor ``lose_slots`` left
-            short = np.flatnonzero(held & lost & (v[:, 0] < acked))
-            if short.size:
-                k = int(short[0])
+            short = held & lost & (v[:, 0] < acked)
+            if short.any():
+                k = int(short.argmax())
                 out.append(f"S1: {who} (in sync for slot {int(self.run.slots[k])} at epoch {epoch}) has {name} "
                            f"id {k} at {v[k, 0]}, {acked[k]} acknowledged since its last snapshot")
         return out
@@ -241,26 +252,26 @@ class Exactness:
         r0, r1 = v[:, 0] - acked, v[:, 1] - acked_w
         slots = self.run.slots
         rule = "S1" if sync else "S7"
-        low = np.flatnonzero(exact & (r0 < e0))
-        if low.size:
-            k = int(low[0])
+        low = exact & (r0 < e0)
+        if low.any():
+            k = int(low.argmax())
             role = "primary" if primary[k] else "in-sync copy"
             return [f"{rule}: {who} ({role} of slot {int(slots[k])} at epoch {epoch}) has {name} id {k} at "
                     f"{v[k].tolist()}, {acked[k]} push(es) acknowledged weighing {acked_w[k]} and {e0[k]} in "
                     f"doubt applied here weighing {e1[k]} (lost)"]
-        high = np.flatnonzero(exact & (r0 > e0))
-        if high.size:
-            k = int(high[0])
+        high = exact & (r0 > e0)
+        if high.any():
+            k = int(high.argmax())
             return [f"S6: {who} has {name} id {k} at {v[k].tolist()}: {acked[k]} push(es) acknowledged and "
                     f"{e0[k]} in doubt applied here (its exactly-once window) make {acked[k] + e0[k]} (applied twice)"]
-        swap = np.flatnonzero(exact & (r1 != e1))
-        if swap.size:
-            k = int(swap[0])
+        swap = exact & (r1 != e1)
+        if swap.any():
+            k = int(swap.argmax())
             return [f"S6: {who} has {name} id {k} at {v[k].tolist()}: the right number of pushes, but weighing "
                     f"{v[k, 1]}, not {acked_w[k] + e1[k]}: one push applied twice and another lost"]
-        loose = np.flatnonzero(must & ~exact & (v[:, 0] < acked - allow))
-        if loose.size:
-            k = int(loose[0])
+        loose = must & ~exact & (v[:, 0] < acked - allow)
+        if loose.any():
+            k = int(loose.argmax())
             return [f"{rule}: {who} (slot {int(slots[k])} at epoch {epoch}) has {name} id {k} at {v[k, 0]}, "
                     f"{acked[k]} acknowledged ({allow[k]} of them may have been lost with a primary)"]
         return []

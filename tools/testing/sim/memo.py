@@ -16,6 +16,7 @@ pass. A skip that would have hidden a violation, or inputs that changed unseen, 
 from __future__ import annotations
 
 from collections.abc import Hashable
+from operator import is_
 from typing import Any
 
 __all__ = ["Passed"]
@@ -32,7 +33,7 @@ class Passed:
         """Whether ``subject`` passed last with the very same ``objects`` and equal ``values``."""
         prev = self._seen.get(subject)
         same = (prev is not None and len(prev[0]) == len(objects)
-                and all(a is b for a, b in zip(prev[0], objects, strict=True))
+                and all(map(is_, prev[0], objects))
                 and prev[1] == values)
         if not self.verify:
             return same
