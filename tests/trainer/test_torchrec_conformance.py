@@ -73,6 +73,26 @@ def _bag_tables(pooling: PoolingType) -> list[EmbeddingBagConfig]:
                                pooling=PoolingType.SUM)]
 
 
+def _sgd_step(loss: torch.Tensor, local_loss: torch.Tensor, ours: torch.nn.Module, theirs: torch.nn.Module) -> None:
+    """One step of both: ours pushes its gradients to the PS (flushed), TorchRec's rows take plain SGD."""
+    loss.backward()
+    local_loss.backward()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p -= LR * p.grad
+            p.grad = None
+    ours.flush()
+
+
+def _missing_features_refused(rng: np.random.Generator, ours: torch.nn.Module, theirs: torch.nn.Module,
+                              weighted: bool) -> None:
+    """A batch lacking features both read: ours names them, TorchRec raises a KeyError too."""
+    with pytest.raises(KeyError, match="lacks features"):
+        ours(_batch(rng, ["a", "t_plain"], weighted)[0])
+    with pytest.raises(KeyError):
+        theirs(_batch(rng, ["a", "t_plain"], weighted)[1])
+
+
 @pytest.mark.parametrize(("pooling", "weighted"), [(PoolingType.SUM, False), (PoolingType.MEAN, False),
                                                    (PoolingType.SUM, True)])
 def test_bag_collection_trains_as_torchrec(client: ps.Client, pooling: PoolingType, weighted: bool) -> None:
@@ -96,18 +116,9 @@ def test_bag_collection_trains_as_torchrec(client: ps.Client, pooling: PoolingTy
         torch.testing.assert_close(kt.values(), local_kt.values(), **TOL)
         loss, local_loss = ((kt.values() - 0.1) ** 2).sum(), ((local_kt.values() - 0.1) ** 2).sum()
         torch.testing.assert_close(loss, local_loss, **TOL)
-        loss.backward()
-        local_loss.backward()
-        with torch.no_grad():
-            for p in theirs.parameters():
-                p -= LR * p.grad
-                p.grad = None
-        ours.flush()
+        _sgd_step(loss, local_loss, ours, theirs)
     _check_rows(client, prefix, tables, theirs.embedding_bags)
-    with pytest.raises(KeyError, match="lacks features"):
-        ours(_batch(rng, ["a", "t_plain"], weighted)[0])
-    with pytest.raises(KeyError):
-        theirs(_batch(rng, ["a", "t_plain"], weighted)[1])
+    _missing_features_refused(rng, ours, theirs, weighted)
 
 
 def test_weighted_refusals_match_torchrec(client: ps.Client) -> None:
@@ -170,18 +181,9 @@ def test_embedding_collection_trains_as_torchrec(client: ps.Client, need_indices
             loss = loss + ((jt.values() - 0.1) ** 2).sum()
             local_loss = local_loss + ((local[key].values() - 0.1) ** 2).sum()
         torch.testing.assert_close(loss, local_loss, **TOL)
-        loss.backward()
-        local_loss.backward()
-        with torch.no_grad():
-            for p in theirs.parameters():
-                p -= LR * p.grad
-                p.grad = None
-        ours.flush()
+        _sgd_step(loss, local_loss, ours, theirs)
     _check_rows(client, prefix, tables, theirs.embeddings)
-    with pytest.raises(KeyError, match="lacks features"):
-        ours(_batch(rng, ["a", "t_plain"], False)[0])
-    with pytest.raises(KeyError):
-        theirs(_batch(rng, ["a", "t_plain"], False)[1])
+    _missing_features_refused(rng, ours, theirs, False)
 
 
 def test_embedding_collection_empty_batch_and_refusals(client: ps.Client) -> None:
