@@ -75,14 +75,11 @@ class PSEmbeddingBagCollection(DropIn):
                  output: str = "auto", state_dict_rows: int = DEFAULT_STATE_DICT_ROWS,
                  checkpoint_dir: str | None = None, **collection_kwargs: Any) -> None:
         super().__init__()
-        if output not in ("auto", "torchrec", "tigana"):
-            raise ValueError(f"output must be auto, torchrec or tigana, got {output!r}")
-        self.output = output
         self._weighted = bool(is_weighted)
         self._build(client, tables, {t.name: _pooling(t) for t in tables}, options=options,
                     table_options=table_options, table_prefix=table_prefix, device=device,
                     state_dict_rows=state_dict_rows, checkpoint_dir=checkpoint_dir,
-                    collection_kwargs=collection_kwargs)
+                    collection_kwargs=collection_kwargs, output=output)
         self.feature_names: list[str] = [o.key for o in self.outputs]  # TorchRec's output keys, in its order
         self._dim_of = {o.key: int(t.embedding_dim) for t in tables for o in self.outputs if o.table == t.name}
         self._mean_tables = [t.name for t in tables if _pooling(t) == "mean"]

@@ -79,8 +79,12 @@ class DropIn(nn.Module):
     def _build(self, client: Any, tables: Sequence[Any], poolings: Mapping[str, str], *,
                options: TableOptions | None, table_options: Mapping[str, TableOptions] | None, table_prefix: str,
                device: torch.device | str | None, state_dict_rows: int, checkpoint_dir: str | None,
-               collection_kwargs: Mapping[str, Any]) -> None:
-        """The groups and tables of ``tables`` (``poolings``: table name -> "sum"/"mean")."""
+               collection_kwargs: Mapping[str, Any], output: str) -> None:
+        """The groups and tables of ``tables`` (``poolings``: table name -> "sum"/"mean"); ``output``: "auto"
+        (TorchRec's types for TorchRec's inputs, else ours), "torchrec" or "tigana"."""
+        if output not in ("auto", "torchrec", "tigana"):
+            raise ValueError(f"output must be auto, torchrec or tigana, got {output!r}")
+        self.output = output
         if not tables:
             raise ValueError(f"a {type(self).__name__} needs at least one table")
         if state_dict_rows < 0:

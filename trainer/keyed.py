@@ -62,7 +62,29 @@ class EmbeddingBagConfig(EmbeddingConfig):
     pooling: PoolingType = PoolingType.SUM
 
 
-class KeyedJaggedTensor:
+class _Weighted:
+    """The accessors TorchRec's jagged types share: ``values``, ``lengths`` and the optional ``weights``."""
+
+    _values: torch.Tensor
+    _lengths: torch.Tensor
+    _weights: torch.Tensor | None
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+    def lengths(self) -> torch.Tensor:
+        return self._lengths
+
+    def weights_or_none(self) -> torch.Tensor | None:
+        return self._weights
+
+    def weights(self) -> torch.Tensor:
+        if self._weights is None:
+            raise ValueError(f"this {type(self).__name__} has no weights")
+        return self._weights
+
+
+class KeyedJaggedTensor(_Weighted):
     """Multi-hot ids of F features for B samples, feature-major (TorchRec's layout).
 
     keys:    F feature names
@@ -90,20 +112,6 @@ class KeyedJaggedTensor:
     def keys(self) -> list[str]:
         return self._keys
 
-    def values(self) -> torch.Tensor:
-        return self._values
-
-    def lengths(self) -> torch.Tensor:
-        return self._lengths
-
-    def weights_or_none(self) -> torch.Tensor | None:
-        return self._weights
-
-    def weights(self) -> torch.Tensor:
-        if self._weights is None:
-            raise ValueError("this KeyedJaggedTensor has no weights")
-        return self._weights
-
     def stride(self) -> int:
         """B, the batch size."""
         return int(self._lengths.numel() // max(len(self._keys), 1))
@@ -114,7 +122,7 @@ class KeyedJaggedTensor:
                               weights=None if self._weights is None else self._weights.float())
 
 
-class JaggedTensor:
+class JaggedTensor(_Weighted):
     """One feature's unpooled rows for B samples (what ``EmbeddingCollection`` gives per feature).
 
     values:  (sum(lengths), dim) float32, sample 0's rows first
@@ -127,23 +135,9 @@ class JaggedTensor:
             raise ValueError(f"lengths sum to {int(lengths.sum())}, values has {values.shape[0]} rows")
         self._values, self._lengths, self._weights = values, lengths, weights
 
-    def values(self) -> torch.Tensor:
-        return self._values
-
-    def lengths(self) -> torch.Tensor:
-        return self._lengths
-
     def offsets(self) -> torch.Tensor:
         """(B+1,) int64 start of each sample's rows."""
         return torch.cat([self._lengths.new_zeros(1), torch.cumsum(self._lengths, 0)])
-
-    def weights_or_none(self) -> torch.Tensor | None:
-        return self._weights
-
-    def weights(self) -> torch.Tensor:
-        if self._weights is None:
-            raise ValueError("this JaggedTensor has no weights")
-        return self._weights
 
     def to_dense(self) -> list[torch.Tensor]:
         """Each sample's (length, dim) rows."""

@@ -76,13 +76,10 @@ class PSEmbeddingCollection(DropIn):
                  output: str = "auto", state_dict_rows: int = DEFAULT_STATE_DICT_ROWS,
                  checkpoint_dir: str | None = None, **collection_kwargs: Any) -> None:
         super().__init__()
-        if output not in ("auto", "torchrec", "tigana"):
-            raise ValueError(f"output must be auto, torchrec or tigana, got {output!r}")
         dims = {t.name: int(t.embedding_dim) for t in tables}
         if len(set(dims.values())) > 1:
             raise ValueError(f"All tables in a EmbeddingCollection are required to have same embedding dimension: "
                              f"got {dims}")
-        self.output = output
         self._weighted = False
         self._need_indices = bool(need_indices)
         # TorchRec's lookup-kernel choices for its sharded modules: kept and answered, nothing to choose here
@@ -90,7 +87,7 @@ class PSEmbeddingCollection(DropIn):
         self._use_gather_select_per_sharding = use_gather_select_per_sharding
         self._build(client, tables, dict.fromkeys(dims, "sum"), options=options, table_options=table_options,
                     table_prefix=table_prefix, device=device, state_dict_rows=state_dict_rows,
-                    checkpoint_dir=checkpoint_dir, collection_kwargs=collection_kwargs)
+                    checkpoint_dir=checkpoint_dir, collection_kwargs=collection_kwargs, output=output)
         self._embedding_dim = next(iter(dims.values())) if dims else 0
 
     def need_indices(self) -> bool:
