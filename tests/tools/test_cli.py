@@ -63,3 +63,17 @@ def test_bench_sim_runs_from_a_checkout() -> None:
     line = json.loads(out.stdout.strip().splitlines()[-1])
     assert (line["case"], line["seeds"], line["violations"]) == ("sim", 1, 0)
     assert line["steps"] > 0
+
+
+def test_bench_sim_jobs_report_what_one_process_reports() -> None:
+    """``--jobs 2`` runs the seeds in two worker processes; each seed is deterministic wherever it runs, so the
+    report is the one process's, timings aside."""
+    lines = []
+    for jobs in ("1", "2"):
+        out = _tigana("bench", "sim", "--seeds", "2", "--busy", "1", "--jobs", jobs)
+        assert out.returncode == 0, out.stderr
+        lines.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    timing = {"jobs", "seconds", "sim_speed", "wall_speed"}
+    assert lines[1]["jobs"] == 2 and lines[0]["steps"] > 0
+    assert {k: v for k, v in lines[0].items() if k not in timing} == {k: v for k, v in lines[1].items()
+                                                                       if k not in timing}
