@@ -157,6 +157,12 @@ class Client(DataPath, Tables, Operations):
         return self._route.epoch
 
     @property
+    def parts_stranded(self) -> int:
+        """Parts in flight still waiting on a server the map this client routes by no longer names as the primary
+        of every slot they carry (0 once the map's re-route has run: docs/replication.md L7)."""
+        return self._parts.stranded(self._route)
+
+    @property
     def shard_map(self) -> routing.ShardMap | None:
         """The scheduler's map as this client last saw it (None for a static shard list)."""
         return self._map

@@ -83,6 +83,13 @@ class SentParts:
             self._give_up(p, route)
         return len(moved)
 
+    def stranded(self, route: Route) -> int:
+        """How many parts in flight wait on a server that ``route`` no longer names as the primary of every slot
+        they carry: 0 once ``on_route(route)`` has run (docs/replication.md L7; the simulator checks it)."""
+        with self._lock:
+            parts = [p for p in self._parts.values() if p.epoch < route.epoch]
+        return sum(_moved(p, route) for p in parts)
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._parts)

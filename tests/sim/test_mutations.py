@@ -9,6 +9,7 @@ from collections.abc import Iterable
 import numpy as np
 import pytest
 
+from tigana.ps.client.sentparts import SentParts
 from tigana.ps.replication import apply as apply_module
 from tigana.ps.replication.intake import CopyIntake
 from tigana.ps.replication.log import SlotLog
@@ -264,3 +265,14 @@ def test_l5_writers_that_never_wait_for_room(monkeypatch: pytest.MonkeyPatch) ->
     assert refused and all("more than max_queue_bytes" in r for r in refused)  # the bound met, and held
     monkeypatch.setattr(Replicator, "room", lambda self, slots, timeout_s: None)  # every writer finds room
     fires("L5", range(2), **settings)
+
+
+def test_l7_parts_left_waiting_on_a_deposed_primary(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Slot 0's primary paused for 6 s: the scheduler declares it dead after its heartbeat timeout, and the map
+    # that fails slot 0 over names another primary. The parts the trainers sent to the paused server are routed
+    # again when their client installs that map; with the re-route planted out they wait for their deadline.
+    script = (Op(2.0, "pause", "primary:0", seconds=6.0),)
+    settings = dict(busy_s=9.0, script=script, **QUIET)
+    clean(0, **settings)
+    monkeypatch.setattr(SentParts, "on_route", lambda self, route: 0)  # a new map re-routes nothing
+    fires("L7", range(2), **settings)

@@ -26,6 +26,7 @@ from tigana.ps.routing import CATCHING_UP, HANDING_OVER, IN_SYNC, ShardMap
 from tigana.ps.wire.cluster import CHANGES
 from tigana.tools.testing.sim.exactness import LEDGERS, Exactness
 from tigana.tools.testing.sim.memo import Passed
+from tigana.tools.testing.sim.reroute import stranded
 
 __all__ = ["Checkers"]
 
@@ -67,6 +68,7 @@ class Checkers:
         out += self._order()
         out += self._domains()
         out += self._bounded()
+        out += stranded(self.run.clients)
         return out
 
     # --- S4, S9: what a server applies ---
