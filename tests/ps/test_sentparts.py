@@ -46,7 +46,8 @@ def test_a_part_whose_slot_moved_is_given_up_once_and_its_late_answer_ignored() 
     owners = np.zeros(NUM_SLOTS, np.int64)
     owners[slots[7]] = 1  # one slot of the part now led by b
     holder["route"] = new = _route(2, [a, b], owners)
-    assert parts.on_route(new) == 1
+    assert parts.stranded(new) == 1 and parts.stranded(_route(2, [a, b], np.zeros(NUM_SLOTS, np.int64))) == 0
+    assert parts.on_route(new) == 1 and parts.stranded(new) == 0  # what the simulator's L7 checker reads
     assert len(calls) == 1 and calls[0][0] is None
     error = calls[0][1]
     assert isinstance(error, Unavailable) and error.epoch == 2 and error.answered
