@@ -104,6 +104,27 @@ class Exporting(TableFields):
                     batch = RowBatch.concat([batch, self._spill_rows(rest)])
             return batch
 
+    def peek(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(n,) ids (duplicates allowed) -> ((n, dim) float32 weights, (n,) bool stored), as stored now and
+        changing nothing: no insert, no access stamp, no counter, no spilled row brought back (an inspector's
+        read: ``pull(insert=False)`` counts a pull and stamps the rows it reads, which eviction orders by). Ids
+        not stored read as zeros."""
+        ids = self._check_ids(ids)
+        with self._lock:
+            self._check_open()
+            positions = self._index.lookup(ids)
+            have = positions >= 0
+            out = np.zeros((ids.shape[0], self.dim), np.float32)
+            out[have] = self._slab.read_weights(positions[have])
+            if len(self._spilled) and not have.all():
+                miss = (~have).nonzero()[0]
+                rows = self._spill_rows(np.unique(ids[miss]))  # sorted, spilled ones only
+                at = np.minimum(np.searchsorted(rows.ids, ids[miss]), max(rows.ids.size - 1, 0))
+                found = rows.ids[at] == ids[miss] if rows.ids.size else np.zeros(miss.size, bool)
+                out[miss[found]] = np.asarray(rows.weights, np.float32)[at[found]]
+                have[miss[found]] = True
+            return out, have
+
     def stored_ids(self) -> np.ndarray:
         """Every stored id (resident and spilled), (k,) int64 in no set order."""
         with self._lock:

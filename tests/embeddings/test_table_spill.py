@@ -114,6 +114,11 @@ def test_spilling_table_with_snapshots_matches_dict_reference(ops):
                     assert table.stats()["rows_resident"] <= max(len(ref), 10)  # the budget holds
                 check_against(table, ref)
                 assert table.contains(ids).tolist() == [i in ref for i in id_list]
+                before = (table.stats(), len(table))
+                weights, stored = table.peek(ids)  # resident, spilled and absent alike, changing nothing
+                assert stored.tolist() == [i in ref for i in id_list] and (table.stats(), len(table)) == before
+                for k, i in enumerate(id_list):
+                    np.testing.assert_array_equal(weights[k], ref[i][0] if i in ref else np.zeros(DIM, np.float32))
             # every snapshot written, restored directly, holds its own moment's rows
             for path, state in zip(list_snapshots(root), snaps, strict=True):
                 restored = EmbeddingTable.restore(path)
@@ -134,6 +139,10 @@ def test_rows_really_spill_and_come_back():
             stats = table.stats()
             assert stats["rows_spilled"] > 300 and stats["rows_resident"] < 50
             assert stats["rows_spilled"] + stats["rows_resident"] == len(ids) == len(table)
+            weights, stored = table.peek(np.concatenate([ids, ids[:3] + 1]))  # spilled rows read where they lie
+            np.testing.assert_array_equal(weights[:-3], -grads_for(ids, 1))
+            assert stored[:-3].all() and not stored[-3:].any() and not weights[-3:].any()
+            assert table.stats() == stats
             np.testing.assert_array_equal(table.pull(ids[::-1]), -grads_for(ids[::-1], 1))
             assert table.stats()["unspills"] > 0
         finally:

@@ -90,7 +90,7 @@ def _copies_equal(run: Any) -> list[str]:
             hosted = None if srv is None or srv.svc is None else srv.svc.tables.find(name)
             if hosted is not None and srv.alive and srv.svc.boot == entry.boot:
                 with hosted.lock:  # a row's presence too: a missing row reads as its initial values
-                    values[i] = np.column_stack([hosted.table.pull(ids, insert=False), hosted.table.contains(ids)])
+                    values[i] = np.column_stack(hosted.table.peek(ids))
         for copy_col in range(1, m.copies.shape[1]):
             for i, vals in values.items():
                 mine = (m.copies[slot, copy_col] == i) & (m.states[slot, copy_col] == IN_SYNC)

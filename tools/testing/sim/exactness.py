@@ -75,7 +75,7 @@ class Exactness:
         cached = self._values.get(key)
         if cached is not None and cached[0] == stamp and cached[1] is hosted and cached[2] is view:
             return cached[3]
-        values = np.rint(hosted.table.pull(self.run.ids, insert=False)).astype(np.int64)
+        values = np.rint(hosted.table.peek(self.run.ids)[0]).astype(np.int64)
         if cached is not None and np.array_equal(cached[3], values):
             values = cached[3]
         self._values[key] = (stamp, hosted, view, values)
@@ -202,7 +202,7 @@ class Exactness:
         """What a copy's check reads, read afresh past every cache (``memo.Passed.verify`` only): its rows, its
         view's leads, its window's records of every push in doubt, and the ledger's books of the table."""
         run, ids = self.run, self.run.ids
-        fresh = np.rint(hosted.table.pull(ids, insert=False)).astype(np.int64)
+        fresh = np.rint(hosted.table.peek(ids)[0]).astype(np.int64)
         every = np.ones(ids.shape[0], bool)
         books = [run.ledger.lost_at] + [getattr(run.ledger, book)[name] for book in ("acked", "acked_w", "sent", "sent_w")]
         if name != LEDGERS[0]:  # what only an async table's check reads
