@@ -196,9 +196,14 @@ class Stream:
         """Whether the copy lane has an item to send now (its ``after`` acknowledged on the change lane)."""
         return bool(self.copies) and self.copies[0].item.after <= self.acked
 
+    def has_batch(self, lane: int = 0) -> bool:
+        """Whether ``request`` would send something on ``lane`` now (open, and an item ready): what a lane's
+        sender waits for, checked without encoding anything."""
+        return not self.closed and bool(self.copy_ready() if lane else self.queue)
+
     def request(self, source: str, boot: str, epoch: int, batch_bytes: int, lane: int = 0) -> bytes | None:
         """The next batch of a lane as a serialized ``ReplicateRequest`` (None: nothing to send, or closed)."""
-        if self.closed or not (self.copy_ready() if lane else self.queue):
+        if not self.has_batch(lane):
             return None
         batch = self.batch(batch_bytes, lane)
         return cluster_wire.encode_replicate_request(source, boot, self.generation, epoch, batch[0].seq,
