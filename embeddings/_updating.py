@@ -20,6 +20,7 @@ import numpy as np
 from tigana.embeddings import _gradients, _kernels, optimizers
 from tigana.embeddings.config import Adam
 from tigana.embeddings.errors import CorruptStore
+from tigana.embeddings.masks import all_set
 from tigana.embeddings.rows import RowBatch
 from tigana.embeddings.slab import _gather, _scatter, from_float32, to_float32
 
@@ -153,7 +154,7 @@ class Updating:
 
     def _write_update(self, update: Update, rows: np.ndarray, stored: np.ndarray) -> None:
         """Store the updated rows of the groups ``stored`` at slab positions ``rows`` (unique)."""
-        every = bool(stored.all())
+        every = all_set(stored)
         weights = update.weights if every else update.weights[stored]
         state = update.state if every else update.state[stored]
         self._slab.write_weights(rows, weights)
@@ -179,7 +180,7 @@ class Updating:
         gids = _kernels.unique_first_seen(ids) if _kernels.AVAILABLE else _first_seen_numpy(ids)
         if gids.shape[0] != update.groups.shape[0]:  # not expected; the push stands, its rows are read back
             return None
-        every = bool(stored.all())
+        every = all_set(stored)
         # copies: the update's arrays are scratch that the next push writes over
         weights = update.weights.copy() if every else update.weights[stored]
         state = update.state.copy() if every else update.state[stored]
