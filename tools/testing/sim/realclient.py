@@ -79,7 +79,7 @@ class SimTransport:
 
     def send(self, kind: int, parts: list, timeout_s: float, done: Callable[[Any, PSError | None], None],
              on_retry: Callable[[], None]) -> None:
-        raw = b"".join(bytes(p) for p in parts)
+        raw = b"".join(parts)  # the frame as the wire carries it (bytes and memoryviews: join takes both)
         server = self.servers[self.address]
         if kind == frames.PUSH:
             push = pb.PushRequest.FromString(raw)
