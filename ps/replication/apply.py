@@ -137,7 +137,8 @@ def apply_item(msg: Any, source: str, request_epoch: int, hosted_of: Callable[[s
         return _not_served(name, table_epoch, request_epoch, view_of(), "is not in this server's map yet")
     item = cluster_wire.decode_item(msg, dim=hosted.table.dim, state_width=hosted.table.state_width)
     slots = item.slots.astype(np.int64)
-    if slots.size and (slots.min() < 0 or slots.max() >= num_slots):
+    # the ufuncs' own reduce: ``ndarray.min``/``max`` add numpy's Python wrappers (2 us each on a few slots)
+    if slots.size and (np.minimum.reduce(slots) < 0 or np.maximum.reduce(slots) >= num_slots):
         return pb.REJECT_DIVERGED, f"table {name!r}: item slots out of range", None
     if (item.kind in (SNAPSHOT_ROWS, SNAPSHOT_END)) != (copy_ready is not None):
         lane = "copy" if copy_ready is not None else "change"
@@ -163,8 +164,8 @@ def apply_item(msg: Any, source: str, request_epoch: int, hosted_of: Callable[[s
         # server no longer holds is right only while the source still leads it (the map removed this copy);
         # from a deposed primary (paused, declared dead, back with writes still waiting for this copy) the
         # skip was acknowledged as if applied and released those writes (bench sim seed 244: S1 lost).
-        stale = ~leads
-        if any_set(stale):
+        if not all_set(leads):
+            stale = ~leads
             return (pb.REJECT_STALE, f"table {name!r}: server {source} does not lead slot(s) "
                     f"{format_slots(slots[stale][:20])} at epoch {view.epoch}", slots[stale])
         if not all_set(held):  # copies the map removed from this server: moot, skipped
