@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tigana.embeddings import _gradients, _kernels, optimizers
+from tigana.embeddings.changes import sorted_unique
 from tigana.embeddings.config import Adam
 from tigana.embeddings.errors import CorruptStore
 from tigana.embeddings.masks import all_set
@@ -70,8 +71,9 @@ class Updating:
         miss = (keys < 0).nonzero()[0]  # 1-D: ``np.flatnonzero``'s ravel and wrappers cost more than a small batch
         missing = np.empty(0, np.int64)
         if miss.size:
-            missing, inverse = np.unique(ids[miss], return_inverse=True)
-            keys[miss] = -2 - inverse
+            not_resident = ids[miss]
+            missing = sorted_unique(not_resident)  # np.unique(..., return_inverse=True) by a sort and a search
+            keys[miss] = -2 - np.searchsorted(missing, not_resident)
         if self._backend == "numba":
             groups, summed = _kernels.dedup_sum(keys, grads)
         else:

@@ -30,7 +30,7 @@ from tigana.embeddings._exporting import Exporting
 from tigana.embeddings._persisting import Persisting
 from tigana.embeddings._spilling import SpillTier
 from tigana.embeddings._updating import Updating
-from tigana.embeddings.changes import Changes, sorted_unique
+from tigana.embeddings.changes import Changes, sorted_unique, sorted_unique_counts
 from tigana.embeddings.config import TableConfig
 from tigana.embeddings.cut import CutHooks
 from tigana.embeddings.errors import InvalidArgument, StorageError, StorageFull
@@ -238,7 +238,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         Returns (len(ids),) positions, -1 for ids left unstored."""
         if not insert and not len(self._spilled):  # nothing to bring back, nothing to store (a read-only pull)
             return np.full(ids.shape[0], -1, np.int64)
-        uniq, sightings = np.unique(ids, return_counts=True)
+        uniq, sightings = sorted_unique_counts(ids)
         if len(self._spilled):
             spilled = self._spilled.lookup(uniq) >= 0
             if spilled.any():
