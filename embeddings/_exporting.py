@@ -14,6 +14,7 @@ import numpy as np
 from tigana.embeddings._fields import TableFields
 from tigana.embeddings.changes import sorted_unique
 from tigana.embeddings.hashtable import HashIndex
+from tigana.embeddings.masks import any_set
 from tigana.embeddings.rows import RowBatch
 
 _CHUNK = 1 << 16  # rows per chunk when reading rows by id
@@ -223,7 +224,7 @@ class Exporting(TableFields):
         positions = self._index.lookup(b.ids)
         new = positions < 0
         self._cow_update(positions[~new])
-        if new.any():
+        if any_set(new):
             positions[new] = self._slab.allocate(int(new.sum()))
             self._cow_fresh(positions[new])
             self._index.insert(b.ids[new], positions[new])

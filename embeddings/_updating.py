@@ -18,8 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from tigana.embeddings import _gradients, _kernels, optimizers
+from tigana.embeddings.changes import sorted_unique
 from tigana.embeddings.config import Adam
 from tigana.embeddings.errors import CorruptStore
+from tigana.embeddings.masks import all_set
 from tigana.embeddings.rows import RowBatch
 from tigana.embeddings.slab import _gather, _scatter, from_float32, to_float32
 
@@ -69,8 +71,9 @@ class Updating:
         miss = (keys < 0).nonzero()[0]  # 1-D: ``np.flatnonzero``'s ravel and wrappers cost more than a small batch
         missing = np.empty(0, np.int64)
         if miss.size:
-            missing, inverse = np.unique(ids[miss], return_inverse=True)
-            keys[miss] = -2 - inverse
+            not_resident = ids[miss]
+            missing = sorted_unique(not_resident)  # np.unique(..., return_inverse=True) by a sort and a search
+            keys[miss] = -2 - np.searchsorted(missing, not_resident)
         if self._backend == "numba":
             groups, summed = _kernels.dedup_sum(keys, grads)
         else:
@@ -153,7 +156,7 @@ class Updating:
 
     def _write_update(self, update: Update, rows: np.ndarray, stored: np.ndarray) -> None:
         """Store the updated rows of the groups ``stored`` at slab positions ``rows`` (unique)."""
-        every = bool(stored.all())
+        every = all_set(stored)
         weights = update.weights if every else update.weights[stored]
         state = update.state if every else update.state[stored]
         self._slab.write_weights(rows, weights)
@@ -179,7 +182,7 @@ class Updating:
         gids = _kernels.unique_first_seen(ids) if _kernels.AVAILABLE else _first_seen_numpy(ids)
         if gids.shape[0] != update.groups.shape[0]:  # not expected; the push stands, its rows are read back
             return None
-        every = bool(stored.all())
+        every = all_set(stored)
         # copies: the update's arrays are scratch that the next push writes over
         weights = update.weights.copy() if every else update.weights[stored]
         state = update.state.copy() if every else update.state[stored]

@@ -17,7 +17,7 @@ import numpy as np
 from tigana.embeddings import _kernels
 from tigana.embeddings.rows import RowBatch
 
-__all__ = ["Changes", "find_sorted", "sorted_unique", "unique"]
+__all__ = ["Changes", "find_sorted", "sorted_unique", "sorted_unique_counts", "unique"]
 
 
 def unique(ids: np.ndarray) -> np.ndarray:
@@ -39,6 +39,17 @@ def sorted_unique(values: np.ndarray) -> np.ndarray:
     keep[0] = True
     np.not_equal(s[1:], s[:-1], out=keep[1:])
     return s[keep]
+
+
+def sorted_unique_counts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_counts=True)`` of a 1-D array: the distinct values ascending and how often each
+    occurs (int64), by one sort and one comparison pass (``np.unique``'s Python-level path cost a push's few ids
+    twice as much)."""
+    s = np.sort(values)
+    edge = np.ones(s.size + 1, bool)
+    np.not_equal(s[1:], s[:-1], out=edge[1:-1])
+    at = np.flatnonzero(edge)
+    return s[at[:-1]], np.diff(at)
 
 
 def find_sorted(sorted_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:

@@ -30,12 +30,13 @@ from tigana.embeddings._exporting import Exporting
 from tigana.embeddings._persisting import Persisting
 from tigana.embeddings._spilling import SpillTier
 from tigana.embeddings._updating import Updating
-from tigana.embeddings.changes import Changes, sorted_unique
+from tigana.embeddings.changes import Changes, sorted_unique, sorted_unique_counts
 from tigana.embeddings.config import TableConfig
 from tigana.embeddings.cut import CutHooks
 from tigana.embeddings.errors import InvalidArgument, StorageError, StorageFull
 from tigana.embeddings.hashtable import resolve_backend
 from tigana.embeddings.initializers import initial_rows
+from tigana.embeddings.masks import all_set, any_set
 from tigana.embeddings.partitioned import PartitionedIndex
 from tigana.embeddings.rows import RowBatch
 from tigana.embeddings.slab import Slab, from_float32, to_float32
@@ -175,7 +176,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
             self._check_open()
             positions = self._index.lookup(ids)
             update = self._plan_update(ids, positions, grads)  # on copies: nothing has changed yet
-            if update.bad.any():
+            if any_set(update.bad):
                 if self.config.nonfinite_grads == "reject":
                     row = update.first_bad_row()
                     raise InvalidArgument(f"table {self.name!r}: field 'grads' would make the row of id "
@@ -192,7 +193,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
                                                     hold=positions)
             rows = self._rows_of(update)
             stored = rows >= 0
-            if not stored.all():
+            if not all_set(stored):
                 rows = rows[stored]
             self._step = self._step + 1 if step is None else int(step)
             self._cow_update(rows)  # open cuts keep the rows as they were, before the first change
@@ -237,7 +238,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         Returns (len(ids),) positions, -1 for ids left unstored."""
         if not insert and not len(self._spilled):  # nothing to bring back, nothing to store (a read-only pull)
             return np.full(ids.shape[0], -1, np.int64)
-        uniq, sightings = np.unique(ids, return_counts=True)
+        uniq, sightings = sorted_unique_counts(ids)
         if len(self._spilled):
             spilled = self._spilled.lookup(uniq) >= 0
             if spilled.any():

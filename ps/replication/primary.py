@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tigana.embeddings.masks import all_set, any_set
 from tigana.proto import shard_pb2 as pb
 from tigana.ps.logs import event, slots_text
 from tigana.ps.replication.actions import (
@@ -171,13 +172,13 @@ class Primary:
         write must wait for: the streams that must acknowledge it (I1)."""
         marks = []
         for s in self.streams.values():
-            if not s.held[item.slots].any():
+            if not any_set(s.held[item.slots]):
                 continue
             send = s.sendable()
             keep = send[item.slots]
             seq = 0
-            if keep.any():
-                seq = self._push(s, item if keep.all() else restrict(item, send, self.slot_of))
+            if any_set(keep):
+                seq = self._push(s, item if all_set(keep) else restrict(item, send, self.slot_of))
             marks += s.marks_for(item.slots, seq)
         return marks
 
@@ -195,7 +196,7 @@ class Primary:
             return True
         live = self.streams.get(s.key)
         # a stream replaced or closed only when nothing acknowledged depends on it (on_map)
-        return live is not s or not s.required[m.slots].any()
+        return live is not s or not any_set(s.required[m.slots])
 
     def full_stream(self, slots: np.ndarray | None) -> Stream | None:
         """A stream a write of ``slots`` (None: any) goes to that holds more than ``max_queue_bytes``

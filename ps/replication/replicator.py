@@ -244,7 +244,7 @@ class Replicator:
         try:
             while True:
                 with self.cond:
-                    while not s.closed and not (s.copy_ready() if lane else s.queue):
+                    while not s.closed and not s.has_batch(lane):
                         self.cond.wait()
                     request = self.core.request(s, lane)
                 link = self._links.get(s)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tigana.embeddings.masks import all_set, any_set
 from tigana.ps.replication.copy import REPORTED, Session
 from tigana.ps.wire import cluster as cluster_wire
 from tigana.ps.wire.cluster import Item
@@ -119,9 +120,10 @@ class Stream:
         if not req.size:
             return []
         ex = self.excluded[req]
-        out = [Mark(self, self.generation, seq, req[~ex])] if (~ex).any() else []
-        if ex.any():
-            out.append(Mark(self, self.generation, NEVER, req[ex]))
+        if not any_set(ex):  # the usual case: no slot of it excluded
+            return [Mark(self, self.generation, seq, req)]
+        out = [] if all_set(ex) else [Mark(self, self.generation, seq, req[~ex])]
+        out.append(Mark(self, self.generation, NEVER, req[ex]))
         return out
 
     def exclude(self, slots: np.ndarray, slot_of: Callable[[np.ndarray], np.ndarray]) -> None:
@@ -145,7 +147,7 @@ class Stream:
     def covers(self, m: Mark) -> bool:
         """Whether the target acknowledged mark ``m``'s item with every slot of the mark still in it: an item cut
         by ``exclude`` before it was acknowledged never stands in for the writes it lost (I1)."""
-        return self.acked >= m.seq and bool((self.cut_after[m.slots] >= m.seq).all())
+        return self.acked >= m.seq and all_set(self.cut_after[m.slots] >= m.seq)
 
     def acknowledge(self, applied_through: int, now: float) -> bool:
         """The target applied everything through ``applied_through``: drop it from the queue. True when that
@@ -196,9 +198,14 @@ class Stream:
         """Whether the copy lane has an item to send now (its ``after`` acknowledged on the change lane)."""
         return bool(self.copies) and self.copies[0].item.after <= self.acked
 
+    def has_batch(self, lane: int = 0) -> bool:
+        """Whether ``request`` would send something on ``lane`` now (open, and an item ready): what a lane's
+        sender waits for, checked without encoding anything."""
+        return not self.closed and bool(self.copy_ready() if lane else self.queue)
+
     def request(self, source: str, boot: str, epoch: int, batch_bytes: int, lane: int = 0) -> bytes | None:
         """The next batch of a lane as a serialized ``ReplicateRequest`` (None: nothing to send, or closed)."""
-        if self.closed or not (self.copy_ready() if lane else self.queue):
+        if not self.has_batch(lane):
             return None
         batch = self.batch(batch_bytes, lane)
         return cluster_wire.encode_replicate_request(source, boot, self.generation, epoch, batch[0].seq,

@@ -305,7 +305,7 @@ class Ownership:
         their in-sync copies acknowledge the stream's tail within ``timeout_s``, report them. True: reported."""
         view = self.holdings.view
         agent = self.links.agent
-        if self.replicator is None or agent is None or not view.valid or not view.fenced.any():
+        if self.replicator is None or agent is None or not view.valid or not view.fencing:
             return False
         fenced = np.flatnonzero(view.fenced)
         if not self.replicator.wait(self.replicator.tail_marks(fenced), timeout_s) or self.links.closed:

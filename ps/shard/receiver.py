@@ -39,9 +39,8 @@ class Receiver:
         it (applied up to, behind, or refused as stale: ``replication.Inbound``)."""
         source, lane = request.source, int(getattr(request, "lane", 0))
         with self._lock:
-            change = self._inbound.setdefault(source, (Inbound(source), threading.Lock()))[0]
-            st, lock = self._inbound.setdefault(f"{source}\0copy" if lane else source,
-                                                (Inbound(source), threading.Lock()))
+            change = self._lane(source, source)[0]
+            st, lock = self._lane(f"{source}\0copy", source) if lane else self._inbound[source]
 
         ready = copy_lane_ready(change, request.source_boot, request.generation)
 
@@ -58,3 +57,11 @@ class Receiver:
                 self.links.refresh(out.epoch, 2.0)
                 out = st.receive(request, self.server_id, view, apply_one, may_refresh=False)
         return out
+
+    def _lane(self, key: str, source: str) -> tuple[Inbound, threading.Lock]:
+        """The state and lock of one lane of ``source``'s stream (``_lock`` held), made on its first request
+        (not on every one: ``setdefault`` would build a new pair each time)."""
+        got = self._inbound.get(key)
+        if got is None:
+            got = self._inbound[key] = (Inbound(source), threading.Lock())
+        return got

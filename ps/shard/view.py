@@ -11,6 +11,7 @@ write lock.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -40,6 +41,12 @@ class View:
     fenced: np.ndarray
     want: int = 1
     held_since: np.ndarray | None = None
+
+    @functools.cached_property
+    def fencing(self) -> bool:
+        """Whether any slot is ``fenced`` (once per view: every write's leads check and every step of the
+        hand-over loop ask)."""
+        return bool(self.fenced.any())
 
     def held_from(self, old: View) -> View:
         """This view with ``held_since`` carried on from ``old`` (the view it replaces)."""
@@ -143,7 +150,7 @@ class Holdings:
                               f"{self.server_id} before it installs that map (it is at epoch {view.epoch}); retry",
                               epoch=view.epoch)
         slots, count, first = _kernels.slots_foreign(ids, view.leads)
-        if not count and view.fenced.any():
+        if not count and view.fencing:
             fenced = view.fenced[slots]
             if fenced.any():
                 s = int(slots[np.argmax(fenced)])

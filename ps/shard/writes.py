@@ -20,6 +20,7 @@ import numpy as np
 
 from tigana.embeddings import Changes
 from tigana.embeddings.changes import sorted_unique, unique
+from tigana.embeddings.masks import all_set, any_set
 from tigana.embeddings.unseen import Unseen
 from tigana.proto import shard_pb2 as pb
 from tigana.ps.errors import InvalidArgument, NotEnoughReplicas, ResourceExhausted, Unavailable
@@ -155,21 +156,21 @@ class WritePath:
                                   epoch=view.epoch)
             if sync and self.clustered:
                 short = view.in_sync[uslots] < hosted.spec.min_copies
-                if short.any():
+                if any_set(short):
                     s = int(uslots[short][0])
                     raise NotEnoughReplicas(
                         f"table {name!r}: slot {s} has {int(view.in_sync[s])} in-sync cop(ies), the table's "
                         f"min_copies is {hosted.spec.min_copies}; push rejected, nothing applied", epoch=view.epoch)
             done = hosted.dedup.applied(cid, seq, uslots)
             part = uslots  # every slot of the part: the acknowledgement is for all of them
-            if done.all():
+            if all_set(done):
                 applied, duplicate = 0, True
                 marks = self.replicator.tail_marks(uslots) if self.replicator is not None and sync else []
             else:
                 # A retried push split differently: apply only the slots not applied yet, and wait for the
                 # copies of the others too (their first attempt may still be on its way to a copy).
                 earlier: list = []
-                if done.any():
+                if any_set(done):
                     if self.replicator is not None and sync:
                         earlier = self.replicator.tail_marks(uslots[done])
                     keep = ~np.isin(slots, uslots[done])
@@ -207,7 +208,7 @@ class WritePath:
         now = self.holdings.view
         # Not silent: a sync push acknowledged while a slot of it has fewer in-sync copies than the cluster
         # keeps says so (the client counts and logs it; ``min_copies`` refuses it instead).
-        under = bool(sync and self.clustered and (now.in_sync[uslots] < now.want).any())
+        under = bool(sync and self.clustered and any_set(now.in_sync[uslots] < now.want))
         if under:
             self.metrics.labelled(self.metrics.under_replicated_pushes, name).inc()
         return pb.PushResponse(applied_rows=int(applied), duplicate=duplicate, epoch=now.epoch,

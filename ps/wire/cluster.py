@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from tigana.embeddings.rows import RowBatch
 from tigana.proto import shard_pb2 as pb
@@ -26,16 +27,19 @@ def array(data: bytes, dtype: str, *, field: str, count: int | None = None, tabl
     """Packed bytes -> a read-only numpy array of ``dtype``, checking the size (and ``count`` when given).
     ``table``: the field is named ``table {table!r}: {field}`` (formatted only for an error: a replicated item
     decodes a dozen fields)."""
-    itemsize = _ITEMSIZE.get(dtype) or np.dtype(dtype).itemsize
+    dt = _DTYPES.get(dtype) or np.dtype(dtype)
+    itemsize = dt.itemsize
     if len(data) % itemsize:
         raise InvalidArgument(f"field {_named(field, table)!r} has {len(data)} bytes, not a multiple of {itemsize}")
-    a = np.frombuffer(data, dtype)
+    # an absent field (most of an item's) is the shared read-only empty array: frombuffer costs a microsecond
+    a = np.frombuffer(data, dt) if len(data) else _EMPTY[dt]
     if count is not None and a.shape[0] != count:
         raise InvalidArgument(f"field {_named(field, table)!r} has {a.shape[0]} values, expected {count}")
     return a
 
 
-_ITEMSIZE = {"<i4": 4, "<i8": 8, "<u8": 8, "<f4": 4, "<f8": 8}
+_DTYPES = {name: np.dtype(name) for name in ("<i4", "<i8", "<u8", "<f4", "<f8", "u1")}
+_EMPTY = {dt: np.frombuffer(b"", dt) for dt in _DTYPES.values()}  # read-only, like any frombuffer view
 
 
 def _named(field: str, table: str | None) -> str:
@@ -43,6 +47,10 @@ def _named(field: str, table: str | None) -> str:
 
 
 def packed(a: np.ndarray, dtype: str) -> bytes:
+    """``a`` as packed little-endian bytes of ``dtype`` (C order: ``tobytes`` copies any layout in that order)."""
+    dt = _DTYPES.get(dtype)
+    if dt is not None and isinstance(a, np.ndarray) and a.dtype == dt:
+        return a.tobytes()  # no conversion: one copy (a parsed dtype and a contiguous copy cost more than it)
     return np.ascontiguousarray(a, dtype).tobytes()
 
 
@@ -177,15 +185,26 @@ class Item:
         return msg
 
 
+_NO_PREV = np.zeros((0, 2), np.uint64)
+_NO_PREV.flags.writeable = False  # shared by every item without log positions (read only, as decoded arrays are)
+
+
+def _prev(epochs: np.ndarray, indexes: np.ndarray) -> np.ndarray:
+    """(k, 2) uint64 (epoch, index) log positions from the two packed columns (``np.stack`` costs more)."""
+    prev = np.empty((epochs.shape[0], 2), np.uint64)
+    prev[:, 0], prev[:, 1] = epochs, indexes
+    return prev
+
+
 def item_from_pb(msg: pb.ReplicationItem, *, dim: int, state_width: int) -> Item:
     t = msg.table
     slots = array(msg.slots, "<i4", field="item.slots", table=t)
-    prev = np.zeros((0, 2), np.uint64)
-    if msg.prev_epochs or msg.prev_indexes:
+    prev = _NO_PREV
+    epochs, indexes = msg.prev_epochs, msg.prev_indexes
+    if epochs or indexes:
         k = slots.shape[0]
-        prev = np.stack([array(msg.prev_epochs, "<u8", field="item.prev_epochs", table=t, count=k),
-                         array(msg.prev_indexes, "<u8", field="item.prev_indexes", table=t, count=k)],
-                        axis=1)
+        prev = _prev(array(epochs, "<u8", field="item.prev_epochs", table=t, count=k),
+                     array(indexes, "<u8", field="item.prev_indexes", table=t, count=k))
     rows = rows_from_pb(msg.rows, dim=dim, state_width=state_width, table=t) if msg.HasField("rows") else None
     sightings = None
     if msg.sighting_ids:
@@ -290,7 +309,15 @@ class RawReplicate:
 
 def decode_replicate_request(raw: bytes) -> RawReplicate | pb.ReplicateRequest:
     """Parse the header and keep each item as a view; anything the fast parser does not take goes to
-    protobuf (which the server reads the same way)."""
+    protobuf (which the server reads the same way). A small request (below ``_SMALL_BYTES``, whose items
+    would each be parsed by protobuf anyway, once for the header and once for the item) is parsed by protobuf
+    whole, once; one it refuses (a malformed item) goes the same way as a large one, so that each item is
+    refused on its own, as before."""
+    if len(raw) < _SMALL_BYTES:
+        try:
+            return pb.ReplicateRequest.FromString(raw)
+        except DecodeError:
+            pass
     out = RawReplicate()
     try:
         for field_no, value in wire.message_fields(memoryview(raw), "ReplicateRequest"):
@@ -363,11 +390,11 @@ def decode_item(view: memoryview | pb.ReplicationItem, *, dim: int, state_width:
     where = f"table {table!r}: item"
     empty = memoryview(b"")
     slots = array(f.get(5, empty), "<i4", field="item.slots", table=table)
-    prev = np.zeros((0, 2), np.uint64)
+    prev = _NO_PREV
     if 6 in f or 7 in f:
         k = slots.shape[0]
-        prev = np.stack([array(f.get(6, empty), "<u8", field="item.prev_epochs", table=table, count=k),
-                         array(f.get(7, empty), "<u8", field="item.prev_indexes", table=table, count=k)], axis=1)
+        prev = _prev(array(f.get(6, empty), "<u8", field="item.prev_epochs", table=table, count=k),
+                     array(f.get(7, empty), "<u8", field="item.prev_indexes", table=table, count=k))
     rows = None
     if rows_view is not None:
         g: dict[int, memoryview] = {}

@@ -13,6 +13,7 @@ import time
 import grpc
 import numpy as np
 import pytest
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tigana import ps
@@ -161,8 +162,8 @@ def test_replication_codec_matches_protobuf(n: int) -> None:
     assert msg == pb.ReplicateRequest(source="src", source_boot="boot", generation=9, epoch=12, first_seq=3,
                                       items=[item.to_pb(), item.to_pb()])
     assert raw == msg.SerializeToString()  # the same bytes, whichever coder wrote them
-    fast = cluster_wire.decode_replicate_request(raw)
-    assert isinstance(fast, cluster_wire.RawReplicate) and len(fast.items) == 2
+    fast = cluster_wire.decode_replicate_request(raw)  # small: parsed by protobuf whole; large: item views
+    assert isinstance(fast, pb.ReplicateRequest if n == 3 else cluster_wire.RawReplicate) and len(fast.items) == 2
     for view in (fast.items[0], msg.items[0]):
         back = cluster_wire.decode_item(view, dim=4, state_width=4)
         assert back.kind == CHANGES and back.table == "t" and back.lsn == (3, 11) and back.step == 42
@@ -175,6 +176,19 @@ def test_replication_codec_matches_protobuf(n: int) -> None:
     with pytest.raises(ps.InvalidArgument, match="dim"):
         cluster_wire.decode_item(fast.items[0], dim=8, state_width=4)
     assert IN_SYNC == 0
+
+
+def test_a_small_request_with_a_malformed_item_keeps_its_good_items() -> None:
+    """A small request is parsed by protobuf whole; one protobuf refuses (here its second item) is read as a
+    large one is, so the good item still applies and only the bad one is refused (``Inbound.receive``)."""
+    item = Item(CHANGES, "t", np.array([1], np.int32), (3, 1), np.array([[1, 2]], np.uint64), table_epoch=2)
+    raw = cluster_wire.encode_replicate_request("src", "boot", 9, 12, 1, [item])
+    bad = raw + bytes([6 << 3 | 2, 2, 0xFF, 0xFF])  # a second item: a truncated varint
+    request = cluster_wire.decode_replicate_request(bad)
+    assert isinstance(request, cluster_wire.RawReplicate) and len(request.items) == 2
+    assert cluster_wire.item_header(request.items[0]) == ("t", 2)
+    with pytest.raises(DecodeError):  # the item alone is refused ("malformed replication item")
+        cluster_wire.item_header(request.items[1])
 
 
 def test_items_of_a_dropped_table_are_moot_and_never_wedge_the_stream(cluster) -> None:

@@ -213,8 +213,8 @@ class SimServer:
         rep = self.svc.replicator
         for s in list(rep.streams.values()):
             for lane in (0, 1):
-                if (id(s), lane) in self.in_flight:
-                    continue
+                if not s.has_batch(lane) or (id(s), lane) in self.in_flight:
+                    continue  # nothing to send (its sender thread would be waiting), or a batch on the wire
                 with rep.cond:
                     request = rep.core.request(s, lane)
                 if request is None:

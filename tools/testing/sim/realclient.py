@@ -79,7 +79,7 @@ class SimTransport:
 
     def send(self, kind: int, parts: list, timeout_s: float, done: Callable[[Any, PSError | None], None],
              on_retry: Callable[[], None]) -> None:
-        raw = b"".join(bytes(p) for p in parts)
+        raw = b"".join(parts)  # the frame as the wire carries it (bytes and memoryviews: join takes both)
         server = self.servers[self.address]
         if kind == frames.PUSH:
             push = pb.PushRequest.FromString(raw)
@@ -94,10 +94,12 @@ class SimTransport:
 
         self._next += 1
         key = self._next
+        deadline: list = []  # the deadline's event, cancelled once the call settles (it would do nothing)
 
         def finish(result: Any, error: BaseException | None) -> None:
             if self._open.pop(key, None) is None:  # settled already (deadline, cancel, or the answer)
                 return
+            self.world.cancel(deadline[0])
             if isinstance(error, Lost):
                 error = Unavailable(f"{self.address}: {error}", answered=False)
             elif isinstance(error, PSError):
@@ -109,8 +111,8 @@ class SimTransport:
         self._open[key] = finish
         self.net.call(self.src, self.address, handler, finish, timeout_s=min(LOST_AFTER_S, timeout_s))
         # a deferred answer from a server that died or lost its copies never comes: the call's deadline
-        self.world.at(timeout_s, lambda: finish(None, DeadlineExceeded(
-            f"{self.address}: no answer within {timeout_s:g}s (deadline exceeded)")))
+        deadline.append(self.world.at(timeout_s, lambda: finish(None, DeadlineExceeded(
+            f"{self.address}: no answer within {timeout_s:g}s (deadline exceeded)"))))
 
     def send_many(self, items: list[tuple[int, list, Callable[[Any, PSError | None], None]]], timeout_s: float,
                   on_retry: Callable[[], None]) -> None:

@@ -46,23 +46,36 @@ class World:
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
-        self._queue: list[tuple[float, int, Callable[[], None]]] = []
+        self._queue: list[list] = []  # [time, order, fn or None (cancelled)]: (time, order) is unique
         self._order = 0
 
     def clock(self) -> float:
         return self.now
 
-    def at(self, delay: float, fn: Callable[[], None]) -> None:
-        """Run ``fn`` ``delay`` simulated seconds from now."""
+    def at(self, delay: float, fn: Callable[[], None]) -> list:
+        """Run ``fn`` ``delay`` simulated seconds from now; the handle ``cancel`` takes."""
         self._order += 1
-        heapq.heappush(self._queue, (self.now + max(0.0, delay), self._order, fn))
+        event = [self.now + max(0.0, delay), self._order, fn]
+        heapq.heappush(self._queue, event)
+        return event
+
+    @staticmethod
+    def cancel(event: list) -> None:
+        """Forget the event ``at`` returned, for one that would do nothing when it runs (a deadline of a call
+        answered already): its function, and all it holds, is freed now rather than seconds later (a sync
+        push's 8 s deadline kept every answered call's closures alive, and the collector walking them)."""
+        event[2] = None
 
     def run_until(self, t: float) -> None:
-        while self._queue and self._queue[0][0] <= t:
-            when, _, fn = heapq.heappop(self._queue)
-            self.now = max(self.now, when)
-            fn()
-        self.now = max(self.now, t)
+        queue = self._queue
+        while queue and queue[0][0] <= t:
+            when, _, fn = heapq.heappop(queue)
+            if when > self.now:
+                self.now = when
+            if fn is not None:
+                fn()
+        if t > self.now:
+            self.now = t
 
     def log(self, text: str) -> None:
         if len(self.trace) < self.trace_limit:
