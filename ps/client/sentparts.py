@@ -87,7 +87,7 @@ class SentParts:
         """How many parts in flight wait on a server that ``route`` no longer names as the primary of every slot
         they carry: 0 once ``on_route(route)`` has run (docs/replication.md L7; the simulator checks it)."""
         with self._lock:
-            parts = [p for p in self._parts.values() if p.epoch < route.epoch]
+            parts = [p for p in self._parts.values() if p.epoch < route.epoch] if self._parts else []
         return sum(_moved(p, route) for p in parts)
 
     def __len__(self) -> int:
