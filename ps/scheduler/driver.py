@@ -51,14 +51,18 @@ T = TypeVar("T")
 class SchedulerDriver:
     """``SchedulerCore`` driven on threads: ``store`` (loaded at start, saved after every event that changed
     the state), ``announce(map)`` after every saved map change, outside the lock, ``probe(address) -> bool |
-    None`` (port closed, open, unknown; None: no probes, every one answers unknown at once) and ``clock``.
+    None`` (port closed, open, unknown; None: no probes, every one answers unknown at once), ``clock`` and
+    ``spawn(name, fn)``, which runs each probe (``fn``) on a thread of its own (None: a new thread; the
+    simulator runs it as one of its world's events, so that a seed replays).
     Every event method of the core has its twin here without ``now``; other attributes read the core's."""
 
     def __init__(self, config: SchedulerConfig, store: MapStore,
                  announce: Callable[[ShardMap], None] = lambda m: None,
                  probe: Callable[[str], bool | None] | None = None, clock: Callable[[], float] = time.monotonic,
-                 metrics: SchedulerMetrics | None = None, cluster_id: str | None = None) -> None:
+                 metrics: SchedulerMetrics | None = None, cluster_id: str | None = None,
+                 spawn: Callable[[str, Callable[[], None]], None] | None = None) -> None:
         self.config, self.store, self.announce, self.probe, self.clock = config, store, announce, probe, clock
+        self.spawn = spawn
         self.metrics = metrics if metrics is not None else SchedulerMetrics()
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
@@ -144,6 +148,8 @@ class SchedulerDriver:
         for p in probes:
             if self.probe is None:  # no prober: every probe answers "unknown" at once (an event of its own)
                 self._event(lambda now, p=p: self.core.probe_answered(p.server_id, p.boot, None, now=now))
+            elif self.spawn is not None:
+                self.spawn("tigana-probe", lambda p=p: self._run_probe(p))
             else:
                 thread = threading.Thread(target=self._run_probe, args=(p,), name="tigana-probe", daemon=True)
                 self._probes.add(thread)

@@ -276,3 +276,30 @@ def test_l7_parts_left_waiting_on_a_deposed_primary(monkeypatch: pytest.MonkeyPa
     clean(0, **settings)
     monkeypatch.setattr(SentParts, "on_route", lambda self, route: 0)  # a new map re-routes nothing
     fires("L7", range(2), **settings)
+
+
+def test_l6_a_tick_that_declares_silent_servers_dead_by_its_own_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The scheduler's process stops for 5 s (longer than the heartbeat timeout) and goes on: the silence was
+    # its own, and without the bug nobody is declared dead for it.
+    settings = dict(busy_s=9.0, script=(Op(2.0, "pause", "scheduler", seconds=5.0),), **QUIET)
+    out = clean(0, **settings)
+    assert any("scheduler stalled" in line for line in out.trace)
+    assert not [line for line in out.trace if "declared dead" in line]
+    real = Liveness.tick
+    monkeypatch.setattr(Liveness, "tick", lambda self, *, now, stalled=False, waited_s=0.0:
+                        real(self, now=now))  # the stall detection removed: the silence is the servers'
+    fires("L6", range(2), **settings)
+
+
+def test_l6_a_closed_port_ignored_by_a_scheduler_stalled_at_every_tick(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The scheduler's clock jumps 1.5 s forward four times a second from 1 s to 9 s (every pass of its tick
+    # loop sees a stall: the servers' silence is forgiven at each), and s1 crashes at 3 s: only the probe's
+    # closed port can tell it s1 died.
+    jumps = tuple(Op(1.0 + 0.25 * k, "clock_jump", "scheduler", seconds=1.5) for k in range(32))
+    settings = dict(busy_s=10.0, script=(*jumps, Op(3.0, "crash", "s1")), **QUIET)
+    dead = [line for line in clean(0, **settings).trace if "declared dead" in line]
+    assert len(dead) == 1 and "port s1 closed" in dead[0], dead
+    real = Liveness.probe_answered
+    monkeypatch.setattr(Liveness, "probe_answered", lambda self, server_id, boot, closed, *, now:
+                        real(self, server_id, boot, None if closed else closed, now=now))  # "closed": unknown
+    fires("L6", range(2), **settings)

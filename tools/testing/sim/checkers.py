@@ -10,6 +10,7 @@ windows, the pushes they applied) after every step of the world.
 | ``Checkers._order`` | S5: two copies at the same log position of a slot hold the same rows of it |
 | ``Checkers._domains`` | S12: a slot whose in-sync copies span fewer hosts than it wants copies is reported domain-degraded |
 | ``Checkers._bounded`` | L5: a write is queued to the copies only while the replication queue is within its bound |
+| ``detector.Detector`` | L6: a server declared dead could not reach the scheduler within the timeout; a crashed one is declared dead in time |
 
 The liveness properties (L1-L4) and the properties only a quiet cluster shows (S11: every in-sync copy equal to
 its primary; S12: no slot's copies share a host) are checked at convergence and at the deadline
@@ -24,6 +25,7 @@ import numpy as np
 
 from tigana.ps.routing import CATCHING_UP, HANDING_OVER, IN_SYNC, ShardMap
 from tigana.ps.wire.cluster import CHANGES
+from tigana.tools.testing.sim.detector import Detector
 from tigana.tools.testing.sim.exactness import LEDGERS, Exactness
 from tigana.tools.testing.sim.memo import Passed
 from tigana.tools.testing.sim.reroute import stranded
@@ -47,6 +49,7 @@ class Checkers:
     def __init__(self, run: Any) -> None:
         self.run = run
         self.exact = Exactness(run)
+        self.detector = Detector(run)
         self.published: list[ShardMap] = []
         self.last: ShardMap | None = None
         self.placed = np.zeros(run.s.num_slots, bool)  # slots that ever had a primary
@@ -62,6 +65,7 @@ class Checkers:
         for server in self.run.servers.values():
             pushed[server.name], server.pushed = server.pushed, []
         out = self._fence(pushed)
+        out += self.detector.check(self.published)  # before ``_transitions`` takes them
         out += self._transitions()
         out += self._joined()
         out += self.exact.check(pushed)

@@ -77,13 +77,14 @@ class _WatchedStore:
 
 
 class SchedulerNode:
-    """The scheduler: the real ``SchedulerCore`` (in its ``SchedulerDriver``, probes answered "unknown") on the
-    world's clock and its store on the simulated disk (``stored``); ``restart`` loads a new core from the store
-    (a crash: nothing but the store survives)."""
+    """The scheduler: the real ``SchedulerCore`` (in its ``SchedulerDriver``) on the world's clock and its store
+    on the simulated disk (``stored``); ``restart`` loads a new core from the store (a crash: nothing but the
+    store survives). Its probes answer ``probe(address)`` a network round trip later (None: "unknown")."""
 
     def __init__(self, world: World, net: Net, config: SchedulerConfig,
-                 announce: Callable[[ShardMap], None], saved: Callable[[ShardMap], None] = lambda m: None) -> None:
-        self.world, self.net, self.config = world, net, config
+                 announce: Callable[[ShardMap], None], saved: Callable[[ShardMap], None] = lambda m: None,
+                 probe: Callable[[str], bool | None] | None = None) -> None:
+        self.world, self.net, self.config, self.probe = world, net, config, probe
         self._announce, self._saved = announce, saved
         self.up = True
         self.skew = 0.0  # how far this machine's clock is ahead of the world's (a clock jump)
@@ -105,8 +106,21 @@ class SchedulerNode:
         return self.world.now + self.skew
 
     def _core(self) -> SchedulerDriver:
-        return SchedulerDriver(self.config, _WatchedStore(self, self._saved), announce=self._announce, probe=None,
-                               clock=self.clock, cluster_id=f"sim{self.world.seed}")
+        def spawn(name: str, fn: Callable[[], None], delay: float = -1.0) -> None:
+            """A probe's thread: its answer comes back a round trip later, waits out a pause of the scheduler,
+            and ends unheard when the scheduler was restarted meanwhile (a new process)."""
+            def answered() -> None:
+                if self.core is not core:
+                    return
+                if self.up:
+                    fn()
+                else:
+                    spawn(name, fn, 0.05)
+            self.world.at(2 * self.world.rng.uniform(*self.net.delay) if delay < 0 else delay, answered)
+
+        core = SchedulerDriver(self.config, _WatchedStore(self, self._saved), announce=self._announce,
+                               probe=self.probe, clock=self.clock, cluster_id=f"sim{self.world.seed}", spawn=spawn)
+        return core
 
     def demotions(self, reason: str = "replication_failed") -> int:
         """Copies taken out of the in-sync set for ``reason`` (the scheduler's counter, over its restarts)."""

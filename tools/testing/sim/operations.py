@@ -33,7 +33,8 @@ class Op:
     operation runs: ``primary:SLOT`` (the server leading SLOT), ``replica:SLOT`` (its first in-sync
     replica) or ``spare:SLOT`` (the first server up that holds no copy of SLOT). ``slot`` is the slot of a move, ``seconds`` how long a fault lasts (a pause, a partition, the
     down time of a crash_restart, a clock jump's size, the delay of late reports). Kinds: create, drop,
-    create_async, move, move_primary, rebalance, drain, undrain, join, crash, restart, crash_restart, pause,
+    create_async, move, move_primary, rebalance, drain, undrain, join, crash, restart, crash_restart, pause
+    (``target`` a server, or ``scheduler``: its process stopped and going on later, no restart),
     partition (from every other server, not the scheduler), domain_crash (``target`` a host: every server
     there crashes at once, and restarts ``seconds`` later), scheduler_restart, clock_jump (``target``
     ``scheduler`` or a server), late_reports (every caught-up report is delivered again ``seconds`` later, a
@@ -192,7 +193,8 @@ def _fault(run: Any, kind: str, victim: Any = None, seconds: float = 0.0) -> Non
         return seconds if scripted else rng.uniform(lo, hi)
 
     if isinstance(victim, str) or (victim is None and not alive):
-        if kind not in ("clock_jump", "scheduler_restart", "late_reports", "drops"):
+        if kind not in ("clock_jump", "scheduler_restart", "late_reports", "drops") and \
+                not (kind == "pause" and victim == "scheduler"):
             run.log(f"{kind} {victim}: no such server")
             return
     elif victim is None and alive:
@@ -206,6 +208,10 @@ def _fault(run: Any, kind: str, victim: Any = None, seconds: float = 0.0) -> Non
         run.log(f"crash {victim.name}")
         if kind == "crash_restart":
             run.world.at(lasting(0.5, 5.0), lambda: (victim.start(), run.log(f"restart {victim.name}")))
+    elif kind == "pause" and victim == "scheduler":  # its process stopped, then going on: no restart (L6)
+        run.scheduler.up = False
+        run.log("pause scheduler")
+        run.world.at(lasting(0.5, 6.0), lambda: (setattr(run.scheduler, "up", True), run.log("resume scheduler")))
     elif kind == "pause":
         victim.paused = True
         run.log(f"pause {victim.name}")

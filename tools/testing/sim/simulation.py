@@ -33,6 +33,7 @@ from tigana.ps.routing import TableDef, slot_of
 from tigana.ps.scheduler import SchedulerConfig
 from tigana.tools.testing.sim.checkers import Checkers
 from tigana.tools.testing.sim.convergence import check_settled, converged, why_not
+from tigana.tools.testing.sim.detector import probe_answer
 from tigana.tools.testing.sim.disk import snapshot
 from tigana.tools.testing.sim.ledger import DIM, Ledger
 from tigana.tools.testing.sim.nodes import SchedulerNode, SimServer
@@ -112,7 +113,7 @@ class _Run:
         config = SchedulerConfig(replicas=settings.replicas, num_slots=settings.num_slots, heartbeat_timeout_s=3.0,
                                  auto_rebalance=settings.auto_rebalance)
         self.scheduler = SchedulerNode(self.world, self.net, config, self._announce,
-                                       saved=self.checkers.on_map)
+                                       saved=self.checkers.on_map, probe=lambda a: probe_answer(self, a))
         self.ledger = Ledger(settings.ids)
         for name in LEDGERS:
             self.ledger.table(name)
