@@ -40,6 +40,7 @@ import itertools
 import json
 import resource
 import signal
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -70,6 +71,19 @@ def _children_meet_ctrl_c_as_at_a_terminal() -> None:
 
 
 _children_meet_ctrl_c_as_at_a_terminal()
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> None:
+    """One torch intra-op thread in the test process. ``make test`` runs a pytest-xdist worker per core, so
+    torch's default (a thread per core) only makes a worker's threads contend, and spin, with the other's: on
+    2 cores the MovieLens test of the training loop took 91 CPU-s with 2 threads and 16 with one, ``bench
+    quality --quick`` 40 and 10. Set before every test (a test may change it); the processes a test starts
+    (``tigana train``...) choose their own, as a user's would. Not imported here: a worker of ``make test`` has
+    imported torch while collecting the suite; a file run alone that never imports it keeps torch's default."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

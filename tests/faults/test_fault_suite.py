@@ -45,11 +45,6 @@ def test_malformed_requests_to_every_method_are_rejected_cleanly() -> None:
     assert f["rejected_pct"] == 100.0 and f["crashes"] == 0 and f["state_changes"] == 0
 
 
-def test_invalid_requests_are_rejected_naming_what_is_wrong() -> None:
-    f = _run("invalid", 1)
-    assert f["rejected_pct"] == 100.0 and f["state_changes"] == 0
-
-
 def test_bad_credentials_are_refused_and_change_nothing() -> None:
     pytest.importorskip("trustme")
     f = _run("credentials", 1)
@@ -82,12 +77,14 @@ def test_a_full_disk_answers_resource_exhausted_and_resumes() -> None:
     assert f["rejected_pct"] == 100.0 and f["corrupted"] == 0 and f["resumed_pct"] == 100.0
 
 
-def test_the_bench_prints_one_line_per_fault(capsys) -> None:
+def test_invalid_requests_are_rejected_naming_what_is_wrong_and_the_bench_prints_one_line_per_fault(capsys) -> None:
+    """The invalid-requests fault through ``tigana bench faults`` (the same run as ``_run("invalid", 1)``: it
+    takes no quick form), and the bench's JSON lines."""
     only = "invalid" if root_problem() is None else "invalid,partition"  # as root, the partition would run
     assert cli.main(["bench", "faults", "--only", only, "--trials", "1"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     assert [x["case"] for x in lines] == [f"faults.{n}" for n in only.split(",")]
-    assert lines[0]["rejected_pct"] == 100.0 and lines[0]["ok"] is True
+    assert lines[0]["rejected_pct"] == 100.0 and lines[0]["state_changes"] == 0 and lines[0]["ok"] is True
     assert {"case", "unit", "value", "peer", "peer_value", "ratio", "trials"} <= set(lines[0])
     if len(lines) > 1:
         assert lines[1]["skipped"].startswith("needs") and lines[1]["ok"] is True

@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ids", type=int, default=20_000, help="ids of each ledger table (default 20,000)")
     parser.add_argument("--ids-per-push", type=int, default=500, help="ids per ledger push (default 500)")
     parser.add_argument("--push-pause", type=float, default=None,
-                        help=f"seconds a ledger client waits after each push (default {Ledgers.pause_s}, quick 0.1)")
+                        help=f"seconds a ledger client waits after each push (default {Ledgers.pause_s}, quick 0.25)")
     parser.add_argument("--faults", action=argparse.BooleanOptionalAction, default=True,
                         help="kill -9, SIGSTOP and restarts after the clean round (default on)")
     parser.add_argument("--op-timeout", type=float, default=None,
@@ -55,11 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     duration = args.duration if args.duration is not None else (0.0 if args.quick else 240.0)
     op_timeout = args.op_timeout or (10.0 if args.quick else 60.0)
-    # The quick form (a test of the suite) paces its clients: every push of 500 ids costs the daemons about 10 ms
-    # of CPU (a frame to each primary, a Replicate to each copy), and the run lasts as long as its waits for
-    # heartbeats and moves, which a loaded machine stretches. Beside the suite's elastic trainer test, a pause of
-    # 20 ms took 266 CPU-s for the two and 160 s; 100 ms, 126 CPU-s and 65 s, with ~16 pushes a second per table.
-    push_pause = args.push_pause if args.push_pause is not None else (0.1 if args.quick else Ledgers.pause_s)
+    # The quick form (a test of the suite) paces its clients: the run lasts as long as its waits for heartbeats
+    # and moves, which a loaded machine stretches, and the traffic costs the daemons CPU the whole time (an idle
+    # cluster costs next to nothing). Beside the suite's elastic trainer test, a pause of 20 ms took
+    # 266 CPU-s for the two and 160 s; 100 ms, 126 CPU-s and 65 s, with ~16 pushes a second per table. Alone on
+    # a loaded machine: 100 ms, 189 CPU-s (4,860 pushes); 250 ms, 103 CPU-s (1,338 pushes, ~7 a second per
+    # table, still dozens during each operation).
+    push_pause = args.push_pause if args.push_pause is not None else (0.25 if args.quick else Ledgers.pause_s)
     run_dir = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="tigana-nemesis-"))
     params = {"seed": args.seed, "duration_s": duration, "servers": args.servers, "replicas": args.replicas,
               "heartbeat_timeout_s": args.heartbeat_timeout, "clients_per_table": args.clients, "ids": args.ids,
