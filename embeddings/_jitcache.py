@@ -32,6 +32,7 @@ KERNEL_SOURCES = (
     "embeddings/_checksum.py",
     "ps/_kernels.py",
     "trainer/_kernels.py",
+    "tools/testing/sim/kernels.py",
 )
 
 

@@ -25,14 +25,13 @@ import numpy as np
 
 from tigana.ps.routing import CATCHING_UP, HANDING_OVER, IN_SYNC, ShardMap
 from tigana.ps.wire.cluster import CHANGES
+from tigana.tools.testing.sim import kernels
 from tigana.tools.testing.sim.detector import Detector
 from tigana.tools.testing.sim.exactness import LEDGERS, Exactness
 from tigana.tools.testing.sim.memo import Passed
 from tigana.tools.testing.sim.reroute import stranded
 
 __all__ = ["Checkers"]
-
-_NO_POSITION = np.iinfo(np.uint64).max  # a log position no item reached
 
 
 def _position_key(positions: np.ndarray) -> tuple[int, int]:
@@ -196,13 +195,12 @@ class Checkers:
     # --- S5: the same position, the same rows ---
     def _order(self) -> list[str]:
         """Every in-sync copy at its primary's log position of a slot holds the primary's rows of it (values
-        of the ledger's ids)."""
+        of the ledger's ids); one pass over every copy (``kernels.order_verdict``) finds the first that does not."""
         run = self.run
         m = run.scheduler.core.map
         slots, n = run.slots, len(m.servers)
         if not n:
             return []
-        every = np.arange(m.num_slots)
         for name in LEDGERS:
             spec = m.tables.get(name)
             if spec is None:
@@ -225,26 +223,16 @@ class Checkers:
             valid = np.zeros(n, bool)
             for i, server, hosted in copies:
                 positions[i], values[i], valid[i] = hosted.log.positions, self.exact.values(server, hosted), True
-            p = m.copies[:, 0]
-            pi = np.maximum(p, 0)  # np.clip's wrappers cost more than the work
-            for col in range(1, m.copies.shape[1]):
-                c = m.copies[:, col]
-                ci = np.maximum(c, 0)
-                same = ((p >= 0) & (c >= 0) & valid[pi] & valid[ci] & (m.states[:, col] == IN_SYNC)
-                        & (positions[pi, every] == positions[ci, every]).all(axis=1)
-                        & (positions[pi, every, 0] != _NO_POSITION))
-                if not same.any():
-                    continue
-                vp, vc = values[pi[slots], run.ids], values[ci[slots], run.ids]
-                differ = same[slots] & (vp != vc).any(axis=1)
-                if differ.any():
-                    k = int(differ.argmax())  # the first one
-                    slot = int(slots[k])
-                    found = (f"S5: {m.servers[int(c[slot])].id} and its primary {m.servers[int(p[slot])].id} are both "
-                             f"at position {positions[pi[slot], slot].tolist()} of slot {slot} of {name} and differ: "
-                             f"id {k} at {vc[k].tolist()} and {vp[k].tolist()}")
-                    self.passed.failed(name, found)
-                    return [found]
+            col, k = kernels.order_verdict(m.copies, m.states, IN_SYNC, valid, positions, values, slots)
+            if col >= 0:  # the first column with a copy that differs, and its first id
+                slot = int(slots[k])
+                p, c = int(m.copies[slot, 0]), int(m.copies[slot, col])
+                vp, vc = values[p, run.ids[k]], values[c, run.ids[k]]
+                found = (f"S5: {m.servers[c].id} and its primary {m.servers[p].id} are both "
+                         f"at position {positions[p, slot].tolist()} of slot {slot} of {name} and differ: "
+                         f"id {k} at {vc.tolist()} and {vp.tolist()}")
+                self.passed.failed(name, found)
+                return [found]
             digest = None
             if Passed.verify:  # the copies' positions and rows, read afresh past every cache
                 digest = tuple((hosted.log.positions.tobytes(), hosted.table.peek(run.ids)[0].tobytes())

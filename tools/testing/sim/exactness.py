@@ -25,12 +25,14 @@ import numpy as np
 from tigana.ps.routing import CATCHING_UP, slot_of
 from tigana.ps.session import client_stamp
 from tigana.ps.wire import data as wire
+from tigana.tools.testing.sim import kernels
 from tigana.tools.testing.sim.memo import Passed
 
 __all__ = ["LEDGERS", "Exactness", "window_record"]
 
 LEDGERS = ("ledger_sync", "ledger_async")
 ASYNC_GRACE_S = 5.0  # after an unplanned primary change, a deposed primary may still acknowledge (its lease)
+_NO_VALUES = np.zeros((0, 2), np.int64)  # ``kernels.rounded``'s cached rows where none are cached
 
 
 def window_record(window: Any, client_id: str, seq: int) -> tuple[np.ndarray | None, np.ndarray | None] | None:
@@ -75,8 +77,10 @@ class Exactness:
         cached = self._values.get(key)
         if cached is not None and cached[0] == stamp and cached[1] is hosted and cached[2] is view:
             return cached[3]
-        values = np.rint(hosted.table.peek(self.run.ids)[0]).astype(np.int64)
-        if cached is not None and np.array_equal(cached[3], values):
+        rows = np.ascontiguousarray(hosted.table.peek(self.run.ids)[0], np.float32)
+        values = np.empty(rows.shape, np.int64)
+        same = kernels.rounded(rows, _NO_VALUES if cached is None else cached[3], values)  # rint, as int64
+        if same and cached is not None:
             values = cached[3]
         self._values[key] = (stamp, hosted, view, values)
         return values
@@ -95,8 +99,7 @@ class Exactness:
         if not pushes:
             return e0, e1, unknown
         owner, at, slot, pending, weight = self._joined(pushes)
-        keep = pending & ids[at]
-        if not keep.any():  # no push in doubt of these ids: nothing to read of the window
+        if not kernels.kept_in_doubt(pending, at, ids):  # no push in doubt of these ids: nothing to read of the window
             return e0, e1, unknown
         nbytes = (self.run.s.num_slots + 7) // 8
         applied = np.zeros((len(pushes), nbytes), np.uint8)  # per push: the slots the window applied it for
@@ -111,17 +114,8 @@ class Exactness:
                 applied[j] = record[0]
             if record[1] is not None:
                 blind[j] = record[1]
-        byte, bit = slot >> 3, (slot & 7).astype(np.uint8)
-        done = ((applied[owner, byte] >> bit) & 1).astype(bool)
-        unsure = keep & ~done & ((blind[owner, byte] >> bit) & 1).astype(bool)
-        untold[owner[unsure]] = True
-        out = keep & untold[owner]
-        unknown[at[out]] = True
-        hit = keep & done & ~out
-        e0 = np.bincount(at[hit], minlength=n)
-        weights = weight[owner[hit]]
-        e1 = np.rint(np.bincount(at[hit], weights=weights, minlength=n)).astype(np.int64)  # sums far below 2**53
-        return e0, e1, unknown
+        kernels.applied_in_doubt(owner, at, slot, pending, weight, ids, applied, blind, untold, e0, e1, unknown)
+        return e0, e1, unknown  # weight sums far below 2**53
 
     def _joined(self, pushes: list) -> tuple[np.ndarray, ...]:
         """Every push's ids at once: (push of each, id, slot, pending) per id and (weight) per push. Joined once
@@ -221,57 +215,49 @@ class Exactness:
     def _copy(self, who: str, name: str, sync: bool, v: np.ndarray, held: np.ndarray, primary: np.ndarray,
               lost: np.ndarray, losing: np.ndarray, server: Any, hosted: Any, doubt: list, acked: np.ndarray,
               acked_w: np.ndarray, sent: np.ndarray, sent_w: np.ndarray, epoch: int) -> list[str]:
-        """The violations of one server's copy of one ledger table (values ``v``)."""
-        over = (v[:, 0] > sent) | (v[:, 1] > sent_w)
-        if over.any():
-            k = int(over.argmax())  # the first one
+        """The violations of one server's copy of one ledger table (values ``v``): above what was sent (S6);
+        the ids it must hold exactly (``_exact``): a sync table's in-sync copy, an async table's primary that
+        leads the slot and lost no acknowledged write; the floor of the ids lost with every copy (S1). One pass
+        (``kernels.copy_verdict``) finds the first of each."""
+        view = server.svc.holdings.view
+        must = np.empty(v.shape[0], bool)  # ids it must hold exactly, less those lost with every copy
+        over, any_must, short = kernels.copy_verdict(v, sent, sent_w, acked, held, primary, view.leads,
+                                                     bool(view.valid), self.run.slots, losing, lost, sync, must)
+        if over >= 0:
+            k = over  # the first one
             return [f"S6: {who} {name} id {k} at {v[k].tolist()}, only {sent[k]} push(es) of it were sent, "
                     f"weighing {sent_w[k]} (applied twice)"]
-        if sync:
-            must = held
-        else:
-            view = server.svc.holdings.view
-            leads = view.leads[self.run.slots] if view.valid else np.zeros_like(primary)
-            must = primary & leads & ~losing
-        out = self._exact(who, name, sync, v, must & ~lost, primary, hosted.dedup, doubt, acked, acked_w, epoch)
-        if sync and not out:  # ids lost with every copy of their slot: at least the floor ``lose_slots`` left
-            short = held & lost & (v[:, 0] < acked)
-            if short.any():
-                k = int(short.argmax())
-                out.append(f"S1: {who} (in sync for slot {int(self.run.slots[k])} at epoch {epoch}) has {name} "
-                           f"id {k} at {v[k, 0]}, {acked[k]} acknowledged since its last snapshot")
+        out = self._exact(who, name, sync, v, must, primary, hosted.dedup, doubt, acked, acked_w, epoch) if any_must else []
+        if sync and not out and short >= 0:  # ids lost with every copy of their slot: at least the floor ``lose_slots`` left
+            k = short
+            out.append(f"S1: {who} (in sync for slot {int(self.run.slots[k])} at epoch {epoch}) has {name} "
+                       f"id {k} at {v[k, 0]}, {acked[k]} acknowledged since its last snapshot")
         return out
 
     def _exact(self, who: str, name: str, sync: bool, v: np.ndarray, must: np.ndarray, primary: np.ndarray,
                window: Any, doubt: list, acked: np.ndarray, acked_w: np.ndarray, epoch: int) -> list[str]:
-        if not must.any():
-            return []
+        """The first violation of the ids ``must`` holds exactly (``kernels.exact_verdict``, in this precedence):
+        lost (S1, S7), applied twice (S6), one push twice and another lost (S6), and among the ids whose pushes
+        in doubt its window cannot tell, one below what was acknowledged (less, for an async table, what may
+        have been lost with a primary)."""
         e0, e1, unknown = self._in_doubt(window, doubt, must)
-        allow = np.zeros_like(acked) if sync else self.async_allow
-        exact = must & ~unknown & (sync | ~self.async_lost_ever)
-        r0, r1 = v[:, 0] - acked, v[:, 1] - acked_w
+        code, k = kernels.exact_verdict(v, must, e0, e1, unknown, acked, acked_w, self.async_allow,
+                                        self.async_lost_ever, sync)
         slots = self.run.slots
         rule = "S1" if sync else "S7"
-        low = exact & (r0 < e0)
-        if low.any():
-            k = int(low.argmax())
+        if code == kernels.LOW:
             role = "primary" if primary[k] else "in-sync copy"
             return [f"{rule}: {who} ({role} of slot {int(slots[k])} at epoch {epoch}) has {name} id {k} at "
                     f"{v[k].tolist()}, {acked[k]} push(es) acknowledged weighing {acked_w[k]} and {e0[k]} in "
                     f"doubt applied here weighing {e1[k]} (lost)"]
-        high = exact & (r0 > e0)
-        if high.any():
-            k = int(high.argmax())
+        if code == kernels.HIGH:
             return [f"S6: {who} has {name} id {k} at {v[k].tolist()}: {acked[k]} push(es) acknowledged and "
                     f"{e0[k]} in doubt applied here (its exactly-once window) make {acked[k] + e0[k]} (applied twice)"]
-        swap = exact & (r1 != e1)
-        if swap.any():
-            k = int(swap.argmax())
+        if code == kernels.SWAP:
             return [f"S6: {who} has {name} id {k} at {v[k].tolist()}: the right number of pushes, but weighing "
                     f"{v[k, 1]}, not {acked_w[k] + e1[k]}: one push applied twice and another lost"]
-        loose = must & ~exact & (v[:, 0] < acked - allow)
-        if loose.any():
-            k = int(loose.argmax())
+        if code == kernels.LOOSE:
+            allow = np.zeros_like(acked) if sync else self.async_allow
             return [f"{rule}: {who} (slot {int(slots[k])} at epoch {epoch}) has {name} id {k} at {v[k, 0]}, "
                     f"{acked[k]} acknowledged ({allow[k]} of them may have been lost with a primary)"]
         return []
@@ -293,13 +279,12 @@ class Exactness:
                 ids = wire.decode_ids(request.ids, table=p.name)
                 if hosted is None or before is None or p.rows != ids.size:
                     continue  # partly a duplicate: which slots it applied now is not told apart here
-                ids = ids[ids < self.run.s.ids]
-                still = server.svc.holdings.view.leads[slot_of(ids, self.run.s.num_slots)]
                 now = self.values(server, hosted)
-                missed = ids[still & (now[ids, 0] <= before[ids, 0])]
-                if missed.size:
+                k = kernels.first_unchanged(ids, self.run.s.ids, server.svc.holdings.view.leads,
+                                            self.run.s.num_slots, now, before)
+                if k >= 0:
                     out.append(f"S8: {server.name} applied push seq {request.seq} of {p.name} in part: id "
-                               f"{int(missed[0])} unchanged at {now[int(missed[0])].tolist()}")
+                               f"{k} unchanged at {now[k].tolist()}")
         for server in self.run.servers.values():
             if server.alive and server.svc is not None:
                 for name in LEDGERS:
