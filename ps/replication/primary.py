@@ -52,7 +52,7 @@ from tigana.ps.replication.copy import (
     cut_to_catching,
     pending_mask,
 )
-from tigana.ps.replication.stream import Mark, Stream, restrict
+from tigana.ps.replication.stream import Mark, Stream, restrict, stream_key
 from tigana.ps.routing import CATCHING_UP, IN_SYNC, ShardMap, slot_of
 from tigana.ps.wire import cluster as cluster_wire
 from tigana.ps.wire.cluster import BARRIER, SNAPSHOT_BEGIN, SNAPSHOT_END, Item
@@ -109,7 +109,7 @@ class Primary:
             held = leads & (state >= 0)
             if not held.any():
                 continue
-            key = f"{server.id}@{server.address}"
+            key = stream_key(server.id, server.address, server.boot)
             seen.add(key)
             s = self.streams.get(key)
             in_sync = leads & (state == IN_SYNC)
@@ -124,7 +124,8 @@ class Primary:
                     pending[:] = False
             if s is None:
                 self._generation += 1
-                s = self.streams[key] = Stream(server.id, server.address, self.num_slots, self._generation, now)
+                s = self.streams[key] = Stream(server.id, server.address, self.num_slots, self._generation, now,
+                                               server.boot)
                 actions.append(OpenStream(s))
             was_in_sync = s.in_sync & s.held
             s.held, s.in_sync = held, in_sync

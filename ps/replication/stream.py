@@ -53,6 +53,13 @@ class Mark:
     slots: np.ndarray
 
 
+def stream_key(target_id: str, address: str, target_boot: str) -> str:
+    """A stream is to one process of its target: a target restarted (a new boot, its rows and its incoming
+    streams' state gone) gets a new stream, and every copy into it starts again (a copy into the old process
+    never reports, or reports stale)."""
+    return f"{target_id}@{address}#{target_boot}"
+
+
 class Stream:
     """The ordered stream from this primary to one target server.
 
@@ -64,9 +71,10 @@ class Stream:
     was excluded; NEVER while it is not): items after it lost the slot's part, so their acknowledgement says
     nothing of the slot's writes."""
 
-    def __init__(self, target_id: str, address: str, num_slots: int, generation: int, now: float) -> None:
+    def __init__(self, target_id: str, address: str, num_slots: int, generation: int, now: float,
+                 target_boot: str = "") -> None:
         self.target_id, self.address = target_id, address
-        self.key = f"{target_id}@{address}"
+        self.key = stream_key(target_id, address, target_boot)
         self.generation = generation
         self.held = np.zeros(num_slots, bool)
         self.in_sync = np.zeros(num_slots, bool)

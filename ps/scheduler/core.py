@@ -120,10 +120,13 @@ class SchedulerCore(Liveness, Moves):
         return new
 
     def _note_catching(self, old: ShardMap, new: ShardMap) -> None:
-        """Record the epoch at which each copy became catching up (added, or demoted)."""
+        """Record the epoch at which each copy became catching up (added, demoted, or its server restarted: a
+        new boot holds none of the rows a copy into the old process had built, so that copy's report is stale)."""
         was = set()
         for r, c in zip(*np.nonzero((old.copies >= 0) & (old.states == CATCHING_UP)), strict=True):
-            was.add((int(r), int(old.copies[r, c])))
+            server = int(old.copies[r, c])
+            if server < len(new.servers) and new.servers[server].boot == old.servers[server].boot:
+                was.add((int(r), server))
         now = set()
         for r, c in zip(*np.nonzero((new.copies >= 0) & (new.states == CATCHING_UP)), strict=True):
             key = (int(r), int(new.copies[r, c]))

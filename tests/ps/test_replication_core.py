@@ -109,7 +109,7 @@ def test_a_copy_switches_a_second_after_its_rows_were_applied_whatever_the_lag()
 def test_a_refusal_cuts_only_its_slots_and_reports_only_in_sync_copies() -> None:
     p = _primary()
     _install(p, _map(1, [IN_SYNC] * 4 + [CATCHING_UP] * 2 + [None] * 2))
-    s = p.streams["b@b:1"]
+    s = p.streams["b@b:1#"]
     p.enqueue(_write([0, 1, 4]))
     # the target refuses slots 1 (in sync) and 4 (catching up): only slot 1 is reported
     out = p.answered(s, _reply(0, pb.REJECT_DIVERGED, [1, 4]), now=1.0)
@@ -133,7 +133,7 @@ def test_an_item_cut_by_a_refusal_does_not_acknowledge_the_writes_it_lost() -> N
     refused by its old replica after a partition, acknowledged sync writes that only it had applied)."""
     p = _primary()
     _install(p, _map(1, [IN_SYNC] * 4 + [None] * 4))
-    s = p.streams["b@b:1"]
+    s = p.streams["b@b:1#"]
     before = p.enqueue(_write([0, 1]))  # waits for its seq, slots 0 and 1
     other = p.enqueue(_write([2]))      # waits for its seq, slot 2 only
     assert p.answered(s, _reply(0, pb.REJECT_STALE, [1]), now=1.0)  # slot 1 refused: reported
@@ -150,11 +150,11 @@ def test_a_failure_report_carries_the_epoch_at_which_it_was_seen() -> None:
     demote a copy rebuilt since): a report says the map the primary held when it saw the failure."""
     p = _primary(failure_timeout_s=0.0)
     _install(p, _map(3, [IN_SYNC] * 2 + [None] * 6))
-    s = p.streams["b@b:1"]
+    s = p.streams["b@b:1#"]
     assert [(a.slots.tolist(), a.epoch) for a in p.send_failed(s, "UNAVAILABLE", now=1.0)] == [([0, 1], 3)]
     refused = _primary()
     _install(refused, _map(4, [IN_SYNC] * 2 + [None] * 6))
-    out = refused.answered(refused.streams["b@b:1"], _reply(0, pb.REJECT_DIVERGED, [1], epoch=4), now=1.0)
+    out = refused.answered(refused.streams["b@b:1#"], _reply(0, pb.REJECT_DIVERGED, [1], epoch=4), now=1.0)
     assert [(a.slots.tolist(), a.epoch) for a in out] == [([1], 4)]
     assert [a.epoch for a in refused.retry() if isinstance(a, ReportFailure)] == [4]
 
@@ -162,7 +162,7 @@ def test_a_failure_report_carries_the_epoch_at_which_it_was_seen() -> None:
 def test_a_refusal_about_slots_led_elsewhere_now_demotes_nothing() -> None:
     p = _primary()
     _install(p, _map(1, [CATCHING_UP] * 2 + [None] * 6))
-    s = p.streams["b@b:1"]
+    s = p.streams["b@b:1#"]
     assert p.answered(s, _reply(0, pb.REJECT_STALE, [0, 1], epoch=1), now=1.0) == []
 
 
@@ -177,7 +177,7 @@ def test_a_refusal_from_a_newer_map_is_learned_first() -> None:
 def test_a_failing_stream_is_reported_only_past_its_timeout_and_once() -> None:
     p = _primary(failure_timeout_s=2.0)
     _install(p, _map(1, [IN_SYNC] * 3 + [None] * 5))
-    s = p.streams["b@b:1"]
+    s = p.streams["b@b:1#"]
     assert p.send_failed(s, "UNAVAILABLE", now=10.0) == []
     assert p.send_failed(s, "UNAVAILABLE", now=11.0) == []
     out = p.send_failed(s, "UNAVAILABLE", now=12.0)
@@ -187,10 +187,10 @@ def test_a_failing_stream_is_reported_only_past_its_timeout_and_once() -> None:
     # REJECT_BEHIND (the target lacks our map) is a failure of the same kind, with a pause
     p2 = _primary()
     _install(p2, _map(1, [IN_SYNC] + [None] * 7))
-    out = p2.answered(p2.streams["b@b:1"], _reply(0, pb.REJECT_BEHIND), now=0.0)
+    out = p2.answered(p2.streams["b@b:1#"], _reply(0, pb.REJECT_BEHIND), now=0.0)
     assert out == [Pause(0.05)]
     # applying again makes the stream whole: the failure no longer stands
-    s2 = p2.streams["b@b:1"]
+    s2 = p2.streams["b@b:1#"]
     p2.enqueue(_write([0]))
     p2.answered(s2, _reply(1), now=1.0)
     assert s2.broken_since is None and not s2.reported
@@ -199,7 +199,7 @@ def test_a_failing_stream_is_reported_only_past_its_timeout_and_once() -> None:
 def test_a_broken_stream_nothing_depends_on_is_restarted_by_the_next_map() -> None:
     p = _primary(failure_timeout_s=0.0)
     _install(p, _map(1, [CATCHING_UP] + [None] * 7))
-    s = p.streams["b@b:1"]
+    s = p.streams["b@b:1#"]
     p.send_failed(s, "UNAVAILABLE", now=1.0)
     assert p.needs_restart()
     actions = _install(p, _map(1, [CATCHING_UP] + [None] * 7), now=2.0)
@@ -222,10 +222,32 @@ def test_a_stale_caught_up_report_restarts_the_copy() -> None:
     assert sess.state == FAILED and not s.required[0] and p.needs_restart()
 
 
+def test_a_restarted_target_gets_a_new_stream_and_its_copies_start_again() -> None:
+    """b restarts (a new boot) while a's copies into it are catching up: the copy into the old process may have
+    sent every row and wait for nothing more, so no refusal would ever tell a that the rows are gone. The map
+    with b's new boot closes the old stream and opens one to the new process (a new generation, from seq 1),
+    and every copy into it starts again (``bench sim`` seed 147: copies that never finished, and a report of the
+    old copy that the scheduler took)."""
+    p = _primary()
+    m = _map(1, [CATCHING_UP, CATCHING_UP] + [None] * 6)
+    (opened, started) = _install(p, m)
+    old = opened.stream
+    assert isinstance(started, StartCopy) and old.sessions[0].slots.tolist() == [0, 1]
+    p.rows_copied(old, old.sessions[0], 0.0)  # every row sent to the old process
+    restarted = ShardMap(2, SLOTS, 1, (m.servers[0], ServerEntry("b", "b:1", boot="b-boot2")), m.copies, m.states,
+                         np.zeros(SLOTS, np.uint64))
+    actions = _install(p, restarted, now=1.0)
+    kinds = [type(a) for a in actions]
+    assert CloseStream in kinds and OpenStream in kinds and StartCopy in kinds
+    (new,) = p.streams.values()
+    assert new is not old and new.generation > old.generation and new.key == "b@b:1#b-boot2"
+    assert new.sessions[0].slots.tolist() == [0, 1] and new.sessions[0].epoch == 2
+
+
 def test_the_queue_bound_names_the_full_stream() -> None:
     p = _primary(max_queue_bytes=1000)
     _install(p, _map(1, [IN_SYNC] * 2 + [None] * 6))
-    s = p.streams["b@b:1"]
+    s = p.streams["b@b:1#"]
     assert p.full_stream(None) is None
     for _ in range(20):
         p.enqueue(_write([0]))
