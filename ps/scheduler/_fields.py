@@ -32,6 +32,7 @@ class CoreFields:
     _moved: set[int]
     _moved_on: set[str]
     started: float
+    ticked: bool
     last_seen: dict[str, float]
     heard: set[str]
     stats: dict[str, dict[str, float]]

@@ -71,6 +71,7 @@ class SchedulerCore(Liveness, Moves):
         self.draining: set[str] = set(state.draining)
         self.target_kind = state.target_kind  # "balance": re-planned on failures; "moves": rolled back per slot
         self.started = now
+        self.ticked = False  # no tick yet: the time from the start to the first is this process's silence too
         # Liveness is not persisted: every server in the map gets a full timeout from this start.
         self.last_seen: dict[str, float] = {s.id: now for s in self.map.servers}
         self.heard: set[str] = set()           # servers heard from (register/heartbeat) since this start

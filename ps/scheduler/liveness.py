@@ -48,6 +48,9 @@ class Liveness(CoreFields):
         server gets a full timeout again."""
         self.now = now
         timeout = self.config.heartbeat_timeout_s
+        if not self.ticked:  # the first tick of this process: no tick before it for the caller to measure a stall
+            self.ticked = True  # by, and the time since the start (loading the store, a pause, a clock step
+            stalled = stalled or now - self.started > timeout / 3  # before any tick) was its own silence
         overdue: set[str] = set()
         if stalled or waited_s > timeout / 3:  # heartbeats were waiting on us, not missing
             overdue = {sid for sid, seen in self.last_seen.items() if now - seen > timeout / 3}

@@ -33,6 +33,7 @@ def two_hosts(tmp_path, first=("a", "b", "c", "d"), **config) -> Cluster:
     c = Cluster(tmp_path, **config)
     for s in first:
         c.register(s, domain=LAYOUT[s])
+    c.core.tick()  # a running scheduler has ticked (its first tick forgives the time since its start)
     return c
 
 

@@ -124,6 +124,27 @@ def test_a_new_leader_probes_the_servers_it_has_not_heard_and_a_health_answer_ke
     assert [s.up for s in leader.map.servers] == [True, True, False]
 
 
+def test_a_scheduler_whose_first_tick_comes_late_declares_nobody_dead_for_it() -> None:
+    """A scheduler restarts and its clock jumps past the heartbeat timeout before its first tick (a pause of its
+    VM, a clock step: ``bench sim`` seed 399, where every server was declared dead at once, "no heartbeat for
+    5.5s"). With no tick before it, the driver cannot measure the stall: the core counts the time from its start
+    to its first tick as its own silence. Nobody is declared dead; every server is probed, and a closed port is
+    still the server's own answer."""
+    core = _core()
+    for s in "abc":
+        core.register(s, f"h{s}:1", f"{s}1", now=0.0)
+    core.take_ready()
+    restarted = SchedulerCore(core.config, core.state(), now=100.0)
+    restarted.tick(now=100.0 + TIMEOUT + 2.5)
+    assert all(s.up for s in restarted.map.servers)
+    assert sorted(p.server_id for p in restarted.take_ready().probes) == ["a", "b", "c"]
+    restarted.probe_answered("c", "c1", True, now=100.0 + TIMEOUT + 2.6)
+    assert [s.up for s in restarted.map.servers] == [True, True, False]
+    restarted.tick(now=100.0 + TIMEOUT + 3.0)  # later ticks are no first tick: silence counts again
+    restarted.tick(now=100.0 + 2 * TIMEOUT + 2.6)
+    assert [s.up for s in restarted.map.servers] == [False, False, False]
+
+
 class _Store(FileMapStore):
     """A file store that records what was published when each state was saved, and refuses on demand."""
 

@@ -133,6 +133,16 @@ def test_a_copy_into_a_server_that_restarted_meanwhile_never_counts() -> None:
     assert any("refused as stale by the scheduler" in line for line in out.trace)
 
 
+def test_a_scheduler_whose_clock_jumps_before_its_first_tick_declares_nobody_dead() -> None:
+    # Seed 399 (bench sim's settings): the scheduler restarts from its store and its clock jumps 5.3 s before
+    # its first tick; with no tick before it to measure the stall by, every server was declared dead at once
+    # ("no heartbeat for 5.5s"), which the L6 checker caught.
+    out = run_seed(399, Settings(busy_s=15.0))
+    _ok(out)
+    assert any("jumps" in line and "scheduler" in line for line in out.ops)
+    assert any("scheduler stalled" in line for line in out.trace)
+
+
 def test_clock_jumps_declare_no_server_dead_and_demote_nothing() -> None:
     # The scheduler's clock jumps past the heartbeat timeout; a primary's and a replica's clocks jump too.
     script = (Op(3.0, "clock_jump", "scheduler", seconds=5.0), Op(5.0, "clock_jump", "primary:0", seconds=4.0),
