@@ -46,6 +46,7 @@ class ClientFields:
     _unraised: list[PSError]
     _closed: bool
     _map: routing.ShardMap | None
+    _dropped: set[str]
     _maps: MapFollower | None
     _waiters: list[tuple[int, Callable[[], None]]]
     _waiters_lock: threading.Lock

@@ -78,6 +78,7 @@ class Client(DataPath, Tables, Operations):
         self._unraised: list[PSError] = []
         self._closed = False
         self._map: routing.ShardMap | None = None
+        self._dropped: set[str] = set()  # tables a map this client installed dropped (until one creates them)
         self._maps: MapFollower | None = None
         self._waiters: list[tuple[int, Callable[[], None]]] = []
         self._waiters_lock = threading.Lock()
@@ -123,6 +124,8 @@ class Client(DataPath, Tables, Operations):
             log.warning("shard map has %d slots, the client expects %d", m.num_slots, self.config.num_slots)
         servers = [self._server(s.address) for s in m.servers]
         old = self._map
+        if old is not None:
+            self._dropped = (self._dropped | (set(old.tables) - set(m.tables))) - set(m.tables)
         self._map = m
         self._route = route = Route(m.epoch, servers, m.primary_of_slot())
         self._servers = [servers[i] for i, s in enumerate(m.servers) if s.up]

@@ -133,10 +133,13 @@ class _Op:
         a = self.attempt
         clustered = c._maps is not None
         now = c._ports.clock()
-        if not retryable(error, clustered) or now >= a.deadline or \
+        dropped = isinstance(error, TableNotFound) and self.st.name in c._dropped  # by a map this client has
+        if not retryable(error, clustered) or dropped or now >= a.deadline or \
                 (not clustered and a.number >= c.config.max_attempts):
             if isinstance(error, Unavailable) and a.number > 1:
                 error = type(error)(f"{error} (after {a.number} attempts)", epoch=error.epoch)
+            elif dropped:
+                error = TableNotFound(f"{error} (dropped: the map at epoch {c.epoch} has no table {self.st.name!r})")
             settle(None, error)
             return
         c._note_retry()

@@ -191,6 +191,30 @@ def test_a_small_request_with_a_malformed_item_keeps_its_good_items() -> None:
         cluster_wire.item_header(request.items[1])
 
 
+def test_a_push_to_a_table_another_client_dropped_fails_at_once(cluster) -> None:
+    """Client a pushes to a table client b dropped. Its servers answer TableNotFound, which a clustered client
+    retries (a server may not have installed the map that creates a table yet): once a map that client a
+    installed has dropped the table, it fails with TableNotFound at once, not after retrying for its failover
+    deadline (30 s; ``bench sim`` seeds 65 and 91 waited 20 and 25 s to settle such a push)."""
+    sched, servers = cluster
+    ids = np.arange(64, dtype=np.int64)
+    with ps.connect(scheduler=sched.address) as a, ps.connect(scheduler=sched.address) as b:
+        a.create_table("scratch", dim=4, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
+        a.push("scratch", ids, np.ones((64, 4), np.float32)).result(timeout=30)
+        assert b.drop_table("scratch")
+        dropped_at = sched.core.map.epoch
+        _wait_installed(servers, dropped_at)  # no server applies a push to it any more
+        while a.epoch < dropped_at:  # client a follows the map (a push racing the drop may still be applied)
+            time.sleep(0.05)
+        started = time.monotonic()
+        with pytest.raises(ps.TableNotFound, match="dropped: the map at epoch .* has no table 'scratch'"):
+            a.push("scratch", ids, np.ones((64, 4), np.float32)).result(timeout=60)
+        assert time.monotonic() - started < 10
+        with pytest.raises(ps.TableNotFound):  # a failed push is raised at the next call too
+            a.flush()
+        assert "scratch" not in b.list_tables()
+
+
 def test_items_of_a_dropped_table_are_moot_and_never_wedge_the_stream(cluster) -> None:
     """A table dropped (or dropped and created again) while its items are in flight: the target skips the
     items of the incarnation its map dropped and goes on with the stream. It used to answer BEHIND for ever,
