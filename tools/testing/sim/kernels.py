@@ -4,7 +4,7 @@ ledger's ids once and returns the first violation it finds, as a code and an ind
 Why: the checks run after every step over a few hundred ids, where the cost is the number of numpy calls (1-2
 us each), not their size; the numpy forms took about a quarter of a run's CPU. Each kernel computes exactly
 what the numpy form it replaces computed, in the same precedence, and picks the same first index (the lowest,
-as ``argmax`` of a mask did); ``tests/sim/test_kernels.py`` holds each against a numpy reference on random
+as ``argmax`` of a mask did); ``tests/sim/test_check_kernels.py`` holds each against a numpy reference on random
 arrays. Same conventions as ``tigana.ps._kernels``: ``nogil``, cached on disk (``cache=True``: a process
 loads them, only a changed source compiles again), one signature each (C-contiguous arrays of fixed dtypes).
 """
