@@ -7,8 +7,9 @@ its handle at teardown, also on failure).
                         trained model. It starts the ``tigana admin export --follow --model ROOT`` follower
                         (log ``follow.log`` in the test's ``tmp_path``; it runs until teardown), runs ``tigana train
                         --dataset synthetic --ps SCHEDULER --publish-dir ROOT --no-progress *train_args`` (which
-                        must succeed), and waits until the follower has cut the model's first table after the
-                        training ended (a manifest written 0.5 s past it: the model as trained). The
+                        must succeed), and waits until the newest version of the follower's publish log
+                        (``versions.json``) is the model as trained: every table cut 0.5 s past the training's
+                        end with no entry since that version. The
                         ``Published`` it returns also scores rows the trainer's way (``trainer_scores``).
 """
 
@@ -84,6 +85,22 @@ class Published:
             return torch.sigmoid(model(batch.dense, batch.sparse).float()).numpy()
 
 
+def _as_trained(root: Path, tables: list[str], after: float) -> bool:
+    """Whether ``root``'s newest published version is the model as trained: every table's export log was cut at
+    ``after`` or later (its manifest's time) with no entry since the version (the same ``seq``). The follower
+    writes a table's manifest before the version that names it, so a manifest alone does not say the version
+    is written yet."""
+    versions = modeldir.read_versions(root)
+    if versions is None or not versions["versions"]:
+        return False
+    newest = versions["versions"][-1]["tables"]
+    for table in tables:
+        m = read_manifest(modeldir.table_log(root, table))
+        if m is None or m["time"] < after or table not in newest or newest[table]["seq"] != m["seq"]:
+            return False
+    return True
+
+
 @pytest.fixture
 def train_published(publish_cluster: ps.LocalCluster, tmp_path: Path) -> Iterator[Callable[..., Published]]:
     followers: list[subprocess.Popen] = []
@@ -100,9 +117,8 @@ def train_published(publish_cluster: ps.LocalCluster, tmp_path: Path) -> Iterato
         trained = time.time()
         spec = modeldir.read_spec(root)
         assert spec is not None, f"{root} holds no published model spec"
-        log = modeldir.table_log(root, spec["tables"][0])
         deadline = time.monotonic() + 60
-        while (m := read_manifest(log)) is None or m["time"] < trained + 0.5:  # cut after the last push
+        while not _as_trained(root, spec["tables"], trained + 0.5):
             assert time.monotonic() < deadline, log_path.read_text()[-2000:]
             time.sleep(0.1)
         return Published(root, spec, train)
