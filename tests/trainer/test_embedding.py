@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tigana import ps
+from tigana.proto import shard_pb2 as pb
 from tigana.trainer.embedding import PSEmbeddingBags, TableOptions
 from tigana.trainer.embedding.plan import _salted, _table_salt
 from tigana.trainer.loop import evaluate
@@ -321,3 +322,20 @@ def test_table_rows_reads_without_inserting(client, fused: bool, compressed: boo
     expected = client.pull(physical, _salted(ids, _table_salt(f"{prefix}a")) if fused else ids)
     np.testing.assert_array_equal(rows, expected)
     assert not np.allclose(rows[:6], rows[6:12], atol=0.1)  # stored rows were trained; unseen ones are initial
+
+
+def test_table_options_durability_creates_each_table_with_it(make_shard_cluster) -> None:
+    """``TableOptions.durability`` reaches ``create_table``: a collection's tables are sync or async as asked, and
+    the cluster's default where it is None (sync: its slots have a replica); any other value is refused before a
+    table is made."""
+    cluster = make_shard_cluster(2)  # a scheduler and one replica of every slot, as the README starts it
+    prefix = _name()
+    with ps.connect(cluster.target) as client:
+        want = {None: pb.DURABILITY_SYNC, "sync": pb.DURABILITY_SYNC, "async": pb.DURABILITY_ASYNC}
+        for durability, held in want.items():
+            feature = FeatureSpec(f"{prefix}{durability}")
+            PSEmbeddingBags(client, [feature], DIM, options=TableOptions(durability=durability))
+            assert client._spec_pb(feature.name).durability == held, durability  # as the scheduler holds it
+        with pytest.raises(ps.InvalidArgument, match="field 'durability'"):
+            TableOptions(durability="eventually")
+        assert not [t for t in client.list_tables() if t.endswith("eventually")]

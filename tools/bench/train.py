@@ -5,31 +5,47 @@ the Kaggle set's capped at ``--vocab``), DeepFM with dim-16 embeddings and a (25
 front so data generation is not timed. Every model trains with Adam on its dense layers and Adagrad on its
 rows (server-side for the PS, ``torch.optim.Adagrad`` on sparse gradients locally).
 
-Cases, one JSON line each (samples/s, the best of the rounds; the trainers take turns in every round):
+Two clusters run side by side: the headline one as ``tigana train`` starts it (README: a scheduler, ``--shards``
+daemons, ``--replicas`` copies of every slot, default 1, tables of the cluster's default durability, sync; or
+``--durability``), and ``--shards`` static daemons with no scheduler and no replica.
 
-- ``train_ps``          1 trainer + 2 shard daemons, prefetch + staleness 1, the 26 tables fused into one PS
-                        table (ids salted per table): one pull and one push per shard a step (the default of
-                        ``tigana train``)
-- ``train_ps_unfused``  the same with 26 separate PS tables: 26 pulls and 26 pushes a step
-  each against ``local nn.EmbeddingBag``: the same model on ``LocalEmbeddingCollection`` in this process
-  (sparse gradients), measured in the same run;
-- ``train_ps_vs_torchrec``: ``train_ps`` against TorchRec's ``EmbeddingBagCollection`` trained locally
-  (only when torchrec is importable; it is never a dependency).
+Cases, one JSON line each (samples/s, the best of the rounds; the trainers take turns in every round), the
+headline first:
 
-Each line also gives the CPU it cost: ``cpu_us_per_sample`` and ``peer_cpu_us_per_sample`` (median over rounds) count
-every process, this one and the shard daemons, since the PS case uses the daemons' cores, which the in-process
-peers never get. Each line also says what the run did, measured rather than assumed: ``samples_per_round`` (every trainer trains
-every batch once a round), ``round_seconds`` (the best round's), and for the PS cases the client's pulls and
-pushes per step (``pulls_per_step``, ``pushes_per_step``: 1 fused, one per table unfused), the PS tables the
-collection used (``ps_tables``) and the rows they hold at the end (``ps_rows``: every id the batches touched).
+- ``train_ps_vs_torchrec``   the headline: 1 trainer on the README's cluster, prefetch + staleness 1, the 26
+                             tables fused into one PS table (ids salted per table; one pull and one push per
+                             shard a step, the default of ``tigana train``), against TorchRec's
+                             ``EmbeddingBagCollection`` trained in this process (only when torchrec is
+                             importable; it is never a dependency). Its peer takes TorchRec's idiomatic path.
+- ``train_ps_static_vs_torchrec``  the same trainer on the static cluster (no scheduler, no replica) against
+                             TorchRec.
+- ``train_ps_vs_static``     the README's cluster against the static one: what the scheduler, the replica and
+                             its durability cost a trainer.
+- ``train_ps_unfused``       26 separate PS tables on the README's cluster (26 tables a pull and a push) against
+                             the fused run.
+- ``train_ps``               the README's cluster against ``local nn.EmbeddingBag``: the same model on
+                             ``LocalEmbeddingCollection`` in this process (sparse gradients).
+
+Each line gives the CPU it cost, median over rounds: ``cpu_us_per_sample`` counts every process (this one, the
+daemons and the scheduler of the case's cluster), since a PS case uses the daemons' cores, which in-process
+peers never get; ``trainer_cpu_us_per_sample`` counts this process alone, what a trainer's host pays when the
+servers run elsewhere (``peer_cpu_us_per_sample``, ``peer_trainer_cpu_us_per_sample``: the peer's). Each line
+also says what the run did, measured rather than assumed: ``samples_per_round`` (every trainer trains every
+batch once a round), ``round_seconds`` (the best round's), and for a PS case the client's pulls and pushes per
+step (``pulls_per_step``, ``pushes_per_step``: 1 fused, one per table unfused), the PS tables the collection used
+(``ps_tables``), the rows they hold at the end (``ps_rows``: every id the batches touched), and its cluster
+(``replicas``: copies besides the primary, None for the static one; ``scheduler``; ``durability``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,17 +71,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="steps per timed round (default 30, quick 10)")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds per case (default 9, quick 5)")
     parser.add_argument("--vocab", type=int, default=100_000, help="cap on each feature's vocabulary")
-    parser.add_argument("--shards", type=int, default=2, help="shard daemons of the PS cases (default 2)")
+    parser.add_argument("--shards", type=int, default=2, help="shard daemons of each cluster (default 2)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="copies of every slot besides its primary on the headline cluster, placed by its "
+                             "scheduler (default 1, as tigana train starts it; 0: none)")
+    parser.add_argument("--durability", choices=("sync", "async"), default=None,
+                        help="the headline cluster's PS tables (default: the cluster's, sync where slots have a "
+                             "copy)")
+
+
+@dataclass(frozen=True)
+class _Cluster:
+    """A cluster the PS cases train on: its client, the pids of its processes (daemons and scheduler, whose CPU
+    a case on it counts) and what it is (``replicas`` None: static daemons, no scheduler)."""
+
+    client: ps.Client
+    pids: list[int]
+    replicas: int | None
+    durability: str | None
+
+    @property
+    def figures(self) -> dict[str, Any]:
+        return dict(replicas=self.replicas, scheduler=self.replicas is not None, durability=self.durability)
 
 
 class _Trainer:
     """One DeepFM and its optimizers; ``epoch()`` trains on every batch once and returns the samples."""
 
     def __init__(self, embeddings: nn.Module, batches: list[Batch], sparse_params: list[nn.Parameter] = (),
-                 collection: PSEmbeddingBags | None = None) -> None:
+                 collection: PSEmbeddingBags | None = None, cluster: _Cluster | None = None) -> None:
         torch.manual_seed(0)
         self.model = build_model("deepfm", embeddings, 13)
-        self.batches, self.collection = batches, collection
+        self.batches, self.collection, self.cluster = batches, collection, cluster
         self.dense_opt = torch.optim.Adam(self.model.dense_parameters(), lr=1e-3)
         self.sparse_opt = torch.optim.Adagrad(list(sparse_params), lr=0.05) if sparse_params else None
 
@@ -141,31 +178,41 @@ def run(args: argparse.Namespace) -> int:
     params = dict(model="deepfm", batch_size=bs, steps=steps, repeats=repeats, dim=DIM, sparse_features=26,
                   shards=args.shards, trainers=1, staleness=1, prefetch=True, threads=torch.get_num_threads(),
                   vocab_cap=args.vocab, statistic=f"best of {repeats} rounds")
+    durability = args.durability or ("sync" if args.replicas else None)
 
     env = dict(os.environ, TIGANA_SNAPSHOT_ON_SHUTDOWN="0", **ALLOCATOR_ENV)
-    with ps.LocalCluster(args.shards, replicas=None, env=env) as cluster:
-        client = ps.connect(cluster.addresses)
-        try:
-            local_coll = LocalEmbeddingCollection(features, DIM, cards, sparse_grad=True, seed=0)
-            trainers = {"local": _Trainer(local_coll, batches, list(local_coll.parameters()))}
-            for case, fused in (("train_ps", "bench_train_fused"), ("train_ps_unfused", None)):
-                specs = [FeatureSpec(f.name, table=f"bench_train_{f.name}", pooling=f.pooling) for f in features]
-                coll = PSEmbeddingBags(client, specs, DIM, fused_table=fused,
-                                       options=TableOptions(optimizer=ps.Adagrad(lr=0.05), staleness=1))
-                trainers[case] = _Trainer(coll, batches, collection=coll)
-            peer = _torchrec_collection(features, cards, batches)
-            if peer is not None:
-                trainers["torchrec"] = _Trainer(peer, batches)
-            rates, samples, calls, cpu = _interleaved(trainers, repeats, client, [p.pid for p in cluster.procs])
-            ps_figures = {}
-            for case in ("train_ps", "train_ps_unfused"):
-                coll = trainers[case].collection
-                per_step = {k: v / (steps * (repeats + 1)) for k, v in calls[case].items()}
-                ps_figures[case] = dict(pulls_per_step=per_step["pulls"], pushes_per_step=per_step["pushes"],
-                                        ps_tables=len(coll.ps_tables),
-                                        ps_rows=sum(client.describe_table(t).rows for t in coll.ps_tables))
-        finally:
-            client.close()
+    with contextlib.ExitStack() as stack:
+        readme = stack.enter_context(ps.LocalCluster(args.shards, replicas=args.replicas, env=env))
+        static = stack.enter_context(ps.LocalCluster(args.shards, replicas=None, env=env))
+        clusters = {
+            "readme": _Cluster(stack.enter_context(ps.connect(readme.target)),
+                               [p.pid for p in readme.procs + readme.scheduler_procs], args.replicas, durability),
+            "static": _Cluster(stack.enter_context(ps.connect(static.addresses)), [p.pid for p in static.procs],
+                               None, None)}
+        local_coll = LocalEmbeddingCollection(features, DIM, cards, sparse_grad=True, seed=0)
+        trainers = {"local": _Trainer(local_coll, batches, list(local_coll.parameters()))}
+        for case, where, fused in (("train_ps", "readme", "bench_train_fused"), ("train_ps_unfused", "readme", None),
+                                   ("train_ps_static", "static", "bench_train_fused")):
+            cluster = clusters[where]
+            specs = [FeatureSpec(f.name, table=f"bench_train_{f.name}", pooling=f.pooling) for f in features]
+            coll = PSEmbeddingBags(cluster.client, specs, DIM, fused_table=fused,
+                                   options=TableOptions(optimizer=ps.Adagrad(lr=0.05), staleness=1,
+                                                        durability=cluster.durability))
+            trainers[case] = _Trainer(coll, batches, collection=coll, cluster=cluster)
+        peer = _torchrec_collection(features, cards, batches)
+        if peer is not None:
+            trainers["torchrec"] = _Trainer(peer, batches)
+        rates, samples, calls, cpu = _interleaved(trainers, repeats)
+        ps_figures = {}
+        for case, trainer in trainers.items():
+            if trainer.collection is None:
+                continue
+            coll, client = trainer.collection, trainer.cluster.client
+            per_step = {k: v / (steps * (repeats + 1)) for k, v in calls[case].items()}
+            ps_figures[case] = dict(pulls_per_step=per_step["pulls"], pushes_per_step=per_step["pushes"],
+                                    ps_tables=len(coll.ps_tables),
+                                    ps_rows=sum(client.describe_table(t).rows for t in coll.ps_tables),
+                                    **trainer.cluster.figures)
     best = {name: max(v) for name, v in rates.items()}
     median = {name: statistics.median(v) for name, v in rates.items()}
 
@@ -173,47 +220,58 @@ def run(args: argparse.Namespace) -> int:
         emit(case, "samples/s", best[ours], peer_name, best[peer], fused_tables=fused, **params,
              value_median=round(median[ours], 1), peer_value_median=round(median[peer], 1),
              ratio_median=round(median[ours] / median[peer], 4), samples_per_round=samples[ours],
-             cpu_us_per_sample=round(statistics.median(cpu[ours]), 1),
-             peer_cpu_us_per_sample=round(statistics.median(cpu[peer]), 1),
+             cpu_us_per_sample=round(statistics.median(cpu[ours]["all"]), 1),
+             trainer_cpu_us_per_sample=round(statistics.median(cpu[ours]["trainer"]), 1),
+             peer_cpu_us_per_sample=round(statistics.median(cpu[peer]["all"]), 1),
+             peer_trainer_cpu_us_per_sample=round(statistics.median(cpu[peer]["trainer"]), 1),
              round_seconds=round(samples[ours] / best[ours], 4), **ps_figures[ours])
 
-    for case, fused in (("train_ps", True), ("train_ps_unfused", False)):
-        line(case, case, "local", "local nn.EmbeddingBag", fused)
+    readme_name = f"tigana PS, {args.shards} static shards, no scheduler, no replica"
     if "torchrec" in rates:
         line("train_ps_vs_torchrec", "train_ps", "torchrec", "torchrec EmbeddingBagCollection", True)
+        line("train_ps_static_vs_torchrec", "train_ps_static", "torchrec", "torchrec EmbeddingBagCollection", True)
+    line("train_ps_vs_static", "train_ps", "train_ps_static", readme_name, True)
+    line("train_ps_unfused", "train_ps_unfused", "train_ps", "the fused PS run", False)
+    line("train_ps", "train_ps", "local", "local nn.EmbeddingBag", True)
     return 0
 
 
-def _interleaved(trainers: dict[str, _Trainer], repeats: int, client: ps.Client, daemons: list[int]
-                 ) -> tuple[dict[str, list[float]], dict[str, int], dict[str, dict[str, int]], dict[str, list[float]]]:
-    """(samples/s of each trainer in each of ``repeats`` rounds, its samples per round, the pulls and pushes
-    ``client`` made while it trained, warm-up included, and the CPU microseconds per sample of each round over
-    every process: this one and the shard ``daemons``, whose CPU only the PS cases use, so in-process peers are
-    not flattered by the cores they leave idle). The trainers take turns in every round (one untimed
-    warm-up round first), so the client's counters move for one trainer at a time. The lines report the best
-    round: on a shared machine other processes only ever slow a round down. The medians come along
-    (``value_median``, ``ratio_median``), since the best of a few noisy rounds favours whichever case spreads
-    more."""
+def _interleaved(trainers: dict[str, _Trainer], repeats: int
+                 ) -> tuple[dict[str, list[float]], dict[str, int], dict[str, dict[str, int]],
+                            dict[str, dict[str, list[float]]]]:
+    """(samples/s of each trainer in each of ``repeats`` rounds, its samples per round, the pulls and pushes its
+    cluster's client made while it trained, warm-up included, and the CPU microseconds per sample of each round:
+    ``all`` over every process, this one and the processes of the trainer's cluster, whose CPU only the PS
+    cases use, so in-process peers are not flattered by the cores they leave idle; ``trainer`` this process
+    alone). The trainers take turns in every round (one untimed warm-up round first), so a client's counters
+    move for one trainer at a time. The lines report the best round: on a shared machine other processes only
+    ever slow a round down. The medians come along (``value_median``, ``ratio_median``), since the best of a
+    few noisy rounds favours whichever case spreads more."""
     timings: dict[str, list[float]] = {name: [] for name in trainers}
-    cpu: dict[str, list[float]] = {name: [] for name in trainers}
+    cpu: dict[str, dict[str, list[float]]] = {name: {"all": [], "trainer": []} for name in trainers}
     samples: dict[str, int] = {}
     calls = {name: {"pulls": 0, "pushes": 0} for name in trainers}
     for round_ in range(repeats + 1):
         for name, trainer in trainers.items():
-            before = client.stats()
-            cpu0 = _self_cpu_s() + sum(process_cpu_s(pid) for pid in daemons)
+            cluster = trainer.cluster
+            pids = cluster.pids if cluster is not None else []
+            before = cluster.client.stats() if cluster is not None else None
+            own0, others0 = _self_cpu_s(), sum(process_cpu_s(pid) for pid in pids)
             t0 = time.perf_counter()
             n = trainer.epoch()
             elapsed = time.perf_counter() - t0
-            cpu_s = _self_cpu_s() + sum(process_cpu_s(pid) for pid in daemons) - cpu0
-            after = client.stats()
-            for k in calls[name]:
-                calls[name][k] += after[k] - before[k]
+            own = _self_cpu_s() - own0
+            others = sum(process_cpu_s(pid) for pid in pids) - others0
+            if cluster is not None:
+                after = cluster.client.stats()
+                for k in calls[name]:
+                    calls[name][k] += after[k] - before[k]
             if samples.setdefault(name, n) != n:
                 raise RuntimeError(f"bench train: {name} trained {n} samples in a round, {samples[name]} before")
             if round_:
                 timings[name].append(n / elapsed)
-                cpu[name].append(cpu_s / n * 1e6)
+                cpu[name]["all"].append((own + others) / n * 1e6)
+                cpu[name]["trainer"].append(own / n * 1e6)
         if round_:
             log("  round " + str(round_) + ": " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in timings.items()))
     return timings, samples, calls, cpu

@@ -176,7 +176,7 @@ class PSEmbeddingBags(_Planner, _PullSide, _PushSide, nn.Module):
         staleness = 0 if table in self.caches else max(o.staleness - 1, 0)
         codec = None if o.compression in (None, "adaptive") else o.compression
         self.client.create_table(table, dim=self.dim, optimizer=o.optimizer, initializer=o.initializer,
-                                 seed=o.seed, staleness=staleness, compression=codec)
+                                 seed=o.seed, staleness=staleness, compression=codec, durability=o.durability)
 
     @property
     def min_staleness(self) -> int:

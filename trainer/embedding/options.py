@@ -21,7 +21,9 @@ class TableOptions:
     step by ``AdaptiveCompressor`` with the knobs of ``adaptive``) and the trainer's hot-row cache
     (``cache_rows`` rows, 0: none; ``cache_max_age`` steps a copy may serve, None: no age bound;
     ``cache_policy`` lfu or lru); ``unseen``: what evaluation reads for an id the table does not hold
-    (``zeros``, ``initial`` or a number: ``tigana.embeddings.unseen``, the policy ``tigana serve`` shares)."""
+    (``zeros``, ``initial`` or a number: ``tigana.embeddings.unseen``, the policy ``tigana serve`` shares);
+    ``durability``: "sync" or "async" on a cluster with a scheduler (None: the cluster's default, sync where
+    slots have replicas), as ``ps.Client.create_table`` takes it."""
 
     optimizer: Any = field(default_factory=lambda: ps.Adagrad(lr=0.05))
     initializer: Any = field(default_factory=lambda: ps.Normal(std=0.01))
@@ -33,6 +35,7 @@ class TableOptions:
     cache_max_age: int | None = None
     cache_policy: str = "lfu"
     unseen: str = "zeros"
+    durability: str | None = None
 
     def __post_init__(self) -> None:
         if self.staleness < 0:
@@ -54,6 +57,9 @@ class TableOptions:
             ps.Unseen.parse(self.unseen, what="table options: field 'unseen'")
         except ValueError as exc:  # the storage engine's InvalidArgument
             raise ps.InvalidArgument(str(exc)) from None
+        if self.durability not in (None, "sync", "async"):
+            raise ps.InvalidArgument(f"table options: field 'durability' must be None, 'sync' or 'async', got "
+                                     f"{self.durability!r}")
         if self.cache_policy not in POLICIES:
             raise ps.InvalidArgument(f"table options: field 'cache_policy' must be one of {POLICIES}, got "
                                      f"{self.cache_policy!r}")
