@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # with the usage of the (sub)command the user typed, not the top-level one
         _deepest(selected or parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
+    args._argv = argv  # the command line as typed (``tigana server --workers`` starts its workers with it)
     try:
         return int(module.run(args) or 0)
     except ModuleNotFoundError as exc:  # a command whose --help needs no torch (train) but whose work does

@@ -69,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-rows-per-request", type=int, default=None, help="ids in one pull or push")
     a("--max-concurrent-requests", type=int, default=None,
       help="RPCs in progress before RESOURCE_EXHAUSTED")
+    a("--workers", type=int, default=None,
+      help="shard processes on this host, each a server of the map with its own port (--port + 1 + i) and data "
+           "folder (DATA_DIR/worker-i), all in this server's failure domain; --port serves their common health "
+           "(docs/deployment.md: how many a host wants)")
     a("--config", default=None, help="YAML or TOML file of settings (keys as the flags, with _ or -)")
     a("--ready-file", default=None, help="write {address, port, metrics_port, pid} as JSON here once serving")
     a("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
@@ -96,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     stop = StopSignal()
+    if config.workers > 1:
+        return _run_workers(args, config, stop)
 
     tune_allocator(arena_max=SERVER_ARENAS)
     try:
@@ -123,6 +129,25 @@ def run(args: argparse.Namespace) -> int:
         if args.ready_file:
             Path(args.ready_file).unlink(missing_ok=True)
     return 0
+
+
+def _run_workers(args: argparse.Namespace, config: ServerConfig, stop: StopSignal) -> int:
+    """``--workers N``: the supervisor of N shard processes (``tigana.tools.server_workers``)."""
+    import tempfile
+
+    from tigana.tools.server_workers import Supervisor
+
+    with tempfile.TemporaryDirectory(prefix="tigana-workers-") as run_dir:
+        try:
+            supervisor = Supervisor(config, args._argv, ready_file=args.ready_file, run_dir=Path(run_dir))
+        except (OSError, ValueError) as exc:
+            say(args, f"tigana server: {exc}")
+            return 1
+        say(args, f"tigana server: starting {config.workers} workers; their health on {supervisor.address}")
+        code = supervisor.run(stop)
+        say(args, f"tigana server: {stop.name}: every worker drained and snapshotted" if code == 0 else
+            f"tigana server: {stop.name}: a worker did not stop cleanly (exit status 1)")
+        return code
 
 
 def _write_ready(path: Path, handle) -> None:

@@ -34,12 +34,13 @@ from tigana.ps.routing import DEFAULT_NUM_SLOTS, slot_range
 from tigana.ps.security import NONE, Security
 
 
-def _death_signal_wrapper() -> list[str]:
-    """A command prefix that makes a child die with us (PR_SET_PDEATHSIG via util-linux ``setpriv``), or none.
+def death_signal_wrapper(signal: str = "KILL") -> list[str]:
+    """A command prefix that makes a child get ``signal`` when we die (PR_SET_PDEATHSIG via util-linux
+    ``setpriv``), or none.
 
     Not a ``preexec_fn``: Python code between fork and exec in a multi-threaded (gRPC) parent can hang or crash
     the child; without one, the child is spawned without running Python code in it."""
-    return ["setpriv", "--pdeathsig", "KILL"] if shutil.which("setpriv") else []
+    return ["setpriv", "--pdeathsig", signal] if shutil.which("setpriv") else []
 
 
 class LocalCluster:
@@ -131,7 +132,7 @@ class LocalCluster:
         shard_dir.mkdir(parents=True, exist_ok=True)
         ready = shard_dir / "ready.json"
         ready.unlink(missing_ok=True)
-        cmd = [*_death_signal_wrapper(), *(self._shard_prefix(i) if self._shard_prefix else ()), self._python,
+        cmd = [*death_signal_wrapper(), *(self._shard_prefix(i) if self._shard_prefix else ()), self._python,
                "-m", "tigana.tools.cli", "server", "--host", self.host, "--port", str(port), "--data-dir",
                str(shard_dir), "--num-slots", str(self.num_slots), "--ready-file", str(ready),
                "--metrics-port", "auto" if self._metrics else "0"]
@@ -164,7 +165,7 @@ class LocalCluster:
         sdir.mkdir(parents=True, exist_ok=True)
         ready = sdir / "ready.json"
         ready.unlink(missing_ok=True)
-        cmd = [*_death_signal_wrapper(), *self._scheduler_prefix, self._python, "-m", "tigana.tools.cli", "scheduler",
+        cmd = [*death_signal_wrapper(), *self._scheduler_prefix, self._python, "-m", "tigana.tools.cli", "scheduler",
                "--host", self.host,
                "--port", str(port), "--data-dir", str(sdir), "--ready-file", str(ready), *args]
         proc = self._spawn(cmd, self.scheduler_log(k))
@@ -408,7 +409,7 @@ class LocalEtcd:
     def _start(self, exe: str) -> None:
         client, peer = free_port(), free_port()
         self.url = f"etcd://127.0.0.1:{client}"
-        cmd = [*_death_signal_wrapper(), exe, "--name", "tigana", "--data-dir", str(self.data_dir / "member"),
+        cmd = [*death_signal_wrapper(), exe, "--name", "tigana", "--data-dir", str(self.data_dir / "member"),
                "--listen-client-urls", f"http://127.0.0.1:{client}",
                "--advertise-client-urls", f"http://127.0.0.1:{client}",
                "--listen-peer-urls", f"http://127.0.0.1:{peer}",

@@ -59,7 +59,9 @@ class ServerConfig(SecuritySettings):
     CockroachDB's default for rebalance snapshots: a move at full speed made sync pushes' p99 several times its
     usual value on a busy server (``tigana.ps.replication.pacing``). ``domain``: where the server runs,
     ``zone=Z,rack=R,host=H`` (any of them; the host defaults to the machine's name): the scheduler keeps a slot's
-    copies in distinct domains (``tigana.ps.domains``).
+    copies in distinct domains (``tigana.ps.domains``). ``workers``: shard processes this daemon runs on its host
+    (``tigana server --workers N``, ``tigana.tools.server_workers``): each is a server of the map with its own
+    port and data folder, all in this daemon's failure domain.
 
     Security (``tigana.ps.security``): ``tls_cert``/``tls_key`` serve TLS, ``tls_ca`` verifies peers (and,
     with ``require_client_cert``, clients' certificates); ``auth_token_file`` holds the trainers' token,
@@ -104,6 +106,7 @@ class ServerConfig(SecuritySettings):
     max_streams: int = 64
     stream_window: int = 8
     domain: str = ""
+    workers: int = 1
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidArgument:
@@ -119,6 +122,8 @@ class ServerConfig(SecuritySettings):
             raise bad("max_workers", f"must be >= 1, got {self.max_workers}")
         if self.max_message_bytes < 1 << 16:
             raise bad("max_message_bytes", f"must be >= 64KiB, got {self.max_message_bytes}")
+        if isinstance(self.workers, bool) or self.workers < 1:
+            raise bad("workers", f"must be >= 1, got {self.workers}")
         if self.dedup_window < 1:
             raise bad("dedup_window", f"must be >= 1, got {self.dedup_window}")
         if self.memory_budget is not None and self.memory_budget < 0:

@@ -82,7 +82,7 @@ class ServerHandle:
             raise OSError(f"cannot bind {target} (port in use or address not local)") from cause
         self.port: int = port
         self.host: str = config.host
-        self.address: str = f"{_host_for_address(config.host)}:{port}"
+        self.address: str = f"{host_for_address(config.host)}:{port}"
         self.advertise: str = advertised(config.advertise, port) or self.address
         self.agent: Agent | None = None
         if config.scheduler:
@@ -257,7 +257,8 @@ def advertised(advertise: str | None, port: int) -> str | None:
     return advertise
 
 
-def _host_for_address(host: str) -> str:
+def host_for_address(host: str) -> str:
+    """``host`` as a client reaches it: a wildcard bind is reached on loopback, an IPv6 address in brackets."""
     if host in ("", "0.0.0.0", "[::]", "::"):
         return "127.0.0.1"
     return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,18 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tigana.ps.ops.local import free_port
+from tigana.ps.ops.local import death_signal_wrapper, free_port
 
 
 def tigana_command() -> list[str]:
     """The ``tigana`` console script of this environment (``python -m tigana.tools.cli`` when absent)."""
     script = Path(sys.executable).with_name("tigana")
     return [str(script)] if script.exists() else [sys.executable, "-m", "tigana.tools.cli"]
-
-
-def _death_signal() -> list[str]:
-    """A prefix that kills the daemon if this process dies without closing it (``setpriv --pdeathsig``)."""
-    return ["setpriv", "--pdeathsig", "KILL"] if shutil.which("setpriv") else []
 
 
 def rss_mib(pid: int) -> float | None:
@@ -84,7 +78,7 @@ class Daemon:
         with open(self.log_path, "ab") as log:
             log.write(f"--- start {self.starts}: {' '.join(self.argv)}\n".encode())
             log.flush()
-            self.proc = subprocess.Popen([*_death_signal(), *self.argv, "--ready-file", str(self.ready_file)],
+            self.proc = subprocess.Popen([*death_signal_wrapper(), *self.argv, "--ready-file", str(self.ready_file)],
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=self.env,
                                          start_new_session=True)
         self.starts += 1
