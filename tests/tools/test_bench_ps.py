@@ -34,6 +34,21 @@ def test_bench_ps_inserts_against_pushes_through_one_daemon(bench_lines):
     assert memory["engine_bytes_per_row"] > 8 * 4 and memory["value"] > memory["engine_bytes_per_row"]
 
 
+def test_bench_ps_workers_against_one_worker_with_the_daemons_cores(bench_lines):
+    """Two daemons (``--workers 2`` and ``--workers 1``), two client processes, every case's line: its rate,
+    the peer's, and the cores each daemon's processes kept busy."""
+    argv = ["bench", "ps", "--workers", "2", "--clients", "2", "--seconds", "0.3", "--repeats", "1", "--batch",
+            "2048", "--frame-ids", "64", "--num-ids", "100000"]
+    assert cli.main(argv) == 0
+    lines = {d["case"]: d for d in bench_lines()}
+    assert set(lines) == {"workers_push", "workers_pull", "workers_push_frames"}
+    for case, d in lines.items():
+        assert d["unit"] == ("frames/s" if case.endswith("frames") else "rows/s")
+        assert d["value"] > 0 and d["peer_value"] > 0 and d["peer"] == "tigana server --workers 1"
+        assert (d["workers"], d["clients"], d["ids_per_call"]) == (2, 2, 64 if case.endswith("frames") else 2048)
+        assert d["server_cores"] > 0 and d["peer_server_cores"] > 0
+
+
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
 def test_redis_peer_retries_when_its_port_is_taken(monkeypatch):
     """Another process can take the probed free port before redis binds it: the peer starts on a new port,

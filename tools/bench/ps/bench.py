@@ -21,6 +21,7 @@ from tigana.tools.bench.ps.echo import EchoServers, _echo_main, _message_plan
 from tigana.tools.bench.ps.inserts import bench_inserts
 from tigana.tools.bench.ps.redis_peer import RedisPeer, _redis_cases
 from tigana.tools.bench.ps.replication import _bench_replication
+from tigana.tools.bench.ps.workers import bench_workers
 from tigana.tools.bench.ps.workload import _Cycle, interleaved_rates, zipf_batches
 from tigana.tools.bench.report import emit, log
 
@@ -42,6 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with ROWS > 0: first-sight pulls (ROWS fresh random ids, each inserted) against pushes "
                              "of resident rows through one daemon, and its RSS per row (issue figures: 20M)")
     parser.add_argument("--insert-dim", type=int, default=16, help="dim of the --inserts table (default 16)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="with N > 1: rows/s and frames/s of one `tigana server --workers N` against "
+                             "`--workers 1`, saturated by --clients client processes (tools/bench/ps/workers.py)")
+    parser.add_argument("--clients", type=int, default=2, help="client processes of --workers (default 2)")
+    parser.add_argument("--seconds", type=float, default=2.0, help="seconds of each timed run of --workers")
+    parser.add_argument("--frame-ids", type=int, default=256,
+                        help="ids per push of the --workers frames/s case (default 256)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         return _bench_replication(args)
     if args.inserts > 0:
         return bench_inserts(args)
+    if args.workers > 1:
+        return bench_workers(args)
     repeats = args.repeats or (5 if args.quick else 9)
     dims = [int(d) for d in args.dims.split(",")]
     codecs = [c.strip() for c in args.wire.split(",")]
