@@ -142,3 +142,39 @@ def test_a_servers_domain_host_is_its_node(tmp_path: Path, given: str | None, wa
     from tigana.ps.shard.config import load_server_config  # the value is one the server accepts
 
     assert load_server_config(env={"TIGANA_DOMAIN": want}).domain == want
+
+
+def test_servers_run_their_workers_on_ports_apart_and_the_scheduler_expects_every_worker(tmp_path: Path) -> None:
+    """``TIGANA_SLURM_SERVER_WORKERS=W``: every server step runs ``tigana server --workers W``; with a fixed
+    ``TIGANA_SLURM_SERVER_PORT`` N, server i's health is on N + i*(W+1) and its W workers take the next ports
+    (``--port``/``--advertise`` + 1 + k, ``tigana.tools.server_workers``), so no two servers of a node collide;
+    the scheduler's first placement waits for every worker (SERVERS * W servers of the map)."""
+    srun = tmp_path / "srun"
+    srun.write_text('#!/bin/sh\necho "srun $*" >> "$STEPS"\n')
+    srun.chmod(0o755)
+    steps = tmp_path / "steps"
+    script = """settings
+mkdir -p "$READY_DIR"
+echo '{"address": "0.0.0.0:7000", "port": 7000}' > "$READY_DIR/scheduler.json"
+wait_ready() { :; }
+start_scheduler
+start_servers
+wait
+"""
+    out = _bash(script, tmp_path, TIGANA_SRUN=str(srun), STEPS=str(steps), TIGANA_SLURM_SERVER_WORKERS="4",
+                TIGANA_SLURM_SERVER_PORT="7200")
+    assert out.returncode == 0, out.stderr
+    lines = steps.read_text().splitlines()
+    scheduler = next(line for line in lines if " scheduler " in line)
+    assert "--expect-servers 8" in scheduler  # 2 nodes, a server each, 4 workers each
+    servers = sorted(line for line in lines if " server " in line)
+    assert len(servers) == 2
+    for i, line in enumerate(servers):
+        port = 7200 + i * 5
+        assert "--workers 4" in line and f"--port {port} " in line and f"--advertise node{i + 1}:{port} " in line
+    from tigana.ps.shard.config import ServerConfig
+    from tigana.tools.server_workers import worker_overrides
+
+    ports = [int(worker_overrides(ServerConfig(port=7200 + i * 5, workers=4, scheduler="s:1"), k)[3])
+             for i in range(2) for k in range(4)]
+    assert ports == [7201, 7202, 7203, 7204, 7206, 7207, 7208, 7209]  # apart from each other and the health ports
