@@ -51,7 +51,7 @@ from tigana.ps.ops.local import death_signal_wrapper
 from tigana.ps.routing import parse_slots
 from tigana.ps.shard import SERVICE_NAME
 from tigana.ps.shard.config import ServerConfig
-from tigana.ps.shard.daemon import COPIES_HEALTH_NAME, grpc_server_options, host_for_address
+from tigana.ps.shard.daemon import COPIES_HEALTH_NAME, grpc_server_options, host_for_address, lock_data_dir
 
 log = logging.getLogger("tigana.tools.server_workers")
 
@@ -115,6 +115,13 @@ class Supervisor:
                  run_dir: Path) -> None:
         self.config, self.security = config, config.security()
         self.ready_file = Path(ready_file) if ready_file else None
+        self._lock = None
+        if config.data_dir:  # the supervisor holds the folder: a second daemon on it is refused at once
+            root = Path(config.data_dir)
+            if (root / "server-id").exists():
+                raise OSError(f"data dir {str(root)!r} holds a single server's tables: with --workers each worker "
+                              "keeps its own in DATA_DIR/worker-i; give the workers a new data dir")
+            self._lock = lock_data_dir(root, workers=config.workers)
         run_dir.mkdir(parents=True, exist_ok=True)
         base = [*death_signal_wrapper("TERM"), sys.executable, "-m", "tigana.tools.cli", *argv]
         self.workers = []
@@ -159,6 +166,8 @@ class Supervisor:
             self._server.stop(grace=1.0)
             if self.ready_file is not None:
                 self.ready_file.unlink(missing_ok=True)
+            if self._lock is not None:
+                self._lock.close()
         return 0 if all(c == 0 for c in codes) else 1
 
     # --- the workers ---

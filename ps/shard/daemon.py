@@ -115,7 +115,7 @@ class ServerHandle:
 
     def _start(self, autoload: bool) -> None:
         if self.config.data_dir:
-            self._lock_file = _lock_data_dir(Path(self.config.data_dir))
+            self._lock_file = lock_data_dir(Path(self.config.data_dir))
         self._server.start()
         if self.config.metrics_port:
             self.metrics_port = self.metrics.serve_http(self.config.metrics_port, self.config.metrics_host)
@@ -239,10 +239,18 @@ class ServerHandle:
         return f"ServerHandle({self.address}, state={self.service.state})"
 
 
-def _lock_data_dir(data_dir: Path) -> IO[str]:
+def lock_data_dir(data_dir: Path, *, workers: int = 1) -> IO[str]:
     """Hold an exclusive lock on ``data_dir`` for this server's life: two servers on one data dir would
-    overwrite each other's snapshots. The kernel drops the lock when the process dies."""
+    overwrite each other's snapshots. The kernel drops the lock when the process dies. A folder laid out for
+    another number of ``workers`` (``tigana server --workers``: ``DIR/worker-i``) is refused, naming what it
+    holds: starting on it would leave the other layout's tables behind."""
     data_dir.mkdir(parents=True, exist_ok=True)
+    found = sorted(int(p.name.split("-", 1)[1]) for p in data_dir.glob("worker-*") if p.name[7:].isdigit())
+    extra = [k for k in found if k >= workers] if workers > 1 else found
+    if extra:
+        raise OSError(f"data dir {str(data_dir)!r} holds the folders of workers {extra} (tigana server --workers), "
+                      f"more than this server's {workers}: start it with the workers it has, or drain those "
+                      "servers (tigana admin drain) and remove their folders first")
     f, owner = hold_lock(data_dir / "LOCK")
     if f is None:
         raise OSError(f"data dir {str(data_dir)!r} is in use by another server ({owner})")

@@ -21,8 +21,9 @@ from tigana import ps
 from tigana.ps.health import check_health
 from tigana.ps.ops import admin
 from tigana.ps.shard.config import ServerConfig
+from tigana.ps.shard.daemon import lock_data_dir
 from tigana.tools.bench.ledger import PushLoop, audit, create_ledger_table
-from tigana.tools.server_workers import worker_overrides
+from tigana.tools.server_workers import Supervisor, worker_overrides
 from tigana.tools.testing.nemesis.daemons import Daemons
 
 
@@ -62,6 +63,26 @@ def test_a_static_server_cuts_its_slots_into_one_contiguous_share_per_worker() -
     assert (every == config.owned_slots()).all()
     with pytest.raises(ValueError, match="field 'workers'"):
         worker_overrides(ServerConfig(num_slots=16, slots="3", workers=2), 0)
+
+
+def test_a_data_dir_of_another_layout_is_refused_naming_what_it_holds(tmp_path) -> None:
+    """A plain server on the folder of a ``--workers`` daemon, a daemon with fewer workers than its folder has,
+    and ``--workers`` on a plain server's folder are refused before anything is read: each would leave the
+    other layout's tables behind."""
+    root = tmp_path / "data"
+    for k in range(3):
+        (root / f"worker-{k}").mkdir(parents=True)
+    with pytest.raises(OSError, match=r"workers \[0, 1, 2\]"):
+        lock_data_dir(root)  # a plain server
+    with pytest.raises(OSError, match=r"workers \[2\].*more than this server's 2"):
+        lock_data_dir(root, workers=2)
+    lock_data_dir(root, workers=3).close()
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "server-id").write_text("abc")
+    config = ServerConfig(data_dir=str(plain), workers=2, scheduler="127.0.0.1:1")
+    with pytest.raises(OSError, match="holds a single server's tables"):
+        Supervisor(config, ["server"], run_dir=tmp_path / "run")
 
 
 def _hosts_apart(scheduler: str) -> bool:
