@@ -47,6 +47,7 @@ def test_bench_ps_workers_against_one_worker_with_the_daemons_cores(bench_lines)
         assert d["value"] > 0 and d["peer_value"] > 0 and d["peer"] == "tigana server --workers 1"
         assert (d["workers"], d["clients"], d["ids_per_call"]) == (2, 2, 64 if case.endswith("frames") else 2048)
         assert d["server_cores"] > 0 and d["peer_server_cores"] > 0
+    assert lines["workers_push_frames"]["frames_per_call"] == 2  # 64 random ids: each push reaches both workers
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")

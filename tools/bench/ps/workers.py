@@ -8,7 +8,9 @@ the median over rounds. Cases, one JSON line each, the N-worker daemon against t
 
 - ``workers_push``         rows/s of pushes of ``--batch`` ids (dim 16, fp32, Adagrad)
 - ``workers_pull``         rows/s of pulls of the same batches
-- ``workers_push_frames``  frames/s (one push of ``--frame-ids`` ids each): a frame's fixed cost
+- ``workers_push_frames``  frames/s the daemon handled, pushes of ``--frame-ids`` ids each: a frame's fixed
+                           cost (a push goes to every worker that owns one of its ids, one frame each:
+                           ``frames_per_call``)
 
 Each line gives ``server_cores`` (the daemon's processes' CPU seconds per second of the round: 1.0 is one
 core kept busy) beside ``peer_server_cores``: with enough clients the 1-worker figure is a process's ceiling,
@@ -70,6 +72,7 @@ def bench_workers(args: argparse.Namespace) -> int:
                 for r in range(repeats + 1):  # one untimed round first
                     for w in (list(daemons) if r % 2 else list(daemons)[::-1]):
                         rate, cores = _round(daemons[w], pipes, op, size, seconds, unit)
+                        figures[case][w]["frames_per_call"] = _frames_per_call(daemons[w], size, args)
                         if r:
                             figures[case][w]["rate"].append(rate)
                             figures[case][w]["cores"].append(cores)
@@ -77,8 +80,9 @@ def bench_workers(args: argparse.Namespace) -> int:
                         log(f"  {case} round {r}: " + ", ".join(
                             f"{w} worker(s) {figures[case][w]['rate'][-1]:.0f}/s" for w in daemons))
                 ours, peer = figures[case][n], figures[case][1]
+                extra = {"frames_per_call": figures[case][n]["frames_per_call"]} if unit == "frames" else {}
                 emit(case, f"{unit}/s", statistics.median(ours["rate"]), "tigana server --workers 1",
-                     statistics.median(peer["rate"]), **params, ids_per_call=size,
+                     statistics.median(peer["rate"]), **params, ids_per_call=size, **extra,
                      server_cores=round(statistics.median(ours["cores"]), 2),
                      peer_server_cores=round(statistics.median(peer["cores"]), 2))
         finally:
@@ -100,8 +104,16 @@ def _round(daemon: _Daemon, pipes: list, op: str, size: int, seconds: float, uni
     cpu0, t0 = daemon.cpu_s(), time.perf_counter()
     replies = _ask(pipes, ("run", daemon.addresses, op, size, seconds))
     elapsed, cpu = time.perf_counter() - t0, daemon.cpu_s() - cpu0
-    done = sum(rep[0 if unit == "rows" else 1] for rep in replies)
+    done = sum(rep[0 if unit == "rows" else 3] for rep in replies)
     return done / max(max(rep[2] for rep in replies), 1e-9), cpu / elapsed
+
+
+def _frames_per_call(daemon: _Daemon, size: int, args: argparse.Namespace) -> float:
+    """Frames a call of ``size`` ids sends to ``daemon`` on average, over the clients' batches."""
+    from tigana.tools.bench.ps.workload import zipf_batches
+
+    frames = _frames_of(daemon.workers)
+    return float(np.mean([frames(b) for b in zipf_batches(4, size, args.num_ids, args.zipf, seed=100)]))
 
 
 def _ask(pipes: list, message: tuple) -> list[Any]:
@@ -147,9 +159,9 @@ def _client_main(conn: Any, k: int, num_ids: int, zipf: float) -> None:
                     conn.send(None)
                     continue
                 _, addresses, op, size, seconds = message
-                c, cycle, grad = client_for(addresses), batch_of(size), None
-                grad = grads[size]
-                rows = calls = 0
+                c, cycle = client_for(addresses), batch_of(size)
+                grad, frames_of = grads[size], _frames_of(len(addresses))
+                rows = calls = frames = 0
                 t0 = time.perf_counter()
                 while time.perf_counter() - t0 < seconds:
                     ids = cycle()
@@ -158,13 +170,28 @@ def _client_main(conn: Any, k: int, num_ids: int, zipf: float) -> None:
                         c.flush()
                     else:
                         c.pull(_TABLE, ids)
-                    rows, calls = rows + ids.size, calls + 1
-                conn.send((rows, calls, time.perf_counter() - t0))
+                    rows, calls, frames = rows + ids.size, calls + 1, frames + frames_of(ids)
+                conn.send((rows, calls, time.perf_counter() - t0, frames))
             except Exception as exc:  # noqa: BLE001 - the parent raises it
                 conn.send(RuntimeError(f"bench client {k}: {type(exc).__name__}: {exc}"))
     finally:
         for c in clients.values():
             c.close()
+
+
+def _frames_of(workers: int) -> Any:
+    """ids -> the frames a call of them sends to a static list of ``workers`` (one per worker owning an id)."""
+    from tigana.ps.routing import slot_of, slot_range
+
+    starts = np.array([slot_range(i, workers)[0] for i in range(workers)])
+    memo: dict[int, int] = {}
+
+    def frames(ids: np.ndarray) -> int:  # the batches cycle: each is counted once
+        key = id(ids)
+        if key not in memo:
+            memo[key] = int(np.unique(np.searchsorted(starts, slot_of(ids), side="right")).size)
+        return memo[key]
+    return frames
 
 
 class _Daemon:
