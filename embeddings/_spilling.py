@@ -61,7 +61,7 @@ class SpillTier(TableFields):
         it mostly empty). Both indexes grow a partition at a time (a rehash also clears the tombstones spills
         leave): the budget keeps room for the new arrays of one partition (``growth_bytes``), which the growth
         holds beside the old ones (one index grows at a time: the table's lock)."""
-        free = (self._budget_bytes - self._spilled.nbytes - self._spill_marks.nbytes
+        free = (self._budget_bytes - self._spilled.nbytes - self._spill_marks.nbytes - self._spill_pins.nbytes
                 - max(self._spilled.growth_bytes, self._index.growth_bytes))
         row = self._slab.row_nbytes
         rows = int(min(free // (row + _INDEX_BYTES_PER_ROW), (free - self._index.nbytes) // row))
@@ -135,7 +135,7 @@ class SpillTier(TableFields):
             batch = self._slab.read(ids, positions)
             dirty = self._slab.dirty[positions].astype(np.int64)
             slots = self._spill.write(batch)  # may raise StorageFull: nothing of this chunk has changed yet
-            self._cow_remove(ids, positions)
+            self._cow_spill(ids, positions, slots)  # open cuts read these rows from the file, from now on
             self._index.delete(ids)
             self._slab.release(positions)
             self._spilled.insert(ids, slots)
@@ -193,7 +193,7 @@ class SpillTier(TableFields):
             raise CorruptStore(f"table {self.name!r}: ids not in the spill tier {self._spill.file}: "
                                f"{ids[vals < 0][:5].tolist()}")
         batch = self._spill.read(vals, ids)  # a bad record raises here: nothing has changed
-        self._cow_unspill(batch.ids, batch)
+        self._cow_unspill(ids)
         self._drop_spilled(ids, vals)
         positions = self._slab.allocate(len(batch))
         self._cow_fresh(positions)
@@ -220,11 +220,12 @@ class SpillTier(TableFields):
 
     def _drop_spilled(self, ids: np.ndarray, vals: np.ndarray | None = None) -> None:
         """Unique spilled ``ids`` leave the tier (``vals``: their index values when the caller has them); the
-        open cuts were told first."""
+        open cuts were told first. Their slots go back to the file, but those an open cut still reads from
+        (``SlotPins``): those go when the last such cut lets go."""
         assert self._spill is not None
         vals = self._spilled.lookup(ids) if vals is None else vals
         self._spilled.delete(ids)
-        self._spill.free(vals)
+        self._spill.free(self._spill_pins.free(vals.astype(np.int64)))
 
     def _spill_rows(self, ids: np.ndarray, *, skip_corrupt: bool = False) -> RowBatch:
         """Rows of the spilled ones of ``ids`` read from the file without bringing them back (in ``ids``
