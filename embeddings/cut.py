@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tigana.embeddings import _cutorder
 from tigana.embeddings._checksum import row_digests
 from tigana.embeddings._fields import TableFields
 from tigana.embeddings._slotpins import MAX_CUTS
@@ -71,8 +72,6 @@ __all__ = ["Cut", "checksum_text"]
 
 CUT_BUCKETS = 1 << 14  # hash buckets read per hold of the table's lock (about 11k rows at the index's load)
 ORDERED_ROWS = 1 << 14  # rows read by id per hold of the lock, in id order (``batches(in_order=True)``)
-ORDERED_IDS = 1 << 20  # an ordered read collects at least this many ids at a time (8 bytes each) ...
-ORDERED_RANGES = 32  # ... and at most this many ranges of ids (passes over the held arrays)
 PARKED_ROWS = 1 << 15  # parked rows read from the spill file per hold of the lock
 
 
@@ -102,6 +101,7 @@ class Cut:
         self._parked: list[np.ndarray] = []  # int32 spill slots the cut reads its rows from, pinned (``_park``)
         self._reading = np.empty(0, np.int32)  # parked slots taken for reading, ascending; pinned until read
         self._rows = len(table._index) + len(table._spilled)  # rows at the open (sizes the ordered read's ranges)
+        self._range_nbytes = 0  # the sorted ids of the ordered read's current range
         self._digest: tuple[int, int] | None = None  # (rows, digest sum) once a pass has run
         self._open = True
 
@@ -158,8 +158,9 @@ class Cut:
         keeps), sorted; then their rows, found again by id: an id removed meanwhile is no longer found (its row is
         parked or among the removed rows), one read is no longer the cut's."""
         table = self._table
-        for lo_id, hi_id in self._id_ranges(chunk):
-            ids = self._collect(chunk, dirty_only, lo_id, hi_id)
+        for lo_id, hi_id in _cutorder.id_ranges(self, chunk):
+            ids = _cutorder.collect_ids(self, chunk, dirty_only, lo_id, hi_id)
+            self._range_nbytes = ids.nbytes
             for lo in range(0, ids.shape[0], ORDERED_ROWS):
                 part = ids[lo:lo + ORDERED_ROWS]
                 with table._lock:
@@ -181,69 +182,6 @@ class Cut:
                             rows = RowBatch.concat([rows, self._read_spilled(rest[mine])])
                 if len(rows):
                     yield rows.take(np.argsort(rows.ids))
-
-    def _id_ranges(self, chunk: int) -> list[tuple[int | None, int | None]]:
-        """[lo, hi) ranges of ids (None: unbounded) that split the rows at the open into about equal parts of at
-        least ``ORDERED_IDS``, at most ``ORDERED_RANGES`` of them: an ordered read holds the sorted ids of one
-        range (8 bytes an id), not of the table. The bounds are quantiles of a sample of the held keys (the
-        buckets in a stride: a hash index's bucket order is random to the ids)."""
-        per = max(ORDERED_IDS, -(-self._rows // ORDERED_RANGES))
-        ranges = -(-self._rows // per)
-        if ranges <= 1:
-            return [(None, None)]
-        stride = max(1, (self._res.size + self._sp.size) // (ranges * 1024))
-        sample = []
-        for first, end, spilled in self._segments():
-            view = self._sp if spilled else self._res
-            for lo in range(first, end, chunk * stride):
-                with self._table._lock:
-                    self._check()
-                    keys, vals = view.slice(lo, min(lo + chunk * stride, end))
-                    sample.append(keys[::stride][vals[::stride] >= 0].view(np.int64))
-        keys = np.sort(np.concatenate(sample))
-        if keys.size < ranges:
-            return [(None, None)]
-        bounds = np.unique(keys[(np.arange(1, ranges) * keys.size) // ranges]).tolist()
-        return list(zip([None, *bounds], [*bounds, None], strict=True))
-
-    def _collect(self, chunk: int, dirty_only: bool, lo_id: int | None, hi_id: int | None) -> np.ndarray:
-        """The sorted ids in [lo_id, hi_id) of the held arrays still the cut's (``dirty_only``: those whose marks
-        as of the open are among the cut's marks)."""
-        table = self._table
-        parts = []
-        for first, end, spilled in self._segments():
-            for lo in range(first, end, chunk):
-                hi = min(lo + chunk, end)
-                with table._lock:
-                    self._check()
-                    if spilled:
-                        keys, v = self._sp.slice(lo, hi)
-                        live = (v >= 0) & ~self._sp_done[lo:hi]
-                    else:
-                        keys, v = self._res.slice(lo, hi)
-                        live = v >= 0
-                    ids = keys.view(np.int64)
-                    if lo_id is not None:
-                        live &= ids >= lo_id
-                    if hi_id is not None:
-                        live &= ids < hi_id
-                    if spilled:
-                        if dirty_only:
-                            live[live] = np.isin(table._spill_marks_of(v[live]), self.marks)
-                    else:
-                        live[live] = v[live] < self._high_water
-                        pos = v[live].astype(np.int64)
-                        state = self._where[pos]
-                        keep = state != -1
-                        if dirty_only:  # a row changed since the open has its mark as of then in the saved copy
-                            marks = table._slab.dirty[pos]
-                            saved = state > 0
-                            marks[saved] = self._saved.dirty[state[saved].astype(np.int64) - 1]
-                            keep &= np.isin(marks, self.marks)
-                        live[live] = keep
-                    parts.append(ids[live])
-        ids = np.sort(np.concatenate(parts)) if parts else np.empty(0, np.int64)
-        return ids[np.r_[True, ids[1:] != ids[:-1]]] if ids.size else ids  # (np.unique hashes: far slower here)
 
     def _read_parked(self, dirty_only: bool, in_order: bool) -> Iterator[RowBatch]:
         """The rows at the parked slots, ``PARKED_ROWS`` per hold of the lock, in the file's order (ascending
@@ -300,6 +238,15 @@ class Cut:
             self.checksums_by(lambda ids: np.zeros(ids.shape[0], np.int64), 1)
         assert self._digest is not None
         return checksum_text(self.dim, self.state_width, *self._digest)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cut holds beside the table: its state arrays (counted whole, though zero pages cost nothing
+        until touched), saved and removed rows, parked slots, and the ids of the ordered read's range."""
+        removed = sum(r.weights.nbytes + r.state.nbytes + 32 * len(r) for r, _ in self._removed)
+        parked = sum(p.nbytes for p in self._parked) + self._reading.nbytes
+        return (self._where.nbytes + self._sp_done.nbytes + self._saved.nbytes + removed + parked
+                + self._range_nbytes)
 
     def close(self) -> None:
         """Stop tracking writes (idempotent); the cut can no longer be read."""
@@ -419,6 +366,19 @@ class Cut:
         k = state[changed].astype(np.int64) - 1
         rows, marks = self._saved.read(ids[changed], k), self._saved.dirty[k].copy()
         self._saved.release(k)
+        self._write_own(rows, marks)
+
+    def moving(self, ids: np.ndarray, positions: np.ndarray) -> None:
+        """Resident rows (``ids`` at ``positions``) are about to move to other slab positions (a compaction): the
+        cut writes those it has not read, as of the open, to the spill file for itself and parks them (the new
+        positions are then ``allocated``: not the cut's)."""
+        rows, marks = self._take(ids, positions)
+        if len(rows):
+            self._write_own(rows, marks)
+
+    def _write_own(self, rows: RowBatch, marks: np.ndarray) -> None:
+        """Write ``rows`` (as of the open, with their ``marks``) to the spill file for the cut alone and park their
+        slots; when the file cannot grow, keep them in RAM among the removed rows instead."""
         table = self._table
         assert table._spill is not None
         try:
@@ -480,6 +440,14 @@ class CutHooks(TableFields):
     def _cow_fresh(self, positions: np.ndarray) -> None:
         for cut in self._cuts:
             cut.allocated(positions)
+
+    def _cow_move(self, ids: np.ndarray, positions: np.ndarray) -> None:
+        for cut in self._cuts:
+            cut.moving(ids, positions)
+
+    def _cuts_nbytes(self) -> int:
+        """Bytes the open cuts hold beside the table (the budget covers them)."""
+        return sum(cut.nbytes for cut in self._cuts)
 
     def _cow_spill(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
         for cut in self._cuts:

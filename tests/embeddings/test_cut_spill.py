@@ -12,7 +12,7 @@ import pytest
 from test_cut import assert_same, rows_held, sorted_rows, state_of
 
 from tigana import embeddings as emb
-from tigana.embeddings import cut
+from tigana.embeddings import _cutorder, cut
 
 DIM = 8
 
@@ -103,8 +103,8 @@ def test_an_ordered_read_in_ranges_of_ids_holds_the_table_at_its_opening(tmp_pat
         reader = c.batches(chunk=256, in_order=True)
         got: list[emb.RowBatch] = []
         rng = np.random.default_rng(1)
-        with mock.patch.object(cut, "ORDERED_IDS", 600), mock.patch.object(cut, "ORDERED_ROWS", 100):
-            assert len(c._id_ranges(256)) > 4
+        with mock.patch.object(_cutorder, "ORDERED_IDS", 600), mock.patch.object(cut, "ORDERED_ROWS", 100):
+            assert len(_cutorder.id_ranges(c, 256)) > 4
             for step, batch in enumerate(reader):
                 got.append(batch)
                 some = rng.choice(5000, 40, replace=False) * 7919
@@ -116,5 +116,27 @@ def test_an_ordered_read_in_ranges_of_ids_holds_the_table_at_its_opening(tmp_pat
                     table.pull(np.arange(100) + 10_000_000 + 100 * step)
         assert_same(sorted_rows(got, DIM, table.state_width), want)
         assert len(got) > 10 and all((np.diff(b.ids) > 0).all() for b in got)
+    finally:
+        table.close()
+
+
+def test_the_slab_gives_memory_back_while_a_cut_is_open_and_the_cut_reads_the_moved_rows_as_of_its_opening(
+        tmp_path: Path) -> None:
+    """A shrinking budget compacts the slab (rows past the new capacity move below it) even while a cut is open:
+    the cut first writes the moving rows it has not read (as of its opening) to the spill file for itself."""
+    table = make_table(tmp_path, 2 << 20)
+    try:
+        table.pull(np.arange(20_000))
+        assert table.stats()["rows_spilled"] == 0
+        want = state_of(table)
+        c = table.cut()
+        table.push(np.arange(0, 20_000, 5), grads(4000, 1.0))  # saved copies of some of them
+        compactions, high = table._counters["compactions"], table._slab.high_water
+        table.set_memory_budget(300 << 10)
+        assert table._counters["compactions"] > compactions and table._slab.high_water < high // 2
+        assert rows_held(c) <= len(table._index)
+        table.push(np.arange(1, 20_000, 5), grads(4000, 2.0))
+        assert_same(sorted_rows(list(c.batches(chunk=128)), DIM, table.state_width), want)
+        assert table._spill_pins._pinned == 0 and len(table._spill) == len(table._spilled)
     finally:
         table.close()
