@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ORDERED_IDS", "ORDERED_RANGES", "collect_ids", "id_ranges"]
 
-ORDERED_IDS = 1 << 20  # a range holds at least this many ids (8 bytes each) ...
+ORDERED_IDS = 1 << 19  # a range holds at least this many ids (8 bytes each; twice that while collected) ...
 ORDERED_RANGES = 32  # ... and there are at most this many ranges (passes over the held arrays)
 
 
@@ -81,5 +81,12 @@ def collect_ids(cut: Cut, chunk: int, dirty_only: bool, lo_id: int | None, hi_id
                         keep &= np.isin(marks, cut.marks)
                     live[live] = keep
                 parts.append(ids[live])
-    ids = np.sort(np.concatenate(parts)) if parts else np.empty(0, np.int64)
-    return ids[np.r_[True, ids[1:] != ids[:-1]]] if ids.size else ids  # (np.unique hashes: far slower here)
+    ids = np.concatenate(parts) if parts else np.empty(0, np.int64)
+    del parts
+    ids.sort()
+    if ids.size < 2:
+        return ids
+    first = np.empty(ids.shape[0], bool)  # an id is listed once (one live bucket, in one index); checked anyway
+    first[0] = True
+    np.not_equal(ids[1:], ids[:-1], out=first[1:])
+    return ids if first.all() else ids[first]  # (np.unique hashes: far slower here)

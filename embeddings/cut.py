@@ -241,12 +241,19 @@ class Cut:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the cut holds beside the table: its state arrays (counted whole, though zero pages cost nothing
-        until touched), saved and removed rows, parked slots, and the ids of the ordered read's range."""
+        """Bytes the cut holds beside the table (under the table's lock): its state arrays (counted whole, though
+        zero pages cost nothing until touched), saved and removed rows, parked slots, the ids of the ordered
+        read's range, and the bucket arrays it holds that the table has replaced since (a partition that grew or
+        was rehashed: the cut keeps the old arrays alive until it is read)."""
         removed = sum(r.weights.nbytes + r.state.nbytes + 32 * len(r) for r, _ in self._removed)
         parked = sum(p.nbytes for p in self._parked) + self._reading.nbytes
+        table = self._table
+        replaced = 0
+        for held, index in ((self._res, table._index), (self._sp, table._spilled)):
+            current = {id(keys) for keys, _ in index.view().parts}
+            replaced += sum(keys.nbytes + vals.nbytes for keys, vals in held.parts if id(keys) not in current)
         return (self._where.nbytes + self._sp_done.nbytes + self._saved.nbytes + removed + parked
-                + self._range_nbytes)
+                + self._range_nbytes + replaced)
 
     def close(self) -> None:
         """Stop tracking writes (idempotent); the cut can no longer be read."""
@@ -371,10 +378,12 @@ class Cut:
     def moving(self, ids: np.ndarray, positions: np.ndarray) -> None:
         """Resident rows (``ids`` at ``positions``) are about to move to other slab positions (a compaction): the
         cut writes those it has not read, as of the open, to the spill file for itself and parks them (the new
-        positions are then ``allocated``: not the cut's)."""
-        rows, marks = self._take(ids, positions)
-        if len(rows):
-            self._write_own(rows, marks)
+        positions are then ``allocated``: not the cut's). ``PARKED_ROWS`` rows at a time: a compaction may move
+        many, and each chunk is copied twice (read from the slab, encoded as records)."""
+        for lo in range(0, ids.shape[0], PARKED_ROWS):
+            rows, marks = self._take(ids[lo:lo + PARKED_ROWS], positions[lo:lo + PARKED_ROWS])
+            if len(rows):
+                self._write_own(rows, marks)
 
     def _write_own(self, rows: RowBatch, marks: np.ndarray) -> None:
         """Write ``rows`` (as of the open, with their ``marks``) to the spill file for the cut alone and park their
