@@ -61,8 +61,8 @@ class SpillTier(TableFields):
         it mostly empty). Both indexes grow a partition at a time (a rehash also clears the tombstones spills
         leave): the budget keeps room for the new arrays of one partition (``growth_bytes``), which the growth
         holds beside the old ones (one index grows at a time: the table's lock)."""
-        free = (self._budget_bytes - self._spilled.nbytes - self._spill_marks.nbytes
-                - max(self._spilled.growth_bytes, self._index.growth_bytes))
+        free = (self._budget_bytes - self._spilled.nbytes - self._spill_marks.nbytes - self._spill_pins.nbytes
+                - self._cuts_nbytes() - max(self._spilled.growth_bytes, self._index.growth_bytes))
         row = self._slab.row_nbytes
         rows = int(min(free // (row + _INDEX_BYTES_PER_ROW), (free - self._index.nbytes) // row))
         if free < row + _INDEX_BYTES_PER_ROW and not self._budget_warned:
@@ -105,7 +105,8 @@ class SpillTier(TableFields):
 
     def _maybe_compact(self) -> None:
         """Give the slab's memory back past what the budget now lets it hold (at the end of a call: no position
-        is held; not while a cut is open, since a cut reads rows by the positions it saw). A budget shrinks as
+        is held; the open cuts write the moving rows they have not read to the spill file first, since a cut
+        reads resident rows by the positions it saw). A budget shrinks as
         the index of spilled ids grows (``_rows_in_budget``), and a slab only grows: a 4 GiB daemon that spilled
         200 M rows held its 41 M-row high-water mark, 1.6x its budget in all. The rows past the target move
         to free positions below it (``Slab.compact``) and the index follows them."""
@@ -115,10 +116,14 @@ class SpillTier(TableFields):
         # against compacting at every call; the budget itself counts live rows (spills leave them at 90%).
         limit = self._budget_rows + min(self._budget_rows // 32, 1 << 16)
         target = max(live + live // 64 + 1, MIN_ROWS)
-        if self._cuts or slab.high_water <= limit + MIN_ROWS or target >= slab.capacity:
+        if slab.high_water <= limit + MIN_ROWS or target >= slab.capacity:
             return
         buckets, moving = self._index.values_at_least(target)
-        self._index.set_values(buckets, slab.compact(target, moving))
+        if self._cuts:  # they read rows by the positions they saw: those they have not read go to the file first
+            self._cow_move(self._index.view().at(buckets)[0].view(np.int64), moving)
+        moved = slab.compact(target, moving)
+        self._cow_fresh(moved)
+        self._index.set_values(buckets, moved)
         self._counters["compactions"] += 1
 
     def _spill_coldest(self, hold: np.ndarray | None = None) -> None:
@@ -135,7 +140,7 @@ class SpillTier(TableFields):
             batch = self._slab.read(ids, positions)
             dirty = self._slab.dirty[positions].astype(np.int64)
             slots = self._spill.write(batch)  # may raise StorageFull: nothing of this chunk has changed yet
-            self._cow_remove(ids, positions)
+            self._cow_spill(ids, positions, slots)  # open cuts read these rows from the file, from now on
             self._index.delete(ids)
             self._slab.release(positions)
             self._spilled.insert(ids, slots)
@@ -193,7 +198,7 @@ class SpillTier(TableFields):
             raise CorruptStore(f"table {self.name!r}: ids not in the spill tier {self._spill.file}: "
                                f"{ids[vals < 0][:5].tolist()}")
         batch = self._spill.read(vals, ids)  # a bad record raises here: nothing has changed
-        self._cow_unspill(batch.ids, batch)
+        self._cow_unspill(ids)
         self._drop_spilled(ids, vals)
         positions = self._slab.allocate(len(batch))
         self._cow_fresh(positions)
@@ -220,11 +225,12 @@ class SpillTier(TableFields):
 
     def _drop_spilled(self, ids: np.ndarray, vals: np.ndarray | None = None) -> None:
         """Unique spilled ``ids`` leave the tier (``vals``: their index values when the caller has them); the
-        open cuts were told first."""
+        open cuts were told first. Their slots go back to the file, but those an open cut still reads from
+        (``SlotPins``): those go when the last such cut lets go."""
         assert self._spill is not None
         vals = self._spilled.lookup(ids) if vals is None else vals
         self._spilled.delete(ids)
-        self._spill.free(vals)
+        self._spill.free(self._spill_pins.free(vals.astype(np.int64)))
 
     def _spill_rows(self, ids: np.ndarray, *, skip_corrupt: bool = False) -> RowBatch:
         """Rows of the spilled ones of ``ids`` read from the file without bringing them back (in ``ids``

@@ -180,6 +180,22 @@ class SpillFile:
             rec = rec[~bad]
         return records_batch(rec, self.state_width)
 
+    def read_slots(self, slots: np.ndarray) -> RowBatch:
+        """The rows stored at ``slots`` (in that order), their ids from the records' keys: for a reader that holds
+        slots, not ids (a cut's parked rows, ``SlotPins``). A record that fails its CRC raises ``CorruptStore``."""
+        self._check_open()
+        slots = np.asarray(slots, np.int64)
+        if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= self._high):
+            raise CorruptStore(f"table {self.table!r}: spill slots outside {self.file}: "
+                               f"{slots[(slots < 0) | (slots >= self._high)][:5].tolist()}")
+        rec = self._gather(slots)
+        bad = bad_crc(rec)
+        if bad.any():
+            first = np.flatnonzero(bad)
+            raise CorruptStore(f"table {self.table!r}: corrupt record in {self.file} at slot {int(slots[first[0]])}: "
+                               f"failed its CRC-32 check; {first.size} bad record(s) in this read")
+        return records_batch(rec, self.state_width)
+
     def _gather(self, slots: np.ndarray) -> np.ndarray:
         """Copies of the records at ``slots``, a large gather split over the reader threads (the caller holds
         the table's lock, so the mapping is not replaced meanwhile)."""

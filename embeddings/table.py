@@ -28,6 +28,7 @@ from tigana.embeddings import _gradients, _kernels, _part_kernels, admission, op
 from tigana.embeddings._evicting import Evicting
 from tigana.embeddings._exporting import Exporting
 from tigana.embeddings._persisting import Persisting
+from tigana.embeddings._slotpins import SlotPins
 from tigana.embeddings._spilling import SpillTier
 from tigana.embeddings._updating import Updating
 from tigana.embeddings.changes import Changes, sorted_unique, sorted_unique_counts
@@ -86,6 +87,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         self._spill = None  # set by _open_spill when a memory budget is configured
         self._spilled = PartitionedIndex(backend=self._backend)
         self._spill_marks = np.zeros(0, np.uint8)
+        self._spill_pins = SlotPins()
         self._last_snapshot = None
         self._finalizer = None
         self._last_ttl_scan = (0, time.time())
@@ -344,7 +346,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         if len(self._spilled):
             spilled = sorted_unique(ids[self._spilled.lookup(ids) >= 0])
             if spilled.size:
-                self._cow_unspill(spilled)  # may read them from the file (a bad record raises): before any change
+                self._cow_unspill(spilled)  # open cuts that have not read them will read them from their slots
                 self._drop_spilled(spilled)
             gone.append(spilled)
         removed_ids, positions = self._index.delete(ids)
@@ -366,7 +368,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
         with self._lock:
             resident = len(self._index)
             nbytes = (self._slab.nbytes + self._index.nbytes + self._spilled.nbytes + self._spill_marks.nbytes
-                      + self._admission.nbytes)
+                      + self._spill_pins.nbytes + self._admission.nbytes)
             lookups = self._counters["lookups"]
             out: dict[str, float] = {k: float(v) for k, v in self._counters.items()}
             out.update(
@@ -452,6 +454,7 @@ class EmbeddingTable(CutHooks, Persisting, Exporting, Evicting, SpillTier, Updat
             self._index.clear()
             self._spilled.clear()
             self._spill_marks = np.zeros(0, np.uint8)
+            self._spill_pins = SlotPins()
             self._slab.clear()
 
     def __enter__(self) -> EmbeddingTable:

@@ -73,6 +73,13 @@ def assert_same(got: emb.RowBatch, want: emb.RowBatch) -> None:
         np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
 
 
+def rows_held(c: emb.Cut) -> int:
+    """Rows the cut keeps in RAM: the saved copies of rows changed since its opening and the rows removed from
+    the table before it read them."""
+    saved = c._saved.high_water - c._saved._n_free
+    return saved + sum(len(rows) for rows, _ in c._removed)
+
+
 def apply(table: emb.EmbeddingTable, op: str, ids: list[int] | None, arg: int | None) -> None:
     a = np.array(ids or [], np.int64)
     if op == "push":
@@ -104,17 +111,24 @@ def test_a_cut_read_between_writes_holds_the_table_at_its_opening(kind, before, 
             c = table.cut()
             reader = c.batches(chunk, in_order=in_order)
             got: list[emb.RowBatch] = []
+            gone = 0  # rows that left the table (deleted, evicted) while the cut was open
             with mock.patch.object(cut, "ORDERED_ROWS", chunk):
                 for op, ids, arg in during:
                     if op == "read":
                         for _ in range(arg):
                             got.extend(b for b in [next(reader, None)] if b is not None)
                     else:
+                        stored = set(table.stored_ids().tolist())
                         apply(table, op, ids, arg)
+                        gone += len(stored - set(table.stored_ids().tolist()))
+                    # the cut keeps in RAM only saved copies of resident rows and rows gone from the table: a row
+                    # that spilled, or left the spill tier, is read from the file
+                    assert rows_held(c) <= len(table._index) + gone
                 got.extend(reader)
-            if in_order and got:  # ascending, but for the rows removed before they were read (last)
-                head = np.concatenate([b.ids for b in got[:-1]] or [np.empty(0, np.int64)])
-                assert (np.diff(head) > 0).all() and (np.diff(got[-1].ids) > 0).all()
+            if in_order and got:  # ascending, but for the rows that left before they were read: parked (from the
+                # spill file), then removed, each batch ascending
+                assert all((np.diff(b.ids) > 0).all() for b in got)
+                assert sum(int(b.ids[0] < a.ids[-1]) for a, b in zip(got[:-1], got[1:], strict=True)) <= 2
             assert_same(sorted_rows(got, DIM, table.state_width), want)
             assert table._cuts == []  # read to the end: writes no longer pay for it
         finally:

@@ -108,17 +108,20 @@ def test_a_size_that_does_not_fit_is_refused_before_anything_starts(monkeypatch)
 
 def test_bench_scale_tiered_spills_most_rows_and_stays_within_its_budget(bench_lines) -> None:
     """``--tiered`` at toy size: a 4 MiB budget per daemon holds about a third of 200k rows, the rest live in
-    the spill files; every case has its measured peer, the RSS line names the budget, and nothing is left running."""
+    the spill files, while the daemons snapshot every half second; every case has its measured peer, the RSS line
+    names the budget and counts the snapshots, and nothing is left running."""
     before = _children()
     argv = ["bench", "scale", "--tiered", "--tiered-rows", "200k", "--memory-budget", "4MiB", "--ram-rows", "50k",
-            "--tiered-dim", "8", "--quick", "--repeats", "1"]
+            "--tiered-dim", "8", "--quick", "--repeats", "1", "--snapshot-every", "0.5"]
     assert cli.main(argv) == 0
     by = {d["case"]: d for d in bench_lines()}
     assert set(by) == {"scale.tiered.insert", "scale.tiered.pull", "scale.tiered.push", "scale.tiered.rss",
                        "scale.tiered.disk"}
     for d in by.values():
         assert d["value"] > 0 and d["peer_value"] > 0 and d["rows"] == 200_000 and d["memory_budget"] == 4 << 20
+        assert d["snapshot_every"] == 0.5
     rss = by["scale.tiered.rss"]
+    assert rss["snapshots"] >= 2  # a benchmark, not a test: that they ran, not how much memory they took
     # ``value`` (the largest anonymous RSS) is rounded to 4 significant digits by ``emit``; the parameters are
     # exact, so a flat RSS (max == median) once read as value < median: compare within that rounding
     peak = rss["value"] * (1 + 5e-4)

@@ -1,9 +1,12 @@
 """``tigana bench scale --tiered``: a table past RAM, most of its rows in the spill tier on disk.
 
 ``--tiered-rows`` distinct ids (default 250 M) of dim ``--tiered-dim`` (16, row-wise Adagrad) through
-``--tiered-shards`` daemons (2), each started with ``--memory-budget`` (4 GiB): past the budget a daemon
-spills its coldest rows to its spill file. Beside it, in the same run, a reference cluster of as many daemons without a
-budget holds ``--ram-rows`` (10 M) rows in RAM. One JSON line per case:
+``--tiered-shards`` daemons (2), each started with ``--memory-budget`` (4 GiB) and ``--snapshot-every`` (60 s, the
+server's default): past the budget a daemon spills its coldest rows to its spill file, and its periodic snapshots
+(a full one, then increments) read the table through cuts while the inserts go on. Beside it, in the same run, a
+reference cluster of as many daemons without a budget or snapshots holds ``--ram-rows`` (10 M) rows in RAM. The
+same shape at a smaller size: scale ``--tiered-rows``, ``--memory-budget``, ``--ram-rows`` and ``--snapshot-every``
+down together (docs/benchmarks.md: 20 M rows, 328 MiB, 800 k, 5 s). One JSON line per case:
 
 - ``scale.tiered.insert`` (rows/s): first-sight pulls of the ids (65,536 a batch, two batches in flight),
   against the same inserts into the reference cluster. Progress (rate, RSS, resident and spilled rows) is
@@ -15,14 +18,14 @@ budget holds ``--ram-rows`` (10 M) rows in RAM. One JSON line per case:
 - ``scale.tiered.rss`` (bytes): the largest anonymous RSS of a daemon (``RssAnon`` + ``RssShmem``: its own memory, what the
   budget governs) from the tiered inserts to the end of the Zipf phase, sampled every 20 ms (``RssPeaks``: a
   spike that lasts a rehash counts), against its budget plus the daemon's anonymous RSS at start
-  (``anon_at_start``); with the median along the run (``anon_median``, ``median_ratio``) and the whole RSS
+  (``anon_at_start``); with the median along the run (``anon_median``, ``median_ratio``), the whole RSS
   (``rss_with_file_pages``: it also counts the spill file's pages the daemon has mapped and touched, page cache
-  the kernel may take back).
+  the kernel may take back) and the snapshots the daemons wrote meanwhile (``snapshots``).
 - ``scale.tiered.disk`` (bytes/row): the spill tiers' files over the spilled rows, against the engine's bytes a
   resident row; ``data_dir_bytes_per_row`` is everything in the data directories (snapshots too) over all rows.
 
-A benchmark, not a test: it needs disk (about 120 bytes a spilled row) and time. The machine's figures go in
-the README's capacity model.
+A benchmark, not a test: it needs disk (about 120 bytes a spilled row, and 200 a row for the snapshots) and
+time. The machine's figures go in the README's capacity model.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from tigana.tools.bench.scale.resources import RssPeaks, _rss_anon, _rss_bytes
 TABLE = "tiered"
 _BATCH = 1 << 16
 _DISK_BYTES_PER_ROW = 120  # the disk check's estimate (a 104-byte record and slack); the run measures it
+_SNAPSHOT_BYTES_PER_ROW = 200  # with snapshots: two full ones (about 100 bytes a row each) kept at a time
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ram-rows", default="10M", help="rows of the in-RAM reference cluster (default 10M)")
     parser.add_argument("--tiered-shards", type=int, default=2, help="daemons of each cluster (default 2)")
     parser.add_argument("--tiered-dim", type=int, default=16, help="embedding dim of the tiered case (default 16)")
+    parser.add_argument("--snapshot-every", type=float, default=60.0,
+                        help="each tiered daemon's --snapshot-every in seconds (default 60, the server's default; "
+                             "0: no periodic snapshots); at a smaller --tiered-rows, shorten it in proportion so "
+                             "that as many snapshots overlap the inserts")
     parser.add_argument("--tiered-dir", default=None,
                         help="where the clusters keep their data (default: a temporary directory)")
 
@@ -64,24 +72,28 @@ def run_tiered(args: argparse.Namespace) -> int:
     rows, ram_rows = parse_counts(args.tiered_rows)[0], parse_counts(args.ram_rows)[0]
     budget = ps.parse_bytes(args.memory_budget, field="--memory-budget")
     shards, dim = args.tiered_shards, args.tiered_dim
+    every = float(args.snapshot_every)
+    if every < 0:
+        raise SystemExit(f"bench scale --tiered: --snapshot-every must be >= 0 (0: off), got {every}")
     work = Path(tempfile.mkdtemp(prefix="tigana-bench-tiered-", dir=args.tiered_dir))
     free = shutil.disk_usage(work).free
-    if rows * _DISK_BYTES_PER_ROW > free:
+    need = rows * (_DISK_BYTES_PER_ROW + (_SNAPSHOT_BYTES_PER_ROW if every else 0))
+    if need > free:
         shutil.rmtree(work, ignore_errors=True)
-        raise SystemExit(f"bench scale --tiered: {rows:,} rows need about {rows * _DISK_BYTES_PER_ROW / 1e9:.0f} GB "
-                         f"of disk in {work.parent}; {free / 1e9:.0f} GB free (lower --tiered-rows)")
+        raise SystemExit(f"bench scale --tiered: {rows:,} rows need about {need / 1e9:.0f} GB of disk in "
+                         f"{work.parent}; {free / 1e9:.0f} GB free (lower --tiered-rows, or --snapshot-every 0)")
     params = {"rows": rows, "dim": dim, "shards": shards, "memory_budget": budget, "ram_rows": ram_rows,
-              "optimizer": "rowwise_adagrad", "zipf": args.zipf, "batch": _BATCH}
+              "optimizer": "rowwise_adagrad", "zipf": args.zipf, "batch": _BATCH, "snapshot_every": every}
     env = dict(os.environ, TIGANA_SNAPSHOT_ON_SHUTDOWN="0")
     tiered = ram = None
     clients: list[ps.Client] = []
     try:
-        # No periodic snapshots in either cluster: this measures the tier. A full snapshot of a table mostly on
-        # disk reads every spilled row in id order (docs/benchmarks.md: it stalled a 250 M-row run's inserts).
-        quiet = ["--snapshot-every", "0"]
+        # The tiered daemons snapshot on their schedule (a snapshot's cut must hold the budget too); the reference
+        # cluster does not: it is the speed of the same calls in RAM.
         tiered = ps.LocalCluster(shards, replicas=None, env=env, memory_budget=str(budget),
-                                 data_dir=work / "tiered", server_args=quiet)
-        ram = ps.LocalCluster(shards, replicas=None, env=env, data_dir=work / "ram", server_args=quiet)
+                                 data_dir=work / "tiered", server_args=["--snapshot-every", f"{every:g}"])
+        ram = ps.LocalCluster(shards, replicas=None, env=env, data_dir=work / "ram",
+                              server_args=["--snapshot-every", "0"])
         for cluster in (tiered, ram):
             client = ps.connect(cluster.addresses)
             client.wait_ready(60)
@@ -99,7 +111,7 @@ def run_tiered(args: argparse.Namespace) -> int:
         emit("scale.tiered.rss", "bytes", peaks.anon_max, "memory budget + anonymous RSS at start", budget + anon0,
              anon_at_start=anon0, rss_at_start=rss0, anon_median=peaks.anon_median,
              median_ratio=round(peaks.anon_median / (budget + anon0), 3), rss_with_file_pages=peaks.rss_max,
-             rss_samples=peaks.samples, **params)
+             rss_samples=peaks.samples, snapshots=_snapshots_written(work / "tiered"), **params)
         stats = _stats(clients[0])
         spill = sum(_du(p) for p in (work / "tiered").glob("shard-*/spill"))
         disk = _du(work / "tiered")
@@ -194,6 +206,17 @@ def _stats(client: ps.Client) -> dict[str, float]:
     """The table's counters summed over the cluster's servers (``describe_table``: no checksum pass, which
     would read every spilled row)."""
     return client.describe_table(TABLE).stats
+
+
+def _snapshots_written(data_dir: Path) -> int:
+    """Snapshots the daemons under ``data_dir`` have written so far, summed over them: a table's snapshots are
+    numbered in sequence and pruning keeps the latest, so the largest number of each is its count."""
+    seqs: dict[Path, int] = {}
+    for manifest in data_dir.glob("shard-*/**/manifest.json"):
+        name = manifest.parent.name
+        if name[:8].isdigit():
+            seqs[manifest.parent.parent] = max(seqs.get(manifest.parent.parent, 0), int(name[:8]))
+    return sum(seqs.values())
 
 
 def _du(path: Path) -> int:
