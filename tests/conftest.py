@@ -14,6 +14,9 @@ Child processes (``tigana server`` daemons through ``ps.LocalCluster``):
 - ``shard_cluster``         module-scoped static ``LocalCluster`` of 2 daemons, no scheduler (``.addresses``,
                             ``.procs``, ``.data_dir``);
                             shared by the tests of a module, so use unique table names.
+- ``shared_shard_cluster``  factory ``shared_shard_cluster(shards=2, **LocalCluster kwargs) -> LocalCluster``: one
+                            cluster per shape and test module, every table dropped after each test (a test
+                            that injects faults or moves slots uses ``make_shard_cluster``).
 - ``make_shard_cluster``    factory ``make_shard_cluster(shards=2, **LocalCluster kwargs) -> LocalCluster`` (with a
                             scheduler and 1 replica unless ``replicas=None``); closed at
                             teardown.
@@ -198,6 +201,44 @@ def make_shard_cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
     finally:
         for cluster in clusters:
             cluster.close(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def _module_clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[tuple, LocalCluster]]:
+    clusters: dict[tuple, LocalCluster] = {}
+    try:
+        yield clusters
+    finally:
+        for cluster in clusters.values():
+            cluster.close(timeout=30)
+
+
+@pytest.fixture
+def shared_shard_cluster(_module_clusters: dict[tuple, LocalCluster],
+                         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., LocalCluster]]:
+    """``shared_shard_cluster(shards=2, **LocalCluster kwargs)``: one cluster of that shape per test module,
+    started by the first test that asks for it and closed after the module's last; a cluster start is ~1 CPU-s
+    a process. At each test's end every table on it is dropped, so the next test finds it as a fresh one
+    would be: no table (its epochs and data dirs have a history). For tests that need no fault and no
+    particular placement history; a test that kills, pauses or moves uses ``make_shard_cluster``."""
+    used: list[LocalCluster] = []
+
+    def get(shards: int = 2, **kwargs) -> LocalCluster:
+        key = (shards, *sorted(kwargs.items()))
+        if key not in _module_clusters:
+            _module_clusters[key] = LocalCluster(shards, data_dir=tmp_path_factory.mktemp("shared-cluster"),
+                                                 **kwargs)
+        cluster = _module_clusters[key]
+        used.append(cluster)
+        return cluster
+
+    try:
+        yield get
+    finally:
+        for cluster in dict.fromkeys(used):
+            with ps.connect(cluster.target) as client:
+                for table in client.list_tables():
+                    client.drop_table(table)
 
 
 @pytest.fixture

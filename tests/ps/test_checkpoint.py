@@ -42,8 +42,8 @@ def _train(client: ps.Client, table: str, steps: int, seed: int) -> None:
         client.push(table, ids, rng.normal(size=(ids.size, 8)).astype(np.float32)).result()
 
 
-def test_checkpoint_on_3_servers_restores_identically_on_2(make_shard_cluster, tmp_path) -> None:
-    first = make_shard_cluster(3, replicas=1)
+def test_checkpoint_on_3_servers_restores_identically_on_2(shared_shard_cluster, tmp_path) -> None:
+    first = shared_shard_cluster(3, replicas=1)
     with ps.connect(first.target) as client:
         client.create_table("emb", dim=8, optimizer=ps.Adam(lr=0.01), initializer=ps.Normal(std=0.1), seed=4)
         client.create_table("wide", dim=8, optimizer=ps.FTRL(alpha=0.05, l1=0.001), seed=5)
@@ -56,7 +56,7 @@ def test_checkpoint_on_3_servers_restores_identically_on_2(make_shard_cluster, t
         # training on without the restore, as the reference
         _train(client, "emb", 3, seed=2)
         reference = client.pull("emb", np.arange(30_000), insert=False)
-    second = make_shard_cluster(2, replicas=1)
+    second = shared_shard_cluster(2, replicas=1)
     with ps.connect(second.target) as client:
         client.create_table("emb", dim=4)  # a table of that name with other rows: the restore replaces it
         restored = client.restore_checkpoint(str(ckpt))
@@ -75,13 +75,13 @@ def test_checkpoint_on_3_servers_restores_identically_on_2(make_shard_cluster, t
         assert admin.verify(second.scheduler)["differing"] == []
 
 
-def test_a_cut_refused_on_one_server_is_taken_again_whole(make_shard_cluster, tmp_path, monkeypatch) -> None:
+def test_a_cut_refused_on_one_server_is_taken_again_whole(shared_shard_cluster, tmp_path, monkeypatch) -> None:
     """A part that cannot be read (its server refused: a map change, a failover under ``admin checkpoint``)
     discards the round: every server's cut is released, the parts so far are removed, and a new round cuts
     every table again by the newest map; the checkpoint completes whole."""
     from tigana.ps.client.checkpoint import write
 
-    cluster = make_shard_cluster(2, replicas=1)
+    cluster = shared_shard_cluster(2, replicas=1)
     with ps.connect(cluster.target) as client:
         client.create_table("emb", dim=4, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
         ids = np.arange(4000, dtype=np.int64)
@@ -107,8 +107,8 @@ def test_a_cut_refused_on_one_server_is_taken_again_whole(make_shard_cluster, tm
     np.testing.assert_array_equal(np.sort(rows.ids), ids)
 
 
-def test_a_damaged_checkpoint_is_refused(make_shard_cluster, tmp_path) -> None:
-    cluster = make_shard_cluster(2, replicas=1)
+def test_a_damaged_checkpoint_is_refused(shared_shard_cluster, tmp_path) -> None:
+    cluster = shared_shard_cluster(2, replicas=1)
     with ps.connect(cluster.target) as client:
         client.create_table("t", dim=4)
         client.pull("t", np.arange(1000))
@@ -130,10 +130,10 @@ def test_a_damaged_checkpoint_is_refused(make_shard_cluster, tmp_path) -> None:
         assert not np.array_equal(before, after)
 
 
-def test_export_since_of_a_table_with_spilled_rows_reads_a_cut(make_shard_cluster, tmp_path) -> None:
+def test_export_since_of_a_table_with_spilled_rows_reads_a_cut(shared_shard_cluster, tmp_path) -> None:
     """With a spill tier the rows' update times partly live in the store: the delta is read from a
     copy-on-write cut (the lock held O(1)), not by reading every spilled row under the lock; same rows."""
-    cluster = make_shard_cluster(2, replicas=1)
+    cluster = shared_shard_cluster(2, replicas=1)
     with ps.connect(cluster.target) as client:
         client.create_table("cold", dim=6, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros(), memory_budget="16KiB")
         ids = np.arange(-500, 2500, dtype=np.int64)
@@ -150,8 +150,8 @@ def test_export_since_of_a_table_with_spilled_rows_reads_a_cut(make_shard_cluste
         np.testing.assert_array_equal(np.load(tmp_path / "delta" / "rows.npy"), np.full((changed.size, 6), 2.0))
 
 
-def test_export_round_trip_through_the_documented_reader(make_shard_cluster, tmp_path) -> None:
-    cluster = make_shard_cluster(2, replicas=1)
+def test_export_round_trip_through_the_documented_reader(shared_shard_cluster, tmp_path) -> None:
+    cluster = shared_shard_cluster(2, replicas=1)
     with ps.connect(cluster.target) as client:
         client.create_table("items", dim=6, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros())
         ids = np.arange(-500, 2500, dtype=np.int64)

@@ -55,9 +55,9 @@ def _check_rows_agree(rows: RowBatch) -> None:
     np.testing.assert_allclose(rows.weights, np.repeat(path[n][:, None], DIM, axis=1), rtol=1e-5, atol=1e-6)
 
 
-def test_a_checkpoint_during_async_training_restores_rows_whose_weights_and_state_agree(make_shard_cluster,
+def test_a_checkpoint_during_async_training_restores_rows_whose_weights_and_state_agree(shared_shard_cluster,
                                                                                         tmp_path) -> None:
-    cluster = make_shard_cluster(2, replicas=1)
+    cluster = shared_shard_cluster(2, replicas=1)
     stop = threading.Event()
     errors: list[BaseException] = []
     with ps.connect(cluster.target) as client:
@@ -90,7 +90,7 @@ def test_a_checkpoint_during_async_training_restores_rows_whose_weights_and_stat
     for k in range(3):
         _check_rows_agree(_rows(tmp_path / f"c{k}", "emb"))
     # restored onto three servers, the rows read back agree too, and are the checkpoint's bit for bit
-    other = make_shard_cluster(3, replicas=1)
+    other = shared_shard_cluster(3, replicas=1)
     with ps.connect(other.target) as client:
         client.restore_checkpoint(str(tmp_path / "c2"))
         client.checkpoint(str(tmp_path / "again"))
@@ -100,11 +100,11 @@ def test_a_checkpoint_during_async_training_restores_rows_whose_weights_and_stat
         np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
 
 
-def test_the_cut_holds_a_write_only_with_the_writes_acknowledged_before_it(make_shard_cluster, tmp_path) -> None:
+def test_the_cut_holds_a_write_only_with_the_writes_acknowledged_before_it(shared_shard_cluster, tmp_path) -> None:
     """One trainer pushes row a (on one server) and, once that is acknowledged, row b (on the other), over and
     over. A cut of the whole cluster at one point holds b's k-th push only with a's k-th: n_b <= n_a <= n_b + 1.
     (Cut server by server, a's server may be cut before b's while the trainer goes on: n_b > n_a.)"""
-    cluster = make_shard_cluster(2, replicas=1)
+    cluster = shared_shard_cluster(2, replicas=1)
     stop = threading.Event()
     with ps.connect(cluster.target) as client:
         client.create_table("t", dim=2, optimizer=ps.SGD(lr=1.0), initializer=ps.Zeros(), staleness=None)
@@ -134,9 +134,9 @@ def test_the_cut_holds_a_write_only_with_the_writes_acknowledged_before_it(make_
         assert n_b <= n_a <= n_b + 1, (k, n_a, n_b)
 
 
-def test_an_incremental_chain_restores_what_a_full_checkpoint_of_the_same_moment_does(make_shard_cluster,
+def test_an_incremental_chain_restores_what_a_full_checkpoint_of_the_same_moment_does(shared_shard_cluster,
                                                                                      tmp_path) -> None:
-    cluster = make_shard_cluster(2, replicas=1)
+    cluster = shared_shard_cluster(2, replicas=1)
     root = tmp_path / "ckpts"
     with ps.connect(cluster.target) as client:
         client.create_table("emb", dim=8, optimizer=ps.Adam(lr=0.01), initializer=ps.Normal(std=0.1), seed=3)
@@ -165,7 +165,7 @@ def test_an_incremental_chain_restores_what_a_full_checkpoint_of_the_same_moment
         for field in ("ids", "weights", "state", "update_count", "last_step"):
             np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
     # the chain restored through the CLI onto a cluster of another size gives the same rows
-    other = make_shard_cluster(3, replicas=1)
+    other = shared_shard_cluster(3, replicas=1)
     out = subprocess.run([sys.executable, "-m", "tigana.tools.cli", "admin", "--scheduler", other.scheduler, "--json",
                           "restore", str(root / "c3")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -181,10 +181,10 @@ def test_an_incremental_chain_restores_what_a_full_checkpoint_of_the_same_moment
         client.restore_checkpoint(str(root / "c3"))
 
 
-def test_quantized_checkpoints_through_the_cli(make_shard_cluster, tmp_path) -> None:
+def test_quantized_checkpoints_through_the_cli(shared_shard_cluster, tmp_path) -> None:
     """``tigana admin checkpoint --incremental --quantize int8``: weights within half a step of their row's
     range, optimizer state exact; fp16 within fp16's precision; a row fp16 cannot carry is refused."""
-    cluster = make_shard_cluster(2, replicas=1)
+    cluster = shared_shard_cluster(2, replicas=1)
     with ps.connect(cluster.target) as client:
         client.create_table("emb", dim=16, optimizer=ps.RowWiseAdagrad(lr=0.05), initializer=ps.Normal(std=0.1))
         rng = np.random.default_rng(1)

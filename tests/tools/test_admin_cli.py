@@ -1,6 +1,7 @@
 """`tigana admin` as an operator runs it: a real cluster (``LocalCluster``: a scheduler and 3 daemons, 1 replica)
 and the CLI as a child process, given the scheduler by ``--scheduler`` or ``TIGANA_SCHEDULER``. Each test
-starts one cluster and makes all its CLI calls against it."""
+starts one cluster and makes all its CLI calls against it; the two that move nothing (status and errors, data)
+share one (``shared_shard_cluster``: every table dropped between them)."""
 
 from __future__ import annotations
 
@@ -51,8 +52,8 @@ class Admin:
         return report
 
 
-def _cluster(make_shard_cluster, **kwargs):
-    cluster = make_shard_cluster(3, replicas=1, **kwargs)
+def _cluster(make_cluster, **kwargs):
+    cluster = make_cluster(3, replicas=1, **kwargs)
     with ps.connect(cluster.target) as client:
         client.create_table(TABLE, 8)
         grads = np.random.default_rng(0).normal(size=(IDS.size, 8)).astype(np.float32)
@@ -78,8 +79,8 @@ def _settled(scheduler: str) -> bool:
 
 
 # --- reading: status, verify; errors -----------------------------------------------------------------------
-def test_status_verify_and_errors(make_shard_cluster, tmp_path: Path) -> None:
-    cluster, run = _cluster(make_shard_cluster)
+def test_status_verify_and_errors(shared_shard_cluster, tmp_path: Path) -> None:
+    cluster, run = _cluster(shared_shard_cluster)
     ids = [cluster.server_id(i) for i in range(3)]
 
     out = run("status")
@@ -228,8 +229,8 @@ def test_move_slot_drain_and_rebalance(make_shard_cluster) -> None:
 
 
 # --- data: checkpoint, export, restore -----------------------------------------------------------------------
-def test_checkpoint_export_restore(make_shard_cluster, tmp_path: Path) -> None:
-    cluster, run = _cluster(make_shard_cluster)
+def test_checkpoint_export_restore(shared_shard_cluster, tmp_path: Path) -> None:
+    cluster, run = _cluster(shared_shard_cluster)
     scheduler = cluster.scheduler
     before = _pull(scheduler)
     ckpt, export = tmp_path / "ckpt", tmp_path / "export"

@@ -1,6 +1,7 @@
 """The training loop in this process against real shard daemons: a checkpoint taken mid-epoch on a 2-server
 cluster and resumed on another cluster of 3 servers (whose tables were tampered with first) ends exactly where
-an uninterrupted run ends."""
+an uninterrupted run ends. The uninterrupted run and the interrupted one use one 2-server cluster, its tables
+dropped in between: each starts from empty tables."""
 
 from __future__ import annotations
 
@@ -35,16 +36,18 @@ def _tamper(addresses: list[str], config: TrainConfig) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_resume_from_a_mid_epoch_checkpoint_matches_an_uninterrupted_run(tmp_path) -> None:
-    with ps.LocalCluster(shards=2) as cluster:
-        full = train(_config(table_prefix="r_"), DistEnv(), None, [cluster.target])
+def test_resume_from_a_mid_epoch_checkpoint_matches_an_uninterrupted_run(shared_shard_cluster, tmp_path) -> None:
+    cluster = shared_shard_cluster(2)
+    full = train(_config(table_prefix="r_"), DistEnv(), None, [cluster.target])
     assert full["steps"] == 24 and full["eval_rows"] == 600 and 0.5 < full["auc"] <= 1.0
+    with ps.connect(cluster.target) as client:  # the interrupted run starts from empty tables, as the full one did
+        for table in client.list_tables():
+            client.drop_table(table)
 
     ckpt = tmp_path / "ckpt"
-    with ps.LocalCluster(shards=2) as cluster:
-        first = train(_config(table_prefix="r_", max_steps=17, checkpoint_dir=str(ckpt), logdir=str(tmp_path / "tb")),
-                      DistEnv(), None, [cluster.target])
-        assert first["steps"] == 17
+    first = train(_config(table_prefix="r_", max_steps=17, checkpoint_dir=str(ckpt), logdir=str(tmp_path / "tb")),
+                  DistEnv(), None, [cluster.target])
+    assert first["steps"] == 17
     path = latest_checkpoint(ckpt)
     assert path is not None and path.name == "step-000000017"
     meta = json.loads((path / "meta.json").read_text())
