@@ -329,3 +329,11 @@ def first_nonfinite_row(bits):
             if bits[i, j] & exp == exp:
                 return i
     return -1
+
+
+@njit(nogil=True, cache=True)
+def count_into(slots, counts):
+    """``counts[s] += 1`` for every slot in ``slots`` (a table's per-slot request counter): O(ids), where a
+    ``np.bincount(slots, minlength=num_slots)`` added to ``counts`` costs a num_slots array per request."""
+    for i in range(slots.shape[0]):
+        counts[slots[i]] += 1.0

@@ -142,7 +142,7 @@ class WritePath:
                     self.replicate(hosted, view, changes, None, None)
             else:
                 rows = hosted.table.pull(ids)
-            hosted.pulled += np.bincount(slots, minlength=self.num_slots)
+            _kernels.count_into(slots, hosted.pulled)
         self.metrics.labelled(self.metrics.rows_pulled, name).inc(len(ids))
         self.metrics.labelled(self.metrics.bytes_in, "Pull").inc(ids.nbytes)
         self.metrics.labelled(self.metrics.bytes_out, "Pull").inc(reply_bytes)
@@ -234,7 +234,7 @@ class WritePath:
                 hosted.dedup.record(cid, seq, uslots)
                 marks = earlier + self.replicate(hosted, view, changes, uslots, (cid, seq, uslots))
                 duplicate = False
-            hosted.pushed += np.bincount(slots, minlength=self.num_slots)
+            _kernels.count_into(slots, hosted.pushed)
         return _Pushed(name, view, part, marks if sync else [], sync, int(applied), duplicate, len(ids))
 
     def push_ack(self, p: _Pushed, timeout_s: float) -> pb.PushResponse:
