@@ -649,21 +649,25 @@ class ReleaseCutResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ExchangeRequest(_message.Message):
-    __slots__ = ("id", "pull", "push", "timeout_ms", "bundle")
+    __slots__ = ("id", "pull", "push", "timeout_ms", "bundle", "pulls", "pushes")
     ID_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
     id: int
     pull: PullRequest
     push: PushRequest
     timeout_ms: int
     bundle: _containers.RepeatedCompositeFieldContainer[ExchangeRequest]
-    def __init__(self, id: _Optional[int] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., push: _Optional[_Union[PushRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., bundle: _Optional[_Iterable[_Union[ExchangeRequest, _Mapping]]] = ...) -> None: ...
+    pulls: _containers.RepeatedCompositeFieldContainer[PullRequest]
+    pushes: _containers.RepeatedCompositeFieldContainer[PushRequest]
+    def __init__(self, id: _Optional[int] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., push: _Optional[_Union[PushRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., bundle: _Optional[_Iterable[_Union[ExchangeRequest, _Mapping]]] = ..., pulls: _Optional[_Iterable[_Union[PullRequest, _Mapping]]] = ..., pushes: _Optional[_Iterable[_Union[PushRequest, _Mapping]]] = ...) -> None: ...
 
 class ExchangeResponse(_message.Message):
-    __slots__ = ("id", "pull", "push", "code", "message", "error", "epoch", "bundle")
+    __slots__ = ("id", "pull", "push", "code", "message", "error", "epoch", "bundle", "parts")
     ID_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
@@ -672,6 +676,7 @@ class ExchangeResponse(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     id: int
     pull: PullResponse
     push: PushResponse
@@ -680,4 +685,5 @@ class ExchangeResponse(_message.Message):
     error: str
     epoch: int
     bundle: _containers.RepeatedCompositeFieldContainer[ExchangeResponse]
-    def __init__(self, id: _Optional[int] = ..., pull: _Optional[_Union[PullResponse, _Mapping]] = ..., push: _Optional[_Union[PushResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., error: _Optional[str] = ..., epoch: _Optional[int] = ..., bundle: _Optional[_Iterable[_Union[ExchangeResponse, _Mapping]]] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[ExchangeResponse]
+    def __init__(self, id: _Optional[int] = ..., pull: _Optional[_Union[PullResponse, _Mapping]] = ..., push: _Optional[_Union[PushResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., error: _Optional[str] = ..., epoch: _Optional[int] = ..., bundle: _Optional[_Iterable[_Union[ExchangeResponse, _Mapping]]] = ..., parts: _Optional[_Iterable[_Union[ExchangeResponse, _Mapping]]] = ...) -> None: ...

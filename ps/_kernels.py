@@ -317,3 +317,23 @@ def slots_foreign(ids, leads):
                 first = i
             count += 1
     return slots, count, first
+
+
+@njit(nogil=True, cache=True)
+def first_nonfinite_row(bits):
+    """The first row of float32 values (given as their uint32 ``bits``, (n, dim)) holding NaN or Inf, or -1: a
+    float32 is not finite iff its exponent bits are all ones. One pass, no temporary array."""
+    exp = np.uint32(0x7F800000)
+    for i in range(bits.shape[0]):
+        for j in range(bits.shape[1]):
+            if bits[i, j] & exp == exp:
+                return i
+    return -1
+
+
+@njit(nogil=True, cache=True)
+def count_into(slots, counts):
+    """``counts[s] += 1`` for every slot in ``slots`` (a table's per-slot request counter): O(ids), where a
+    ``np.bincount(slots, minlength=num_slots)`` added to ``counts`` costs a num_slots array per request."""
+    for i in range(slots.shape[0]):
+        counts[slots[i]] += 1.0

@@ -150,7 +150,9 @@ class DataPath(ClientFields):
 
     @contextlib.contextmanager
     def _frames_held(self, permits: bool = False) -> Iterator[None]:
-        """Parts this thread sends meanwhile are held, then sent as one message per server. ``permits``
+        """Parts this thread sends meanwhile are held, then sent as one message per server: one multi-table
+        frame holding every table's part for it (``Exchange.send_many``), each part still settled, re-routed
+        and retried on its own by its operation. ``permits``
         (pushes): the message takes one of the server's push permits, freed when all its parts are answered."""
         held: list = []
         self._hold.frames = held

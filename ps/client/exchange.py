@@ -6,8 +6,10 @@ deadline passes first, or ``Unavailable`` (unanswered) when the stream breaks or
 carry the same requests as the unary calls, so everything that keeps a pull or push correct stays where it
 was: (client id, seq) for exactly-once, the routed epoch for fencing, the client's re-routing of failed
 parts, its push permits. A broken stream is opened again by the next frame. Frames queued while the stream
-was sending go out together as one bundle (``frames.bundle``), each under its own id. (The server's side is
-``tigana.ps.shard.streams``.)
+was sending go out together as one bundle (``frames.bundle``), each under its own id. Parts of several tables
+made together for this server (``send_many``: a step's ``pull_many``/``push_many``) go as one multi-table frame
+(``frames.request_many``): one id, one deadline, one answer whose parts settle each part's callback with its
+own reply or error. (The server's side is ``tigana.ps.shard.streams`` and ``multitable``.)
 
 Invariant (the same as the unary path's): a frame whose callback got an error may still have been applied by
 the server (an answer lost with the connection, or later than the deadline). Only pushes have effects, and a
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import heapq
+import logging
 import queue
 import threading
 import time
@@ -34,8 +37,10 @@ from tigana.ps.wire.frames import EXCHANGE
 
 Done = Callable[[Any, "PSError | None"], None]
 _END = object()
-_BUNDLE_FRAMES = 64  # at most this many frames in one bundle
+_BUNDLE_FRAMES = 64  # at most this many frames in one bundle (and parts in one multi-table frame)
 _BUNDLE_BYTES = 4 << 20  # and no more once it holds this many bytes
+log = logging.getLogger("tigana.ps.client")
+
 
 class _Pending:
     __slots__ = ("done", "generation")
@@ -99,14 +104,22 @@ class Exchange:
         self._answered = False  # some frame of some stream was answered: the server has Exchange
         self.supported = True
         self.bundled = 0  # frames sent inside bundles (with others queued at the same time)
+        self.merged = 0  # parts sent inside multi-table frames (``send_many``)
 
     def send(self, kind: int, parts: list, timeout_s: float, done: Done) -> None:
         """Send one frame (a pull or push request in pieces, ``wire.*_request_parts``)."""
-        self.send_many([(kind, parts, done)], timeout_s)
+        self._send_frames([(kind, parts, done, False)], timeout_s)
 
     def send_many(self, items: list[tuple[int, list, Done]], timeout_s: float) -> None:
-        """Send frames (kind, request in pieces, done) made together, e.g. every table's part of a step for
-        this server: they go out as one message (a bundle, cut only at the bundle limits)."""
+        """Send requests (kind, request in pieces, done) made together, e.g. every table's part of a step for
+        this server: the parts of one kind go as one multi-table frame (cut at the bundle limits), and the
+        frames as one message. Each ``done`` still runs once, with its own part's reply or error."""
+        merged = _merge(items, self.address)
+        self.merged += sum([len(m[1]) for m in merged if m[3]])
+        self._send_frames(merged, timeout_s)
+
+    def _send_frames(self, items: list[tuple[int, list, Done, bool]], timeout_s: float) -> None:
+        """Send frames (kind, request in pieces or, ``many``, the list of the parts' pieces, done, many)."""
         with self._lock:
             if self._closed:
                 err: PSError | None = Unavailable(f"{self.address}: client closed")
@@ -116,19 +129,20 @@ class Exchange:
                     self._open()
                 ids = list(range(self._next_id + 1, self._next_id + 1 + len(items)))
                 self._next_id += len(items)
-                for frame_id, (_, _, done) in zip(ids, items, strict=True):
+                for frame_id, (_, _, done, _) in zip(ids, items, strict=True):
                     self._pending[frame_id] = _Pending(done, self._generation)
                 q = self._queue
         if err is not None:
-            for _, _, done in items:
+            for _, _, done, _ in items:
                 done(None, err)
             return
         raws, sent = [], []
         budget_ms = max(1, int(timeout_s * 1000))
         expires = time.monotonic() + timeout_s
-        for frame_id, (kind, parts, _) in zip(ids, items, strict=True):
+        for frame_id, (kind, parts, _, many) in zip(ids, items, strict=True):
             try:
-                raws.append(frames.request(frame_id, budget_ms, kind, parts))
+                raws.append(frames.request_many(frame_id, budget_ms, kind, parts) if many else
+                            frames.request(frame_id, budget_ms, kind, parts))
             except Exception as exc:  # noqa: BLE001 - settle the frame, never leave it pending
                 self._settle(frame_id, None, Internal(f"{self.address}: frame encoding: {exc}"))
                 continue
@@ -247,3 +261,50 @@ class Exchange:
         if pending is None:  # answered already (a late answer after the deadline, or the reverse)
             return
         pending.done(reply, error)
+
+
+def _merge(items: list[tuple[int, list, Done]], address: str) -> list[tuple[int, list, Done, bool]]:
+    """Requests made together as frames (kind, pieces, done, many): those of one kind as multi-table frames
+    of at most ``_BUNDLE_FRAMES`` parts and, past the first part, ``_BUNDLE_BYTES`` (a part alone stays a
+    single-table frame)."""
+    by_kind: dict[int, list[tuple[list, Done]]] = {}
+    for kind, parts, done in items:
+        by_kind.setdefault(kind, []).append((parts, done))
+    out: list[tuple[int, list, Done, bool]] = []
+    for kind, group in by_kind.items():
+        batch: list[tuple[list, Done]] = []
+        size = 0
+        for parts, done in group:
+            n = wire.parts_nbytes(parts)
+            if batch and (len(batch) >= _BUNDLE_FRAMES or size + n > _BUNDLE_BYTES):
+                out.append(_frame_of(kind, batch, address))
+                batch, size = [], 0
+            batch.append((parts, done))
+            size += n
+        out.append(_frame_of(kind, batch, address))
+    return out
+
+
+def _frame_of(kind: int, batch: list[tuple[list, Done]], address: str) -> tuple[int, list, Done, bool]:
+    if len(batch) == 1:
+        return kind, batch[0][0], batch[0][1], False
+    return kind, [parts for parts, _ in batch], _fan_out([done for _, done in batch], address), True
+
+
+def _fan_out(dones: list[Done], address: str) -> Done:
+    """The callback of a multi-table frame: each part's ``done`` with its own answer (``frames.Answer``), or
+    every one with the frame's error (the frame was refused whole, lost or late)."""
+    def done(reply: Any, error: PSError | None) -> None:
+        if error is None and (not isinstance(reply, list) or len(reply) != len(dones)):
+            got = len(reply) if isinstance(reply, list) else "no"
+            error = Internal(f"{address}: the answer to a frame of {len(dones)} tables' parts has {got} parts")
+        for k, part_done in enumerate(dones):
+            try:
+                if error is not None:
+                    part_done(None, error)
+                else:
+                    answer = reply[k]
+                    part_done(answer.reply, answer.error)
+            except Exception:  # noqa: BLE001 - one part's callback must not keep the others unsettled
+                log.exception("%s: a part's callback failed", address)
+    return done

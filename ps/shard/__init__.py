@@ -50,7 +50,8 @@ locks, blocking in each docstring); a simulator or a test drives them without gR
 - ``receiver``: ``Receiver``, the replication streams into this server (``Replicate``);
 - ``service``: ``ShardService``, the gRPC adapter that builds the objects above, decodes each request, calls
   them and encodes the answer; ``add_to_server``, ``SERVICE_NAME``; the handlers' error guard is ``_guard``;
-  ``streams``: the server's side of the ``Exchange`` stream; ``tablelock``: a table's write lock.
+  ``streams``: the server's side of the ``Exchange`` stream; ``multitable``: its frames carrying several
+  tables' parts (checked whole, applied and answered per part); ``tablelock``: a table's write lock.
 
 Dependencies point one way: ``links`` <- ``view`` <- ``hosted`` <- ``persistence`` <- ``ownership``;
 ``writes`` <- ``export`` (with ``cuts``); ``service`` builds them all.

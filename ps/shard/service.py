@@ -28,7 +28,7 @@ from tigana.ps.metrics import ServerMetrics
 from tigana.ps.replication import Replicator
 from tigana.ps.routing import ShardMap
 from tigana.ps.security import NONE, Security
-from tigana.ps.shard import streams
+from tigana.ps.shard import multitable, streams
 from tigana.ps.shard._guard import _rpc, check_serving
 from tigana.ps.shard.catalog import Catalog
 from tigana.ps.shard.config import ServerConfig
@@ -268,8 +268,15 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         check_serving(self, method)
         left = frame.timeout_ms / 1000 - (time.monotonic() - received) if frame.timeout_ms else None
         if left is not None and left < 0:
-            raise DeadlineExceeded(f"table {frame.request.table!r}: {method} frame waited past its "
-                                   f"deadline ({frame.timeout_ms} ms) before it was handled; not applied")
+            what = f"table {frame.request.table!r}" if frame.kind in (frames.PULL, frames.PUSH) else \
+                f"tables {[r.table for r in frame.request]}"
+            raise DeadlineExceeded(f"{what}: {method} frame waited past its deadline ({frame.timeout_ms} ms) "
+                                   "before it was handled; not applied")
+        if frame.kind == frames.PULLS:
+            return multitable.pull_many(self.writes, frame.id, frame.request, left)
+        if frame.kind == frames.PUSHES:
+            return multitable.push_many(self.writes, self.replicator, frame.id, frame.request, left,
+                                        self.config.ack_timeout_s)
         if frame.kind == frames.PULL:
             _, rows, codec = self.writes.pull(frame.request, left)
             return frames.pull_answer(frame.id, rows, codec)

@@ -23,6 +23,7 @@ from tigana.embeddings.changes import sorted_unique, unique
 from tigana.embeddings.masks import all_set, any_set
 from tigana.embeddings.unseen import Unseen
 from tigana.proto import shard_pb2 as pb
+from tigana.ps import _kernels
 from tigana.ps.errors import InvalidArgument, NotEnoughReplicas, ResourceExhausted, Unavailable
 from tigana.ps.metrics import ServerMetrics
 from tigana.ps.replication import Replicator, Stream
@@ -52,6 +53,29 @@ class _Pushed:
     duplicate: bool
     rows: int
 
+
+class PullPlan:
+    """A pull checked against its table (``WritePath.pull_check``), nothing read or inserted yet."""
+
+    __slots__ = ("name", "hosted", "ids", "codec", "epoch", "read_only", "unseen", "reply_bytes")
+
+    def __init__(self, name: str, hosted: _Hosted, ids: np.ndarray, codec: int, epoch: int, read_only: bool,
+                 unseen: Unseen | None, reply_bytes: int) -> None:
+        self.name, self.hosted, self.ids, self.codec, self.epoch = name, hosted, ids, codec, epoch
+        self.read_only, self.unseen, self.reply_bytes = read_only, unseen, reply_bytes
+
+
+class PushPlan:
+    """A push checked against its table and decoded (``WritePath.push_check``), nothing applied yet."""
+
+    __slots__ = ("name", "hosted", "ids", "grads", "epoch", "client_id", "seq")
+
+    def __init__(self, name: str, hosted: _Hosted, ids: np.ndarray, grads: np.ndarray, epoch: int,
+                 client_id: str, seq: int) -> None:
+        self.name, self.hosted, self.ids, self.grads, self.epoch = name, hosted, ids, grads, epoch
+        self.client_id, self.seq = client_id, seq
+
+
 class WritePath:
     """Pulls and pushes on the tables of one shard server, and their replication to the slots' copies.
 
@@ -77,6 +101,14 @@ class WritePath:
         """Validate a pull and read its rows: (table, (n, dim) float32 rows, reply codec). ``timeout_s``: what is
         left of the request's deadline (None: unknown). A pull that may insert waits for room in the replication
         queue first and enqueues the rows it inserted to the copies (it does not wait for them)."""
+        plan = self.pull_check(request)
+        if not plan.read_only:  # it may insert: its rows go to the copies
+            self.wait_for_room(plan.name, timeout_s)
+        return plan.name, self.pull_read(plan), plan.codec
+
+    def pull_check(self, request: pb.PullRequest) -> PullPlan:
+        """Check a pull against its table (``InvalidArgument``/``TableNotFound``/``ResourceExhausted`` naming
+        table and field) without reading or inserting anything: a multi-table frame checks every part first."""
         name = request.table
         hosted = self.tables.get(name)
         raw_ids = request.ids  # protobuf copies a bytes field on every access: read it once
@@ -93,11 +125,15 @@ class WritePath:
         unseen = None
         if request.read_only and request.unseen:  # empty: the initial rows (what clients before it asked)
             unseen = Unseen.parse(request.unseen, what=f"table {name!r}: field 'unseen'")
-        if not request.read_only:  # it may insert: its rows go to the copies
-            self.wait_for_room(name, timeout_s)
+        return PullPlan(name, hosted, ids, codec, request.epoch, bool(request.read_only), unseen, reply_bytes)
+
+    def pull_read(self, plan: PullPlan) -> np.ndarray:
+        """Read a checked pull's rows under its table's lock (inserting, unless read-only; ``WrongShard`` when
+        this server does not lead a slot of it now). The caller waited for room in the replication queue."""
+        name, hosted, ids, unseen, reply_bytes = plan.name, plan.hosted, plan.ids, plan.unseen, plan.reply_bytes
         with hosted.lock:
-            view, slots = self.check_leads(name, ids, request.epoch)
-            if request.read_only:
+            view, slots = self.check_leads(name, ids, plan.epoch)
+            if plan.read_only:
                 rows = hosted.table.pull(ids, insert=False, unseen=unseen)
             elif self.replicator is not None and self.replicator.streams:
                 changes = Changes()
@@ -106,13 +142,13 @@ class WritePath:
                     self.replicate(hosted, view, changes, None, None)
             else:
                 rows = hosted.table.pull(ids)
-            hosted.pulled += np.bincount(slots, minlength=self.num_slots)
+            _kernels.count_into(slots, hosted.pulled)
         self.metrics.labelled(self.metrics.rows_pulled, name).inc(len(ids))
-        self.metrics.labelled(self.metrics.bytes_in, "Pull").inc(len(raw_ids))
+        self.metrics.labelled(self.metrics.bytes_in, "Pull").inc(ids.nbytes)
         self.metrics.labelled(self.metrics.bytes_out, "Pull").inc(reply_bytes)
         self.metrics.labelled(self.metrics.row_bytes_raw, "Pull").inc(len(ids) * hosted.table.config.dim * 4)
         self.metrics.labelled(self.metrics.row_bytes_wire, "Pull").inc(reply_bytes)
-        return name, rows, codec
+        return rows
 
     def push(self, request: pb.PushRequest | wire.RawPush, timeout_s: float | None = None) -> pb.PushResponse:
         """A push: applied (or found a duplicate) under the table's lock, then, for a sync table, acknowledged
@@ -124,6 +160,15 @@ class WritePath:
         """Check and apply a push under its table's lock (``timeout_s``: what is left of its deadline, for the
         wait for room in the replication queue), exactly once per (client id, seq) and slot; the push is not
         acknowledged yet: answer it with ``push_ack`` (waits) or ``push_answer`` (once its marks are done)."""
+        plan = self.push_check(request)
+        self.wait_for_room(plan.name, timeout_s)
+        return self.push_commit(plan)
+
+    def push_check(self, request: pb.PushRequest | wire.RawPush, *, finite: bool = False) -> PushPlan:
+        """Check a push against its table and decode its gradients (``InvalidArgument``/``TableNotFound``/
+        ``ResourceExhausted`` naming table and field), applying nothing: a multi-table frame checks every part
+        before it applies any. ``finite``: also refuse NaN/Inf gradients here when the table rejects them
+        (the engine would refuse them at the apply, after the frame's earlier parts were applied)."""
         name = request.table
         hosted = self.tables.get(name)
         raw_ids = request.ids  # protobuf copies a bytes field on every access: read each once
@@ -140,12 +185,21 @@ class WritePath:
                 raise InvalidArgument(f"table {name!r}: field 'grads' has {nbytes // row_bytes} rows, "
                                       f"field 'ids' has {len(ids)} ids")
         grads = wire.decode_rows(grads_rows, len(ids), dim, table=name, field="grads")
-        epoch = getattr(request, "epoch", 0)
+        if finite and hosted.table.config.nonfinite_grads == "reject" and grads.size:
+            bad = int(_kernels.first_nonfinite_row(grads.view(np.uint32)))
+            if bad >= 0:
+                raise InvalidArgument(f"table {name!r}: field 'grads' has NaN/Inf (first in row {bad}, id "
+                                      f"{int(ids[bad])}); nothing of the frame applied")
         self.metrics.labelled(self.metrics.bytes_in, "Push").inc(memoryview(raw_ids).nbytes + nbytes + memoryview(scales).nbytes)
         self.metrics.labelled(self.metrics.row_bytes_raw, "Push").inc(len(ids) * dim * 4)
         self.metrics.labelled(self.metrics.row_bytes_wire, "Push").inc(nbytes + memoryview(scales).nbytes)
-        cid, seq = request.client_id, request.seq
-        self.wait_for_room(name, timeout_s)
+        return PushPlan(name, hosted, ids, grads, getattr(request, "epoch", 0), request.client_id, request.seq)
+
+    def push_commit(self, plan: PushPlan) -> _Pushed:
+        """Apply a checked push under its table's lock, exactly once per (client id, seq) and slot (the caller
+        waited for room in the replication queue); not acknowledged yet (``push_ack``/``push_answer``)."""
+        name, hosted, ids, grads, epoch = plan.name, plan.hosted, plan.ids, plan.grads, plan.epoch
+        cid, seq = plan.client_id, plan.seq
         with hosted.lock:
             view, slots = self.check_leads(name, ids, epoch)  # under the lock: the map the apply sees
             uslots = unique(slots)
@@ -180,7 +234,7 @@ class WritePath:
                 hosted.dedup.record(cid, seq, uslots)
                 marks = earlier + self.replicate(hosted, view, changes, uslots, (cid, seq, uslots))
                 duplicate = False
-            hosted.pushed += np.bincount(slots, minlength=self.num_slots)
+            _kernels.count_into(slots, hosted.pushed)
         return _Pushed(name, view, part, marks if sync else [], sync, int(applied), duplicate, len(ids))
 
     def push_ack(self, p: _Pushed, timeout_s: float) -> pb.PushResponse:

@@ -94,16 +94,19 @@ def test_every_table_of_a_call_is_one_message_per_server(three_shards):
         ids = [np.arange(1000, dtype=np.int64) + 7 * k for k in range(len(names))]
         client.pull_many(names, ids)[0].result()  # streams open
         client.flush()
-        before = [s.exchange.bundled for s in client._servers]
+
+        def sent() -> list[tuple[int, int]]:  # (frames, parts inside multi-table frames) per server
+            return [(s.exchange._next_id, s.exchange.merged) for s in client._servers]
+
+        before = sent()
         for f in client.pull_many(names, ids, unique=True):
             f.result()
-        after = [s.exchange.bundled for s in client._servers]
-        # each server got its part of all six tables as one bundle of six frames
-        assert [b - a for a, b in zip(before, after, strict=True)] == [len(names)] * 3
-        before = after
+        # each server got its part of all six tables as one frame of six parts
+        assert [(f - f0, m - m0) for (f0, m0), (f, m) in zip(before, sent(), strict=True)] == [(1, len(names))] * 3
+        before = sent()
         client.push_many(names, ids, [np.ones((i.size, 4), np.float32) for i in ids], unique=True)
         client.flush()
-        assert [s.exchange.bundled - b for s, b in zip(client._servers, before, strict=True)] == [len(names)] * 3
+        assert [(f - f0, m - m0) for (f0, m0), (f, m) in zip(before, sent(), strict=True)] == [(1, len(names))] * 3
 
 
 def test_push_many_refuses_a_bad_entry_and_changes_nothing(client_and_tables):
