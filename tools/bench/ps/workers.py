@@ -3,7 +3,7 @@
 Two daemons run side by side, each a static shard list of its own (no scheduler, no replica, so that only the
 process count differs): ``tigana server --workers N`` and ``tigana server --workers 1``. ``--clients`` client
 processes (default 2) drive one daemon at a time, each pushing (or pulling) Zipf batches back to back for
-``--seconds`` (a pull or push in flight each): the daemons take turns in every round, and each line reports
+``--seconds`` (a pull in flight each, or 8 pushes then a flush): the daemons take turns in every round, and each line reports
 the median over rounds. Cases, one JSON line each, the N-worker daemon against the 1-worker one:
 
 - ``workers_push``         rows/s of pushes of ``--batch`` ids (dim 16, fp32, Adagrad)
@@ -41,6 +41,7 @@ from tigana.tools.bench.scale.resources import process_cpu_s
 
 DIM = 16
 _TABLE = "bench_workers"
+_IN_FLIGHT = 8  # pushes a client sends before it waits for their acknowledgements (flush)
 
 
 def bench_workers(args: argparse.Namespace) -> int:
@@ -167,10 +168,12 @@ def _client_main(conn: Any, k: int, num_ids: int, zipf: float) -> None:
                     ids = cycle()
                     if op == "push":
                         c.push(_TABLE, ids, grad)
-                        c.flush()
+                        if calls % _IN_FLIGHT == _IN_FLIGHT - 1:
+                            c.flush()
                     else:
                         c.pull(_TABLE, ids)
                     rows, calls, frames = rows + ids.size, calls + 1, frames + frames_of(ids)
+                c.flush()  # every push of the run applied before its time is taken
                 conn.send((rows, calls, time.perf_counter() - t0, frames))
             except Exception as exc:  # noqa: BLE001 - the parent raises it
                 conn.send(RuntimeError(f"bench client {k}: {type(exc).__name__}: {exc}"))
