@@ -34,13 +34,6 @@ from tigana.tools.testing.sim.reroute import stranded
 __all__ = ["Checkers"]
 
 
-def _position_key(positions: np.ndarray) -> tuple[int, int]:
-    """One slot's (epoch, index) as a comparable key; no position (a slot not held) is the lowest."""
-    if int(positions[0]) == np.iinfo(np.uint64).max:
-        return (-1, -1)
-    return (int(positions[0]), int(positions[1]))
-
-
 class Checkers:
     """Every per-step checker of one run (``run``: a ``simulation._Run``). ``on_map`` takes each map the
     scheduler publishes; ``after_step`` returns the violations found now (empty: none)."""
