@@ -71,6 +71,9 @@ def worker_overrides(config: ServerConfig, i: int) -> list[str]:
         out += ["--server-id", f"{config.server_id}-w{i}"]
     if config.advertise:
         host, _, port = config.advertise.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"server config: field 'advertise' must be HOST:PORT with workers (each worker "
+                             f"advertises PORT + 1 + i, or HOST:0 its own), got {config.advertise!r}")
         out += ["--advertise", f"{host}:{int(port) + 1 + i if int(port) else 0}"]
     if config.metrics_port:
         out += ["--metrics-port", "auto" if config.metrics_port < 0 else str(config.metrics_port + i)]

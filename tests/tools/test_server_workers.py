@@ -49,6 +49,8 @@ def test_each_worker_gets_its_port_folder_id_advertised_address_metrics_and_budg
     free = ServerConfig(port=0, advertise="node-3:0", metrics_port=-1, scheduler="scheduler:7000", workers=2)
     assert [_flags(free, i) for i in range(2)] == [
         {"--workers": "1", "--port": "0", "--advertise": "node-3:0", "--metrics-port": "auto"}] * 2
+    with pytest.raises(ValueError, match="field 'advertise' must be HOST:PORT"):
+        worker_overrides(ServerConfig(advertise="node-3", scheduler="scheduler:7000", workers=2), 0)
 
 
 def test_a_static_server_cuts_its_slots_into_one_contiguous_share_per_worker() -> None:
