@@ -104,7 +104,6 @@ class _Worker:
     ready_file: Path
     proc: subprocess.Popen | None = None
     started: float = 0.0
-    restarts: int = 0
     backoff_s: float = _RESTART_FIRST_S
     restart_at: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
@@ -204,7 +203,6 @@ class Supervisor:
                 log.warning("worker %d (pid %d) exited with status %s; starting it again in %.0f s", w.index,
                             w.proc.pid, code, w.restart_at - now)
             elif now >= w.restart_at:
-                w.restarts += 1
                 self._start(w)
 
     def _forget(self, w: _Worker) -> None:

@@ -73,7 +73,6 @@ def bench_workers(args: argparse.Namespace) -> int:
                 for r in range(repeats + 1):  # one untimed round first
                     for w in (list(daemons) if r % 2 else list(daemons)[::-1]):
                         rate, cores = _round(daemons[w], pipes, op, size, seconds, unit)
-                        figures[case][w]["frames_per_call"] = _frames_per_call(daemons[w], size, args)
                         if r:
                             figures[case][w]["rate"].append(rate)
                             figures[case][w]["cores"].append(cores)
@@ -81,7 +80,7 @@ def bench_workers(args: argparse.Namespace) -> int:
                         log(f"  {case} round {r}: " + ", ".join(
                             f"{w} worker(s) {figures[case][w]['rate'][-1]:.0f}/s" for w in daemons))
                 ours, peer = figures[case][n], figures[case][1]
-                extra = {"frames_per_call": figures[case][n]["frames_per_call"]} if unit == "frames" else {}
+                extra = {"frames_per_call": _frames_per_call(daemons[n], size, args)} if unit == "frames" else {}
                 emit(case, f"{unit}/s", statistics.median(ours["rate"]), "tigana server --workers 1",
                      statistics.median(peer["rate"]), **params, ids_per_call=size, **extra,
                      server_cores=round(statistics.median(ours["cores"]), 2),
